@@ -1,0 +1,155 @@
+"""`just bench`: the speed of one guarded command, as ratios against floors measured in
+the same run (DESIGN §5). Never a pass/fail timing: machines here are shared and noisy.
+
+For each command, three variants run interleaved on fresh runs, GC on:
+
+* floor: one dict lookup of (step, trigger), one guard call, and one frozen, slotted attrs
+  record with the command's fields appended to a list (plus one detach pass of the
+  payload, for a command that carries one);
+* controller: the real `RunController` command (gate, arguments, guards, record, fold);
+* transitions: our declaration in a plain ``transitions.Machine(auto_transitions=False)``
+  with the guards as model methods, firing the same trigger.
+
+Usage: ``python -m bench [--runs N] [--repeats R] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from statemachine import RunController, ToolCall
+from statemachine import events as ev
+from statemachine.machine import (
+    GUARDS,
+    GuardAdapter,
+    Step,
+    build_transitions_machine,
+)
+from statemachine.payloads import detach, fingerprint_of
+from statemachine.values import GuardrailResult
+
+Setup = Callable[[int], RunController]
+
+
+def _fresh(i: int) -> RunController:
+    return RunController.start(run_id=f"run-{i}", session_id="s")
+
+
+def _interrupted(i: int) -> RunController:
+    c = _fresh(i)
+    c.begin_model_call()
+    c.model_responded([ToolCall("a", "t", {"x": 7}, needs_approval=True),
+                       ToolCall("b", "t", {}, needs_approval=True)])
+    return c
+
+
+FINGERPRINT = fingerprint_of("t", {"x": 7})
+PAYLOAD = {"allowed": True, "score": 0.97, "labels": ["pii", "tone"]}
+
+# name: (setup, step, trigger, the guard the floor calls, the command, the floor's record
+# with the command's fields, detaching the payload where the command carries one)
+COMMANDS: dict[str, tuple[Setup, Step, str, str, Callable[[RunController], Any],
+                          Callable[[int], ev.Event]]] = {
+    "begin_model_call": (
+        _fresh, Step.RUN_AGAIN, "begin_model_call", "turns_left",
+        lambda c: c.begin_model_call(), lambda seq: ev.ModelCallBegun(seq)),
+    "hook_ran": (
+        _fresh, Step.RUN_AGAIN, "hook_ran", "hook_not_repeated",
+        lambda c: c.hook_ran("agent_start"), lambda seq: ev.HookRan(seq, "agent_start", None)),
+    "approve": (
+        _interrupted, Step.INTERRUPTION, "approve", "call_awaits_decision",
+        lambda c: c.approve("a"), lambda seq: ev.CallApproved(seq, "a", FINGERPRINT)),
+    "guardrail_evaluated": (
+        _fresh, Step.RUN_AGAIN, "guardrail_evaluated", "guardrail_not_repeated",
+        lambda c: c.guardrail_evaluated("g", PAYLOAD, stage="input"),
+        lambda seq: ev.GuardrailEvaluated(
+            seq, GuardrailResult("g", "input", None, detach(PAYLOAD)))),
+}
+
+
+def _time(fn: Callable[[Any], Any], subjects: list[Any]) -> float:
+    start = time.perf_counter()
+    for subject in subjects:
+        fn(subject)
+    return (time.perf_counter() - start) / len(subjects) * 1e6
+
+
+def measure(name: str, runs: int, repeats: int) -> dict[str, float]:
+    setup, step, trigger, guard_name, command, make_event = COMMANDS[name]
+    table = {(step, trigger): GUARDS[guard_name]}
+    samples: dict[str, list[float]] = {"floor": [], "controller": [], "transitions": []}
+    for _ in range(repeats):
+        controllers = [setup(i) for i in range(runs)]
+        states = [setup(i).state for i in range(runs)]
+        models = [GuardAdapter(setup(i).state) for i in range(runs)]
+        machine = build_transitions_machine(models[0], initial=step)
+        for model in models[1:]:
+            machine.add_model(model, initial=step.value)
+        probe = make_event(len(controllers[0].events))
+        logs: list[list[ev.Event]] = [[] for _ in range(runs)]
+
+        def floor(i: int) -> None:
+            if not table[(step, trigger)](states[i], probe):
+                raise AssertionError
+            log = logs[i]
+            log.append(make_event(len(log)))
+
+        def transitions_fire(model: Any) -> None:
+            if not model.trigger(trigger, event=probe):
+                raise AssertionError
+
+        gc.collect()
+        indices = list(range(runs))
+        samples["floor"].append(_time(floor, indices))
+        samples["controller"].append(_time(command, controllers))
+        samples["transitions"].append(_time(transitions_fire, models))
+    return {key: statistics.median(values) for key, values in samples.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=3000, help="fresh runs per repeat")
+    parser.add_argument("--repeats", type=int, default=7, help="repeats (medians are shown)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    rows = []
+    for name in COMMANDS:
+        m = measure(name, args.runs, args.repeats)
+        rows.append({
+            "command": name,
+            "floor_us": round(m["floor"], 3),
+            "controller_us": round(m["controller"], 3),
+            "transitions_us": round(m["transitions"], 3),
+            "controller_over_floor": round(m["controller"] / m["floor"], 2),
+            "transitions_over_controller": round(m["transitions"] / m["controller"], 2),
+        })
+    machine = {"python": platform.python_version(), "machine": platform.machine(),
+               "processor": platform.processor() or "unknown"}
+    if args.json:
+        json.dump({"machine": machine, "command": rows}, sys.stdout, indent=2)
+        print()
+        return 0
+    print(f"one guarded command, medians of {args.repeats} x {args.runs} fresh runs "
+          f"(Python {machine['python']}, {machine['machine']})")
+    print("targets: controller <= 3x floor; transitions >= 2x controller")
+    header = (f"{'command':<22}{'floor µs':>10}{'ctrl µs':>10}{'trans µs':>10}"
+              f"{'ctrl/floor':>12}{'trans/ctrl':>12}")
+    print(header)
+    for row in rows:
+        met = row["controller_over_floor"] <= 3 and row["transitions_over_controller"] >= 2
+        print(f"{row['command']:<22}{row['floor_us']:>10.2f}{row['controller_us']:>10.2f}"
+              f"{row['transitions_us']:>10.2f}{row['controller_over_floor']:>12.2f}"
+              f"{row['transitions_over_controller']:>12.2f}  {'met' if met else 'MISSED'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""agent-statemachine: the control core for AI-agent runners.
+
+An event-sourced, guarded run-step machine (declared in `statemachine.machine`) that
+refuses everything unsafe: a tool never runs twice, an approval never takes effect on top
+of an unsettled write, and a run that cannot safely resume says so before doing anything.
+Embed `RunController` in your runner.
+"""
+
+from statemachine.controller import RunController
+from statemachine.envelope import Envelope
+from statemachine.errors import (
+    ConcurrencyConflict,
+    ControlError,
+    InvalidTransition,
+    PublicationUnsettled,
+    ReconcileRejected,
+    RunNotResumable,
+    SchemaError,
+    ToolInDoubt,
+)
+from statemachine.log import disable_logging, enable_logging
+from statemachine.machine import Step
+from statemachine.payloads import register_canonical
+from statemachine.stores import EventStore, MemoryEventStore
+from statemachine.values import (
+    Acknowledge,
+    Action,
+    Append,
+    Execute,
+    GuardrailResult,
+    RecoveryPolicy,
+    Resend,
+    ToolCall,
+)
+
+__all__ = [
+    "Acknowledge",
+    "Action",
+    "Append",
+    "ConcurrencyConflict",
+    "ControlError",
+    "Envelope",
+    "EventStore",
+    "Execute",
+    "GuardrailResult",
+    "InvalidTransition",
+    "MemoryEventStore",
+    "PublicationUnsettled",
+    "ReconcileRejected",
+    "RecoveryPolicy",
+    "Resend",
+    "RunController",
+    "RunNotResumable",
+    "SchemaError",
+    "Step",
+    "ToolCall",
+    "ToolInDoubt",
+    "disable_logging",
+    "enable_logging",
+    "register_canonical",
+]

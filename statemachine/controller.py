@@ -1,0 +1,714 @@
+"""`RunController`: the embedding API. Commands in, events recorded, decisions out.
+
+Sans-I/O: the controller never calls a model, a tool or a Session. The runner asks it
+(``begin_tool``, ``stage_publication``, ``reconcile``...), performs the effect itself, and
+reports the outcome (``tool_completed``, ``publication_committed``...).
+
+Every command goes through the same pipeline, and the first failing check wins:
+
+1. the gate: `RunNotResumable` for a completed or terminal run (and for an unsettled
+   fail-closed one), `PublicationUnsettled` for anything but commit, fail, reconcile and
+   abandon while unsettled (I2);
+2. the arguments: `SchemaError` unless plain JSON within the limits (detached here);
+3. `ToolInDoubt`, only from ``resume`` and ``begin_tool``;
+4. the machine (`machine.fire` over the compiled table): `InvalidTransition` naming the
+   failed guard;
+5. the store, when one is bound: the event is appended with the expected version, so a
+   `ConcurrencyConflict` leaves this controller unchanged;
+6. the fold: the event is applied and appended to ``events``.
+
+Two things the controller knows and the log does not, and that are never serialized:
+the publication attempt it holds (stage or an ``Append`` decision, until commit or fail)
+and the calls it has in flight (started here, not yet completed).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from statemachine import codec
+from statemachine import events as ev
+from statemachine.envelope import Envelope, classify, measure_frontier
+from statemachine.errors import (
+    ControlError,
+    InvalidTransition,
+    PublicationUnsettled,
+    ReconcileRejected,
+    RunNotResumable,
+    SchemaError,
+    ToolInDoubt,
+)
+from statemachine.log import run_logger, switch
+from statemachine.machine import SETTLING_TRIGGERS, TERMINAL_STEPS, Refused, Step
+from statemachine.payloads import (
+    DEFAULT_MAX_DEPTH,
+    DEFAULT_MAX_EVENTS,
+    JSON,
+    PayloadError,
+    canonical_form,
+    detach,
+    digests,
+)
+from statemachine.state import RunState
+from statemachine.values import (
+    Acknowledge,
+    Action,
+    Append,
+    Execute,
+    GuardrailResult,
+    RecoveryPolicy,
+    Resend,
+    ToolCall,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from statemachine.stores import EventStore
+
+RESERVED_EVENTS = 4
+"""Events under ``max_events`` kept for fail, reconcile, commit and abandon, so a run at
+its limit can always settle or close."""
+
+_UNSETTLED = Step.UNSETTLED
+_CALL_MODEL_STEPS = frozenset({Step.RUN_AGAIN, Step.HANDOFF, Step.AWAITING_MODEL})
+
+
+class RunController:
+    """The control core of one run. Create with `start`, `load` or `from_json`."""
+
+    __slots__ = ("_attempt", "_events", "_in_flight", "_log", "_max_depth", "_max_events",
+                 "_state", "_store")
+
+    def __init__(self, state: RunState, events: list[ev.Event], *, store: EventStore | None,
+                 max_depth: int, max_events: int) -> None:
+        self._state = state
+        self._events = events
+        self._store = store
+        self._max_depth = max_depth
+        self._max_events = max_events
+        self._attempt: int | None = None
+        self._in_flight: set[str] = set()
+        self._log: Any = None
+
+    # ----------------------------------------------------------- creating a run
+
+    @classmethod
+    def start(
+        cls,
+        *,
+        run_id: str,
+        session_id: str | None,
+        policy: RecoveryPolicy = RecoveryPolicy.RECONCILE,
+        max_turns: int | None = None,
+        canonical: str = "json",
+        store: EventStore | None = None,
+        max_depth: int = DEFAULT_MAX_DEPTH,
+        max_events: int = DEFAULT_MAX_EVENTS,
+    ) -> RunController:
+        """Start a run. ``session_id=None`` is a run without a Session; ``canonical``
+        names a registered canonical form (`register_canonical`). With a ``store`` the
+        first event is appended at version 0 (`ConcurrencyConflict` if the run exists)."""
+        where = {"run_id": run_id if type(run_id) is str else None, "action": "start"}
+        if type(run_id) is not str or not run_id:
+            raise SchemaError("run_id must be a non-empty str", **where)
+        if session_id is not None and type(session_id) is not str:
+            raise SchemaError("session_id must be a str or None", **where)
+        if type(policy) is not RecoveryPolicy:
+            raise SchemaError("policy must be a RecoveryPolicy", **where)
+        if max_turns is not None and (type(max_turns) is not int or max_turns < 0):
+            raise SchemaError("max_turns must be None or an int >= 0", **where)
+        for name, limit in (("max_depth", max_depth), ("max_events", max_events)):
+            if type(limit) is not int or limit < 1:
+                raise SchemaError(f"{name} must be an int >= 1", **where)
+        if max_events <= RESERVED_EVENTS + 1:
+            raise SchemaError(f"max_events must exceed {RESERVED_EVENTS + 1}", **where)
+        canonical_form(canonical)  # SchemaError when unknown
+        started = ev.RunStarted(0, run_id, session_id, policy, max_turns, canonical)
+        if store is not None:
+            store.append(run_id, (started,), 0)
+        controller = cls(RunState(started), [started], store=store, max_depth=max_depth,
+                         max_events=max_events)
+        controller._logged(started, None)
+        return controller
+
+    @classmethod
+    def from_json(
+        cls,
+        data: Mapping[str, Any] | str | bytes,
+        *,
+        max_depth: int = DEFAULT_MAX_DEPTH,
+        max_events: int = DEFAULT_MAX_EVENTS,
+    ) -> RunController:
+        """Rebuild a run from `to_json` output (dict or text), replaying the whole log.
+
+        `SchemaError` for a malformed document; `InvalidTransition` naming the sequence
+        number of the first event the machine forbids. The controller holds no attempt
+        and no call in flight."""
+        run_id, events = codec.decode_log(data, max_depth=max_depth, max_events=max_events)
+        return cls._replayed(run_id, events, store=None, max_depth=max_depth,
+                             max_events=max_events)
+
+    @classmethod
+    def load(
+        cls,
+        store: EventStore,
+        run_id: str,
+        *,
+        max_depth: int = DEFAULT_MAX_DEPTH,
+        max_events: int = DEFAULT_MAX_EVENTS,
+    ) -> RunController:
+        """Load a run from an event store and bind it to that store."""
+        events = store.load(run_id)
+        if not events:
+            raise InvalidTransition("no such run in the store", run_id=run_id, action="load")
+        if len(events) > max_events:
+            raise SchemaError(f"the log has more than max_events={max_events} events",
+                              run_id=run_id, action="load")
+        return cls._replayed(run_id, list(events), store=store, max_depth=max_depth,
+                             max_events=max_events)
+
+    @classmethod
+    def _replayed(cls, run_id: str, events: list[ev.Event], *, store: EventStore | None,
+                  max_depth: int, max_events: int) -> RunController:
+        state = replay(run_id, events)
+        return cls(state, events, store=store, max_depth=max_depth, max_events=max_events)
+
+    def to_json(self) -> dict[str, JSON]:
+        """The run as a plain JSON tree of the current ``schema_version``."""
+        return codec.encode_log(self._state.run_id, self._events)
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def run_id(self) -> str:
+        return self._state.run_id
+
+    @property
+    def session_id(self) -> str | None:
+        return self._state.session_id
+
+    @property
+    def policy(self) -> RecoveryPolicy:
+        return self._state.policy
+
+    @property
+    def step(self) -> Step:
+        return self._state.step
+
+    @property
+    def events(self) -> tuple[ev.Event, ...]:
+        return tuple(self._events)
+
+    @property
+    def state(self) -> RunState:
+        """The folded state (read-only by convention; compare runs with ``==``)."""
+        return self._state
+
+    @property
+    def pending_approvals(self) -> tuple[str, ...]:
+        """Call ids awaiting a decision, in proposal order."""
+        return self._state.awaiting()
+
+    @property
+    def envelope(self) -> Envelope | None:
+        return self._state.envelope
+
+    @property
+    def guardrail_results(self) -> tuple[GuardrailResult, ...]:
+        """The published guardrail results, in evaluation order (I4)."""
+        return tuple(self._state.published_guardrails)
+
+    @property
+    def pending_guardrail_results(self) -> tuple[GuardrailResult, ...]:
+        """Completed guardrail results the next settled batch will publish."""
+        return tuple(self._state.pending_guardrails)
+
+    @property
+    def final_output(self) -> JSON:
+        return detach(self._state.final_output)
+
+    @property
+    def holds_attempt(self) -> bool:
+        """Whether this controller opened the open publication attempt."""
+        return self._attempt is not None and self._attempt == self._state.attempt_seq
+
+    def fingerprint(self, call_id: str) -> str:
+        """sha256 hex of the built-in canonical JSON of ``[name, arguments]``."""
+        record = self._state.calls.get(call_id) if type(call_id) is str else None
+        if record is None:
+            self._refuse(InvalidTransition, "fingerprint", "unknown call id")
+        return record.fingerprint
+
+    def in_doubt(self) -> tuple[str, ...]:
+        """Started, non-idempotent calls this controller does not hold in flight."""
+        return tuple(
+            call_id for call_id, r in self._state.calls.items()
+            if r.phase == "started" and not r.call.idempotent and call_id not in self._in_flight
+        )
+
+    def next_action(self) -> Action:
+        """What the runner should do next; see `Action`."""
+        s = self._state
+        step = s.step
+        if s.counts["started"] and self.in_doubt():
+            return Action.RESOLVE_IN_DOUBT
+        if step is _UNSETTLED and self.holds_attempt:
+            return Action.PUBLISH
+        if step in TERMINAL_STEPS or (step is _UNSETTLED and s.envelope is not None
+                                      and s.envelope.fail_closed):
+            return Action.NOT_RESUMABLE
+        if step is _UNSETTLED:
+            return Action.RECONCILE
+        if step in _CALL_MODEL_STEPS:
+            # Fail closed: a handoff with unpublished results publishes them first,
+            # since begin_model_call refuses until they are published.
+            if step is Step.HANDOFF and s.unpublished_results():
+                return Action.PUBLISH
+            return Action.CALL_MODEL
+        if step is Step.INTERRUPTION:
+            return Action.RUN_TOOLS if s.counts["approved"] else Action.AWAIT_DECISIONS
+        if step is Step.TOOLS:
+            if s.counts["approved"] or s.counts["started"]:
+                return Action.RUN_TOOLS
+            return Action.PUBLISH
+        if step is Step.FINAL_OUTPUT:
+            if s.session_id is not None or s.unpublished_results() or s.pending_guardrails:
+                return Action.PUBLISH
+            return Action.FINISH
+        return Action.FINISH  # FINALIZING
+
+    # ---------------------------------------------------------------- pipeline
+
+    def _refuse(self, kind: type[ControlError], action: str, reason: str) -> NoReturn:
+        raise kind(reason, run_id=self._state.run_id, step=self._state.step, action=action)
+
+    def _gate(self, action: str, trigger: str) -> None:
+        s = self._state
+        step = s.step
+        if step in TERMINAL_STEPS:
+            self._refuse(RunNotResumable, action, f"the run is {step.value} and never resumes")
+        if step is _UNSETTLED:
+            envelope = s.envelope
+            assert envelope is not None
+            if envelope.fail_closed and trigger != "abandon" and not (
+                trigger in ("publication_committed", "publication_failed")
+                and self.holds_attempt
+            ):
+                self._refuse(
+                    RunNotResumable, action,
+                    "a fail-closed publication is unsettled: the side effect completed and "
+                    "the write's outcome is unknown; repair the Session or start a new run "
+                    "(abandon records it as terminal)")
+            if trigger not in SETTLING_TRIGGERS:
+                self._refuse(
+                    PublicationUnsettled, action,
+                    "a publication envelope is unsettled; reconcile it (or commit, fail or "
+                    "abandon) before anything else runs")
+        room = self._max_events - len(self._events)
+        needed = 1 if trigger == "abandon" else 2 if trigger in SETTLING_TRIGGERS else (
+            RESERVED_EVENTS + 1)
+        if room < needed:
+            self._refuse(SchemaError, action,
+                         f"the log is at its limit of max_events={self._max_events}")
+
+    def _detach(self, action: str, what: str, value: JSON) -> JSON:
+        try:
+            return detach(value, self._max_depth)
+        except PayloadError as exc:
+            self._refuse(SchemaError, action, f"{what} is not plain JSON: {exc}")
+
+    def _text(self, action: str, what: str, value: Any, *, optional: bool = False) -> None:
+        if type(value) is not str and not (optional and value is None):
+            self._refuse(SchemaError, action,
+                         f"{what} must be a str{' or None' if optional else ''}")
+
+    def _record(self, action: str, event: ev.Event) -> Step:
+        s = self._state
+        try:
+            dest = s.check(event)
+        except Refused as refused:
+            self._refuse(InvalidTransition, action, refused.reason())
+        if self._store is not None:
+            try:
+                self._store.append(s.run_id, (event,), event.seq)
+            except ControlError as exc:
+                exc.step, exc.action = s.step, action
+                raise
+        before = s.step
+        s.apply(event, dest)
+        self._events.append(event)
+        if switch.enabled:
+            self._logged(event, before)
+        return dest
+
+    def _logged(self, event: ev.Event, before: Step | None) -> None:
+        if not switch.enabled:
+            return
+        if self._log is None:
+            self._log = run_logger(self._state.run_id)
+        self._log.info(type(event).__name__, seq=event.seq,
+                       **{"from": before.value if before else None,
+                          "to": self._state.step.value})
+
+    @property
+    def _seq(self) -> int:
+        return len(self._events)
+
+    # ----------------------------------------------------------------- the model
+
+    def begin_model_call(self) -> None:
+        """RUN_AGAIN or HANDOFF → AWAITING_MODEL. Refused naming ``max_turns`` when no
+        turn is left, and while a result is unpublished."""
+        self._gate("begin_model_call", "begin_model_call")
+        self._record("begin_model_call", ev.ModelCallBegun(self._seq))
+
+    def model_failed(self, error: BaseException | type[BaseException]) -> None:
+        """AWAITING_MODEL → RUN_AGAIN; records the error's type name only."""
+        self._gate("model_failed", "model_failed")
+        self._record("model_failed", ev.ModelFailed(self._seq, _error_name(error)))
+
+    def model_responded(self, tool_calls: Sequence[ToolCall] = (), output: JSON = None) -> None:
+        """AWAITING_MODEL → INTERRUPTION (a call needs approval), TOOLS (calls, none
+        needing approval) or FINALIZING (an output and no calls)."""
+        action = "model_responded"
+        self._gate(action, action)
+        if not isinstance(tool_calls, list | tuple):
+            self._refuse(SchemaError, action, "tool_calls must be a list of ToolCall")
+        calls = tuple(self._tool_call(action, call) for call in tool_calls)
+        detached = self._detach(action, "output", output)
+        self._record(action, ev.ModelResponded(self._seq, calls, detached))
+
+    def _tool_call(self, action: str, call: Any) -> ToolCall:
+        if type(call) is not ToolCall:
+            self._refuse(SchemaError, action, "tool_calls must hold ToolCall values")
+        self._text(action, "call_id", call.call_id)
+        self._text(action, "tool name", call.name)
+        if type(call.needs_approval) is not bool or type(call.idempotent) is not bool:
+            self._refuse(SchemaError, action, "needs_approval and idempotent must be bool")
+        arguments = self._detach(action, f"arguments of call {call.call_id!r}", call.arguments)
+        return ToolCall(call.call_id, call.name, arguments, call.needs_approval,
+                        call.idempotent)
+
+    def add_input(self, items: list[JSON]) -> None:
+        """New input in RUN_AGAIN or INTERRUPTION."""
+        self._gate("add_input", "add_input")
+        if type(items) is not list:
+            self._refuse(SchemaError, "add_input", "items must be a list")
+        detached = tuple(self._detach("add_input", "an input item", item) for item in items)
+        self._record("add_input", ev.InputAdded(self._seq, detached))
+
+    # ------------------------------------------------------------------ decisions
+
+    def _decision_fingerprint(self, action: str, call_id: str, fingerprint: str | None) -> str:
+        self._text(action, "call_id", call_id)
+        self._text(action, "fingerprint", fingerprint, optional=True)
+        if fingerprint is not None:
+            return fingerprint
+        record = self._state.calls.get(call_id)
+        return record.fingerprint if record is not None else ""
+
+    def approve(self, call_id: str, *, fingerprint: str | None = None) -> None:
+        """Approve a call awaiting a decision (INTERRUPTION only). With ``fingerprint``,
+        the approval binds to those exact arguments; a mismatch is refused."""
+        self._gate("approve", "approve")
+        bound = self._decision_fingerprint("approve", call_id, fingerprint)
+        self._record("approve", ev.CallApproved(self._seq, call_id, bound))
+
+    def reject(self, call_id: str, message: JSON = None, *,
+               fingerprint: str | None = None) -> None:
+        """Reject a call awaiting a decision; ``message`` is its rejection output, which the
+        next batch publishes like a tool output. The call never runs."""
+        self._gate("reject", "reject")
+        bound = self._decision_fingerprint("reject", call_id, fingerprint)
+        detached = self._detach("reject", "message", message)
+        self._record("reject", ev.CallRejected(self._seq, call_id, bound, detached))
+
+    def resume(self) -> Action:
+        """The gate of every resumed attempt; returns `next_action`.
+
+        `RunNotResumable` for a completed or terminal run, and for an unsettled one under
+        FAIL_CLOSED; an unsettled RECONCILE run returns at once (reconcile next);
+        `ToolInDoubt` while a non-idempotent call is in doubt; INTERRUPTION with an
+        approved, unstarted call enters TOOLS; anything else is a no-op."""
+        s = self._state
+        if s.step is _UNSETTLED and s.envelope is not None and not s.envelope.fail_closed:
+            return self.next_action()
+        self._gate("resume", "resume")
+        doubtful = self.in_doubt() if s.counts["started"] else ()
+        if doubtful:
+            self._refuse_in_doubt("resume", doubtful[0])
+        if s.step is Step.INTERRUPTION and s.counts["approved"]:
+            self._record("resume", ev.Resumed(self._seq))
+        return self.next_action()
+
+    def _refuse_in_doubt(self, action: str, call_id: str) -> NoReturn:
+        raise ToolInDoubt(
+            f"call {call_id!r} was started and never completed; it is not re-run (I11). "
+            "Record its outcome with resolve_in_doubt, or abandon the run",
+            call_id=call_id, run_id=self._state.run_id, step=self._state.step, action=action)
+
+    # --------------------------------------------------------------------- tools
+
+    def begin_tool(self, call_id: str) -> Execute | Resend:
+        """`Execute` the first time (the start is recorded before the tool runs);
+        `Resend` with the cached result for a completed, unpublished call (records
+        nothing); `ToolInDoubt` for a started, non-idempotent call this controller does
+        not hold in flight; `InvalidTransition` otherwise (published, rejected, not yet
+        approved, or already running here)."""
+        self._gate("begin_tool", "begin_tool")
+        self._text("begin_tool", "call_id", call_id)
+        record = self._state.calls.get(call_id)
+        if record is not None:
+            if record.phase == "completed":
+                return Resend(call_id, detach(record.result))
+            if record.phase == "started":
+                if call_id in self._in_flight:
+                    self._refuse(InvalidTransition, "begin_tool",
+                                 f"call {call_id!r} is already running in this controller")
+                if not record.call.idempotent:
+                    self._refuse_in_doubt("begin_tool", call_id)
+        self._record("begin_tool", ev.ToolStarted(self._seq, call_id))
+        self._in_flight.add(call_id)
+        call = self._state.calls[call_id].call
+        return Execute(call_id, ToolCall(call.call_id, call.name, detach(call.arguments),
+                                         call.needs_approval, call.idempotent))
+
+    def tool_completed(self, call_id: str, output: JSON) -> None:
+        """Cache the result of a call this controller started (I12)."""
+        self._gate("tool_completed", "tool_completed")
+        self._text("tool_completed", "call_id", call_id)
+        detached = self._detach("tool_completed", "output", output)
+        if call_id not in self._in_flight:
+            self._refuse(InvalidTransition, "tool_completed",
+                         f"call {call_id!r} is not in flight in this controller (a call "
+                         "started elsewhere leaves doubt only through resolve_in_doubt)")
+        self._record("tool_completed", ev.ToolCompleted(self._seq, call_id, detached))
+        self._in_flight.discard(call_id)
+
+    def resolve_in_doubt(self, call_id: str, output: JSON) -> None:
+        """The operator records the outcome of an in-doubt call; its result is then
+        published like any other."""
+        self._gate("resolve_in_doubt", "resolve_in_doubt")
+        self._text("resolve_in_doubt", "call_id", call_id)
+        detached = self._detach("resolve_in_doubt", "output", output)
+        if call_id in self._in_flight:
+            self._refuse(InvalidTransition, "resolve_in_doubt",
+                         f"call {call_id!r} is in flight in this controller; report "
+                         "tool_completed")
+        self._record("resolve_in_doubt", ev.InDoubtResolved(self._seq, call_id, detached))
+
+    # ------------------------------------------------------- guardrails and hooks
+
+    def guardrail_evaluated(self, name: str, result: JSON, *, stage: str,
+                            call_id: str | None = None) -> None:
+        """Record a completed guardrail: tool stages once per (name, stage, call), the
+        input/output stages once per (name, stage, activation) (I1)."""
+        action = "guardrail_evaluated"
+        self._gate(action, action)
+        self._text(action, "guardrail name", name)
+        self._text(action, "stage", stage)
+        self._text(action, "call_id", call_id, optional=True)
+        detached = self._detach(action, "guardrail result", result)
+        self._record(action, ev.GuardrailEvaluated(
+            self._seq, GuardrailResult(name, stage, call_id, detached)))
+
+    def hook_ran(self, hook: str, *, call_id: str | None = None) -> None:
+        """Record a lifecycle hook: tool hooks once per call, model hooks once per model
+        call (record them after ``begin_model_call``), agent hooks once per activation."""
+        self._gate("hook_ran", "hook_ran")
+        self._text("hook_ran", "hook", hook)
+        self._text("hook_ran", "call_id", call_id, optional=True)
+        self._record("hook_ran", ev.HookRan(self._seq, hook, call_id))
+
+    # ---------------------------------------------------- final output, handoff
+
+    def accept_final_output(self, output: JSON, *, lossless: bool = True) -> None:
+        """FINALIZING or TOOLS → FINAL_OUTPUT. Unstarted and undecided calls are skipped.
+        ``lossless=False`` marks an output that cannot be rebuilt: its publication fails
+        closed whatever the policy."""
+        action = "accept_final_output"
+        self._gate(action, action)
+        detached = self._detach(action, "output", output)
+        if type(lossless) is not bool:
+            self._refuse(SchemaError, action, "lossless must be a bool")
+        self._record(action, ev.FinalOutputAccepted(self._seq, detached, lossless))
+
+    def complete(self) -> None:
+        """FINAL_OUTPUT → COMPLETED, for a run without a Session with nothing unpublished."""
+        self._gate("complete", "complete")
+        self._record("complete", ev.RunCompleted(self._seq))
+
+    def handoff(self, target: str) -> None:
+        """RUN_AGAIN or INTERRUPTION → HANDOFF: a new activation; every call not yet
+        started is skipped, and the next batch must publish every unpublished result."""
+        self._gate("handoff", "handoff")
+        self._text("handoff", "target", target)
+        self._record("handoff", ev.HandedOff(self._seq, target))
+
+    def abandon(self, reason: str) -> None:
+        """Any live step → TERMINAL_UNRECOVERABLE, for good."""
+        self._gate("abandon", "abandon")
+        self._text("abandon", "reason", reason)
+        self._record("abandon", ev.Abandoned(self._seq, reason))
+        self._in_flight.clear()
+        self._attempt = None
+
+    # --------------------------------------------------------------- publication
+
+    def stage_publication(self, items: list[JSON], history: Sequence[JSON], *,
+                          call_ids: Sequence[str] | None = None, whole: bool = False) -> None:
+        """Arm the envelope before writing ``items`` to the Session, and open an attempt.
+
+        ``history`` is the Session's last L >= len(items) + 1 items (a shorter list is the
+        whole Session), or all of it with ``whole=True``. ``call_ids`` names the calls
+        whose results the batch publishes. Refused (`InvalidTransition`) for an empty
+        batch, while a call is started, when ``call_ids`` does not name exactly the calls
+        with unpublished results that the items name, and when ``history`` cannot tell
+        the write's outcomes apart (the message says how many items to read)."""
+        action = "stage_publication"
+        s = self._state
+        self._gate(action, action)
+        if type(items) is not list:
+            self._refuse(SchemaError, action, "items must be a list")
+        if not isinstance(history, list | tuple):
+            self._refuse(SchemaError, action, "history must be a list")
+        if type(whole) is not bool:
+            self._refuse(SchemaError, action, "whole must be a bool")
+        listed: tuple[str, ...] = ()
+        if call_ids is not None:
+            if not isinstance(call_ids, list | tuple) or any(type(c) is not str
+                                                             for c in call_ids):
+                self._refuse(SchemaError, action, "call_ids must be a list of str")
+            listed = tuple(call_ids)
+        batch = tuple(self._detach(action, "a batch item", item) for item in items)
+        try:
+            batch_digests = digests(batch, s.form)
+            frontier = measure_frontier(history, batch_digests, s.form,
+                                        whole=whole or len(history) < len(batch) + 1)
+        except (TypeError, ValueError) as exc:
+            self._refuse(SchemaError, action,
+                         f"an item has no canonical form ({type(exc).__name__})")
+        if frontier is None:
+            self._refuse(
+                InvalidTransition, action,
+                f"the {len(history)} history items given cannot tell the write's outcomes "
+                f"apart; read at least {len(history) + 1} items, or pass the whole Session "
+                "with whole=True")
+        event = ev.PublicationStaged(
+            self._seq, s.session_id, batch, listed, frontier.read_limit, frontier.digests,
+            frontier.whole, batch_digests, s.continuation_after(listed))
+        self._record(action, event)
+        self._attempt = event.seq
+
+    def _own_attempt(self, action: str) -> None:
+        if not self.holds_attempt:
+            self._refuse(InvalidTransition, action,
+                         "no publication attempt is open in this controller")
+
+    def publication_committed(self) -> None:
+        """The write this controller attempted succeeded: settle the envelope, publish
+        its guardrail results and enter the continuation."""
+        self._gate("publication_committed", "publication_committed")
+        self._own_attempt("publication_committed")
+        self._record("publication_committed", ev.PublicationCommitted(self._seq))
+        self._attempt = None
+
+    def publication_failed(self, error: BaseException | type[BaseException]) -> None:
+        """The write has *ended* without committing (it can no longer land). Under
+        RECONCILE the run stays unsettled for `reconcile`; fail-closed envelopes enter
+        TERMINAL_UNRECOVERABLE. Records the error's type name only and never raises
+        ``error``: re-raise it yourself (I6). Do not report a write that was cancelled or
+        timed out and may still land: its attempt stays open."""
+        self._gate("publication_failed", "publication_failed")
+        self._own_attempt("publication_failed")
+        self._record("publication_failed", ev.PublicationFailed(self._seq, _error_name(error)))
+        self._attempt = None
+
+    def reconcile(self, history: Sequence[JSON], session_id: str | None, *,
+                  take_over: bool = False) -> Append | Acknowledge:
+        """Settle an unsettled envelope against the Session's tail (only the last
+        ``envelope.read_limit`` items of ``history`` are read).
+
+        `Acknowledge` when the batch is already there (settled now); `Append` when the
+        Session is at the pre-write frontier (write the items, then
+        ``publication_committed``). `ReconcileRejected` — nothing recorded, envelope kept
+        — for another session, a partial write, a changed history, or an attempt that may
+        still be writing (unless ``take_over=True``: its writer is gone and no request of
+        it can still land)."""
+        action = "reconcile"
+        s = self._state
+        self._gate(action, "reconcile_append")
+        if not isinstance(history, list | tuple):
+            self._refuse(SchemaError, action, "history must be a list")
+        self._text(action, "session_id", session_id, optional=True)
+        if type(take_over) is not bool:
+            self._refuse(SchemaError, action, "take_over must be a bool")
+        envelope = s.envelope
+        if envelope is None:
+            self._refuse(InvalidTransition, action, "no publication envelope to reconcile")
+        try:
+            finding = classify(envelope, history, session_id, s.form)
+        except (TypeError, ValueError) as exc:
+            self._refuse(SchemaError, action,
+                         f"a history item has no canonical form ({type(exc).__name__})")
+        if finding.kind == "acknowledge":
+            self._record(action, ev.ReconciledAcknowledge(self._seq, take_over))
+            self._attempt = None
+            return Acknowledge()
+        if finding.kind == "append":
+            if s.attempt_seq is not None and not take_over:
+                self._refuse(
+                    ReconcileRejected, action,
+                    "the Session is at the pre-write frontier but an attempt may still be "
+                    "writing; reconcile again once it has ended, or pass take_over=True if "
+                    "no write of this batch can still land. The completed tool must not be "
+                    "re-run")
+            event = ev.ReconciledAppend(self._seq, take_over)
+            self._record(action, event)
+            self._attempt = event.seq
+            return Append(tuple(detach(item) for item in envelope.items))
+        self._refuse(ReconcileRejected, action,
+                     f"{finding.explain(envelope)}. The envelope is kept; the completed tool "
+                     "must not be re-run")
+        return None
+
+
+def _error_name(error: Any) -> str:
+    if isinstance(error, type):
+        return error.__name__
+    return type(error).__name__
+
+
+def replay(run_id: str, events: list[ev.Event]) -> RunState:
+    """Fold a whole log, re-checking every transition and recorded fingerprint.
+
+    `InvalidTransition` names the sequence number of the first event the machine forbids;
+    `SchemaError` for a log that does not start with `RunStarted`, a sequence gap, or an
+    unknown canonical form. No state is returned for a bad log."""
+    if not events or type(events[0]) is not ev.RunStarted:
+        raise SchemaError("the log must start with RunStarted", run_id=run_id, action="load")
+    started = events[0]
+    assert isinstance(started, ev.RunStarted)
+    if started.run_id != run_id:
+        raise SchemaError("the log's run_id does not match", run_id=run_id, action="load")
+    state = RunState(started)
+    for position, event in enumerate(events):
+        if event.seq != position:
+            raise SchemaError(f"sequence gap: event {position} carries seq {event.seq}",
+                              run_id=run_id, action="load")
+        if position == 0:
+            if started.seq != 0 or (started.max_turns is not None and started.max_turns < 0):
+                raise SchemaError("a malformed RunStarted", run_id=run_id, action="load")
+            continue
+        if type(event) is ev.RunStarted:
+            raise InvalidTransition(f"event {position}: RunStarted after the start",
+                                    run_id=run_id, step=state.step, action="load")
+        try:
+            dest = state.check(event)
+        except Refused as refused:
+            raise InvalidTransition(
+                f"event {position} ({type(event).__name__}) is forbidden here: "
+                f"{refused.reason()}", run_id=run_id, step=state.step, action="load") from None
+        state.apply(event, dest)
+    return state

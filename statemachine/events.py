@@ -1,0 +1,211 @@
+"""The events: every change to a run is one of these, appended to its log.
+
+Events are frozen, slotted attrs classes. ``seq`` is the event's position in the log
+(0 for `RunStarted`). Payload fields hold detached plain JSON (see `payloads`). Each class
+names the machine trigger it fires (``TRIGGER``); the declaration in `machine` says in
+which steps that trigger is legal and under which guards.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+
+from statemachine.machine import Step
+from statemachine.payloads import JSON
+from statemachine.values import GuardrailResult, RecoveryPolicy, ToolCall
+
+
+@attrs.frozen
+class Event:
+    """Base class: ``seq`` is the position in the run's log."""
+
+    TRIGGER: ClassVar[str] = ""
+    seq: int
+
+
+@attrs.frozen
+class RunStarted(Event):
+    TRIGGER: ClassVar[str] = "start"
+    run_id: str
+    session_id: str | None
+    policy: RecoveryPolicy
+    max_turns: int | None
+    canonical: str
+
+
+@attrs.frozen
+class ModelCallBegun(Event):
+    TRIGGER: ClassVar[str] = "begin_model_call"
+
+
+@attrs.frozen
+class ModelFailed(Event):
+    TRIGGER: ClassVar[str] = "model_failed"
+    error: str
+    """The error's type name, never its message."""
+
+
+@attrs.frozen
+class ModelResponded(Event):
+    TRIGGER: ClassVar[str] = "model_responded"
+    tool_calls: tuple[ToolCall, ...]
+    output: JSON
+
+
+@attrs.frozen
+class InputAdded(Event):
+    TRIGGER: ClassVar[str] = "add_input"
+    items: tuple[JSON, ...]
+
+
+@attrs.frozen
+class CallApproved(Event):
+    TRIGGER: ClassVar[str] = "approve"
+    call_id: str
+    fingerprint: str
+    """The fingerprint of the call the decision binds to; re-checked on replay."""
+
+
+@attrs.frozen
+class CallRejected(Event):
+    TRIGGER: ClassVar[str] = "reject"
+    call_id: str
+    fingerprint: str
+    message: JSON
+    """The rejection output, published in the next batch like a tool output."""
+
+
+@attrs.frozen
+class Resumed(Event):
+    TRIGGER: ClassVar[str] = "resume"
+
+
+@attrs.frozen
+class ToolStarted(Event):
+    TRIGGER: ClassVar[str] = "begin_tool"
+    call_id: str
+
+
+@attrs.frozen
+class ToolCompleted(Event):
+    TRIGGER: ClassVar[str] = "tool_completed"
+    call_id: str
+    output: JSON
+
+
+@attrs.frozen
+class InDoubtResolved(Event):
+    TRIGGER: ClassVar[str] = "resolve_in_doubt"
+    call_id: str
+    output: JSON
+
+
+@attrs.frozen
+class GuardrailEvaluated(Event):
+    TRIGGER: ClassVar[str] = "guardrail_evaluated"
+    result: GuardrailResult
+
+
+@attrs.frozen
+class HookRan(Event):
+    TRIGGER: ClassVar[str] = "hook_ran"
+    hook: str
+    call_id: str | None
+
+
+@attrs.frozen
+class FinalOutputAccepted(Event):
+    TRIGGER: ClassVar[str] = "accept_final_output"
+    output: JSON
+    lossless: bool
+
+
+@attrs.frozen
+class RunCompleted(Event):
+    TRIGGER: ClassVar[str] = "complete"
+
+
+@attrs.frozen
+class HandedOff(Event):
+    TRIGGER: ClassVar[str] = "handoff"
+    target: str
+
+
+@attrs.frozen
+class PublicationStaged(Event):
+    """The envelope, armed before the write. ``frontier`` holds the digests of the last
+    ``len(frontier)`` items of the pre-write history P (all of P when ``frontier_whole``);
+    ``batch_digests`` and ``continuation`` are re-derived and checked on replay."""
+
+    TRIGGER: ClassVar[str] = "stage_publication"
+    session_id: str | None
+    items: tuple[JSON, ...]
+    call_ids: tuple[str, ...]
+    read_limit: int
+    frontier: tuple[str, ...]
+    frontier_whole: bool
+    batch_digests: tuple[str, ...]
+    continuation: Step
+
+
+@attrs.frozen
+class PublicationCommitted(Event):
+    TRIGGER: ClassVar[str] = "publication_committed"
+
+
+@attrs.frozen
+class PublicationFailed(Event):
+    TRIGGER: ClassVar[str] = "publication_failed"
+    error: str
+    """The error's type name, never its message."""
+
+
+@attrs.frozen
+class ReconciledAppend(Event):
+    """``reconcile`` found the pre-write frontier and answered `Append`: an attempt opens."""
+
+    TRIGGER: ClassVar[str] = "reconcile_append"
+    take_over: bool
+
+
+@attrs.frozen
+class ReconciledAcknowledge(Event):
+    """``reconcile`` found the batch already written and answered `Acknowledge`: settled."""
+
+    TRIGGER: ClassVar[str] = "reconcile_acknowledge"
+    take_over: bool
+
+
+@attrs.frozen
+class Abandoned(Event):
+    TRIGGER: ClassVar[str] = "abandon"
+    reason: str
+
+
+EVENT_TYPES: tuple[type[Event], ...] = (
+    RunStarted,
+    ModelCallBegun,
+    ModelFailed,
+    ModelResponded,
+    InputAdded,
+    CallApproved,
+    CallRejected,
+    Resumed,
+    ToolStarted,
+    ToolCompleted,
+    InDoubtResolved,
+    GuardrailEvaluated,
+    HookRan,
+    FinalOutputAccepted,
+    RunCompleted,
+    HandedOff,
+    PublicationStaged,
+    PublicationCommitted,
+    PublicationFailed,
+    ReconciledAppend,
+    ReconciledAcknowledge,
+    Abandoned,
+)
+"""Every event class, by name in the JSON log (``"type"``)."""

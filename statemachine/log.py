@@ -1,0 +1,49 @@
+"""structlog logging for recorded events, silent unless switched on.
+
+One module-level boolean gates every logging call, so a silent core pays one attribute
+read per event. `enable_logging` switches it on; each controller then logs every recorded
+event with its class name as the message and ``seq``, ``from`` and ``to`` (structlog
+reserves ``event`` for the message, so the state names travel as keys), bound to its
+``run_id``.
+"""
+
+from __future__ import annotations
+
+import logging as _stdlib_logging
+import sys
+from typing import Any
+
+import structlog
+
+
+class _Switch:
+    enabled = False
+
+
+switch = _Switch()
+
+
+def enable_logging(*, json: bool = False, stream: Any = None) -> None:
+    """Log every recorded event (as key=value lines, or JSON lines with ``json=True``)."""
+    renderer: Any = (
+        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(_stdlib_logging.INFO),
+        logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    switch.enabled = True
+
+
+def disable_logging() -> None:
+    switch.enabled = False
+
+
+def run_logger(run_id: str) -> Any:
+    return structlog.get_logger("statemachine").bind(run_id=run_id)

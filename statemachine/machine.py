@@ -1,0 +1,508 @@
+"""The machine: every step of a run, every trigger, every guard, declared once.
+
+Theory of operation
+-------------------
+A run is always in exactly one `Step`. Every change to it is an event (see `events`),
+and every event fires one *trigger*. `TRANSITIONS` below is the whole declaration: for
+each trigger, the steps it may fire from, the step it leads to, and the guards (named
+predicates over the run's state and the event) that must all hold. Where one trigger has
+several rows for the same step, the first row whose guards all hold wins; that is how
+``model_responded`` and the settling triggers choose their destination from data.
+
+The declaration is plain data. From it we build
+
+* a `transitions.Machine` (`build_transitions_machine`), used by the diagrams and by a
+  differential test that proves it agrees with the hot path on every event sequence;
+* `TABLE`, a dict compiled from the same rows, which the controller and the replay
+  use: one lookup of (step, trigger), then the guards in order.
+
+What must not live here: I/O, the event log, the ledger's bookkeeping (that is the fold
+in `state`), and anything the controller knows that the log does not (which attempt this
+process holds, which calls it has in flight). Guards see only the state and the event,
+so replaying a log re-checks exactly what the live run checked.
+
+The shape of the machine, in words: a run waits for the model (``RUN_AGAIN``), the model
+answers with calls (``INTERRUPTION`` when one needs a human decision, else ``TOOLS``) or
+with an output (``FINALIZING``); an accepted output is ``FINAL_OUTPUT``. Before any
+fallible write of completed work the runner stages a publication and the run is
+``UNSETTLED``: from there only commit, fail, reconcile and abandon move it, which is
+invariant I2. ``COMPLETED`` and ``TERMINAL_UNRECOVERABLE`` have no way out.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from statemachine.payloads import digests
+
+if TYPE_CHECKING:
+    from statemachine.state import RunState
+
+
+class Step(enum.Enum):
+    """The step a run is in."""
+
+    RUN_AGAIN = "run_again"
+    """The next action is a model call."""
+    AWAITING_MODEL = "awaiting_model"
+    """A model call is in flight."""
+    INTERRUPTION = "interruption"
+    """Proposed calls await human decisions."""
+    TOOLS = "tools"
+    """Approved calls run; their results are cached as they complete."""
+    FINALIZING = "finalizing"
+    """The model gave an output; its guardrails and hooks run before it is accepted."""
+    FINAL_OUTPUT = "final_output"
+    """A final output is accepted (guardrails passed, terminal hooks ran)."""
+    HANDOFF = "handoff"
+    """Control passed to another agent; the next model call starts its activation."""
+    UNSETTLED = "unsettled"
+    """A publication envelope is staged and not confirmed."""
+    TERMINAL_UNRECOVERABLE = "terminal_unrecoverable"
+    """Fail-closed: this run can never resume."""
+    COMPLETED = "completed"
+    """The final output is published."""
+
+
+TERMINAL_STEPS = frozenset({Step.TERMINAL_UNRECOVERABLE, Step.COMPLETED})
+WORKING_STEPS = (
+    Step.RUN_AGAIN,
+    Step.AWAITING_MODEL,
+    Step.INTERRUPTION,
+    Step.TOOLS,
+    Step.FINALIZING,
+    Step.FINAL_OUTPUT,
+    Step.HANDOFF,
+)
+"""The live steps but ``UNSETTLED``: where hooks and guardrails may run."""
+LIVE_STEPS = (*WORKING_STEPS, Step.UNSETTLED)
+STAGING_STEPS = (Step.RUN_AGAIN, Step.INTERRUPTION, Step.TOOLS)
+"""Steps a batch may be staged from under the plain rules; ``FINAL_OUTPUT`` and
+``HANDOFF`` stage too, but their batch must publish every unpublished result."""
+SETTLING_TRIGGERS = frozenset(
+    {"publication_committed", "publication_failed", "reconcile_append",
+     "reconcile_acknowledge", "abandon"}
+)
+"""The only triggers an ``UNSETTLED`` run accepts (I2)."""
+
+HOOKS = frozenset({"agent_start", "agent_end", "model_start", "model_end", "tool_start",
+                   "tool_end"})
+GUARDRAIL_STAGES = frozenset({"input", "output", "tool_input", "tool_output"})
+
+
+# --------------------------------------------------------------------------- guards
+# A guard takes the run's state and the event being fired, and returns whether the
+# transition may be taken. Its docstring is the reason given when it fails, and its
+# name is drawn on the diagram's edge.
+
+Guard = Callable[["RunState", Any], bool]
+GUARDS: dict[str, Guard] = {}
+
+
+def guard(fn: Guard) -> Guard:
+    GUARDS[fn.__name__] = fn
+    return fn
+
+
+@guard
+def no_envelope(s: RunState, e: Any) -> bool:
+    """no publication envelope may be unsettled"""
+    return s.envelope is None
+
+
+@guard
+def turns_left(s: RunState, e: Any) -> bool:
+    """no turns left under max_turns; call abandon("max_turns")"""
+    return s.max_turns is None or s.turns < s.max_turns
+
+
+@guard
+def results_published(s: RunState, e: Any) -> bool:
+    """a tool result is unpublished; publish it before the model is called again"""
+    return s.unpublished_results() == 0
+
+
+@guard
+def calls_are_new(s: RunState, e: Any) -> bool:
+    """the response's call ids must be unique and new to the run"""
+    ids = [c.call_id for c in e.tool_calls]
+    return len(set(ids)) == len(ids) and not any(i in s.calls for i in ids)
+
+
+@guard
+def a_call_awaits_decision(s: RunState, e: Any) -> bool:
+    """a proposed call needs approval"""
+    return any(c.needs_approval for c in e.tool_calls)
+
+
+@guard
+def calls_without_approval(s: RunState, e: Any) -> bool:
+    """the response has calls and none needs approval"""
+    return bool(e.tool_calls) and not any(c.needs_approval for c in e.tool_calls)
+
+
+@guard
+def output_only(s: RunState, e: Any) -> bool:
+    """a response needs tool calls or an output"""
+    return not e.tool_calls and e.output is not None
+
+
+@guard
+def call_awaits_decision(s: RunState, e: Any) -> bool:
+    """the call must exist and await a decision"""
+    record = s.calls.get(e.call_id)
+    return record is not None and record.phase == "awaiting"
+
+
+@guard
+def fingerprint_matches(s: RunState, e: Any) -> bool:
+    """the decision's fingerprint does not match the call's name and arguments"""
+    return bool(s.calls[e.call_id].fingerprint == e.fingerprint)
+
+
+@guard
+def approved_call_unstarted(s: RunState, e: Any) -> bool:
+    """no approved call is waiting to run"""
+    return s.count("approved") > 0
+
+
+@guard
+def call_can_start(s: RunState, e: Any) -> bool:
+    """the call must be approved and unstarted (or started, idempotent and unfinished)"""
+    record = s.calls.get(e.call_id)
+    if record is None:
+        return False
+    return record.phase == "approved" or (record.phase == "started" and record.call.idempotent)
+
+
+@guard
+def call_started(s: RunState, e: Any) -> bool:
+    """the call must be started and not completed"""
+    record = s.calls.get(e.call_id)
+    return record is not None and record.phase == "started"
+
+
+@guard
+def guardrail_fits_stage(s: RunState, e: Any) -> bool:
+    """a guardrail stage is input, output, tool_input or tool_output; tool stages name a
+    known call, the others none"""
+    r = e.result
+    if r.stage not in GUARDRAIL_STAGES:
+        return False
+    if r.stage.startswith("tool_"):
+        return r.call_id is not None and r.call_id in s.calls
+    return r.call_id is None
+
+
+@guard
+def guardrail_not_repeated(s: RunState, e: Any) -> bool:
+    """this guardrail already ran for this call or activation (I1)"""
+    return s.guardrail_key(e.result) not in s.guardrail_keys
+
+
+@guard
+def hook_fits_scope(s: RunState, e: Any) -> bool:
+    """a hook is one of agent_start, agent_end, model_start, model_end, tool_start,
+    tool_end; tool hooks name a known call, the others none"""
+    if e.hook not in HOOKS:
+        return False
+    if e.hook.startswith("tool_"):
+        return e.call_id is not None and e.call_id in s.calls
+    return e.call_id is None
+
+
+@guard
+def hook_not_repeated(s: RunState, e: Any) -> bool:
+    """this hook already ran for this call, model call or activation (I1)"""
+    return s.hook_key(e.hook, e.call_id) not in s.hook_keys
+
+
+@guard
+def no_call_started(s: RunState, e: Any) -> bool:
+    """a call is started and not completed"""
+    return s.count("started") == 0
+
+
+@guard
+def run_has_no_session(s: RunState, e: Any) -> bool:
+    """the run has a Session; it completes when its final batch settles"""
+    return s.session_id is None
+
+
+@guard
+def nothing_unpublished(s: RunState, e: Any) -> bool:
+    """a result or a guardrail result is unpublished"""
+    return s.unpublished_results() == 0 and not s.pending_guardrails
+
+
+@guard
+def batch_not_empty(s: RunState, e: Any) -> bool:
+    """a batch needs at least one item"""
+    return len(e.items) > 0
+
+
+@guard
+def batch_session_matches(s: RunState, e: Any) -> bool:
+    """the envelope must name the run's Session"""
+    return bool(e.session_id == s.session_id)
+
+
+@guard
+def batch_names_its_calls(s: RunState, e: Any) -> bool:
+    """name the calls this batch publishes: call_ids must list every call an item names
+    that has an unpublished result, and only such calls, once each"""
+    listed = e.call_ids
+    if len(set(listed)) != len(listed):
+        return False
+    for call_id in listed:
+        record = s.calls.get(call_id)
+        if record is None or record.phase not in ("completed", "rejected"):
+            return False
+    for item in e.items:
+        if type(item) is dict:
+            named = item.get("call_id")
+            if type(named) is str and named not in listed:
+                record = s.calls.get(named)
+                if record is not None and record.phase in ("completed", "rejected"):
+                    return False
+    return True
+
+
+@guard
+def batch_publishes_every_result(s: RunState, e: Any) -> bool:
+    """after a final output or a handoff the batch must publish every unpublished result"""
+    return s.unpublished_results() == len(e.call_ids)
+
+
+@guard
+def batch_digests_match(s: RunState, e: Any) -> bool:
+    """the recorded batch digests are not the canonical digests of the batch"""
+    return bool(digests(e.items, s.form) == e.batch_digests)
+
+
+@guard
+def read_limit_is_minimal(s: RunState, e: Any) -> bool:
+    """the recorded read limit is not the smallest that tells the write's outcomes apart"""
+    from statemachine.envelope import read_limit_for
+
+    if len(e.frontier) > e.read_limit or (not e.frontier_whole and len(e.frontier) < e.read_limit):
+        return False
+    return bool(read_limit_for(e.frontier, e.batch_digests, whole=e.frontier_whole) == e.read_limit)
+
+
+@guard
+def continuation_matches(s: RunState, e: Any) -> bool:
+    """the recorded continuation is not the one the ledger implies"""
+    return s.continuation_after(e.call_ids) is e.continuation
+
+
+@guard
+def attempt_open(s: RunState, e: Any) -> bool:
+    """no publication attempt is open"""
+    return s.attempt_seq is not None
+
+
+@guard
+def envelope_fails_closed(s: RunState, e: Any) -> bool:
+    """the envelope is reconcilable (RECONCILE policy, lossless output)"""
+    return s.envelope is not None and s.envelope.fail_closed
+
+
+@guard
+def envelope_reconcilable(s: RunState, e: Any) -> bool:
+    """the envelope is fail-closed (FAIL_CLOSED policy or a lossy final output)"""
+    return s.envelope is not None and not s.envelope.fail_closed
+
+
+@guard
+def no_attempt_or_take_over(s: RunState, e: Any) -> bool:
+    """an attempt may still be writing; pass take_over=True only when no write of this
+    batch can still land"""
+    return s.attempt_seq is None or e.take_over
+
+
+def _continues_to(step: Step) -> Guard:
+    def check(s: RunState, e: Any) -> bool:
+        return s.envelope is not None and s.envelope.continuation is step
+
+    check.__name__ = f"continues_to_{step.value}"
+    check.__doc__ = f"the envelope's continuation is not {step.value}"
+    return guard(check)
+
+
+for _step in (Step.COMPLETED, Step.TOOLS, Step.INTERRUPTION, Step.RUN_AGAIN):
+    _continues_to(_step)
+
+
+# ---------------------------------------------------------------------- declaration
+
+
+@attrs.frozen
+class Transition:
+    """One row: ``trigger`` from any of ``sources`` to ``dest`` (None: stays) when every
+    guard holds."""
+
+    trigger: str
+    sources: tuple[Step, ...]
+    dest: Step | None
+    guards: tuple[str, ...] = ()
+
+
+def _row(trigger: str, sources: Step | tuple[Step, ...], dest: Step | None,
+         *guards: str) -> Transition:
+    srcs = sources if isinstance(sources, tuple) else (sources,)
+    return Transition(trigger, srcs, dest, guards)
+
+
+S = Step
+_STAGE_CHECKS = ("no_envelope", "batch_not_empty", "batch_session_matches", "no_call_started",
+                 "batch_names_its_calls", "batch_digests_match", "read_limit_is_minimal",
+                 "continuation_matches")
+
+TRANSITIONS: tuple[Transition, ...] = (
+    # the model
+    _row("begin_model_call", (S.RUN_AGAIN, S.HANDOFF), S.AWAITING_MODEL,
+         "no_envelope", "turns_left", "results_published"),
+    _row("model_failed", S.AWAITING_MODEL, S.RUN_AGAIN),
+    _row("model_responded", S.AWAITING_MODEL, S.INTERRUPTION,
+         "calls_are_new", "a_call_awaits_decision"),
+    _row("model_responded", S.AWAITING_MODEL, S.TOOLS,
+         "calls_are_new", "calls_without_approval"),
+    _row("model_responded", S.AWAITING_MODEL, S.FINALIZING, "output_only"),
+    _row("add_input", (S.RUN_AGAIN, S.INTERRUPTION), None, "no_envelope"),
+    # decisions
+    _row("approve", S.INTERRUPTION, None,
+         "no_envelope", "call_awaits_decision", "fingerprint_matches"),
+    _row("reject", S.INTERRUPTION, None,
+         "no_envelope", "call_awaits_decision", "fingerprint_matches"),
+    _row("resume", S.INTERRUPTION, S.TOOLS, "no_envelope", "approved_call_unstarted"),
+    # tools
+    _row("begin_tool", S.TOOLS, None, "no_envelope", "call_can_start"),
+    _row("tool_completed", S.TOOLS, None, "call_started"),
+    _row("resolve_in_doubt", S.TOOLS, None, "call_started"),
+    # guardrails and hooks: anywhere but UNSETTLED, once each (I1)
+    _row("guardrail_evaluated", WORKING_STEPS, None,
+         "no_envelope", "guardrail_fits_stage", "guardrail_not_repeated"),
+    _row("hook_ran", WORKING_STEPS, None, "no_envelope", "hook_fits_scope", "hook_not_repeated"),
+    # final output and handoff
+    _row("accept_final_output", S.FINALIZING, S.FINAL_OUTPUT),
+    _row("accept_final_output", S.TOOLS, S.FINAL_OUTPUT, "no_call_started"),
+    _row("complete", S.FINAL_OUTPUT, S.COMPLETED, "run_has_no_session", "nothing_unpublished"),
+    _row("handoff", (S.RUN_AGAIN, S.INTERRUPTION), S.HANDOFF, "no_envelope", "no_call_started"),
+    # publication: stage, then commit | fail | reconcile
+    _row("stage_publication", STAGING_STEPS, S.UNSETTLED, *_STAGE_CHECKS),
+    _row("stage_publication", (S.FINAL_OUTPUT, S.HANDOFF), S.UNSETTLED,
+         *_STAGE_CHECKS, "batch_publishes_every_result"),
+    *(
+        _row(trigger, S.UNSETTLED, dest, *pre, f"continues_to_{dest.value}")
+        for trigger, pre in (
+            ("publication_committed", ("attempt_open",)),
+            ("reconcile_acknowledge", ("envelope_reconcilable",)),
+        )
+        for dest in (S.COMPLETED, S.TOOLS, S.INTERRUPTION, S.RUN_AGAIN)
+    ),
+    _row("publication_failed", S.UNSETTLED, S.TERMINAL_UNRECOVERABLE,
+         "attempt_open", "envelope_fails_closed"),
+    _row("publication_failed", S.UNSETTLED, None, "attempt_open", "envelope_reconcilable"),
+    _row("reconcile_append", S.UNSETTLED, None, "envelope_reconcilable",
+         "no_attempt_or_take_over"),
+    # the way out of every live step
+    _row("abandon", LIVE_STEPS, S.TERMINAL_UNRECOVERABLE),
+)
+
+TRIGGERS: tuple[str, ...] = tuple(dict.fromkeys(t.trigger for t in TRANSITIONS))
+
+
+# -------------------------------------------------------------------- compiled table
+
+Candidate = tuple[tuple[tuple[str, Guard], ...], Step | None]
+TABLE: dict[tuple[Step, str], tuple[Candidate, ...]] = {}
+for _t in TRANSITIONS:
+    for _src in _t.sources:
+        _guards = tuple((name, GUARDS[name]) for name in _t.guards)
+        TABLE[(_src, _t.trigger)] = (*TABLE.get((_src, _t.trigger), ()), (_guards, _t.dest))
+
+
+class Refused(Exception):
+    """Internal: no row of the table lets this event fire. ``failed`` names the first
+    failing guard of each candidate row (empty when the step has no row at all)."""
+
+    def __init__(self, failed: tuple[str, ...]) -> None:
+        super().__init__(failed)
+        self.failed = failed
+
+    def reason(self) -> str:
+        if not self.failed:
+            return "no transition for this trigger from this step"
+        parts = dict.fromkeys(f"{name}: {GUARDS[name].__doc__}" for name in self.failed)
+        return "guard " + " / ".join(parts) + " failed"
+
+
+def fire(state: RunState, trigger: str, event: Any) -> Step:
+    """The step ``event`` leads to from ``state``; `Refused` when no row allows it."""
+    step = state.step
+    candidates = TABLE.get((step, trigger))
+    if candidates is None:
+        raise Refused(())
+    failed = []
+    for guards, dest in candidates:
+        for name, check in guards:
+            if not check(state, event):
+                failed.append(name)
+                break
+        else:
+            return step if dest is None else dest
+    raise Refused(tuple(failed))
+
+
+def build_transitions_machine(model: Any, initial: Step = Step.RUN_AGAIN) -> Any:
+    """The same declaration as a plain `transitions.Machine` (no auto transitions).
+
+    ``model`` must expose every guard name as a method taking the ``transitions``
+    event data; `GuardAdapter` builds one over a `RunState`.
+    """
+    from transitions import Machine
+
+    rows = [
+        {
+            "trigger": t.trigger,
+            "source": [s.value for s in t.sources],
+            "dest": "=" if t.dest is None else t.dest.value,
+            "conditions": list(t.guards),
+        }
+        for t in TRANSITIONS
+    ]
+    return Machine(
+        model=model,
+        states=[s.value for s in Step],
+        transitions=rows,
+        initial=initial.value,
+        auto_transitions=False,
+        send_event=True,
+        model_attribute="step_value",
+    )
+
+
+def _adapter_method(check: Guard) -> Callable[[Any, Any], bool]:
+    def method(self: Any, event_data: Any) -> bool:
+        return check(self.run_state, event_data.kwargs["event"])
+
+    return method
+
+
+class GuardAdapter:
+    """A `transitions` model whose guard methods (one per guard name) read a `RunState`
+    and the event passed as ``trigger(name, event=...)``."""
+
+    step_value: str
+
+    def __init__(self, state: RunState) -> None:
+        self.run_state = state
+
+
+for _name, _check in GUARDS.items():
+    setattr(GuardAdapter, _name, _adapter_method(_check))

@@ -1,0 +1,129 @@
+"""Plain JSON payloads: validation, detaching and canonical digests.
+
+Every payload that enters the core (tool arguments and outputs, items, guardrail results,
+final outputs) is checked to be a plain JSON value and copied ("detached") on the way in,
+because attrs ``frozen`` is shallow: a caller that mutates its dict afterwards must not be
+able to change a recorded event. Plain JSON means ``dict`` with ``str`` keys, ``list``,
+``str``, ``int``, finite ``float``, ``bool`` and ``None``, by exact type: no tuples, sets,
+enum members or subclasses. The walk is iterative, so a deep document is refused by the
+depth limit, never by a ``RecursionError``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable
+from typing import Any, TypeAlias
+
+from statemachine.errors import SchemaError
+
+JSON: TypeAlias = Any
+"""A plain JSON value (see the module docstring); ``Any`` because mypy cannot spell it."""
+
+DEFAULT_MAX_DEPTH = 200
+DEFAULT_MAX_EVENTS = 1_000_000
+
+_SCALARS = frozenset({str, int, bool, type(None)})
+
+
+class PayloadError(ValueError):
+    """Why a value is not plain JSON; turned into a `SchemaError` by the caller."""
+
+
+def detach(value: JSON, max_depth: int = DEFAULT_MAX_DEPTH) -> JSON:
+    """Return a deep copy of ``value``, raising `PayloadError` unless it is plain JSON.
+
+    ``max_depth`` bounds the nesting of containers counted from ``value`` itself (a
+    top-level list or dict is depth 1). The message names the problem, never the content.
+    """
+    kind = type(value)
+    if kind in _SCALARS:
+        return value
+    if kind is float:
+        if not math.isfinite(value):
+            raise PayloadError("a float that is not finite (NaN or infinity)")
+        return value
+    if kind is not dict and kind is not list:
+        raise PayloadError(f"a value of type {kind.__name__}, which is not plain JSON")
+    root: dict[str, JSON] | list[JSON] = {} if kind is dict else []
+    stack: list[tuple[Any, Any, int]] = [(value, root, 1)]
+    if max_depth < 1:
+        raise PayloadError(f"nesting deeper than {max_depth}")
+    while stack:
+        source, target, depth = stack.pop()
+        pairs = source.items() if type(source) is dict else enumerate(source)
+        is_dict = type(target) is dict
+        for key, item in pairs:
+            if is_dict and type(key) is not str:
+                raise PayloadError(f"a dict key of type {type(key).__name__}")
+            kind = type(item)
+            if kind in _SCALARS:
+                copy = item
+            elif kind is float:
+                if not math.isfinite(item):
+                    raise PayloadError("a float that is not finite (NaN or infinity)")
+                copy = item
+            elif kind is dict or kind is list:
+                if depth + 1 > max_depth:
+                    raise PayloadError(f"nesting deeper than {max_depth}")
+                copy = {} if kind is dict else []
+                stack.append((item, copy, depth + 1))
+            else:
+                raise PayloadError(f"a value of type {kind.__name__}, which is not plain JSON")
+            if is_dict:
+                target[key] = copy
+            else:
+                target.append(copy)
+    return root
+
+
+def canonical_json(value: JSON) -> bytes:
+    """The built-in canonical form: sorted keys, no spaces, UTF-8, no NaN."""
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def fingerprint_of(name: str, arguments: JSON) -> str:
+    """sha256 hex of the built-in canonical form of ``[name, arguments]``."""
+    return sha256_hex(canonical_json([name, arguments]))
+
+
+CanonicalForm: TypeAlias = Callable[[JSON], bytes]
+"""Maps a Session item to the bytes its digest is taken over."""
+
+_CANONICAL_FORMS: dict[str, CanonicalForm] = {"json": canonical_json}
+
+
+def register_canonical(name: str, form: CanonicalForm) -> None:
+    """Register a canonical form by name, for sessions that rewrite what they store.
+
+    The name is recorded when a run starts; a run naming a form that is not registered
+    in the loading process is refused with `SchemaError`. Re-registering a name with a
+    different function is refused: it would silently change every recorded digest.
+    """
+    if type(name) is not str or not name:
+        raise SchemaError("a canonical form needs a non-empty str name")
+    existing = _CANONICAL_FORMS.get(name)
+    if existing is not None and existing is not form:
+        raise SchemaError(f"canonical form {name!r} is already registered")
+    _CANONICAL_FORMS[name] = form
+
+
+def canonical_form(name: str) -> CanonicalForm:
+    """The canonical form registered as ``name``; `SchemaError` when unknown."""
+    try:
+        return _CANONICAL_FORMS[name]
+    except KeyError:
+        raise SchemaError(f"unknown canonical form {name!r}") from None
+
+
+def digests(items: list[JSON] | tuple[JSON, ...], form: CanonicalForm) -> tuple[str, ...]:
+    """Digest of each item's canonical form."""
+    return tuple(sha256_hex(form(item)) for item in items)

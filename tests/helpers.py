@@ -1,0 +1,95 @@
+"""Shared scenario builders and the refusal check used across the tests."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from statemachine import ControlError, RecoveryPolicy, RunController, ToolCall
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from statemachine.stores import EventStore
+
+SESSION = "session-1"
+P: list[Any] = [{"role": "user", "content": "charge me 7 and notify me"}]
+CHARGE_CALL = {"type": "function_call", "call_id": "charge", "name": "charge"}
+CHARGE_OUT = {"type": "function_call_output", "call_id": "charge", "output": "charged 7"}
+AUDIT_OUT = {"type": "function_call_output", "call_id": "audit", "output": "logged"}
+B: list[Any] = [CHARGE_CALL, CHARGE_OUT, AUDIT_OUT]
+
+
+def snapshot(c: RunController) -> tuple[Any, ...]:
+    """Everything a refusal must leave exactly as it was."""
+    return (c.events, c.step, c.envelope, c.pending_approvals, c.guardrail_results,
+            c.state.view(), c.holds_attempt, c.in_doubt())
+
+
+def assert_refused(
+    c: RunController, error: type[ControlError], command: Callable[..., Any], *args: Any,
+    **kwargs: Any,
+) -> ControlError:
+    """Run ``command``, expect ``error``, and check that nothing changed."""
+    before = snapshot(c)
+    with pytest.raises(error) as info:
+        command(*args, **kwargs)
+    assert snapshot(c) == before
+    assert type(info.value) is error, f"expected {error.__name__}, got {info.value!r}"
+    return info.value
+
+
+def at_interruption(
+    policy: RecoveryPolicy = RecoveryPolicy.RECONCILE, store: EventStore | None = None,
+    run_id: str = "run-1",
+) -> RunController:
+    """The seed's model response: charge(x=7), notify() and audit(), all approval-gated."""
+    c = RunController.start(run_id=run_id, session_id=SESSION, policy=policy, store=store)
+    c.hook_ran("agent_start")
+    c.begin_model_call()
+    c.hook_ran("model_start")
+    c.model_responded([
+        ToolCall("charge", "charge", {"x": 7}, needs_approval=True),
+        ToolCall("notify", "notify", {}, needs_approval=True),
+        ToolCall("audit", "audit", {}, needs_approval=True),
+    ])
+    c.hook_ran("model_end")
+    return c
+
+
+def run_charge(c: RunController) -> None:
+    """Approve charge and audit (not notify), run both with guardrails and hooks."""
+    c.approve("charge", fingerprint=c.fingerprint("charge"))
+    c.approve("audit")
+    c.resume()
+    c.begin_tool("charge")
+    c.guardrail_evaluated("charge_input", {"allowed": True}, stage="tool_input",
+                          call_id="charge")
+    c.hook_ran("tool_start", call_id="charge")
+    c.tool_completed("charge", "charged 7")
+    c.hook_ran("tool_end", call_id="charge")
+    c.guardrail_evaluated("charge_output", {"allowed": True}, stage="tool_output",
+                          call_id="charge")
+    c.begin_tool("audit")
+    c.tool_completed("audit", "logged")
+
+
+def staged(policy: RecoveryPolicy = RecoveryPolicy.RECONCILE,
+           store: EventStore | None = None) -> RunController:
+    """The seed run with its resumed batch staged (the write is about to happen)."""
+    c = at_interruption(policy, store)
+    run_charge(c)
+    c.stage_publication(B, P, call_ids=["charge", "audit"])
+    return c
+
+
+def failed(policy: RecoveryPolicy = RecoveryPolicy.RECONCILE) -> RunController:
+    """The seed run after its write raised, reported as failed."""
+    c = staged(policy)
+    c.publication_failed(RuntimeError("injected ambiguous write failure"))
+    return c
+
+
+def reloaded(c: RunController) -> RunController:
+    return RunController.from_json(c.to_json())

@@ -1,0 +1,332 @@
+"""The embedding API beyond the invariants: error order and context, turns, hooks and
+guardrails once each, final outputs, handoffs, batches, stores, limits and logging."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from statemachine import (
+    Action,
+    ConcurrencyConflict,
+    Execute,
+    InvalidTransition,
+    MemoryEventStore,
+    PublicationUnsettled,
+    RunController,
+    RunNotResumable,
+    SchemaError,
+    Step,
+    ToolCall,
+    ToolInDoubt,
+    disable_logging,
+    enable_logging,
+)
+from tests.helpers import SESSION, P, assert_refused, at_interruption, reloaded, staged
+
+
+def _finalizing(session_id: str | None = SESSION, **kw: object) -> RunController:
+    c = RunController.start(run_id="fin", session_id=session_id, **kw)  # type: ignore[arg-type]
+    c.begin_model_call()
+    c.model_responded([], output="the answer")
+    return c
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_errors_name_run_step_and_action() -> None:
+    c = at_interruption()
+    error = assert_refused(c, InvalidTransition, c.begin_model_call)
+    assert (error.run_id, error.step, error.action) == ("run-1", Step.INTERRUPTION,
+                                                        "begin_model_call")
+    assert "run 'run-1'" in str(error)
+    assert "INTERRUPTION" in str(error)
+    assert "begin_model_call" in str(error)
+
+
+def test_first_failing_check_wins() -> None:
+    c = at_interruption()
+    c.abandon("done")
+    assert_refused(c, RunNotResumable, c.add_input, [float("nan")])
+    c = staged()
+    assert_refused(c, PublicationUnsettled, c.approve, 7)
+    c = at_interruption()
+    assert_refused(c, SchemaError, c.begin_tool, 7)  # also not runnable here
+    c = RunController.start(run_id="x", session_id=None)
+    c.begin_model_call()
+    c.model_responded([ToolCall("pay", "pay", {})])
+    c.begin_tool("pay")
+    c = reloaded(c)
+    assert_refused(c, ToolInDoubt, c.begin_tool, "pay")
+    assert_refused(c, SchemaError, c.begin_tool, None)
+
+
+def test_start_validates_its_arguments() -> None:
+    with pytest.raises(SchemaError):
+        RunController.start(run_id="", session_id=None)
+    with pytest.raises(SchemaError):
+        RunController.start(run_id="r", session_id=3)  # type: ignore[arg-type]
+    with pytest.raises(SchemaError):
+        RunController.start(run_id="r", session_id=None, max_turns=-1)
+    with pytest.raises(SchemaError):
+        RunController.start(run_id="r", session_id=None, policy="reconcile")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- the model
+
+
+def test_max_turns_refuses_the_model_call_and_names_it() -> None:
+    c = RunController.start(run_id="t", session_id=None, max_turns=1)
+    c.begin_model_call()
+    c.model_failed(TimeoutError("slow"))
+    assert c.events[-1].error == "TimeoutError"  # type: ignore[attr-defined]
+    c.begin_model_call()
+    c.model_responded([ToolCall("a", "t", {})])
+    c.begin_tool("a")
+    c.tool_completed("a", "x")
+    c.stage_publication([{"call_id": "a", "output": "x"}], [], call_ids=["a"])
+    c.publication_committed()
+    assert c.step is Step.RUN_AGAIN
+    assert c.next_action() is Action.CALL_MODEL
+    error = assert_refused(c, InvalidTransition, c.begin_model_call)
+    assert "max_turns" in str(error)
+    c.abandon("max_turns")
+    assert c.step is Step.TERMINAL_UNRECOVERABLE
+
+
+def test_a_response_needs_calls_or_an_output() -> None:
+    c = RunController.start(run_id="t", session_id=None)
+    c.begin_model_call()
+    assert_refused(c, InvalidTransition, c.model_responded, [], None)
+    assert_refused(c, InvalidTransition, c.model_responded,
+                   [ToolCall("a", "t", {}), ToolCall("a", "t", {})])
+    c.model_responded([ToolCall("a", "t", {}, needs_approval=True)], output="ignored")
+    assert c.step is Step.INTERRUPTION
+
+
+# --------------------------------------------------------- hooks, guardrails (I1)
+
+
+def test_hooks_run_once_per_scope() -> None:
+    c = at_interruption()
+    assert_refused(c, InvalidTransition, c.hook_ran, "agent_start")
+    assert_refused(c, InvalidTransition, c.hook_ran, "model_end")
+    assert_refused(c, InvalidTransition, c.hook_ran, "tool_start")  # needs a call
+    assert_refused(c, InvalidTransition, c.hook_ran, "tool_start", call_id="nope")
+    assert_refused(c, InvalidTransition, c.hook_ran, "agent_start", call_id="charge")
+    assert_refused(c, InvalidTransition, c.hook_ran, "on_whatever")
+    c.hook_ran("tool_start", call_id="charge")
+    assert_refused(c, InvalidTransition, c.hook_ran, "tool_start", call_id="charge")
+    c.handoff("billing-agent")
+    c.hook_ran("agent_start")  # a new activation
+    c.begin_model_call()
+    c.hook_ran("model_start")  # a new model call
+
+
+def test_guardrails_run_once_per_scope() -> None:
+    c = at_interruption()
+    c.guardrail_evaluated("pii", {"ok": True}, stage="input")
+    assert_refused(c, InvalidTransition, c.guardrail_evaluated, "pii", True, stage="input")
+    assert_refused(c, InvalidTransition, c.guardrail_evaluated, "g", True, stage="tool_input")
+    assert_refused(c, InvalidTransition, c.guardrail_evaluated, "g", True, stage="input",
+                   call_id="charge")
+    assert_refused(c, InvalidTransition, c.guardrail_evaluated, "g", True, stage="bogus")
+    c.guardrail_evaluated("g", True, stage="tool_input", call_id="charge")
+    c.guardrail_evaluated("g", True, stage="tool_input", call_id="notify")
+    assert_refused(c, InvalidTransition, c.guardrail_evaluated, "g", False,
+                   stage="tool_input", call_id="charge")
+    assert len(c.pending_guardrail_results) == 3
+    assert c.guardrail_results == ()
+
+
+# ------------------------------------------------------------------ decisions
+
+
+def test_decisions_are_taken_in_interruption_only() -> None:
+    c = at_interruption()
+    c.approve("charge")
+    c.resume()
+    assert c.step is Step.TOOLS
+    assert_refused(c, InvalidTransition, c.approve, "notify")
+    assert_refused(c, InvalidTransition, c.begin_tool, "notify")
+    assert c.next_action() is Action.RUN_TOOLS
+
+
+def test_a_rejected_call_never_runs_and_its_output_is_published() -> None:
+    c = at_interruption()
+    c.reject("charge", "the user declined")
+    assert_refused(c, InvalidTransition, c.begin_tool, "charge")
+    rejection = {"type": "function_call_output", "call_id": "charge", "output": "declined"}
+    assert_refused(c, InvalidTransition, c.stage_publication, [rejection], P)
+    c.stage_publication([rejection], P, call_ids=["charge"])
+    c.publication_committed()
+    assert c.state.calls["charge"].phase == "published"
+
+
+# --------------------------------------------------------- final output, handoff
+
+
+def test_final_output_with_a_session_completes_when_its_batch_settles() -> None:
+    c = _finalizing()
+    assert c.next_action() is Action.FINISH
+    c.guardrail_evaluated("tone", {"ok": True}, stage="output")
+    c.hook_ran("agent_end")
+    c.accept_final_output("the answer")
+    assert c.next_action() is Action.PUBLISH
+    assert_refused(c, InvalidTransition, c.complete)
+    c.stage_publication([{"role": "assistant", "content": "the answer"}], P)
+    assert c.envelope is not None
+    assert c.envelope.continuation is Step.COMPLETED
+    c.publication_committed()
+    assert c.step is Step.COMPLETED
+    assert len(c.guardrail_results) == 1
+    assert c.next_action() is Action.NOT_RESUMABLE
+    assert_refused(c, RunNotResumable, c.resume)
+
+
+def test_a_run_without_a_session_completes_with_nothing_unpublished() -> None:
+    c = _finalizing(session_id=None)
+    c.accept_final_output("the answer")
+    assert c.next_action() is Action.FINISH
+    c.complete()
+    assert c.step is Step.COMPLETED
+    guarded = _finalizing(session_id=None)
+    guarded.guardrail_evaluated("tone", True, stage="output")
+    guarded.accept_final_output("the answer")
+    assert guarded.next_action() is Action.PUBLISH
+    assert_refused(guarded, InvalidTransition, guarded.complete)
+
+
+def test_stop_on_first_tool_publishes_the_result_with_the_output() -> None:
+    c = at_interruption()
+    c.approve("charge")
+    c.resume()
+    c.begin_tool("charge")
+    assert_refused(c, InvalidTransition, c.accept_final_output, "charged 7")
+    c.tool_completed("charge", "charged 7")
+    c.accept_final_output("charged 7")
+    assert c.pending_approvals == ()  # notify and audit are skipped
+    out = {"type": "function_call_output", "call_id": "charge", "output": "charged 7"}
+    assert_refused(c, InvalidTransition, c.stage_publication, [{"role": "assistant"}], P)
+    c.stage_publication([out], P, call_ids=["charge"])
+    c.publication_committed()
+    assert c.step is Step.COMPLETED
+
+
+def test_handoff_skips_unstarted_calls_and_publishes_every_result() -> None:
+    c = at_interruption()
+    c.reject("notify", "no")
+    c.handoff("billing-agent")
+    assert c.pending_approvals == ()
+    assert c.next_action() is Action.PUBLISH
+    assert_refused(c, InvalidTransition, c.begin_model_call)
+    out = {"type": "function_call_output", "call_id": "notify", "output": "no"}
+    c.stage_publication([out], P, call_ids=["notify"])
+    assert c.envelope is not None
+    assert c.envelope.continuation is Step.RUN_AGAIN
+    c.publication_committed()
+    c.begin_model_call()
+    assert c.step is Step.AWAITING_MODEL
+
+
+# ----------------------------------------------------------------- batches
+
+
+def test_a_batch_must_name_exactly_its_calls() -> None:
+    c = at_interruption()
+    c.approve("charge")
+    c.approve("audit")
+    c.resume()
+    c.begin_tool("charge")
+    c.tool_completed("charge", "charged 7")
+    for items, call_ids in (
+        ([], ["charge"]),                           # empty batch
+        ([{"call_id": "charge"}], None),            # names a call it does not list
+        ([{"other": 1}], ["audit"]),                # lists a call without a result
+        ([{"other": 1}], ["charge", "charge"]),     # lists a call twice
+        ([{"other": 1}], ["ghost"]),                # unknown call
+    ):
+        error = assert_refused(c, InvalidTransition, c.stage_publication, items, P,
+                               call_ids=call_ids)
+        assert "guard" in str(error)
+    c.stage_publication([{"call_id": "charge"}], P, call_ids=["charge"])
+    assert c.envelope is not None
+    assert c.envelope.continuation is Step.TOOLS
+
+
+# ---------------------------------------------------------------- stores
+
+
+def test_two_controllers_from_one_version_cannot_both_act() -> None:
+    store = MemoryEventStore()
+    first = at_interruption(store=store)
+    second = RunController.load(store, "run-1")
+    first.approve("charge")
+    error = assert_refused(second, ConcurrencyConflict, second.approve, "notify")
+    assert error.run_id == "run-1"
+    assert error.action == "approve"
+    assert RunController.load(store, "run-1").state == first.state
+    with pytest.raises(ConcurrencyConflict):
+        RunController.start(run_id="run-1", session_id=None, store=store)
+
+
+def test_load_of_an_unknown_run_is_refused() -> None:
+    with pytest.raises(InvalidTransition, match="no such run"):
+        RunController.load(MemoryEventStore(), "ghost")
+
+
+# ---------------------------------------------------------------- limits
+
+
+def test_the_last_events_are_reserved_for_settling_and_abandon() -> None:
+    c = RunController.start(run_id="lim", session_id=SESSION, max_events=12)
+    c.begin_model_call()
+    c.model_responded([ToolCall("a", "t", {})])
+    c.begin_tool("a")
+    c.tool_completed("a", "x")
+    c.hook_ran("agent_start")
+    c.hook_ran("tool_start", call_id="a")
+    c.stage_publication([{"call_id": "a"}], P, call_ids=["a"])  # event 7: room for 4 more
+    assert len(c.events) == 8
+    c.publication_failed(RuntimeError("x"))
+    assert c.reconcile(P, SESSION)
+    c.publication_committed()
+    assert_refused(c, SchemaError, c.begin_model_call)
+    c.abandon("limit")
+    assert len(c.events) == 12
+    assert RunController.from_json(c.to_json(), max_events=12).step is Step.TERMINAL_UNRECOVERABLE
+    with pytest.raises(SchemaError, match="max_events=11"):
+        RunController.from_json(c.to_json(), max_events=11)
+
+
+# ---------------------------------------------------------------- logging
+
+
+def test_logging_is_silent_unless_enabled() -> None:
+    stream = io.StringIO()
+    try:
+        enable_logging(json=True, stream=stream)
+        c = RunController.start(run_id="logged", session_id=None)
+        c.begin_model_call()
+    finally:
+        disable_logging()
+    c.model_failed(RuntimeError("quiet"))
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [line["event"] for line in lines] == ["RunStarted", "ModelCallBegun"]
+    assert lines[1]["seq"] == 1
+    assert lines[1]["from"] == "run_again"
+    assert lines[1]["to"] == "awaiting_model"
+    assert lines[1]["run_id"] == "logged"
+
+
+def test_execute_hands_out_a_detached_call() -> None:
+    c = RunController.start(run_id="x", session_id=None)
+    c.begin_model_call()
+    c.model_responded([ToolCall("a", "t", {"k": [1]})])
+    decision = c.begin_tool("a")
+    assert isinstance(decision, Execute)
+    decision.call.arguments["k"].append(2)
+    assert c.state.calls["a"].call.arguments == {"k": [1]}
