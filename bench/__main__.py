@@ -60,7 +60,7 @@ COMMANDS: dict[str, tuple[Setup, Step, str, str, Callable[[RunController], Any],
                           Callable[[int], ev.Event]]] = {
     "begin_model_call": (
         _fresh, Step.RUN_AGAIN, "begin_model_call", "turns_left",
-        lambda c: c.begin_model_call(), lambda seq: ev.ModelCallBegun(seq)),
+        lambda c: c.begin_model_call(), ev.ModelCallBegun),
     "hook_ran": (
         _fresh, Step.RUN_AGAIN, "hook_ran", "hook_not_repeated",
         lambda c: c.hook_ran("agent_start"), lambda seq: ev.HookRan(seq, "agent_start", None)),
@@ -82,36 +82,41 @@ def _time(fn: Callable[[Any], Any], subjects: list[Any]) -> float:
     return (time.perf_counter() - start) / len(subjects) * 1e6
 
 
-def measure(name: str, runs: int, repeats: int) -> dict[str, float]:
+def _repeat(name: str, runs: int) -> dict[str, float]:
+    """One interleaved sample of each variant, each on its own fresh runs."""
     setup, step, trigger, guard_name, command, make_event = COMMANDS[name]
-    table = {(step, trigger): GUARDS[guard_name]}
-    samples: dict[str, list[float]] = {"floor": [], "controller": [], "transitions": []}
-    for _ in range(repeats):
-        controllers = [setup(i) for i in range(runs)]
-        states = [setup(i).state for i in range(runs)]
-        models = [GuardAdapter(setup(i).state) for i in range(runs)]
-        machine = build_transitions_machine(models[0], initial=step)
-        for model in models[1:]:
-            machine.add_model(model, initial=step.value)
-        probe = make_event(len(controllers[0].events))
-        logs: list[list[ev.Event]] = [[] for _ in range(runs)]
+    check = {(step, trigger): GUARDS[guard_name]}
+    controllers = [setup(i) for i in range(runs)]
+    states = [setup(i).state for i in range(runs)]
+    models = [GuardAdapter(setup(i).state) for i in range(runs)]
+    machine = build_transitions_machine(models[0], initial=step)
+    for model in models[1:]:
+        machine.add_model(model, initial=step.value)
+    probe = make_event(len(controllers[0].events))
+    logs: list[list[ev.Event]] = [[] for _ in range(runs)]
 
-        def floor(i: int) -> None:
-            if not table[(step, trigger)](states[i], probe):
-                raise AssertionError
-            log = logs[i]
-            log.append(make_event(len(log)))
+    def floor(i: int) -> None:
+        if not check[(step, trigger)](states[i], probe):
+            raise AssertionError
+        log = logs[i]
+        log.append(make_event(len(log)))
 
-        def transitions_fire(model: Any) -> None:
-            if not model.trigger(trigger, event=probe):
-                raise AssertionError
+    def transitions_fire(model: Any) -> None:
+        if not model.trigger(trigger, event=probe):
+            raise AssertionError
 
-        gc.collect()
-        indices = list(range(runs))
-        samples["floor"].append(_time(floor, indices))
-        samples["controller"].append(_time(command, controllers))
-        samples["transitions"].append(_time(transitions_fire, models))
-    return {key: statistics.median(values) for key, values in samples.items()}
+    gc.collect()
+    return {
+        "floor": _time(floor, list(range(runs))),
+        "controller": _time(command, controllers),
+        "transitions": _time(transitions_fire, models),
+    }
+
+
+def measure(name: str, runs: int, repeats: int) -> dict[str, float]:
+    """Medians (µs per command) of ``repeats`` interleaved samples."""
+    samples = [_repeat(name, runs) for _ in range(repeats)]
+    return {key: statistics.median(s[key] for s in samples) for key in samples[0]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7, help="repeats (medians are shown)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in COMMANDS:
         m = measure(name, args.runs, args.repeats)
         rows.append({

@@ -118,7 +118,7 @@ def _transitions_verdict(machine: Any, machine_model: GuardAdapter, state: RunSt
     machine_model.run_state = state
     machine.set_state(state.step.value, machine_model)
     try:
-        moved = machine_model.trigger(event.TRIGGER, event=event)
+        moved = getattr(machine_model, "trigger")(event.TRIGGER, event=event)  # noqa: B009
     except MachineError:
         return None
     return Step(machine_model.step_value) if moved else None
