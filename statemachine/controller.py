@@ -61,6 +61,8 @@ from statemachine.values import (
     ToolCall,
 )
 
+from statemachine.stores import SNAPSHOT_EVERY, SnapshotStore
+
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
@@ -77,13 +79,14 @@ _CALL_MODEL_STEPS = frozenset({Step.RUN_AGAIN, Step.HANDOFF, Step.AWAITING_MODEL
 class RunController:
     """The control core of one run. Create with `start`, `load` or `from_json`."""
 
-    __slots__ = ("_attempt", "_events", "_in_flight", "_log", "_max_depth", "_max_events",
-                 "_state", "_store")
+    __slots__ = ("_attempt", "_base", "_events", "_in_flight", "_log", "_max_depth",
+                 "_max_events", "_state", "_store")
 
     def __init__(self, state: RunState, events: list[ev.Event], *, store: EventStore | None,
-                 max_depth: int, max_events: int) -> None:
+                 max_depth: int, max_events: int, base: int = 0) -> None:
         self._state = state
         self._events = events
+        self._base = base  # events before this seq live only in the store (snapshot load)
         self._store = store
         self._max_depth = max_depth
         self._max_events = max_events
@@ -158,15 +161,32 @@ class RunController:
         max_depth: int = DEFAULT_MAX_DEPTH,
         max_events: int = DEFAULT_MAX_EVENTS,
     ) -> RunController:
-        """Load a run from an event store and bind it to that store."""
-        events = store.load(run_id)
-        if not events:
-            raise InvalidTransition("no such run in the store", run_id=run_id, action="load")
-        if len(events) > max_events:
+        """Load a run from an event store and bind it to that store.
+
+        From a store that keeps snapshots (`stores.SnapshotStore`) the newest snapshot the
+        store wrote is trusted and only the events after it are replayed, so loading is
+        O(1) in log length; otherwise the whole log is replayed."""
+        where = {"run_id": run_id, "action": "load"}
+        snapshot: Mapping[str, Any] | None = None
+        if isinstance(store, SnapshotStore):
+            snapshot, tail = store.load_latest(run_id)
+        state = codec.decode_state(snapshot) if snapshot is not None else None
+        if state is None:
+            tail = store.load(run_id)
+            if not tail:
+                raise InvalidTransition("no such run in the store", **where)
+            if len(tail) > max_events:
+                raise SchemaError(f"the log has more than max_events={max_events} events",
+                                  **where)
+            return cls._replayed(run_id, list(tail), store=store, max_depth=max_depth,
+                                 max_events=max_events)
+        base = state.last_seq + 1
+        if base + len(tail) > max_events:
             raise SchemaError(f"the log has more than max_events={max_events} events",
-                              run_id=run_id, action="load")
-        return cls._replayed(run_id, list(events), store=store, max_depth=max_depth,
-                             max_events=max_events)
+                              **where)
+        replay_onto(state, tail, first=base)
+        return cls(state, list(tail), store=store, max_depth=max_depth,
+                   max_events=max_events, base=base)
 
     @classmethod
     def _replayed(cls, run_id: str, events: list[ev.Event], *, store: EventStore | None,
@@ -176,7 +196,7 @@ class RunController:
 
     def to_json(self) -> dict[str, JSON]:
         """The run as a plain JSON tree of the current ``schema_version``."""
-        return codec.encode_log(self._state.run_id, self._events)
+        return codec.encode_log(self._state.run_id, self.events)
 
     # ------------------------------------------------------------------ reading
 
@@ -198,6 +218,9 @@ class RunController:
 
     @property
     def events(self) -> tuple[ev.Event, ...]:
+        """The whole log (read from the store for a run loaded from a snapshot)."""
+        if self._base and self._store is not None:
+            return (*self._store.load(self._state.run_id)[: self._base], *self._events)
         return tuple(self._events)
 
     @property
@@ -305,7 +328,7 @@ class RunController:
                     PublicationUnsettled, action,
                     "a publication envelope is unsettled; reconcile it (or commit, fail or "
                     "abandon) before anything else runs")
-        room = self._max_events - len(self._events)
+        room = self._max_events - self._seq
         needed = 1 if trigger == "abandon" else 2 if trigger in SETTLING_TRIGGERS else (
             RESERVED_EVENTS + 1)
         if room < needed:
@@ -330,8 +353,10 @@ class RunController:
         except Refused as refused:
             self._refuse(InvalidTransition, action, refused.reason())
         if self._store is not None:
+            snapshot = (codec.encode_state(s) if event.seq % SNAPSHOT_EVERY == 0
+                        and isinstance(self._store, SnapshotStore) else None)
             try:
-                self._store.append(s.run_id, (event,), event.seq)
+                self._store.append(s.run_id, (event,), event.seq, snapshot=snapshot)
             except ControlError as exc:
                 exc.step, exc.action = s.step, action
                 raise
@@ -353,7 +378,7 @@ class RunController:
 
     @property
     def _seq(self) -> int:
-        return len(self._events)
+        return self._base + len(self._events)
 
     # ----------------------------------------------------------------- the model
 
@@ -690,17 +715,23 @@ def replay(run_id: str, events: list[ev.Event]) -> RunState:
         raise SchemaError("the log must start with RunStarted", run_id=run_id, action="load")
     started = events[0]
     assert isinstance(started, ev.RunStarted)
-    if started.run_id != run_id:
-        raise SchemaError("the log's run_id does not match", run_id=run_id, action="load")
+    if started.run_id != run_id or started.seq != 0:
+        raise SchemaError("the log's RunStarted does not match the run", run_id=run_id,
+                          action="load")
+    if started.max_turns is not None and started.max_turns < 0:
+        raise SchemaError("a negative max_turns", run_id=run_id, action="load")
     state = RunState(started)
-    for position, event in enumerate(events):
+    replay_onto(state, events[1:], first=1)
+    return state
+
+
+def replay_onto(state: RunState, events: Sequence[ev.Event], *, first: int) -> None:
+    """Fold ``events`` (the log from seq ``first`` on) into ``state``, checking each."""
+    run_id = state.run_id
+    for position, event in enumerate(events, start=first):
         if event.seq != position:
             raise SchemaError(f"sequence gap: event {position} carries seq {event.seq}",
                               run_id=run_id, action="load")
-        if position == 0:
-            if started.seq != 0 or (started.max_turns is not None and started.max_turns < 0):
-                raise SchemaError("a malformed RunStarted", run_id=run_id, action="load")
-            continue
         if type(event) is ev.RunStarted:
             raise InvalidTransition(f"event {position}: RunStarted after the start",
                                     run_id=run_id, step=state.step, action="load")
@@ -711,4 +742,3 @@ def replay(run_id: str, events: list[ev.Event]) -> RunState:
                 f"event {position} ({type(event).__name__}) is forbidden here: "
                 f"{refused.reason()}", run_id=run_id, step=state.step, action="load") from None
         state.apply(event, dest)
-    return state
