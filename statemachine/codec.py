@@ -43,6 +43,9 @@ UPCASTERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
 """``UPCASTERS[v]`` turns a raw version-``v`` document into a version ``v + 1`` one."""
 
 EVENT_BY_NAME: dict[str, type[ev.Event]] = {cls.__name__: cls for cls in ev.EVENT_TYPES}
+EVENT_SINCE: dict[str, int] = dict.fromkeys(EVENT_BY_NAME, 1)
+"""The schema version that introduced each event type: a document labelled older than
+that cannot hold it (a terminal marker under a label that predates it is forged)."""
 
 _max_depth: contextvars.ContextVar[int] = contextvars.ContextVar(
     "max_depth", default=DEFAULT_MAX_DEPTH
@@ -176,9 +179,14 @@ def decode_event(data: Any, position: int) -> ev.Event:
     if cls is None:
         raise SchemaError(f"event {position} has a missing or unknown type")
     body = {k: v for k, v in data.items() if k != "type"}
-    missing = [f for f in _FIELDS[cls] if f not in body]
-    if missing:
-        raise SchemaError(f"event {position} ({name}) lacks field(s) {', '.join(missing)}")
+    fields = _FIELDS[cls]
+    if len(body) != len(fields) or any(f not in body for f in fields):
+        missing = [f for f in fields if f not in body]
+        if missing:
+            raise SchemaError(f"event {position} ({name}) lacks field(s) {', '.join(missing)}")
+        unknown = sorted(k for k in body if k not in fields)
+        raise SchemaError(f"event {position} ({name}) has unknown field(s) "
+                          f"{', '.join(unknown)}")
     try:
         return _STRUCTURE[cls](body, cls)  # type: ignore[no-any-return]
     except SchemaError:
@@ -212,6 +220,13 @@ def decode_log(
         )
     if version < 1 or (version < SCHEMA_VERSION and version not in UPCASTERS):
         raise SchemaError(f"unknown schema_version {version}")
+    raw = doc.get("events")
+    if type(raw) is list and version < SCHEMA_VERSION:
+        for position, event in enumerate(raw):
+            name = event.get("type") if type(event) is dict else None
+            if type(name) is str and EVENT_SINCE.get(name, 1) > version:
+                raise SchemaError(f"event {position}: {name} is not valid under "
+                                  f"schema_version {version}")
     while version < SCHEMA_VERSION:
         doc = UPCASTERS[version](doc)
         version += 1
@@ -244,7 +259,7 @@ converter.register_structure_hook_func(
 
 
 def _sorted_keys(keys: set[tuple[Any, ...]]) -> list[list[Any]]:
-    return sorted(([*key] for key in keys), key=lambda key: json.dumps(key))
+    return sorted(([*key] for key in keys), key=json.dumps)
 
 
 def encode_state(state: RunState) -> dict[str, JSON]:

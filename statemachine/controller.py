@@ -50,6 +50,7 @@ from statemachine.payloads import (
     digests,
 )
 from statemachine.state import RunState
+from statemachine.stores import SNAPSHOT_EVERY, SnapshotStore
 from statemachine.values import (
     Acknowledge,
     Action,
@@ -60,8 +61,6 @@ from statemachine.values import (
     Resend,
     ToolCall,
 )
-
-from statemachine.stores import SNAPSHOT_EVERY, SnapshotStore
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -263,6 +262,11 @@ class RunController:
             self._refuse(InvalidTransition, "fingerprint", "unknown call id")
         return record.fingerprint
 
+    @property
+    def in_flight(self) -> tuple[str, ...]:
+        """Calls this controller started and has not seen complete (never serialized)."""
+        return tuple(self._in_flight)
+
     def in_doubt(self) -> tuple[str, ...]:
         """Started, non-idempotent calls this controller does not hold in flight."""
         return tuple(
@@ -274,7 +278,9 @@ class RunController:
         """What the runner should do next; see `Action`."""
         s = self._state
         step = s.step
-        if s.counts["started"] and self.in_doubt():
+        # DESIGN lists RESOLVE_IN_DOUBT first; a terminal run (abandoned while a call ran)
+        # refuses resolve_in_doubt, so it answers NOT_RESUMABLE instead (fail closed).
+        if s.counts["started"] and step not in TERMINAL_STEPS and self.in_doubt():
             return Action.RESOLVE_IN_DOUBT
         if step is _UNSETTLED and self.holds_attempt:
             return Action.PUBLISH
@@ -290,7 +296,11 @@ class RunController:
                 return Action.PUBLISH
             return Action.CALL_MODEL
         if step is Step.INTERRUPTION:
-            return Action.RUN_TOOLS if s.counts["approved"] else Action.AWAIT_DECISIONS
+            if s.counts["approved"]:
+                return Action.RUN_TOOLS
+            # Every decision taken and one was a rejection: its output is published next
+            # (nothing is left to decide, so AWAIT_DECISIONS would wait forever).
+            return Action.AWAIT_DECISIONS if s.counts["awaiting"] else Action.PUBLISH
         if step is Step.TOOLS:
             if s.counts["approved"] or s.counts["started"]:
                 return Action.RUN_TOOLS

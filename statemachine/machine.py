@@ -438,8 +438,8 @@ class Refused(Exception):
     def reason(self) -> str:
         if not self.failed:
             return "no transition for this trigger from this step"
-        parts = dict.fromkeys(f"{name}: {GUARDS[name].__doc__}" for name in self.failed)
-        return "guard " + " / ".join(parts) + " failed"
+        parts = dict.fromkeys(f"{name} ({GUARDS[name].__doc__})" for name in self.failed)
+        return "blocked by guard " + " / ".join(parts)
 
 
 def fire(state: RunState, trigger: str, event: Any) -> Step:

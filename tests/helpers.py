@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 
-from statemachine import ControlError, RecoveryPolicy, RunController, ToolCall
+from statemachine import RecoveryPolicy, RunController, ToolCall
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from statemachine.stores import EventStore
 
+E = TypeVar("E", bound=BaseException)
 SESSION = "session-1"
 P: list[Any] = [{"role": "user", "content": "charge me 7 and notify me"}]
 CHARGE_CALL = {"type": "function_call", "call_id": "charge", "name": "charge"}
@@ -28,9 +29,8 @@ def snapshot(c: RunController) -> tuple[Any, ...]:
 
 
 def assert_refused(
-    c: RunController, error: type[ControlError], command: Callable[..., Any], *args: Any,
-    **kwargs: Any,
-) -> ControlError:
+    c: RunController, error: type[E], command: Callable[..., Any], *args: Any, **kwargs: Any,
+) -> E:
     """Run ``command``, expect ``error``, and check that nothing changed."""
     before = snapshot(c)
     with pytest.raises(error) as info:

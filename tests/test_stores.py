@@ -1,0 +1,245 @@
+"""One contract for every event store, run against each; then the controller bound to a
+store: snapshots, two threads, two processes, and appends whose outcome is unknown."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from statemachine import (
+    ConcurrencyConflict,
+    MemoryEventStore,
+    RecoveryPolicy,
+    RunController,
+    Step,
+)
+from statemachine import controller as controller_module
+from statemachine import events as ev
+from statemachine.stores import EventStore, SnapshotStore, SQLiteEventStore
+from tests.helpers import assert_refused, at_interruption
+from tests.strategies import Driven, start_run, step
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class StoreContract:
+    """Every store passes this suite, or it is not done."""
+
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> EventStore | Iterator[EventStore]:
+        raise NotImplementedError
+
+    def test_appends_and_loads_in_order(self, store: EventStore) -> None:
+        events = [ev.RunStarted(0, "r", "s", RecoveryPolicy.RECONCILE,
+                                None, "json"), ev.ModelCallBegun(1)]
+        store.append("r", events[:1], 0)
+        store.append("r", events[1:], 1)
+        assert store.load("r") == events
+        assert store.load("unknown") == []
+
+    def test_a_moved_version_conflicts_and_writes_nothing(self, store: EventStore) -> None:
+        c = at_interruption(store=store)
+        before = store.load("run-1")
+        for version in (0, len(before) - 1, len(before) + 1):
+            with pytest.raises(ConcurrencyConflict):
+                store.append("run-1", [ev.ModelCallBegun(version)], version)
+        assert store.load("run-1") == before == list(c.events)
+
+    def test_runs_are_independent(self, store: EventStore) -> None:
+        a = at_interruption(store=store, run_id="a")
+        b = at_interruption(store=store, run_id="b")
+        a.approve("charge")
+        assert store.load("b") == list(b.events)
+        assert store.load("a") == list(a.events)
+
+    def test_snapshot_plus_tail_equals_full_replay(self, store: EventStore,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+        assert isinstance(store, SnapshotStore)
+        monkeypatch.setattr(controller_module, "SNAPSHOT_EVERY", 3)
+
+        @settings(max_examples=25, suppress_health_check=list(HealthCheck))
+        @given(st.data())
+        def check(data: st.DataObject) -> None:
+            run_id = f"snap-{uuid.uuid4().hex}"
+            d = Driven(start_run(data, run_id=run_id, store=store).c)
+            for _ in range(data.draw(st.integers(0, 30))):
+                if not step(d, data):
+                    break
+                if d.c._store is None:  # the driver reloaded from JSON; rebind
+                    d.c = RunController.load(store, run_id)
+            snapshot, tail = store.load_latest(run_id)
+            loaded = RunController.load(store, run_id)
+            full = RunController.from_json(d.c.to_json())
+            assert loaded.state == full.state == d.c.state
+            assert loaded.events == full.events
+            if len(full.events) > 3:
+                assert snapshot is not None
+                assert len(tail) < len(full.events)
+
+        check()
+
+    def test_two_threads_from_one_version_cannot_both_act(self, store: EventStore) -> None:
+        at_interruption(store=store)
+        racers = [RunController.load(store, "run-1") for _ in range(2)]
+        barrier = threading.Barrier(2)
+        outcomes: list[str] = []
+
+        def act(c: RunController, call_id: str) -> None:
+            barrier.wait()
+            try:
+                c.approve(call_id)
+                outcomes.append("approved")
+            except ConcurrencyConflict:
+                outcomes.append("conflict")
+
+        threads = [threading.Thread(target=act, args=(c, i))
+                   for c, i in zip(racers, ("charge", "notify"), strict=True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(outcomes) == ["approved", "conflict"]
+        winner = max(racers, key=lambda c: len(c.events))
+        loser = min(racers, key=lambda c: len(c.events))
+        assert RunController.load(store, "run-1").state == winner.state
+        assert_refused(loser, ConcurrencyConflict, loser.approve, "audit")
+
+
+class TestMemoryEventStore(StoreContract):
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> EventStore:
+        return MemoryEventStore()
+
+
+class TestSQLiteEventStore(StoreContract):
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Iterator[EventStore]:
+        s = SQLiteEventStore(tmp_path / "events.db")
+        yield s
+        s.close()
+
+    def test_is_durable_on_disk_with_the_promised_pragmas(self, tmp_path: Path) -> None:
+        path = tmp_path / "events.db"
+        first = SQLiteEventStore(path)
+        c = at_interruption(store=first)
+        first.close()
+        second = SQLiteEventStore(path)
+        assert RunController.load(second, "run-1").state == c.state
+        conn = second._conn
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+        with sqlite3.connect(path) as raw, pytest.raises(sqlite3.IntegrityError):
+            raw.execute("INSERT INTO events VALUES ('run-1', 0, 'x', '{}')")
+
+    def test_two_processes_on_one_file_cannot_both_act(self, tmp_path: Path) -> None:
+        path = tmp_path / "events.db"
+        at_interruption(store=SQLiteEventStore(path))
+        script = (
+            "import sys, time\n"
+            "from statemachine import RunController, ConcurrencyConflict\n"
+            "from statemachine.stores import SQLiteEventStore\n"
+            "c = RunController.load(SQLiteEventStore(sys.argv[1]), 'run-1')\n"
+            "open(sys.argv[3], 'w').close()\n"
+            "while not __import__('os').path.exists(sys.argv[4]): time.sleep(0.005)\n"
+            "try:\n    c.approve(sys.argv[2]); print('approved')\n"
+            "except ConcurrencyConflict: print('conflict')\n"
+        )
+        go = tmp_path / "go"
+        procs = [subprocess.Popen([sys.executable, "-c", script, str(path), call_id,
+                                   str(tmp_path / f"ready-{call_id}"), str(go)],
+                                  stdout=subprocess.PIPE, text=True, cwd=ROOT)
+                 for call_id in ("charge", "notify")]
+        for call_id in ("charge", "notify"):
+            while not (tmp_path / f"ready-{call_id}").exists():
+                threading.Event().wait(0.005)
+        go.touch()
+        outputs = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
+        assert outputs == ["approved", "conflict"]
+        assert len(SQLiteEventStore(path).load("run-1")) == 7
+
+    def test_an_append_whose_commit_answer_was_lost_is_classified_by_read_back(
+        self, tmp_path: Path
+    ) -> None:
+        class LostAnswer(SQLiteEventStore):
+            """COMMIT lands, then the connection reports an error."""
+
+            def _connect(self) -> sqlite3.Connection:
+                conn = sqlite3.connect(self.path, isolation_level=None,
+                                       check_same_thread=False, factory=_LosesCommitAnswer)
+                conn.execute("PRAGMA journal_mode=WAL")
+                return conn
+
+        store = LostAnswer(tmp_path / "events.db")
+        c = at_interruption(store=store)
+        _LOSE_COMMIT_ANSWER.set()
+        try:
+            c.approve("charge")  # the commit landed: classified as appended, no retry
+        finally:
+            _LOSE_COMMIT_ANSWER.clear()
+        assert RunController.load(store, "run-1").state == c.state
+        assert store.load("run-1")[-1] == c.events[-1]
+
+    def test_an_append_that_did_not_land_raises_and_leaves_the_run_unchanged(
+        self, tmp_path: Path
+    ) -> None:
+        class Refusing(SQLiteEventStore):
+            def _landed(self, batch_id: str) -> bool:
+                return False
+
+        store = Refusing(tmp_path / "events.db")
+        c = at_interruption(store=store)
+        original = store._conn
+        store._conn = _Broken(original)  # type: ignore[assignment]
+        assert_refused(c, sqlite3.OperationalError, c.approve, "charge")
+        assert RunController.load(store, "run-1").state == c.state
+
+
+_LOSE_COMMIT_ANSWER = threading.Event()
+
+
+class _LosesCommitAnswer(sqlite3.Connection):
+    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+        cursor = super().execute(sql, *args)
+        if sql == "COMMIT" and _LOSE_COMMIT_ANSWER.is_set():
+            raise sqlite3.OperationalError("disk I/O error")
+        return cursor
+
+
+class _Broken:
+    """A connection whose COMMIT fails for real (rolled back: nothing lands)."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        if sql == "COMMIT":
+            self._conn.execute("ROLLBACK")
+            raise sqlite3.OperationalError("disk I/O error")
+        return self._conn.execute(sql, *args)
+
+    def executemany(self, sql: str, rows: Any) -> Any:
+        return self._conn.executemany(sql, rows)
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def test_snapshots_are_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(controller_module, "SNAPSHOT_EVERY", 2)
+    store = MemoryEventStore()
+    c = at_interruption(store=store)
+    assert c.step is Step.INTERRUPTION
+    snapshot, _ = store.load_latest("run-1")
+    assert snapshot is not None
+    assert json.loads(json.dumps(snapshot)) == snapshot
