@@ -34,7 +34,7 @@ from statemachine.machine import (
     build_transitions_machine,
 )
 from statemachine.payloads import detach, fingerprint_of
-from statemachine.values import GuardrailResult
+from statemachine.values import GuardrailResult, RecoveryPolicy
 
 Setup = Callable[[int], RunController]
 
@@ -119,11 +119,50 @@ def measure(name: str, runs: int, repeats: int) -> dict[str, float]:
     return {key: statistics.median(s[key] for s in samples) for key in samples[0]}
 
 
+def measure_store(appends: int, repeats: int) -> dict[str, float]:
+    """Appends per second: `SQLiteEventStore` (one event per transaction, encoding
+    included) vs a bare sqlite3 loop writing the same rows with the same pragmas."""
+    import sqlite3
+    import tempfile
+    import uuid
+    from pathlib import Path
+
+    from statemachine import codec
+    from statemachine.stores import SQLiteEventStore
+
+    events: list[ev.Event] = [ev.RunStarted(0, "r", "s", RecoveryPolicy.RECONCILE, None, "json")]
+    events += [ev.HookRan(i, "tool_start", f"call-{i}") for i in range(1, appends)]
+    rows = [("r", e.seq, uuid.uuid4().hex, json.dumps(codec.encode_event(e))) for e in events]
+    ours, bare = [], []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as tmp:
+            store = SQLiteEventStore(Path(tmp) / "store.db")
+            start = time.perf_counter()
+            for e in events:
+                store.append("r", (e,), e.seq)
+            ours.append(appends / (time.perf_counter() - start))
+            store.close()
+            conn = sqlite3.connect(Path(tmp) / "bare.db", isolation_level=None)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            conn.execute("CREATE TABLE events (run_id TEXT NOT NULL, seq INTEGER NOT NULL, "
+                         "batch_id TEXT NOT NULL, body TEXT NOT NULL, UNIQUE (run_id, seq))")
+            start = time.perf_counter()
+            for row in rows:
+                conn.execute("BEGIN IMMEDIATE")
+                conn.execute("INSERT INTO events VALUES (?, ?, ?, ?)", row)
+                conn.execute("COMMIT")
+            bare.append(appends / (time.perf_counter() - start))
+            conn.close()
+    return {"store_per_s": statistics.median(ours), "bare_per_s": statistics.median(bare)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3000, help="fresh runs per repeat")
     parser.add_argument("--repeats", type=int, default=7, help="repeats (medians are shown)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--appends", type=int, default=2000, help="SQLite appends per repeat")
     args = parser.parse_args(argv)
     rows: list[dict[str, Any]] = []
     for name in COMMANDS:
@@ -136,10 +175,15 @@ def main(argv: list[str] | None = None) -> int:
             "controller_over_floor": round(m["controller"] / m["floor"], 2),
             "transitions_over_controller": round(m["transitions"] / m["controller"], 2),
         })
+    store = measure_store(args.appends, max(1, args.repeats // 2))
+    store_row = {"store_appends_per_s": round(store["store_per_s"]),
+                 "bare_sqlite_per_s": round(store["bare_per_s"]),
+                 "store_over_bare": round(store["store_per_s"] / store["bare_per_s"], 2)}
     machine = {"python": platform.python_version(), "machine": platform.machine(),
                "processor": platform.processor() or "unknown"}
     if args.json:
-        json.dump({"machine": machine, "command": rows}, sys.stdout, indent=2)
+        json.dump({"machine": machine, "command": rows, "sqlite_store": store_row},
+                  sys.stdout, indent=2)
         print()
         return 0
     print(f"one guarded command, medians of {args.repeats} x {args.runs} fresh runs "
@@ -153,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['command']:<22}{row['floor_us']:>10.2f}{row['controller_us']:>10.2f}"
               f"{row['transitions_us']:>10.2f}{row['controller_over_floor']:>12.2f}"
               f"{row['transitions_over_controller']:>12.2f}  {'met' if met else 'MISSED'}")
+    print()
+    print("SQLite store, one event per transaction (target: store >= 0.8x bare sqlite3)")
+    print(f"store {store_row['store_appends_per_s']}/s, bare sqlite3 "
+          f"{store_row['bare_sqlite_per_s']}/s, ratio {store_row['store_over_bare']:.2f}  "
+          f"{'met' if store_row['store_over_bare'] >= 0.8 else 'MISSED'}")
     return 0
 
 

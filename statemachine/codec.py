@@ -279,6 +279,7 @@ def encode_state(state: RunState) -> dict[str, JSON]:
         "published_guardrails": converter.unstructure(state.published_guardrails),
         "guardrail_keys": _sorted_keys(state.guardrail_keys),
         "hook_keys": _sorted_keys(state.hook_keys),
+        "model_output": state.model_output,
         "final_output": state.final_output,
         "final_accepted": state.final_accepted,
         "final_lossless": state.final_lossless,
@@ -311,6 +312,7 @@ def decode_state(data: Mapping[str, Any]) -> RunState | None:
                                   for g in data["published_guardrails"]]
     state.guardrail_keys = {tuple(key) for key in data["guardrail_keys"]}
     state.hook_keys = {tuple(key) for key in data["hook_keys"]}
+    state.model_output = data["model_output"]
     state.final_output = data["final_output"]
     state.final_accepted = data["final_accepted"]
     state.final_lossless = data["final_lossless"]

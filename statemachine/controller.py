@@ -247,7 +247,13 @@ class RunController:
         return tuple(self._state.pending_guardrails)
 
     @property
+    def model_output(self) -> JSON:
+        """The output of the model's last response (what FINALIZING is finishing)."""
+        return detach(self._state.model_output)
+
+    @property
     def final_output(self) -> JSON:
+        """The accepted final output (None until ``accept_final_output``)."""
         return detach(self._state.final_output)
 
     @property

@@ -45,7 +45,7 @@ class RunState:
     __slots__ = (
         "activation", "attempt_seq", "calls", "canonical", "counts", "envelope",
         "final_accepted", "final_lossless", "final_output", "form", "guardrail_keys",
-        "hook_keys", "last_seq", "max_turns", "model_calls", "pending_guardrails",
+        "hook_keys", "last_seq", "max_turns", "model_calls", "model_output", "pending_guardrails",
         "policy", "published_guardrails", "run_id", "session_id", "step", "turns",
     )
 
@@ -66,6 +66,7 @@ class RunState:
         self.published_guardrails: list[GuardrailResult] = []
         self.guardrail_keys: set[tuple[Any, ...]] = set()
         self.hook_keys: set[tuple[Any, ...]] = set()
+        self.model_output: JSON = None
         self.final_output: JSON = None
         self.final_accepted = False
         self.final_lossless = True
@@ -118,7 +119,7 @@ class RunState:
             tuple((i, r.view()) for i, r in self.calls.items()),
             tuple(self.pending_guardrails), tuple(self.published_guardrails),
             frozenset(self.guardrail_keys), frozenset(self.hook_keys),
-            self.final_output, self.final_accepted, self.final_lossless,
+            self.model_output, self.final_output, self.final_accepted, self.final_lossless,
             self.envelope, self.attempt_seq, self.last_seq,
         )
 
@@ -171,6 +172,7 @@ def _model_call_begun(s: RunState, e: ev.ModelCallBegun) -> None:
 
 def _model_responded(s: RunState, e: ev.ModelResponded) -> None:
     s.turns += 1
+    s.model_output = e.output
     for call in e.tool_calls:
         phase = "awaiting" if call.needs_approval else "approved"
         s.calls[call.call_id] = CallRecord(call, phase)
