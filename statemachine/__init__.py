@@ -21,7 +21,7 @@ from statemachine.errors import (
 from statemachine.log import disable_logging, enable_logging
 from statemachine.machine import Step
 from statemachine.payloads import register_canonical
-from statemachine.stores import EventStore, MemoryEventStore
+from statemachine.stores import EventStore, MemoryEventStore, SQLiteEventStore
 from statemachine.values import (
     Acknowledge,
     Action,
@@ -51,6 +51,7 @@ __all__ = [
     "Resend",
     "RunController",
     "RunNotResumable",
+    "SQLiteEventStore",
     "SchemaError",
     "Step",
     "ToolCall",
