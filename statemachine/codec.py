@@ -277,7 +277,8 @@ def encode_state(state: RunState) -> dict[str, JSON]:
                   for r in state.calls.values()],
         "pending_guardrails": converter.unstructure(state.pending_guardrails),
         "published_guardrails": converter.unstructure(state.published_guardrails),
-        "guardrail_keys": _sorted_keys(state.guardrail_keys),
+        "guardrail_keys": [[[*key], converter.unstructure(result)]
+                           for key, result in state.guardrail_keys.items()],
         "hook_keys": _sorted_keys(state.hook_keys),
         "model_output": state.model_output,
         "final_output": state.final_output,
@@ -310,7 +311,8 @@ def decode_state(data: Mapping[str, Any]) -> RunState | None:
                                 for g in data["pending_guardrails"]]
     state.published_guardrails = [converter.structure(g, GuardrailResult)
                                   for g in data["published_guardrails"]]
-    state.guardrail_keys = {tuple(key) for key in data["guardrail_keys"]}
+    state.guardrail_keys = {tuple(key): converter.structure(result, GuardrailResult)
+                            for key, result in data["guardrail_keys"]}
     state.hook_keys = {tuple(key) for key in data["hook_keys"]}
     state.model_output = data["model_output"]
     state.final_output = data["final_output"]

@@ -273,6 +273,18 @@ class RunController:
         """Calls this controller started and has not seen complete (never serialized)."""
         return tuple(self._in_flight)
 
+    def recorded_guardrail(self, name: str, *, stage: str,
+                           call_id: str | None = None) -> GuardrailResult | None:
+        """The result recorded for this guardrail in its scope (this call for tool
+        stages, the current activation otherwise), or None: how a resumed runner skips a
+        guardrail that already ran (I1) and honours its verdict."""
+        s = self._state
+        return s.guardrail_keys.get(s.guardrail_key(GuardrailResult(name, stage, call_id, None)))
+
+    def hook_done(self, hook: str, *, call_id: str | None = None) -> bool:
+        """Whether this hook already ran in its scope (I1)."""
+        return self._state.hook_key(hook, call_id) in self._state.hook_keys
+
     def in_doubt(self) -> tuple[str, ...]:
         """Started, non-idempotent calls this controller does not hold in flight."""
         return tuple(

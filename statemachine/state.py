@@ -64,7 +64,8 @@ class RunState:
         self.counts = dict.fromkeys(PHASES, 0)
         self.pending_guardrails: list[GuardrailResult] = []
         self.published_guardrails: list[GuardrailResult] = []
-        self.guardrail_keys: set[tuple[Any, ...]] = set()
+        self.guardrail_keys: dict[tuple[Any, ...], GuardrailResult] = {}
+        """Every recorded guardrail by (name, stage, call id or activation)."""
         self.hook_keys: set[tuple[Any, ...]] = set()
         self.model_output: JSON = None
         self.final_output: JSON = None
@@ -118,7 +119,7 @@ class RunState:
             self.step, self.turns, self.model_calls, self.activation,
             tuple((i, r.view()) for i, r in self.calls.items()),
             tuple(self.pending_guardrails), tuple(self.published_guardrails),
-            frozenset(self.guardrail_keys), frozenset(self.hook_keys),
+            self.guardrail_keys, frozenset(self.hook_keys),
             self.model_output, self.final_output, self.final_accepted, self.final_lossless,
             self.envelope, self.attempt_seq, self.last_seq,
         )
@@ -203,7 +204,7 @@ def _tool_completed(s: RunState, e: ev.ToolCompleted | ev.InDoubtResolved) -> No
 
 
 def _guardrail(s: RunState, e: ev.GuardrailEvaluated) -> None:
-    s.guardrail_keys.add(s.guardrail_key(e.result))
+    s.guardrail_keys[s.guardrail_key(e.result)] = e.result
     s.pending_guardrails.append(e.result)
 
 
