@@ -607,6 +607,34 @@ class RunController:
         self._in_flight.clear()
         self._attempt = None
 
+    # -------------------------------------------------- per-call publications
+
+    def receive_tool_calls(self, tool_calls: Sequence[ToolCall]) -> None:
+        """Calls a remote agent loop asks this client to run (RUN_AGAIN or TOOLS →
+        TOOLS). They need no approval here; their ids must be new to the run."""
+        action = "receive_tool_calls"
+        self._gate(action, action)
+        if not isinstance(tool_calls, list | tuple):
+            self._refuse(SchemaError, action, "tool_calls must be a list of ToolCall")
+        calls = tuple(self._tool_call(action, call) for call in tool_calls)
+        self._record(action, ev.ToolCallsReceived(self._seq, calls))
+
+    def result_posted(self, call_id: str) -> None:
+        """The call's cached result is now in the remote history: it is published, and
+        ``begin_tool`` will neither re-send nor re-run it."""
+        self._gate("result_posted", "result_posted")
+        self._text("result_posted", "call_id", call_id)
+        self._record("result_posted", ev.ResultPosted(self._seq, call_id))
+
+    def result_post_failed(self, call_id: str, error: BaseException | type[BaseException]
+                           ) -> None:
+        """A post of the call's result ended without landing (the type name is recorded;
+        re-raise or report the error yourself). The result stays cached for a re-post."""
+        self._gate("result_post_failed", "result_post_failed")
+        self._text("result_post_failed", "call_id", call_id)
+        self._record("result_post_failed",
+                     ev.ResultPostFailed(self._seq, call_id, _error_name(error)))
+
     # --------------------------------------------------------------- publication
 
     def stage_publication(self, items: list[JSON], history: Sequence[JSON], *,

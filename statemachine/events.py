@@ -179,6 +179,32 @@ class ReconciledAcknowledge(Event):
 
 
 @attrs.frozen
+class ToolCallsReceived(Event):
+    """Calls a remote agent loop asks this client to execute (the remote executor)."""
+
+    TRIGGER: ClassVar[str] = "receive_tool_calls"
+    tool_calls: tuple[ToolCall, ...]
+
+
+@attrs.frozen
+class ResultPosted(Event):
+    """A per-call publication: the call's cached result is in the remote history."""
+
+    TRIGGER: ClassVar[str] = "result_posted"
+    call_id: str
+
+
+@attrs.frozen
+class ResultPostFailed(Event):
+    """A post of the call's result ended without landing; the result stays cached."""
+
+    TRIGGER: ClassVar[str] = "result_post_failed"
+    call_id: str
+    error: str
+    """The error's type name, never its message."""
+
+
+@attrs.frozen
 class Abandoned(Event):
     TRIGGER: ClassVar[str] = "abandon"
     reason: str
@@ -206,6 +232,9 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     PublicationFailed,
     ReconciledAppend,
     ReconciledAcknowledge,
+    ToolCallsReceived,
+    ResultPosted,
+    ResultPostFailed,
     Abandoned,
 )
 """Every event class, by name in the JSON log (``"type"``)."""

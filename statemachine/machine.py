@@ -152,6 +152,13 @@ def output_only(s: RunState, e: Any) -> bool:
 
 
 @guard
+def result_unpublished(s: RunState, e: Any) -> bool:
+    """the call must have a completed, unpublished result"""
+    record = s.calls.get(e.call_id)
+    return record is not None and record.phase == "completed"
+
+
+@guard
 def call_awaits_decision(s: RunState, e: Any) -> bool:
     """the call must exist and await a decision"""
     record = s.calls.get(e.call_id)
@@ -410,6 +417,12 @@ TRANSITIONS: tuple[Transition, ...] = (
     _row("publication_failed", S.UNSETTLED, None, "attempt_open", "envelope_reconcilable"),
     _row("reconcile_append", S.UNSETTLED, None, "envelope_reconcilable",
          "no_attempt_or_take_over"),
+    # per-call publications (a remote event stream, keyed by call id): calls arrive in
+    # any tools step and each result is posted on its own, never blocking the others
+    _row("receive_tool_calls", (S.RUN_AGAIN, S.TOOLS), S.TOOLS,
+         "no_envelope", "calls_are_new", "calls_without_approval"),
+    _row("result_posted", S.TOOLS, None, "no_envelope", "result_unpublished"),
+    _row("result_post_failed", S.TOOLS, None, "no_envelope", "result_unpublished"),
     # the way out of every live step
     _row("abandon", LIVE_STEPS, S.TERMINAL_UNRECOVERABLE),
 )

@@ -180,6 +180,16 @@ def _model_responded(s: RunState, e: ev.ModelResponded) -> None:
         s.counts[phase] += 1
 
 
+def _received(s: RunState, e: ev.ToolCallsReceived) -> None:
+    for call in e.tool_calls:
+        s.calls[call.call_id] = CallRecord(call, "approved")
+        s.counts["approved"] += 1
+
+
+def _posted(s: RunState, e: ev.ResultPosted) -> None:
+    s._phase(s.calls[e.call_id], "published")
+
+
 def _approved(s: RunState, e: ev.CallApproved) -> None:
     s._phase(s.calls[e.call_id], "approved")
 
@@ -275,5 +285,8 @@ _APPLY: dict[type[ev.Event], Any] = {
     ev.PublicationFailed: _failed,
     ev.ReconciledAppend: _append_decided,
     ev.ReconciledAcknowledge: _committed,
+    ev.ToolCallsReceived: _received,
+    ev.ResultPosted: _posted,
+    ev.ResultPostFailed: _nothing,
     ev.Abandoned: _nothing,
 }

@@ -5,12 +5,23 @@ fail the test if they are touched at all."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any, Literal
 
+import attrs
+
 from statemachine.payloads import JSON
-from statemachine.runner import Agent, ModelResponse, RunHooks
+from statemachine.runner import (
+    Agent,
+    AlreadyAnswered,
+    ModelResponse,
+    RemoteEvent,
+    RunHooks,
+    TransientPostError,
+)
 from statemachine.sessions import Session
 from statemachine.values import ToolCall
 
@@ -129,3 +140,141 @@ class Untouchable:
         raise AssertionError("a refused run touched the model or the Session")
 
     respond = get_items = add_items = pop_item = clear_session = _touched
+
+
+class StreamDisconnected(ConnectionError):
+    """The fake remote's stream dropped."""
+
+
+class ListingFailed(ConnectionError):
+    """The fake remote's history listing failed part way."""
+
+
+class PermanentPostError(Exception):
+    """A post the fake remote refuses for good (a 4xx)."""
+
+
+PostOutcome = Literal["ok", "transient", "permanent", "commit_then_raise"]
+
+
+class FakeRemote:
+    """A scripted remote agent loop for `RemoteToolExecutor`.
+
+    It emits ``tool_uses`` (call id, tool name, arguments) one per stream event, then
+    ``session_end`` once every call has a result. Faults, all scripted:
+
+    * ``disconnect_after[i]``: the i-th connection drops after that many events;
+    * ``failing_listings``: those listings (1-based) raise part way;
+    * ``post_outcomes[call_id]``: the outcome of each post attempt of that call (then
+      ``ok``): ``transient``, ``permanent``, or ``commit_then_raise`` (the result lands,
+      then the post raises a transient error).
+
+    The remote keeps at most one result per call: a second post raises
+    `AlreadyAnswered`. With ``path`` its state survives processes (a JSON file).
+    """
+
+    def __init__(self, tool_uses: Sequence[tuple[str, str, JSON]] = (), *,
+                 disconnect_after: Sequence[int] = (), failing_listings: Sequence[int] = (),
+                 post_outcomes: dict[str, list[PostOutcome]] | None = None,
+                 path: str | None = None) -> None:
+        self.path = path
+        self.disconnect_after = list(disconnect_after)
+        self.failing_listings = set(failing_listings)
+        self.post_outcomes = dict(post_outcomes or {})
+        self.history: list[RemoteEvent] = []
+        self.pending = [RemoteEvent("tool_use", call_id, name, arguments)
+                        for call_id, name, arguments in tool_uses]
+        self.posts: Counter[str] = Counter()
+        self.connections = 0
+        self.listings = 0
+        self.open_streams = 0
+        if path is not None and os.path.exists(path):
+            self._load()
+
+    # persistence, for tests that kill the client process
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        data = {"history": [attrs.asdict(e) for e in self.history],
+                "pending": [attrs.asdict(e) for e in self.pending],
+                "posts": dict(self.posts)}
+        with open(self.path, "w") as f:
+            json.dump(data, f)
+
+    def _load(self) -> None:
+        assert self.path is not None
+        with open(self.path) as f:
+            data = json.load(f)
+        self.history = [RemoteEvent(**e) for e in data["history"]]
+        self.pending = [RemoteEvent(**e) for e in data["pending"]]
+        self.posts = Counter(data["posts"])
+
+    def results(self) -> dict[str, list[JSON]]:
+        """Every result the remote holds, by call id."""
+        held: dict[str, list[JSON]] = {}
+        for event in self.history:
+            if event.kind == "tool_result" and event.call_id is not None:
+                held.setdefault(event.call_id, []).append(event.result)
+        return held
+
+    def _answered(self, call_id: str) -> bool:
+        return call_id in self.results()
+
+    def _all_answered(self) -> bool:
+        return all(self._answered(e.call_id) for e in self.history  # type: ignore[arg-type]
+                   if e.kind == "tool_use")
+
+    async def list_events(self) -> AsyncGenerator[RemoteEvent, None]:
+        self.listings += 1
+        snapshot = list(self.history)
+        fail = self.listings in self.failing_listings
+        for index, event in enumerate(snapshot):
+            if fail and index >= len(snapshot) // 2:
+                raise ListingFailed("listing failed part way")
+            await asyncio.sleep(0)
+            yield event
+        if fail:
+            raise ListingFailed("listing failed part way")
+
+    async def events(self) -> AsyncGenerator[RemoteEvent, None]:
+        self.connections += 1
+        limit = (self.disconnect_after[self.connections - 1]
+                 if self.connections <= len(self.disconnect_after) else None)
+        self.open_streams += 1
+        delivered = 0
+        try:
+            while True:
+                if limit is not None and delivered >= limit:
+                    raise StreamDisconnected("the stream dropped")
+                if not self.pending:
+                    if self._all_answered() and self.history:
+                        end = RemoteEvent("session_end")
+                        if end not in self.history:
+                            self.history.append(end)
+                            self._save()
+                        yield end
+                    return  # idle: the client reconnects and reconciles
+                event = self.pending.pop(0)
+                self.history.append(event)
+                self._save()
+                delivered += 1
+                yield event
+        finally:
+            self.open_streams -= 1
+
+    async def post_result(self, call_id: str, result: JSON) -> None:
+        attempt = self.posts[call_id]
+        self.posts[call_id] += 1
+        self._save()
+        outcomes = self.post_outcomes.get(call_id, [])
+        outcome = outcomes[attempt] if attempt < len(outcomes) else "ok"
+        if self._answered(call_id):
+            raise AlreadyAnswered(call_id)
+        if outcome == "transient":
+            raise TransientPostError("the remote timed out")
+        if outcome == "permanent":
+            raise PermanentPostError("the remote refused the post")
+        self.history.append(RemoteEvent("tool_result", call_id, result=result))
+        self._save()
+        if outcome == "commit_then_raise":
+            raise TransientPostError("the answer was lost after the post landed")

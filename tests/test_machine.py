@@ -64,10 +64,12 @@ def events_for(draw: st.DrawFn, state: RunState, seq: int) -> ev.Event:
     """A plausible event for ``state``: mostly well-formed, sometimes not."""
     kind = draw(st.sampled_from([cls for cls in ev.EVENT_TYPES if cls is not ev.RunStarted]))
     call_id = draw(st.sampled_from(CALL_IDS))
-    if kind is ev.ModelResponded:
+    if kind in (ev.ModelResponded, ev.ToolCallsReceived):
         ids = draw(st.lists(st.sampled_from((*CALL_IDS, "d", "e")), max_size=3))
         calls = tuple(ToolCall(i, "t", {"n": n}, draw(st.booleans()), draw(st.booleans()))
                       for n, i in enumerate(ids))
+        if kind is ev.ToolCallsReceived:
+            return ev.ToolCallsReceived(seq, calls)
         return ev.ModelResponded(seq, calls, draw(st.sampled_from([None, "out"])))
     if kind in (ev.CallApproved, ev.CallRejected):
         record = state.calls.get(call_id)
@@ -75,8 +77,10 @@ def events_for(draw: st.DrawFn, state: RunState, seq: int) -> ev.Event:
         if kind is ev.CallApproved:
             return ev.CallApproved(seq, call_id, fingerprint)
         return ev.CallRejected(seq, call_id, fingerprint, "no")
-    if kind in (ev.ToolStarted,):
+    if kind in (ev.ToolStarted, ev.ResultPosted):
         return kind(seq, call_id)
+    if kind is ev.ResultPostFailed:
+        return ev.ResultPostFailed(seq, call_id, "OSError")
     if kind in (ev.ToolCompleted, ev.InDoubtResolved):
         return kind(seq, call_id, "out")
     if kind is ev.GuardrailEvaluated:
