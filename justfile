@@ -15,6 +15,8 @@ lint:
 bench *args:
     {{python}} -m bench {{args}}
 
-# The property tests with the long profile.
-fuzz *args:
-    HYPOTHESIS_PROFILE=fuzz {{python}} -m pytest tests -k "property or stateful or differential" {{args}}
+# Long fuzzing: the explorer deeper than CI, then the property and stateful tests with the
+# long `fuzz` profile (persistent example database, a progress line every 50 examples).
+fuzz depth="7" *args:
+    {{python}} -m statemachine explore --depth {{depth}}
+    HYPOTHESIS_PROFILE=fuzz {{python}} -m pytest -s tests/test_stateful.py tests/test_machine.py tests/test_codec.py tests/test_envelope.py tests/test_remote.py {{args}}

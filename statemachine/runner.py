@@ -203,8 +203,14 @@ class _Drive:
         if input_items:
             c.add_input(list(input_items))
             await publish(c, self.session, list(input_items))
+        progress: tuple[int, Action] | None = None
         while True:
             action = c.next_action()
+            if progress == (len(c.events), action):
+                # the last round of this action recorded nothing: going on would loop
+                raise RuntimeError(f"the runner made no progress on {action.value} in step "
+                                   f"{c.step.value}")
+            progress = (len(c.events), action)
             self.emit(StreamEvent("action", {"action": action.value, "step": c.step.value}))
             if action is Action.NOT_RESUMABLE:
                 if c.step is Step.COMPLETED:

@@ -21,8 +21,8 @@ settings.register_profile(
 settings.register_profile("dev", max_examples=100, stateful_step_count=40, deadline=None)
 settings.register_profile(
     "fuzz",
-    max_examples=20_000,
-    stateful_step_count=100,
+    max_examples=2_000,
+    stateful_step_count=60,
     deadline=None,
     database=DirectoryBasedExampleDatabase(".hypothesis/fuzz"),
     suppress_health_check=[HealthCheck.too_slow],

@@ -1,0 +1,134 @@
+"""Six deliberate bugs, each a context manager that plants it for the duration of a
+test. The fuzzers must catch every one (tests/test_teeth.py)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from statemachine import RecoveryPolicy, codec, envelope, machine, runner
+from statemachine import controller as controller_module
+from statemachine import events as ev
+from statemachine.envelope import Finding
+from statemachine.machine import TABLE, Step
+from statemachine.state import RunState
+
+
+@contextlib.contextmanager
+def _patched(*patches: tuple[Any, Any, Any]) -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        for target, name, value in patches:
+            if isinstance(target, dict):
+                mp.setitem(target, name, value)
+            else:
+                mp.setattr(target, name, value)
+        yield
+
+
+def approve_while_unsettled() -> contextlib.AbstractContextManager[None]:
+    guards, dest = TABLE[(Step.INTERRUPTION, "approve")][0]
+    unguarded = ((tuple(g for g in guards if g[0] != "no_envelope"), dest),)
+    return _patched(
+        (TABLE, (Step.UNSETTLED, "approve"), unguarded),
+        (controller_module, "SETTLING_TRIGGERS", machine.SETTLING_TRIGGERS | {"approve"}),
+    )
+
+
+def reconcile_appends_on_p_plus_b() -> contextlib.AbstractContextManager[None]:
+    real = envelope.classify
+
+    def classify(*args: Any) -> Finding:
+        found = real(*args)
+        return Finding("append") if found.kind == "acknowledge" else found
+
+    return _patched((controller_module, "classify", classify))
+
+
+def guardrails_published_twice() -> contextlib.AbstractContextManager[None]:
+    real = RunState._settle
+
+    def settle(self: RunState) -> None:
+        envelope = self.envelope
+        real(self)
+        if envelope is not None:
+            self.published_guardrails.extend(envelope.guardrails)
+
+    return _patched((RunState, "_settle", settle))
+
+
+def started_call_re_executed() -> contextlib.AbstractContextManager[None]:
+    import attrs
+
+    real = controller_module.RunController.begin_tool
+
+    def begin_tool(self: Any, call_id: str) -> Any:
+        record = self.state.calls.get(call_id)
+        if record is not None and record.phase == "started" and call_id not in self.in_flight:
+            record.call = attrs.evolve(record.call, idempotent=True)
+        return real(self, call_id)
+
+    real_runnable = runner._Drive._runnable
+
+    def runnable(self: Any, call_id: str) -> bool:
+        record = self.c.state.calls[call_id]
+        if record.phase == "started" and call_id not in self.c.in_flight:
+            return True
+        return real_runnable(self, call_id)
+
+    return _patched((controller_module.RunController, "begin_tool", begin_tool),
+                    (controller_module.RunController, "in_doubt", lambda self: ()),
+                    (runner._Drive, "_runnable", runnable))
+
+
+def terminal_marker_dropped_by_json() -> contextlib.AbstractContextManager[None]:
+    real = codec.encode_log
+
+    def encode_log(run_id: str, events: Any) -> Any:
+        events = list(events)
+        fail_closed = events and events[0].policy is RecoveryPolicy.FAIL_CLOSED
+        if events and (isinstance(events[-1], ev.Abandoned) or (
+                fail_closed and isinstance(events[-1], ev.PublicationFailed))):
+            events = events[:-1]  # the run's terminal marker is lost on the way out
+        return real(run_id, events)
+
+    return _patched((codec, "encode_log", encode_log))
+
+
+def streamed_run_skips_the_envelope() -> contextlib.AbstractContextManager[None]:
+    real = runner._Drive._publish
+
+    async def publish(self: Any) -> None:
+        if getattr(self.emit, "__self__", None) is None:  # run(): the no-op emitter
+            await real(self)
+            return
+        # streamed: write first, arm the envelope afterwards (the seed's bug)
+        c = self.c
+        ids = [i for i, r in c.state.calls.items() if r.phase in ("completed", "rejected")]
+        items: list[Any] = []
+        for call_id in ids:
+            record = c.state.calls[call_id]
+            items += [{"type": "function_call", "call_id": call_id, "name": record.call.name,
+                       "arguments": record.call.arguments},
+                      {"type": "function_call_output", "call_id": call_id,
+                       "output": record.result}]
+        if c.step is Step.FINAL_OUTPUT:
+            items.append({"role": "assistant", "content": c.final_output})
+        history = await self.session.get_items(limit=len(items) + 1)
+        await self.session.add_items(items)
+        c.stage_publication(items, history, call_ids=ids)
+        c.publication_committed()
+
+    return _patched((runner._Drive, "_publish", publish))
+
+
+MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+    "approve allowed while unsettled": approve_while_unsettled,
+    "reconcile appends on P + B": reconcile_appends_on_p_plus_b,
+    "guardrail results published twice": guardrails_published_twice,
+    "a started call re-executed on resume": started_call_re_executed,
+    "the terminal marker dropped by JSON": terminal_marker_dropped_by_json,
+    "a streamed run skipping the envelope": streamed_run_skips_the_envelope,
+}
