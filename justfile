@@ -1,4 +1,5 @@
-# The front door: `just test`, `just lint`, `just bench`, `just fuzz`.
+# The front door: `just test`, `just lint`, `just bench`, `just fuzz`, `just diagrams`,
+# `just demo`.
 
 python := "python"
 
@@ -11,7 +12,7 @@ lint:
     {{python}} -m ruff check statemachine tests bench
     {{python}} -m mypy
 
-# Benchmarks: ratios against floors measured in the same run.
+# Benchmarks: ratios against floors measured in the same run (`just bench --json`).
 bench *args:
     {{python}} -m bench {{args}}
 
@@ -20,3 +21,11 @@ bench *args:
 fuzz depth="7" *args:
     {{python}} -m statemachine explore --depth {{depth}}
     HYPOTHESIS_PROFILE=fuzz {{python}} -m pytest -s tests/test_stateful.py tests/test_machine.py tests/test_codec.py tests/test_envelope.py tests/test_remote.py {{args}}
+
+# Regenerate diagrams/ from the declaration in statemachine/machine.py.
+diagrams:
+    {{python}} -m statemachine render
+
+# Play the field-report scenarios with injected failures.
+demo *args:
+    {{python}} -m statemachine demo {{args}}
