@@ -83,7 +83,8 @@ def mermaid(path: RunPath | None = None) -> str:
         if _taken(edge, path):
             highlighted.append(str(index))
     lines.append("    classDef terminal fill:#eee,stroke:#333,stroke-width:2px")
-    lines.append("    class " + ",".join(s.value for s in TERMINAL_STEPS) + " terminal")
+    lines.append("    class " + ",".join(s.value for s in Step if s in TERMINAL_STEPS)
+                 + " terminal")
     if path is not None:
         lines.append("    classDef current fill:#ffd54f,stroke:#e65100,stroke-width:3px")
         lines.append(f"    class {path.current.value} current")
