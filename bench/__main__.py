@@ -10,7 +10,12 @@ For each command, three variants run interleaved on fresh runs, GC on:
 * transitions: our declaration in a plain ``transitions.Machine(auto_transitions=False)``
   with the guards as model methods, firing the same trigger.
 
-Usage: ``python -m bench [--runs N] [--repeats R] [--json]``.
+Then the rows of `bench.suite`: the SQLite store against a bare sqlite3 loop, loading runs
+of several lengths (JSON, SQLite replay, SQLite snapshot), the memory of idle runs,
+stateful fuzzing throughput, the whole partial-approval scenario and a paused 500-turn
+run's round trip (each beside openai-agents when the ``bench`` extra is installed).
+
+Usage: ``python -m bench [--json] [--runs N] [--repeats R] ...`` (``--help`` lists all).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import statistics
 import sys
@@ -158,11 +164,19 @@ def measure_store(appends: int, repeats: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench import suite
+
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3000, help="fresh runs per repeat")
     parser.add_argument("--repeats", type=int, default=7, help="repeats (medians are shown)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--appends", type=int, default=2000, help="SQLite appends per repeat")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[100, 10_000, 100_000],
+                        help="log lengths to load")
+    parser.add_argument("--idle-runs", type=int, default=10_000, help="runs for the memory row")
+    parser.add_argument("--fuzz-examples", type=int, default=20,
+                        help="stateful examples for the throughput row")
+    parser.add_argument("--turns", type=int, default=500, help="turns of the paused run")
     args = parser.parse_args(argv)
     rows: list[dict[str, Any]] = []
     for name in COMMANDS:
@@ -176,33 +190,78 @@ def main(argv: list[str] | None = None) -> int:
             "transitions_over_controller": round(m["transitions"] / m["controller"], 2),
         })
     store = measure_store(args.appends, max(1, args.repeats // 2))
-    store_row = {"store_appends_per_s": round(store["store_per_s"]),
-                 "bare_sqlite_per_s": round(store["bare_per_s"]),
-                 "store_over_bare": round(store["store_per_s"] / store["bare_per_s"], 2)}
-    machine = {"python": platform.python_version(), "machine": platform.machine(),
-               "processor": platform.processor() or "unknown"}
+    report: dict[str, Any] = {
+        "machine": {"python": platform.python_version(), "machine": platform.machine(),
+                    "processor": platform.processor() or "unknown",
+                    "cpus": os.cpu_count()},
+        "command": rows,
+        "sqlite_store": {"store_appends_per_s": round(store["store_per_s"]),
+                         "bare_sqlite_per_s": round(store["bare_per_s"]),
+                         "store_over_bare": round(store["store_per_s"] / store["bare_per_s"],
+                                                  2)},
+        "load": suite.measure_load(tuple(args.sizes), max(1, args.repeats // 2)),
+        "memory": suite.measure_memory(args.idle_runs),
+        "fuzz": suite.measure_fuzz_throughput(args.fuzz_examples),
+        "scenario": suite.measure_scenario(max(3, args.repeats)),
+        "roundtrip": suite.measure_roundtrip(args.turns, max(1, args.repeats // 2)),
+    }
     if args.json:
-        json.dump({"machine": machine, "command": rows, "sqlite_store": store_row},
-                  sys.stdout, indent=2)
+        json.dump(report, sys.stdout, indent=2)
         print()
         return 0
-    print(f"one guarded command, medians of {args.repeats} x {args.runs} fresh runs "
-          f"(Python {machine['python']}, {machine['machine']})")
-    print("targets: controller <= 3x floor; transitions >= 2x controller")
-    header = (f"{'command':<22}{'floor µs':>10}{'ctrl µs':>10}{'trans µs':>10}"
-              f"{'ctrl/floor':>12}{'trans/ctrl':>12}")
-    print(header)
-    for row in rows:
-        met = row["controller_over_floor"] <= 3 and row["transitions_over_controller"] >= 2
+    _print(report, args)
+    return 0
+
+
+def _mark(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def _print(report: dict[str, Any], args: argparse.Namespace) -> None:
+    m = report["machine"]
+    print(f"just bench on Python {m['python']}, {m['machine']}, {m['cpus']} CPUs; medians")
+    print(f"\none guarded command ({args.repeats} x {args.runs} fresh runs); targets: "
+          "controller <= 3x floor, transitions >= 2x controller")
+    print(f"{'command':<22}{'floor µs':>10}{'ctrl µs':>10}{'trans µs':>10}"
+          f"{'ctrl/floor':>12}{'trans/ctrl':>12}")
+    for row in report["command"]:
+        ok = row["controller_over_floor"] <= 3 and row["transitions_over_controller"] >= 2
         print(f"{row['command']:<22}{row['floor_us']:>10.2f}{row['controller_us']:>10.2f}"
               f"{row['transitions_us']:>10.2f}{row['controller_over_floor']:>12.2f}"
-              f"{row['transitions_over_controller']:>12.2f}  {'met' if met else 'MISSED'}")
-    print()
-    print("SQLite store, one event per transaction (target: store >= 0.8x bare sqlite3)")
-    print(f"store {store_row['store_appends_per_s']}/s, bare sqlite3 "
-          f"{store_row['bare_sqlite_per_s']}/s, ratio {store_row['store_over_bare']:.2f}  "
-          f"{'met' if store_row['store_over_bare'] >= 0.8 else 'MISSED'}")
-    return 0
+              f"{row['transitions_over_controller']:>12.2f}  {_mark(ok)}")
+    st = report["sqlite_store"]
+    print(f"\nSQLite store, one event per transaction: {st['store_appends_per_s']}/s vs bare "
+          f"sqlite3 {st['bare_sqlite_per_s']}/s = {st['store_over_bare']:.2f}x "
+          f"(target >= 0.8x) {_mark(st['store_over_bare'] >= 0.8)}")
+    print("\nloading a run (target >= 100k events/s; O(1) in length from a snapshot)")
+    print(f"{'events':>8}{'JSON ev/s':>12}{'SQLite replay ev/s':>20}{'snapshot ms':>13}"
+          f"{'snapshot ms, 100 calls':>24}")
+    for row in report["load"]:
+        print(f"{row['events']:>8}{row['json_events_per_s']:>12}"
+              f"{row['sqlite_replay_events_per_s']:>20}{row['sqlite_snapshot_ms']:>13}"
+              f"{row['sqlite_snapshot_100_calls_ms']:>24}")
+    mem = report["memory"]
+    print(f"\nmemory: {mem['runs']} idle runs, {mem['bytes_per_run']} B each, "
+          f"{mem['bytes_per_run_beyond_payloads']} B beyond payloads (target <= 4096) "
+          f"{_mark(mem['bytes_per_run_beyond_payloads'] <= 4096)}")
+    fz = report["fuzz"]
+    print(f"\nstateful fuzzing: {fz['steps']} steps in {fz['examples']} examples, "
+          f"{fz['steps_per_s']} steps/s")
+    sc = report["scenario"]
+    line = f"\npartial-approval scenario: reference runner {sc['reference_runner_ms']} ms"
+    if sc["openai_agents_ms"] is not None:
+        line += (f", openai-agents {sc['openai_agents_ms']} ms "
+                 f"({sc['openai_agents_over_ours']}x; goal >= 5x)")
+    else:
+        line += " (openai-agents not installed: pip install -e '.[bench]')"
+    print(line)
+    rt = report["roundtrip"]
+    line = (f"paused {rt['turns']}-turn run: serialize {rt['serialize_us_per_item']} µs/item, "
+            f"load {rt['load_us_per_item']} µs/item")
+    if rt["openai_agents_load_us_per_item"] is not None:
+        line += (f"; openai-agents load {rt['openai_agents_load_us_per_item']} µs/item "
+                 f"({rt['openai_agents_over_ours']}x; goal >= 5x)")
+    print(line)
 
 
 if __name__ == "__main__":

@@ -99,7 +99,9 @@ def _optional(structure: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]
     return hook
 
 
-converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=False)
+# Unknown and missing keys are named by `decode_event` itself (cattrs would only say
+# that something was wrong), so the converter may ignore the "type" key.
+converter = cattrs.Converter(detailed_validation=False)
 for _kind in (str, int, bool):
     converter.register_structure_hook(_kind, _exact(_kind))
 for _enum_kind in (Step, RecoveryPolicy):
@@ -178,17 +180,16 @@ def decode_event(data: Any, position: int) -> ev.Event:
     cls = EVENT_BY_NAME.get(name) if type(name) is str else None
     if cls is None:
         raise SchemaError(f"event {position} has a missing or unknown type")
-    body = {k: v for k, v in data.items() if k != "type"}
     fields = _FIELDS[cls]
-    if len(body) != len(fields) or any(f not in body for f in fields):
-        missing = [f for f in fields if f not in body]
+    if len(data) != len(fields) + 1 or any(f not in data for f in fields):
+        missing = [f for f in fields if f not in data]
         if missing:
             raise SchemaError(f"event {position} ({name}) lacks field(s) {', '.join(missing)}")
-        unknown = sorted(k for k in body if k not in fields)
+        unknown = sorted(k for k in data if k not in fields and k != "type")
         raise SchemaError(f"event {position} ({name}) has unknown field(s) "
                           f"{', '.join(unknown)}")
     try:
-        return _STRUCTURE[cls](body, cls)  # type: ignore[no-any-return]
+        return _STRUCTURE[cls](data, cls)  # type: ignore[no-any-return]
     except SchemaError:
         raise
     except _Bad as exc:
@@ -307,6 +308,8 @@ def decode_state(data: Mapping[str, Any]) -> RunState | None:
         record.result, record.starts = result, starts
         state.calls[record.call.call_id] = record
         state.counts[phase] += 1
+        if phase == "awaiting":
+            state.awaiting_ids[record.call.call_id] = None
     state.pending_guardrails = [converter.structure(g, GuardrailResult)
                                 for g in data["pending_guardrails"]]
     state.published_guardrails = [converter.structure(g, GuardrailResult)

@@ -47,6 +47,14 @@ def detach(value: JSON, max_depth: int = DEFAULT_MAX_DEPTH) -> JSON:
         return value
     if kind is not dict and kind is not list:
         raise PayloadError(f"a value of type {kind.__name__}, which is not plain JSON")
+    if max_depth >= 1:
+        # the common case: one flat container of strings, ints, bools and None
+        values = value.values() if kind is dict else value
+        if all(type(v) in _SCALARS for v in values):
+            if kind is list:
+                return list(value)
+            if all(type(k) is str for k in value):
+                return dict(value)
     root: dict[str, JSON] | list[JSON] = {} if kind is dict else []
     stack: list[tuple[Any, Any, int]] = [(value, root, 1)]
     if max_depth < 1:

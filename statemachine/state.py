@@ -43,7 +43,7 @@ class RunState:
     """Everything the log implies about a run. Read it through `RunController`."""
 
     __slots__ = (
-        "activation", "attempt_seq", "calls", "canonical", "counts", "envelope",
+        "activation", "attempt_seq", "awaiting_ids", "calls", "canonical", "counts", "envelope",
         "final_accepted", "final_lossless", "final_output", "form", "guardrail_keys",
         "hook_keys", "last_seq", "max_turns", "model_calls", "model_output", "pending_guardrails",
         "policy", "published_guardrails", "run_id", "session_id", "step", "turns",
@@ -61,6 +61,8 @@ class RunState:
         self.model_calls = 0
         self.activation = 0
         self.calls: dict[str, CallRecord] = {}
+        self.awaiting_ids: dict[str, None] = {}
+        """The calls awaiting a decision, in proposal order (kept so reads are O(1))."""
         self.counts = dict.fromkeys(PHASES, 0)
         self.pending_guardrails: list[GuardrailResult] = []
         self.published_guardrails: list[GuardrailResult] = []
@@ -84,7 +86,7 @@ class RunState:
         return self.counts["completed"] + self.counts["rejected"]
 
     def awaiting(self) -> tuple[str, ...]:
-        return tuple(i for i, r in self.calls.items() if r.phase == "awaiting")
+        return tuple(self.awaiting_ids)
 
     def guardrail_key(self, result: GuardrailResult) -> tuple[Any, ...]:
         scope = result.call_id if result.stage.startswith("tool_") else self.activation
@@ -145,6 +147,8 @@ class RunState:
         counts = self.counts
         counts[record.phase] -= 1
         counts[phase] += 1
+        if record.phase == "awaiting":
+            del self.awaiting_ids[record.call.call_id]
         record.phase = phase
 
     def _settle(self) -> None:
@@ -158,9 +162,10 @@ class RunState:
         self.attempt_seq = None
 
     def _skip_unstarted(self) -> None:
-        for record in self.calls.values():
-            if record.phase in ("awaiting", "approved"):
-                self._phase(record, "skipped")
+        if self.counts["awaiting"] or self.counts["approved"]:
+            for record in list(self.calls.values()):
+                if record.phase in ("awaiting", "approved"):
+                    self._phase(record, "skipped")
 
 
 def _nothing(s: RunState, e: Any) -> None:
@@ -178,6 +183,8 @@ def _model_responded(s: RunState, e: ev.ModelResponded) -> None:
         phase = "awaiting" if call.needs_approval else "approved"
         s.calls[call.call_id] = CallRecord(call, phase)
         s.counts[phase] += 1
+        if phase == "awaiting":
+            s.awaiting_ids[call.call_id] = None
 
 
 def _received(s: RunState, e: ev.ToolCallsReceived) -> None:

@@ -12,7 +12,9 @@ from bench.__main__ import COMMANDS, main
 def test_bench_reports_every_command_as_json() -> None:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main(["--runs", "20", "--repeats", "1", "--appends", "20", "--json"]) == 0
+        assert main(["--runs", "20", "--repeats", "1", "--appends", "20", "--sizes", "50",
+                     "--idle-runs", "50", "--fuzz-examples", "2", "--turns", "5",
+                     "--json"]) == 0
     report = json.loads(out.getvalue())
     assert [row["command"] for row in report["command"]] == list(COMMANDS)
     for row in report["command"]:
@@ -20,3 +22,8 @@ def test_bench_reports_every_command_as_json() -> None:
         assert row["controller_us"] > 0
         assert row["transitions_us"] > 0
     assert report["sqlite_store"]["store_appends_per_s"] > 0
+    assert report["load"][0]["events"] == 50
+    assert report["memory"]["bytes_per_run"] > 0
+    assert report["fuzz"]["steps"] > 0
+    assert report["scenario"]["reference_runner_ms"] > 0
+    assert report["roundtrip"]["items"] == 10

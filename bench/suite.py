@@ -1,0 +1,230 @@
+"""The rows of `just bench` beyond one guarded command: loading, memory, fuzzing
+throughput, whole scenarios, and the optional comparison with openai-agents."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from statemachine import RunController, ToolCall, codec
+from statemachine.payloads import JSON
+from statemachine.stores import MemoryEventStore, SQLiteEventStore
+
+
+def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        gc.collect()
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def long_run(events: int, *, max_calls: int | None = None) -> RunController:
+    """A legal log of ``events`` events: turns of one tool call, run and published (at
+    most ``max_calls`` of them; then failed model calls, which add no ledger entry)."""
+    c = RunController.start(run_id="long", session_id="s")
+    history: list[JSON] = []
+    turn = 0
+    while len(c.events) + 6 <= events and (max_calls is None or turn < max_calls):
+        call_id = f"call-{turn}"
+        c.begin_model_call()
+        c.model_responded([ToolCall(call_id, "lookup", {"q": turn})])
+        c.begin_tool(call_id)
+        c.tool_completed(call_id, {"rate": turn})
+        items = [{"call_id": call_id, "output": {"rate": turn}}]
+        c.stage_publication(items, history[-2:], call_ids=[call_id])
+        history += items
+        c.publication_committed()
+        turn += 1
+    while len(c.events) + 2 <= events:
+        c.begin_model_call()
+        c.model_failed(TimeoutError())
+    if len(c.events) < events:
+        c.hook_ran("agent_start")
+    return c
+
+
+def measure_load(sizes: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
+    """Events per second loading a run from JSON text and from the SQLite store by full
+    replay; milliseconds loading through a snapshot (snapshot + a 128-event tail), for a
+    run whose ledger grows with its log (a call every six events) and for one whose
+    ledger stays at 100 calls. A snapshot makes loading independent of the log's
+    length; what is left is linear in the state, which holds the whole tool ledger."""
+    return [_load_row(size, repeats) for size in sizes]
+
+
+def _snapshot_store(path: Path, events: list[Any]) -> SQLiteEventStore:
+    """A store holding ``events`` with a snapshot 128 events before the end."""
+    store = SQLiteEventStore(path)
+    cut = max(1, len(events) - 128)
+    store.append("long", events[:cut], 0)
+    at_cut = RunController.from_json(codec.encode_log("long", events[:cut]))
+    store.append("long", events[cut:], cut, snapshot=codec.encode_state(at_cut.state))
+    return store
+
+
+def _load_row(size: int, repeats: int) -> dict[str, Any]:
+    c = long_run(size)
+    events = list(c.events)
+    text = json.dumps(c.to_json())
+    tries = repeats if size <= 10_000 else max(1, repeats // 3)
+    from_json = _median_seconds(lambda: RunController.from_json(text), tries)
+    with tempfile.TemporaryDirectory() as tmp:
+        full = SQLiteEventStore(Path(tmp) / "full.db")
+        full.append("long", events, 0)
+        from_store = _median_seconds(lambda: RunController.load(full, "long"), tries)
+        snap = _snapshot_store(Path(tmp) / "snap.db", events)
+        loaded = RunController.load(snap, "long")
+        assert loaded.state == c.state  # snapshot + tail equals the full replay
+        from_snapshot = _median_seconds(lambda: RunController.load(snap, "long"), repeats)
+        small = _snapshot_store(Path(tmp) / "small.db",
+                                list(long_run(size, max_calls=100).events))
+        bounded_snapshot = _median_seconds(lambda: RunController.load(small, "long"),
+                                           repeats)
+        for store in (full, snap, small):
+            store.close()
+    n = len(events)
+    return {
+        "events": n,
+        "json_events_per_s": round(n / from_json),
+        "sqlite_replay_events_per_s": round(n / from_store),
+        "sqlite_snapshot_ms": round(from_snapshot * 1e3, 2),
+        "sqlite_snapshot_100_calls_ms": round(bounded_snapshot * 1e3, 2),
+    }
+
+
+def _payload_bytes(value: Any) -> int:
+    stack, total = [value], 0
+    while stack:
+        item = stack.pop()
+        total += sys.getsizeof(item)
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return total
+
+
+def measure_memory(runs: int) -> dict[str, Any]:
+    """tracemalloc of ``runs`` idle runs paused at an interruption (two proposed calls),
+    per run, with and without the bytes of their payloads."""
+    def paused(i: int) -> RunController:
+        c = RunController.start(run_id=f"idle-{i}", session_id="s")
+        c.begin_model_call()
+        c.model_responded([ToolCall(f"a{i}", "charge", {"x": i}, needs_approval=True),
+                           ToolCall(f"b{i}", "notify", {}, needs_approval=True)])
+        return c
+
+    payloads = _payload_bytes([{"x": 1}, {}]) + _payload_bytes(["a0", "b0", "idle-0",
+                                                                 "charge", "notify"])
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    kept = [paused(i) for i in range(runs)]
+    gc.collect()
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    per_run = (after - before) / len(kept)
+    return {"runs": runs, "bytes_per_run": round(per_run),
+            "payload_bytes_per_run": payloads,
+            "bytes_per_run_beyond_payloads": round(per_run - payloads)}
+
+
+def measure_fuzz_throughput(examples: int) -> dict[str, Any]:
+    """Stateful fuzzing throughput: steps per second of the reference-runner world under
+    the CI profile's shape (Hypothesis, derandomized)."""
+    from hypothesis import HealthCheck, settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from statemachine.fuzz import ReferenceWorld, world_state_machine
+
+    machine: Any = world_state_machine(ReferenceWorld)
+    start = time.perf_counter()
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=examples, stateful_step_count=20, derandomize=True, database=None,
+        deadline=None, suppress_health_check=list(HealthCheck)))
+    elapsed = time.perf_counter() - start
+    steps = machine.tally["steps"]
+    return {"examples": examples, "steps": steps, "steps_per_s": round(steps / elapsed)}
+
+
+async def _partial_approval_once() -> None:
+    from statemachine.runner import Agent, FunctionTool, ModelResponse, Runner
+    from statemachine.sessions import MemorySession
+    from statemachine.testing import FlakySession, InjectedWriteError, ScriptedModel
+
+    agent = Agent("billing", ScriptedModel([
+        ModelResponse((("charge", "charge", {"x": 7}), ("notify", "notify", {}))),
+        ModelResponse(output="done")]), (
+        FunctionTool("charge", lambda x: f"charged {x}", needs_approval=True),
+        FunctionTool("notify", lambda: "notified", needs_approval=True)))
+    session, store = MemorySession("s"), MemoryEventStore()
+    paused = await Runner.run(agent, "charge me", session=session, store=store, run_id="r")
+    paused.controller.approve("charge")
+    with contextlib.suppress(InjectedWriteError):
+        await Runner.run(agent, session=FlakySession(session, fail_on=1,
+                                                     outcome="commit_then_raise"),
+                         controller=paused.controller)
+    recovered = await Runner.run(agent, session=session, store=store, run_id="r")
+    recovered.controller.approve("notify")
+    done = await Runner.run(agent, session=session, controller=recovered.controller)
+    assert done.final_output == "done"
+
+
+def measure_scenario(repeats: int) -> dict[str, Any]:
+    """The whole partial-approval scenario (propose, approve one, failed write, recover,
+    approve the other, finish) on the reference runner, memory Session and store."""
+    ours = _median_seconds(lambda: asyncio.run(_partial_approval_once()), repeats)
+    row: dict[str, Any] = {"reference_runner_ms": round(ours * 1e3, 2),
+                           "openai_agents_ms": None}
+    try:
+        from bench.openai_agents_rows import partial_approval_ms
+        theirs = partial_approval_ms(repeats)
+    except ImportError:
+        return row
+    row["openai_agents_ms"] = round(theirs, 2)
+    row["openai_agents_over_ours"] = round(theirs / (ours * 1e3), 1)
+    return row
+
+
+def paused_run(turns: int) -> RunController:
+    """A run paused at an interruption after ``turns`` turns of one published call."""
+    c = long_run(turns * 6 + 1)
+    c.begin_model_call()
+    c.model_responded([ToolCall("final", "charge", {"x": 7}, needs_approval=True)])
+    return c
+
+
+def measure_roundtrip(turns: int, repeats: int) -> dict[str, Any]:
+    """Serialize and load a paused run of ``turns`` turns: per item (a Session item of
+    the published history: a call and its output count as two)."""
+    c = paused_run(turns)
+    items = 2 * turns
+    dump = _median_seconds(lambda: json.dumps(c.to_json()), repeats)
+    text = json.dumps(c.to_json())
+    load = _median_seconds(lambda: RunController.from_json(text), repeats)
+    row: dict[str, Any] = {"turns": turns, "items": items,
+                           "serialize_us_per_item": round(dump / items * 1e6, 2),
+                           "load_us_per_item": round(load / items * 1e6, 2),
+                           "openai_agents_load_us_per_item": None}
+    try:
+        from bench.openai_agents_rows import state_roundtrip_us_per_item
+        theirs = state_roundtrip_us_per_item(turns)
+    except ImportError:
+        return row
+    row["openai_agents_load_us_per_item"] = round(theirs, 2)
+    row["openai_agents_over_ours"] = round(theirs / row["load_us_per_item"], 1)
+    return row
