@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3000, help="fresh runs per repeat")
     parser.add_argument("--repeats", type=int, default=7, help="repeats (medians are shown)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the README's performance table instead")
     parser.add_argument("--appends", type=int, default=2000, help="SQLite appends per repeat")
     parser.add_argument("--sizes", type=int, nargs="+", default=[100, 10_000, 100_000],
                         help="log lengths to load")
@@ -209,8 +211,48 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(report, sys.stdout, indent=2)
         print()
         return 0
+    if args.markdown:
+        print(markdown(report))
+        return 0
     _print(report, args)
     return 0
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The README's performance table, from a `--json` report."""
+    m = report["machine"]
+    rows = ["| what | measured | target |", "|---|---|---|"]
+    for row in report["command"]:
+        rows.append(f"| `{row['command']}` | {row['controller_us']:.2f} µs: "
+                    f"{row['controller_over_floor']:.2f}x the floor, "
+                    f"{row['transitions_over_controller']:.2f}x faster than `transitions` | "
+                    "<= 3x floor, >= 2x faster |")
+    st = report["sqlite_store"]
+    rows.append(f"| SQLite store append | {st['store_appends_per_s']}/s, "
+                f"{st['store_over_bare']:.2f}x a bare sqlite3 loop | >= 0.8x |")
+    for row in report["load"]:
+        rows.append(f"| load {row['events']} events | JSON {row['json_events_per_s']} ev/s, "
+                    f"SQLite replay {row['sqlite_replay_events_per_s']} ev/s, snapshot "
+                    f"{row['sqlite_snapshot_ms']} ms ({row['sqlite_snapshot_100_calls_ms']} ms "
+                    "with a 100-call ledger) | >= 100k ev/s; O(1) from a snapshot |")
+    mem = report["memory"]
+    rows.append(f"| idle run in memory | {mem['bytes_per_run_beyond_payloads']} B beyond "
+                "payloads | <= 4 KB |")
+    fz = report["fuzz"]
+    rows.append(f"| stateful fuzzing | {fz['steps_per_s']} steps/s | more is better |")
+    sc = report["scenario"]
+    theirs = (f"; openai-agents {sc['openai_agents_ms']} ms ({sc['openai_agents_over_ours']}x)"
+              if sc["openai_agents_ms"] is not None else "")
+    rows.append(f"| partial-approval scenario | {sc['reference_runner_ms']} ms{theirs} | "
+                "<= 1/5 of openai-agents |")
+    rt = report["roundtrip"]
+    theirs = (f"; openai-agents {rt['openai_agents_load_us_per_item']} µs/item "
+              f"({rt['openai_agents_over_ours']}x)"
+              if rt["openai_agents_load_us_per_item"] is not None else "")
+    rows.append(f"| paused {rt['turns']}-turn run | serialize {rt['serialize_us_per_item']} "
+                f"µs/item, load {rt['load_us_per_item']} µs/item{theirs} | load >= 5x faster |")
+    return (f"Measured by `just bench` on Python {m['python']}, {m['machine']}, {m['cpus']} "
+            "CPUs (a shared machine; medians):\n\n" + "\n".join(rows))
 
 
 def _mark(ok: bool) -> str:

@@ -87,7 +87,7 @@ def _tuple_of(structure: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
     def hook(value: Any, _: Any) -> Any:
         if type(value) is not list:
             raise _Bad(f"expected a list, got {type(value).__name__}")
-        return tuple(structure(item) for item in value)
+        return tuple([structure(item) for item in value])
 
     return hook
 

@@ -20,13 +20,11 @@ from statemachine.errors import ControlError, PublicationUnsettled, RunNotResuma
 from statemachine.fuzz import check_log, settled_batches
 from statemachine.machine import Step
 from statemachine.runner import (
-    ALLOW,
     Agent,
     FunctionTool,
     ModelResponse,
     RemoteToolExecutor,
     Runner,
-    ToolGuardrail,
 )
 from statemachine.sessions import SQLiteSession
 from statemachine.stores import SQLiteEventStore
@@ -38,6 +36,7 @@ from statemachine.testing import (
     InjectedWriteError,
     ScriptedModel,
     Untouchable,
+    counted_tool,
 )
 from statemachine.values import RecoveryPolicy
 
@@ -59,23 +58,8 @@ class Demo:
         return SQLiteSession(name, self.folder / "session.db")
 
     def billing_agent(self, counters: Counters, *, terminal: bool = False) -> Agent:
-        def charge(x: int) -> str:
-            counters.tools["charge"] += 1
-            return f"charged {x}"
-
-        def notify() -> str:
-            counters.tools["notify"] += 1
-            return "notified"
-
-        def guard(name: str) -> ToolGuardrail:
-            def check(call: Any, *output: Any) -> Any:
-                counters.guardrails[name] += 1
-                return ALLOW
-            return ToolGuardrail(name, check)
-
-        charge_tool = FunctionTool("charge", charge, needs_approval=True,
-                                   input_guardrails=(guard("charge_input"),),
-                                   output_guardrails=(guard("charge_output"),))
+        charge_tool = counted_tool(counters, "charge", lambda x: f"charged {x}",
+                                   needs_approval=True, guarded=True)
         if terminal:
             model = ScriptedModel([ModelResponse((("charge", "charge", {"x": 7}),))])
             return Agent("billing", model, (charge_tool,),
@@ -84,8 +68,8 @@ class Demo:
             ModelResponse((("charge", "charge", {"x": 7}), ("notify", "notify", {}))),
             ModelResponse(output="charged 7 and notified you"),
         ])
-        return Agent("billing", model, (charge_tool, FunctionTool("notify", notify,
-                                                                  needs_approval=True)))
+        return Agent("billing", model, (charge_tool, counted_tool(
+            counters, "notify", lambda: "notified", needs_approval=True)))
 
     def durable_ok(self, run_id: str, session_items: list[Any]) -> bool:
         c = RunController.load(self.store, run_id)

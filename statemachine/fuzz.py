@@ -31,16 +31,20 @@ from statemachine.errors import ControlError, RunNotResumable
 from statemachine.machine import TERMINAL_STEPS, Step
 from statemachine.payloads import JSON
 from statemachine.runner import (
-    ALLOW,
     Agent,
     FunctionTool,
     MaxTurnsExceeded,
     ModelResponse,
     Runner,
-    ToolGuardrail,
 )
 from statemachine.sessions import MemorySession
-from statemachine.testing import Counters, CountingHooks, FlakySession, InjectedWriteError
+from statemachine.testing import (
+    Counters,
+    CountingHooks,
+    FlakySession,
+    InjectedWriteError,
+    counted_tool,
+)
 from statemachine.values import RecoveryPolicy, ToolCall
 
 Action = tuple[str, ...]
@@ -212,27 +216,15 @@ class ReferenceWorld(World):
     def _agent(self, crash_in_tool: bool) -> Agent:
         counters = self.counters
 
-        def charge(x: int) -> str:
-            counters.tools["charge"] += 1
+        def crash() -> None:
             if crash_in_tool:
                 raise SimulatedCrash
-            return f"charged {x}"
-
-        def lookup(q: str) -> str:
-            counters.tools["lookup"] += 1
-            return "rate 1.0"
-
-        def guard(name: str) -> ToolGuardrail:
-            def check(call: Any, *output: Any) -> Any:
-                counters.guardrails[name] += 1
-                return ALLOW
-            return ToolGuardrail(name, check)
 
         return Agent("world", _WorldModel(counters), (
-            FunctionTool("charge", charge, needs_approval=True,
-                         input_guardrails=(guard("charge_input"),),
-                         output_guardrails=(guard("charge_output"),)),
-            FunctionTool("lookup", lookup, idempotent=True)), max_turns=3)
+            counted_tool(counters, "charge", lambda x: f"charged {x}", needs_approval=True,
+                         guarded=True, after_effect=crash),
+            counted_tool(counters, "lookup", lambda q: "rate 1.0", idempotent=True)),
+            max_turns=3)
 
     def actions(self) -> list[Action]:
         c = self.controller

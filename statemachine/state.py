@@ -26,14 +26,21 @@ rejection output is its result. Calls a final output or handoff overtakes are sk
 class CallRecord:
     """One call in the tool ledger (internal, mutated only by the fold)."""
 
-    __slots__ = ("call", "fingerprint", "phase", "result", "starts")
+    __slots__ = ("_fingerprint", "call", "phase", "result", "starts")
 
     def __init__(self, call: ToolCall, phase: str) -> None:
         self.call = call
-        self.fingerprint = fingerprint_of(call.name, call.arguments)
+        self._fingerprint: str | None = None
         self.phase = phase
         self.result: JSON = None
         self.starts = 0
+
+    @property
+    def fingerprint(self) -> str:
+        """Computed on first use: most calls are never decided, and replay is hot."""
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint_of(self.call.name, self.call.arguments)
+        return self._fingerprint
 
     def view(self) -> tuple[Any, ...]:
         return (self.call, self.phase, self.result, self.starts)

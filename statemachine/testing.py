@@ -8,19 +8,23 @@ import asyncio
 import json
 import os
 from collections import Counter
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any, Literal
 
 import attrs
 
 from statemachine.payloads import JSON
 from statemachine.runner import (
+    ALLOW,
     Agent,
     AlreadyAnswered,
+    FunctionTool,
     ModelResponse,
     RemoteEvent,
     RunHooks,
+    ToolGuardrail,
     TransientPostError,
+    Verdict,
 )
 from statemachine.sessions import Session
 from statemachine.values import ToolCall
@@ -101,6 +105,36 @@ class Counters:
         self.tools: Counter[str] = Counter()
         self.guardrails: Counter[str] = Counter()
         self.hooks: Counter[str] = Counter()
+
+
+def counted_tool(counters: Counters, name: str, output: Callable[..., JSON], *,
+                 needs_approval: bool = False, idempotent: bool = False,
+                 guarded: bool = False,
+                 after_effect: Callable[[], None] | None = None) -> FunctionTool:
+    """A tool whose every execution counts in ``counters.tools[name]`` before returning
+    ``output(**arguments)``; ``after_effect`` runs right after the count (raise from it to
+    simulate a crash after the side effect). ``guarded`` adds an input and an output
+    guardrail, ``{name}_input`` and ``{name}_output``, that allow and count in
+    ``counters.guardrails``."""
+
+    def run(**arguments: Any) -> JSON:
+        counters.tools[name] += 1
+        if after_effect is not None:
+            after_effect()
+        return output(**arguments)
+
+    def guard(guard_name: str) -> ToolGuardrail:
+        def check(call: ToolCall, *tool_output: JSON) -> Verdict:
+            counters.guardrails[guard_name] += 1
+            return ALLOW
+        return ToolGuardrail(guard_name, check)
+
+    guards: dict[str, Any] = {}
+    if guarded:
+        guards = {"input_guardrails": (guard(f"{name}_input"),),
+                  "output_guardrails": (guard(f"{name}_output"),)}
+    return FunctionTool(name, run, needs_approval=needs_approval, idempotent=idempotent,
+                        **guards)
 
 
 class CountingHooks(RunHooks):

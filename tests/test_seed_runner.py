@@ -22,13 +22,10 @@ from statemachine import (
     Step,
 )
 from statemachine.runner import (
-    ALLOW,
     Agent,
-    FunctionTool,
     ModelResponse,
     Runner,
     RunResult,
-    ToolGuardrail,
 )
 from statemachine.sessions import MemorySession, Session, SQLiteSession
 from statemachine.stores import EventStore
@@ -39,6 +36,7 @@ from statemachine.testing import (
     InjectedWriteError,
     ScriptedModel,
     Untouchable,
+    counted_tool,
 )
 
 RUN_ID = "seed-run"
@@ -66,28 +64,10 @@ class World:
             self.session = SQLiteSession(SESSION_ID, tmp_path / "session.db")
         else:
             self.session = MemorySession(SESSION_ID)
-        counters = self.counters
-
-        def charge(x: int) -> str:
-            counters.tools["charge"] += 1
-            return f"charged {x}"
-
-        def notify() -> str:
-            counters.tools["notify"] += 1
-            return "notified"
-
-        def guard(name: str) -> ToolGuardrail:
-            def check(call: Any, *output: Any) -> Any:
-                counters.guardrails[name] += 1
-                return ALLOW
-
-            return ToolGuardrail(name, check)
-
         tools = (
-            FunctionTool("charge", charge, needs_approval=True,
-                         input_guardrails=(guard("charge_input"),),
-                         output_guardrails=(guard("charge_output"),)),
-            FunctionTool("notify", notify, needs_approval=True),
+            counted_tool(self.counters, "charge", lambda x: f"charged {x}",
+                         needs_approval=True, guarded=True),
+            counted_tool(self.counters, "notify", lambda: "notified", needs_approval=True),
         )
         if terminal:
             self.model = ScriptedModel([ModelResponse((("charge", "charge", {"x": 7}),))])
