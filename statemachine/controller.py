@@ -39,7 +39,14 @@ from statemachine.errors import (
     ToolInDoubt,
 )
 from statemachine.log import run_logger, switch
-from statemachine.machine import SETTLING_TRIGGERS, TERMINAL_STEPS, Refused, Step
+from statemachine.machine import (
+    SETTLING_TRIGGERS,
+    TERMINAL_STEPS,
+    WORKING_STEPS,
+    Refused,
+    Step,
+    fire,
+)
 from statemachine.payloads import (
     DEFAULT_MAX_DEPTH,
     DEFAULT_MAX_EVENTS,
@@ -49,7 +56,7 @@ from statemachine.payloads import (
     detach,
     digests,
 )
-from statemachine.state import RunState
+from statemachine.state import _APPLY, RunState
 from statemachine.stores import SNAPSHOT_EVERY, SnapshotStore
 from statemachine.values import (
     Acknowledge,
@@ -72,6 +79,7 @@ RESERVED_EVENTS = 4
 its limit can always settle or close."""
 
 _UNSETTLED = Step.UNSETTLED
+_WORKING = frozenset(WORKING_STEPS)
 _CALL_MODEL_STEPS = frozenset({Step.RUN_AGAIN, Step.HANDOFF, Step.AWAITING_MODEL})
 
 
@@ -337,6 +345,9 @@ class RunController:
     def _gate(self, action: str, trigger: str) -> None:
         s = self._state
         step = s.step
+        if step in _WORKING and (self._max_events - self._base - len(self._events)
+                                 > RESERVED_EVENTS):
+            return  # the hot path: a live, settled run with room in its log
         if step in TERMINAL_STEPS:
             self._refuse(RunNotResumable, action, f"the run is {step.value} and never resumes")
         if step is _UNSETTLED:
@@ -377,7 +388,7 @@ class RunController:
     def _record(self, action: str, event: ev.Event) -> Step:
         s = self._state
         try:
-            dest = s.check(event)
+            dest = fire(s, event.TRIGGER, event)
         except Refused as refused:
             self._refuse(InvalidTransition, action, refused.reason())
         if self._store is not None:
@@ -389,7 +400,9 @@ class RunController:
                 exc.step, exc.action = s.step, action
                 raise
         before = s.step
-        s.apply(event, dest)
+        _APPLY[type(event)](s, event)  # RunState.apply, inlined on the hot path
+        s.step = dest
+        s.last_seq = event.seq
         self._events.append(event)
         if switch.enabled:
             self._logged(event, before)
@@ -431,6 +444,9 @@ class RunController:
         calls = tuple(self._tool_call(action, call) for call in tool_calls)
         detached = self._detach(action, "output", output)
         self._record(action, ev.ModelResponded(self._seq, calls, detached))
+        ledger = self._state.calls
+        for call in calls:  # a live run fingerprints now, so decisions stay cheap
+            ledger[call.call_id].fingerprint  # noqa: B018
 
     def _tool_call(self, action: str, call: Any) -> ToolCall:
         if type(call) is not ToolCall:
@@ -559,9 +575,10 @@ class RunController:
         input/output stages once per (name, stage, activation) (I1)."""
         action = "guardrail_evaluated"
         self._gate(action, action)
-        self._text(action, "guardrail name", name)
-        self._text(action, "stage", stage)
-        self._text(action, "call_id", call_id, optional=True)
+        if type(name) is not str or type(stage) is not str or (
+                call_id is not None and type(call_id) is not str):
+            self._refuse(SchemaError, action, "name and stage must be str, call_id a str "
+                         "or None")
         detached = self._detach(action, "guardrail result", result)
         self._record(action, ev.GuardrailEvaluated(
             self._seq, GuardrailResult(name, stage, call_id, detached)))

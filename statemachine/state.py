@@ -23,6 +23,9 @@ approved call starts, completes (its result cached) and is published. A rejected
 rejection output is its result. Calls a final output or handoff overtakes are skipped."""
 
 
+_TOOL_STAGES = frozenset({"tool_input", "tool_output"})
+
+
 class CallRecord:
     """One call in the tool ledger (internal, mutated only by the fold)."""
 
@@ -96,8 +99,9 @@ class RunState:
         return tuple(self.awaiting_ids)
 
     def guardrail_key(self, result: GuardrailResult) -> tuple[Any, ...]:
-        scope = result.call_id if result.stage.startswith("tool_") else self.activation
-        return (result.name, result.stage, scope)
+        stage = result.stage
+        scope = result.call_id if stage in _TOOL_STAGES else self.activation
+        return (result.name, stage, scope)
 
     def hook_key(self, hook: str, call_id: str | None) -> tuple[Any, ...]:
         if hook.startswith("tool_"):
