@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import json
+import sys
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -128,10 +129,29 @@ converter.register_unstructure_hook_func(
     lambda value: [converter.unstructure(item) for item in value],
 )
 
+def _strict_value(cls: type) -> Callable[[Any, Any], Any]:
+    """Nested values (tool calls, guardrail results) name every field, and only those."""
+    names = frozenset(f.name for f in attrs.fields(cls))
+    generated: Callable[[Any, Any], Any] = converter.gen_structure_attrs_fromdict(cls)
+
+    def hook(value: Any, _: Any) -> Any:
+        if type(value) is not dict:
+            raise _Bad(f"expected a {cls.__name__} object, got {type(value).__name__}")
+        if value.keys() != names:
+            missing = sorted(names - value.keys())
+            unknown = sorted(value.keys() - names)
+            raise _Bad(f"a {cls.__name__} with missing field(s) {', '.join(missing) or '-'} "
+                       f"and unknown field(s) {', '.join(unknown) or '-'}")
+        return generated(value, cls)
+
+    return hook
+
+
+for _value_cls in (ToolCall, GuardrailResult):
+    converter.register_structure_hook(_value_cls, _strict_value(_value_cls))
+
 _FIELDS = {cls: tuple(f.name for f in attrs.fields(cls)) for cls in ev.EVENT_TYPES}
 _STRUCTURE = {cls: converter.get_structure_hook(cls) for cls in ev.EVENT_TYPES}
-for _cls in (ToolCall, GuardrailResult):
-    converter.get_structure_hook(_cls)
 
 
 def encode_event(event: ev.Event) -> dict[str, JSON]:
@@ -198,6 +218,17 @@ def decode_event(data: Any, position: int) -> ev.Event:
         raise SchemaError(
             f"event {position} ({name}) is malformed ({type(exc).__name__})"
         ) from None
+
+
+def decode_stored_event(data: Any, position: int) -> ev.Event:
+    """Decode an event a store holds. Stores hold only what a controller recorded, under
+    that controller's own depth limit, so none is imposed again here: every log a
+    controller writes also loads."""
+    token = _max_depth.set(sys.maxsize)
+    try:
+        return decode_event(data, position)
+    finally:
+        _max_depth.reset(token)
 
 
 def decode_log(

@@ -53,6 +53,7 @@ from statemachine.payloads import (
     JSON,
     PayloadError,
     canonical_form,
+    copy_plain,
     detach,
     digests,
 )
@@ -78,6 +79,9 @@ RESERVED_EVENTS = 4
 """Events under ``max_events`` kept for fail, reconcile, commit and abandon, so a run at
 its limit can always settle or close."""
 
+_FINISHING = {"begin_tool": 3, "tool_completed": 2, "resolve_in_doubt": 2}
+"""Extra room a command needs beyond the reserve: a started tool must be able to record
+its result, and a result must be able to be staged, or it would be lost."""
 _UNSETTLED = Step.UNSETTLED
 _WORKING = frozenset(WORKING_STEPS)
 _CALL_MODEL_STEPS = frozenset({Step.RUN_AGAIN, Step.HANDOFF, Step.AWAITING_MODEL})
@@ -257,12 +261,12 @@ class RunController:
     @property
     def model_output(self) -> JSON:
         """The output of the model's last response (what FINALIZING is finishing)."""
-        return detach(self._state.model_output)
+        return copy_plain(self._state.model_output)
 
     @property
     def final_output(self) -> JSON:
         """The accepted final output (None until ``accept_final_output``)."""
-        return detach(self._state.final_output)
+        return copy_plain(self._state.final_output)
 
     @property
     def holds_attempt(self) -> bool:
@@ -346,7 +350,7 @@ class RunController:
         s = self._state
         step = s.step
         if step in _WORKING and (self._max_events - self._base - len(self._events)
-                                 > RESERVED_EVENTS):
+                                 > RESERVED_EVENTS + 2):
             return  # the hot path: a live, settled run with room in its log
         if step in TERMINAL_STEPS:
             self._refuse(RunNotResumable, action, f"the run is {step.value} and never resumes")
@@ -369,7 +373,7 @@ class RunController:
                     "abandon) before anything else runs")
         room = self._max_events - self._seq
         needed = 1 if trigger == "abandon" else 2 if trigger in SETTLING_TRIGGERS else (
-            RESERVED_EVENTS + 1)
+            RESERVED_EVENTS + _FINISHING.get(trigger, 1))
         if room < needed:
             self._refuse(SchemaError, action,
                          f"the log is at its limit of max_events={self._max_events}")
@@ -530,18 +534,22 @@ class RunController:
         record = self._state.calls.get(call_id)
         if record is not None:
             if record.phase == "completed":
-                return Resend(call_id, detach(record.result))
+                return Resend(call_id, copy_plain(record.result))
             if record.phase == "started":
                 if call_id in self._in_flight:
                     self._refuse(InvalidTransition, "begin_tool",
                                  f"call {call_id!r} is already running in this controller")
                 if not record.call.idempotent:
                     self._refuse_in_doubt("begin_tool", call_id)
+        handed: ToolCall | None = None
+        if record is not None:  # the copy handed out is made before anything is recorded
+            call = record.call
+            handed = ToolCall(call.call_id, call.name, copy_plain(call.arguments),
+                              call.needs_approval, call.idempotent)
         self._record("begin_tool", ev.ToolStarted(self._seq, call_id))
         self._in_flight.add(call_id)
-        call = self._state.calls[call_id].call
-        return Execute(call_id, ToolCall(call.call_id, call.name, detach(call.arguments),
-                                         call.needs_approval, call.idempotent))
+        assert handed is not None  # a call unknown to the ledger was refused above
+        return Execute(call_id, handed)
 
     def tool_completed(self, call_id: str, output: JSON) -> None:
         """Cache the result of a call this controller started (I12)."""
@@ -684,7 +692,7 @@ class RunController:
             batch_digests = digests(batch, s.form)
             frontier = measure_frontier(history, batch_digests, s.form,
                                         whole=whole or len(history) < len(batch) + 1)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:
             self._refuse(SchemaError, action,
                          f"an item has no canonical form ({type(exc).__name__})")
         if frontier is None:
@@ -747,7 +755,7 @@ class RunController:
             self._refuse(InvalidTransition, action, "no publication envelope to reconcile")
         try:
             finding = classify(envelope, history, session_id, s.form)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:
             self._refuse(SchemaError, action,
                          f"a history item has no canonical form ({type(exc).__name__})")
         if finding.kind == "acknowledge":
@@ -762,10 +770,11 @@ class RunController:
                     "writing; reconcile again once it has ended, or pass take_over=True if "
                     "no write of this batch can still land. The completed tool must not be "
                     "re-run")
+            items = tuple(copy_plain(item) for item in envelope.items)
             event = ev.ReconciledAppend(self._seq, take_over)
             self._record(action, event)
             self._attempt = event.seq
-            return Append(tuple(detach(item) for item in envelope.items))
+            return Append(items)
         self._refuse(ReconcileRejected, action,
                      f"{finding.explain(envelope)}. The envelope is kept; the completed tool "
                      "must not be re-run")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
@@ -32,6 +33,20 @@ class PayloadError(ValueError):
     """Why a value is not plain JSON; turned into a `SchemaError` by the caller."""
 
 
+def _encodable(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (a lone surrogate does not)."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+_BAD_TEXT = "a string that is not valid Unicode (a lone surrogate)"
+
+
 def detach(value: JSON, max_depth: int = DEFAULT_MAX_DEPTH) -> JSON:
     """Return a deep copy of ``value``, raising `PayloadError` unless it is plain JSON.
 
@@ -40,6 +55,8 @@ def detach(value: JSON, max_depth: int = DEFAULT_MAX_DEPTH) -> JSON:
     """
     kind = type(value)
     if kind in _SCALARS:
+        if kind is str and not _encodable(value):
+            raise PayloadError(_BAD_TEXT)
         return value
     if kind is float:
         if not math.isfinite(value):
@@ -50,10 +67,11 @@ def detach(value: JSON, max_depth: int = DEFAULT_MAX_DEPTH) -> JSON:
     if max_depth >= 1:
         # the common case: one flat container of strings, ints, bools and None
         values = value.values() if kind is dict else value
-        if all(type(v) in _SCALARS for v in values):
+        if all(type(v) in _SCALARS and (type(v) is not str or _encodable(v))
+               for v in values):
             if kind is list:
                 return list(value)
-            if all(type(k) is str for k in value):
+            if all(type(k) is str and _encodable(k) for k in value):
                 return dict(value)
     root: dict[str, JSON] | list[JSON] = {} if kind is dict else []
     stack: list[tuple[Any, Any, int]] = [(value, root, 1)]
@@ -66,8 +84,12 @@ def detach(value: JSON, max_depth: int = DEFAULT_MAX_DEPTH) -> JSON:
         for key, item in pairs:
             if is_dict and type(key) is not str:
                 raise PayloadError(f"a dict key of type {type(key).__name__}")
+            if is_dict and isinstance(key, str) and not _encodable(key):
+                raise PayloadError(_BAD_TEXT)
             kind = type(item)
             if kind in _SCALARS:
+                if kind is str and not _encodable(item):
+                    raise PayloadError(_BAD_TEXT)
                 copy = item
             elif kind is float:
                 if not math.isfinite(item):
@@ -85,6 +107,12 @@ def detach(value: JSON, max_depth: int = DEFAULT_MAX_DEPTH) -> JSON:
             else:
                 target.append(copy)
     return root
+
+
+def copy_plain(value: JSON) -> JSON:
+    """A deep copy of a value already checked by `detach` (under whatever depth limit):
+    what the core hands out, so a caller cannot change what it recorded."""
+    return detach(value, sys.maxsize)
 
 
 def canonical_json(value: JSON) -> bytes:

@@ -192,7 +192,7 @@ class SQLiteEventStore:
             self._conn = self._connect()
 
     def _decode(self, rows: list[tuple[int, str]]) -> list[Event]:
-        return [codec.decode_event(codec.parse(body), seq) for seq, body in rows]
+        return [codec.decode_stored_event(codec.parse(body), seq) for seq, body in rows]
 
     def load(self, run_id: str) -> list[Event]:
         with self._lock:
