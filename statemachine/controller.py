@@ -24,6 +24,9 @@ and the calls it has in flight (started here, not yet completed).
 
 from __future__ import annotations
 
+import contextlib
+import gc
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from statemachine import codec
@@ -159,9 +162,10 @@ class RunController:
         `SchemaError` for a malformed document; `InvalidTransition` naming the sequence
         number of the first event the machine forbids. The controller holds no attempt
         and no call in flight."""
-        run_id, events = codec.decode_log(data, max_depth=max_depth, max_events=max_events)
-        return cls._replayed(run_id, events, store=None, max_depth=max_depth,
-                             max_events=max_events)
+        with _gc_paused():
+            run_id, events = codec.decode_log(data, max_depth=max_depth, max_events=max_events)
+            return cls._replayed(run_id, events, store=None, max_depth=max_depth,
+                                 max_events=max_events)
 
     @classmethod
     def load(
@@ -177,6 +181,12 @@ class RunController:
         From a store that keeps snapshots (`stores.SnapshotStore`) the newest snapshot the
         store wrote is trusted and only the events after it are replayed, so loading is
         O(1) in log length; otherwise the whole log is replayed."""
+        with _gc_paused():
+            return cls._load(store, run_id, max_depth=max_depth, max_events=max_events)
+
+    @classmethod
+    def _load(cls, store: EventStore, run_id: str, *, max_depth: int,
+              max_events: int) -> RunController:
         where = {"run_id": run_id, "action": "load"}
         snapshot: Mapping[str, Any] | None = None
         if isinstance(store, SnapshotStore):
@@ -779,6 +789,20 @@ class RunController:
                      f"{finding.explain(envelope)}. The envelope is kept; the completed tool "
                      "must not be re-run")
         return None
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Decoding and replaying a log allocates many objects and no reference cycles; the
+    cyclic collector's full passes over a growing heap would cost a third of a large
+    load. It is switched back on afterwards if it was on."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _error_name(error: Any) -> str:
