@@ -1,11 +1,14 @@
 # The front door: `just test`, `just lint`, `just bench`, `just fuzz`, `just diagrams`,
 # `just demo`.
 
+set positional-arguments
+set shell := ["bash", "-uc"]
+
 python := "python"
 
 # Run the test suite (the CI profile of the property tests when CI is set).
 test *args:
-    {{python}} -m pytest {{args}}
+    {{python}} -m pytest "$@"
 
 # ruff and mypy --strict.
 lint:
@@ -14,13 +17,13 @@ lint:
 
 # Benchmarks: ratios against floors measured in the same run (`just bench --json`).
 bench *args:
-    {{python}} -m bench {{args}}
+    {{python}} -m bench "$@"
 
 # Long fuzzing: the explorer deeper than CI, then the property and stateful tests with the
 # long `fuzz` profile (persistent example database, a progress line every 50 examples).
 fuzz depth="7" *args:
-    {{python}} -m statemachine explore --depth {{depth}}
-    HYPOTHESIS_PROFILE=fuzz {{python}} -m pytest -s tests/test_stateful.py tests/test_machine.py tests/test_codec.py tests/test_envelope.py tests/test_remote.py {{args}}
+    {{python}} -m statemachine explore --depth "$1"
+    HYPOTHESIS_PROFILE=fuzz {{python}} -m pytest -s tests/test_stateful.py tests/test_machine.py tests/test_codec.py tests/test_envelope.py tests/test_remote.py "${@:2}"
 
 # Regenerate diagrams/ from the declaration in statemachine/machine.py.
 diagrams:
@@ -28,4 +31,4 @@ diagrams:
 
 # Play the field-report scenarios with injected failures.
 demo *args:
-    {{python}} -m statemachine demo {{args}}
+    {{python}} -m statemachine demo "$@"
