@@ -453,14 +453,17 @@ class RunController:
         needing approval) or FINALIZING (an output and no calls)."""
         action = "model_responded"
         self._gate(action, action)
-        if not isinstance(tool_calls, list | tuple):
-            self._refuse(SchemaError, action, "tool_calls must be a list of ToolCall")
-        calls = tuple(self._tool_call(action, call) for call in tool_calls)
+        calls = self._tool_calls(action, tool_calls)
         detached = self._detach(action, "output", output)
         self._record(action, ev.ModelResponded(self._seq, calls, detached))
         ledger = self._state.calls
         for call in calls:  # a live run fingerprints now, so decisions stay cheap
             ledger[call.call_id].fingerprint  # noqa: B018
+
+    def _tool_calls(self, action: str, tool_calls: Any) -> tuple[ToolCall, ...]:
+        if not isinstance(tool_calls, list | tuple):
+            self._refuse(SchemaError, action, "tool_calls must be a list of ToolCall")
+        return tuple(self._tool_call(action, call) for call in tool_calls)
 
     def _tool_call(self, action: str, call: Any) -> ToolCall:
         if type(call) is not ToolCall:
@@ -649,9 +652,7 @@ class RunController:
         TOOLS). They need no approval here; their ids must be new to the run."""
         action = "receive_tool_calls"
         self._gate(action, action)
-        if not isinstance(tool_calls, list | tuple):
-            self._refuse(SchemaError, action, "tool_calls must be a list of ToolCall")
-        calls = tuple(self._tool_call(action, call) for call in tool_calls)
+        calls = self._tool_calls(action, tool_calls)
         self._record(action, ev.ToolCallsReceived(self._seq, calls))
 
     def result_posted(self, call_id: str) -> None:

@@ -17,7 +17,7 @@ import structlog
 from statemachine import log
 from statemachine.controller import RunController
 from statemachine.errors import ControlError, PublicationUnsettled, RunNotResumable
-from statemachine.fuzz import check_log, settled_batches
+from statemachine.fuzz import check_log, settled
 from statemachine.machine import Step
 from statemachine.runner import (
     Agent,
@@ -74,8 +74,7 @@ class Demo:
     def durable_ok(self, run_id: str, session_items: list[Any]) -> bool:
         c = RunController.load(self.store, run_id)
         check_log(c.events)
-        expected = [item for batch in settled_batches(c.events) for item in batch]
-        return session_items == expected
+        return session_items == settled(c.events)[0]
 
     # ------------------------------------------------------------- scenarios
 

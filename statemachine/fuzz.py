@@ -45,7 +45,7 @@ from statemachine.testing import (
     InjectedWriteError,
     counted_tool,
 )
-from statemachine.values import RecoveryPolicy, ToolCall
+from statemachine.values import GuardrailResult, RecoveryPolicy, ToolCall
 
 Action = tuple[str, ...]
 
@@ -68,19 +68,29 @@ _SETTLING = (ev.PublicationFailed, ev.ReconciledAppend, ev.PublicationCommitted,
              ev.ReconciledAcknowledge, ev.Abandoned)
 
 
-def settled_batches(events: Sequence[ev.Event]) -> list[tuple[JSON, ...]]:
-    """The batches whose publication settled, in order: what the Session must hold."""
-    batches, open_batch = [], None
+def settled(events: Sequence[ev.Event]) -> tuple[list[JSON], list[GuardrailResult]]:
+    """What the log's settled publications published, in order: the Session items (what
+    the Session must hold) and the guardrail results (each pending one is published by
+    the next batch that settles)."""
+    items: list[JSON] = []
+    guardrails: list[GuardrailResult] = []
+    pending: list[GuardrailResult] = []
+    staged: ev.PublicationStaged | None = None
+    staged_guardrails = 0
     for event in events:
-        if isinstance(event, ev.PublicationStaged):
-            open_batch = event.items
+        if isinstance(event, ev.GuardrailEvaluated):
+            pending.append(event.result)
+        elif isinstance(event, ev.PublicationStaged):
+            staged, staged_guardrails = event, len(pending)
         elif isinstance(event, ev.PublicationCommitted | ev.ReconciledAcknowledge):
-            assert open_batch is not None
-            batches.append(open_batch)
-            open_batch = None
+            assert staged is not None
+            items.extend(staged.items)
+            guardrails.extend(pending[:staged_guardrails])
+            del pending[:staged_guardrails]
+            staged = None
         elif isinstance(event, ev.Abandoned):
-            open_batch = None
-    return batches
+            staged = None
+    return items, guardrails
 
 
 def check_log(events: Sequence[ev.Event]) -> None:
@@ -127,29 +137,12 @@ def check_log(events: Sequence[ev.Event]) -> None:
     terminal = [i for i, e in enumerate(events) if isinstance(e, ev.Abandoned | ev.RunCompleted)]
     if terminal and terminal[0] != len(events) - 1:
         _fail("I9", f"events recorded after the terminal event at {terminal[0]}")
-    published = [g for batch_guardrails in _published_guardrails(events)
-                 for g in batch_guardrails]
+    published = settled(events)[1]
     if len(published) != len({json.dumps(attrs.asdict(g), sort_keys=True)
                               for g in published}):
         _fail("I4", "a guardrail result was published twice")
     if any(g not in evaluated for g in published):
         _fail("I4", "a published guardrail result was never evaluated")
-
-
-def _published_guardrails(events: Sequence[ev.Event]) -> list[list[Any]]:
-    pending: list[Any] = []
-    staged: list[Any] | None = None
-    out = []
-    for event in events:
-        if isinstance(event, ev.GuardrailEvaluated):
-            pending.append(event.result)
-        elif isinstance(event, ev.PublicationStaged):
-            staged = list(pending)
-        elif isinstance(event, ev.PublicationCommitted | ev.ReconciledAcknowledge):
-            out.append(staged or [])
-            pending = pending[len(staged or []):]
-            staged = None
-    return out
 
 
 # ------------------------------------------------------------------------ worlds
@@ -247,8 +240,7 @@ class ReferenceWorld(World):
 
     def expected_items(self) -> list[JSON]:
         c = self.controller
-        return [item for batch in settled_batches(c.events if c else ())
-                for item in batch]
+        return settled(c.events)[0] if c else []
 
     def apply(self, action: Action) -> None:
         name = action[0]
@@ -360,7 +352,7 @@ class ReferenceWorld(World):
                         if isinstance(e, ev.HookRan))
         if dict(n.hooks) != dict(hooks):
             _fail("I1", f"hooks ran {dict(n.hooks)}, recorded {dict(hooks)}")
-        from_log = [g for batch in _published_guardrails(events) for g in batch]
+        from_log = settled(events)[1]
         if list(c.guardrail_results) != from_log:
             _fail("I4", f"{len(c.guardrail_results)} guardrail results published, the log "
                   f"settled {len(from_log)}")

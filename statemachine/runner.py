@@ -280,18 +280,24 @@ class _Drive:
         self.emit(StreamEvent("model_response", {
             "calls": [call.call_id for call in calls], "output": response.output}))
 
+    async def _guardrail_once(self, name: str, stage: str, call_id: str | None,
+                              check: Callable[[], Verdict | Awaitable[Verdict]]) -> Verdict:
+        """Run a guardrail unless the log shows it ran in its scope; then its recorded
+        verdict is honoured and the guardrail is never re-run (I1)."""
+        recorded = self.c.recorded_guardrail(name, stage=stage, call_id=call_id)
+        if recorded is not None:
+            return Verdict(recorded.result["behavior"], recorded.result["message"])
+        outcome: Verdict = await _maybe_await(check())
+        self.c.guardrail_evaluated(name, outcome.as_json(), stage=stage, call_id=call_id)
+        return outcome
+
     async def _guardrails(self, guards: tuple[ToolGuardrail, ...], stage: str,
                           call: ToolCall, *args: JSON) -> Verdict:
-        """Each guardrail once per call: a recorded verdict is reused, never re-run."""
+        """Every tool guardrail of a stage, once per call; the first rejection wins."""
         verdict = ALLOW
         for guard in guards:
-            recorded = self.c.recorded_guardrail(guard.name, stage=stage, call_id=call.call_id)
-            if recorded is None:
-                outcome = await _maybe_await(guard.check(call, *args))
-                self.c.guardrail_evaluated(guard.name, outcome.as_json(), stage=stage,
-                                           call_id=call.call_id)
-            else:
-                outcome = Verdict(recorded.result["behavior"], recorded.result["message"])
+            outcome = await self._guardrail_once(guard.name, stage, call.call_id,
+                                                 partial(guard.check, call, *args))
             if outcome.behavior == "reject_content" and verdict is ALLOW:
                 verdict = outcome
         return verdict
@@ -351,12 +357,8 @@ class _Drive:
     async def _finish(self, output: JSON) -> None:
         c, agent = self.c, self.agent
         for guard in agent.output_guardrails:
-            recorded = c.recorded_guardrail(guard.name, stage="output")
-            if recorded is None:
-                outcome = await _maybe_await(guard.check(output))
-                c.guardrail_evaluated(guard.name, outcome.as_json(), stage="output")
-            else:
-                outcome = Verdict(recorded.result["behavior"], recorded.result["message"])
+            outcome = await self._guardrail_once(guard.name, "output", None,
+                                                 partial(guard.check, output))
             if outcome.behavior == "reject_content":
                 c.abandon(f"output guardrail {guard.name}")
                 raise OutputGuardrailTripwire(guard.name)
