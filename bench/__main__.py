@@ -36,11 +36,10 @@ from statemachine import events as ev
 from statemachine.machine import (
     GUARDS,
     GuardAdapter,
-    Step,
     build_transitions_machine,
 )
 from statemachine.payloads import detach, fingerprint_of
-from statemachine.values import GuardrailResult, RecoveryPolicy
+from statemachine.values import GuardrailResult, RecoveryPolicy, Step
 
 Setup = Callable[[int], RunController]
 

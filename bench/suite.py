@@ -71,7 +71,7 @@ def _snapshot_store(path: Path, events: list[Any]) -> SQLiteEventStore:
     cut = max(1, len(events) - 128)
     store.append("long", events[:cut], 0)
     at_cut = RunController.from_json(codec.encode_log("long", events[:cut]))
-    store.append("long", events[cut:], cut, snapshot=codec.encode_state(at_cut.state))
+    store.append("long", events[cut:], cut, snapshot=at_cut.state.snapshot())
     return store
 
 
@@ -149,7 +149,7 @@ def measure_fuzz_throughput(examples: int) -> dict[str, Any]:
     from hypothesis import HealthCheck, settings
     from hypothesis.stateful import run_state_machine_as_test
 
-    from statemachine.fuzz import ReferenceWorld, world_state_machine
+    from statemachine.testing import ReferenceWorld, world_state_machine
 
     machine: Any = world_state_machine(ReferenceWorld)
     start = time.perf_counter()

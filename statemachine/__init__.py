@@ -19,17 +19,19 @@ from statemachine.errors import (
     ToolInDoubt,
 )
 from statemachine.log import disable_logging, enable_logging
-from statemachine.machine import Step
 from statemachine.payloads import register_canonical
 from statemachine.stores import EventStore, MemoryEventStore, SQLiteEventStore
 from statemachine.values import (
     Acknowledge,
     Action,
     Append,
+    CallView,
     Execute,
     GuardrailResult,
+    Phase,
     RecoveryPolicy,
     Resend,
+    Step,
     ToolCall,
 )
 
@@ -37,6 +39,7 @@ __all__ = [
     "Acknowledge",
     "Action",
     "Append",
+    "CallView",
     "ConcurrencyConflict",
     "ControlError",
     "Envelope",
@@ -45,6 +48,7 @@ __all__ = [
     "GuardrailResult",
     "InvalidTransition",
     "MemoryEventStore",
+    "Phase",
     "PublicationUnsettled",
     "ReconcileRejected",
     "RecoveryPolicy",

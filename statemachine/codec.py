@@ -18,9 +18,7 @@ import attrs
 import cattrs
 
 from statemachine import events as ev
-from statemachine.envelope import Envelope
 from statemachine.errors import SchemaError
-from statemachine.machine import Step
 from statemachine.payloads import (
     DEFAULT_MAX_DEPTH,
     DEFAULT_MAX_EVENTS,
@@ -28,10 +26,7 @@ from statemachine.payloads import (
     PayloadError,
     detach,
 )
-from statemachine.values import GuardrailResult, RecoveryPolicy, ToolCall
-
-if TYPE_CHECKING:
-    from statemachine.state import RunState
+from statemachine.values import GuardrailResult, RecoveryPolicy, Step, ToolCall
 
 if TYPE_CHECKING:
     import enum
@@ -278,82 +273,8 @@ def decode_log(
     return run_id, decoded
 
 
-# ------------------------------------------------------------------ state snapshots
-# A snapshot is the folded state at some version, written by a store next to the log so
-# that loading is O(1) in log length. The store is trusted: a snapshot is decoded, not
-# re-validated, and one of another ``STATE_VERSION`` is ignored (the log is replayed).
-
-STATE_VERSION = 1
+# the tuple of guardrail results an envelope holds (snapshots carry envelopes)
 converter.register_structure_hook_func(
     _is(tuple[GuardrailResult, ...]),
     _tuple_of(lambda item: converter.structure(item, GuardrailResult)),
 )
-
-
-def _sorted_keys(keys: set[tuple[Any, ...]]) -> list[list[Any]]:
-    return sorted(([*key] for key in keys), key=json.dumps)
-
-
-def encode_state(state: RunState) -> dict[str, JSON]:
-    """The whole folded state as a plain JSON tree."""
-    started = ev.RunStarted(0, state.run_id, state.session_id, state.policy,
-                            state.max_turns, state.canonical)
-    return {
-        "state_version": STATE_VERSION,
-        "started": encode_event(started),
-        "step": state.step.value,
-        "turns": state.turns,
-        "model_calls": state.model_calls,
-        "activation": state.activation,
-        "calls": [[converter.unstructure(r.call), r.phase, r.result, r.starts]
-                  for r in state.calls.values()],
-        "pending_guardrails": converter.unstructure(state.pending_guardrails),
-        "published_guardrails": converter.unstructure(state.published_guardrails),
-        "guardrail_keys": [[[*key], converter.unstructure(result)]
-                           for key, result in state.guardrail_keys.items()],
-        "hook_keys": _sorted_keys(state.hook_keys),
-        "model_output": state.model_output,
-        "final_output": state.final_output,
-        "final_accepted": state.final_accepted,
-        "final_lossless": state.final_lossless,
-        "envelope": None if state.envelope is None else converter.unstructure(state.envelope),
-        "attempt_seq": state.attempt_seq,
-        "last_seq": state.last_seq,
-    }
-
-
-def decode_state(data: Mapping[str, Any]) -> RunState | None:
-    """A state written by `encode_state`, or None for another ``state_version``."""
-    from statemachine.state import CallRecord, RunState
-
-    if data.get("state_version") != STATE_VERSION:
-        return None
-    started = decode_event(data["started"], 0)
-    assert isinstance(started, ev.RunStarted)
-    state = RunState(started)
-    state.step = Step(data["step"])
-    state.turns, state.model_calls = data["turns"], data["model_calls"]
-    state.activation = data["activation"]
-    for raw_call, phase, result, starts in data["calls"]:
-        record = CallRecord(converter.structure(raw_call, ToolCall), phase)
-        record.result, record.starts = result, starts
-        state.calls[record.call.call_id] = record
-        state.counts[phase] += 1
-        if phase == "awaiting":
-            state.awaiting_ids[record.call.call_id] = None
-    state.pending_guardrails = [converter.structure(g, GuardrailResult)
-                                for g in data["pending_guardrails"]]
-    state.published_guardrails = [converter.structure(g, GuardrailResult)
-                                  for g in data["published_guardrails"]]
-    state.guardrail_keys = {tuple(key): converter.structure(result, GuardrailResult)
-                            for key, result in data["guardrail_keys"]}
-    state.hook_keys = {tuple(key) for key in data["hook_keys"]}
-    state.model_output = data["model_output"]
-    state.final_output = data["final_output"]
-    state.final_accepted = data["final_accepted"]
-    state.final_lossless = data["final_lossless"]
-    raw_envelope = data["envelope"]
-    state.envelope = None if raw_envelope is None else converter.structure(raw_envelope,
-                                                                           Envelope)
-    state.attempt_seq, state.last_seq = data["attempt_seq"], data["last_seq"]
-    return state

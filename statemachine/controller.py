@@ -47,8 +47,9 @@ from statemachine.machine import (
     TERMINAL_STEPS,
     WORKING_STEPS,
     Refused,
-    Step,
     fire,
+    replay,
+    replay_onto,
 )
 from statemachine.payloads import (
     DEFAULT_MAX_DEPTH,
@@ -60,16 +61,19 @@ from statemachine.payloads import (
     detach,
     digests,
 )
-from statemachine.state import _APPLY, RunState
+from statemachine.state import RunState, in_doubt, next_action
 from statemachine.stores import SNAPSHOT_EVERY, SnapshotStore
 from statemachine.values import (
     Acknowledge,
     Action,
     Append,
+    CallView,
     Execute,
     GuardrailResult,
+    Phase,
     RecoveryPolicy,
     Resend,
+    Step,
     ToolCall,
 )
 
@@ -87,7 +91,6 @@ _FINISHING = {"begin_tool": 3, "tool_completed": 2, "resolve_in_doubt": 2}
 its result, and a result must be able to be staged, or it would be lost."""
 _UNSETTLED = Step.UNSETTLED
 _WORKING = frozenset(WORKING_STEPS)
-_CALL_MODEL_STEPS = frozenset({Step.RUN_AGAIN, Step.HANDOFF, Step.AWAITING_MODEL})
 
 
 class RunController:
@@ -191,7 +194,7 @@ class RunController:
         snapshot: Mapping[str, Any] | None = None
         if isinstance(store, SnapshotStore):
             snapshot, tail = store.load_latest(run_id)
-        state = codec.decode_state(snapshot) if snapshot is not None else None
+        state = RunState.restore(snapshot) if snapshot is not None else None
         if state is None:
             tail = store.load(run_id)
             if not tail:
@@ -236,6 +239,15 @@ class RunController:
     @property
     def step(self) -> Step:
         return self._state.step
+
+    @property
+    def max_turns(self) -> int | None:
+        return self._state.max_turns
+
+    @property
+    def turns(self) -> int:
+        """Model responses recorded so far (what ``max_turns`` counts)."""
+        return self._state.turns
 
     @property
     def events(self) -> tuple[ev.Event, ...]:
@@ -309,47 +321,62 @@ class RunController:
 
     def in_doubt(self) -> tuple[str, ...]:
         """Started, non-idempotent calls this controller does not hold in flight."""
-        return tuple(
-            call_id for call_id, r in self._state.calls.items()
-            if r.phase == "started" and not r.call.idempotent and call_id not in self._in_flight
-        )
+        return in_doubt(self._state, self._in_flight)
 
     def next_action(self) -> Action:
-        """What the runner should do next; see `Action`."""
+        """What the runner should do next; see `Action` and `state.next_action`."""
+        return next_action(self._state, holds_attempt=self.holds_attempt,
+                           in_flight=self._in_flight)
+
+    @property
+    def calls(self) -> tuple[CallView, ...]:
+        """The tool ledger in proposal order, as copies (`CallView`)."""
+        in_flight = self._in_flight
+        return tuple(
+            CallView(_copy_call(r.call), r.phase, r.starts, call_id in in_flight,
+                     copy_plain(r.result))
+            for call_id, r in self._state.calls.items())
+
+    def call(self, call_id: str) -> CallView:
+        """One call of the ledger as a copy; `InvalidTransition` for an unknown id."""
+        record = self._state.calls.get(call_id) if type(call_id) is str else None
+        if record is None:
+            self._refuse(InvalidTransition, "call", "unknown call id")
+        return CallView(_copy_call(record.call), record.phase, record.starts,
+                        call_id in self._in_flight, copy_plain(record.result))
+
+    def phase(self, call_id: str) -> Phase | None:
+        """The call's `Phase`, or None for a call the ledger does not know. O(1)."""
+        record = self._state.calls.get(call_id) if type(call_id) is str else None
+        return None if record is None else record.phase
+
+    def unpublished_call_ids(self) -> tuple[str, ...]:
+        """Calls whose result (an output or a rejection) is recorded and not yet
+        published, in proposal order: what the next batch must name in ``call_ids``."""
         s = self._state
-        step = s.step
-        # DESIGN lists RESOLVE_IN_DOUBT first; a terminal run (abandoned while a call ran)
-        # refuses resolve_in_doubt, so it answers NOT_RESUMABLE instead (fail closed).
-        if s.counts["started"] and step not in TERMINAL_STEPS and self.in_doubt():
-            return Action.RESOLVE_IN_DOUBT
-        if step is _UNSETTLED and self.holds_attempt:
-            return Action.PUBLISH
-        if step in TERMINAL_STEPS or (step is _UNSETTLED and s.envelope is not None
-                                      and s.envelope.fail_closed):
-            return Action.NOT_RESUMABLE
-        if step is _UNSETTLED:
-            return Action.RECONCILE
-        if step in _CALL_MODEL_STEPS:
-            # Fail closed: a handoff with unpublished results publishes them first,
-            # since begin_model_call refuses until they are published.
-            if step is Step.HANDOFF and s.unpublished_results():
-                return Action.PUBLISH
-            return Action.CALL_MODEL
-        if step is Step.INTERRUPTION:
-            if s.counts["approved"]:
-                return Action.RUN_TOOLS
-            # Every decision taken and one was a rejection: its output is published next
-            # (nothing is left to decide, so AWAIT_DECISIONS would wait forever).
-            return Action.AWAIT_DECISIONS if s.counts["awaiting"] else Action.PUBLISH
-        if step is Step.TOOLS:
-            if s.counts["approved"] or s.counts["started"]:
-                return Action.RUN_TOOLS
-            return Action.PUBLISH
-        if step is Step.FINAL_OUTPUT:
-            if s.session_id is not None or s.unpublished_results() or s.pending_guardrails:
-                return Action.PUBLISH
-            return Action.FINISH
-        return Action.FINISH  # FINALIZING
+        if not s.unpublished_results():
+            return ()
+        return tuple(call_id for call_id, r in s.calls.items()
+                     if r.phase is Phase.COMPLETED or r.phase is Phase.REJECTED)
+
+    def runnable_call_ids(self) -> tuple[str, ...]:
+        """Calls ``begin_tool`` would answer `Execute` for now, in proposal order: approved
+        and unstarted, or started by an idempotent call no live controller holds."""
+        s = self._state
+        counts = s.counts
+        if not (counts[Phase.APPROVED] or counts[Phase.STARTED]):
+            return ()
+        in_flight = self._in_flight
+        return tuple(
+            call_id for call_id, r in s.calls.items()
+            if r.phase is Phase.APPROVED or (r.phase is Phase.STARTED and r.call.idempotent
+                                             and call_id not in in_flight))
+
+    @property
+    def version(self) -> int:
+        """How many events the log holds (the store's expected version). O(1), unlike
+        ``len(events)`` for a run loaded from a snapshot."""
+        return self._seq
 
     # ---------------------------------------------------------------- pipeline
 
@@ -406,7 +433,7 @@ class RunController:
         except Refused as refused:
             self._refuse(InvalidTransition, action, refused.reason())
         if self._store is not None:
-            snapshot = (codec.encode_state(s) if event.seq % SNAPSHOT_EVERY == 0
+            snapshot = (s.snapshot() if event.seq % SNAPSHOT_EVERY == 0
                         and isinstance(self._store, SnapshotStore) else None)
             try:
                 self._store.append(s.run_id, (event,), event.seq, snapshot=snapshot)
@@ -414,9 +441,7 @@ class RunController:
                 exc.step, exc.action = s.step, action
                 raise
         before = s.step
-        _APPLY[type(event)](s, event)  # RunState.apply, inlined on the hot path
-        s.step = dest
-        s.last_seq = event.seq
+        s.apply(event, dest)
         self._events.append(event)
         if switch.enabled:
             self._logged(event, before)
@@ -521,10 +546,10 @@ class RunController:
         if s.step is _UNSETTLED and s.envelope is not None and not s.envelope.fail_closed:
             return self.next_action()
         self._gate("resume", "resume")
-        doubtful = self.in_doubt() if s.counts["started"] else ()
+        doubtful = self.in_doubt()
         if doubtful:
             self._refuse_in_doubt("resume", doubtful[0])
-        if s.step is Step.INTERRUPTION and s.counts["approved"]:
+        if s.step is Step.INTERRUPTION and s.counts[Phase.APPROVED]:
             self._record("resume", ev.Resumed(self._seq))
         return self.next_action()
 
@@ -546,19 +571,16 @@ class RunController:
         self._text("begin_tool", "call_id", call_id)
         record = self._state.calls.get(call_id)
         if record is not None:
-            if record.phase == "completed":
+            if record.phase is Phase.COMPLETED:
                 return Resend(call_id, copy_plain(record.result))
-            if record.phase == "started":
+            if record.phase is Phase.STARTED:
                 if call_id in self._in_flight:
                     self._refuse(InvalidTransition, "begin_tool",
                                  f"call {call_id!r} is already running in this controller")
                 if not record.call.idempotent:
                     self._refuse_in_doubt("begin_tool", call_id)
-        handed: ToolCall | None = None
-        if record is not None:  # the copy handed out is made before anything is recorded
-            call = record.call
-            handed = ToolCall(call.call_id, call.name, copy_plain(call.arguments),
-                              call.needs_approval, call.idempotent)
+        # the copy handed out is made before anything is recorded
+        handed = None if record is None else _copy_call(record.call)
         self._record("begin_tool", ev.ToolStarted(self._seq, call_id))
         self._in_flight.add(call_id)
         assert handed is not None  # a call unknown to the ledger was refused above
@@ -806,46 +828,12 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def _copy_call(call: ToolCall) -> ToolCall:
+    return ToolCall(call.call_id, call.name, copy_plain(call.arguments), call.needs_approval,
+                    call.idempotent)
+
+
 def _error_name(error: Any) -> str:
     if isinstance(error, type):
         return error.__name__
     return type(error).__name__
-
-
-def replay(run_id: str, events: list[ev.Event]) -> RunState:
-    """Fold a whole log, re-checking every transition and recorded fingerprint.
-
-    `InvalidTransition` names the sequence number of the first event the machine forbids;
-    `SchemaError` for a log that does not start with `RunStarted`, a sequence gap, or an
-    unknown canonical form. No state is returned for a bad log."""
-    if not events or type(events[0]) is not ev.RunStarted:
-        raise SchemaError("the log must start with RunStarted", run_id=run_id, action="load")
-    started = events[0]
-    assert isinstance(started, ev.RunStarted)
-    if started.run_id != run_id or started.seq != 0:
-        raise SchemaError("the log's RunStarted does not match the run", run_id=run_id,
-                          action="load")
-    if started.max_turns is not None and started.max_turns < 0:
-        raise SchemaError("a negative max_turns", run_id=run_id, action="load")
-    state = RunState(started)
-    replay_onto(state, events[1:], first=1)
-    return state
-
-
-def replay_onto(state: RunState, events: Sequence[ev.Event], *, first: int) -> None:
-    """Fold ``events`` (the log from seq ``first`` on) into ``state``, checking each."""
-    run_id = state.run_id
-    for position, event in enumerate(events, start=first):
-        if event.seq != position:
-            raise SchemaError(f"sequence gap: event {position} carries seq {event.seq}",
-                              run_id=run_id, action="load")
-        if type(event) is ev.RunStarted:
-            raise InvalidTransition(f"event {position}: RunStarted after the start",
-                                    run_id=run_id, step=state.step, action="load")
-        try:
-            dest = state.check(event)
-        except Refused as refused:
-            raise InvalidTransition(
-                f"event {position} ({type(event).__name__}) is forbidden here: "
-                f"{refused.reason()}", run_id=run_id, step=state.step, action="load") from None
-        state.apply(event, dest)

@@ -16,8 +16,9 @@ from pathlib import Path
 import attrs
 
 from statemachine import events as ev
-from statemachine.machine import TERMINAL_STEPS, TRANSITIONS, Step
+from statemachine.machine import TERMINAL_STEPS, TRANSITIONS, fire
 from statemachine.state import RunState
+from statemachine.values import Step
 
 _INITIAL = "start"
 
@@ -55,7 +56,7 @@ def run_path(events: Sequence[ev.Event]) -> RunPath:
     state = RunState(started)
     visited = set()
     for event in events[1:]:
-        dest = state.check(event)
+        dest = fire(state, event.TRIGGER, event)
         visited.add((state.step, dest, event.TRIGGER))
         state.apply(event, dest)
     return RunPath(frozenset(visited), state.step, started.run_id)

@@ -21,9 +21,8 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from statemachine.machine import Step
 from statemachine.payloads import JSON, CanonicalForm, sha256_hex
-from statemachine.values import GuardrailResult
+from statemachine.values import GuardrailResult, Step
 
 
 @attrs.frozen

@@ -12,9 +12,8 @@ from typing import ClassVar
 
 import attrs
 
-from statemachine.machine import Step
 from statemachine.payloads import JSON
-from statemachine.values import GuardrailResult, RecoveryPolicy, ToolCall
+from statemachine.values import GuardrailResult, RecoveryPolicy, Step, ToolCall
 
 
 @attrs.frozen

@@ -31,42 +31,17 @@ invariant I2. ``COMPLETED`` and ``TERMINAL_UNRECOVERABLE`` have no way out.
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 
+from statemachine import events as ev
+from statemachine.envelope import read_limit_for
+from statemachine.errors import InvalidTransition, SchemaError
 from statemachine.payloads import digests
-
-if TYPE_CHECKING:
-    from statemachine.state import RunState
-
-
-class Step(enum.Enum):
-    """The step a run is in."""
-
-    RUN_AGAIN = "run_again"
-    """The next action is a model call."""
-    AWAITING_MODEL = "awaiting_model"
-    """A model call is in flight."""
-    INTERRUPTION = "interruption"
-    """Proposed calls await human decisions."""
-    TOOLS = "tools"
-    """Approved calls run; their results are cached as they complete."""
-    FINALIZING = "finalizing"
-    """The model gave an output; its guardrails and hooks run before it is accepted."""
-    FINAL_OUTPUT = "final_output"
-    """A final output is accepted (guardrails passed, terminal hooks ran)."""
-    HANDOFF = "handoff"
-    """Control passed to another agent; the next model call starts its activation."""
-    UNSETTLED = "unsettled"
-    """A publication envelope is staged and not confirmed."""
-    TERMINAL_UNRECOVERABLE = "terminal_unrecoverable"
-    """Fail-closed: this run can never resume."""
-    COMPLETED = "completed"
-    """The final output is published."""
-
+from statemachine.state import RunState
+from statemachine.values import Phase, Step
 
 TERMINAL_STEPS = frozenset({Step.TERMINAL_UNRECOVERABLE, Step.COMPLETED})
 WORKING_STEPS = (
@@ -155,14 +130,14 @@ def output_only(s: RunState, e: Any) -> bool:
 def result_unpublished(s: RunState, e: Any) -> bool:
     """the call must have a completed, unpublished result"""
     record = s.calls.get(e.call_id)
-    return record is not None and record.phase == "completed"
+    return record is not None and record.phase == Phase.COMPLETED
 
 
 @guard
 def call_awaits_decision(s: RunState, e: Any) -> bool:
     """the call must exist and await a decision"""
     record = s.calls.get(e.call_id)
-    return record is not None and record.phase == "awaiting"
+    return record is not None and record.phase == Phase.AWAITING
 
 
 @guard
@@ -174,7 +149,7 @@ def fingerprint_matches(s: RunState, e: Any) -> bool:
 @guard
 def approved_call_unstarted(s: RunState, e: Any) -> bool:
     """no approved call is waiting to run"""
-    return s.count("approved") > 0
+    return s.count(Phase.APPROVED) > 0
 
 
 @guard
@@ -183,14 +158,15 @@ def call_can_start(s: RunState, e: Any) -> bool:
     record = s.calls.get(e.call_id)
     if record is None:
         return False
-    return record.phase == "approved" or (record.phase == "started" and record.call.idempotent)
+    phase = record.phase
+    return phase is Phase.APPROVED or (phase is Phase.STARTED and record.call.idempotent)
 
 
 @guard
 def call_started(s: RunState, e: Any) -> bool:
     """the call must be started and not completed"""
     record = s.calls.get(e.call_id)
-    return record is not None and record.phase == "started"
+    return record is not None and record.phase == Phase.STARTED
 
 
 @guard
@@ -231,7 +207,7 @@ def hook_not_repeated(s: RunState, e: Any) -> bool:
 @guard
 def no_call_started(s: RunState, e: Any) -> bool:
     """a call is started and not completed"""
-    return s.count("started") == 0
+    return s.count(Phase.STARTED) == 0
 
 
 @guard
@@ -267,14 +243,14 @@ def batch_names_its_calls(s: RunState, e: Any) -> bool:
         return False
     for call_id in listed:
         record = s.calls.get(call_id)
-        if record is None or record.phase not in ("completed", "rejected"):
+        if record is None or record.phase not in (Phase.COMPLETED, Phase.REJECTED):
             return False
     for item in e.items:
         if type(item) is dict:
             named = item.get("call_id")
             if type(named) is str and named not in listed:
                 record = s.calls.get(named)
-                if record is not None and record.phase in ("completed", "rejected"):
+                if record is not None and record.phase in (Phase.COMPLETED, Phase.REJECTED):
                     return False
     return True
 
@@ -294,8 +270,6 @@ def batch_digests_match(s: RunState, e: Any) -> bool:
 @guard
 def read_limit_is_minimal(s: RunState, e: Any) -> bool:
     """the recorded read limit is not the smallest that tells the write's outcomes apart"""
-    from statemachine.envelope import read_limit_for
-
     if len(e.frontier) > e.read_limit or (not e.frontier_whole and len(e.frontier) < e.read_limit):
         return False
     return bool(read_limit_for(e.frontier, e.batch_digests, whole=e.frontier_whole) == e.read_limit)
@@ -470,6 +444,45 @@ def fire(state: RunState, trigger: str, event: Any) -> Step:
         else:
             return step if dest is None else dest
     raise Refused(tuple(failed))
+
+
+def replay(run_id: str, events: Sequence[ev.Event]) -> RunState:
+    """Fold a whole log, re-checking every transition and recorded fingerprint.
+
+    `InvalidTransition` names the sequence number of the first event the machine forbids;
+    `SchemaError` for a log that does not start with `RunStarted`, a sequence gap, or an
+    unknown canonical form. No state is returned for a bad log."""
+    if not events or type(events[0]) is not ev.RunStarted:
+        raise SchemaError("the log must start with RunStarted", run_id=run_id, action="load")
+    started = events[0]
+    assert isinstance(started, ev.RunStarted)
+    if started.run_id != run_id or started.seq != 0:
+        raise SchemaError("the log's RunStarted does not match the run", run_id=run_id,
+                          action="load")
+    if started.max_turns is not None and started.max_turns < 0:
+        raise SchemaError("a negative max_turns", run_id=run_id, action="load")
+    state = RunState(started)
+    replay_onto(state, events[1:], first=1)
+    return state
+
+
+def replay_onto(state: RunState, events: Sequence[ev.Event], *, first: int) -> None:
+    """Fold ``events`` (the log from seq ``first`` on) into ``state``, checking each."""
+    run_id = state.run_id
+    for position, event in enumerate(events, start=first):
+        if event.seq != position:
+            raise SchemaError(f"sequence gap: event {position} carries seq {event.seq}",
+                              run_id=run_id, action="load")
+        if type(event) is ev.RunStarted:
+            raise InvalidTransition(f"event {position}: RunStarted after the start",
+                                    run_id=run_id, step=state.step, action="load")
+        try:
+            dest = fire(state, event.TRIGGER, event)
+        except Refused as refused:
+            raise InvalidTransition(
+                f"event {position} ({type(event).__name__}) is forbidden here: "
+                f"{refused.reason()}", run_id=run_id, step=state.step, action="load") from None
+        state.apply(event, dest)
 
 
 def build_transitions_machine(model: Any, initial: Step = Step.RUN_AGAIN) -> Any:

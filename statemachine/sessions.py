@@ -3,22 +3,19 @@
 `Session` is the protocol runner authors already implement (``session_id``, and async
 ``get_items(limit=None)``, ``add_items(items)``, ``pop_item()``, ``clear_session()``), so
 an existing session plugs in unchanged: nothing here checks its class. `MemorySession`
-and `SQLiteSession` are ours. `publish` and `settle` are the two ways a runner writes to
-a Session through a controller: both ask the controller first, write, and report.
+and `SQLiteSession` are ours. A runner writes to a Session through a controller with
+`statemachine.runner.publish` and `statemachine.runner.settle`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import sqlite3
 import threading
 from typing import Any, Protocol, runtime_checkable
 
-from statemachine.controller import RunController
+from statemachine import sqlite
 from statemachine.payloads import JSON, detach
-from statemachine.values import Acknowledge, Append
 
 
 @runtime_checkable
@@ -74,10 +71,7 @@ class SQLiteSession:
         self.session_id = session_id
         self.path = os.fspath(path)
         self._lock = threading.Lock()
-        self._conn = sqlite3.connect(self.path, timeout=timeout, isolation_level=None,
-                                     check_same_thread=False)
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn = sqlite.connect(self.path, timeout=timeout)
         self._conn.execute(
             "CREATE TABLE IF NOT EXISTS session_items (id INTEGER PRIMARY KEY AUTOINCREMENT,"
             " session_id TEXT NOT NULL, body TEXT NOT NULL)")
@@ -104,16 +98,13 @@ class SQLiteSession:
     async def add_items(self, items: list[JSON]) -> None:
         bodies = [(self.session_id, _dumps(detach(item))) for item in items]
         with self._lock:
-            conn = self._conn
-            conn.execute("BEGIN IMMEDIATE")
             try:
-                conn.executemany(
-                    "INSERT INTO session_items (session_id, body) VALUES (?, ?)", bodies)
-                self._before_commit()
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
+                with sqlite.write_transaction(self._conn) as conn:
+                    conn.executemany(
+                        "INSERT INTO session_items (session_id, body) VALUES (?, ?)", bodies)
+                    self._before_commit()
+            except sqlite.CommitFailed as failed:
+                raise failed.__cause__ from None  # type: ignore[misc]
         self._after_commit()
 
     def _before_commit(self) -> None:
@@ -123,19 +114,12 @@ class SQLiteSession:
         """A seam for fault injection (tests kill the process here)."""
 
     async def pop_item(self) -> JSON | None:
-        with self._lock:
-            conn = self._conn
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                row = conn.execute(
-                    "SELECT id, body FROM session_items WHERE session_id = ? "
-                    "ORDER BY id DESC LIMIT 1", (self.session_id,)).fetchone()
-                if row is not None:
-                    conn.execute("DELETE FROM session_items WHERE id = ?", (row[0],))
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
+        with self._lock, sqlite.write_transaction(self._conn) as conn:
+            row = conn.execute(
+                "SELECT id, body FROM session_items WHERE session_id = ? "
+                "ORDER BY id DESC LIMIT 1", (self.session_id,)).fetchone()
+            if row is not None:
+                conn.execute("DELETE FROM session_items WHERE id = ?", (row[0],))
         return None if row is None else json.loads(row[1])
 
     async def clear_session(self) -> None:
@@ -146,41 +130,3 @@ class SQLiteSession:
 
 def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-
-
-async def publish(controller: RunController, session: Session, items: list[JSON], *,
-                  call_ids: list[str] | None = None) -> None:
-    """Stage ``items`` (reading just enough of the Session's tail), write them, report.
-
-    A write that raises an `Exception` is reported with ``publication_failed`` and the
-    original error propagates (I6). A cancelled write (`asyncio.CancelledError`, or any
-    other `BaseException`) might still land, so it is *not* reported: its attempt stays
-    open and a later attempt must reconcile (or, fail-closed, cannot go on)."""
-    history = await session.get_items(limit=len(items) + 1)
-    controller.stage_publication(items, history, call_ids=call_ids)
-    await _write(controller, session, items)
-
-
-async def settle(controller: RunController, session: Session, *,
-                 take_over: bool = False) -> Append | Acknowledge:
-    """Reconcile an unsettled run against the Session, and write the batch if nothing of
-    it is there. Raises `ReconcileRejected` (nothing recorded) when the Session cannot be
-    matched, and the write's own error if the re-write fails."""
-    envelope = controller.envelope
-    limit = envelope.read_limit if envelope is not None else 1
-    decision = controller.reconcile(await session.get_items(limit=limit), session.session_id,
-                                    take_over=take_over)
-    if isinstance(decision, Append):
-        await _write(controller, session, list(decision.items))
-    return decision
-
-
-async def _write(controller: RunController, session: Session, items: list[JSON]) -> None:
-    try:
-        await session.add_items(items)
-    except asyncio.CancelledError:
-        raise
-    except Exception as error:
-        controller.publication_failed(error)
-        raise
-    controller.publication_committed()

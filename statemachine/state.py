@@ -1,29 +1,33 @@
 """The run's state and the fold: state is a pure function of the event log.
 
-`RunState.check` asks the machine whether an event may fire (raising `Refused`), and
-`RunState.apply` folds an accepted event in. The controller and the replay use the same
+`machine.fire` asks the declaration whether an event may fire (raising `Refused`), and
+`RunState.apply` folds an accepted event in. The controller and the replay make the same
 two calls, so a log is re-validated exactly as it was recorded. ``apply`` never fails for
-an event ``check`` accepted, which is what lets a refused command leave nothing changed.
+an event ``fire`` accepted, which is what lets a refused command leave nothing changed.
 The fold performs no I/O.
+
+Also here: `RunState.snapshot` / `RunState.restore` (the folded state as plain JSON, for
+stores that keep snapshots) and `next_action`, the pure answer to "what now?".
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from statemachine import events as ev
 from statemachine.envelope import Envelope
-from statemachine.machine import Step, fire
 from statemachine.payloads import JSON, CanonicalForm, canonical_form, fingerprint_of
-from statemachine.values import GuardrailResult, RecoveryPolicy, ToolCall
+from statemachine.values import Action, GuardrailResult, Phase, RecoveryPolicy, Step, ToolCall
 
-PHASES = ("awaiting", "approved", "rejected", "skipped", "started", "completed", "published")
-"""A call's place in the ledger: proposed calls await a decision or are approved; an
-approved call starts, completes (its result cached) and is published. A rejected call's
-rejection output is its result. Calls a final output or handoff overtakes are skipped."""
-
+STATE_VERSION = 1
+"""The shape of `RunState.snapshot`; a snapshot of another version is ignored (the log is
+replayed instead)."""
 
 _TOOL_STAGES = frozenset({"tool_input", "tool_output"})
+_TERMINAL = frozenset({Step.TERMINAL_UNRECOVERABLE, Step.COMPLETED})
+_CALL_MODEL_STEPS = frozenset({Step.RUN_AGAIN, Step.HANDOFF, Step.AWAITING_MODEL})
 
 
 class CallRecord:
@@ -31,7 +35,7 @@ class CallRecord:
 
     __slots__ = ("_fingerprint", "call", "phase", "result", "starts")
 
-    def __init__(self, call: ToolCall, phase: str) -> None:
+    def __init__(self, call: ToolCall, phase: Phase) -> None:
         self.call = call
         self._fingerprint: str | None = None
         self.phase = phase
@@ -73,7 +77,7 @@ class RunState:
         self.calls: dict[str, CallRecord] = {}
         self.awaiting_ids: dict[str, None] = {}
         """The calls awaiting a decision, in proposal order (kept so reads are O(1))."""
-        self.counts = dict.fromkeys(PHASES, 0)
+        self.counts = dict.fromkeys(Phase, 0)
         self.pending_guardrails: list[GuardrailResult] = []
         self.published_guardrails: list[GuardrailResult] = []
         self.guardrail_keys: dict[tuple[Any, ...], GuardrailResult] = {}
@@ -89,11 +93,11 @@ class RunState:
 
     # ------------------------------------------------------------------ queries
 
-    def count(self, phase: str) -> int:
+    def count(self, phase: Phase) -> int:
         return self.counts[phase]
 
     def unpublished_results(self) -> int:
-        return self.counts["completed"] + self.counts["rejected"]
+        return self.counts[Phase.COMPLETED] + self.counts[Phase.REJECTED]
 
     def awaiting(self) -> tuple[str, ...]:
         return tuple(self.awaiting_ids)
@@ -115,9 +119,9 @@ class RunState:
         if self.final_accepted:
             return Step.COMPLETED
         counts = self.counts
-        if counts["approved"] or self.unpublished_results() > len(call_ids):
+        if counts[Phase.APPROVED] or self.unpublished_results() > len(call_ids):
             return Step.TOOLS
-        if counts["awaiting"]:
+        if counts[Phase.AWAITING]:
             return Step.INTERRUPTION
         return Step.RUN_AGAIN
 
@@ -142,23 +146,91 @@ class RunState:
 
     __hash__ = None  # type: ignore[assignment]
 
+    # ---------------------------------------------------------------- snapshots
+
+    def snapshot(self) -> dict[str, JSON]:
+        """The whole folded state as a plain JSON tree (`restore` reads it back)."""
+        from statemachine import codec
+
+        unstructure = codec.converter.unstructure
+        started = ev.RunStarted(0, self.run_id, self.session_id, self.policy,
+                                self.max_turns, self.canonical)
+        return {
+            "state_version": STATE_VERSION,
+            "started": codec.encode_event(started),
+            "step": self.step.value,
+            "turns": self.turns,
+            "model_calls": self.model_calls,
+            "activation": self.activation,
+            "calls": [[unstructure(r.call), r.phase.value, r.result, r.starts]
+                      for r in self.calls.values()],
+            "pending_guardrails": unstructure(self.pending_guardrails),
+            "published_guardrails": unstructure(self.published_guardrails),
+            "guardrail_keys": [[[*key], unstructure(result)]
+                               for key, result in self.guardrail_keys.items()],
+            "hook_keys": sorted(([*key] for key in self.hook_keys), key=json.dumps),
+            "model_output": self.model_output,
+            "final_output": self.final_output,
+            "final_accepted": self.final_accepted,
+            "final_lossless": self.final_lossless,
+            "envelope": None if self.envelope is None else unstructure(self.envelope),
+            "attempt_seq": self.attempt_seq,
+            "last_seq": self.last_seq,
+        }
+
+    @classmethod
+    def restore(cls, data: Mapping[str, Any]) -> RunState | None:
+        """The state `snapshot` wrote, or None for another ``state_version``. Snapshots
+        come from a trusted store, so they are decoded, not re-validated."""
+        from statemachine import codec
+
+        structure = codec.converter.structure
+        if data.get("state_version") != STATE_VERSION:
+            return None
+        started = codec.decode_event(data["started"], 0)
+        assert isinstance(started, ev.RunStarted)
+        state = cls(started)
+        state.step = Step(data["step"])
+        state.turns, state.model_calls = data["turns"], data["model_calls"]
+        state.activation = data["activation"]
+        for raw_call, raw_phase, result, starts in data["calls"]:
+            phase = Phase(raw_phase)
+            record = CallRecord(structure(raw_call, ToolCall), phase)
+            record.result, record.starts = result, starts
+            state.calls[record.call.call_id] = record
+            state.counts[phase] += 1
+            if phase is Phase.AWAITING:
+                state.awaiting_ids[record.call.call_id] = None
+        state.pending_guardrails = [structure(g, GuardrailResult)
+                                    for g in data["pending_guardrails"]]
+        state.published_guardrails = [structure(g, GuardrailResult)
+                                      for g in data["published_guardrails"]]
+        state.guardrail_keys = {tuple(key): structure(result, GuardrailResult)
+                                for key, result in data["guardrail_keys"]}
+        state.hook_keys = {tuple(key) for key in data["hook_keys"]}
+        state.model_output = data["model_output"]
+        state.final_output = data["final_output"]
+        state.final_accepted = data["final_accepted"]
+        state.final_lossless = data["final_lossless"]
+        raw_envelope = data["envelope"]
+        state.envelope = None if raw_envelope is None else structure(raw_envelope, Envelope)
+        state.attempt_seq, state.last_seq = data["attempt_seq"], data["last_seq"]
+        return state
+
     # --------------------------------------------------------------- the fold
 
-    def check(self, event: ev.Event) -> Step:
-        """The step ``event`` leads to; raises `machine.Refused` if the machine forbids it."""
-        return fire(self, event.TRIGGER, event)
-
     def apply(self, event: ev.Event, dest: Step) -> None:
-        """Fold an event that `check` accepted (with the step it returned)."""
+        """Fold an event that `machine.fire` accepted, with the step it returned. This is
+        the one fold: the controller and the replay both call it."""
         _APPLY[type(event)](self, event)
         self.step = dest
         self.last_seq = event.seq
 
-    def _phase(self, record: CallRecord, phase: str) -> None:
+    def _phase(self, record: CallRecord, phase: Phase) -> None:
         counts = self.counts
         counts[record.phase] -= 1
         counts[phase] += 1
-        if record.phase == "awaiting":
+        if record.phase == Phase.AWAITING:
             del self.awaiting_ids[record.call.call_id]
         record.phase = phase
 
@@ -166,17 +238,17 @@ class RunState:
         envelope = self.envelope
         assert envelope is not None
         for call_id in envelope.call_ids:
-            self._phase(self.calls[call_id], "published")
+            self._phase(self.calls[call_id], Phase.PUBLISHED)
         self.published_guardrails.extend(envelope.guardrails)
         del self.pending_guardrails[: len(envelope.guardrails)]
         self.envelope = None
         self.attempt_seq = None
 
     def _skip_unstarted(self) -> None:
-        if self.counts["awaiting"] or self.counts["approved"]:
+        if self.counts[Phase.AWAITING] or self.counts[Phase.APPROVED]:
             for record in list(self.calls.values()):
-                if record.phase in ("awaiting", "approved"):
-                    self._phase(record, "skipped")
+                if record.phase in (Phase.AWAITING, Phase.APPROVED):
+                    self._phase(record, Phase.SKIPPED)
 
 
 def _nothing(s: RunState, e: Any) -> None:
@@ -191,44 +263,44 @@ def _model_responded(s: RunState, e: ev.ModelResponded) -> None:
     s.turns += 1
     s.model_output = e.output
     for call in e.tool_calls:
-        phase = "awaiting" if call.needs_approval else "approved"
+        phase = Phase.AWAITING if call.needs_approval else Phase.APPROVED
         s.calls[call.call_id] = CallRecord(call, phase)
         s.counts[phase] += 1
-        if phase == "awaiting":
+        if phase == Phase.AWAITING:
             s.awaiting_ids[call.call_id] = None
 
 
 def _received(s: RunState, e: ev.ToolCallsReceived) -> None:
     for call in e.tool_calls:
-        s.calls[call.call_id] = CallRecord(call, "approved")
-        s.counts["approved"] += 1
+        s.calls[call.call_id] = CallRecord(call, Phase.APPROVED)
+        s.counts[Phase.APPROVED] += 1
 
 
 def _posted(s: RunState, e: ev.ResultPosted) -> None:
-    s._phase(s.calls[e.call_id], "published")
+    s._phase(s.calls[e.call_id], Phase.PUBLISHED)
 
 
 def _approved(s: RunState, e: ev.CallApproved) -> None:
-    s._phase(s.calls[e.call_id], "approved")
+    s._phase(s.calls[e.call_id], Phase.APPROVED)
 
 
 def _rejected(s: RunState, e: ev.CallRejected) -> None:
     record = s.calls[e.call_id]
     record.result = e.message
-    s._phase(record, "rejected")
+    s._phase(record, Phase.REJECTED)
 
 
 def _tool_started(s: RunState, e: ev.ToolStarted) -> None:
     record = s.calls[e.call_id]
     record.starts += 1
-    if record.phase != "started":
-        s._phase(record, "started")
+    if record.phase != Phase.STARTED:
+        s._phase(record, Phase.STARTED)
 
 
 def _tool_completed(s: RunState, e: ev.ToolCompleted | ev.InDoubtResolved) -> None:
     record = s.calls[e.call_id]
     record.result = e.output
-    s._phase(record, "completed")
+    s._phase(record, Phase.COMPLETED)
 
 
 def _guardrail(s: RunState, e: ev.GuardrailEvaluated) -> None:
@@ -308,3 +380,56 @@ _APPLY: dict[type[ev.Event], Any] = {
     ev.ResultPostFailed: _nothing,
     ev.Abandoned: _nothing,
 }
+
+
+# ------------------------------------------------------------------- what now?
+
+
+def in_doubt(s: RunState, in_flight: Collection[str]) -> tuple[str, ...]:
+    """Started, non-idempotent calls that are not held ``in_flight`` by a live controller:
+    their outcome is unknown and they are never re-run (I11)."""
+    if not s.counts[Phase.STARTED]:
+        return ()
+    return tuple(
+        call_id for call_id, r in s.calls.items()
+        if r.phase is Phase.STARTED and not r.call.idempotent and call_id not in in_flight
+    )
+
+
+def next_action(s: RunState, *, holds_attempt: bool, in_flight: Collection[str]) -> Action:
+    """What a runner should do next (DESIGN §3.1), first match wins. ``holds_attempt``
+    and ``in_flight`` are what the asking controller holds and the log does not show."""
+    step = s.step
+    # DESIGN lists RESOLVE_IN_DOUBT first; a terminal run (abandoned while a call ran)
+    # refuses resolve_in_doubt, so it answers NOT_RESUMABLE instead (fail closed).
+    if step not in _TERMINAL and in_doubt(s, in_flight):
+        return Action.RESOLVE_IN_DOUBT
+    if step is Step.UNSETTLED and holds_attempt:
+        return Action.PUBLISH
+    if step in _TERMINAL or (step is Step.UNSETTLED and s.envelope is not None
+                             and s.envelope.fail_closed):
+        return Action.NOT_RESUMABLE
+    if step is Step.UNSETTLED:
+        return Action.RECONCILE
+    counts = s.counts
+    if step in _CALL_MODEL_STEPS:
+        # Fail closed: a handoff with unpublished results publishes them first, since
+        # begin_model_call refuses until they are published.
+        if step is Step.HANDOFF and s.unpublished_results():
+            return Action.PUBLISH
+        return Action.CALL_MODEL
+    if step is Step.INTERRUPTION:
+        if counts[Phase.APPROVED]:
+            return Action.RUN_TOOLS
+        # Every decision taken and one was a rejection: its output is published next
+        # (nothing is left to decide, so AWAIT_DECISIONS would wait forever).
+        return Action.AWAIT_DECISIONS if counts[Phase.AWAITING] else Action.PUBLISH
+    if step is Step.TOOLS:
+        if counts[Phase.APPROVED] or counts[Phase.STARTED]:
+            return Action.RUN_TOOLS
+        return Action.PUBLISH
+    if step is Step.FINAL_OUTPUT:
+        if s.session_id is not None or s.unpublished_results() or s.pending_guardrails:
+            return Action.PUBLISH
+        return Action.FINISH
+    return Action.FINISH  # FINALIZING

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from statemachine import codec
+from statemachine import codec, sqlite
 from statemachine.errors import ConcurrencyConflict
 from statemachine.events import Event
 from statemachine.payloads import JSON
@@ -147,34 +147,27 @@ class SQLiteEventStore:
                              "expected_version")
         with self._lock:
             conn = self._conn
-            conn.execute("BEGIN IMMEDIATE")
             try:
-                (last,) = conn.execute(
-                    "SELECT MAX(seq) FROM events WHERE run_id = ?", (run_id,)).fetchone()
-                version = 0 if last is None else last + 1
-                if version != expected_version:
-                    raise _conflict(run_id, expected_version, version)
-                conn.executemany(
-                    "INSERT INTO events (run_id, seq, batch_id, body) VALUES (?, ?, ?, ?)",
-                    rows)
-                if snapshot is not None:
-                    conn.execute(
-                        "INSERT OR REPLACE INTO snapshots (run_id, version, body) "
-                        "VALUES (?, ?, ?)", (run_id, expected_version, _dumps(snapshot)))
+                with sqlite.write_transaction(conn):
+                    (last,) = conn.execute(
+                        "SELECT MAX(seq) FROM events WHERE run_id = ?", (run_id,)).fetchone()
+                    version = 0 if last is None else last + 1
+                    if version != expected_version:
+                        raise _conflict(run_id, expected_version, version)
+                    conn.executemany(
+                        "INSERT INTO events (run_id, seq, batch_id, body) VALUES (?, ?, ?, ?)",
+                        rows)
+                    if snapshot is not None:
+                        conn.execute(
+                            "INSERT OR REPLACE INTO snapshots (run_id, version, body) "
+                            "VALUES (?, ?, ?)", (run_id, expected_version, _dumps(snapshot)))
             except sqlite3.IntegrityError:
-                conn.execute("ROLLBACK")
                 raise _conflict(run_id, expected_version, expected_version + 1) from None
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            try:
-                conn.execute("COMMIT")
-            except sqlite3.Error:
-                if self._landed(batch_id):
-                    self._reopen()
-                    return
+            except sqlite.CommitFailed as failed:
+                landed = self._landed(batch_id)
                 self._reopen()
-                raise
+                if not landed:
+                    raise failed.__cause__ from None  # type: ignore[misc]
 
     def _landed(self, batch_id: str) -> bool:
         probe = sqlite3.connect(self.path, timeout=self._timeout)
@@ -202,18 +195,13 @@ class SQLiteEventStore:
         return self._decode(rows)
 
     def load_latest(self, run_id: str) -> tuple[Snapshot | None, list[Event]]:
-        with self._lock:
-            conn = self._conn
-            conn.execute("BEGIN")
-            try:
-                found = conn.execute("SELECT version, body FROM snapshots WHERE run_id = ?",
-                                     (run_id,)).fetchone()
-                version = found[0] if found else 0
-                rows = conn.execute(
-                    "SELECT seq, body FROM events WHERE run_id = ? AND seq >= ? ORDER BY seq",
-                    (run_id, version)).fetchall()
-            finally:
-                conn.execute("COMMIT")
+        with self._lock, sqlite.read_transaction(self._conn) as conn:
+            found = conn.execute("SELECT version, body FROM snapshots WHERE run_id = ?",
+                                 (run_id,)).fetchone()
+            version = found[0] if found else 0
+            rows = conn.execute(
+                "SELECT seq, body FROM events WHERE run_id = ? AND seq >= ? ORDER BY seq",
+                (run_id, version)).fetchall()
         snapshot = json.loads(found[1]) if found else None
         return snapshot, self._decode(rows)
 

@@ -1,6 +1,6 @@
-"""The small frozen values of the public contract: tool calls, guardrail results, the
-decisions the core hands back (`Execute`, `Resend`, `Append`, `Acknowledge`), the
-recovery policy and the runner's next action."""
+"""The vocabulary of the public contract: the enums (`Step`, `Phase`, `RecoveryPolicy`,
+`Action`) and the small frozen values (tool calls, guardrail results, ledger views, and
+the decisions the core hands back: `Execute`, `Resend`, `Append`, `Acknowledge`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,53 @@ import enum
 import attrs
 
 from statemachine.payloads import JSON
+
+
+class Step(enum.Enum):
+    """The step a run is in."""
+
+    RUN_AGAIN = "run_again"
+    """The next action is a model call."""
+    AWAITING_MODEL = "awaiting_model"
+    """A model call is in flight."""
+    INTERRUPTION = "interruption"
+    """Proposed calls await human decisions."""
+    TOOLS = "tools"
+    """Approved calls run; their results are cached as they complete."""
+    FINALIZING = "finalizing"
+    """The model gave an output; its guardrails and hooks run before it is accepted."""
+    FINAL_OUTPUT = "final_output"
+    """A final output is accepted (guardrails passed, terminal hooks ran)."""
+    HANDOFF = "handoff"
+    """Control passed to another agent; the next model call starts its activation."""
+    UNSETTLED = "unsettled"
+    """A publication envelope is staged and not confirmed."""
+    TERMINAL_UNRECOVERABLE = "terminal_unrecoverable"
+    """Fail-closed: this run can never resume."""
+    COMPLETED = "completed"
+    """The final output is published."""
+
+
+class Phase(enum.Enum):
+    """A call's place in the tool ledger (DESIGN §2.4). A proposed call awaits a decision
+    or is approved; an approved call starts, completes (its result cached) and is
+    published. A rejected call's rejection output is its result. Calls that a final output
+    or a handoff overtakes before they start are skipped."""
+
+    AWAITING = "awaiting"
+    """Proposed; a human decision is pending."""
+    APPROVED = "approved"
+    """Approved (or needing no approval) and not started."""
+    REJECTED = "rejected"
+    """Rejected; its rejection output waits to be published."""
+    SKIPPED = "skipped"
+    """Overtaken by a final output or a handoff before it started; it never runs."""
+    STARTED = "started"
+    """Its start is recorded and its result is not: running here, or in doubt."""
+    COMPLETED = "completed"
+    """Its result is cached and not yet published."""
+    PUBLISHED = "published"
+    """Its result (or rejection) is in the Session or the remote history."""
 
 
 class RecoveryPolicy(enum.Enum):
@@ -93,3 +140,18 @@ class Append:
 @attrs.frozen
 class Acknowledge:
     """``reconcile`` decision: the earlier write had committed; the run is settled."""
+
+
+@attrs.frozen
+class CallView:
+    """One call of the tool ledger as `RunController.calls` hands it out: the call, its
+    `Phase`, how many starts the log records, whether this controller holds it in flight,
+    and its result (the cached output, or the rejection message; None before).
+
+    ``call`` and ``result`` are copies: changing them changes nothing in the run."""
+
+    call: ToolCall
+    phase: Phase
+    starts: int
+    in_flight: bool
+    result: JSON

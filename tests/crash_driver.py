@@ -29,8 +29,10 @@ from statemachine import (
     ToolInDoubt,
 )
 from statemachine.events import Event
-from statemachine.sessions import SQLiteSession, publish, settle
+from statemachine.runner import publish, settle
+from statemachine.sessions import SQLiteSession
 from statemachine.stores import Snapshot, SQLiteEventStore
+from statemachine.values import Phase
 
 RUN_ID = "crash"
 RESPONSES = [
@@ -115,7 +117,7 @@ async def drive(folder: Path, store: SQLiteEventStore, session: SQLiteSession,
                 c.resume()
                 continue
             for call_id, record in list(c.state.calls.items()):
-                if record.phase not in ("approved", "started"):
+                if record.phase not in (Phase.APPROVED, Phase.STARTED):
                     continue
                 decision = c.begin_tool(call_id)
                 if isinstance(decision, Execute):
@@ -127,7 +129,7 @@ async def drive(folder: Path, store: SQLiteEventStore, session: SQLiteSession,
                         _effect(folder, "lookup.txt", "looked up")
                     c.tool_completed(call_id, f"{call_id} done")
         elif action is Action.PUBLISH:
-            ids = [i for i, r in c.state.calls.items() if r.phase == "completed"]
+            ids = [i for i, r in c.state.calls.items() if r.phase == Phase.COMPLETED]
             items: list[Any] = []
             for call_id in ids:
                 items.append({"type": "function_call", "call_id": call_id})

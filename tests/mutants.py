@@ -9,12 +9,14 @@ from typing import Any
 
 import pytest
 
-from statemachine import RecoveryPolicy, codec, envelope, machine, runner
+from statemachine import RecoveryPolicy, codec, envelope, machine
 from statemachine import controller as controller_module
 from statemachine import events as ev
 from statemachine.envelope import Finding
-from statemachine.machine import TABLE, Step
+from statemachine.machine import TABLE
+from statemachine.runner import loop
 from statemachine.state import RunState
+from statemachine.values import Phase, Step
 
 
 @contextlib.contextmanager
@@ -66,21 +68,21 @@ def started_call_re_executed() -> contextlib.AbstractContextManager[None]:
 
     def begin_tool(self: Any, call_id: str) -> Any:
         record = self.state.calls.get(call_id)
-        if record is not None and record.phase == "started" and call_id not in self.in_flight:
+        if record is not None and record.phase == Phase.STARTED and call_id not in self.in_flight:
             record.call = attrs.evolve(record.call, idempotent=True)
         return real(self, call_id)
 
-    real_runnable = runner._Drive._runnable
+    real_runnable = loop._Drive._runnable
 
-    def runnable(self: Any, call_id: str) -> bool:
-        record = self.c.state.calls[call_id]
-        if record.phase == "started" and call_id not in self.c.in_flight:
-            return True
-        return real_runnable(self, call_id)
+    def runnable(self: Any) -> list[Any]:
+        chosen = real_runnable(self)
+        ids = {view.call.call_id for view in chosen}
+        return chosen + [view for view in self.c.calls if view.phase is Phase.STARTED
+                         and not view.in_flight and view.call.call_id not in ids]
 
     return _patched((controller_module.RunController, "begin_tool", begin_tool),
-                    (controller_module.RunController, "in_doubt", lambda self: ()),
-                    (runner._Drive, "_runnable", runnable))
+                    (controller_module, "in_doubt", lambda state, in_flight: ()),
+                    (loop._Drive, "_runnable", runnable))
 
 
 def terminal_marker_dropped_by_json() -> contextlib.AbstractContextManager[None]:
@@ -98,7 +100,7 @@ def terminal_marker_dropped_by_json() -> contextlib.AbstractContextManager[None]
 
 
 def streamed_run_skips_the_envelope() -> contextlib.AbstractContextManager[None]:
-    real = runner._Drive._publish
+    real = loop._Drive._publish
 
     async def publish(self: Any) -> None:
         if getattr(self.emit, "__self__", None) is None:  # run(): the no-op emitter
@@ -106,7 +108,7 @@ def streamed_run_skips_the_envelope() -> contextlib.AbstractContextManager[None]
             return
         # streamed: write first, arm the envelope afterwards (the seed's bug)
         c = self.c
-        ids = [i for i, r in c.state.calls.items() if r.phase in ("completed", "rejected")]
+        ids = [i for i, r in c.state.calls.items() if r.phase in (Phase.COMPLETED, Phase.REJECTED)]
         items: list[Any] = []
         for call_id in ids:
             record = c.state.calls[call_id]
@@ -121,7 +123,7 @@ def streamed_run_skips_the_envelope() -> contextlib.AbstractContextManager[None]
         c.stage_publication(items, history, call_ids=ids)
         c.publication_committed()
 
-    return _patched((runner._Drive, "_publish", publish))
+    return _patched((loop._Drive, "_publish", publish))
 
 
 MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {

@@ -16,6 +16,7 @@ from statemachine import (
     Step,
     ToolCall,
 )
+from statemachine.values import Phase
 
 
 class Driven:
@@ -38,7 +39,7 @@ def start_run(data: st.DataObject, run_id: str = "driven", **kw: Any) -> Driven:
 
 
 def _unpublished(c: RunController) -> list[str]:
-    return [i for i, r in c.state.calls.items() if r.phase in ("completed", "rejected")]
+    return [i for i, r in c.state.calls.items() if r.phase in (Phase.COMPLETED, Phase.REJECTED)]
 
 
 def _publish(d: Driven, data: st.DataObject) -> None:
@@ -115,17 +116,17 @@ def step(d: Driven, data: st.DataObject) -> bool:
         if c.step is Step.INTERRUPTION:
             c.resume()
             return True
-        runnable = [i for i, r in c.state.calls.items()
-                    if r.phase == "approved" or (r.phase == "started" and i not in c.in_doubt())]
+        runnable = [i for i, r in c.state.calls.items() if r.phase == Phase.APPROVED
+                    or (r.phase == Phase.STARTED and i not in c.in_doubt())]
         call_id = data.draw(st.sampled_from(runnable), label="tool")
         record = c.state.calls[call_id]
-        if record.phase == "approved" or call_id not in c.in_flight:
+        if record.phase == Phase.APPROVED or call_id not in c.in_flight:
             c.begin_tool(call_id)
             if roll < 20:
                 return True  # left in flight: a reload now puts it in doubt
         c.guardrail_evaluated("tool_out", {"ok": True}, stage="tool_output", call_id=call_id)
         c.tool_completed(call_id, f"result of {call_id}")
-        if roll > 92 and not c.state.count("started"):
+        if roll > 92 and not c.state.count(Phase.STARTED):
             c.accept_final_output(f"result of {call_id}")
     elif action is Action.PUBLISH:
         if c.holds_attempt:

@@ -24,6 +24,7 @@ from statemachine import (
     disable_logging,
     enable_logging,
 )
+from statemachine.values import Phase
 from tests.helpers import SESSION, P, assert_refused, at_interruption, reloaded, staged
 
 
@@ -163,7 +164,7 @@ def test_a_rejected_call_never_runs_and_its_output_is_published() -> None:
     assert_refused(c, InvalidTransition, c.stage_publication, [rejection], P)
     c.stage_publication([rejection], P, call_ids=["charge"])
     c.publication_committed()
-    assert c.state.calls["charge"].phase == "published"
+    assert c.state.calls["charge"].phase == Phase.PUBLISHED
 
 
 # --------------------------------------------------------- final output, handoff

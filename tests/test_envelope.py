@@ -6,8 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from statemachine.envelope import Envelope, classify, measure_frontier, read_limit_for
-from statemachine.machine import Step
 from statemachine.payloads import canonical_json, digests
+from statemachine.values import Step
 
 tokens = st.lists(st.sampled_from("xyab"), max_size=7)
 

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from statemachine import Acknowledge, Append, RecoveryPolicy, RunController, Step
-from statemachine.sessions import MemorySession, Session, SQLiteSession, publish, settle
+from statemachine.runner import publish, settle
+from statemachine.sessions import MemorySession, Session, SQLiteSession
 from tests.helpers import SESSION, B, P, at_interruption, run_charge
 
 

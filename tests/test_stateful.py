@@ -10,7 +10,7 @@ import pytest
 from hypothesis import settings
 
 from statemachine import RecoveryPolicy
-from statemachine.fuzz import ReferenceWorld, RemoteWorld, explore, world_state_machine
+from statemachine.testing import ReferenceWorld, RemoteWorld, explore, world_state_machine
 
 EXPLORE_DEPTH = 5
 """The CI bound: every action sequence of this length (`just fuzz` goes deeper)."""

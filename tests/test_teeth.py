@@ -12,7 +12,7 @@ from hypothesis.errors import HypothesisException
 from hypothesis.stateful import run_state_machine_as_test
 
 from statemachine import RecoveryPolicy
-from statemachine.fuzz import ReferenceWorld, explore, world_state_machine
+from statemachine.testing import ReferenceWorld, explore, world_state_machine
 from tests.mutants import MUTANTS
 from tests.test_stateful import EXPLORE_DEPTH
 

@@ -10,11 +10,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from statemachine.values import Action, RecoveryPolicy
+from statemachine.values import Action, Phase, RecoveryPolicy
 
 if TYPE_CHECKING:
     from statemachine.controller import RunController
-    from statemachine.fuzz import World
+    from statemachine.testing import World
 
 
 class UserError(Exception):
@@ -57,7 +57,7 @@ def _load(args: argparse.Namespace) -> RunController:
 
 def verdict(c: RunController) -> str:
     """One sentence: can the run resume, and what may the operator do."""
-    from statemachine.machine import Step
+    from statemachine.values import Step
 
     action = c.next_action()
     if action is Action.NOT_RESUMABLE:
@@ -82,23 +82,23 @@ def verdict(c: RunController) -> str:
 
 
 def describe(c: RunController) -> dict[str, Any]:
-    state = c.state
     envelope = c.envelope
     ledger = []
     in_doubt = set(c.in_doubt())
-    for call_id, record in state.calls.items():
+    for view in c.calls:
+        call_id = view.call.call_id
         ledger.append({
-            "call_id": call_id, "tool": record.call.name, "phase": record.phase,
-            "starts": record.starts, "ran": record.starts > 0,
-            "cached": record.phase in ("completed", "rejected", "published"),
-            "in_doubt": call_id in in_doubt, "idempotent": record.call.idempotent,
+            "call_id": call_id, "tool": view.call.name, "phase": view.phase.value,
+            "starts": view.starts, "ran": view.starts > 0,
+            "cached": view.phase in (Phase.COMPLETED, Phase.REJECTED, Phase.PUBLISHED),
+            "in_doubt": call_id in in_doubt, "idempotent": view.call.idempotent,
         })
     return {
         "run_id": c.run_id,
         "step": c.step.value,
         "policy": c.policy.value,
         "session_id": c.session_id,
-        "events": len(c.events),
+        "events": c.version,
         "pending_approvals": list(c.pending_approvals),
         "envelope": None if envelope is None else {
             "session_id": envelope.session_id,
@@ -158,7 +158,7 @@ def inspect_command(args: argparse.Namespace) -> int:
 
 def replay_command(args: argparse.Namespace) -> int:
     c = _load(args)
-    print(f"ok: {len(c.events)} events replayed, every transition legal; step "
+    print(f"ok: {c.version} events replayed, every transition legal; step "
           f"{c.step.name}")
     return 0
 
@@ -183,7 +183,7 @@ def render_command(args: argparse.Namespace) -> int:
 
 
 def _worlds() -> dict[str, Callable[[], World]]:
-    from statemachine.fuzz import ReferenceWorld, RemoteWorld
+    from statemachine.testing import ReferenceWorld, RemoteWorld
 
     return {
         "reference": ReferenceWorld,
@@ -193,7 +193,7 @@ def _worlds() -> dict[str, Callable[[], World]]:
 
 
 def explore_command(args: argparse.Namespace) -> int:
-    from statemachine.fuzz import explore
+    from statemachine.testing import explore
 
     worlds = _worlds()
     names = list(worlds) if args.world == "all" else [args.world]
@@ -211,7 +211,7 @@ def explore_command(args: argparse.Namespace) -> int:
 
 
 def demo_command(args: argparse.Namespace) -> int:
-    from statemachine.demo import run_demo
+    from statemachine.cli.demo import run_demo
 
     return run_demo(args.dir)
 

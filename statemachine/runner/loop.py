@@ -17,166 +17,41 @@ from __future__ import annotations
 import asyncio
 import inspect
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from functools import partial
-from typing import Any, Literal, Protocol
-
-import attrs
+from typing import Any
 
 from statemachine.controller import RunController
-from statemachine.errors import ControlError, ToolInDoubt
-from statemachine.machine import Step
+from statemachine.errors import ControlError
 from statemachine.payloads import JSON
-from statemachine.sessions import MemorySession, Session, publish, settle
+from statemachine.runner.agents import (
+    ALLOW,
+    Agent,
+    Emit,
+    MaxTurnsExceeded,
+    OutputGuardrailTripwire,
+    RunHooks,
+    RunResult,
+    StreamEvent,
+    ToolGuardrail,
+    Verdict,
+)
+from statemachine.runner.publish import publish, settle
+from statemachine.sessions import MemorySession, Session
 from statemachine.stores import EventStore
-from statemachine.values import Action, Execute, GuardrailResult, RecoveryPolicy, ToolCall
-
-# ------------------------------------------------------------------ the agent side
-
-
-@attrs.frozen
-class Verdict:
-    """What a guardrail decided: ``allow``, or ``reject_content`` with the ``message``
-    that replaces the tool's input (the tool does not run) or its output."""
-
-    behavior: Literal["allow", "reject_content"] = "allow"
-    message: str | None = None
-
-    def as_json(self) -> dict[str, JSON]:
-        return {"behavior": self.behavior, "message": self.message}
-
-
-ALLOW = Verdict()
-
-
-def reject_content(message: str) -> Verdict:
-    return Verdict("reject_content", message)
-
-
-@attrs.frozen
-class ToolGuardrail:
-    """``check(call)`` (input) or ``check(call, output)`` (output) → `Verdict`; raising
-    stops the run with that error."""
-
-    name: str
-    check: Callable[..., Verdict | Awaitable[Verdict]]
-
-
-@attrs.frozen
-class OutputGuardrail:
-    """``check(output)`` → `Verdict` for the agent's final output; ``reject_content`` is a
-    tripwire: the run is abandoned and `OutputGuardrailTripwire` raised."""
-
-    name: str
-    check: Callable[[JSON], Verdict | Awaitable[Verdict]]
-
-
-@attrs.frozen
-class FunctionTool:
-    """A tool: ``function(**arguments)`` (sync or async) returns a plain JSON output."""
-
-    name: str
-    function: Callable[..., Any]
-    needs_approval: bool = False
-    idempotent: bool = False
-    input_guardrails: tuple[ToolGuardrail, ...] = ()
-    output_guardrails: tuple[ToolGuardrail, ...] = ()
-
-
-@attrs.frozen
-class ModelResponse:
-    """What the model answered: tool calls (``call_id``, ``name``, ``arguments``), or an
-    output, or both (calls win)."""
-
-    tool_calls: tuple[tuple[str, str, JSON], ...] = ()
-    output: JSON = None
-
-
-class Model(Protocol):
-    async def respond(self, history: list[JSON], agent: Agent) -> ModelResponse:
-        """Answer the conversation so far."""
-
-
-@attrs.frozen
-class Agent:
-    name: str
-    model: Model
-    tools: tuple[FunctionTool, ...] = ()
-    tool_use_behavior: Literal["run_llm_again", "stop_on_first_tool"] = "run_llm_again"
-    output_guardrails: tuple[OutputGuardrail, ...] = ()
-    max_turns: int | None = 10
-
-    def tool(self, name: str) -> FunctionTool:
-        for tool in self.tools:
-            if tool.name == name:
-                return tool
-        raise LookupError(f"agent {self.name!r} has no tool {name!r}")
-
-
-class RunHooks:
-    """Lifecycle hooks; override what you need. Each runs once per scope (I1)."""
-
-    async def on_agent_start(self, agent: Agent) -> None: ...
-    async def on_agent_end(self, agent: Agent, output: JSON) -> None: ...
-    async def on_llm_start(self, agent: Agent) -> None: ...
-    async def on_llm_end(self, agent: Agent, response: ModelResponse) -> None: ...
-    async def on_tool_start(self, agent: Agent, call: ToolCall) -> None: ...
-    async def on_tool_end(self, agent: Agent, call: ToolCall, output: JSON) -> None: ...
-
-
-class OutputGuardrailTripwire(Exception):
-    """An output guardrail rejected the final output; the run was abandoned."""
-
-    def __init__(self, guardrail: str) -> None:
-        super().__init__(f"output guardrail {guardrail!r} tripped; the run was abandoned")
-        self.guardrail = guardrail
-
-
-class MaxTurnsExceeded(Exception):
-    """The agent used all its turns; the run was abandoned."""
-
-
-# ------------------------------------------------------------------------ results
-
-
-@attrs.frozen
-class RunResult:
-    """Where a run stopped: completed (``final_output``) or paused for decisions
-    (``interruptions``). ``guardrail_results`` are the published ones (I4)."""
-
-    final_output: JSON
-    interruptions: tuple[ToolCall, ...]
-    guardrail_results: tuple[GuardrailResult, ...]
-    controller: RunController
-
-    @property
-    def step(self) -> Step:
-        return self.controller.step
-
-
-@attrs.frozen
-class StreamEvent:
-    """One thing that happened, as a streamed run reports it."""
-
-    kind: str
-    data: dict[str, JSON] = attrs.field(factory=dict)
-
-
-Emit = Callable[[StreamEvent], None]
+from statemachine.values import Action, CallView, Execute, Phase, RecoveryPolicy, Step, ToolCall
 
 
 def _result(c: RunController) -> RunResult:
-    calls = c.state.calls
     return RunResult(
         final_output=c.final_output if c.step is Step.COMPLETED else None,
-        interruptions=tuple(calls[i].call for i in c.pending_approvals),
+        interruptions=tuple(c.call(i).call for i in c.pending_approvals),  # copies
         guardrail_results=c.guardrail_results,
         controller=c,
     )
 
 
-async def _maybe_await(value: Any) -> Any:
+async def maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
@@ -206,11 +81,11 @@ class _Drive:
         progress: tuple[int, Action] | None = None
         while True:
             action = c.next_action()
-            if progress == (len(c.events), action):
+            if progress == (c.version, action):
                 # the last round of this action recorded nothing: going on would loop
                 raise RuntimeError(f"the runner made no progress on {action.value} in step "
                                    f"{c.step.value}")
-            progress = (len(c.events), action)
+            progress = (c.version, action)
             self.emit(StreamEvent("action", {"action": action.value, "step": c.step.value}))
             if action is Action.NOT_RESUMABLE:
                 if c.step is Step.COMPLETED:
@@ -259,10 +134,9 @@ class _Drive:
         c, agent = self.c, self.agent
         if c.step is not Step.AWAITING_MODEL:
             await self._hook("agent_start", lambda: self.hooks.on_agent_start(agent))
-            if c.state.max_turns is not None and c.state.turns >= c.state.max_turns:
+            if c.max_turns is not None and c.turns >= c.max_turns:
                 c.abandon("max_turns")
-                raise MaxTurnsExceeded(f"agent {agent.name!r} used its {c.state.max_turns} "
-                                       "turns")
+                raise MaxTurnsExceeded(f"agent {agent.name!r} used its {c.max_turns} turns")
             c.begin_model_call()
         await self._hook("model_start", lambda: self.hooks.on_llm_start(agent))
         history = await self.session.get_items()
@@ -287,7 +161,7 @@ class _Drive:
         recorded = self.c.recorded_guardrail(name, stage=stage, call_id=call_id)
         if recorded is not None:
             return Verdict(recorded.result["behavior"], recorded.result["message"])
-        outcome: Verdict = await _maybe_await(check())
+        outcome: Verdict = await maybe_await(check())
         self.c.guardrail_evaluated(name, outcome.as_json(), stage=stage, call_id=call_id)
         return outcome
 
@@ -302,22 +176,23 @@ class _Drive:
                 verdict = outcome
         return verdict
 
-    def _runnable(self, call_id: str) -> bool:
-        """Approved calls; idempotent calls a dead process started; completed calls whose
-        end hook did not run yet (a crash came between)."""
+    def _runnable(self) -> list[CallView]:
+        """What `runnable_call_ids` names (approved calls, idempotent calls a dead process
+        started), and completed calls whose end hook did not run yet (a crash came
+        between), in proposal order."""
         c = self.c
-        record = c.state.calls[call_id]
-        if record.phase == "approved":
-            return True
-        if record.phase == "started":
-            return record.call.idempotent and call_id not in c.in_flight
-        return (record.phase == "completed" and c.hook_done("tool_start", call_id=call_id)
-                and not c.hook_done("tool_end", call_id=call_id))
+        runnable = set(c.runnable_call_ids())
+        return [view for view in c.calls
+                if view.call.call_id in runnable or (
+                    view.phase is Phase.COMPLETED
+                    and c.hook_done("tool_start", call_id=view.call.call_id)
+                    and not c.hook_done("tool_end", call_id=view.call.call_id))]
 
     async def _run_tools(self) -> None:
         c, agent = self.c, self.agent
-        for call_id in [i for i in c.state.calls if self._runnable(i)]:
-            call = c.state.calls[call_id].call
+        for view in self._runnable():
+            call = view.call
+            call_id = call.call_id
             tool = agent.tool(call.name)
             verdict = await self._guardrails(tool.input_guardrails, "tool_input", call)
             decision = c.begin_tool(call_id)  # Execute, or Resend: never a second run
@@ -328,7 +203,7 @@ class _Drive:
                     await self._hook("tool_start",
                                      partial(self.hooks.on_tool_start, agent, call), call_id)
                     try:
-                        output = await _maybe_await(tool.function(**decision.call.arguments))
+                        output = await maybe_await(tool.function(**decision.call.arguments))
                     except Exception as error:  # a tool's failure is its output
                         output = f"tool error: {type(error).__name__}"
                     checked = await self._guardrails(tool.output_guardrails, "tool_output",
@@ -349,9 +224,9 @@ class _Drive:
                 and c.step is Step.TOOLS and self._first_tool_output() is not _NONE)
 
     def _first_tool_output(self) -> Any:
-        for record in self.c.state.calls.values():
-            if record.phase == "completed":
-                return record.result
+        for view in self.c.calls:
+            if view.phase is Phase.COMPLETED:
+                return view.result
         return _NONE
 
     async def _finish(self, output: JSON) -> None:
@@ -367,14 +242,14 @@ class _Drive:
 
     async def _publish(self) -> None:
         c = self.c
-        ids = [i for i, r in c.state.calls.items() if r.phase in ("completed", "rejected")]
+        ids = list(c.unpublished_call_ids())
         items: list[JSON] = []
         for call_id in ids:
-            record = c.state.calls[call_id]
+            view = c.call(call_id)
             items.append({"type": "function_call", "call_id": call_id,
-                          "name": record.call.name, "arguments": record.call.arguments})
+                          "name": view.call.name, "arguments": view.call.arguments})
             items.append({"type": "function_call_output", "call_id": call_id,
-                          "output": record.result})
+                          "output": view.result})
         if c.step is Step.FINAL_OUTPUT:
             items.append({"role": "assistant", "content": c.final_output})
         self.emit(StreamEvent("publish", {"items": len(items), "call_ids": list(ids)}))
@@ -516,176 +391,3 @@ class RunResultStreaming:
         self._result = await task  # re-raises the run's error to the consumer (I6)
 
 
-# ------------------------------------------------------------ the remote executor
-# The second runner shape: the agent loop runs on a server, and this client executes the
-# tool calls it owns and posts each result back. Streams drop and reconnect and posts
-# fail; on every (re)connect the client lists the remote history and reconciles it with
-# the controller's ledger, so a tool whose post failed is re-posted from the cache and
-# never re-run (I12), and a tool started by a process that died is in doubt (I11).
-
-
-@attrs.frozen
-class RemoteEvent:
-    """One event of the remote history: ``tool_use`` (a call to execute),
-    ``tool_result`` (a result the remote holds) or ``session_end``."""
-
-    kind: Literal["tool_use", "tool_result", "session_end"]
-    call_id: str | None = None
-    name: str | None = None
-    arguments: JSON = None
-    result: JSON = None
-
-
-class RemoteSession(Protocol):
-    """The remote agent loop, as the client sees it."""
-
-    def events(self) -> AsyncGenerator[RemoteEvent, None]:
-        """Connect and stream new events; raises (or ends) when the stream drops."""
-
-    def list_events(self) -> AsyncGenerator[RemoteEvent, None]:
-        """The whole history, page by page; may raise part way."""
-
-    async def post_result(self, call_id: str, result: JSON) -> None:
-        """Post a call's result; raises `TransientPostError` (worth retrying),
-        `AlreadyAnswered`, or anything else (permanent)."""
-
-
-class TransientPostError(Exception):
-    """A post failed in a way worth retrying (a timeout, a 5xx)."""
-
-
-class AlreadyAnswered(Exception):
-    """The remote already holds a result for this call (an earlier post landed)."""
-
-
-class RemoteUnavailable(Exception):
-    """The executor gave up reconnecting."""
-
-
-@attrs.frozen
-class DispatchedToolCall:
-    """What the consumer sees for each owned call: its (cached) result and whether the
-    remote holds it. A call whose post failed is yielded with ``posted=False`` and again
-    with ``posted=True`` once a later re-post lands, with the same result. A call started
-    by a process that died is yielded ``in_doubt`` and never run."""
-
-    call_id: str
-    name: str
-    result: JSON
-    posted: bool
-    in_doubt: bool = False
-
-
-class RemoteToolExecutor:
-    """Executes the calls a remote agent loop sends, at most once each, on a controller.
-
-    ``controller`` is usually bound to a store, so a restarted client resumes the same
-    ledger (``RunController.load(store, run_id)``). Transient post failures are retried
-    ``retries`` times with exponential ``backoff``; permanent ones are not, and wait for
-    the next reconnect. ``run()`` is an async generator of `DispatchedToolCall`; it ends
-    at ``session_end`` and leaves no task or stream open.
-    """
-
-    def __init__(self, remote: RemoteSession, tools: Sequence[FunctionTool], *,
-                 controller: RunController, retries: int = 3, backoff: float = 0.01,
-                 max_reconnects: int = 50) -> None:
-        self.remote = remote
-        self.tools = {tool.name: tool for tool in tools}
-        self.c = controller
-        self.retries = retries
-        self.backoff = backoff
-        self.max_reconnects = max_reconnects
-        self.reconnects = 0
-
-    async def run(self) -> AsyncGenerator[DispatchedToolCall, None]:
-        while True:
-            try:
-                async with aclosing(self.remote.list_events()) as pages:
-                    history = [event async for event in pages]
-            except Exception:
-                # a listing that failed part way is dropped whole: nothing is enqueued
-                await self._reconnect_pause()
-                continue
-            answered = {e.call_id for e in history if e.kind == "tool_result"}
-            for event in history:
-                if event.kind == "tool_use" and (
-                        dispatched := await self._handle(event, answered)) is not None:
-                    yield dispatched
-            if any(e.kind == "session_end" for e in history):
-                return
-            try:
-                async with aclosing(self.remote.events()) as stream:
-                    async for event in stream:
-                        if event.kind == "tool_use":
-                            if (dispatched := await self._handle(event, set())) is not None:
-                                yield dispatched
-                        elif event.kind == "tool_result" and event.call_id is not None:
-                            self._acknowledge(event.call_id)
-                        else:
-                            return
-            except Exception:  # the stream dropped: reconnect and reconcile
-                pass
-            if self.c.in_doubt():
-                self.c.resume()  # raises ToolInDoubt: an operator must resolve the call
-            await self._reconnect_pause()
-
-    async def _reconnect_pause(self) -> None:
-        self.reconnects += 1
-        if self.reconnects > self.max_reconnects:
-            raise RemoteUnavailable(f"gave up after {self.max_reconnects} reconnects")
-        await asyncio.sleep(self.backoff)
-
-    def _acknowledge(self, call_id: str) -> None:
-        record = self.c.state.calls.get(call_id)
-        if record is not None and record.phase == "completed":
-            self.c.result_posted(call_id)
-
-    async def _handle(self, event: RemoteEvent,
-                      answered: set[str | None]) -> DispatchedToolCall | None:
-        c = self.c
-        call_id, name = event.call_id, event.name
-        if call_id is None or name is None or name not in self.tools:
-            return None  # not ours to run
-        if call_id in answered:
-            self._acknowledge(call_id)  # the remote holds a result: never re-run, re-post
-            return None
-        record = c.state.calls.get(call_id)
-        if record is None:
-            c.receive_tool_calls([ToolCall(call_id, name, event.arguments,
-                                           idempotent=self.tools[name].idempotent)])
-        elif record.phase == "published":
-            return None
-        try:
-            decision = c.begin_tool(call_id)
-        except ToolInDoubt:
-            return DispatchedToolCall(call_id, name, None, posted=False, in_doubt=True)
-        if isinstance(decision, Execute):
-            try:
-                result = await _maybe_await(
-                    self.tools[name].function(**decision.call.arguments))
-            except Exception as error:  # a tool's failure is its result
-                result = f"tool error: {type(error).__name__}"
-            c.tool_completed(call_id, result)
-        else:
-            result = decision.result
-        return DispatchedToolCall(call_id, name, result, await self._post(call_id, result))
-
-    async def _post(self, call_id: str, result: JSON) -> bool:
-        for attempt in range(self.retries + 1):
-            try:
-                await self.remote.post_result(call_id, result)
-            except AlreadyAnswered:
-                self.c.result_posted(call_id)
-                return True
-            except TransientPostError as error:
-                self.c.result_post_failed(call_id, error)
-                if attempt < self.retries:
-                    await asyncio.sleep(self.backoff * 2**attempt)
-                    continue
-                return False
-            except Exception as error:  # permanent: wait for the next reconnect
-                self.c.result_post_failed(call_id, error)
-                return False
-            self.c.result_posted(call_id)
-            return True
-        return False  # pragma: no cover - the loop always returns

@@ -17,8 +17,6 @@ import structlog
 from statemachine import log
 from statemachine.controller import RunController
 from statemachine.errors import ControlError, PublicationUnsettled, RunNotResumable
-from statemachine.fuzz import check_log, settled
-from statemachine.machine import Step
 from statemachine.runner import (
     Agent,
     FunctionTool,
@@ -36,9 +34,11 @@ from statemachine.testing import (
     InjectedWriteError,
     ScriptedModel,
     Untouchable,
+    check_log,
     counted_tool,
+    settled,
 )
-from statemachine.values import RecoveryPolicy
+from statemachine.values import RecoveryPolicy, Step
 
 
 class Demo:

@@ -1,0 +1,5 @@
+"""The `statemachine` command (`main`) and its demo."""
+
+from statemachine.cli.main import main
+
+__all__ = ["main"]
