@@ -12,7 +12,7 @@ test *args:
 
 # ruff and mypy --strict.
 lint:
-    {{python}} -m ruff check statemachine tests bench
+    {{python}} -m ruff check statemachine tests bench examples
     {{python}} -m mypy
 
 # Benchmarks: ratios against floors measured in the same run (`just bench --json`).
@@ -23,7 +23,7 @@ bench *args:
 # long `fuzz` profile (persistent example database, a progress line every 50 examples).
 fuzz depth="7" *args:
     {{python}} -m statemachine explore --depth "$1"
-    HYPOTHESIS_PROFILE=fuzz {{python}} -m pytest -s tests/test_stateful.py tests/test_machine.py tests/test_codec.py tests/test_envelope.py tests/test_remote.py "${@:2}"
+    HYPOTHESIS_PROFILE=fuzz {{python}} -m pytest -s tests/test_stateful.py tests/test_machine.py tests/test_codec.py tests/test_envelope.py tests/test_remote.py tests/test_decoder_fuzz.py tests/test_random_walk.py "${@:2}"
 
 # Regenerate diagrams/ from the declaration in statemachine/machine.py.
 diagrams:

@@ -25,6 +25,7 @@ from statemachine.payloads import (
     JSON,
     PayloadError,
     detach,
+    text_problem,
 )
 from statemachine.values import GuardrailResult, RecoveryPolicy, Step, ToolCall
 
@@ -32,14 +33,22 @@ if TYPE_CHECKING:
     import enum
     from collections.abc import Callable, Mapping
 
-SCHEMA_VERSION = 1
-"""The version `to_json` writes. Every released version stays readable (see `UPCASTERS`)."""
+SCHEMA_VERSION = 2
+"""The version `to_json` writes. Every released version stays readable (see `UPCASTERS`).
 
-UPCASTERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+1: the first release. 2: adds `RunClaimed` (DESIGN §6.3); nothing else changed."""
+
+
+def _upcast_1_to_2(doc: dict[str, Any]) -> dict[str, Any]:
+    """Version 2 only adds an event type, so a version 1 document is a version 2 one."""
+    return {**doc, "schema_version": 2}
+
+
+UPCASTERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _upcast_1_to_2}
 """``UPCASTERS[v]`` turns a raw version-``v`` document into a version ``v + 1`` one."""
 
 EVENT_BY_NAME: dict[str, type[ev.Event]] = {cls.__name__: cls for cls in ev.EVENT_TYPES}
-EVENT_SINCE: dict[str, int] = dict.fromkeys(EVENT_BY_NAME, 1)
+EVENT_SINCE: dict[str, int] = {**dict.fromkeys(EVENT_BY_NAME, 1), "RunClaimed": 2}
 """The schema version that introduced each event type: a document labelled older than
 that cannot hold it (a terminal marker under a label that predates it is forged)."""
 
@@ -56,6 +65,13 @@ def _exact(kind: type) -> Callable[[Any, Any], Any]:
     def hook(value: Any, _: Any) -> Any:
         if type(value) is not kind:
             raise _Bad(f"expected {kind.__name__}, got {type(value).__name__}")
+        if kind is str and (problem := text_problem(value)) is not None:
+            raise _Bad(f"a text field {problem}")
+        if kind is int:
+            try:
+                detach(value)  # an int past the 4,300-digit printing limit
+            except PayloadError as exc:
+                raise _Bad(str(exc)) from None
         return value
 
     return hook
@@ -263,6 +279,8 @@ def decode_log(
     run_id, raw_events = doc.get("run_id"), doc.get("events")
     if type(run_id) is not str or type(raw_events) is not list:
         raise SchemaError("the document needs a str run_id and a list of events")
+    if (problem := text_problem(run_id)) is not None:
+        raise SchemaError(f"the document's run_id {problem}")
     if len(raw_events) > max_events:
         raise SchemaError(f"the log has more than max_events={max_events} events")
     token = _max_depth.set(max_depth)

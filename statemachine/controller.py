@@ -29,20 +29,25 @@ import gc
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
+import attrs
+
 from statemachine import codec
 from statemachine import events as ev
 from statemachine.envelope import Envelope, classify, measure_frontier
 from statemachine.errors import (
+    ConcurrencyConflict,
     ControlError,
     InvalidTransition,
     PublicationUnsettled,
     ReconcileRejected,
+    RunNotFound,
     RunNotResumable,
     SchemaError,
     ToolInDoubt,
 )
 from statemachine.log import run_logger, switch
 from statemachine.machine import (
+    NEUTRAL_TRIGGERS,
     SETTLING_TRIGGERS,
     TERMINAL_STEPS,
     WORKING_STEPS,
@@ -60,9 +65,10 @@ from statemachine.payloads import (
     copy_plain,
     detach,
     digests,
+    text_problem,
 )
 from statemachine.state import RunState, in_doubt, next_action
-from statemachine.stores import SNAPSHOT_EVERY, SnapshotStore
+from statemachine.stores import SNAPSHOT_EVERY, SnapshotStore, indexes_runs
 from statemachine.values import (
     Acknowledge,
     Action,
@@ -89,6 +95,8 @@ its limit can always settle or close."""
 _FINISHING = {"begin_tool": 3, "tool_completed": 2, "resolve_in_doubt": 2}
 """Extra room a command needs beyond the reserve: a started tool must be able to record
 its result, and a result must be able to be staged, or it would be lost."""
+_RECORDS_NOTHING = frozenset({"tool_interrupted"})
+"""Commands that never record an event, so the log's room does not gate them."""
 _UNSETTLED = Step.UNSETTLED
 _WORKING = frozenset(WORKING_STEPS)
 
@@ -129,11 +137,15 @@ class RunController:
         """Start a run. ``session_id=None`` is a run without a Session; ``canonical``
         names a registered canonical form (`register_canonical`). With a ``store`` the
         first event is appended at version 0 (`ConcurrencyConflict` if the run exists)."""
-        where = {"run_id": run_id if type(run_id) is str else None, "action": "start"}
-        if type(run_id) is not str or not run_id:
-            raise SchemaError("run_id must be a non-empty str", **where)
-        if session_id is not None and type(session_id) is not str:
-            raise SchemaError("session_id must be a str or None", **where)
+        where = {"run_id": run_id if text_problem(run_id) is None else None,
+                 "action": "start"}
+        for name, text in (("run_id", run_id), ("session_id", session_id),
+                           ("canonical", canonical)):
+            problem = None if text is None and name == "session_id" else text_problem(text)
+            if problem is not None:
+                raise SchemaError(f"{name} {problem}", **where)
+        if not run_id:
+            raise SchemaError("run_id must not be empty", **where)
         if type(policy) is not RecoveryPolicy:
             raise SchemaError("policy must be a RecoveryPolicy", **where)
         if max_turns is not None and (type(max_turns) is not int or max_turns < 0):
@@ -146,7 +158,11 @@ class RunController:
         canonical_form(canonical)  # SchemaError when unknown
         started = ev.RunStarted(0, run_id, session_id, policy, max_turns, canonical)
         if store is not None:
-            store.append(run_id, (started,), 0)
+            try:
+                store.append(run_id, (started,), 0)
+            except ConcurrencyConflict:
+                raise ConcurrencyConflict("a run with this id already exists in the store",
+                                          **where) from None
         controller = cls(RunState(started), [started], store=store, max_depth=max_depth,
                          max_events=max_events)
         controller._logged(started, None)
@@ -198,7 +214,7 @@ class RunController:
         if state is None:
             tail = store.load(run_id)
             if not tail:
-                raise InvalidTransition("no such run in the store", **where)
+                raise RunNotFound("no such run in the store", **where)
             if len(tail) > max_events:
                 raise SchemaError(f"the log has more than max_events={max_events} events",
                                   **where)
@@ -220,7 +236,7 @@ class RunController:
 
     def to_json(self) -> dict[str, JSON]:
         """The run as a plain JSON tree of the current ``schema_version``."""
-        return codec.encode_log(self._state.run_id, self.events)
+        return codec.encode_log(self._state.run_id, self._log_events())
 
     # ------------------------------------------------------------------ reading
 
@@ -251,10 +267,14 @@ class RunController:
 
     @property
     def events(self) -> tuple[ev.Event, ...]:
-        """The whole log (read from the store for a run loaded from a snapshot)."""
+        """The whole log, as copies (read from the store for a run loaded from a snapshot:
+        O(log length); ``version`` is the O(1) way to see whether the log moved)."""
+        return tuple(ev.copied(event) for event in self._log_events())
+
+    def _log_events(self) -> list[ev.Event]:
         if self._base and self._store is not None:
-            return (*self._store.load(self._state.run_id)[: self._base], *self._events)
-        return tuple(self._events)
+            return [*self._store.load(self._state.run_id)[: self._base], *self._events]
+        return self._events
 
     @property
     def state(self) -> RunState:
@@ -268,17 +288,29 @@ class RunController:
 
     @property
     def envelope(self) -> Envelope | None:
-        return self._state.envelope
+        """The unsettled publication envelope (a copy), or None."""
+        envelope = self._state.envelope
+        if envelope is None:
+            return None
+        return attrs.evolve(envelope, items=tuple(copy_plain(i) for i in envelope.items),
+                            guardrails=tuple(ev.copied(g) for g in envelope.guardrails))
 
     @property
     def guardrail_results(self) -> tuple[GuardrailResult, ...]:
-        """The published guardrail results, in evaluation order (I4)."""
-        return tuple(self._state.published_guardrails)
+        """The published guardrail results, in evaluation order (I4), as copies."""
+        return tuple(ev.copied(g) for g in self._state.published_guardrails)
 
     @property
     def pending_guardrail_results(self) -> tuple[GuardrailResult, ...]:
-        """Completed guardrail results the next settled batch will publish."""
-        return tuple(self._state.pending_guardrails)
+        """Completed guardrail results the next settled batch will publish (copies)."""
+        return tuple(ev.copied(g) for g in self._state.pending_guardrails)
+
+    @property
+    def unpublished_input(self) -> tuple[JSON, ...]:
+        """Input recorded by ``add_input`` that no settled batch has published yet (copies):
+        a runner publishes it first, before anything else (its batch starts with these
+        items)."""
+        return tuple(copy_plain(item) for item in self._state.pending_input)
 
     @property
     def model_output(self) -> JSON:
@@ -312,11 +344,18 @@ class RunController:
         """The result recorded for this guardrail in its scope (this call for tool
         stages, the current activation otherwise), or None: how a resumed runner skips a
         guardrail that already ran (I1) and honours its verdict."""
+        self._text("recorded_guardrail", "name", name)
+        self._text("recorded_guardrail", "stage", stage)
+        self._text("recorded_guardrail", "call_id", call_id, optional=True)
         s = self._state
-        return s.guardrail_keys.get(s.guardrail_key(GuardrailResult(name, stage, call_id, None)))
+        found = s.guardrail_keys.get(s.guardrail_key(GuardrailResult(name, stage, call_id,
+                                                                     None)))
+        return None if found is None else ev.copied(found)
 
     def hook_done(self, hook: str, *, call_id: str | None = None) -> bool:
         """Whether this hook already ran in its scope (I1)."""
+        self._text("hook_done", "hook", hook)
+        self._text("hook_done", "call_id", call_id, optional=True)
         return self._state.hook_key(hook, call_id) in self._state.hook_keys
 
     def in_doubt(self) -> tuple[str, ...]:
@@ -403,11 +442,13 @@ class RunController:
                     "a fail-closed publication is unsettled: the side effect completed and "
                     "the write's outcome is unknown; repair the Session or start a new run "
                     "(abandon records it as terminal)")
-            if trigger not in SETTLING_TRIGGERS:
+            if trigger not in SETTLING_TRIGGERS and trigger not in NEUTRAL_TRIGGERS:
                 self._refuse(
                     PublicationUnsettled, action,
                     "a publication envelope is unsettled; reconcile it (or commit, fail or "
                     "abandon) before anything else runs")
+        if trigger in _RECORDS_NOTHING:
+            return  # it needs no room in the log, and refusing it would strand a call
         room = self._max_events - self._seq
         needed = 1 if trigger == "abandon" else 2 if trigger in SETTLING_TRIGGERS else (
             RESERVED_EVENTS + _FINISHING.get(trigger, 1))
@@ -422,9 +463,12 @@ class RunController:
             self._refuse(SchemaError, action, f"{what} is not plain JSON: {exc}")
 
     def _text(self, action: str, what: str, value: Any, *, optional: bool = False) -> None:
-        if type(value) is not str and not (optional and value is None):
+        if optional and value is None:
+            return
+        problem = text_problem(value)
+        if problem is not None:
             self._refuse(SchemaError, action,
-                         f"{what} must be a str{' or None' if optional else ''}")
+                         f"{what} {problem}{' (or None)' if optional else ''}")
 
     def _record(self, action: str, event: ev.Event) -> Step:
         s = self._state
@@ -432,11 +476,15 @@ class RunController:
             dest = fire(s, event.TRIGGER, event)
         except Refused as refused:
             self._refuse(InvalidTransition, action, refused.reason())
-        if self._store is not None:
+        store = self._store
+        if store is not None:
             snapshot = (s.snapshot() if event.seq % SNAPSHOT_EVERY == 0
-                        and isinstance(self._store, SnapshotStore) else None)
+                        and isinstance(store, SnapshotStore) else None)
             try:
-                self._store.append(s.run_id, (event,), event.seq, snapshot=snapshot)
+                if indexes_runs(store):  # it keeps a head per run: tell it the new step
+                    store.append(s.run_id, (event,), event.seq, snapshot=snapshot, step=dest)
+                else:
+                    store.append(s.run_id, (event,), event.seq, snapshot=snapshot)
             except ControlError as exc:
                 exc.step, exc.action = s.step, action
                 raise
@@ -535,6 +583,23 @@ class RunController:
         detached = self._detach("reject", "message", message)
         self._record("reject", ev.CallRejected(self._seq, call_id, bound, detached))
 
+    def claim(self, owner: str | None = None) -> None:
+        """The first command of every attempt on an existing run: records `RunClaimed`
+        before any guardrail, hook, model call or tool (DESIGN §6.3).
+
+        Accepted in every live step, ``UNSETTLED`` included (it changes no envelope).
+        With a store bound it is appended with the expected version, so of two attempts
+        that loaded the same version exactly one records its claim and the other gets
+        `ConcurrencyConflict` with nothing changed; an attempt whose claim another claim
+        superseded is refused (`ConcurrencyConflict`) on its next append. `RunNotResumable`
+        for a completed or terminal run and for an unsettled fail-closed one; `SchemaError`
+        unless ``owner`` is a str (valid Unicode) or None. It needs ordinary room under
+        ``max_events``: claims never use the events reserved for settling a run."""
+        action = "claim"
+        self._gate(action, action)
+        self._text(action, "owner", owner, optional=True)  # str (valid Unicode) or None
+        self._record(action, ev.RunClaimed(self._seq, owner))
+
     def resume(self) -> Action:
         """The gate of every resumed attempt; returns `next_action`.
 
@@ -598,6 +663,20 @@ class RunController:
         self._record("tool_completed", ev.ToolCompleted(self._seq, call_id, detached))
         self._in_flight.discard(call_id)
 
+    def tool_interrupted(self, call_id: str) -> None:
+        """A tool this controller started ended without a result (its task was cancelled,
+        timed out, or raised a `BaseException`). Records nothing: the call stays STARTED
+        and is no longer held in flight, so this controller now answers as a reloaded one
+        (`ToolInDoubt`, or `Execute` again for an idempotent call). `InvalidTransition`
+        for a call this controller does not hold in flight."""
+        action = "tool_interrupted"
+        self._gate(action, action)
+        self._text(action, "call_id", call_id)
+        if call_id not in self._in_flight:
+            self._refuse(InvalidTransition, action,
+                         f"call {call_id!r} is not in flight in this controller")
+        self._in_flight.discard(call_id)
+
     def resolve_in_doubt(self, call_id: str, output: JSON) -> None:
         """The operator records the outcome of an in-doubt call; its result is then
         published like any other."""
@@ -618,10 +697,9 @@ class RunController:
         input/output stages once per (name, stage, activation) (I1)."""
         action = "guardrail_evaluated"
         self._gate(action, action)
-        if type(name) is not str or type(stage) is not str or (
-                call_id is not None and type(call_id) is not str):
-            self._refuse(SchemaError, action, "name and stage must be str, call_id a str "
-                         "or None")
+        self._text(action, "name", name)
+        self._text(action, "stage", stage)
+        self._text(action, "call_id", call_id, optional=True)
         detached = self._detach(action, "guardrail result", result)
         self._record(action, ev.GuardrailEvaluated(
             self._seq, GuardrailResult(name, stage, call_id, detached)))

@@ -50,26 +50,74 @@ class Envelope:
     fail_closed: bool
     """FAIL_CLOSED policy, or a lossy final output: no reconciliation, ever."""
     staged_seq: int
+    input_items: int = 0
+    """How many of B's first items are the run's recorded, unpublished input."""
+
+
+_MOD = (1 << 61) - 1
+_BASE = 1_000_003
+
+
+class _Windows:
+    """Rolling polynomial hashes over S = P + B, so the n-item window that ends at any
+    position is hashed in O(1). Equal hashes are confirmed by comparing the items, so a
+    collision never makes two different windows look equal."""
+
+    def __init__(self, seq: Sequence[str]) -> None:
+        ids: dict[str, int] = {}
+        self.seq = tuple(seq)
+        prefix = [0]
+        powers = [1]
+        for digest in self.seq:
+            value = ids.setdefault(digest, len(ids) + 1)
+            prefix.append((prefix[-1] * _BASE + value) % _MOD)
+            powers.append(powers[-1] * _BASE % _MOD)
+        self.prefix = prefix
+        self.powers = powers
+
+    def hash(self, start: int, end: int) -> int:
+        return (self.prefix[end] - self.prefix[start] * self.powers[end - start]) % _MOD
+
+    def same(self, a: int, b: int, n: int) -> bool:
+        """Whether the n-item windows ending at ``a`` and ``b`` hold the same items."""
+        return self.seq[a - n:a] == self.seq[b - n:b]
+
+
+def _distinct(w: _Windows, p: int, m: int, n: int) -> bool:
+    """Whether the n-item tails of P + B[:k], k = 0..m, are pairwise distinct. A tail
+    cut short by the start of S is shorter than n and so differs from every other."""
+    seen: dict[int, list[int]] = {}
+    for end in range(max(p, n), p + m + 1):
+        h = w.hash(end - n, end)
+        ends = seen.setdefault(h, [])
+        if any(w.same(other, end, n) for other in ends):
+            return False
+        ends.append(end)
+    return True
 
 
 def read_limit_for(frontier: Sequence[str], batch: Sequence[str], *, whole: bool) -> int | None:
     """The smallest n that tells P + B[:k] apart for every k, or None if ``frontier``
-    (the known tail of P) is too short to find one and is not the whole of P."""
-    m = len(batch)
-    p = tuple(frontier)
-    b = tuple(batch)
-    high = max(m + 1, len(p) + m) if whole else len(p)
-    for n in range(m + 1, high + 1):
-        p_tail = p[-n:]
-        seen: set[tuple[str, ...]] = set()
-        for k in range(m + 1):
-            tail = (p_tail + b[:k])[-n:]
-            if tail in seen:
-                break
-            seen.add(tail)
+    (the known tail of P) is too short to find one and is not the whole of P.
+
+    Two tails that are equal at n are equal at every smaller n, so "distinct" is monotone
+    in n and a binary search over rolling hashes finds the smallest n in
+    O((|P| + |B|) log |P|), not by trying every n and copying every tail."""
+    m, p = len(batch), len(frontier)
+    high = max(m + 1, p + m) if whole else p
+    low = m + 1
+    if high < low:
+        return None
+    w = _Windows([*frontier, *batch])
+    if not _distinct(w, p, m, high):
+        return None
+    while low < high:
+        middle = (low + high) // 2
+        if _distinct(w, p, m, middle):
+            high = middle
         else:
-            return n
-    return None
+            low = middle + 1
+    return low
 
 
 @attrs.frozen
@@ -142,7 +190,13 @@ def classify(
         return Finding("append")
     if seen == (p + b)[-n:]:
         return Finding("acknowledge")
+    # a partial write P + B[:k]: at most one k matches (the tails are distinct at n)
+    w = _Windows((*p, *b, *seen))
+    size, whole_p = len(seen), len(p) + len(b)
+    target = w.hash(whole_p, whole_p + size)
     for k in range(1, len(b)):
-        if seen == (p + b[:k])[-n:]:
+        end = len(p) + k
+        if (end >= size and w.hash(end - size, end) == target
+                and (size in (n, end)) and w.seq[end - size:end] == seen):
             return Finding("partial_write", k)
     return Finding("history_changed")

@@ -41,14 +41,18 @@ class ControlError(Exception):
         prefix = ", ".join(where)
         return f"{prefix}: {self.reason}" if prefix else self.reason
 
+    def _extra(self) -> dict[str, Any]:
+        """Keyword arguments a subclass adds (kept across pickling)."""
+        return {}
+
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (type(self), self.reason, self.run_id, self.step, self.action))
+        return (_rebuild, (type(self), self.reason, self.run_id, self.step, self.action,
+                           self._extra()))
 
 
-def _rebuild(
-    cls: type[ControlError], reason: str, run_id: str | None, step: Any, action: str | None
-) -> ControlError:
-    return cls(reason, run_id=run_id, step=step, action=action)
+def _rebuild(cls: type[ControlError], reason: str, run_id: str | None, step: Any,
+             action: str | None, extra: dict[str, Any] | None = None) -> ControlError:
+    return cls(reason, run_id=run_id, step=step, action=action, **(extra or {}))
 
 
 class RunNotResumable(ControlError):
@@ -70,6 +74,9 @@ class ToolInDoubt(ControlError):
         self.call_id = call_id
         super().__init__(reason, **where)
 
+    def _extra(self) -> dict[str, Any]:
+        return {"call_id": self.call_id}
+
 
 class InvalidTransition(ControlError):
     """The machine forbids this command here; the message names the failed guard."""
@@ -77,6 +84,10 @@ class InvalidTransition(ControlError):
 
 class ReconcileRejected(ControlError):
     """The Session cannot be matched to the envelope; nothing was recorded (I7)."""
+
+
+class RunNotFound(ControlError):
+    """The store holds no run with this id."""
 
 
 class ConcurrencyConflict(ControlError):

@@ -8,11 +8,11 @@ which steps that trigger is legal and under which guards.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import attrs
 
-from statemachine.payloads import JSON
+from statemachine.payloads import JSON, copy_plain
 from statemachine.values import GuardrailResult, RecoveryPolicy, Step, ToolCall
 
 
@@ -79,6 +79,19 @@ class CallRejected(Event):
 @attrs.frozen
 class Resumed(Event):
     TRIGGER: ClassVar[str] = "resume"
+
+
+@attrs.frozen
+class RunClaimed(Event):
+    """An attempt claimed the run: the first event of every attempt on an existing run.
+
+    Appended with the expected version like any event, so of two attempts that loaded
+    the same version exactly one records its claim (the other gets `ConcurrencyConflict`
+    before any effect). It changes nothing else: no step, envelope or ledger."""
+
+    TRIGGER: ClassVar[str] = "claim"
+    owner: str | None
+    """Who claimed (an attempt id, a host or process name), or None."""
 
 
 @attrs.frozen
@@ -218,6 +231,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     CallApproved,
     CallRejected,
     Resumed,
+    RunClaimed,
     ToolStarted,
     ToolCompleted,
     InDoubtResolved,
@@ -237,3 +251,24 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     Abandoned,
 )
 """Every event class, by name in the JSON log (``"type"``)."""
+
+
+_T = TypeVar("_T")
+
+
+def copied(value: _T) -> _T:
+    """A copy of an event, `ToolCall` or `GuardrailResult` whose payloads are fresh
+    copies: what the library hands out, so a caller cannot change what it recorded."""
+    result: Any = value
+    if isinstance(value, dict | list):
+        result = copy_plain(value)
+    elif isinstance(value, tuple):
+        result = tuple(copied(v) for v in value)
+    elif attrs.has(type(value)):
+        fields = attrs.fields(type(value))  # type: ignore[arg-type]
+        changes = {f.name: copied(getattr(value, f.name)) for f in fields
+                   if isinstance(getattr(value, f.name), dict | list | tuple)
+                   or attrs.has(type(getattr(value, f.name)))}
+        if changes:
+            result = attrs.evolve(value, **changes)  # type: ignore[misc]
+    return result  # type: ignore[no-any-return]

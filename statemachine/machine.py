@@ -26,7 +26,8 @@ answers with calls (``INTERRUPTION`` when one needs a human decision, else ``TOO
 with an output (``FINALIZING``); an accepted output is ``FINAL_OUTPUT``. Before any
 fallible write of completed work the runner stages a publication and the run is
 ``UNSETTLED``: from there only commit, fail, reconcile and abandon move it, which is
-invariant I2. ``COMPLETED`` and ``TERMINAL_UNRECOVERABLE`` have no way out.
+invariant I2 (a ``claim``, which changes nothing, is accepted there too). ``COMPLETED``
+and ``TERMINAL_UNRECOVERABLE`` have no way out.
 """
 
 from __future__ import annotations
@@ -62,7 +63,12 @@ SETTLING_TRIGGERS = frozenset(
     {"publication_committed", "publication_failed", "reconcile_append",
      "reconcile_acknowledge", "abandon"}
 )
-"""The only triggers an ``UNSETTLED`` run accepts (I2)."""
+"""The triggers that move an ``UNSETTLED`` run (I2): besides them it accepts only the
+`NEUTRAL_TRIGGERS`."""
+NEUTRAL_TRIGGERS = frozenset({"claim"})
+"""Triggers that change no step, envelope or ledger (``claim``): every live step accepts
+them, ``UNSETTLED`` included. They are not settling triggers: they settle nothing and get
+no share of the events reserved under ``max_events`` for settling or closing a run."""
 
 HOOKS = frozenset({"agent_start", "agent_end", "model_start", "model_end", "tool_start",
                    "tool_end"})
@@ -238,8 +244,8 @@ def batch_session_matches(s: RunState, e: Any) -> bool:
 def batch_names_its_calls(s: RunState, e: Any) -> bool:
     """name the calls this batch publishes: call_ids must list every call an item names
     that has an unpublished result, and only such calls, once each"""
-    listed = e.call_ids
-    if len(set(listed)) != len(listed):
+    listed = set(e.call_ids)
+    if len(listed) != len(e.call_ids):
         return False
     for call_id in listed:
         record = s.calls.get(call_id)
@@ -397,6 +403,12 @@ TRANSITIONS: tuple[Transition, ...] = (
          "no_envelope", "calls_are_new", "calls_without_approval"),
     _row("result_posted", S.TOOLS, None, "no_envelope", "result_unpublished"),
     _row("result_post_failed", S.TOOLS, None, "no_envelope", "result_unpublished"),
+    # the first event of every attempt on an existing run: it changes nothing, so every
+    # live step accepts it, UNSETTLED included (but not a fail-closed envelope, which
+    # refuses every attempt); appended with the expected version, it lets exactly one of
+    # the attempts that loaded the same version go on
+    _row("claim", WORKING_STEPS, None),
+    _row("claim", S.UNSETTLED, None, "envelope_reconcilable"),
     # the way out of every live step
     _row("abandon", LIVE_STEPS, S.TERMINAL_UNRECOVERABLE),
 )

@@ -46,6 +46,37 @@ def _encodable(text: str) -> bool:
 
 _BAD_TEXT = "a string that is not valid Unicode (a lone surrogate)"
 
+MAX_INT_DIGITS = 4300
+"""Python refuses to print an int with more digits than this (``int_max_str_digits``),
+so such an int could be recorded and never written: it is refused on the way in."""
+_INT_BITS = 14_000
+"""Below this bit length an int has fewer than 4,300 digits (no need to count them)."""
+_BIG_INT = "an int with more than 4300 digits"
+
+MAX_TEXT = 4096
+"""The longest identifier, name, reason or target (in characters) the core accepts."""
+
+
+def _int_ok(value: int) -> bool:
+    if value.bit_length() < _INT_BITS:
+        return True
+    try:
+        return len(str(abs(value))) <= MAX_INT_DIGITS
+    except ValueError:
+        return False
+
+
+def text_problem(value: object) -> str | None:
+    """Why ``value`` is not an acceptable text field (an id, a name, a reason), or None:
+    not a str, longer than `MAX_TEXT`, or not valid Unicode."""
+    if type(value) is not str:
+        return f"must be a str, not {type(value).__name__}"
+    if len(value) > MAX_TEXT:
+        return f"is longer than {MAX_TEXT} characters"
+    if not _encodable(value):
+        return "is not valid Unicode (a lone surrogate)"
+    return None
+
 
 def detach(value: JSON, max_depth: int = DEFAULT_MAX_DEPTH) -> JSON:
     """Return a deep copy of ``value``, raising `PayloadError` unless it is plain JSON.
@@ -57,6 +88,8 @@ def detach(value: JSON, max_depth: int = DEFAULT_MAX_DEPTH) -> JSON:
     if kind in _SCALARS:
         if kind is str and not _encodable(value):
             raise PayloadError(_BAD_TEXT)
+        if kind is int and not _int_ok(value):
+            raise PayloadError(_BIG_INT)
         return value
     if kind is float:
         if not math.isfinite(value):
@@ -68,7 +101,7 @@ def detach(value: JSON, max_depth: int = DEFAULT_MAX_DEPTH) -> JSON:
         # the common case: one flat container of strings, ints, bools and None
         values = value.values() if kind is dict else value
         if all(type(v) in _SCALARS and (type(v) is not str or _encodable(v))
-               for v in values):
+               and (type(v) is not int or v.bit_length() < _INT_BITS) for v in values):
             if kind is list:
                 return list(value)
             if all(type(k) is str and _encodable(k) for k in value):
@@ -90,6 +123,8 @@ def detach(value: JSON, max_depth: int = DEFAULT_MAX_DEPTH) -> JSON:
             if kind in _SCALARS:
                 if kind is str and not _encodable(item):
                     raise PayloadError(_BAD_TEXT)
+                if kind is int and not _int_ok(item):
+                    raise PayloadError(_BIG_INT)
                 copy = item
             elif kind is float:
                 if not math.isfinite(item):

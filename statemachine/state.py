@@ -21,13 +21,15 @@ from statemachine.envelope import Envelope
 from statemachine.payloads import JSON, CanonicalForm, canonical_form, fingerprint_of
 from statemachine.values import Action, GuardrailResult, Phase, RecoveryPolicy, Step, ToolCall
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 """The shape of `RunState.snapshot`; a snapshot of another version is ignored (the log is
 replayed instead)."""
 
 _TOOL_STAGES = frozenset({"tool_input", "tool_output"})
 _TERMINAL = frozenset({Step.TERMINAL_UNRECOVERABLE, Step.COMPLETED})
 _CALL_MODEL_STEPS = frozenset({Step.RUN_AGAIN, Step.HANDOFF, Step.AWAITING_MODEL})
+_STAGING = frozenset({Step.RUN_AGAIN, Step.INTERRUPTION, Step.TOOLS, Step.HANDOFF,
+                      Step.FINAL_OUTPUT})
 
 
 class CallRecord:
@@ -60,7 +62,8 @@ class RunState:
         "activation", "attempt_seq", "awaiting_ids", "calls", "canonical", "counts", "envelope",
         "final_accepted", "final_lossless", "final_output", "form", "guardrail_keys",
         "hook_keys", "last_seq", "max_turns", "model_calls", "model_output", "pending_guardrails",
-        "policy", "published_guardrails", "run_id", "session_id", "step", "turns",
+        "pending_input", "policy", "published_guardrails", "run_id", "session_id", "step",
+        "turns",
     )
 
     def __init__(self, started: ev.RunStarted) -> None:
@@ -78,6 +81,8 @@ class RunState:
         self.awaiting_ids: dict[str, None] = {}
         """The calls awaiting a decision, in proposal order (kept so reads are O(1))."""
         self.counts = dict.fromkeys(Phase, 0)
+        self.pending_input: list[JSON] = []
+        """Input items recorded by ``add_input`` and not yet in a settled batch."""
         self.pending_guardrails: list[GuardrailResult] = []
         self.published_guardrails: list[GuardrailResult] = []
         self.guardrail_keys: dict[tuple[Any, ...], GuardrailResult] = {}
@@ -135,7 +140,8 @@ class RunState:
             self.run_id, self.session_id, self.policy, self.max_turns, self.canonical,
             self.step, self.turns, self.model_calls, self.activation,
             tuple((i, r.view()) for i, r in self.calls.items()),
-            tuple(self.pending_guardrails), tuple(self.published_guardrails),
+            tuple(self.pending_input), tuple(self.pending_guardrails),
+            tuple(self.published_guardrails),
             self.guardrail_keys, frozenset(self.hook_keys),
             self.model_output, self.final_output, self.final_accepted, self.final_lossless,
             self.envelope, self.attempt_seq, self.last_seq,
@@ -164,6 +170,7 @@ class RunState:
             "activation": self.activation,
             "calls": [[unstructure(r.call), r.phase.value, r.result, r.starts]
                       for r in self.calls.values()],
+            "pending_input": list(self.pending_input),
             "pending_guardrails": unstructure(self.pending_guardrails),
             "published_guardrails": unstructure(self.published_guardrails),
             "guardrail_keys": [[[*key], unstructure(result)]
@@ -201,6 +208,7 @@ class RunState:
             state.counts[phase] += 1
             if phase is Phase.AWAITING:
                 state.awaiting_ids[record.call.call_id] = None
+        state.pending_input = list(data["pending_input"])
         state.pending_guardrails = [structure(g, GuardrailResult)
                                     for g in data["pending_guardrails"]]
         state.published_guardrails = [structure(g, GuardrailResult)
@@ -241,6 +249,7 @@ class RunState:
             self._phase(self.calls[call_id], Phase.PUBLISHED)
         self.published_guardrails.extend(envelope.guardrails)
         del self.pending_guardrails[: len(envelope.guardrails)]
+        del self.pending_input[: envelope.input_items]
         self.envelope = None
         self.attempt_seq = None
 
@@ -338,8 +347,19 @@ def _staged(s: RunState, e: ev.PublicationStaged) -> None:
         interruptions=s.awaiting(),
         fail_closed=s.fails_closed(),
         staged_seq=e.seq,
+        input_items=_input_published(s.pending_input, e.items),
     )
     s.attempt_seq = e.seq
+
+
+def _input_published(pending: list[JSON], items: tuple[JSON, ...]) -> int:
+    """The batch publishes the pending input when it starts with exactly those items."""
+    n = len(pending)
+    return n if n and len(items) >= n and list(items[:n]) == pending else 0
+
+
+def _input_added(s: RunState, e: ev.InputAdded) -> None:
+    s.pending_input.extend(e.items)
 
 
 def _committed(s: RunState, e: Any) -> None:
@@ -358,10 +378,11 @@ _APPLY: dict[type[ev.Event], Any] = {
     ev.ModelCallBegun: _model_call_begun,
     ev.ModelFailed: _nothing,
     ev.ModelResponded: _model_responded,
-    ev.InputAdded: _nothing,
+    ev.InputAdded: _input_added,
     ev.CallApproved: _approved,
     ev.CallRejected: _rejected,
     ev.Resumed: _nothing,
+    ev.RunClaimed: _nothing,
     ev.ToolStarted: _tool_started,
     ev.ToolCompleted: _tool_completed,
     ev.InDoubtResolved: _tool_completed,
@@ -411,6 +432,8 @@ def next_action(s: RunState, *, holds_attempt: bool, in_flight: Collection[str])
         return Action.NOT_RESUMABLE
     if step is Step.UNSETTLED:
         return Action.RECONCILE
+    if s.pending_input and step in _STAGING:
+        return Action.PUBLISH  # recorded input goes to the Session before anything else
     counts = s.counts
     if step in _CALL_MODEL_STEPS:
         # Fail closed: a handoff with unpublished results publishes them first, since

@@ -1,10 +1,17 @@
-"""A scripted run on the embedded defaults, killed with SIGKILL at a chosen point.
+"""Scripted runs on the embedded defaults, killed with SIGKILL at a chosen point.
 
 ``python -m tests.crash_driver DIR [--kill-after-event N | --kill-in-tool |
 --kill-in-append K:before|after]`` drives (or resumes) the run ``crash`` with a SQLite
 store and a SQLite session in DIR. The model proposes ``pay`` (approval-gated, its effect
 appends a line to DIR/pay.txt) and ``lookup`` (idempotent, counted in DIR/lookup.txt),
 then answers. The process prints one JSON line with its outcome, unless it was killed.
+
+``python -m tests.crash_driver DIR --hooks [--kill-at-tick N]`` drives the same run
+through the reference `Runner` with every hook and guardrail (`run_hooked`): each hook,
+guardrail, model call and tool appends a line naming itself to DIR/effects.txt. The
+process kills itself at its N-th durable boundary (a tick): an effects line written, an
+event appended, a Session batch about to commit or committed. A kill right after an
+effects line falls between a hook running and its event being recorded.
 """
 
 from __future__ import annotations
@@ -28,11 +35,23 @@ from statemachine import (
     ToolCall,
     ToolInDoubt,
 )
-from statemachine.events import Event
-from statemachine.runner import publish, settle
+from statemachine.events import Event, InputAdded
+from statemachine.payloads import JSON
+from statemachine.runner import (
+    ALLOW,
+    Agent,
+    FunctionTool,
+    ModelResponse,
+    OutputGuardrail,
+    RunHooks,
+    Runner,
+    ToolGuardrail,
+    Verdict,
+    publish,
+    settle,
+)
 from statemachine.sessions import SQLiteSession
-from statemachine.stores import Snapshot, SQLiteEventStore
-from statemachine.values import Phase
+from statemachine.stores import SQLiteEventStore
 
 RUN_ID = "crash"
 RESPONSES = [
@@ -49,9 +68,9 @@ def _die() -> None:
 class KillingStore(SQLiteEventStore):
     kill_after: int | None = None
 
-    def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
-               snapshot: Snapshot | None = None) -> None:
-        super().append(run_id, events, expected_version, snapshot=snapshot)
+    def append(self, run_id: str, events: Sequence[Event], expected_version: int,
+               **options: Any) -> None:  # snapshot=, and whatever else the store takes
+        super().append(run_id, events, expected_version, **options)
         if self.kill_after is not None and any(e.seq == self.kill_after for e in events):
             _die()
 
@@ -104,7 +123,7 @@ async def drive(folder: Path, store: SQLiteEventStore, session: SQLiteSession,
         elif action is Action.CALL_MODEL:
             if c.step is not Step.AWAITING_MODEL:
                 c.begin_model_call()
-            response = RESPONSES[c.state.turns]
+            response = RESPONSES[c.turns]
             if isinstance(response, list):
                 c.model_responded(response)
             else:
@@ -116,9 +135,7 @@ async def drive(folder: Path, store: SQLiteEventStore, session: SQLiteSession,
             if c.step is Step.INTERRUPTION:
                 c.resume()
                 continue
-            for call_id, record in list(c.state.calls.items()):
-                if record.phase not in (Phase.APPROVED, Phase.STARTED):
-                    continue
+            for call_id in c.runnable_call_ids():
                 decision = c.begin_tool(call_id)
                 if isinstance(decision, Execute):
                     if call_id == "pay":
@@ -129,17 +146,201 @@ async def drive(folder: Path, store: SQLiteEventStore, session: SQLiteSession,
                         _effect(folder, "lookup.txt", "looked up")
                     c.tool_completed(call_id, f"{call_id} done")
         elif action is Action.PUBLISH:
-            ids = [i for i, r in c.state.calls.items() if r.phase == Phase.COMPLETED]
+            ids = list(c.unpublished_call_ids())
             items: list[Any] = []
             for call_id in ids:
                 items.append({"type": "function_call", "call_id": call_id})
                 items.append({"type": "function_call_output", "call_id": call_id,
-                              "output": c.state.calls[call_id].result})
+                              "output": c.call(call_id).result})
             if c.step is Step.FINAL_OUTPUT:
                 items.append({"role": "assistant", "content": c.final_output})
             await publish(c, session, items, call_ids=ids)
         elif action is Action.FINISH:
             c.accept_final_output(c.model_output)
+
+
+# ------------------------------------------------- every hook and guardrail (--hooks)
+
+EFFECTS = "effects.txt"
+HOOKED_INPUT = "pay 7, then look the rate up"
+
+
+class Ticks:
+    """The durable boundaries this process crossed, by label. At the ``kill_at``-th it
+    notes the boundary in DIR/kills.txt and SIGKILLs its own process."""
+
+    def __init__(self, folder: Path, kill_at: int | None = None) -> None:
+        self.folder = folder
+        self.kill_at = kill_at
+        self.labels: list[str] = []
+
+    def __call__(self, label: str) -> None:
+        self.labels.append(label)
+        if len(self.labels) == self.kill_at:
+            with open(self.folder / "kills.txt", "a") as f:
+                f.write(f"{self.kill_at} {label}\n")
+            _die()
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append one line with O_APPEND and fsync it before returning: once this returns,
+    the effect survives any kill."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Effects:
+    """Every hook, guardrail, model call and tool reports here: one fsynced line naming
+    it (``hook tool_start:pay``, ``guardrail pay_input``, ``tool pay``...), then a tick."""
+
+    def __init__(self, folder: Path, ticks: Ticks) -> None:
+        self.path = folder / EFFECTS
+        self.ticks = ticks
+
+    def __call__(self, line: str) -> None:
+        append_line(self.path, line)
+        self.ticks(f"effect {line}")
+
+
+class TickingStore(SQLiteEventStore):
+    def __init__(self, path: Path, ticks: Ticks) -> None:
+        super().__init__(path)
+        self.ticks = ticks
+
+    def append(self, run_id: str, events: Sequence[Event], expected_version: int,
+               **options: Any) -> None:
+        super().append(run_id, events, expected_version, **options)
+        self.ticks("appended " + " ".join(type(e).__name__ for e in events))
+
+
+class TickingSession(SQLiteSession):
+    def __init__(self, session_id: str, path: Path, ticks: Ticks) -> None:
+        super().__init__(session_id, path)
+        self.ticks = ticks
+
+    def _before_commit(self) -> None:
+        self.ticks("session batch written, not committed")
+
+    def _after_commit(self) -> None:
+        self.ticks("session batch committed")
+
+
+class EffectHooks(RunHooks):
+    """Every lifecycle hook, named by its scope (model hooks by turn, tool hooks by call)."""
+
+    def __init__(self, c: RunController, effect: Effects) -> None:
+        self.c = c
+        self.effect = effect
+
+    async def on_agent_start(self, agent: Agent) -> None:
+        self.effect("hook agent_start")
+
+    async def on_agent_end(self, agent: Agent, output: JSON) -> None:
+        self.effect("hook agent_end")
+
+    async def on_llm_start(self, agent: Agent) -> None:
+        self.effect(f"hook model_start:{self.c.turns + 1}")
+
+    async def on_llm_end(self, agent: Agent, response: ModelResponse) -> None:
+        self.effect(f"hook model_end:{self.c.turns + 1}")
+
+    async def on_tool_start(self, agent: Agent, call: ToolCall) -> None:
+        self.effect(f"hook tool_start:{call.call_id}")
+
+    async def on_tool_end(self, agent: Agent, call: ToolCall, output: JSON) -> None:
+        self.effect(f"hook tool_end:{call.call_id}")
+
+
+class HistoryModel:
+    """Proposes ``pay`` and ``lookup`` until a tool output is in the history, then
+    answers: what it says depends on the Session alone, so a restarted process agrees."""
+
+    def __init__(self, c: RunController, effect: Effects) -> None:
+        self.c = c
+        self.effect = effect
+
+    async def respond(self, history: list[JSON], agent: Agent) -> ModelResponse:
+        self.effect(f"model turn:{self.c.turns + 1}")
+        if any(isinstance(item, dict) and item.get("type") == "function_call_output"
+               for item in history):
+            return ModelResponse(output="paid 7")
+        return ModelResponse(tool_calls=(("pay", "pay", {"amount": 7}),
+                                         ("lookup", "lookup", {"q": "rate"})))
+
+
+def hooked_agent(c: RunController, effect: Effects) -> Agent:
+    """``pay`` (approval-gated, not idempotent, an input and an output guardrail),
+    ``lookup`` (idempotent) and an output guardrail on the final answer."""
+
+    def guard(name: str) -> ToolGuardrail:
+        def check(call: ToolCall, *output: JSON) -> Verdict:
+            effect(f"guardrail {name}")
+            return ALLOW
+        return ToolGuardrail(name, check)
+
+    def final_output(output: JSON) -> Verdict:
+        effect("guardrail final_output")
+        return ALLOW
+
+    def pay(amount: int) -> JSON:
+        effect("tool pay")
+        return f"charged {amount}"
+
+    def lookup(q: str) -> JSON:
+        effect("tool lookup")
+        return f"{q} is 1.0"
+
+    return Agent(
+        "payer", HistoryModel(c, effect),
+        tools=(FunctionTool("pay", pay, needs_approval=True,
+                            input_guardrails=(guard("pay_input"),),
+                            output_guardrails=(guard("pay_output"),)),
+               FunctionTool("lookup", lookup, idempotent=True)),
+        output_guardrails=(OutputGuardrail("final_output", final_output),))
+
+
+async def run_hooked(folder: Path, ticks: Ticks) -> dict[str, Any]:
+    """Start or resume the run ``crash`` in ``folder`` through the reference `Runner`,
+    approving ``pay`` when asked, until it completes or fails closed."""
+    store = TickingStore(folder / "events.db", ticks)
+    session = TickingSession("crash-session", folder / "session.db", ticks)
+    try:
+        if store.load(RUN_ID):
+            c = RunController.load(store, RUN_ID)
+        else:
+            c = RunController.start(run_id=RUN_ID, session_id=session.session_id,
+                                    max_turns=10, store=store)
+        effect = Effects(folder, ticks)
+        agent, hooks = hooked_agent(c, effect), EffectHooks(c, effect)
+        new_input = (None if any(isinstance(e, InputAdded) for e in c.events)
+                     else HOOKED_INPUT)
+        while True:
+            # the previous process is dead: no write of its attempt can still land
+            result = await Runner.run(agent, new_input, session=session, controller=c,
+                                      hooks=hooks, take_over=True)
+            new_input = None
+            if result.step is Step.COMPLETED:
+                return {"outcome": "completed", "output": result.final_output}
+            if not result.interruptions:
+                return {"outcome": result.step.value}
+            for call in result.interruptions:
+                c.approve(call.call_id, fingerprint=c.fingerprint(call.call_id))
+    except ToolInDoubt as error:
+        return {"outcome": "in_doubt", "call_id": error.call_id}
+    except RunNotResumable:  # a completed run is not resumed: nothing runs again
+        if c.step is Step.COMPLETED:
+            return {"outcome": "completed", "output": c.final_output}
+        return {"outcome": c.step.value}
+    finally:
+        store.close()
+        session.close()
+
+
+# --------------------------------------------------------------------------- main
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,7 +349,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-after-event", type=int)
     parser.add_argument("--kill-in-tool", action="store_true")
     parser.add_argument("--kill-in-append")
+    parser.add_argument("--hooks", action="store_true")
+    parser.add_argument("--kill-at-tick", type=int)
     args = parser.parse_args(argv)
+    if args.hooks:
+        ticks = Ticks(args.folder, args.kill_at_tick)
+        hooked = asyncio.run(run_hooked(args.folder, ticks))
+        print(json.dumps({**hooked, "ticks": ticks.labels}))
+        return 0
     store = KillingStore(args.folder / "events.db")
     store.kill_after = args.kill_after_event
     session = KillingSession("crash-session", args.folder / "session.db")

@@ -1,48 +1,111 @@
 """The ``statemachine`` command, run for real in a subprocess: the diagrams drawn from
 the declaration (and the drift check on the committed ones), inspect, replay, render of
-a run's path, the demo, and one-line errors with a non-zero exit."""
+a run's path, explore's verdict, the demo, help on every option, one-line errors with
+exit status 2 for every failure, and read-only commands that never create or change a
+file."""
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
+import os
+import random
+import re
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from statemachine import RecoveryPolicy, SQLiteEventStore
+from statemachine import RecoveryPolicy, RunController, SQLiteEventStore
 from statemachine import diagrams as diagrams_module
-from tests.helpers import at_interruption, failed, run_charge, staged
+from statemachine.cli.main import explore_verdict
+from statemachine.cli.main import parser as cli_parser
+from statemachine.testing.explore import ExploreReport
+from tests.helpers import P, at_interruption, failed, reloaded, run_charge, staged
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(sys.executable).with_name("statemachine")
 COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "statemachine"]
 
 
-def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, cwd: Path = ROOT,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*COMMAND, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, check=False)
+                          timeout=300, check=False, env=env)
 
 
 def _one_line_error(done: subprocess.CompletedProcess[str]) -> str:
-    assert done.returncode != 0
-    assert "Traceback" not in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
     return lines[0]
 
 
+def _store_file(path: Path) -> Path:
+    """A closed SQLite event store file holding run-1 at its interruption."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    store = SQLiteEventStore(path)
+    at_interruption(store=store)
+    store.close()
+    return path
+
+
+def _ledger_line(out: str, call_id: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith(f"  {call_id} "))
+
+
 # ----------------------------------------------------------------- diagrams
 
 
-def test_committed_diagrams_match_the_declaration() -> None:
+def test_committed_diagrams_match_the_declaration(tmp_path: Path) -> None:
+    """Regenerate everything from the declaration and compare with what is committed
+    (the SVGs depend on the Graphviz version, so only that they exist)."""
     folder = ROOT / "diagrams"
     drift = "diagrams/ drifted from the declaration: run `just diagrams` and commit"
-    assert (folder / "run.mmd").read_text() == diagrams_module.mermaid(), drift
-    assert (folder / "run.dot").read_text() == diagrams_module.dot(), drift
-    assert (folder / "README.md").read_text() == diagrams_module.readme(
-        diagrams_module.mermaid()), drift
+    for name, text in (("overview.mmd", diagrams_module.overview_mermaid()),
+                       ("overview.dot", diagrams_module.overview_dot()),
+                       ("run.mmd", diagrams_module.mermaid()),
+                       ("run.dot", diagrams_module.dot()),
+                       ("README.md", diagrams_module.readme())):
+        assert (folder / name).read_text() == text, f"{name}: {drift}"
+    assert (folder / "overview.svg").is_file()
+    assert (folder / "run.svg").is_file()
+
+
+def test_the_overview_folds_self_loops_and_guards_away() -> None:
+    from statemachine.machine import LIVE_STEPS, TRANSITIONS
+
+    edges = diagrams_module.overview_edges()
+    pairs = [(e.source, e.dest) for e in edges]
+    assert len(pairs) == len(set(pairs)), "one edge per (source, dest)"
+    assert all(e.source != e.dest for e in edges), "no self-loops"
+    moves = {(s.value, row.dest.value, row.trigger) for row in TRANSITIONS
+             for s in row.sources if row.dest is not None and row.dest is not s}
+    drawn = {(e.source, e.dest, t) for e in edges for t in e.triggers}
+    everywhere = {(row.dest.value, row.trigger) for row in TRANSITIONS
+                  if row.dest is not None and set(row.sources) == set(LIVE_STEPS)}
+    for source, dest, trigger in moves:  # every move is drawn, once or from "any live step"
+        assert ((source, dest, trigger) in drawn
+                or (diagrams_module.ANY_LIVE_STEP, dest, trigger) in drawn)
+    assert {(d, t) for s, d, t in drawn if s == diagrams_module.ANY_LIVE_STEP} == everywhere
+    triggers = {row.trigger for row in TRANSITIONS}
+    labels = re.findall(r'\|"([^"]*)"\|', diagrams_module.overview_mermaid())
+    labels += re.findall(r'label="([^"]*)"[,\]]', diagrams_module.overview_dot())
+    trigger_labels = [part for label in labels for part in re.split(r"<br/>|\\n", label)
+                      if not part.isupper() and part not in ("start", "any live step")
+                      and not part.startswith("agent-statemachine")]
+    assert trigger_labels
+    assert set(trigger_labels) <= triggers, "labels are triggers only"
+    readme = diagrams_module.readme()
+    assert readme.index("## Overview") < readme.index("## Every transition")
+    assert readme.index(diagrams_module.overview_mermaid()) < readme.index(
+        diagrams_module.mermaid())
 
 
 def test_every_transition_and_guard_is_on_the_diagram() -> None:
@@ -59,7 +122,31 @@ def test_render_writes_the_project_diagrams(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "run.mmd").read_text() == diagrams_module.mermaid()
     assert (tmp_path / "run.dot").read_text() == diagrams_module.dot()
-    assert "```mermaid" in (tmp_path / "README.md").read_text()
+    assert (tmp_path / "overview.mmd").read_text() == diagrams_module.overview_mermaid()
+    assert (tmp_path / "overview.dot").read_text() == diagrams_module.overview_dot()
+    assert (tmp_path / "README.md").read_text() == diagrams_module.readme()
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz is not installed")
+def test_render_draws_both_svgs_with_graphviz(tmp_path: Path) -> None:
+    done = cli("render", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "overview.svg").read_text().lstrip().startswith("<?xml")
+    assert (tmp_path / "run.svg").is_file()
+    assert "skipped" not in done.stdout
+
+
+def test_render_says_when_it_skips_the_svg(tmp_path: Path) -> None:
+    no_graphviz = tmp_path / "empty-path"
+    no_graphviz.mkdir()
+    env = {**os.environ, "PATH": str(no_graphviz)}
+    done = cli("render", "--out", str(tmp_path / "out"), env=env)
+    assert done.returncode == 0, done.stderr
+    assert not list((tmp_path / "out").glob("*.svg"))
+    says = [line for line in (done.stdout + done.stderr).splitlines() if "SVG" in line]
+    assert len(says) == 1
+    assert "Graphviz" in says[0]
+    assert "not installed" in says[0]
 
 
 def test_render_highlights_a_runs_path(tmp_path: Path) -> None:
@@ -85,6 +172,8 @@ def test_inspect_explains_an_unsettled_run(tmp_path: Path) -> None:
     assert "pending approvals: notify" in done.stdout
     assert "continuation INTERRUPTION" in done.stdout
     assert "verdict: Resumable: a write's outcome is unknown" in done.stdout
+    assert "its publication unsettled" in _ledger_line(done.stdout, "charge")
+    assert "awaiting a decision" in _ledger_line(done.stdout, "notify")
     as_json = json.loads(cli("inspect", str(run), "--json").stdout)
     assert as_json["envelope"]["batch_items"] == 3
     assert as_json["next_action"] == "reconcile"
@@ -102,6 +191,68 @@ def test_inspect_from_a_store_names_the_call_in_doubt(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "IN DOUBT" in done.stdout
     assert "verdict: Blocked: call 'charge' was started and never completed" in done.stdout
+    assert "started, outcome unknown" in _ledger_line(done.stdout, "charge")
+    as_json = json.loads(cli("inspect", "--store", str(tmp_path / "events.db"), "--run",
+                             "run-1", "--json").stdout)
+    charge = next(call for call in as_json["ledger"] if call["call_id"] == "charge")
+    assert charge["outcome_unknown"] is True
+    assert charge["in_doubt"] is True
+    assert charge["status"].startswith("started, outcome unknown")
+
+
+def _inspected(c: RunController, tmp_path: Path) -> tuple[str, dict[str, Any]]:
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(c.to_json()))
+    done = cli("inspect", str(run))
+    assert done.returncode == 0, done.stderr
+    as_json = cli("inspect", str(run), "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    return done.stdout, json.loads(as_json.stdout)
+
+
+def test_inspect_says_a_call_was_rejected(tmp_path: Path) -> None:
+    c = at_interruption()
+    c.reject("charge", "the user declined")
+    rejection = {"type": "function_call_output", "call_id": "charge", "output": "declined"}
+    c.stage_publication([rejection], P, call_ids=["charge"])
+    c.publication_committed()  # the rejection is published: its phase is PUBLISHED
+    out, info = _inspected(c, tmp_path)
+    line = _ledger_line(out, "charge")
+    assert "rejected" in line, line
+    assert "ran" not in line, line
+    assert "awaiting a decision" in _ledger_line(out, "notify")
+    ledger = {call["call_id"]: call for call in info["ledger"]}
+    assert ledger["charge"]["rejected"] is True
+    assert ledger["notify"]["rejected"] is False
+    assert ledger["charge"]["status"].startswith("rejected")
+
+
+def test_inspect_says_an_operator_resolved_a_call(tmp_path: Path) -> None:
+    c = at_interruption()
+    c.approve("charge")
+    c.resume()
+    c.begin_tool("charge")  # the process dies here
+    restarted = reloaded(c)
+    restarted.resolve_in_doubt("charge", "charged by the operator")
+    out, info = _inspected(restarted, tmp_path)
+    line = _ledger_line(out, "charge")
+    assert "resolved by an operator" in line, line
+    assert "IN DOUBT" not in line, line
+    ledger = {call["call_id"]: call for call in info["ledger"]}
+    assert ledger["charge"]["resolved_by_operator"] is True
+    assert ledger["charge"]["outcome_unknown"] is False
+    assert ledger["notify"]["resolved_by_operator"] is False
+
+
+def test_inspect_says_a_run_has_no_session(tmp_path: Path) -> None:
+    c = RunController.start(run_id="solo", session_id=None)
+    out, info = _inspected(c, tmp_path)
+    assert "no Session" in out.splitlines()[0]
+    assert "None" not in out.splitlines()[0]
+    assert info["session_id"] is None
+    assert info["has_session"] is False
+    _, with_session = _inspected(at_interruption(), tmp_path)
+    assert with_session["has_session"] is True
 
 
 def test_inspect_says_a_fail_closed_run_cannot_resume(tmp_path: Path) -> None:
@@ -134,29 +285,236 @@ def test_replay_names_the_first_illegal_event(tmp_path: Path) -> None:
 # ------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("case", ["missing-file", "not-json", "future-version",
-                                  "unknown-run", "missing-store", "no-source"])
-def test_errors_are_one_line_and_non_zero(case: str, tmp_path: Path) -> None:
+def _garbage(path: Path, start: int, end: int | None = None) -> Path:
+    """Overwrite bytes ``start:end`` of ``path`` with seeded random garbage."""
+    data = bytearray(path.read_bytes())
+    rng = random.Random(7)
+    stop = len(data) if end is None else end
+    data[start:stop] = bytes(rng.randrange(256) for _ in range(stop - start))
+    path.write_bytes(bytes(data))
+    return path
+
+
+def _error_case(case: str, tmp_path: Path) -> tuple[list[str], str]:
+    """The command line of each failure, and what its one line must say."""
     bad = tmp_path / "bad.json"
+    plain = tmp_path / "plain-file"
+    plain.write_text("not a directory")
+    long_name = "x" * 3000
     if case == "not-json":
         bad.write_text("{not json")
+    elif case == "not-utf8":
+        bad.write_bytes(b"\xff\xfe garbage")
     elif case == "future-version":
         bad.write_text(json.dumps({**failed().to_json(), "schema_version": 99}))
-    args = {
-        "missing-file": ["inspect", str(tmp_path / "nope.json")],
-        "not-json": ["inspect", str(bad)],
-        "future-version": ["replay", str(bad)],
-        "unknown-run": ["inspect", "--store", str(tmp_path / "events.db"), "--run", "ghost"],
-        "missing-store": ["inspect", "--store", str(tmp_path / "none.db"), "--run", "x"],
-        "no-source": ["inspect"],
-    }[case]
-    if case == "unknown-run":
-        at_interruption(store=SQLiteEventStore(tmp_path / "events.db"))
-    line = _one_line_error(cli(*args))
-    says = {"missing-file": "cannot read", "not-json": "not valid JSON",
-            "future-version": "newer than this library reads", "unknown-run": "no run 'ghost'",
-            "missing-store": "no such store file", "no-source": "give a run's JSON file"}[case]
+    elif case in ("unknown-run", "long-run-id"):
+        _store_file(tmp_path / "events.db")
+    elif case == "not-a-database":
+        (tmp_path / "events.db").write_text("hello, I am not SQLite\n" * 100)
+    elif case == "damaged-pages":  # the header and the schema page intact, the rest garbage
+        _garbage(_store_file(tmp_path / "events.db"), 4096)
+    elif case == "damaged-schema":  # the 100-byte header intact, everything after garbage
+        _garbage(_store_file(tmp_path / "events.db"), 100)
+    elif case == "hostile-run-id":
+        bad.write_text(json.dumps(RunController.start(run_id="../x", session_id=None)
+                                  .to_json()))
+    store = ["--store", str(tmp_path / "events.db"), "--run", "run-1"]
+    cases: dict[str, tuple[list[str], str]] = {
+        "missing-file": (["inspect", str(tmp_path / "nope.json")], "no such file"),
+        "directory-as-file": (["replay", str(tmp_path)], "is a directory"),
+        "not-utf8": (["inspect", str(bad)], "not UTF-8"),
+        "not-json": (["inspect", str(bad)], "not valid JSON"),
+        "future-version": (["replay", str(bad)], "newer than this library reads"),
+        "long-path": (["inspect", str(tmp_path / long_name)], "cannot read"),
+        "unknown-run": (["inspect", *store[:3], "ghost"], "no run 'ghost'"),
+        "long-run-id": (["inspect", *store[:3], long_name], "no run 'xxx"),
+        "missing-store": (["inspect", "--store", str(tmp_path / "none.db"), "--run", "x"],
+                          "no such store file"),
+        "store-is-a-directory": (["replay", "--store", str(tmp_path), "--run", "x"],
+                                 "is a directory"),
+        "not-a-database": (["inspect", *store], "is not a SQLite database"),
+        "damaged-pages": (["inspect", *store], "damaged"),
+        "damaged-schema": (["replay", *store], "damaged"),
+        "store-without-run": (["inspect", "--store", str(_store_file(tmp_path / "s.db"))],
+                              "--store needs --run ID (it holds 'run-1')"),
+        "run-without-store": (["inspect", str(tmp_path / "nope.json"), "--run", "x"],
+                              "--run needs --store"),
+        "no-source": (["inspect"], "give a run's JSON file"),
+        "render-out-is-a-file": (["render", "--out", str(plain)], "is a file, not a directory"),
+        "render-run-out-is-a-file": (["render", *store[:0], str(bad), "--out", str(plain)],
+                                     "is a file, not a directory"),
+        "demo-dir-is-a-file": (["demo", "--dir", str(plain)], "is a file, not a directory"),
+        "demo-dir-uncreatable": (["demo", "--dir", str(plain / "sub")], "cannot create --dir"),
+        "bad-depth": (["explore", "--depth", "abc"], "not a whole number"),
+        "negative-depth": (["explore", "--depth", "-1"], "must be 0 or more"),
+        "zero-max-states": (["explore", "--max-states", "0"], "must be 1 or more"),
+        "unknown-command": (["frobnicate"], "invalid choice"),
+    }
+    if case == "render-run-out-is-a-file":
+        bad.write_text(json.dumps(at_interruption().to_json()))
+    return cases[case]
+
+
+ERROR_CASES = [
+    "missing-file", "directory-as-file", "not-utf8", "not-json", "future-version",
+    "long-path", "unknown-run", "long-run-id", "missing-store", "store-is-a-directory",
+    "not-a-database", "damaged-pages", "damaged-schema", "store-without-run",
+    "run-without-store", "no-source", "render-out-is-a-file", "render-run-out-is-a-file",
+    "demo-dir-is-a-file", "demo-dir-uncreatable", "bad-depth", "negative-depth",
+    "zero-max-states", "unknown-command",
+]
+
+
+@pytest.mark.parametrize("case", ERROR_CASES)
+def test_every_failure_is_one_bounded_line_and_exit_status_2(case: str,
+                                                             tmp_path: Path) -> None:
+    args, says = _error_case(case, tmp_path)
+    line = _one_line_error(cli(*args, cwd=tmp_path))
     assert says in line
+    assert len(line) < 700, "a message echoes at most ~200 characters of what it was given"
+    assert "x" * 300 not in line
+
+
+def test_a_failed_command_leaves_no_file_behind(tmp_path: Path) -> None:
+    """The refusals above create nothing: no store, no --dir, no output directory."""
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for args in (["inspect", "--store", str(tmp_path / "none.db"), "--run", "x"],
+                 ["replay", "--store", str(tmp_path / "none.db"), "--run", "x"],
+                 ["render", "--store", str(tmp_path / "none.db"), "--run", "x", "--out",
+                  str(tmp_path / "out")]):
+        _one_line_error(cli(*args, cwd=tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_render_keeps_a_runs_files_inside_out(tmp_path: Path) -> None:
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(RunController.start(run_id="../x", session_id=None).to_json()))
+    out = tmp_path / "out"
+    done = cli("render", str(run), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.iterdir() if p.suffix != ".svg") == [
+        "run-.._x.dot", "run-.._x.mmd"]
+
+
+# ------------------------------------------------------- read-only commands
+
+
+def _fingerprint(path: Path) -> tuple[str, int, int, list[str]]:
+    """What a read-only command must leave exactly as it was: the bytes, the size, the
+    mtime, and the files beside it (no -wal, -shm or -journal appears)."""
+    if not path.exists():
+        return "", -1, -1, sorted(p.name for p in path.parent.iterdir())
+    st = path.stat()
+    return (hashlib.sha256(path.read_bytes()).hexdigest(), st.st_size, st.st_mtime_ns,
+            sorted(p.name for p in path.parent.iterdir()))
+
+
+READ_ONLY = {
+    "inspect": ["inspect"],
+    "inspect --json": ["inspect", "--json"],
+    "replay": ["replay"],
+    "render --store": ["render"],
+}
+
+
+@pytest.mark.parametrize("kind", ["valid-store", "empty-file", "missing"])
+@pytest.mark.parametrize("command", list(READ_ONLY))
+def test_read_only_commands_never_create_or_change_a_file(command: str, kind: str,
+                                                          tmp_path: Path) -> None:
+    db = tmp_path / "store" / "events.db"
+    if kind == "valid-store":
+        _store_file(db)
+    else:
+        db.parent.mkdir()
+        if kind == "empty-file":
+            db.write_bytes(b"")
+    before = _fingerprint(db)
+    done = cli(*READ_ONLY[command], "--store", str(db), "--run", "run-1", "--out",
+               str(tmp_path / "out"), cwd=tmp_path) if command.startswith("render") else cli(
+        *READ_ONLY[command], "--store", str(db), "--run", "run-1", cwd=tmp_path)
+    if kind == "valid-store":
+        assert done.returncode == 0, done.stderr
+    else:
+        line = _one_line_error(done)
+        assert ("not an agent-statemachine event store" if kind == "empty-file"
+                else "no such store file") in line
+    assert _fingerprint(db) == before
+
+
+def test_a_store_in_use_is_read_through_its_write_ahead_log(tmp_path: Path) -> None:
+    """A writer holds the store open with events only in its -wal: the read sees them,
+    and leaves the writer's files as they were."""
+    store = SQLiteEventStore(tmp_path / "events.db")
+    c = at_interruption(store=store)
+    c.approve("charge")
+    try:
+        done = cli("replay", "--store", str(tmp_path / "events.db"), "--run", "run-1")
+        assert done.returncode == 0, done.stderr
+        assert f"ok: {c.version} events replayed" in done.stdout
+        c.approve("audit")  # the writer goes on writing
+        assert RunController.load(store, "run-1").version == c.version
+    finally:
+        store.close()
+
+
+# ------------------------------------------------------------------- explore
+
+
+def test_explore_states_its_verdict_in_words() -> None:
+    done = cli("explore", "--world", "reference", "--depth", "2")
+    assert done.returncode == 0, done.stderr
+    assert re.fullmatch(r"reference: no counterexample to I1-I12 in \d+ states up to "
+                        r"depth 2 \(.*\)\n", done.stdout), done.stdout
+
+
+def test_explore_says_when_max_states_cut_the_search_short() -> None:
+    done = cli("explore", "--world", "remote", "--depth", "4", "--max-states", "10")
+    assert done.returncode == 0, done.stderr
+    assert "no counterexample to I1-I12 in the first 10 states" in done.stdout
+    assert "--max-states 10 cut the search short" in done.stdout
+
+
+def test_explore_words_a_counterexample() -> None:
+    report = ExploreReport(12, 30, 2, 0.1, (("approve", "charge"), ("run", "charge")),
+                           "AssertionError: I1: charge ran twice")
+    lines = explore_verdict("reference", report, depth=5, max_states=100)
+    assert lines[0].startswith("reference: COUNTEREXAMPLE: 2 step(s) from the start "
+                               "break an invariant")
+    assert lines[1] == "  violation: AssertionError: I1: charge ran twice"
+    assert lines[3:] == ["    1. approve charge", "    2. run charge"]
+
+
+# --------------------------------------------------------------------- help
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    top = cli_parser()
+    (commands,) = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(commands.choices)
+
+
+def test_every_command_and_option_has_help() -> None:
+    top = cli_parser()
+    (commands,) = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
+    assert {c.dest: bool(c.help) for c in commands._choices_actions} == dict.fromkeys(
+        commands.choices, True)
+    for name, sub in [("statemachine", top), *_subcommands().items()]:
+        assert sub.description, name
+        for action in sub._actions:
+            assert action.help, (name, action.dest)
+            assert action.help != argparse.SUPPRESS, (name, action.dest)
+
+
+@pytest.mark.parametrize("command", ["", "demo", "render", "inspect", "replay", "explore"])
+def test_help_is_plain_text(command: str) -> None:
+    done = cli(*command.split(), "--help")
+    assert done.returncode == 0, done.stderr
+    assert "`" not in done.stdout
+    assert "*" not in done.stdout
+    if command:
+        for action in _subcommands()[command]._actions:
+            for option in action.option_strings:
+                assert option in done.stdout
 
 
 # --------------------------------------------------------------------- demo
@@ -170,4 +528,22 @@ def test_the_demo_plays_every_scenario_and_checks_the_invariants(tmp_path: Path)
                      "ReconciledAppend", "partial write", "TERMINAL_UNRECOVERABLE",
                      "posted=False", "posted=True", "18 of 18 checks hold"):
         assert expected in out
-    assert (tmp_path / "demo" / "events.db").exists()
+    db = tmp_path / "demo" / "events.db"
+    assert db.exists()
+    # it ends with the commands that look at its runs, with the real paths; they work
+    suggested = [shlex.split(line) for line in out.splitlines()
+                 if line.startswith("  statemachine ")]
+    assert {args[1] for args in suggested} == {"inspect", "render"}
+    assert all(str(db) in args for args in suggested)
+    before = _fingerprint(db)
+    for args in suggested:
+        ran = cli(*args[1:])
+        assert ran.returncode == 0, (args, ran.stderr)
+    assert _fingerprint(db)[:3] == before[:3]
+
+
+def test_the_demo_refuses_a_directory_that_is_not_empty(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    line = _one_line_error(cli("demo", "--dir", str(tmp_path)))
+    assert "is not empty" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

@@ -85,24 +85,50 @@ def test_negative_fixture_is_refused_with_a_typed_error(name: str, case: dict[st
 def test_older_versions_are_upcast_and_newer_fields_refused_under_old_labels(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Simulates the next release: version 2 introduces the Abandoned event."""
+    """Simulates the next release: version SCHEMA_VERSION + 1 introduces the Abandoned
+    event."""
     from statemachine import codec
 
-    v1_doc = json.loads((FIXTURES / "v1" / "partial_approval_unsettled.json").read_text())
-    v1_abandoned = json.loads((FIXTURES / "v1" / "abandoned.json").read_text())
+    current, following = SCHEMA_VERSION, SCHEMA_VERSION + 1
+    doc = json.loads((FIXTURES / f"v{current}" / "partial_approval_unsettled.json").read_text())
+    abandoned = json.loads((FIXTURES / f"v{current}" / "abandoned.json").read_text())
     calls: list[int] = []
 
-    def upcast_1_to_2(doc: dict[str, Any]) -> dict[str, Any]:
+    def upcast(doc: dict[str, Any]) -> dict[str, Any]:
         calls.append(doc["schema_version"])
-        return {**doc, "schema_version": 2}
+        return {**doc, "schema_version": following}
 
-    monkeypatch.setattr(codec, "SCHEMA_VERSION", 2)
-    monkeypatch.setitem(codec.UPCASTERS, 1, upcast_1_to_2)
-    monkeypatch.setitem(codec.EVENT_SINCE, "Abandoned", 2)
-    c = RunController.from_json(v1_doc)
-    assert calls == [1]
-    assert c.to_json()["schema_version"] == 2
-    with pytest.raises(SchemaError, match="Abandoned is not valid under schema_version 1"):
-        RunController.from_json(v1_abandoned)
-    assert RunController.from_json({**v1_abandoned, "schema_version": 2}).step.value == (
+    monkeypatch.setattr(codec, "SCHEMA_VERSION", following)
+    monkeypatch.setitem(codec.UPCASTERS, current, upcast)
+    monkeypatch.setitem(codec.EVENT_SINCE, "Abandoned", following)
+    c = RunController.from_json(doc)
+    assert calls == [current]
+    assert c.to_json()["schema_version"] == following
+    with pytest.raises(SchemaError, match=f"Abandoned is not valid under schema_version {current}"):
+        RunController.from_json(abandoned)
+    assert RunController.from_json({**abandoned, "schema_version": following}).step.value == (
         "terminal_unrecoverable")
+    # a version 1 document goes through every upcaster in turn
+    calls.clear()
+    assert RunController.from_json(
+        (FIXTURES / "v1" / "partial_approval_unsettled.json").read_text()).events == c.events
+    assert calls == [current]
+
+
+def test_version_2_adds_run_claimed_and_upcasts_version_1_unchanged() -> None:
+    from statemachine import codec
+
+    assert SCHEMA_VERSION == 2
+    assert codec.EVENT_SINCE["RunClaimed"] == 2
+    assert {name for name, since in codec.EVENT_SINCE.items() if since > 1} == {"RunClaimed"}
+    for path in sorted((FIXTURES / "v1").glob("*.json")):
+        v1 = json.loads(path.read_text())
+        assert codec.UPCASTERS[1](v1) == {**v1, "schema_version": 2}
+        c = RunController.from_json(v1)
+        assert c.to_json() == {**v1, "schema_version": 2}  # only the label changes
+        assert c.to_json() == json.loads((FIXTURES / "v2" / path.name).read_text())
+    claimed = json.loads((FIXTURES / "v2" / "claimed_unsettled.json").read_text())
+    assert [e["owner"] for e in claimed["events"] if e["type"] == "RunClaimed"] == [
+        "worker-a", None]
+    with pytest.raises(SchemaError, match="RunClaimed is not valid under schema_version 1"):
+        RunController.from_json({**claimed, "schema_version": 1})

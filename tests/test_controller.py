@@ -16,6 +16,7 @@ from statemachine import (
     MemoryEventStore,
     PublicationUnsettled,
     RunController,
+    RunNotFound,
     RunNotResumable,
     SchemaError,
     Step,
@@ -275,7 +276,7 @@ def test_two_controllers_from_one_version_cannot_both_act() -> None:
 
 
 def test_load_of_an_unknown_run_is_refused() -> None:
-    with pytest.raises(InvalidTransition, match="no such run"):
+    with pytest.raises(RunNotFound, match="no such run"):
         RunController.load(MemoryEventStore(), "ghost")
 
 

@@ -70,3 +70,57 @@ def test_measure_frontier_digests_only_what_it_needs() -> None:
     assert frontier.read_limit == 2
     assert not frontier.whole
     assert len(seen) <= 4
+
+
+def _naive_read_limit(frontier: tuple[str, ...], batch: tuple[str, ...], *,
+                      whole: bool) -> int | None:
+    """DESIGN §2.3 read word for word: try every n, compare every tail."""
+    m = len(batch)
+    high = max(m + 1, len(frontier) + m) if whole else len(frontier)
+    for n in range(m + 1, high + 1):
+        tails = [(frontier + batch[:k])[-n:] for k in range(m + 1)]
+        if len(set(tails)) == len(tails):
+            return n
+    return None
+
+
+@given(st.lists(st.sampled_from("abc"), max_size=12), st.lists(st.sampled_from("abc"),
+                                                                  max_size=8), st.booleans())
+def test_read_limit_matches_the_naive_definition(frontier: list[str], batch: list[str],
+                                                 whole: bool) -> None:
+    expected = _naive_read_limit(tuple(frontier), tuple(batch), whole=whole)
+    assert read_limit_for(frontier, batch, whole=whole) == expected
+
+
+@given(st.lists(st.sampled_from("ab"), max_size=10), st.lists(st.sampled_from("ab"),
+                                                                 min_size=1, max_size=6),
+       st.integers(0, 6), st.sampled_from(["append", "ack", "partial", "other"]))
+def test_classify_matches_the_naive_comparison(history: list[str], batch: list[str],
+                                               extra: int, outcome: str) -> None:
+    from statemachine.payloads import canonical_form, sha256_hex
+
+    form = canonical_form("json")
+    digest = {x: sha256_hex(form(x)) for x in "abcz"}
+    p = tuple(digest[x] for x in history)
+    b = tuple(digest[x] for x in batch)
+    n = read_limit_for(p, b, whole=True)
+    assert n is not None
+    envelope = Envelope(session_id="s", items=tuple(batch), call_ids=(),
+                        continuation=Step.RUN_AGAIN, read_limit=n, frontier=p[-n:],
+                        frontier_whole=len(p) <= n,
+                        batch_digests=b, guardrails=(), interruptions=(), fail_closed=False,
+                        staged_seq=1)
+    written = {"append": 0, "ack": len(batch), "partial": min(extra, len(batch)),
+               "other": 0}[outcome]
+    now = [*history, *batch[:written], *(["z"] if outcome == "other" else [])]
+    found = classify(envelope, now, "s", form)
+    seen = tuple(digest[x] for x in now[-n:])
+    fp, fb = envelope.frontier, b
+    if seen == fp[-n:]:
+        assert found.kind == "append"
+    elif seen == (fp + fb)[-n:]:
+        assert found.kind == "acknowledge"
+    else:
+        ks = [k for k in range(1, len(fb)) if seen == (fp + fb[:k])[-n:]]
+        assert (found.kind, found.written) == (("partial_write", ks[0]) if ks
+                                                else ("history_changed", 0))

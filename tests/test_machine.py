@@ -15,6 +15,7 @@ from statemachine.envelope import measure_frontier
 from statemachine.machine import (
     GUARDS,
     LIVE_STEPS,
+    NEUTRAL_TRIGGERS,
     SETTLING_TRIGGERS,
     TABLE,
     TERMINAL_STEPS,
@@ -41,8 +42,17 @@ def test_terminal_steps_have_no_way_out() -> None:
     assert not [key for key in TABLE if key[0] in TERMINAL_STEPS]
 
 
-def test_unsettled_accepts_only_settling_triggers() -> None:
-    assert {trigger for step, trigger in TABLE if step is Step.UNSETTLED} == SETTLING_TRIGGERS
+def test_unsettled_accepts_only_settling_and_neutral_triggers() -> None:
+    assert {trigger for step, trigger in TABLE if step is Step.UNSETTLED} == (
+        SETTLING_TRIGGERS | NEUTRAL_TRIGGERS)
+    assert not SETTLING_TRIGGERS & NEUTRAL_TRIGGERS
+
+
+def test_neutral_triggers_stay_in_every_live_step() -> None:
+    for trigger in NEUTRAL_TRIGGERS:
+        for step in LIVE_STEPS:
+            assert [dest for _, dest in TABLE[(step, trigger)]] == [None]
+        assert not [key for key in TABLE if key[1] == trigger and key[0] not in LIVE_STEPS]
 
 
 def test_every_live_step_can_be_abandoned() -> None:
@@ -114,6 +124,8 @@ def events_for(draw: st.DrawFn, state: RunState, seq: int) -> ev.Event:
         return ev.InputAdded(seq, ({"role": "user"},))
     if kind is ev.Abandoned:
         return ev.Abandoned(seq, "why")
+    if kind is ev.RunClaimed:
+        return ev.RunClaimed(seq, draw(st.sampled_from([None, "worker-1"])))
     return kind(seq)
 
 

@@ -4,6 +4,7 @@ process restarts, against a scripted fake remote."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -132,3 +134,42 @@ def test_restart_after_a_crash_inside_the_tool_is_in_doubt(tmp_path: Path) -> No
     assert "'toolu_1'" in restarted.stderr
     assert (tmp_path / "effects.txt").read_text().splitlines() == ["pay"]
     assert FakeRemote(path=str(tmp_path / "remote.json")).results() == {}
+
+
+def test_a_cancelled_remote_tool_is_in_doubt_in_the_live_controller() -> None:
+    """A remote tool whose task is cancelled mid-run leaves its call in doubt in the live
+    controller, exactly as a reloaded controller sees it (never held "in flight")."""
+    from statemachine import Action, ToolInDoubt
+
+    started = asyncio.Event()
+
+    async def slow(cmd: str) -> str:
+        started.set()
+        await asyncio.sleep(60)
+        return "never"
+
+    remote = FakeRemote([("toolu_1", "bash", {"cmd": "charge"})])
+    c = RunController.start(run_id="remote", session_id=None)
+    executor = RemoteToolExecutor(remote, [FunctionTool("bash", slow)], controller=c,
+                                  backoff=0)
+
+    async def scenario() -> None:
+        async def drain() -> None:
+            async with aclosing(executor.run()) as stream:
+                async for _ in stream:
+                    pass
+
+        task = asyncio.create_task(drain())
+        await started.wait()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    reloaded = RunController.from_json(c.to_json())
+    assert c.in_flight == ()
+    assert c.next_action() is reloaded.next_action() is Action.RESOLVE_IN_DOUBT
+    for controller in (c, reloaded):
+        with pytest.raises(ToolInDoubt) as info:
+            controller.begin_tool("toolu_1")
+        assert info.value.call_id == "toolu_1"

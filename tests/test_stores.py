@@ -1,5 +1,6 @@
-"""One contract for every event store, run against each; then the controller bound to a
-store: snapshots, two threads, two processes, and appends whose outcome is unknown."""
+"""The event-store contract (`statemachine.testing.contracts.EventStoreContract`) run
+against each of our stores, then what only SQLite promises: durable pragmas, two fresh
+interpreters racing on one file, and appends whose outcome is unknown."""
 
 from __future__ import annotations
 
@@ -8,126 +9,31 @@ import sqlite3
 import subprocess
 import sys
 import threading
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from statemachine import (
-    ConcurrencyConflict,
-    MemoryEventStore,
-    RecoveryPolicy,
-    RunController,
-    Step,
-)
+from statemachine import MemoryEventStore, RunController, Step
 from statemachine import controller as controller_module
-from statemachine import events as ev
-from statemachine.stores import EventStore, SnapshotStore, SQLiteEventStore
+from statemachine.stores import EventStore, SQLiteEventStore
+from statemachine.testing.contracts import EventStoreContract
 from tests.helpers import assert_refused, at_interruption
-from tests.strategies import Driven, start_run, step
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class StoreContract:
-    """Every store passes this suite, or it is not done."""
-
-    @pytest.fixture
-    def store(self, tmp_path: Path) -> EventStore | Iterator[EventStore]:
-        raise NotImplementedError
-
-    def test_appends_and_loads_in_order(self, store: EventStore) -> None:
-        events = [ev.RunStarted(0, "r", "s", RecoveryPolicy.RECONCILE,
-                                None, "json"), ev.ModelCallBegun(1)]
-        store.append("r", events[:1], 0)
-        store.append("r", events[1:], 1)
-        assert store.load("r") == events
-        assert store.load("unknown") == []
-
-    def test_a_moved_version_conflicts_and_writes_nothing(self, store: EventStore) -> None:
-        c = at_interruption(store=store)
-        before = store.load("run-1")
-        for version in (0, len(before) - 1, len(before) + 1):
-            with pytest.raises(ConcurrencyConflict):
-                store.append("run-1", [ev.ModelCallBegun(version)], version)
-        assert store.load("run-1") == before == list(c.events)
-
-    def test_runs_are_independent(self, store: EventStore) -> None:
-        a = at_interruption(store=store, run_id="a")
-        b = at_interruption(store=store, run_id="b")
-        a.approve("charge")
-        assert store.load("b") == list(b.events)
-        assert store.load("a") == list(a.events)
-
-    def test_snapshot_plus_tail_equals_full_replay(self, store: EventStore,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-        assert isinstance(store, SnapshotStore)
-        monkeypatch.setattr(controller_module, "SNAPSHOT_EVERY", 3)
-
-        @settings(max_examples=25, suppress_health_check=list(HealthCheck))
-        @given(st.data())
-        def check(data: st.DataObject) -> None:
-            run_id = f"snap-{uuid.uuid4().hex}"
-            d = Driven(start_run(data, run_id=run_id, store=store).c)
-            for _ in range(data.draw(st.integers(0, 30))):
-                if not step(d, data):
-                    break
-                if d.c._store is None:  # the driver reloaded from JSON; rebind
-                    d.c = RunController.load(store, run_id)
-            snapshot, tail = store.load_latest(run_id)
-            loaded = RunController.load(store, run_id)
-            full = RunController.from_json(d.c.to_json())
-            assert loaded.state == full.state == d.c.state
-            assert loaded.events == full.events
-            if len(full.events) > 3:
-                assert snapshot is not None
-                assert len(tail) < len(full.events)
-
-        check()
-
-    def test_two_threads_from_one_version_cannot_both_act(self, store: EventStore) -> None:
-        at_interruption(store=store)
-        racers = [RunController.load(store, "run-1") for _ in range(2)]
-        barrier = threading.Barrier(2)
-        outcomes: list[str] = []
-
-        def act(c: RunController, call_id: str) -> None:
-            barrier.wait()
-            try:
-                c.approve(call_id)
-                outcomes.append("approved")
-            except ConcurrencyConflict:
-                outcomes.append("conflict")
-
-        threads = [threading.Thread(target=act, args=(c, i))
-                   for c, i in zip(racers, ("charge", "notify"), strict=True)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert sorted(outcomes) == ["approved", "conflict"]
-        winner = max(racers, key=lambda c: len(c.events))
-        loser = min(racers, key=lambda c: len(c.events))
-        assert RunController.load(store, "run-1").state == winner.state
-        assert_refused(loser, ConcurrencyConflict, loser.approve, "audit")
-
-
-class TestMemoryEventStore(StoreContract):
-    @pytest.fixture
-    def store(self, tmp_path: Path) -> EventStore:
+class TestMemoryEventStore(EventStoreContract):
+    def make_store(self, tmp_path: Path) -> EventStore:
         return MemoryEventStore()
 
 
-class TestSQLiteEventStore(StoreContract):
-    @pytest.fixture
-    def store(self, tmp_path: Path) -> Iterator[EventStore]:
-        s = SQLiteEventStore(tmp_path / "events.db")
-        yield s
-        s.close()
+class TestSQLiteEventStore(EventStoreContract):
+    def make_store(self, tmp_path: Path) -> EventStore:
+        return SQLiteEventStore(tmp_path / "events.db")
+
+    def open_again(self, tmp_path: Path) -> EventStore:
+        return SQLiteEventStore(tmp_path / "events.db")
 
     def test_is_durable_on_disk_with_the_promised_pragmas(self, tmp_path: Path) -> None:
         path = tmp_path / "events.db"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 import tempfile
 from collections.abc import MutableMapping
 from contextlib import aclosing
@@ -15,6 +16,7 @@ from typing import Any
 import structlog
 
 from statemachine import log
+from statemachine.cli.common import UserError, shown
 from statemachine.controller import RunController
 from statemachine.errors import ControlError, PublicationUnsettled, RunNotResumable
 from statemachine.runner import (
@@ -39,6 +41,9 @@ from statemachine.testing import (
     settled,
 )
 from statemachine.values import RecoveryPolicy, Step
+
+RUNS = ("partial-approval-1", "partial-approval-2", "terminal-output", "remote-executor")
+"""The runs the demo leaves in its store."""
 
 
 class Demo:
@@ -216,8 +221,7 @@ class Demo:
         await self.partial_approval("partial", "partial-approval-2")
         await self.terminal_fail_closed("terminal-output")
         await self.remote_reconnect("remote-executor")
-        for run_id in ("partial-approval-1", "partial-approval-2", "terminal-output",
-                       "remote-executor"):
+        for run_id in RUNS:
             c = RunController.load(self.store, run_id)
             check_log(c.events)
         self.check("I10", "every run replays from the store, each transition re-checked",
@@ -230,9 +234,35 @@ def _transcript(logger: Any, method: str, event: MutableMapping[str, Any]) -> st
             f"{(event.get('from') or 'new').upper()} -> {str(event.get('to')).upper()}")
 
 
+def _folder(folder: Path | None) -> Path:
+    """The demo's directory: a new or empty one; `UserError` otherwise."""
+    if folder is None:
+        return Path(tempfile.mkdtemp(prefix="statemachine-demo-"))
+    where = shown(folder)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"--dir {where} is a file, not a directory")
+    if folder.is_dir() and any(folder.iterdir()):
+        raise UserError(f"--dir {where} is not empty: the demo writes its databases into "
+                        "an empty or new directory, so give one (or leave --dir out)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"cannot create --dir {where}: {error.strerror or error}") from None
+    return folder
+
+
+def _next_steps(folder: Path) -> list[str]:
+    """The commands that look at the runs the demo left, with its real paths."""
+    store = shlex.quote(str(folder / "events.db"))
+    lines = ["\nLook at the runs it left (these commands only read the store):"]
+    lines += [f"  statemachine inspect --store {store} --run {run_id}" for run_id in RUNS]
+    lines.append(f"  statemachine render --store {store} --run {RUNS[0]} "
+                 f"--out {shlex.quote(str(folder))}")
+    return lines
+
+
 def run_demo(folder: Path | None) -> int:
-    folder = folder or Path(tempfile.mkdtemp(prefix="statemachine-demo-"))
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = _folder(folder)
     print(f"statemachine demo: SQLite store and Session in {folder}")
     structlog.configure(processors=[_transcript],
                         logger_factory=structlog.PrintLoggerFactory(),
@@ -244,6 +274,7 @@ def run_demo(folder: Path | None) -> int:
     finally:
         log.switch.enabled = False
         structlog.reset_defaults()
+        demo.store.close()
     print("\n invariant | checked                                                     | holds")
     print("-----------+-------------------------------------------------------------+------")
     for invariant, what, holds in demo.checks:
@@ -251,4 +282,6 @@ def run_demo(folder: Path | None) -> int:
     failed = [c for c in demo.checks if not c[2]]
     print(f"\n{len(demo.checks) - len(failed)} of {len(demo.checks)} checks hold"
           f"{'' if not failed else ' - FAILED'}")
+    for line in _next_steps(folder):
+        print(line)
     return 1 if failed else 0

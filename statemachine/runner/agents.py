@@ -54,7 +54,16 @@ class OutputGuardrail:
 
 @attrs.frozen
 class FunctionTool:
-    """A tool: ``function(**arguments)`` (sync or async) returns a plain JSON output."""
+    """A tool the model may call: ``function(**arguments)``, sync or async, returns a
+    plain JSON output (an `Exception` it raises becomes the output ``"tool error: Type"``).
+
+    ``needs_approval``: every call pauses the run in ``INTERRUPTION`` until a human
+    approves or rejects it. ``idempotent``: a call started by a process that died may be
+    run again (a new start is recorded); otherwise such a call is in doubt
+    (`ToolInDoubt`) and never re-run. ``input_guardrails`` run before the tool (a
+    ``reject_content`` verdict replaces its output and the tool does not run);
+    ``output_guardrails`` check its output. Each guardrail runs once per call (I1).
+    """
 
     name: str
     function: Callable[..., Any]
@@ -80,6 +89,13 @@ class Model(Protocol):
 
 @attrs.frozen
 class Agent:
+    """What the runner drives: a ``model``, its ``tools``, what to do after a tool ran
+    (``run_llm_again``, or ``stop_on_first_tool``: the first tool output is the final
+    output), ``output_guardrails`` (a ``reject_content`` verdict is a tripwire: the run
+    is abandoned and `OutputGuardrailTripwire` raised) and ``max_turns`` (model
+    responses; past it the run is abandoned with ``"max_turns"`` and
+    `MaxTurnsExceeded` raised; None for no limit)."""
+
     name: str
     model: Model
     tools: tuple[FunctionTool, ...] = ()
@@ -88,6 +104,7 @@ class Agent:
     max_turns: int | None = 10
 
     def tool(self, name: str) -> FunctionTool:
+        """The tool called ``name``; `LookupError` when the agent has none."""
         for tool in self.tools:
             if tool.name == name:
                 return tool
@@ -122,8 +139,12 @@ class MaxTurnsExceeded(Exception):
 
 @attrs.frozen
 class RunResult:
-    """Where a run stopped: completed (``final_output``) or paused for decisions
-    (``interruptions``). ``guardrail_results`` are the published ones (I4)."""
+    """Where an attempt stopped: completed (``final_output``, ``step`` is ``COMPLETED``)
+    or paused for human decisions (``interruptions``: copies of the calls awaiting one,
+    in proposal order; decide them on ``controller`` and run again). ``guardrail_results``
+    are the published ones (I4). ``controller`` is the run itself: resume with
+    ``Runner.run(..., controller=result.controller)``, or save ``controller.to_json()``.
+    """
 
     final_output: JSON
     interruptions: tuple[ToolCall, ...]

@@ -9,25 +9,31 @@ guide to embedding the core in your own runner.
 
 ``Runner.run`` and ``Runner.run_streamed`` share that loop, so a streamed and a
 non-streamed run leave equal durable state (I8); a streamed run whose write fails ends
-its stream by raising that error to the consumer (I6).
+its stream by raising that error to the consumer (I6). A streamed run runs only while
+its stream is consumed (it waits at every event until the consumer asks for the next),
+so a consumer that stops early stops the run at that event boundary (§6.5). A tool
+that ends without a result (cancelled, timed out, a `BaseException`) is reported with
+``tool_interrupted``, so the live controller answers as a reloaded one (§6.3).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
 from statemachine.controller import RunController
-from statemachine.errors import ControlError
+from statemachine.errors import ControlError, RunNotFound
 from statemachine.payloads import JSON
 from statemachine.runner.agents import (
     ALLOW,
     Agent,
     Emit,
+    FunctionTool,
     MaxTurnsExceeded,
     OutputGuardrailTripwire,
     RunHooks,
@@ -36,7 +42,7 @@ from statemachine.runner.agents import (
     ToolGuardrail,
     Verdict,
 )
-from statemachine.runner.publish import publish, settle
+from statemachine.runner.publish import one_writer, publish, settle
 from statemachine.sessions import MemorySession, Session
 from statemachine.stores import EventStore
 from statemachine.values import Action, CallView, Execute, Phase, RecoveryPolicy, Step, ToolCall
@@ -55,6 +61,10 @@ async def maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
+AsyncEmit = Callable[[StreamEvent], Awaitable[None]]
+"""A streamed run's emitter: the run waits on it at every event (an event boundary)."""
+
+
 class _LocalHistory(MemorySession):
     """The history of a run without a Session: publications land here."""
 
@@ -64,7 +74,7 @@ class _LocalHistory(MemorySession):
 
 class _Drive:
     def __init__(self, agent: Agent, controller: RunController, session: Session,
-                 hooks: RunHooks, emit: Emit, take_over: bool) -> None:
+                 hooks: RunHooks, emit: Emit | AsyncEmit, take_over: bool) -> None:
         self.agent = agent
         self.c = controller
         self.session = session
@@ -75,6 +85,7 @@ class _Drive:
     async def run(self, input_items: Sequence[JSON]) -> RunResult:
         c = self.c
         c.resume()  # the gate: RunNotResumable or ToolInDoubt before any work
+        await one_writer(c, self.session)  # §6.4: never write over another run's batch
         if input_items:
             c.add_input(list(input_items))
             await publish(c, self.session, list(input_items))
@@ -86,20 +97,22 @@ class _Drive:
                 raise RuntimeError(f"the runner made no progress on {action.value} in step "
                                    f"{c.step.value}")
             progress = (c.version, action)
-            self.emit(StreamEvent("action", {"action": action.value, "step": c.step.value}))
+            await self._emit(StreamEvent("action", {"action": action.value,
+                                                    "step": c.step.value}))
             if action is Action.NOT_RESUMABLE:
                 if c.step is Step.COMPLETED:
-                    return self._done()
+                    return await self._done()
                 c.resume()  # raises RunNotResumable with the reason
             elif action is Action.RESOLVE_IN_DOUBT:
                 c.resume()  # raises ToolInDoubt naming the call
             elif action is Action.RECONCILE or (action is Action.PUBLISH
                                                 and c.step is Step.UNSETTLED):
                 decision = await settle(c, self.session, take_over=self.take_over)
-                self.emit(StreamEvent("reconciled", {"decision": type(decision).__name__}))
+                await self._emit(StreamEvent("reconciled",
+                                             {"decision": type(decision).__name__}))
             elif action is Action.AWAIT_DECISIONS:
                 result = _result(c)
-                self.emit(StreamEvent("interruption", {
+                await self._emit(StreamEvent("interruption", {
                     "pending": [call.call_id for call in result.interruptions]}))
                 return result
             elif action is Action.CALL_MODEL:
@@ -110,6 +123,7 @@ class _Drive:
                 else:
                     await self._run_tools()
             elif action is Action.PUBLISH:
+                await self._end_hooks()  # a crash may have come between a tool and its hook
                 if self._stops_on_tool():
                     await self._finish(self._first_tool_output())
                 else:
@@ -120,9 +134,16 @@ class _Drive:
                 else:
                     c.complete()
 
-    def _done(self) -> RunResult:
-        self.emit(StreamEvent("final_output", {"output": self.c.final_output}))
+    async def _done(self) -> RunResult:
+        await self._emit(StreamEvent("final_output", {"output": self.c.final_output}))
         return _result(self.c)
+
+    async def _emit(self, event: StreamEvent) -> None:
+        """Report an event. A streamed run waits here until its consumer asks for the next
+        one: these are the event boundaries where a stopped consumer stops the run."""
+        waiting = self.emit(event)
+        if waiting is not None:
+            await waiting
 
     async def _hook(self, hook: str, call: Callable[[], Awaitable[None]],
                     call_id: str | None = None) -> None:
@@ -151,7 +172,7 @@ class _Drive:
                           idempotent=agent.tool(name).idempotent)
                  for call_id, name, arguments in response.tool_calls]
         c.model_responded(calls, output=response.output)
-        self.emit(StreamEvent("model_response", {
+        await self._emit(StreamEvent("model_response", {
             "calls": [call.call_id for call in calls], "output": response.output}))
 
     async def _guardrail_once(self, name: str, stage: str, call_id: str | None,
@@ -197,26 +218,41 @@ class _Drive:
             verdict = await self._guardrails(tool.input_guardrails, "tool_input", call)
             decision = c.begin_tool(call_id)  # Execute, or Resend: never a second run
             if isinstance(decision, Execute):
-                if verdict.behavior == "reject_content":
-                    output: JSON = verdict.message
-                else:
-                    await self._hook("tool_start",
-                                     partial(self.hooks.on_tool_start, agent, call), call_id)
-                    try:
-                        output = await maybe_await(tool.function(**decision.call.arguments))
-                    except Exception as error:  # a tool's failure is its output
-                        output = f"tool error: {type(error).__name__}"
-                    checked = await self._guardrails(tool.output_guardrails, "tool_output",
-                                                     call, output)
-                    if checked.behavior == "reject_content":
-                        output = checked.message
-                c.tool_completed(call_id, output)
-                self.emit(StreamEvent("tool_output", {"call_id": call_id, "output": output}))
+                try:
+                    output: JSON = await self._execute(tool, call, decision, verdict)
+                    c.tool_completed(call_id, output)
+                except BaseException:
+                    # cancelled, timed out, or stopped by an error before its result was
+                    # recorded: the call stays started and this controller stops holding it
+                    # in flight, so it answers as a reloaded one would (ToolInDoubt, or
+                    # Execute again for an idempotent call)
+                    if call_id in c.in_flight:
+                        c.tool_interrupted(call_id)
+                    raise
+                await self._emit(StreamEvent("tool_output",
+                                             {"call_id": call_id, "output": output}))
             else:
                 output = decision.result
             if c.hook_done("tool_start", call_id=call_id):
                 await self._hook("tool_end",
                                  partial(self.hooks.on_tool_end, agent, call, output), call_id)
+
+    async def _execute(self, tool: FunctionTool, call: ToolCall, decision: Execute,
+                       verdict: Verdict) -> JSON:
+        """What runs between ``begin_tool`` and ``tool_completed``: the start hook, the tool
+        (an `Exception` it raises is its output) and its output guardrails. The tool runs
+        with the arguments of ``decision`` (its own copy), never with ``call``."""
+        agent = self.agent
+        if verdict.behavior == "reject_content":
+            return verdict.message
+        await self._hook("tool_start", partial(self.hooks.on_tool_start, agent, call),
+                         call.call_id)
+        try:
+            output: JSON = await maybe_await(tool.function(**decision.call.arguments))
+        except Exception as error:  # a tool's failure is its output
+            output = f"tool error: {type(error).__name__}"
+        checked = await self._guardrails(tool.output_guardrails, "tool_output", call, output)
+        return checked.message if checked.behavior == "reject_content" else output
 
     def _stops_on_tool(self) -> bool:
         c = self.c
@@ -240,10 +276,21 @@ class _Drive:
         await self._hook("agent_end", lambda: self.hooks.on_agent_end(agent, output))
         c.accept_final_output(output)
 
+    async def _end_hooks(self) -> None:
+        """The end hook of every completed call whose start hook ran and whose end hook
+        did not (the process died between the two): run once, with the cached result."""
+        c = self.c
+        for view in c.calls:
+            call_id = view.call.call_id
+            if (view.phase is Phase.COMPLETED and c.hook_done("tool_start", call_id=call_id)
+                    and not c.hook_done("tool_end", call_id=call_id)):
+                await self._hook("tool_end", partial(self.hooks.on_tool_end, self.agent,
+                                                     view.call, view.result), call_id)
+
     async def _publish(self) -> None:
         c = self.c
         ids = list(c.unpublished_call_ids())
-        items: list[JSON] = []
+        items: list[JSON] = list(c.unpublished_input)  # input recorded before a crash
         for call_id in ids:
             view = c.call(call_id)
             items.append({"type": "function_call", "call_id": call_id,
@@ -252,7 +299,7 @@ class _Drive:
                           "output": view.result})
         if c.step is Step.FINAL_OUTPUT:
             items.append({"role": "assistant", "content": c.final_output})
-        self.emit(StreamEvent("publish", {"items": len(items), "call_ids": list(ids)}))
+        await self._emit(StreamEvent("publish", {"items": len(items), "call_ids": list(ids)}))
         await publish(c, self.session, items, call_ids=ids)
 
 
@@ -272,21 +319,24 @@ def _input_items(input: str | list[JSON] | None) -> list[JSON]:
 
 def _controller(agent: Agent, *, session: Session | None, controller: RunController | None,
                 state: Mapping[str, Any] | str | None, store: EventStore | None,
-                run_id: str | None, policy: RecoveryPolicy) -> RunController:
+                run_id: str | None, policy: RecoveryPolicy) -> tuple[RunController, bool]:
+    """The run's controller, and whether it is an existing run (resumed) rather than one
+    this call started."""
     sources = sum(x is not None for x in (controller, state)) + (store is not None
                                                                  and run_id is not None)
     if sources > 1:
         raise ValueError("resume from one of controller=, state= or store= with run_id=")
     if controller is not None:
-        return controller
+        return controller, True
     if state is not None:
-        return RunController.from_json(state)
-    if store is not None and run_id is not None and store.load(run_id):
-        return RunController.load(store, run_id)
+        return RunController.from_json(state), True
+    if store is not None and run_id is not None:
+        with contextlib.suppress(RunNotFound):
+            return RunController.load(store, run_id), True
     return RunController.start(
         run_id=run_id or uuid.uuid4().hex,
         session_id=None if session is None else session.session_id,
-        policy=policy, max_turns=agent.max_turns, store=store)
+        policy=policy, max_turns=agent.max_turns, store=store), False
 
 
 def _session_for(c: RunController, session: Session | None) -> Session:
@@ -309,6 +359,11 @@ class Runner:
     that cannot safely go on raises (`RunNotResumable`, `ToolInDoubt`,
     `ReconcileRejected`) before any model call, tool, hook or guardrail. Pass
     ``take_over=True`` only when no earlier write of this run can still land.
+
+    Every attempt on an existing run first claims it (``controller.claim(owner)``, with
+    ``owner=`` recorded in the log, None by default): of attempts that loaded the same
+    version of a run bound to a store, exactly one goes on and the others raise
+    `ConcurrencyConflict` having run nothing.
     """
 
     @staticmethod
@@ -324,10 +379,12 @@ class Runner:
         policy: RecoveryPolicy = RecoveryPolicy.RECONCILE,
         hooks: RunHooks | None = None,
         take_over: bool = False,
+        owner: str | None = None,
     ) -> RunResult:
         return await Runner._run(agent, input, session=session, controller=controller,
                                  state=state, store=store, run_id=run_id, policy=policy,
-                                 hooks=hooks, take_over=take_over, emit=lambda event: None)
+                                 hooks=hooks, take_over=take_over, emit=lambda event: None,
+                                 owner=owner)
 
     @staticmethod
     def run_streamed(
@@ -343,51 +400,155 @@ class Runner:
     async def _run(agent: Agent, input: str | list[JSON] | None, *, session: Session | None,
                    controller: RunController | None, state: Mapping[str, Any] | str | None,
                    store: EventStore | None, run_id: str | None, policy: RecoveryPolicy,
-                   hooks: RunHooks | None, take_over: bool, emit: Emit) -> RunResult:
-        c = _controller(agent, session=session, controller=controller, state=state,
-                        store=store, run_id=run_id, policy=policy)
+                   hooks: RunHooks | None, take_over: bool, emit: Emit | AsyncEmit,
+                   owner: str | None = None) -> RunResult:
+        c, resumed = _controller(agent, session=session, controller=controller, state=state,
+                                 store=store, run_id=run_id, policy=policy)
         drive = _Drive(agent, c, _session_for(c, session), hooks or RunHooks(), emit,
                        take_over)
+        if resumed:
+            # the first command of every attempt on an existing run, before any guardrail,
+            # hook, model call or tool: of attempts that loaded the same version, exactly
+            # one goes on; the others get ConcurrencyConflict having done nothing (§6.3)
+            c.claim(owner)
         return await drive.run(_input_items(input))
+
+
+_LAST_KINDS = frozenset({"final_output", "interruption"})
+"""Events the loop returns right after: the run does not wait for its consumer there."""
+
+
+class _Lockstep:
+    """The boundary between a streamed run (its own task) and the stream's consumer.
+
+    The run hands over one event and waits there until the consumer asks for the next, so
+    it never runs ahead of its consumer: a consumer that stops reading leaves the run
+    waiting at that event boundary, where stopping it interrupts nothing."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._ready: list[StreamEvent] = []
+        self._arrived: asyncio.Future[None] | None = None
+        self._asked: asyncio.Future[None] | None = None
+        self.stopped = False
+
+    async def emit(self, event: StreamEvent) -> None:
+        """The run's side: hand ``event`` over, then wait until the consumer asks again."""
+        if self.stopped:  # the consumer is gone (and the run ignored its cancellation)
+            raise asyncio.CancelledError
+        self._ready.append(event)
+        if self._arrived is not None and not self._arrived.done():
+            self._arrived.set_result(None)
+        if event.kind not in _LAST_KINDS:
+            self._asked = self._loop.create_future()
+            await self._asked
+
+    async def next(self, run: asyncio.Task[RunResult]) -> StreamEvent | None:
+        """The consumer's side: let the run go on past the event it handed over last, and
+        wait for its next one (None once the run has ended)."""
+        if self._asked is not None and not self._asked.done():
+            self._asked.set_result(None)
+        while not self._ready and not run.done():
+            self._arrived = self._loop.create_future()
+            await asyncio.wait((self._arrived, run), return_when=asyncio.FIRST_COMPLETED)
+        return self._ready.pop(0) if self._ready else None
 
 
 class RunResultStreaming:
     """A streamed run: ``async for event in streamed.stream_events()``, then
-    ``streamed.result``. The run starts when the stream is first iterated."""
+    ``streamed.result``.
+
+    The run starts when the stream is first iterated and runs only while it is consumed:
+    at every event it waits until the consumer asks for the next one. ``stream_events()``
+    may be called once. A consumer that stops early (``break``, ``aclose()``,
+    cancellation) stops the run at its next event boundary: a tool in flight is reported
+    with ``tool_interrupted``, a write in flight is a cancelled write, and nothing runs in
+    the background afterwards. The run's error is raised to the consumer, and by
+    ``result``; none is left in an unretrieved task."""
 
     def __init__(self, agent: Agent, input: str | list[JSON] | None,
                  options: dict[str, Any]) -> None:
         self._agent = agent
         self._input = input
         self._options = options
+        self._streamed = False
+        self._run: asyncio.Task[RunResult] | None = None
+        self._ended = False
+        self._stopped = False
         self._result: RunResult | None = None
+        self._error: BaseException | None = None
 
     @property
     def result(self) -> RunResult:
-        if self._result is None:
-            raise RuntimeError("the stream has not finished")
-        return self._result
+        """The run's `RunResult` once its stream ended; the run's error if it failed."""
+        if self._run is not None and self._run.done():
+            self._end(self._run)
+        if self._result is not None:
+            return self._result
+        error = self._error
+        if error is not None and not (self._stopped
+                                      and isinstance(error, asyncio.CancelledError)):
+            raise error
+        if self._run is None:
+            raise RuntimeError("the run has not started: iterate stream_events() to run it")
+        raise RuntimeError(
+            "the stream was stopped before the run finished (or is not consumed to its end "
+            "yet): a streamed run runs only while its stream is consumed, and a consumer "
+            "that stops stops the run at its next event boundary; nothing runs in the "
+            "background. Resume the run from its controller")
 
-    async def stream_events(self) -> AsyncIterator[StreamEvent]:
-        queue: asyncio.Queue[StreamEvent | None] = asyncio.Queue()
+    def stream_events(self) -> AsyncGenerator[StreamEvent, None]:
+        """The run's events, in order. A streamed result is single use: a second call
+        raises `RuntimeError` and runs nothing."""
+        if self._streamed:
+            raise RuntimeError(
+                "a streamed result is single use: stream_events() was already called, and "
+                "a second call runs nothing. Read result, or resume the run from its "
+                "controller with a new Runner.run or Runner.run_streamed")
+        self._streamed = True
+        return self._stream()
+
+    async def _stream(self) -> AsyncGenerator[StreamEvent, None]:
         options = {"session": None, "controller": None, "state": None, "store": None,
                    "run_id": None, "policy": RecoveryPolicy.RECONCILE, "hooks": None,
                    "take_over": False, **self._options}
-
-        async def produce() -> RunResult:
-            try:
-                return await Runner._run(self._agent, self._input, emit=queue.put_nowait,
-                                         **options)
-            finally:
-                queue.put_nowait(None)
-
-        task = asyncio.ensure_future(produce())
+        channel = _Lockstep()
+        run = asyncio.ensure_future(Runner._run(self._agent, self._input, emit=channel.emit,
+                                                **options))
+        run.add_done_callback(self._end)  # every outcome is retrieved, whoever stops
+        self._run = run
         try:
-            while (event := await queue.get()) is not None:
+            while (event := await channel.next(run)) is not None:
                 yield event
         finally:
-            if not task.done():
-                task.cancel()
-        self._result = await task  # re-raises the run's error to the consumer (I6)
+            await self._stop(channel, run)
+        self._end(run)
+        if self._error is not None:
+            raise self._error  # the run's error ends the stream (I6)
 
+    async def _stop(self, channel: _Lockstep, run: asyncio.Task[RunResult]) -> None:
+        """The consumer stopped before the run ended: stop the run at its boundary (or
+        cancel what it has in flight) and wait until it has ended. An error it ends with
+        is kept for ``result``; only the consumer's own cancellation is raised here."""
+        if run.done():
+            return
+        channel.stopped = self._stopped = True
+        run.cancel()
+        cancelled: asyncio.CancelledError | None = None
+        while not run.done():
+            try:
+                await asyncio.wait((run,))
+            except asyncio.CancelledError as error:  # ours: raised once the run has ended
+                cancelled = error
+        if cancelled is not None:
+            raise cancelled
 
+    def _end(self, run: asyncio.Task[RunResult]) -> None:
+        """Keep the ended run's outcome (once: this also retrieves its exception)."""
+        if self._ended:
+            return
+        self._ended = True
+        try:
+            self._result = run.result()
+        except BaseException as error:  # every error: raised to the consumer or by result
+            self._error = error

@@ -1,15 +1,83 @@
 """The two ways a runner writes completed work to a Session through a controller:
 `publish` (stage, write, report) and `settle` (reconcile, write if nothing landed,
-report). Both ask the controller first and never write what it refuses."""
+report). Both ask the controller first and never write what it refuses, and both refuse
+a Session that is not the run's. `one_writer` is the check an attempt makes before its
+first write: one Session, one writer (DESIGN §6.4)."""
 
 from __future__ import annotations
 
 import asyncio
 
 from statemachine.controller import RunController
+from statemachine.errors import PublicationUnsettled, ReconcileRejected
 from statemachine.payloads import JSON
 from statemachine.sessions import Session
-from statemachine.values import Acknowledge, Append
+from statemachine.stores import indexes_runs
+from statemachine.values import Acknowledge, Append, Step
+
+TAIL_ITEMS = 16
+"""How many of the Session's last items `one_writer` reads (never the whole Session)."""
+
+
+async def one_writer(controller: RunController, session: Session) -> None:
+    """Refuse (`PublicationUnsettled`, before anything is written and before any model
+    call) an attempt that would write to a Session another run left unsettled:
+
+    * with a store that indexes runs (`stores.IndexedStore`), any other run on the same
+      Session in step ``UNSETTLED`` blocks, and the error names it;
+    * always (with a store or without), a Session whose last items hold a
+      ``function_call`` with no ``function_call_output`` after it blocks: some run's
+      write stopped half way (or left its calls unanswered), and the model must never
+      be sent a call without its output.
+
+    A run that is itself ``UNSETTLED`` is not checked: its next write is its own
+    reconcile, which writes only onto exactly the frontier it recorded. Nor is a run
+    without a Session (it writes into a private history)."""
+    c = controller
+    if c.session_id is None or c.step is Step.UNSETTLED:
+        return
+    store = c._store  # the store the run is bound to (None: a run loaded from JSON)
+    if store is not None and indexes_runs(store):
+        blocking = [head.run_id for head in store.list_runs(
+            session_id=c.session_id, steps=(Step.UNSETTLED,)) if head.run_id != c.run_id]
+        if blocking:
+            names = ", ".join(repr(run_id) for run_id in blocking[:3])
+            more = f" (and {len(blocking) - 3} more)" if len(blocking) > 3 else ""
+            raise PublicationUnsettled(
+                f"run {names}{more} has an unsettled publication on Session "
+                f"{c.session_id!r}: settle it (reconcile), or abandon it and repair the "
+                "Session, before another run writes there",
+                run_id=c.run_id, step=c.step, action="run")
+    dangling = _unanswered_call(await session.get_items(limit=TAIL_ITEMS))
+    if dangling is not None:
+        raise PublicationUnsettled(
+            f"the Session ends with call {dangling!r} that has no output: settle or repair "
+            "the run that wrote it", run_id=c.run_id, step=c.step, action="run")
+
+
+def _unanswered_call(tail: list[JSON]) -> str | None:
+    """The call id of the last ``function_call`` in ``tail`` that no
+    ``function_call_output`` follows, or None."""
+    answered: set[object] = set()
+    for item in reversed(tail):
+        if not isinstance(item, dict):
+            continue
+        kind, call_id = item.get("type"), item.get("call_id")
+        if kind == "function_call_output":
+            answered.add(call_id)
+        elif kind == "function_call" and call_id not in answered:
+            return call_id if isinstance(call_id, str) else repr(call_id)
+    return None
+
+
+def _same_session(controller: RunController, session: Session, action: str) -> None:
+    """`ReconcileRejected` (nothing recorded, nothing written) for a Session that is not
+    the run's. A run without a Session writes only into a history whose id is None."""
+    if session.session_id != controller.session_id:
+        raise ReconcileRejected(
+            f"the Session {session.session_id!r} is not the run's Session "
+            f"{controller.session_id!r}; nothing was staged or written",
+            run_id=controller.run_id, step=controller.step, action=action)
 
 
 async def publish(controller: RunController, session: Session, items: list[JSON], *,
@@ -19,7 +87,9 @@ async def publish(controller: RunController, session: Session, items: list[JSON]
     A write that raises an `Exception` is reported with ``publication_failed`` and the
     original error propagates (I6). A cancelled write (`asyncio.CancelledError`, or any
     other `BaseException`) might still land, so it is *not* reported: its attempt stays
-    open and a later attempt must reconcile (or, fail-closed, cannot go on)."""
+    open and a later attempt must reconcile (or, fail-closed, cannot go on).
+    `ReconcileRejected` before staging for a Session that is not the run's."""
+    _same_session(controller, session, "publish")
     history = await session.get_items(limit=len(items) + 1)
     controller.stage_publication(items, history, call_ids=call_ids)
     await _write(controller, session, items)
@@ -29,7 +99,9 @@ async def settle(controller: RunController, session: Session, *,
                  take_over: bool = False) -> Append | Acknowledge:
     """Reconcile an unsettled run against the Session, and write the batch if nothing of
     it is there. Raises `ReconcileRejected` (nothing recorded) when the Session cannot be
-    matched, and the write's own error if the re-write fails."""
+    matched (a Session that is not the run's is refused before it is read), and the
+    write's own error if the re-write fails."""
+    _same_session(controller, session, "settle")
     envelope = controller.envelope
     limit = envelope.read_limit if envelope is not None else 1
     decision = controller.reconcile(await session.get_items(limit=limit), session.session_id,

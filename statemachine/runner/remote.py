@@ -162,11 +162,18 @@ class RemoteToolExecutor:
             return DispatchedToolCall(call_id, name, None, posted=False, in_doubt=True)
         if isinstance(decision, Execute):
             try:
-                result = await maybe_await(
-                    self.tools[name].function(**decision.call.arguments))
-            except Exception as error:  # a tool's failure is its result
-                result = f"tool error: {type(error).__name__}"
-            c.tool_completed(call_id, result)
+                try:
+                    result = await maybe_await(
+                        self.tools[name].function(**decision.call.arguments))
+                except Exception as error:  # a tool's failure is its result
+                    result = f"tool error: {type(error).__name__}"
+                c.tool_completed(call_id, result)
+            except BaseException:
+                # cancelled, timed out, or the result was refused: the call ended without
+                # a recorded result, so this controller answers as a reloaded one would
+                if call_id in c.in_flight:
+                    c.tool_interrupted(call_id)
+                raise
         else:
             result = decision.result
         return DispatchedToolCall(call_id, name, result, await self._post(call_id, result))

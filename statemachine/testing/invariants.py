@@ -32,6 +32,9 @@ def fail(invariant: str, detail: str) -> None:
 
 _SETTLING = (ev.PublicationFailed, ev.ReconciledAppend, ev.PublicationCommitted,
              ev.ReconciledAcknowledge, ev.Abandoned)
+_WHILE_UNSETTLED = (*_SETTLING, ev.RunClaimed)
+"""What a log may hold while a publication is unsettled (I2): the settling events, and
+claims, which change nothing."""
 
 
 def settled(events: Sequence[ev.Event]) -> tuple[list[JSON], list[GuardrailResult]]:
@@ -72,7 +75,7 @@ def check_log(events: Sequence[ev.Event]) -> None:
             fail("I10", f"a second RunStarted at {position}")
         if event.seq != position:
             fail("I10", f"event {position} carries seq {event.seq}")
-        if unsettled and not isinstance(event, _SETTLING):
+        if unsettled and not isinstance(event, _WHILE_UNSETTLED):
             fail("I2", f"{type(event).__name__} at {position} while a publication is "
                   "unsettled")
         if isinstance(event, ev.PublicationStaged):

@@ -1,0 +1,534 @@
+"""The contract suites every event store and every Session backend passes (DESIGN §6.9).
+
+One abstract test class per contract, subclassed once per backend (the eventsourcing
+way): a new backend passes the same suite, or it is not done. pytest collects the
+subclasses you name ``Test*``; the bases here are not collected::
+
+    from statemachine.testing.contracts import EventStoreContract, SessionContract
+
+    class TestMyStore(EventStoreContract):
+        def make_store(self, tmp_path):
+            return MyStore(tmp_path / "events")
+
+    class TestMySession(SessionContract):
+        def make_session(self, tmp_path, session_id):
+            return MySession(session_id, tmp_path / "session")
+
+A backend whose objects have ``close()`` is closed after each test. Needs the
+``testing`` extra (pytest, Hypothesis).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import threading
+import uuid
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from statemachine import controller as controller_module
+from statemachine import events as ev
+from statemachine.controller import RunController
+from statemachine.errors import ConcurrencyConflict
+from statemachine.payloads import JSON
+from statemachine.runner.publish import publish, settle
+from statemachine.sessions import Session
+from statemachine.stores import EventStore, SnapshotStore
+from statemachine.values import (
+    Acknowledge,
+    Action,
+    Append,
+    Phase,
+    RecoveryPolicy,
+    Step,
+    ToolCall,
+)
+
+__all__ = ["EventStoreContract", "SessionContract"]
+
+E = TypeVar("E", bound=BaseException)
+T = TypeVar("T")
+
+
+def _close(backend: object) -> None:
+    close = getattr(backend, "close", None)
+    if callable(close):
+        close()
+
+
+# ------------------------------------------------------------------ scenario kit
+
+
+def _at_interruption(store: EventStore | None = None, run_id: str = "run-1",
+                     session_id: str = "session-1") -> RunController:
+    """A run paused on three approval-gated calls, ``charge``, ``notify`` and ``audit``,
+    with its agent and model hooks recorded (six events)."""
+    c = RunController.start(run_id=run_id, session_id=session_id, store=store)
+    c.hook_ran("agent_start")
+    c.begin_model_call()
+    c.hook_ran("model_start")
+    c.model_responded([
+        ToolCall("charge", "charge", {"x": 7}, needs_approval=True),
+        ToolCall("notify", "notify", {}, needs_approval=True),
+        ToolCall("audit", "audit", {}, needs_approval=True),
+    ])
+    c.hook_ran("model_end")
+    return c
+
+
+def _observed(c: RunController) -> tuple[Any, ...]:
+    """Everything a refusal must leave as it was."""
+    return (c.events, c.step, c.envelope, c.pending_approvals, c.guardrail_results,
+            c.state.view(), c.holds_attempt, c.in_doubt())
+
+
+def _assert_refused(c: RunController, error: type[E], command: Callable[..., Any],
+                    *args: Any) -> E:
+    before = _observed(c)
+    with pytest.raises(error) as info:
+        command(*args)
+    assert _observed(c) == before, "a refused command changed the run"
+    assert type(info.value) is error, f"expected {error.__name__}, got {info.value!r}"
+    return info.value
+
+
+def _drive(data: st.DataObject, store: EventStore, run_id: str) -> RunController:
+    """A random reachable run bound to ``store``: every move the controller allows
+    (model calls that fail or propose 0 to 3 calls, approvals, rejections, handoffs, tools
+    left in flight, in-doubt resolutions, writes that land, do not land, or land and
+    report failure, reconciliation, final output, abandon), with reloads from the store
+    in between."""
+    c = RunController.start(
+        run_id=run_id, session_id=data.draw(st.sampled_from(["s", None]), label="session"),
+        policy=data.draw(st.sampled_from([RecoveryPolicy.RECONCILE] * 3
+                                         + [RecoveryPolicy.FAIL_CLOSED]), label="policy"),
+        max_turns=data.draw(st.sampled_from([None, 3]), label="max_turns"), store=store)
+    session: list[JSON] = []
+    batch: list[JSON] = []
+    made = 0
+
+    def write() -> None:
+        outcome = data.draw(st.sampled_from(["ok", "ok", "no-commit", "commit-then-raise"]),
+                            label="write")
+        if outcome != "no-commit":
+            session.extend(batch)
+        if outcome == "ok":
+            c.publication_committed()
+        else:
+            c.publication_failed(OSError("injected"))
+
+    for _ in range(data.draw(st.integers(0, 30), label="steps")):
+        action = c.next_action()
+        roll = data.draw(st.integers(0, 99), label="roll")
+        if action is Action.NOT_RESUMABLE:
+            break
+        if roll < 1:
+            c.abandon("driver")
+        elif roll < 10:  # a restart: what was in flight is now in doubt
+            c = RunController.load(store, run_id)
+        elif action is Action.RESOLVE_IN_DOUBT:
+            c.resolve_in_doubt(c.in_doubt()[0], "resolved")
+        elif action is Action.RECONCILE:
+            assert c.envelope is not None
+            decision = c.reconcile(session[-c.envelope.read_limit:], c.session_id,
+                                   take_over=True)
+            if isinstance(decision, Append):
+                batch = list(decision.items)
+                write()
+        elif action is Action.CALL_MODEL:
+            if c.step is not Step.AWAITING_MODEL:
+                if c.max_turns is not None and c.turns >= c.max_turns:
+                    c.abandon("max_turns")
+                    continue
+                c.begin_model_call()
+            if roll < 15:
+                c.model_failed(TimeoutError())
+                continue
+            calls = []
+            for _ in range(data.draw(st.integers(0, 3), label="calls")):
+                made += 1
+                calls.append(ToolCall(
+                    f"c{made}", "tool", {"n": made},
+                    needs_approval=data.draw(st.booleans(), label="approval"),
+                    idempotent=data.draw(st.booleans(), label="idempotent")))
+            c.model_responded(calls, output=None if calls else "answer")
+        elif action is Action.AWAIT_DECISIONS:
+            call_id = data.draw(st.sampled_from(c.pending_approvals), label="decide")
+            if roll < 60:
+                c.approve(call_id, fingerprint=c.fingerprint(call_id))
+            elif roll < 90:
+                c.reject(call_id, "declined")
+            else:
+                c.handoff("other")
+        elif action is Action.RUN_TOOLS:
+            if c.step is Step.INTERRUPTION:
+                c.resume()
+                continue
+            runnable = [*c.runnable_call_ids(), *c.in_flight]
+            call_id = data.draw(st.sampled_from(runnable), label="tool")
+            if call_id not in c.in_flight:
+                c.begin_tool(call_id)
+                if roll < 20:
+                    continue  # left in flight: a reload now puts it in doubt
+            c.guardrail_evaluated("tool_out", {"ok": True}, stage="tool_output",
+                                  call_id=call_id)
+            c.tool_completed(call_id, f"result of {call_id}")
+            if roll > 92 and not any(v.phase is Phase.STARTED for v in c.calls):
+                c.accept_final_output(f"result of {call_id}")
+        elif action is Action.PUBLISH:
+            if c.holds_attempt:
+                write()
+                continue
+            ids = list(c.unpublished_call_ids())
+            batch = [{"call_id": i, "output": c.call(i).result} for i in ids]
+            if c.step is Step.FINAL_OUTPUT or not batch:
+                batch.append({"role": "assistant", "n": c.version})
+            c.stage_publication(batch, session[-(len(batch) + 1):], call_ids=ids)
+            write()
+        elif action is Action.FINISH:
+            if c.step is Step.FINALIZING:
+                if roll < 50:
+                    c.guardrail_evaluated("final", {"ok": True}, stage="output")
+                c.accept_final_output("answer", lossless=roll < 90)
+            else:
+                c.complete()
+    return c
+
+
+# ------------------------------------------------------------------ event stores
+
+
+class EventStoreContract:
+    """What every `EventStore` guarantees. Override `make_store`; for a store that other
+    processes can open too, override `open_again`; set ``keeps_snapshots = False`` for a
+    store that is not a `SnapshotStore`."""
+
+    keeps_snapshots: bool = True
+
+    def make_store(self, tmp_path: Path) -> EventStore:
+        """A new, empty store (it may keep its files under ``tmp_path``)."""
+        raise NotImplementedError
+
+    def open_again(self, tmp_path: Path) -> EventStore | None:
+        """A second, independent handle on the store `make_store` made in ``tmp_path``
+        (another connection), as another process would open it; None for a store that
+        lives in one process (the two-process test is then skipped)."""
+        return None
+
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Iterator[EventStore]:
+        store = self.make_store(tmp_path)
+        yield store
+        _close(store)
+
+    def test_appends_and_loads_in_order(self, store: EventStore) -> None:
+        events = [ev.RunStarted(0, "r", "s", RecoveryPolicy.RECONCILE, None, "json"),
+                  ev.ModelCallBegun(1)]
+        store.append("r", events[:1], 0)
+        store.append("r", events[1:], 1)
+        assert store.load("r") == events
+        assert store.load("unknown") == []
+
+    def test_a_batch_lands_whole(self, store: EventStore) -> None:
+        c = _at_interruption()
+        store.append("run-1", c.events, 0)
+        assert store.load("run-1") == list(c.events)
+
+    def test_a_moved_version_conflicts_and_writes_nothing(self, store: EventStore) -> None:
+        c = _at_interruption(store=store)
+        before = store.load("run-1")
+        for version in (0, len(before) - 1, len(before) + 1):
+            with pytest.raises(ConcurrencyConflict):
+                store.append("run-1", [ev.ModelCallBegun(version)], version)
+        assert store.load("run-1") == before == list(c.events)
+
+    def test_runs_are_independent(self, store: EventStore) -> None:
+        a = _at_interruption(store=store, run_id="a")
+        b = _at_interruption(store=store, run_id="b")
+        a.approve("charge")
+        assert store.load("b") == list(b.events)
+        assert store.load("a") == list(a.events)
+
+    def test_a_loaded_run_equals_the_live_one(self, store: EventStore) -> None:
+        c = _at_interruption(store=store)
+        c.approve("charge", fingerprint=c.fingerprint("charge"))
+        loaded = RunController.load(store, "run-1")
+        assert loaded.state == c.state
+        assert loaded.events == c.events
+
+    def test_snapshot_plus_tail_equals_full_replay(self, store: EventStore,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+        if not self.keeps_snapshots:
+            pytest.skip("this store keeps no snapshots")
+        assert isinstance(store, SnapshotStore)
+        monkeypatch.setattr(controller_module, "SNAPSHOT_EVERY", 3)
+
+        @settings(max_examples=25, suppress_health_check=list(HealthCheck))
+        @given(st.data())
+        def check(data: st.DataObject) -> None:
+            run_id = f"snap-{uuid.uuid4().hex}"
+            c = _drive(data, store, run_id)
+            snapshot, tail = store.load_latest(run_id)
+            loaded = RunController.load(store, run_id)
+            full = RunController.from_json(c.to_json())
+            assert loaded.state == full.state == c.state
+            assert loaded.events == full.events
+            if len(full.events) > 3:
+                assert snapshot is not None
+                assert len(tail) < len(full.events)
+
+        check()
+
+    def test_two_threads_from_one_version_cannot_both_act(self, store: EventStore) -> None:
+        at = _at_interruption(store=store)
+        racers = [RunController.load(store, "run-1") for _ in range(2)]
+        barrier = threading.Barrier(2)
+        outcomes: list[str] = []
+
+        def act(c: RunController, call_id: str) -> None:
+            barrier.wait()
+            try:
+                c.approve(call_id)
+                outcomes.append("approved")
+            except ConcurrencyConflict:
+                outcomes.append("conflict")
+
+        threads = [threading.Thread(target=act, args=(c, i))
+                   for c, i in zip(racers, ("charge", "notify"), strict=True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(outcomes) == ["approved", "conflict"]
+        winner = max(racers, key=lambda c: len(c.events))
+        loser = min(racers, key=lambda c: len(c.events))
+        assert RunController.load(store, "run-1").state == winner.state
+        assert len(store.load("run-1")) == at.version + 1
+        _assert_refused(loser, ConcurrencyConflict, loser.approve, "audit")
+
+    def test_two_processes_from_one_version_cannot_both_act(self, store: EventStore,
+                                                            tmp_path: Path) -> None:
+        probe = self.open_again(tmp_path)
+        if probe is None:
+            pytest.skip("this store lives in one process")
+        _close(probe)
+        if "fork" not in multiprocessing.get_all_start_methods():
+            pytest.skip("needs the fork start method")
+        at = _at_interruption(store=store)
+        context = multiprocessing.get_context("fork")
+        ready = context.Barrier(3)
+        answers = context.Queue()
+
+        def act(call_id: str) -> None:  # in the child: its own handle on the store
+            try:
+                other = self.open_again(tmp_path)
+                assert other is not None
+                c = RunController.load(other, "run-1")
+                ready.wait()
+                try:
+                    c.approve(call_id)
+                    answers.put("approved")
+                except ConcurrencyConflict:
+                    answers.put("conflict")
+            except BaseException as error:  # reported to the test, never swallowed
+                answers.put(f"error: {error!r}")
+
+        processes = [context.Process(target=act, args=(call_id,))
+                     for call_id in ("charge", "notify")]
+        for p in processes:
+            p.start()
+        ready.wait(timeout=60)
+        outputs = sorted(answers.get(timeout=60) for _ in processes)
+        for p in processes:
+            p.join(timeout=60)
+        assert outputs == ["approved", "conflict"]
+        assert len(store.load("run-1")) == at.version + 1
+
+
+# ------------------------------------------------------------------------ Sessions
+
+
+class _WriteFails:
+    """The Session under test, except that its next ``add_items`` raises ``error`` after
+    writing the batch (``lands``) or without writing it."""
+
+    def __init__(self, inner: Session, *, lands: bool, error: Exception) -> None:
+        self.inner = inner
+        self.session_id = inner.session_id
+        self.lands = lands
+        self.error = error
+
+    async def get_items(self, limit: int | None = None) -> list[JSON]:
+        return await self.inner.get_items(limit)
+
+    async def add_items(self, items: list[JSON]) -> None:
+        if self.lands:
+            await self.inner.add_items(items)
+        raise self.error
+
+    async def pop_item(self) -> JSON | None:
+        return await self.inner.pop_item()
+
+    async def clear_session(self) -> None:
+        await self.inner.clear_session()
+
+
+def _run(coroutine: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coroutine)
+
+
+class SessionContract:
+    """What every `Session` guarantees, and that `publish` and `settle` work through it.
+    Override `make_session`."""
+
+    def make_session(self, tmp_path: Path, session_id: str) -> Session:
+        """A new, empty Session named ``session_id`` (it may keep files under
+        ``tmp_path``)."""
+        raise NotImplementedError
+
+    @pytest.fixture
+    def session(self, tmp_path: Path) -> Iterator[Session]:
+        session = self.make_session(tmp_path, "session-1")
+        yield session
+        _close(session)
+
+    def test_is_a_session(self, session: Session) -> None:
+        assert isinstance(session, Session)
+        assert session.session_id == "session-1"
+        assert _run(session.get_items()) == []
+
+    def test_the_protocol_contract(self, session: Session) -> None:
+        async def go() -> None:
+            await session.add_items([{"n": 1}, {"n": 2}])
+            await session.add_items([{"n": 3}])
+            assert await session.get_items() == [{"n": 1}, {"n": 2}, {"n": 3}]
+            assert await session.get_items(limit=2) == [{"n": 2}, {"n": 3}]
+            assert await session.get_items(limit=10) == [{"n": 1}, {"n": 2}, {"n": 3}]
+            assert await session.pop_item() == {"n": 3}
+            await session.clear_session()
+            assert await session.get_items() == []
+            assert await session.pop_item() is None
+
+        _run(go())
+
+    def test_get_items_limit_is_the_newest_items_oldest_first(self,
+                                                              session: Session) -> None:
+        async def go() -> None:
+            items: list[JSON] = [{"n": n} for n in range(5)]
+            await session.add_items(items)
+            for limit in range(1, 7):
+                assert await session.get_items(limit=limit) == items[-limit:]
+            assert await session.get_items(limit=None) == items
+
+        _run(go())
+
+    def test_an_empty_batch_adds_nothing(self, session: Session) -> None:
+        async def go() -> None:
+            await session.add_items([{"n": 1}])
+            await session.add_items([])
+            assert await session.get_items() == [{"n": 1}]
+
+        _run(go())
+
+    def test_add_items_is_all_or_nothing(self, session: Session) -> None:
+        async def go() -> None:
+            await session.add_items([{"n": 1}])
+            unstorable: Any = {"n": object()}
+            try:
+                await session.add_items([{"n": 2}, unstorable])
+            except Exception:
+                assert await session.get_items() == [{"n": 1}]  # nothing of the batch
+            else:
+                assert len(await session.get_items()) == 3  # or all of it
+
+        _run(go())
+
+    def test_pop_item_removes_the_newest(self, session: Session) -> None:
+        async def go() -> None:
+            assert await session.pop_item() is None
+            await session.add_items([{"n": 1}, {"n": 2}])
+            assert await session.pop_item() == {"n": 2}
+            assert await session.get_items() == [{"n": 1}]
+            await session.add_items([{"n": 3}])
+            assert await session.get_items() == [{"n": 1}, {"n": 3}]
+
+        _run(go())
+
+    def test_clear_session_removes_only_its_items(self, session: Session,
+                                                  tmp_path: Path) -> None:
+        other = self.make_session(tmp_path, "session-2")
+        try:
+            async def go() -> None:
+                await session.add_items([{"n": 1}])
+                await other.add_items([{"m": 1}])
+                await session.clear_session()
+                assert await session.get_items() == []
+                assert await other.get_items() == [{"m": 1}]
+                await session.add_items([{"n": 2}])
+                assert await session.get_items() == [{"n": 2}]
+
+            _run(go())
+        finally:
+            _close(other)
+
+    def test_items_are_detached_on_the_way_in_and_out(self, session: Session) -> None:
+        async def go() -> None:
+            inner: list[JSON] = [1]
+            await session.add_items([{"n": inner}])
+            inner.append(2)  # the caller changes what it added
+            read = await session.get_items()
+            assert read == [{"n": [1]}]
+            first = read[0]
+            assert isinstance(first, dict)
+            assert isinstance(first["n"], list)
+            first["n"].append(3)  # the caller changes what it read
+            assert await session.get_items() == [{"n": [1]}]
+            assert await session.get_items(limit=1) == [{"n": [1]}]
+
+        _run(go())
+
+    @pytest.mark.parametrize("outcome", ["acknowledge", "append"])
+    def test_publish_then_settle_through_it(self, session: Session, outcome: str) -> None:
+        history: list[JSON] = [{"role": "user", "content": "charge me 7"}]
+        batch: list[JSON] = [
+            {"type": "function_call", "call_id": "charge", "name": "charge"},
+            {"type": "function_call_output", "call_id": "charge", "output": "charged 7"},
+            {"type": "function_call_output", "call_id": "audit", "output": "logged"}]
+
+        async def go() -> None:
+            await session.add_items(list(history))
+            c = _at_interruption(session_id=session.session_id)
+            c.approve("charge", fingerprint=c.fingerprint("charge"))
+            c.approve("audit")
+            c.resume()
+            c.begin_tool("charge")
+            c.guardrail_evaluated("charge_input", {"allowed": True}, stage="tool_input",
+                                  call_id="charge")
+            c.hook_ran("tool_start", call_id="charge")
+            c.tool_completed("charge", "charged 7")
+            c.hook_ran("tool_end", call_id="charge")
+            c.begin_tool("audit")
+            c.tool_completed("audit", "logged")
+            boom = RuntimeError("injected")
+            failing = _WriteFails(session, lands=outcome == "acknowledge", error=boom)
+            with pytest.raises(RuntimeError) as info:
+                await publish(c, failing, list(batch), call_ids=["charge", "audit"])
+            assert info.value is boom  # the original error propagates (I6)
+            assert c.step is Step.UNSETTLED
+            last = c.events[-1]
+            assert isinstance(last, ev.PublicationFailed)
+            assert last.error == "RuntimeError"
+            restored = RunController.from_json(c.to_json())
+            decision = await settle(restored, session)
+            assert isinstance(decision, Acknowledge if outcome == "acknowledge" else Append)
+            assert await session.get_items() == history + batch
+            assert restored.step is Step.INTERRUPTION
+            assert [g.name for g in restored.guardrail_results] == ["charge_input"]  # I4
+
+        _run(go())
