@@ -13,7 +13,10 @@ For each command, three variants run interleaved on fresh runs, GC on:
 Then the rows of `bench.suite`: the SQLite store against a bare sqlite3 loop, loading runs
 of several lengths (JSON, SQLite replay, SQLite snapshot), the memory of idle runs,
 stateful fuzzing throughput, the whole partial-approval scenario and a paused 500-turn
-run's round trip (each beside openai-agents when the ``bench`` extra is installed).
+run's round trip (each beside openai-agents when the ``bench`` extra is installed), and
+the large rows: staging a 10,000-item batch and loading its document, and recording and
+loading a run whose one event is a ~1 MB tool output, each also at twice the size (the
+ratio of the times shows the cost is linear: about 2).
 
 Usage: ``python -m bench [--json] [--runs N] [--repeats R] ...`` (``--help`` lists all).
 """
@@ -178,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fuzz-examples", type=int, default=20,
                         help="stateful examples for the throughput row")
     parser.add_argument("--turns", type=int, default=500, help="turns of the paused run")
+    parser.add_argument("--batch-items", type=int, nargs=2, default=[10_000, 20_000],
+                        metavar=("N", "M"), help="items of the two large batches")
+    parser.add_argument("--event-mb", type=float, nargs=2, default=[1.0, 2.0],
+                        metavar=("A", "B"), help="MB of the two large events")
     args = parser.parse_args(argv)
     rows: list[dict[str, Any]] = []
     for name in COMMANDS:
@@ -205,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         "fuzz": suite.measure_fuzz_throughput(args.fuzz_examples),
         "scenario": suite.measure_scenario(max(3, args.repeats)),
         "roundtrip": suite.measure_roundtrip(args.turns, max(1, args.repeats // 2)),
+        "large": suite.measure_large(tuple(args.batch_items), tuple(args.event_mb),
+                                     max(1, min(3, args.repeats // 2))),
     }
     if args.json:
         json.dump(report, sys.stdout, indent=2)
@@ -251,6 +260,18 @@ def markdown(report: dict[str, Any]) -> str:
               if rt["openai_agents_load_us_per_item"] is not None else "")
     rows.append(f"| paused {rt['turns']}-turn run | serialize {rt['serialize_us_per_item']} "
                 f"µs/item, load {rt['load_us_per_item']} µs/item{theirs} | load >= 5x faster |")
+    lg = report["large"]
+    small, big = lg["batch"]
+    rows.append(f"| {small['items']}-item batch | stage {small['stage_s']} s "
+                f"({small['stage_us_per_item']} µs/item), load its document {small['load_s']} s "
+                f"({small['load_us_per_item']} µs/item); {big['items']} items: "
+                f"{lg['batch_stage_ratio']}x / {lg['batch_load_ratio']}x the time | linear "
+                f"(~{lg['batch_size_ratio']}x) |")
+    small, big = lg["event"]
+    rows.append(f"| {small['event_bytes'] / 2**20:.2f} MB event | record {small['record_ms']} ms, "
+                f"load {small['load_ms']} ms ({small['load_ms_per_mb']} ms/MB); "
+                f"{big['event_bytes'] / 2**20:.2f} MB: {lg['event_record_ratio']}x / "
+                f"{lg['event_load_ratio']}x the time | linear (~{lg['event_size_ratio']}x) |")
     return (f"Measured by `just bench` on Python {m['python']}, {m['machine']}, {m['cpus']} "
             "CPUs (a shared machine; medians):\n\n" + "\n".join(rows))
 
@@ -304,6 +325,24 @@ def _print(report: dict[str, Any], args: argparse.Namespace) -> None:
         line += (f"; openai-agents load {rt['openai_agents_load_us_per_item']} µs/item "
                  f"({rt['openai_agents_over_ours']}x; goal >= 5x)")
     print(line)
+    _print_large(report["large"])
+
+
+def _print_large(lg: dict[str, Any]) -> None:
+    print("\nlarge batches and events (target: linear, the second size's time ~2x the first's)")
+    print(f"{'batch items':>12}{'doc MB':>9}{'stage s':>10}{'µs/item':>10}{'load s':>10}"
+          f"{'µs/item':>10}")
+    for row in lg["batch"]:
+        print(f"{row['items']:>12}{row['document_bytes'] / 2**20:>9.2f}{row['stage_s']:>10}"
+              f"{row['stage_us_per_item']:>10}{row['load_s']:>10}{row['load_us_per_item']:>10}")
+    print(f"  ratio at {lg['batch_size_ratio']}x the items: stage {lg['batch_stage_ratio']}x, "
+          f"load {lg['batch_load_ratio']}x")
+    print(f"{'event MB':>12}{'record ms':>12}{'ms/MB':>9}{'load ms':>10}{'ms/MB':>9}")
+    for row in lg["event"]:
+        print(f"{row['event_bytes'] / 2**20:>12.2f}{row['record_ms']:>12}"
+              f"{row['record_ms_per_mb']:>9}{row['load_ms']:>10}{row['load_ms_per_mb']:>9}")
+    print(f"  ratio at {lg['event_size_ratio']}x the bytes: record "
+          f"{lg['event_record_ratio']}x, load {lg['event_load_ratio']}x")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The rows of `just bench` beyond one guarded command: loading, memory, fuzzing
-throughput, whole scenarios, and the optional comparison with openai-agents."""
+throughput, whole scenarios, large batches and events, and the optional comparison with
+openai-agents."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from statemachine import RunController, ToolCall, codec
-from statemachine.payloads import JSON
+from statemachine.payloads import JSON, compact_json
 from statemachine.stores import MemoryEventStore, SQLiteEventStore
 
 
@@ -248,3 +249,106 @@ def measure_roundtrip(turns: int, repeats: int) -> dict[str, Any]:
     row["openai_agents_load_us_per_item"] = round(theirs, 2)
     row["openai_agents_over_ours"] = round(theirs / row["load_us_per_item"], 1)
     return row
+
+
+# ------------------------------------------------------- large batches and events
+#
+# DESIGN §6.6: staging, recording and loading cost O(size). Each row is measured at two
+# sizes, the second twice the first, and the ratio of their times is shown: linear is
+# about 2 (staging 10k items once took 23 s and reloading it 8.3 s, quadratic).
+
+
+def _seconds(fn: Callable[[Any], Any], arg: Any) -> float:
+    gc.collect()
+    start = time.perf_counter()
+    fn(arg)
+    return time.perf_counter() - start
+
+
+def _batch_run(items: int) -> tuple[RunController, list[JSON], list[str]]:
+    """A run whose model asked for ``items`` calls, all run and completed, with the
+    batch publishing their results (one Session item per call)."""
+    c = RunController.start(run_id="batch", session_id="s")
+    c.begin_model_call()
+    c.model_responded([ToolCall(f"call-{i}", "lookup", {"q": i}) for i in range(items)])
+    for i in range(items):
+        c.begin_tool(f"call-{i}")
+        c.tool_completed(f"call-{i}", {"rate": i})
+    batch: list[JSON] = [{"call_id": f"call-{i}", "output": {"rate": i}} for i in range(items)]
+    return c, batch, [f"call-{i}" for i in range(items)]
+
+
+def _batch_row(items: int, repeats: int) -> dict[str, Any]:
+    stage, load = [], []
+    size = 0
+    for _ in range(repeats):
+        c, batch, call_ids = _batch_run(items)
+        gc.collect()
+        start = time.perf_counter()
+        c.stage_publication(batch, [{"role": "user", "content": "go"}], call_ids=call_ids,
+                            whole=True)
+        stage.append(time.perf_counter() - start)
+        text = compact_json(c.to_json())
+        size = len(text.encode("utf-8"))
+        load.append(_seconds(RunController.from_json, text))
+    stage_s, load_s = statistics.median(stage), statistics.median(load)
+    return {"items": items, "document_bytes": size,
+            "stage_s": round(stage_s, 4), "stage_us_per_item": round(stage_s / items * 1e6, 2),
+            "load_s": round(load_s, 4), "load_us_per_item": round(load_s / items * 1e6, 2)}
+
+
+def _large_output(megabytes: float) -> list[JSON]:
+    """A tool output of about ``megabytes`` MB of compact JSON: records of text, numbers
+    and flags, as a search or a file listing returns them."""
+    target = int(megabytes * 2**20)
+    record = {"id": 0, "title": "result title " * 3, "score": 0.5, "tags": ["a", "b"],
+              "hit": True, "snippet": "lorem ipsum dolor sit amet, consectetur " * 2}
+    each = len(compact_json({**record, "id": 10**4, "score": 1 / 7}))  # a typical one
+    return [{**record, "id": i, "score": i / 7} for i in range(max(1, target // each))]
+
+
+def _event_row(megabytes: float, repeats: int) -> dict[str, Any]:
+    output = _large_output(megabytes)
+    record, load = [], []
+    text = ""
+    for _ in range(repeats):
+        c = RunController.start(run_id="big", session_id="s")
+        c.begin_model_call()
+        c.model_responded([ToolCall("search", "search", {"q": "everything"})])
+        c.begin_tool("search")
+        gc.collect()
+        start = time.perf_counter()
+        c.tool_completed("search", output)
+        record.append(time.perf_counter() - start)
+        text = compact_json(c.to_json())
+        load.append(_seconds(RunController.from_json, text))
+    event = len(compact_json(codec.encode_event(c.events[-1])).encode("utf-8"))
+    mb = event / 2**20
+    record_s, load_s = statistics.median(record), statistics.median(load)
+    return {"event_bytes": event, "document_bytes": len(text.encode("utf-8")),
+            "record_ms": round(record_s * 1e3, 2),
+            "record_ms_per_mb": round(record_s * 1e3 / mb, 2),
+            "load_ms": round(load_s * 1e3, 2), "load_ms_per_mb": round(load_s * 1e3 / mb, 2)}
+
+
+def measure_large(items: tuple[int, int], megabytes: tuple[float, float],
+                  repeats: int) -> dict[str, Any]:
+    """Staging a batch of ``items`` results and loading its document, and recording and
+    loading a run whose one event is a tool output of ``megabytes`` MB; each at the two
+    sizes given, with the ratio of the second's time to the first's."""
+    batches = [_batch_row(n, repeats) for n in items]
+    events = [_event_row(mb, repeats) for mb in megabytes]
+
+    def ratio(rows: list[dict[str, Any]], key: str) -> float:
+        return round(rows[1][key] / rows[0][key], 2) if rows[0][key] else 0.0
+
+    return {
+        "batch": batches,
+        "batch_stage_ratio": ratio(batches, "stage_s"),
+        "batch_load_ratio": ratio(batches, "load_s"),
+        "batch_size_ratio": round(items[1] / items[0], 2),
+        "event": events,
+        "event_record_ratio": ratio(events, "record_ms"),
+        "event_load_ratio": ratio(events, "load_ms"),
+        "event_size_ratio": round(events[1]["event_bytes"] / events[0]["event_bytes"], 2),
+    }

@@ -17,11 +17,17 @@ from statemachine.errors import (
     RunNotFound,
     RunNotResumable,
     SchemaError,
+    StorageError,
     ToolInDoubt,
 )
 from statemachine.log import disable_logging, enable_logging
 from statemachine.payloads import register_canonical
-from statemachine.stores import EventStore, MemoryEventStore, SQLiteEventStore
+from statemachine.stores import (
+    EventStore,
+    MemoryEventStore,
+    SnapshotIgnored,
+    SQLiteEventStore,
+)
 from statemachine.values import (
     Acknowledge,
     Action,
@@ -59,7 +65,9 @@ __all__ = [
     "RunNotResumable",
     "SQLiteEventStore",
     "SchemaError",
+    "SnapshotIgnored",
     "Step",
+    "StorageError",
     "ToolCall",
     "ToolInDoubt",
     "disable_logging",

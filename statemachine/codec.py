@@ -1,31 +1,47 @@
 """Versioned JSON for event logs, through one strict `cattrs` converter.
 
-A document is ``{"schema_version": <int>, "run_id": <str>, "events": [...]}``; each event
-is its attrs fields plus ``"type"`` (the class name). Structuring is strict: no coercion
-(``"7"`` is not ``7``, ``1`` is not ``True``), no unknown or missing keys, enums by value
-through explicit hooks, payloads checked to be plain JSON within the depth limit.
-Messages name the event's position and the problem, never payload values.
+A document is ``{"schema_version": <int>, "run_id": <str>, "events": [...]}``, plus an
+optional ``"chain"`` from version 2 on (a keyed chain: `chain_tag`); each event is its
+attrs fields plus ``"type"`` (the class name). Structuring is strict: no coercion (``"7"``
+is not ``7``, ``1`` is not ``True``), no unknown or missing keys, enums by value through
+explicit hooks, payloads checked to be plain JSON within the depth limit.
+
+A document's size is the UTF-8 length of its compact JSON text (`payloads.compact_json`:
+no spaces, no ASCII escapes): `document_size` for a whole document, `event_size` for one
+event, counted without building the text for the events the hot path records.
+
+Messages name the event's position and the problem, never payload values; a string taken
+from the document (a key, a name) is quoted by `errors.excerpt`, at most 64 characters.
 """
 
 from __future__ import annotations
 
 import contextvars
+import hashlib
+import hmac
 import json
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import attrs
 import cattrs
 
 from statemachine import events as ev
-from statemachine.errors import SchemaError
+from statemachine.errors import SchemaError, excerpt, type_name
 from statemachine.payloads import (
+    DEFAULT_MAX_BYTES,
     DEFAULT_MAX_DEPTH,
     DEFAULT_MAX_EVENTS,
     JSON,
     PayloadError,
+    canonical_json,
     detach,
+    encode_str,
+    json_size,
+    str_size,
     text_problem,
+    utf8_len,
+    walk_size,
 )
 from statemachine.values import GuardrailResult, RecoveryPolicy, Step, ToolCall
 
@@ -36,7 +52,14 @@ if TYPE_CHECKING:
 SCHEMA_VERSION = 2
 """The version `to_json` writes. Every released version stays readable (see `UPCASTERS`).
 
-1: the first release. 2: adds `RunClaimed` (DESIGN §6.3); nothing else changed."""
+1: the first release. 2: adds `RunClaimed` (DESIGN §6.3) and the optional top-level
+``"chain"`` (DESIGN §6.6); nothing else changed."""
+
+DOCUMENT_KEYS: dict[int, frozenset[str]] = {
+    1: frozenset({"schema_version", "run_id", "events"}),
+    2: frozenset({"schema_version", "run_id", "events", "chain"}),
+}
+"""The top-level keys a document of each version may hold (checked before upcasting)."""
 
 
 def _upcast_1_to_2(doc: dict[str, Any]) -> dict[str, Any]:
@@ -64,7 +87,7 @@ class _Bad(Exception):
 def _exact(kind: type) -> Callable[[Any, Any], Any]:
     def hook(value: Any, _: Any) -> Any:
         if type(value) is not kind:
-            raise _Bad(f"expected {kind.__name__}, got {type(value).__name__}")
+            raise _Bad(f"expected {kind.__name__}, got {type_name(value)}")
         if kind is str and (problem := text_problem(value)) is not None:
             raise _Bad(f"a text field {problem}")
         if kind is int:
@@ -98,7 +121,7 @@ def _payload(value: Any, _: Any) -> Any:
 def _tuple_of(structure: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
     def hook(value: Any, _: Any) -> Any:
         if type(value) is not list:
-            raise _Bad(f"expected a list, got {type(value).__name__}")
+            raise _Bad(f"expected a list, got {type_name(value)}")
         return tuple([structure(item) for item in value])
 
     return hook
@@ -147,12 +170,11 @@ def _strict_value(cls: type) -> Callable[[Any, Any], Any]:
 
     def hook(value: Any, _: Any) -> Any:
         if type(value) is not dict:
-            raise _Bad(f"expected a {cls.__name__} object, got {type(value).__name__}")
+            raise _Bad(f"expected a {cls.__name__} object, got {type_name(value)}")
         if value.keys() != names:
             missing = sorted(names - value.keys())
-            unknown = sorted(value.keys() - names)
             raise _Bad(f"a {cls.__name__} with missing field(s) {', '.join(missing) or '-'} "
-                       f"and unknown field(s) {', '.join(unknown) or '-'}")
+                       f"and unknown field(s) {named(value.keys() - names) or '-'}")
         return generated(value, cls)
 
     return hook
@@ -171,13 +193,160 @@ def encode_event(event: ev.Event) -> dict[str, JSON]:
     return data
 
 
-def encode_log(run_id: str, events: list[ev.Event] | tuple[ev.Event, ...]) -> dict[str, JSON]:
-    """The current-version document for a run's log."""
-    return {
+def encode_log(run_id: str, events: list[ev.Event] | tuple[ev.Event, ...], *,
+               key: bytes | None = None) -> dict[str, JSON]:
+    """The current-version document for a run's log; with ``key``, carrying the keyed
+    chain over its events (``"chain"``, see `chain_tag`)."""
+    doc: dict[str, JSON] = {
         "schema_version": SCHEMA_VERSION,
         "run_id": run_id,
         "events": [encode_event(event) for event in events],
     }
+    if key is not None:
+        doc["chain"] = chain_tag(check_key(key), doc["events"])
+    return doc
+
+
+def named(keys: Any, most: int = 3) -> str:
+    """Up to ``most`` keys of a document, quoted by `excerpt` (a key that is not a str by
+    its type), then how many more: a message stays short however many keys, of whatever
+    length, a document holds."""
+    shown = sorted(excerpt(k) if type(k) is str else f"<{type_name(k)}>" for k in keys)
+    more = len(shown) - most
+    return ", ".join(shown[:most]) + (f" and {more} more" if more > 0 else "")
+
+
+# ----------------------------------------------------------------------- sizes
+#
+# The size of an attrs record's compact JSON is a constant (braces, the "type" pair of an
+# event, every key with its colon and comma) plus the encoded length of each value. One
+# straight-line function per class adds them up: str fields through the C string encoder
+# (quotes and escapes included), payloads through the compact encoder, the rest by
+# arithmetic. The function is generated from the fields, so the hot path makes no call
+# and no loop per field (a generic loop cost twice as much), and recording a payload-free
+# event (a model call, a hook, an approval) builds no JSON text at all.
+# `tests/test_limits.py` checks every event type against `compact_json`.
+
+
+def _str_expr(value: str) -> str:
+    # the quoted, escaped text; its UTF-8 length without a copy when it is ASCII (O(1))
+    return f"(len(_q) if (_q := _quote({value})).isascii() else _utf8(_q))"
+
+
+def _value_expr(kind: Any, value: str, sizers: dict[str, Any]) -> str:
+    """A Python expression for the encoded length of ``value`` (source text), of type
+    ``kind``; nested records and tuples of them get a sizer of their own in ``sizers``."""
+    if kind is str:
+        return _str_expr(value)
+    if kind is int:
+        return f"len(str({value}))"
+    if kind is bool:
+        return f"(4 if {value} else 5)"
+    if kind == str | None:
+        return f"(4 if {value} is None else {_str_expr(value)})"
+    if kind == int | None:
+        return f"(4 if {value} is None else len(str({value})))"
+    if kind in (Step, RecoveryPolicy):
+        return _str_expr(f"{value}.value")
+    if kind is JSON:
+        return f"(4 if {value} is None else _json({value}))"
+    if kind in (tuple[str, ...], tuple[JSON, ...]):
+        return f"_json(list({value}))"  # a list: the tuple's own JSON, and walk_size knows it
+    if kind in (ToolCall, GuardrailResult):
+        name = f"_{kind.__name__}"
+        sizers[name] = _sizer(kind)
+        return f"{name}({value})"
+    if kind == tuple[ToolCall, ...]:
+        sizers["_ToolCall"] = _sizer(ToolCall)
+        return f"(max(len({value}) + 1, 2) + sum(map(_ToolCall, {value})))"
+    raise TypeError(f"no size for a field of type {kind}")  # pragma: no cover
+
+
+def _sizer(cls: type, tag: str | None = None) -> Callable[[Any], int]:
+    """The exact size of ``cls``'s compact JSON; ``tag`` for an event's "type"."""
+    fields = attrs.fields(attrs.resolve_types(cls))
+    pairs = [f'"type":{json.dumps(tag)}'] if tag is not None else []
+    pairs += [f'"{f.name}":' for f in fields]
+    constant = 2 + sum(map(len, pairs)) + len(pairs) - 1
+    namespace: dict[str, Any] = {"_quote": encode_str, "_json": json_size, "_utf8": utf8_len}
+    terms = [_value_expr(f.type, f"value.{f.name}", namespace) for f in fields]
+    source = f"def size(value):\n    return {constant} + {' + '.join(terms) or '0'}\n"
+    exec(source, namespace)  # the source is built above from attrs field names only
+    sizer: Callable[[Any], int] = namespace["size"]
+    return sizer
+
+
+EVENT_SIZE: dict[type[ev.Event], Callable[[Any], int]] = {
+    cls: _sizer(cls, cls.__name__) for cls in ev.EVENT_TYPES
+}
+"""``EVENT_SIZE[type(event)](event)`` is `event_size`, one call fewer (the hot path)."""
+
+
+def event_size(event: ev.Event) -> int:
+    """Bytes of ``event``'s compact JSON (`encode_event`), exactly, without encoding the
+    event: a constant per event type plus the encoded length of each field."""
+    return EVENT_SIZE[type(event)](event)
+
+
+_ENVELOPE = len('{"schema_version":,"run_id":,"events":[]}')
+CHAIN_BYTES = len(',"chain":""') + 64
+"""What the keyed chain adds to a document's size."""
+
+
+def envelope_size(run_id: str, version: int = SCHEMA_VERSION) -> int:
+    """Bytes of a document around its events (its run id, version, brackets)."""
+    return _ENVELOPE + len(str(version)) + str_size(run_id)
+
+
+def log_size(run_id: str, events: list[ev.Event] | tuple[ev.Event, ...]) -> int:
+    """Bytes of ``encode_log(run_id, events)`` as compact JSON, exactly (no chain)."""
+    return (envelope_size(run_id) + sum(EVENT_SIZE[type(e)](e) for e in events)
+            + max(len(events) - 1, 0))
+
+
+def document_size(data: Any, max_depth: int = sys.maxsize) -> int | None:
+    """Bytes of a raw document's compact JSON, exactly; None when the encoder cannot
+    write it (a NaN, a set, a cycle) or it nests deeper than ``max_depth``: the decoder
+    refuses those with a precise message."""
+    try:
+        text = json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        return utf8_len(text)
+    except RecursionError:
+        return walk_size(data, max_depth)
+    except (TypeError, ValueError):
+        return None
+
+
+# ------------------------------------------------------------------ keyed chain
+
+CHAIN_REFUSED = ("the log's keyed chain does not verify: it was changed or signed with "
+                 "another key")
+CHAIN_MISSING = ("the log carries no keyed chain: it was written without a key, or its "
+                 "chain was removed")
+
+
+def check_key(key: object) -> bytes:
+    """A chain key is non-empty bytes; `SchemaError` otherwise."""
+    if type(key) is not bytes or not key:
+        raise SchemaError("a chain key must be non-empty bytes")
+    return key
+
+
+def chain_tag(key: bytes, raw_events: list[Any]) -> str:
+    """The keyed chain over a log's encoded events, as hex: ``h_0 = HMAC(key, c_0)``,
+    ``h_i = HMAC(key, h_{i-1} || c_i)`` with HMAC-SHA256 and ``c_i`` the canonical JSON
+    of event ``i`` (sorted keys, compact, UTF-8). Only the final tag is kept: it changes
+    with any edit, insertion, removal or reordering of events, truncation included."""
+    tag = b""
+    for raw in raw_events:
+        tag = hmac.new(key, tag + canonical_json(raw), hashlib.sha256).digest()
+    return tag.hex()
+
+
+def _chain_problem(chain: object) -> str | None:
+    if type(chain) is not str or len(chain) != 64 or chain.strip("0123456789abcdef"):
+        return "the document's chain must be 64 lowercase hex digits"
+    return None
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -210,15 +379,15 @@ def decode_event(data: Any, position: int) -> ev.Event:
     name = data.get("type")
     cls = EVENT_BY_NAME.get(name) if type(name) is str else None
     if cls is None:
-        raise SchemaError(f"event {position} has a missing or unknown type")
+        shown = f" {excerpt(name)}" if type(name) is str else ""
+        raise SchemaError(f"event {position} has a missing or unknown type{shown}")
     fields = _FIELDS[cls]
     if len(data) != len(fields) + 1 or any(f not in data for f in fields):
         missing = [f for f in fields if f not in data]
         if missing:
             raise SchemaError(f"event {position} ({name}) lacks field(s) {', '.join(missing)}")
-        unknown = sorted(k for k in data if k not in fields and k != "type")
-        raise SchemaError(f"event {position} ({name}) has unknown field(s) "
-                          f"{', '.join(unknown)}")
+        unknown = [k for k in data if k not in fields and k != "type"]
+        raise SchemaError(f"event {position} ({name}) has unknown field(s) {named(unknown)}")
     try:
         return _STRUCTURE[cls](data, cls)  # type: ignore[no-any-return]
     except SchemaError:
@@ -227,7 +396,7 @@ def decode_event(data: Any, position: int) -> ev.Event:
         raise SchemaError(f"event {position} ({name}) has a bad field: {exc}") from None
     except Exception as exc:  # cattrs raises several kinds; name the kind only
         raise SchemaError(
-            f"event {position} ({name}) is malformed ({type(exc).__name__})"
+            f"event {position} ({name}) is malformed ({type_name(exc)})"
         ) from None
 
 
@@ -242,15 +411,56 @@ def decode_stored_event(data: Any, position: int) -> ev.Event:
         _max_depth.reset(token)
 
 
+class Decoded(NamedTuple):
+    """What `decode_log` returns."""
+
+    run_id: str
+    events: list[ev.Event]
+    size: int
+    """The size of the document `encode_log(run_id, events)` writes (no chain), which is
+    what a controller holding these events counts against ``max_bytes``."""
+
+
+def _over(max_bytes: int) -> SchemaError:
+    return SchemaError(f"the document is over max_bytes={max_bytes} (the UTF-8 length of "
+                       "its compact JSON text)")
+
+
+def _version_text(version: int) -> str:
+    return str(version) if version.bit_length() <= 64 else "(an int of many digits)"
+
+
 def decode_log(
     data: Mapping[str, Any] | str | bytes,
     *,
     max_depth: int = DEFAULT_MAX_DEPTH,
     max_events: int = DEFAULT_MAX_EVENTS,
-) -> tuple[str, list[ev.Event]]:
-    """A document (dict or text) of any released version → (run_id, events)."""
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    key: bytes | None = None,
+) -> Decoded:
+    """A document (dict or text) of any released version → (run_id, events, size).
+
+    ``max_bytes`` bounds the UTF-8 length of the document's compact JSON text, for a dict
+    and a text alike; a text is also refused, before it is parsed, when it is itself
+    longer (spaces and ASCII escapes count: write documents compactly to use the whole
+    limit). With ``key`` the document must carry a keyed chain that verifies
+    (`chain_tag`); without one a chain is checked for shape only and otherwise ignored."""
+    if key is not None:
+        check_key(key)
+    measured: int | None
     if isinstance(data, str | bytes):
+        # a str's UTF-8 length is at least its length: the first test is O(1)
+        if len(data) > max_bytes or (type(data) is str and utf8_len(data) > max_bytes):
+            raise _over(max_bytes)
         data = parse(data)
+        try:  # parsed text holds no cycle and no NaN: the plain encoder measures it
+            measured = json_size(data)
+        except (TypeError, ValueError):
+            measured = None  # a float overflowing to infinity ("1e400"): refused below
+    else:
+        measured = document_size(data, max_depth + 8)  # the document's own nesting too
+    if measured is not None and measured > max_bytes:
+        raise _over(max_bytes)
     if type(data) is not dict:
         raise SchemaError("the document is not a JSON object")
     doc: dict[str, Any] = dict(data)
@@ -258,11 +468,15 @@ def decode_log(
     if type(version) is not int:
         raise SchemaError("the document has a missing or mistyped schema_version")
     if version > SCHEMA_VERSION:
-        raise SchemaError(
-            f"schema_version {version} is newer than this library reads ({SCHEMA_VERSION})"
-        )
+        raise SchemaError(f"schema_version {_version_text(version)} is newer than this "
+                          f"library reads ({SCHEMA_VERSION})")
     if version < 1 or (version < SCHEMA_VERSION and version not in UPCASTERS):
-        raise SchemaError(f"unknown schema_version {version}")
+        raise SchemaError(f"unknown schema_version {_version_text(version)}")
+    label = version
+    extra = set(doc) - DOCUMENT_KEYS[min(version, max(DOCUMENT_KEYS))]
+    if extra:
+        raise SchemaError(f"the document has unknown key(s) {named(extra)} for "
+                          f"schema_version {version}")
     raw = doc.get("events")
     if type(raw) is list and version < SCHEMA_VERSION:
         for position, event in enumerate(raw):
@@ -273,9 +487,10 @@ def decode_log(
     while version < SCHEMA_VERSION:
         doc = UPCASTERS[version](doc)
         version += 1
-    extra = set(doc) - {"schema_version", "run_id", "events"}
-    if extra:
-        raise SchemaError(f"the document has unknown key(s) {', '.join(sorted(extra))}")
+    signed = "chain" in doc
+    chain = doc.pop("chain", None)
+    if signed and (problem := _chain_problem(chain)) is not None:
+        raise SchemaError(problem)
     run_id, raw_events = doc.get("run_id"), doc.get("events")
     if type(run_id) is not str or type(raw_events) is not list:
         raise SchemaError("the document needs a str run_id and a list of events")
@@ -288,7 +503,19 @@ def decode_log(
         decoded = [decode_event(raw, i) for i, raw in enumerate(raw_events)]
     finally:
         _max_depth.reset(token)
-    return run_id, decoded
+    if key is not None:
+        if chain is None:
+            raise SchemaError(CHAIN_MISSING)
+        # every raw event decoded, so each is plain JSON with a canonical form
+        if not hmac.compare_digest(chain_tag(key, raw_events), chain):
+            raise SchemaError(CHAIN_REFUSED)
+    if measured is not None and label == SCHEMA_VERSION:
+        size = measured - (CHAIN_BYTES if signed else 0)
+    else:  # an older label, or a document the encoder could not measure: count events
+        size = log_size(run_id, decoded)
+        if size + (CHAIN_BYTES if signed else 0) > max_bytes:
+            raise _over(max_bytes)
+    return Decoded(run_id, decoded, size)
 
 
 # the tuple of guardrail results an envelope holds (snapshots carry envelopes)

@@ -25,7 +25,9 @@ and the calls it has in flight (started here, not yet completed).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import sqlite3
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -43,7 +45,9 @@ from statemachine.errors import (
     RunNotFound,
     RunNotResumable,
     SchemaError,
+    StorageError,
     ToolInDoubt,
+    excerpt,
 )
 from statemachine.log import run_logger, switch
 from statemachine.machine import (
@@ -57,6 +61,7 @@ from statemachine.machine import (
     replay_onto,
 )
 from statemachine.payloads import (
+    DEFAULT_MAX_BYTES,
     DEFAULT_MAX_DEPTH,
     DEFAULT_MAX_EVENTS,
     JSON,
@@ -68,7 +73,13 @@ from statemachine.payloads import (
     text_problem,
 )
 from statemachine.state import RunState, in_doubt, next_action
-from statemachine.stores import SNAPSHOT_EVERY, SnapshotStore, indexes_runs
+from statemachine.stores import (
+    SNAPSHOT_EVERY,
+    SnapshotStore,
+    indexes_runs,
+    restored,
+    snapshot_ignored,
+)
 from statemachine.values import (
     Acknowledge,
     Action,
@@ -95,6 +106,11 @@ its limit can always settle or close."""
 _FINISHING = {"begin_tool": 3, "tool_completed": 2, "resolve_in_doubt": 2}
 """Extra room a command needs beyond the reserve: a started tool must be able to record
 its result, and a result must be able to be staged, or it would be lost."""
+RESERVED_TEXT = 256
+"""The bytes (UTF-8, as JSON) of an error name or abandon reason that the room reserved
+under ``max_bytes`` holds: a run at its byte limit can always fail, reconcile, commit and
+abandon with a reason or an error name up to this long."""
+
 _RECORDS_NOTHING = frozenset({"tool_interrupted"})
 """Commands that never record an event, so the log's room does not gate them."""
 _UNSETTLED = Step.UNSETTLED
@@ -104,11 +120,13 @@ _WORKING = frozenset(WORKING_STEPS)
 class RunController:
     """The control core of one run. Create with `start`, `load` or `from_json`."""
 
-    __slots__ = ("_attempt", "_base", "_events", "_in_flight", "_log", "_max_depth",
-                 "_max_events", "_state", "_store")
+    __slots__ = ("_attempt", "_base", "_bytes", "_events", "_in_flight", "_log",
+                 "_max_bytes", "_max_depth", "_max_events", "_room", "_state", "_store",
+                 "_unknown")
 
     def __init__(self, state: RunState, events: list[ev.Event], *, store: EventStore | None,
-                 max_depth: int, max_events: int, base: int = 0) -> None:
+                 max_depth: int, max_events: int, base: int = 0,
+                 max_bytes: int = DEFAULT_MAX_BYTES, size: int | None = None) -> None:
         self._state = state
         self._events = events
         self._base = base  # events before this seq live only in the store (snapshot load)
@@ -118,6 +136,16 @@ class RunController:
         self._attempt: int | None = None
         self._in_flight: set[str] = set()
         self._log: Any = None
+        self._unknown: str | None = None
+        """Why an append's outcome is unknown (None: it never was); then every command
+        is refused until the run is loaded again."""
+        self._bytes = codec.log_size(state.run_id, events) if size is None else size
+        """The size of `to_json()` (no chain): what ``max_bytes`` bounds, kept as events
+        are recorded (``base`` > 0 needs ``size``: the events before it are not here)."""
+        self._max_bytes = max_bytes
+        self._room = max_bytes - _byte_reserves(max_events)[0]
+        """The size below which any command may record; above it only the settling ones
+        and abandon may, in the room reserved for them (`_over_bytes`)."""
 
     # ----------------------------------------------------------- creating a run
 
@@ -133,10 +161,15 @@ class RunController:
         store: EventStore | None = None,
         max_depth: int = DEFAULT_MAX_DEPTH,
         max_events: int = DEFAULT_MAX_EVENTS,
+        max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> RunController:
         """Start a run. ``session_id=None`` is a run without a Session; ``canonical``
         names a registered canonical form (`register_canonical`). With a ``store`` the
-        first event is appended at version 0 (`ConcurrencyConflict` if the run exists)."""
+        first event is appended at version 0 (`ConcurrencyConflict` if the run exists).
+
+        ``max_bytes`` bounds the size of `to_json()` (the UTF-8 length of its compact JSON
+        text, the keyed chain included): a command that would take the run over it is
+        refused before recording, leaving room for settling and closing the run."""
         where = {"run_id": run_id if text_problem(run_id) is None else None,
                  "action": "start"}
         for name, text in (("run_id", run_id), ("session_id", session_id),
@@ -157,14 +190,20 @@ class RunController:
             raise SchemaError(f"max_events must exceed {RESERVED_EVENTS + 1}", **where)
         canonical_form(canonical)  # SchemaError when unknown
         started = ev.RunStarted(0, run_id, session_id, policy, max_turns, canonical)
+        size = _started_size(started, max_events, max_bytes, where)
         if store is not None:
             try:
                 store.append(run_id, (started,), 0)
             except ConcurrencyConflict:
                 raise ConcurrencyConflict("a run with this id already exists in the store",
                                           **where) from None
+            except StorageError as exc:
+                _placed(exc, run_id=where["run_id"], step=None, action="start")
+                raise
+            except (sqlite3.Error, OSError) as exc:  # a store that does not type its errors
+                raise _storage_error(exc, "unknown", **where) from exc
         controller = cls(RunState(started), [started], store=store, max_depth=max_depth,
-                         max_events=max_events)
+                         max_events=max_events, max_bytes=max_bytes, size=size)
         controller._logged(started, None)
         return controller
 
@@ -175,16 +214,26 @@ class RunController:
         *,
         max_depth: int = DEFAULT_MAX_DEPTH,
         max_events: int = DEFAULT_MAX_EVENTS,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        key: bytes | None = None,
     ) -> RunController:
         """Rebuild a run from `to_json` output (dict or text), replaying the whole log.
 
-        `SchemaError` for a malformed document; `InvalidTransition` naming the sequence
-        number of the first event the machine forbids. The controller holds no attempt
-        and no call in flight."""
+        `SchemaError` for a malformed document, and for one over ``max_bytes``: the UTF-8
+        length of its compact JSON text, the same for a dict and its compact text (a text
+        longer than that, with spaces or ASCII escapes, is measured as given and refused
+        before it is parsed). With ``key``, `SchemaError` unless the document carries a
+        keyed chain (`to_json(key=...)`) that verifies under that key, checked before any
+        state is built; without one a chain is not checked. `InvalidTransition` naming the
+        sequence number of the first event the machine forbids. The controller holds no
+        attempt and no call in flight."""
+        _check_limit("max_bytes", max_bytes, "load")
         with _gc_paused():
-            run_id, events = codec.decode_log(data, max_depth=max_depth, max_events=max_events)
-            return cls._replayed(run_id, events, store=None, max_depth=max_depth,
-                                 max_events=max_events)
+            decoded = codec.decode_log(data, max_depth=max_depth, max_events=max_events,
+                                       max_bytes=max_bytes, key=key)
+            state = replay(decoded.run_id, decoded.events)
+            return cls(state, decoded.events, store=None, max_depth=max_depth,
+                       max_events=max_events, max_bytes=max_bytes, size=decoded.size)
 
     @classmethod
     def load(
@@ -194,39 +243,80 @@ class RunController:
         *,
         max_depth: int = DEFAULT_MAX_DEPTH,
         max_events: int = DEFAULT_MAX_EVENTS,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        snapshot: bool = True,
     ) -> RunController:
         """Load a run from an event store and bind it to that store.
 
-        From a store that keeps snapshots (`stores.SnapshotStore`) the newest snapshot the
-        store wrote is trusted and only the events after it are replayed, so loading is
-        O(1) in log length; otherwise the whole log is replayed."""
+        From a store that keeps snapshots (`stores.SnapshotStore`) the newest snapshot is
+        used if it passes its checks and only the events after it are replayed, so loading
+        is O(1) in log length. A snapshot that fails them (it does not restore, is another
+        run's, the events after it do not follow it or do not replay onto it; the SQLite
+        store also checks its digest and that its version is within the log) is ignored
+        with a `stores.SnapshotIgnored` warning, and the whole log is replayed.
+        ``snapshot=False`` always replays the whole log.
+
+        `RunNotFound` for a run the store does not hold; `SchemaError` or
+        `InvalidTransition` for a log that is damaged, has a gap or does not replay;
+        `StorageError` when the store cannot be read. Loading is also the one way on after
+        a command's append had an unknown outcome. ``max_bytes`` as for `start`: a log
+        whose `to_json()` is over it is `SchemaError`."""
+        _check_limit("max_bytes", max_bytes, "load")
         with _gc_paused():
-            return cls._load(store, run_id, max_depth=max_depth, max_events=max_events)
+            loaded = cls._load(store, run_id, max_depth=max_depth, max_events=max_events,
+                               snapshot=snapshot)
+        loaded._bind_max_bytes(max_bytes)
+        return loaded
 
     @classmethod
-    def _load(cls, store: EventStore, run_id: str, *, max_depth: int,
-              max_events: int) -> RunController:
+    def _load(cls, store: EventStore, run_id: str, *, max_depth: int, max_events: int,
+              snapshot: bool = True) -> RunController:
+        try:
+            return cls._loaded(store, run_id, max_depth=max_depth, max_events=max_events,
+                               snapshot=snapshot)
+        except StorageError as exc:
+            _placed(exc, run_id=run_id, step=None, action="load")
+            raise
+        except (sqlite3.Error, OSError) as exc:  # a store that does not type its errors
+            raise _storage_error(exc, "not_written", run_id=run_id, action="load") from exc
+
+    @classmethod
+    def _loaded(cls, store: EventStore, run_id: str, *, max_depth: int, max_events: int,
+                snapshot: bool) -> RunController:
         where = {"run_id": run_id, "action": "load"}
-        snapshot: Mapping[str, Any] | None = None
-        if isinstance(store, SnapshotStore):
-            snapshot, tail = store.load_latest(run_id)
-        state = RunState.restore(snapshot) if snapshot is not None else None
-        if state is None:
-            tail = store.load(run_id)
-            if not tail:
-                raise RunNotFound("no such run in the store", **where)
-            if len(tail) > max_events:
-                raise SchemaError(f"the log has more than max_events={max_events} events",
-                                  **where)
-            return cls._replayed(run_id, list(tail), store=store, max_depth=max_depth,
-                                 max_events=max_events)
-        base = state.last_seq + 1
-        if base + len(tail) > max_events:
+        stored: Mapping[str, Any] | None = None
+        state: RunState | None = None
+        log: list[ev.Event] | None = None
+        if snapshot and isinstance(store, SnapshotStore):
+            stored, tail = store.load_latest(run_id)
+            state = restored(run_id, stored, tail)
+            if state is not None:
+                base = state.last_seq + 1
+                if base + len(tail) > max_events:
+                    raise SchemaError(f"the log has more than max_events={max_events} "
+                                      "events", **where)
+                try:
+                    replay_onto(state, tail, first=base)
+                except ControlError:
+                    pass  # the whole log decides below: it raises too, or the snapshot is bad
+                else:
+                    return cls(state, list(tail), store=store, max_depth=max_depth,
+                               max_events=max_events, base=base,
+                               size=_snapshot_size(store, run_id, stored, base, tail))
+            elif stored is None and tail and tail[0].seq == 0:
+                log = list(tail)  # no snapshot: the tail is the whole log
+        if log is None:
+            log = list(store.load(run_id))
+        if not log:
+            raise RunNotFound("no such run in the store", **where)
+        if len(log) > max_events:
             raise SchemaError(f"the log has more than max_events={max_events} events",
                               **where)
-        replay_onto(state, tail, first=base)
-        return cls(state, list(tail), store=store, max_depth=max_depth,
-                   max_events=max_events, base=base)
+        loaded = cls._replayed(run_id, log, store=store, max_depth=max_depth,
+                               max_events=max_events)
+        if stored is not None and state is not None:
+            snapshot_ignored(run_id, "the events after it do not replay onto it")
+        return loaded
 
     @classmethod
     def _replayed(cls, run_id: str, events: list[ev.Event], *, store: EventStore | None,
@@ -234,9 +324,31 @@ class RunController:
         state = replay(run_id, events)
         return cls(state, events, store=store, max_depth=max_depth, max_events=max_events)
 
-    def to_json(self) -> dict[str, JSON]:
-        """The run as a plain JSON tree of the current ``schema_version``."""
-        return codec.encode_log(self._state.run_id, self._log_events())
+    def to_json(self, key: bytes | None = None) -> dict[str, JSON]:
+        """The run as a plain JSON tree of the current ``schema_version``.
+
+        With ``key`` (non-empty bytes) the document also carries ``"chain"``: the
+        HMAC-SHA256 chain over its events (`codec.chain_tag`), so that
+        ``from_json(..., key=key)`` refuses a document whose events were edited, removed
+        or reordered. Without a key, replay rejects only an illegal or malformed log: an
+        edited payload that keeps the log legal loads."""
+        return codec.encode_log(self._state.run_id, self._log_events(), key=key)
+
+    @property
+    def size(self) -> int:
+        """The size of `to_json()`: the UTF-8 length of its compact JSON text
+        (``json.dumps(doc, separators=(",", ":"), ensure_ascii=False)``), without a
+        keyed chain (which adds `codec.CHAIN_BYTES`). ``max_bytes`` bounds it. O(1)."""
+        return self._bytes
+
+    def _bind_max_bytes(self, max_bytes: int) -> None:
+        """Bind a loaded run to ``max_bytes``; `SchemaError` when it is already over."""
+        if self._bytes > max_bytes:
+            raise SchemaError(f"the log is over max_bytes={max_bytes} (its JSON takes "
+                              f"{self._bytes} bytes)", run_id=self._state.run_id,
+                              action="load")
+        self._max_bytes = max_bytes
+        self._room = max_bytes - _byte_reserves(self._max_events)[0]
 
     # ------------------------------------------------------------------ reading
 
@@ -257,6 +369,11 @@ class RunController:
         return self._state.step
 
     @property
+    def store(self) -> EventStore | None:
+        """The event store this run is bound to (None for a run without one)."""
+        return self._store
+
+    @property
     def max_turns(self) -> int | None:
         return self._state.max_turns
 
@@ -273,8 +390,34 @@ class RunController:
 
     def _log_events(self) -> list[ev.Event]:
         if self._base and self._store is not None:
-            return [*self._store.load(self._state.run_id)[: self._base], *self._events]
+            return [*self._prefix(self._store), *self._events]
         return self._events
+
+    def _prefix(self, store: EventStore) -> list[ev.Event]:
+        """The events before the snapshot this run was loaded from, read from the store:
+        exactly ``_base`` of them, seq 0 on, and leading (with the events after them) to
+        this run's state; else `SchemaError` (or the replay's `InvalidTransition`): never a
+        shorter log, nor one the snapshot did not come from. O(log length), like
+        ``events`` itself."""
+        where = {"run_id": self._state.run_id, "action": "events"}
+        try:
+            prefix = store.load(self._state.run_id)[: self._base]
+        except StorageError as exc:
+            _placed(exc, run_id=where["run_id"], step=self._state.step, action="events")
+            raise
+        except (sqlite3.Error, OSError) as exc:  # a store that does not type its errors
+            raise _storage_error(exc, "not_written", **where) from exc
+        if len(prefix) != self._base or any(
+                event.seq != seq for seq, event in enumerate(prefix)):
+            raise SchemaError(f"the stored log lacks events before the snapshot this run "
+                              f"was loaded from (it holds {len(prefix)} of {self._base})",
+                              **where)
+        with _gc_paused():
+            if replay(self._state.run_id, [*prefix, *self._events]) != self._state:
+                raise SchemaError("the stored log before the snapshot this run was loaded "
+                                  "from does not lead to the snapshot's state (it was "
+                                  "changed)", **where)
+        return prefix
 
     @property
     def state(self) -> RunState:
@@ -423,6 +566,11 @@ class RunController:
         raise kind(reason, run_id=self._state.run_id, step=self._state.step, action=action)
 
     def _gate(self, action: str, trigger: str) -> None:
+        if self._unknown is not None:
+            self._refuse(StorageError, action,
+                         f"an earlier append's outcome is unknown ({self._unknown}); this "
+                         "controller may be behind its log: load the run again from the "
+                         "store (RunController.load) to go on")
         s = self._state
         step = s.step
         if step in _WORKING and (self._max_events - self._base - len(self._events)
@@ -472,6 +620,9 @@ class RunController:
 
     def _record(self, action: str, event: ev.Event) -> Step:
         s = self._state
+        size = self._bytes + _EVENT_SIZE[type(event)](event) + 1  # the comma before it
+        if size > self._room:
+            self._over_bytes(action, event, size)
         try:
             dest = fire(s, event.TRIGGER, event)
         except Refused as refused:
@@ -480,20 +631,49 @@ class RunController:
         if store is not None:
             snapshot = (s.snapshot() if event.seq % SNAPSHOT_EVERY == 0
                         and isinstance(store, SnapshotStore) else None)
+            if snapshot is not None:
+                snapshot[SNAPSHOT_SIZE] = self._bytes  # how a load from it knows the size
             try:
                 if indexes_runs(store):  # it keeps a head per run: tell it the new step
                     store.append(s.run_id, (event,), event.seq, snapshot=snapshot, step=dest)
                 else:
                     store.append(s.run_id, (event,), event.seq, snapshot=snapshot)
+            except StorageError as exc:
+                if exc.outcome != "not_written":
+                    self._unknown = f"{type(event).__name__} at seq {event.seq}, {action}"
+                _placed(exc, run_id=s.run_id, step=s.step, action=action)
+                raise
             except ControlError as exc:
                 exc.step, exc.action = s.step, action
                 raise
+            except (sqlite3.Error, OSError) as exc:  # a store that does not type its errors
+                self._unknown = f"{type(event).__name__} at seq {event.seq}, {action}"
+                raise _storage_error(exc, "unknown", run_id=s.run_id, step=s.step,
+                                     action=action) from exc
         before = s.step
         s.apply(event, dest)
         self._events.append(event)
+        self._bytes = size
         if switch.enabled:
             self._logged(event, before)
         return dest
+
+    def _over_bytes(self, action: str, event: ev.Event, size: int) -> None:
+        """``event`` would take the run past the room for ordinary commands: only the
+        settling commands (keeping room for an abandon) and abandon itself may use the
+        reserve, and nothing may take `to_json(key=...)` over ``max_bytes``."""
+        trigger = event.TRIGGER
+        if trigger == "abandon":
+            limit = self._max_bytes - codec.CHAIN_BYTES
+        elif trigger in SETTLING_TRIGGERS:
+            limit = self._max_bytes - _byte_reserves(self._max_events)[1]
+        else:
+            limit = self._room
+        if size > limit:
+            self._refuse(SchemaError, action,
+                         f"recording it would take the run's JSON to {size} bytes, past "
+                         f"its room under max_bytes={self._max_bytes} (room is kept for "
+                         "settling and abandoning the run)")
 
     def _logged(self, event: ev.Event, before: Step | None) -> None:
         if not switch.enabled:
@@ -545,7 +725,8 @@ class RunController:
         self._text(action, "tool name", call.name)
         if type(call.needs_approval) is not bool or type(call.idempotent) is not bool:
             self._refuse(SchemaError, action, "needs_approval and idempotent must be bool")
-        arguments = self._detach(action, f"arguments of call {call.call_id!r}", call.arguments)
+        arguments = self._detach(action, f"arguments of call {excerpt(call.call_id)}",
+                                 call.arguments)
         return ToolCall(call.call_id, call.name, arguments, call.needs_approval,
                         call.idempotent)
 
@@ -620,7 +801,7 @@ class RunController:
 
     def _refuse_in_doubt(self, action: str, call_id: str) -> NoReturn:
         raise ToolInDoubt(
-            f"call {call_id!r} was started and never completed; it is not re-run (I11). "
+            f"call {excerpt(call_id)} was started and never completed; it is not re-run (I11). "
             "Record its outcome with resolve_in_doubt, or abandon the run",
             call_id=call_id, run_id=self._state.run_id, step=self._state.step, action=action)
 
@@ -641,7 +822,7 @@ class RunController:
             if record.phase is Phase.STARTED:
                 if call_id in self._in_flight:
                     self._refuse(InvalidTransition, "begin_tool",
-                                 f"call {call_id!r} is already running in this controller")
+                                 f"call {excerpt(call_id)} is already running in this controller")
                 if not record.call.idempotent:
                     self._refuse_in_doubt("begin_tool", call_id)
         # the copy handed out is made before anything is recorded
@@ -658,7 +839,7 @@ class RunController:
         detached = self._detach("tool_completed", "output", output)
         if call_id not in self._in_flight:
             self._refuse(InvalidTransition, "tool_completed",
-                         f"call {call_id!r} is not in flight in this controller (a call "
+                         f"call {excerpt(call_id)} is not in flight in this controller (a call "
                          "started elsewhere leaves doubt only through resolve_in_doubt)")
         self._record("tool_completed", ev.ToolCompleted(self._seq, call_id, detached))
         self._in_flight.discard(call_id)
@@ -674,7 +855,7 @@ class RunController:
         self._text(action, "call_id", call_id)
         if call_id not in self._in_flight:
             self._refuse(InvalidTransition, action,
-                         f"call {call_id!r} is not in flight in this controller")
+                         f"call {excerpt(call_id)} is not in flight in this controller")
         self._in_flight.discard(call_id)
 
     def resolve_in_doubt(self, call_id: str, output: JSON) -> None:
@@ -685,7 +866,7 @@ class RunController:
         detached = self._detach("resolve_in_doubt", "output", output)
         if call_id in self._in_flight:
             self._refuse(InvalidTransition, "resolve_in_doubt",
-                         f"call {call_id!r} is in flight in this controller; report "
+                         f"call {excerpt(call_id)} is in flight in this controller; report "
                          "tool_completed")
         self._record("resolve_in_doubt", ev.InDoubtResolved(self._seq, call_id, detached))
 
@@ -892,6 +1073,57 @@ class RunController:
         return None
 
 
+_EVENT_SIZE = codec.EVENT_SIZE
+SNAPSHOT_SIZE = "log_bytes"
+"""The key under which a snapshot handed to a store records the size of the log before it
+(so a load from the snapshot knows `RunController.size` without reading that log)."""
+
+
+@functools.lru_cache(maxsize=16)
+def _byte_reserves(max_events: int) -> tuple[int, int]:
+    """(room kept for fail, reconcile, commit and abandon; room kept for abandon), each
+    with the keyed chain's bytes: the largest such events (a seq as long as
+    ``max_events``, texts of `RESERVED_TEXT` bytes), and the comma before each."""
+    seq, text = max_events, "x" * RESERVED_TEXT
+    abandon = codec.event_size(ev.Abandoned(seq, text)) + 1
+    reconcile = max(codec.event_size(ev.ReconciledAcknowledge(seq, False)),
+                    codec.event_size(ev.ReconciledAppend(seq, False)))
+    settle = (codec.event_size(ev.PublicationFailed(seq, text)) + reconcile
+              + codec.event_size(ev.PublicationCommitted(seq)) + 3)
+    return codec.CHAIN_BYTES + settle + abandon, codec.CHAIN_BYTES + abandon
+
+
+def _check_limit(name: str, value: object, action: str) -> None:
+    if type(value) is not int or value < 1:
+        raise SchemaError(f"{name} must be an int >= 1", action=action)
+
+
+def _started_size(started: ev.RunStarted, max_events: int, max_bytes: int,
+                  where: dict[str, Any]) -> int:
+    """The size of a run's first document; `SchemaError` unless ``max_bytes`` leaves the
+    reserved room beside it."""
+    if type(max_bytes) is not int or max_bytes < 1:
+        raise SchemaError("max_bytes must be an int >= 1", **where)
+    size = codec.envelope_size(started.run_id) + codec.event_size(started)
+    needed = size + _byte_reserves(max_events)[0]
+    if needed > max_bytes:
+        raise SchemaError(f"max_bytes={max_bytes} is too small: this run needs at least "
+                          f"{needed} (its first event and the room reserved for settling "
+                          "and abandoning it)", **where)
+    return size
+
+
+def _snapshot_size(store: EventStore, run_id: str, stored: Mapping[str, Any] | None,
+                   base: int, tail: Sequence[ev.Event]) -> int:
+    """`RunController.size` of a run loaded from a snapshot: the size it recorded for the
+    log before it, plus the tail's events. A snapshot without one (an older library's)
+    costs one read of the log before it."""
+    before = None if stored is None else stored.get(SNAPSHOT_SIZE)
+    if type(before) is not int or before < 1:
+        before = codec.log_size(run_id, store.load(run_id)[:base])
+    return before + sum(_EVENT_SIZE[type(event)](event) + 1 for event in tail)
+
+
 @contextlib.contextmanager
 def _gc_paused() -> Iterator[None]:
     """Decoding and replaying a log allocates many objects and no reference cycles; the
@@ -906,12 +1138,27 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def _placed(error: StorageError, *, run_id: str | None, step: Any, action: str) -> None:
+    """Make ``error`` (a store's) say which run, step and command it refused."""
+    error.run_id, error.step, error.action = run_id, step, action
+    error.args = (error._message(),)
+
+
+def _storage_error(error: BaseException, outcome: str, **where: Any) -> StorageError:
+    """A `StorageError` for a `sqlite3.Error` or `OSError` a store let through untyped
+    (outcome ``"unknown"`` for an append: the store did not say whether it landed)."""
+    return StorageError(f"the store raised {type(error).__name__}: {error}", outcome=outcome,
+                        **where)
+
+
 def _copy_call(call: ToolCall) -> ToolCall:
     return ToolCall(call.call_id, call.name, copy_plain(call.arguments), call.needs_approval,
                     call.idempotent)
 
 
 def _error_name(error: Any) -> str:
-    if isinstance(error, type):
-        return error.__name__
-    return type(error).__name__
+    """The error's type name as recorded: cut to 128 characters and made valid Unicode,
+    so an absurd class name can neither break the log nor eat the settling reserve."""
+    name = error.__name__ if isinstance(error, type) else type(error).__name__
+    name = name[:128]
+    return name if text_problem(name) is None else "<unprintable error type>"

@@ -12,6 +12,27 @@ from __future__ import annotations
 
 from typing import Any
 
+EXCERPT = 64
+"""The most characters of a string from a document or a command a message quotes."""
+
+
+def excerpt(text: str, limit: int = EXCERPT) -> str:
+    """``repr`` of at most ``limit`` characters of ``text``, cut with an ellipsis: how a
+    message quotes a string it was handed (an id, a key, a name), so a message stays
+    short whatever the input holds."""
+    if not isinstance(text, str):
+        return f"<{type_name(text)}>"
+    shown = repr(text[:limit])
+    if len(shown) > limit + 2:  # escapes made it longer: keep a prefix of the escaped form
+        return shown[: limit + 1] + "…"
+    return shown + ("…" if len(text) > limit else "")
+
+
+def type_name(value: object) -> str:
+    """The name of ``value``'s type, cut like `excerpt` (a class name can be any length)."""
+    name = type(value).__name__
+    return name if len(name) <= EXCERPT else name[:EXCERPT] + "…"
+
 
 class ControlError(Exception):
     """Base class of every refusal; ``run_id``, ``step`` and ``action`` say where."""
@@ -33,7 +54,7 @@ class ControlError(Exception):
     def _message(self) -> str:
         where = []
         if self.run_id is not None:
-            where.append(f"run {self.run_id!r}")
+            where.append(f"run {excerpt(self.run_id)}")
         if self.step is not None:
             where.append(f"in step {getattr(self.step, 'name', self.step)}")
         if self.action is not None:
@@ -84,6 +105,23 @@ class InvalidTransition(ControlError):
 
 class ReconcileRejected(ControlError):
     """The Session cannot be matched to the envelope; nothing was recorded (I7)."""
+
+
+class StorageError(ControlError):
+    """The backend failed (locked, read-only, full, corrupt, deleted, connection lost).
+
+    ``outcome`` says what happened to the write: ``"not_written"`` (nothing of it landed;
+    the controller is unchanged and the command may be retried) or ``"unknown"`` (it may
+    have landed; the controller refuses every command until the run is loaded again)."""
+
+    def __init__(self, reason: str, *, outcome: str = "unknown", **where: Any) -> None:
+        if outcome not in ("not_written", "unknown"):
+            raise ValueError("outcome is 'not_written' or 'unknown'")
+        self.outcome = outcome
+        super().__init__(reason, **where)
+
+    def _extra(self) -> dict[str, Any]:
+        return {"outcome": self.outcome}
 
 
 class RunNotFound(ControlError):

@@ -77,8 +77,8 @@ GUARDRAIL_STAGES = frozenset({"input", "output", "tool_input", "tool_output"})
 
 # --------------------------------------------------------------------------- guards
 # A guard takes the run's state and the event being fired, and returns whether the
-# transition may be taken. Its docstring is the reason given when it fails, and its
-# name is drawn on the diagram's edge.
+# transition may be taken. Its docstring says, in one voice, what must hold; a refusal
+# quotes it ("requires ..."). Its name is drawn on the diagram's edge.
 
 Guard = Callable[["RunState", Any], bool]
 GUARDS: dict[str, Guard] = {}
@@ -91,25 +91,25 @@ def guard(fn: Guard) -> Guard:
 
 @guard
 def no_envelope(s: RunState, e: Any) -> bool:
-    """no publication envelope may be unsettled"""
+    """no publication envelope is unsettled"""
     return s.envelope is None
 
 
 @guard
 def turns_left(s: RunState, e: Any) -> bool:
-    """no turns left under max_turns; call abandon("max_turns")"""
+    """a turn is left under max_turns (when none is, call abandon("max_turns"))"""
     return s.max_turns is None or s.turns < s.max_turns
 
 
 @guard
 def results_published(s: RunState, e: Any) -> bool:
-    """a tool result is unpublished; publish it before the model is called again"""
+    """every tool result is published before the model is called again"""
     return s.unpublished_results() == 0
 
 
 @guard
 def calls_are_new(s: RunState, e: Any) -> bool:
-    """the response's call ids must be unique and new to the run"""
+    """the response's call ids are unique and new to the run"""
     ids = [c.call_id for c in e.tool_calls]
     return len(set(ids)) == len(ids) and not any(i in s.calls for i in ids)
 
@@ -128,39 +128,39 @@ def calls_without_approval(s: RunState, e: Any) -> bool:
 
 @guard
 def output_only(s: RunState, e: Any) -> bool:
-    """a response needs tool calls or an output"""
+    """the response has an output and no calls (a response needs one or the other)"""
     return not e.tool_calls and e.output is not None
 
 
 @guard
 def result_unpublished(s: RunState, e: Any) -> bool:
-    """the call must have a completed, unpublished result"""
+    """the call has a completed, unpublished result"""
     record = s.calls.get(e.call_id)
     return record is not None and record.phase == Phase.COMPLETED
 
 
 @guard
 def call_awaits_decision(s: RunState, e: Any) -> bool:
-    """the call must exist and await a decision"""
+    """the call exists and awaits a decision"""
     record = s.calls.get(e.call_id)
     return record is not None and record.phase == Phase.AWAITING
 
 
 @guard
 def fingerprint_matches(s: RunState, e: Any) -> bool:
-    """the decision's fingerprint does not match the call's name and arguments"""
+    """the decision's fingerprint matches the call's name and arguments"""
     return bool(s.calls[e.call_id].fingerprint == e.fingerprint)
 
 
 @guard
 def approved_call_unstarted(s: RunState, e: Any) -> bool:
-    """no approved call is waiting to run"""
+    """an approved call is waiting to run"""
     return s.count(Phase.APPROVED) > 0
 
 
 @guard
 def call_can_start(s: RunState, e: Any) -> bool:
-    """the call must be approved and unstarted (or started, idempotent and unfinished)"""
+    """the call is approved and unstarted (or started, idempotent and unfinished)"""
     record = s.calls.get(e.call_id)
     if record is None:
         return False
@@ -170,15 +170,15 @@ def call_can_start(s: RunState, e: Any) -> bool:
 
 @guard
 def call_started(s: RunState, e: Any) -> bool:
-    """the call must be started and not completed"""
+    """the call is started and not completed"""
     record = s.calls.get(e.call_id)
     return record is not None and record.phase == Phase.STARTED
 
 
 @guard
 def guardrail_fits_stage(s: RunState, e: Any) -> bool:
-    """a guardrail stage is input, output, tool_input or tool_output; tool stages name a
-    known call, the others none"""
+    """the stage is input, output, tool_input or tool_output, and tool stages name a
+    known call while the others name none"""
     r = e.result
     if r.stage not in GUARDRAIL_STAGES:
         return False
@@ -189,14 +189,14 @@ def guardrail_fits_stage(s: RunState, e: Any) -> bool:
 
 @guard
 def guardrail_not_repeated(s: RunState, e: Any) -> bool:
-    """this guardrail already ran for this call or activation (I1)"""
+    """this guardrail has not run yet for this call or activation (I1)"""
     return s.guardrail_key(e.result) not in s.guardrail_keys
 
 
 @guard
 def hook_fits_scope(s: RunState, e: Any) -> bool:
-    """a hook is one of agent_start, agent_end, model_start, model_end, tool_start,
-    tool_end; tool hooks name a known call, the others none"""
+    """the hook is agent_start, agent_end, model_start, model_end, tool_start or
+    tool_end, and tool hooks name a known call while the others name none"""
     if e.hook not in HOOKS:
         return False
     if e.hook.startswith("tool_"):
@@ -206,44 +206,44 @@ def hook_fits_scope(s: RunState, e: Any) -> bool:
 
 @guard
 def hook_not_repeated(s: RunState, e: Any) -> bool:
-    """this hook already ran for this call, model call or activation (I1)"""
+    """this hook has not run yet for this call, model call or activation (I1)"""
     return s.hook_key(e.hook, e.call_id) not in s.hook_keys
 
 
 @guard
 def no_call_started(s: RunState, e: Any) -> bool:
-    """a call is started and not completed"""
+    """no call is started and not completed"""
     return s.count(Phase.STARTED) == 0
 
 
 @guard
 def run_has_no_session(s: RunState, e: Any) -> bool:
-    """the run has a Session; it completes when its final batch settles"""
+    """the run has no Session (a run with one completes when its final batch settles)"""
     return s.session_id is None
 
 
 @guard
 def nothing_unpublished(s: RunState, e: Any) -> bool:
-    """a result or a guardrail result is unpublished"""
+    """no tool result or guardrail result is unpublished"""
     return s.unpublished_results() == 0 and not s.pending_guardrails
 
 
 @guard
 def batch_not_empty(s: RunState, e: Any) -> bool:
-    """a batch needs at least one item"""
+    """the batch has at least one item"""
     return len(e.items) > 0
 
 
 @guard
 def batch_session_matches(s: RunState, e: Any) -> bool:
-    """the envelope must name the run's Session"""
+    """the envelope names the run's Session"""
     return bool(e.session_id == s.session_id)
 
 
 @guard
 def batch_names_its_calls(s: RunState, e: Any) -> bool:
-    """name the calls this batch publishes: call_ids must list every call an item names
-    that has an unpublished result, and only such calls, once each"""
+    """call_ids names the calls this batch publishes: every call an item names that has
+    an unpublished result, only such calls, once each"""
     listed = set(e.call_ids)
     if len(listed) != len(e.call_ids):
         return False
@@ -263,19 +263,19 @@ def batch_names_its_calls(s: RunState, e: Any) -> bool:
 
 @guard
 def batch_publishes_every_result(s: RunState, e: Any) -> bool:
-    """after a final output or a handoff the batch must publish every unpublished result"""
+    """after a final output or a handoff, the batch publishes every unpublished result"""
     return s.unpublished_results() == len(e.call_ids)
 
 
 @guard
 def batch_digests_match(s: RunState, e: Any) -> bool:
-    """the recorded batch digests are not the canonical digests of the batch"""
+    """the recorded batch digests are the canonical digests of the batch"""
     return bool(digests(e.items, s.form) == e.batch_digests)
 
 
 @guard
 def read_limit_is_minimal(s: RunState, e: Any) -> bool:
-    """the recorded read limit is not the smallest that tells the write's outcomes apart"""
+    """the recorded read limit is the smallest that tells the write's outcomes apart"""
     if len(e.frontier) > e.read_limit or (not e.frontier_whole and len(e.frontier) < e.read_limit):
         return False
     return bool(read_limit_for(e.frontier, e.batch_digests, whole=e.frontier_whole) == e.read_limit)
@@ -283,32 +283,32 @@ def read_limit_is_minimal(s: RunState, e: Any) -> bool:
 
 @guard
 def continuation_matches(s: RunState, e: Any) -> bool:
-    """the recorded continuation is not the one the ledger implies"""
+    """the recorded continuation is the one the ledger implies"""
     return s.continuation_after(e.call_ids) is e.continuation
 
 
 @guard
 def attempt_open(s: RunState, e: Any) -> bool:
-    """no publication attempt is open"""
+    """a publication attempt is open"""
     return s.attempt_seq is not None
 
 
 @guard
 def envelope_fails_closed(s: RunState, e: Any) -> bool:
-    """the envelope is reconcilable (RECONCILE policy, lossless output)"""
+    """the envelope fails closed (FAIL_CLOSED policy or a lossy final output)"""
     return s.envelope is not None and s.envelope.fail_closed
 
 
 @guard
 def envelope_reconcilable(s: RunState, e: Any) -> bool:
-    """the envelope is fail-closed (FAIL_CLOSED policy or a lossy final output)"""
+    """the envelope is reconcilable (RECONCILE policy and a lossless output)"""
     return s.envelope is not None and not s.envelope.fail_closed
 
 
 @guard
 def no_attempt_or_take_over(s: RunState, e: Any) -> bool:
-    """an attempt may still be writing; pass take_over=True only when no write of this
-    batch can still land"""
+    """no attempt may still be writing (pass take_over=True only when no write of this
+    batch can still land)"""
     return s.attempt_seq is None or e.take_over
 
 
@@ -317,7 +317,7 @@ def _continues_to(step: Step) -> Guard:
         return s.envelope is not None and s.envelope.continuation is step
 
     check.__name__ = f"continues_to_{step.value}"
-    check.__doc__ = f"the envelope's continuation is not {step.value}"
+    check.__doc__ = f"the envelope's continuation is {step.value}"
     return guard(check)
 
 
@@ -430,15 +430,26 @@ class Refused(Exception):
     """Internal: no row of the table lets this event fire. ``failed`` names the first
     failing guard of each candidate row (empty when the step has no row at all)."""
 
-    def __init__(self, failed: tuple[str, ...]) -> None:
+    def __init__(self, failed: tuple[str, ...], trigger: str = "",
+                 step: Step | None = None) -> None:
         super().__init__(failed)
         self.failed = failed
+        self.trigger = trigger
+        self.step = step
 
     def reason(self) -> str:
         if not self.failed:
-            return "no transition for this trigger from this step"
-        parts = dict.fromkeys(f"{name} ({GUARDS[name].__doc__})" for name in self.failed)
-        return "blocked by guard " + " / ".join(parts)
+            allowed = [s.name for s in Step if (s, self.trigger) in TABLE]
+            where = ", ".join(allowed) if allowed else "no step"
+            return f"{self.trigger or 'this trigger'} is allowed only in {where}"
+        parts = dict.fromkeys(f"guard {name} failed (it requires: {requirement(name)})"
+                              for name in self.failed)
+        return "; ".join(parts)
+
+
+def requirement(name: str) -> str:
+    """A guard's docstring on one line: what must hold for it to pass."""
+    return " ".join((GUARDS[name].__doc__ or name).split())
 
 
 def fire(state: RunState, trigger: str, event: Any) -> Step:
@@ -446,7 +457,7 @@ def fire(state: RunState, trigger: str, event: Any) -> Step:
     step = state.step
     candidates = TABLE.get((step, trigger))
     if candidates is None:
-        raise Refused(())
+        raise Refused((), trigger, step)
     failed = []
     for guards, dest in candidates:
         for name, check in guards:
@@ -455,7 +466,7 @@ def fire(state: RunState, trigger: str, event: Any) -> Step:
                 break
         else:
             return step if dest is None else dest
-    raise Refused(tuple(failed))
+    raise Refused(tuple(failed), trigger, step)
 
 
 def replay(run_id: str, events: Sequence[ev.Event]) -> RunState:

@@ -7,24 +7,32 @@ able to change a recorded event. Plain JSON means ``dict`` with ``str`` keys, ``
 ``str``, ``int``, finite ``float``, ``bool`` and ``None``, by exact type: no tuples, sets,
 enum members or subclasses. The walk is iterative, so a deep document is refused by the
 depth limit, never by a ``RecursionError``.
+
+Also here: the measure ``max_bytes`` bounds. A value's size is the UTF-8 length of its
+compact JSON text (`compact_json`: no spaces, no ASCII escapes, as the SQLite store writes
+it); `json_size` and `str_size` count it exactly, `walk_size` without recursion.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import json.encoder
 import math
 import sys
 from collections.abc import Callable
-from typing import Any, TypeAlias
+from typing import Any, NoReturn, TypeAlias
 
-from statemachine.errors import SchemaError
+from statemachine.errors import SchemaError, excerpt, type_name
 
 JSON: TypeAlias = Any
 """A plain JSON value (see the module docstring); ``Any`` because mypy cannot spell it."""
 
 DEFAULT_MAX_DEPTH = 200
 DEFAULT_MAX_EVENTS = 1_000_000
+DEFAULT_MAX_BYTES = 64 * 2**20
+"""64 MiB: the default bound on a document's size, the UTF-8 length of its compact JSON
+text (see `compact_json`)."""
 
 _SCALARS = frozenset({str, int, bool, type(None)})
 
@@ -70,7 +78,7 @@ def text_problem(value: object) -> str | None:
     """Why ``value`` is not an acceptable text field (an id, a name, a reason), or None:
     not a str, longer than `MAX_TEXT`, or not valid Unicode."""
     if type(value) is not str:
-        return f"must be a str, not {type(value).__name__}"
+        return f"must be a str, not {type_name(value)}"
     if len(value) > MAX_TEXT:
         return f"is longer than {MAX_TEXT} characters"
     if not _encodable(value):
@@ -96,7 +104,7 @@ def detach(value: JSON, max_depth: int = DEFAULT_MAX_DEPTH) -> JSON:
             raise PayloadError("a float that is not finite (NaN or infinity)")
         return value
     if kind is not dict and kind is not list:
-        raise PayloadError(f"a value of type {kind.__name__}, which is not plain JSON")
+        raise PayloadError(f"a value of type {type_name(value)}, which is not plain JSON")
     if max_depth >= 1:
         # the common case: one flat container of strings, ints, bools and None
         values = value.values() if kind is dict else value
@@ -116,7 +124,7 @@ def detach(value: JSON, max_depth: int = DEFAULT_MAX_DEPTH) -> JSON:
         is_dict = type(target) is dict
         for key, item in pairs:
             if is_dict and type(key) is not str:
-                raise PayloadError(f"a dict key of type {type(key).__name__}")
+                raise PayloadError(f"a dict key of type {type_name(key)}")
             if is_dict and isinstance(key, str) and not _encodable(key):
                 raise PayloadError(_BAD_TEXT)
             kind = type(item)
@@ -136,7 +144,7 @@ def detach(value: JSON, max_depth: int = DEFAULT_MAX_DEPTH) -> JSON:
                 copy = {} if kind is dict else []
                 stack.append((item, copy, depth + 1))
             else:
-                raise PayloadError(f"a value of type {kind.__name__}, which is not plain JSON")
+                raise PayloadError(f"a value of type {type_name(item)}, which is not plain JSON")
             if is_dict:
                 target[key] = copy
             else:
@@ -148,6 +156,102 @@ def copy_plain(value: JSON) -> JSON:
     """A deep copy of a value already checked by `detach` (under whatever depth limit):
     what the core hands out, so a caller cannot change what it recorded."""
     return detach(value, sys.maxsize)
+
+
+def _refuse_type(value: object) -> NoReturn:
+    raise TypeError(type(value).__name__)
+
+
+def _make_compact() -> Callable[[JSON], str]:
+    """The C encoder's one-shot call with compact separators, called directly: json.dumps
+    with non-default options builds a new encoder per call, which costs more than the
+    encoding itself for the small values the hot path measures."""
+    c_make_encoder = getattr(json.encoder, "c_make_encoder", None)
+    c_encode = getattr(json.encoder, "c_encode_basestring", None)
+    if c_make_encoder is None or c_encode is None:  # pragma: no cover - no C accelerator
+        encoder = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False,
+                                   allow_nan=False)
+        return encoder.encode
+    # markers=None skips the circular check: only detached values (trees) are measured
+    # this way; `document_size` measures untrusted ones with the check on.
+    one_shot = c_make_encoder(None, _refuse_type, c_encode, None, ":", ",", False, False,
+                              False)
+
+    def compact(value: JSON) -> str:
+        return "".join(one_shot(value, 0))
+
+    return compact
+
+
+compact_json: Callable[[JSON], str] = _make_compact()
+"""``json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)`` for
+a plain JSON tree (no circular check): the form whose UTF-8 length `max_bytes` bounds."""
+
+encode_str: Callable[[str], str] = getattr(json.encoder, "c_encode_basestring", None) or \
+    json.encoder.py_encode_basestring
+"""A str as a JSON string (quotes and escapes, no ASCII escapes), as `compact_json`
+writes it."""
+
+
+def utf8_len(text: str) -> int:
+    """The UTF-8 length of ``text`` (``isascii`` is O(1): no copy for ASCII text). A lone
+    surrogate counts the three bytes it would take: this measures, it does not validate."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def str_size(text: str) -> int:
+    """Bytes of ``text`` as a compact JSON string: quotes and escapes included."""
+    return utf8_len(encode_str(text))
+
+
+def json_size(value: JSON) -> int:
+    """Bytes of a plain JSON tree's compact UTF-8 text (`compact_json`), exactly."""
+    if value is None:
+        return 4
+    try:
+        text = compact_json(value)
+    except RecursionError:  # deeper than the C encoder goes: count it iteratively
+        size = walk_size(value, sys.maxsize)
+        if size is None:
+            raise ValueError("not plain JSON") from None
+        return size
+    return utf8_len(text)
+
+
+def walk_size(value: JSON, max_depth: int) -> int | None:
+    """`json_size` by an iterative walk (no recursion, no text built): None when the tree
+    is nested deeper than ``max_depth`` or holds a value compact JSON cannot write."""
+    total = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        kind = type(item)
+        if kind is str:
+            total += str_size(item)
+        elif kind is dict or kind is list:
+            if depth >= max_depth:
+                return None
+            count = len(item)
+            total += 2 + max(count - 1, 0)  # brackets and commas
+            if kind is dict:
+                for key, child in item.items():
+                    if type(key) is not str:
+                        return None
+                    total += str_size(key) + 1  # the key and its colon
+                    stack.append((child, depth + 1))
+            else:
+                stack.extend((child, depth + 1) for child in item)
+        elif item is None or kind is bool:
+            total += 4 if item is None or item else 5
+        elif kind is int:
+            if not _int_ok(item):
+                return None
+            total += len(int.__repr__(item))
+        elif kind is float and math.isfinite(item):
+            total += len(float.__repr__(item))
+        else:
+            return None
+    return total
 
 
 def canonical_json(value: JSON) -> bytes:
@@ -183,7 +287,7 @@ def register_canonical(name: str, form: CanonicalForm) -> None:
         raise SchemaError("a canonical form needs a non-empty str name")
     existing = _CANONICAL_FORMS.get(name)
     if existing is not None and existing is not form:
-        raise SchemaError(f"canonical form {name!r} is already registered")
+        raise SchemaError(f"canonical form {excerpt(name)} is already registered")
     _CANONICAL_FORMS[name] = form
 
 
@@ -192,7 +296,7 @@ def canonical_form(name: str) -> CanonicalForm:
     try:
         return _CANONICAL_FORMS[name]
     except KeyError:
-        raise SchemaError(f"unknown canonical form {name!r}") from None
+        raise SchemaError(f"unknown canonical form {excerpt(name)}") from None
 
 
 def digests(items: list[JSON] | tuple[JSON, ...], form: CanonicalForm) -> tuple[str, ...]:

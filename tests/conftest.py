@@ -1,12 +1,21 @@
 """Hypothesis profiles: ``ci`` (deterministic, bounded; active when CI is set), ``dev``
-(the default) and ``fuzz`` (long, with a persistent example database; `just fuzz`)."""
+(the default) and ``fuzz`` (long, with a persistent example database; `just fuzz`).
+
+And the PostgreSQL fixtures (DESIGN §6.7): ``pg_dsn`` is STATEMACHINE_PG_DSN when set,
+else a throwaway cluster started once per session (tests/pg_cluster.py); ``pg_schema`` is
+a fresh schema per test. Without a server the tests marked ``postgres`` skip with a
+one-line reason, except under CI, where such a skip fails the run."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Generator, Iterator
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
+
+from tests import pg_cluster
 
 settings.register_profile(
     "ci",
@@ -30,3 +39,65 @@ settings.register_profile(
 settings.load_profile(
     os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
 )
+
+
+# ------------------------------------------------------------------ PostgreSQL (§6.7)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "postgres: needs a PostgreSQL server (the pg_dsn fixture); a skip of "
+        "such a test fails the run when CI is set")
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[pg_cluster.Cluster | None]:
+    """The throwaway cluster (None when STATEMACHINE_PG_DSN names a server)."""
+    if os.environ.get(pg_cluster.DSN_VARIABLE):
+        yield None
+        return
+    try:
+        cluster = pg_cluster.start_cluster()
+    except pg_cluster.NoServer as reason:
+        pytest.skip(f"no PostgreSQL server: {reason}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_dsn(pg_server: pg_cluster.Cluster | None) -> str:
+    """A DSN of a PostgreSQL database the tests may create schemas in."""
+    if pg_server is None:
+        return os.environ[pg_cluster.DSN_VARIABLE]
+    return pg_server.dsn
+
+
+@pytest.fixture
+def pg_schema(pg_dsn: str) -> Iterator[str]:
+    """A fresh schema for one test's tables, dropped afterwards."""
+    schema = pg_cluster.unique_schema()
+    yield schema
+    pg_cluster.drop_schema(pg_dsn, schema)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Under CI a skipped PostgreSQL test is a failure (DESIGN §6.7), except the one that
+    needs the throwaway cluster when STATEMACHINE_PG_DSN names another server."""
+    report: pytest.TestReport = yield
+    if (os.environ.get("CI") and report.skipped and item.get_closest_marker("postgres")
+            and not _skip_reason(report).endswith(pg_cluster.EXTERNAL_SKIP)):
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid}: a PostgreSQL test was skipped under CI "
+                           f"({_skip_reason(report)}); CI must run them")
+    return report
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)

@@ -14,6 +14,7 @@ def test_bench_reports_every_command_as_json() -> None:
     with contextlib.redirect_stdout(out):
         assert main(["--runs", "20", "--repeats", "1", "--appends", "20", "--sizes", "50",
                      "--idle-runs", "50", "--fuzz-examples", "2", "--turns", "5",
+                     "--batch-items", "20", "40", "--event-mb", "0.01", "0.02",
                      "--json"]) == 0
     report = json.loads(out.getvalue())
     assert [row["command"] for row in report["command"]] == list(COMMANDS)
@@ -27,3 +28,9 @@ def test_bench_reports_every_command_as_json() -> None:
     assert report["fuzz"]["steps"] > 0
     assert report["scenario"]["reference_runner_ms"] > 0
     assert report["roundtrip"]["items"] == 10
+    large = report["large"]
+    assert [row["items"] for row in large["batch"]] == [20, 40]
+    assert large["batch_stage_ratio"] > 0
+    assert large["batch_load_ratio"] > 0
+    assert 0 < large["event"][0]["event_bytes"] < large["event"][1]["event_bytes"]
+    assert large["event_load_ratio"] > 0

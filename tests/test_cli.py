@@ -26,7 +26,7 @@ from statemachine import diagrams as diagrams_module
 from statemachine.cli.main import explore_verdict
 from statemachine.cli.main import parser as cli_parser
 from statemachine.testing.explore import ExploreReport
-from tests.helpers import P, at_interruption, failed, reloaded, run_charge, staged
+from tests.helpers import B, P, at_interruption, failed, reloaded, run_charge, staged
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(sys.executable).with_name("statemachine")
@@ -457,6 +457,104 @@ def test_a_store_in_use_is_read_through_its_write_ahead_log(tmp_path: Path) -> N
         store.close()
 
 
+# ---------------------------------------------------------------------- list
+
+
+def _listed_store(path: Path) -> Path:
+    """A store with four runs: run-1 interrupted and claimed by worker-7, run-2 unsettled
+    on the same Session, run-3 without a Session, run-4 on another Session."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    store = SQLiteEventStore(path)
+    at_interruption(store=store).claim("worker-7")
+    unsettled = at_interruption(store=store, run_id="run-2")
+    run_charge(unsettled)
+    unsettled.stage_publication(B, P, call_ids=["charge", "audit"])
+    RunController.start(run_id="run-3", session_id=None, store=store)
+    RunController.start(run_id="run-4", session_id="session-2", store=store)
+    store.close()
+    return path
+
+
+def test_list_shows_one_line_per_run(tmp_path: Path) -> None:
+    db = _listed_store(tmp_path / "events.db")
+    done = cli("list", "--store", str(db))
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert done.stdout.splitlines() == [
+        "run run-1: step INTERRUPTION, session session-1, 7 events, owner worker-7",
+        f"run run-2: step UNSETTLED, session session-1, {staged().version} events, no owner",
+        "run run-3: step RUN_AGAIN, no Session, 1 event, no owner",
+        "run run-4: step RUN_AGAIN, session session-2, 1 event, no owner",
+    ]
+
+
+def test_list_filters_by_session_and_step(tmp_path: Path) -> None:
+    db = _listed_store(tmp_path / "events.db")
+    by_session = cli("list", "--store", str(db), "--session", "session-1")
+    assert [line.split(":")[0] for line in by_session.stdout.splitlines()] == [
+        "run run-1", "run run-2"]
+    by_step = cli("list", "--store", str(db), "--step", "unsettled", "--step", "RUN_AGAIN")
+    assert [line.split(":")[0] for line in by_step.stdout.splitlines()] == [
+        "run run-2", "run run-3", "run run-4"]
+    both = cli("list", "--store", str(db), "--session", "session-1", "--step",
+               "RUN_AGAIN")
+    assert (both.returncode, both.stdout) == (0, "")
+    as_json = json.loads(cli("list", "--store", str(db), "--session", "session-1",
+                             "--json").stdout)
+    assert as_json == [
+        {"run_id": "run-1", "step": "interruption", "session_id": "session-1",
+         "version": 7, "owner": "worker-7"},
+        {"run_id": "run-2", "step": "unsettled", "session_id": "session-1",
+         "version": staged().version, "owner": None},
+    ]
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--step", "sleeping"], "unknown step 'sleeping'"),
+    (["--step", "x" * 3000], "unknown step 'xxx"),
+    ([], "the following arguments are required: --store"),
+])
+def test_list_refuses_a_bad_step_or_no_store_in_one_line(tmp_path: Path, args: list[str],
+                                                         says: str) -> None:
+    db = _listed_store(tmp_path / "events.db")
+    store = [] if not args else ["--store", str(db)]
+    line = _one_line_error(cli("list", *store, *args))
+    assert says in line
+    assert len(line) < 700
+    assert "x" * 300 not in line
+
+
+@pytest.mark.parametrize("kind", ["valid-store", "empty-file", "missing", "in-use"])
+def test_list_never_creates_or_changes_a_file(kind: str, tmp_path: Path) -> None:
+    db = tmp_path / "store" / "events.db"
+    writer = None
+    if kind in ("valid-store", "in-use"):
+        _listed_store(db)
+    else:
+        db.parent.mkdir()
+        if kind == "empty-file":
+            db.write_bytes(b"")
+    if kind == "in-use":  # a writer holds it open, its last events only in the -wal
+        writer = SQLiteEventStore(db)
+        RunController.load(writer, "run-3").begin_model_call()
+    before = _fingerprint(db)
+    try:
+        done = cli("list", "--store", str(db), cwd=tmp_path)
+        if kind in ("valid-store", "in-use"):
+            assert done.returncode == 0, done.stderr
+            assert len(done.stdout.splitlines()) == 4
+            if kind == "in-use":
+                assert "run run-3: step AWAITING_MODEL" in done.stdout
+        else:
+            line = _one_line_error(done)
+            assert ("not an agent-statemachine event store" if kind == "empty-file"
+                    else "no such store file") in line
+        assert _fingerprint(db) == before
+    finally:
+        if writer is not None:
+            writer.close()
+
+
 # ------------------------------------------------------------------- explore
 
 
@@ -505,7 +603,8 @@ def test_every_command_and_option_has_help() -> None:
             assert action.help != argparse.SUPPRESS, (name, action.dest)
 
 
-@pytest.mark.parametrize("command", ["", "demo", "render", "inspect", "replay", "explore"])
+@pytest.mark.parametrize("command", ["", "demo", "render", "inspect", "replay", "explore",
+                                     "list"])
 def test_help_is_plain_text(command: str) -> None:
     done = cli(*command.split(), "--help")
     assert done.returncode == 0, done.stderr

@@ -152,3 +152,34 @@ def test_errors_name_the_right_thing() -> None:
     again = pickle.loads(pickle.dumps(error))
     assert (type(again), again.call_id, again.run_id, again.step, again.action, str(again)) \
         == (ToolInDoubt, "c1", "r", Step.TOOLS, "resume", str(error))
+
+
+def test_refusals_name_the_steps_that_allow_a_trigger_and_read_as_one_line() -> None:
+    from statemachine import InvalidTransition
+    from statemachine.machine import GUARDS, requirement
+
+    c = RunController.start(run_id="r", session_id="s", max_turns=0)
+    with pytest.raises(InvalidTransition, match="begin_tool is allowed only in TOOLS"):
+        c.begin_tool("c1")
+    with pytest.raises(InvalidTransition, match="approve is allowed only in INTERRUPTION"):
+        c.approve("c1")
+    with pytest.raises(InvalidTransition) as info:
+        c.begin_model_call()
+    assert "guard turns_left failed (it requires: a turn is left under max_turns" in str(
+        info.value)
+    for name in GUARDS:
+        rule = requirement(name)
+        assert "\n" not in rule
+        assert "  " not in rule
+        # one voice: what must hold, never what went wrong
+        assert not rule.startswith(("no turns", "a tool result is", "the decision's "
+                                    "fingerprint does not", "this guardrail already",
+                                    "a call is started", "the run has a Session"))
+
+
+def test_an_absurd_error_type_name_still_records_a_log_that_loads() -> None:
+    c = RunController.start(run_id="r", session_id="s")
+    c.begin_model_call()
+    huge = type("E" * 5000, (Exception,), {})
+    c.model_failed(huge())
+    assert RunController.from_json(json.dumps(c.to_json())).to_json() == c.to_json()

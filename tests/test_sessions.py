@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from statemachine import RecoveryPolicy, Step
+from statemachine import RecoveryPolicy, Step, StorageError
 from statemachine.runner import publish
 from statemachine.sessions import MemorySession, Session, SQLiteSession
 from statemachine.testing.contracts import SessionContract
@@ -80,8 +80,9 @@ def test_sqlite_add_items_is_atomic(tmp_path: Path) -> None:
 
     async def go() -> None:
         s = Crashing(SESSION, tmp_path / "session.db")
-        with pytest.raises(OSError, match="power lost"):
+        with pytest.raises(StorageError, match="power lost") as info:  # typed (DESIGN §6.6)
             await s.add_items([{"n": 1}, {"n": 2}])
+        assert info.value.outcome == "not_written"
         assert await SQLiteSession(SESSION, tmp_path / "session.db").get_items() == []
 
     asyncio.run(go())

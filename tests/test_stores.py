@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from statemachine import MemoryEventStore, RunController, Step
+from statemachine import MemoryEventStore, RunController, Step, StorageError
 from statemachine import controller as controller_module
 from statemachine.stores import EventStore, SQLiteEventStore
 from statemachine.testing.contracts import EventStoreContract
@@ -106,8 +106,9 @@ class TestSQLiteEventStore(EventStoreContract):
         store = Refusing(tmp_path / "events.db")
         c = at_interruption(store=store)
         original = store._conn
-        store._conn = _Broken(original)  # type: ignore[assignment]
-        assert_refused(c, sqlite3.OperationalError, c.approve, "charge")
+        store._conn = _Broken(original)
+        refused = assert_refused(c, StorageError, c.approve, "charge")
+        assert refused.outcome == "not_written"
         assert RunController.load(store, "run-1").state == c.state
 
 

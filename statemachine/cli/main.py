@@ -1,8 +1,9 @@
-"""The ``statemachine`` command: render the machine, inspect and replay runs, explore
+"""The ``statemachine`` command: render the machine, inspect, replay and list runs, explore
 the invariants, and play the demo. Errors are one line on stderr and exit status 2.
 
-The read-only commands (``inspect``, ``replay``, ``render FILE|--store``) never create
-or change a file: a store is opened with SQLite's ``mode=ro`` (see `read_store_log`)."""
+The read-only commands (``inspect``, ``replay``, ``render FILE|--store``, ``list``) never
+create or change a file: a store is opened read-only (``SQLiteEventStore(path,
+readonly=True)``, see `open_store`)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import os
 import sqlite3
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
-from urllib.parse import quote
 
 from statemachine.cli.common import SHOWN, UserError, shown
 from statemachine.values import Action, Phase, RecoveryPolicy
@@ -23,9 +24,10 @@ from statemachine.values import Action, Phase, RecoveryPolicy
 if TYPE_CHECKING:
     from statemachine.controller import RunController
     from statemachine.errors import ControlError
-    from statemachine.events import Event
+    from statemachine.stores import SQLiteEventStore
     from statemachine.testing import World
     from statemachine.testing.explore import ExploreReport
+    from statemachine.values import Step
 
 
 # ----------------------------------------------------------------- loading runs
@@ -60,103 +62,38 @@ def _read_file(path: Path) -> str:
                         f"{data[error.start]:#04x}); a run's JSON file is UTF-8") from None
 
 
-_SIDE_FILES = ("-wal", "-shm", "-journal")
+def open_store(path: Path) -> SQLiteEventStore:
+    """A SQLite event store opened read-only (`SQLiteEventStore` with ``readonly=True``):
+    nothing this command does can create or change a file. `StorageError` (one line)
+    for a missing path, a directory, a file that is not a SQLite database or lacks the
+    store's ``events`` table, and a damaged database."""
+    from statemachine.stores import SQLiteEventStore
+
+    return SQLiteEventStore(path, readonly=True)
 
 
-def _side_files(name: str) -> list[str]:
-    return [name + suffix for suffix in _SIDE_FILES if os.path.lexists(name + suffix)]
-
-
-def _identity(name: str) -> tuple[int, int, int, int]:
-    st = os.stat(name)
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def _query_store(name: str, run_id: str | None, *,
-                 immutable: bool) -> tuple[list[str], list[tuple[Any, Any]]]:
-    """(up to six run ids, the rows of ``run_id``) from a connection that cannot write."""
-    uri = "file:" + quote(os.fsencode(os.path.abspath(name))) + "?mode=ro"
-    conn = sqlite3.connect(uri + ("&immutable=1" if immutable else ""), uri=True,
-                           timeout=5.0)
-    try:
-        tables = {row[0] for row in conn.execute(
-            "SELECT name FROM sqlite_master WHERE type = 'table'")}
-        columns = {row[1] for row in conn.execute("PRAGMA table_info(events)")}
-        if "events" not in tables or not {"run_id", "seq", "body"} <= columns:
-            what = "an empty file" if os.path.getsize(name) == 0 else "a SQLite database"
-            raise UserError(f"{shown(name)} is not an agent-statemachine event store: "
-                            f"it is {what} without the store's events table")
-        runs = [row[0] for row in conn.execute(
-            "SELECT DISTINCT run_id FROM events ORDER BY run_id LIMIT 6")]
-        rows = [] if run_id is None else conn.execute(
-            "SELECT seq, body FROM events WHERE run_id = ? ORDER BY seq",
-            (run_id,)).fetchall()
-        return runs, rows
-    finally:
-        conn.close()
-
-
-def read_store_log(path: Path, run_id: str | None) -> tuple[list[str], list[Event]]:
-    """Read a SQLite event store without creating or changing any file: (up to six of its
-    run ids, the log of ``run_id``, empty when it has no such run).
-
-    The connection is SQLite's ``mode=ro``. A WAL database at rest (no ``-wal``, ``-shm``
-    or ``-journal`` beside it) is read as ``immutable``, because a read-only connection
-    would otherwise leave a ``-wal`` and a ``-shm`` behind that it may not delete; if the
-    file or its side files moved during that read (a writer came), it is read again
-    through SQLite's locks. Refuses, as `UserError`, a missing path, a directory, a file
-    that is not a SQLite database or lacks the store's ``events`` table, and a damaged
-    database.
-
-    Stopgap until `SQLiteEventStore` opens read-only itself: this reads the store's
-    ``events`` table directly and decodes the rows as the store does."""
-    from statemachine import codec
-
-    name, where = os.fspath(path), shown(path)
-    if not os.path.lexists(name):
-        raise UserError(f"no such store file: {where}")
-    if os.path.isdir(name):
-        raise UserError(f"{where} is a directory, not an event store file")
-    try:
-        before = _identity(name)
-        if not _side_files(name):
-            runs, rows = _query_store(name, run_id, immutable=True)
-            if _side_files(name) or _identity(name) != before:
-                runs, rows = _query_store(name, run_id, immutable=False)
-        else:
-            runs, rows = _query_store(name, run_id, immutable=False)
-    except sqlite3.DatabaseError as error:
-        reason = shown(error, 120)
-        if "not a database" in reason:
-            raise UserError(f"{where} is not a SQLite database, so not an "
-                            "agent-statemachine event store") from None
-        if "malformed" in reason or "corrupt" in reason:
-            raise UserError(f"{where} is a damaged SQLite database ({reason})") from None
-        raise UserError(f"cannot read the store {where}: {reason}") from None
-    except OSError as error:
-        raise UserError(f"cannot read the store {where}: {error.strerror or error}") from None
-    return runs, [codec.decode_stored_event(codec.parse(body), seq) for seq, body in rows]
-
-
-def _load(args: argparse.Namespace) -> RunController:
+def _load(args: argparse.Namespace, *, snapshot: bool = True) -> RunController:
+    """The run a command names: from a JSON file (the whole log replayed), or from a
+    store opened read-only (from its verified snapshot unless ``snapshot=False``)."""
     from statemachine.controller import RunController
-    from statemachine.stores import MemoryEventStore
+    from statemachine.errors import RunNotFound
 
     if args.store is not None:
         if args.file is not None:
             raise UserError("give either FILE, or --store DB with --run ID, not both")
-        runs, events = read_store_log(args.store, args.run_id)
-        if args.run_id is None or not events:
-            some = ", ".join(repr(shown(r, 60)) for r in runs[:5])
-            holds = (f"it holds {some}{', ...' if len(runs) > 5 else ''}" if runs
-                     else "it holds no run")
-            if args.run_id is None:
-                raise UserError(f"--store needs --run ID ({holds})")
-            raise UserError(f"no run {shown(args.run_id)!r} in {shown(args.store)} ({holds})")
-        # the log is replayed in memory: nothing this command does can reach the file
-        memory = MemoryEventStore()
-        memory.append(args.run_id, events, 0)
-        return RunController.load(memory, args.run_id)
+        store = open_store(args.store)
+        if args.run_id is not None:
+            try:
+                return RunController.load(store, args.run_id, snapshot=snapshot)
+            except RunNotFound:
+                pass
+        runs = store.run_ids(limit=6)
+        some = ", ".join(repr(shown(r, 60)) for r in runs[:5])
+        holds = (f"it holds {some}{', ...' if len(runs) > 5 else ''}" if runs
+                 else "it holds no run")
+        if args.run_id is None:
+            raise UserError(f"--store needs --run ID ({holds})")
+        raise UserError(f"no run {shown(args.run_id)!r} in {shown(args.store)} ({holds})")
     if args.run_id is not None:
         raise UserError("--run needs --store DB (a FILE holds one run)")
     if args.file is None:
@@ -326,7 +263,7 @@ def inspect_command(args: argparse.Namespace) -> int:
 
 
 def replay_command(args: argparse.Namespace) -> int:
-    c = _load(args)
+    c = _load(args, snapshot=False)  # the whole log, every transition checked again
     print(f"ok: {c.version} events replayed, every transition legal; step "
           f"{c.step.name}")
     return 0
@@ -355,6 +292,41 @@ def render_command(args: argparse.Namespace) -> int:
     if not any(path.suffix == ".svg" for path in written):
         print("skipped the SVG: Graphviz's dot program is not installed (the .dot file "
               "is the same graph; install Graphviz and render again to get the SVG)")
+    return 0
+
+
+# ---------------------------------------------------------------------- list
+
+
+def _steps(texts: list[str] | None) -> set[Step] | None:
+    """The steps ``--step`` names (by name or value, any case); `UserError` otherwise."""
+    from statemachine.values import Step
+
+    if not texts:
+        return None
+    chosen = set()
+    for text in texts:
+        found = next((step for step in Step if step.value == text.strip().lower()), None)
+        if found is None:
+            raise UserError(f"unknown step {shown(text, 60)!r}: --step is one of "
+                            f"{', '.join(step.name for step in Step)}")
+        chosen.add(found)
+    return chosen
+
+
+def list_command(args: argparse.Namespace) -> int:
+    steps = _steps(args.step)
+    heads = open_store(args.store).list_runs(session_id=args.session, steps=steps)
+    if args.json:
+        print(json.dumps([{"run_id": h.run_id, "step": h.step.value,
+                           "session_id": h.session_id, "version": h.version,
+                           "owner": h.owner} for h in heads], indent=2))
+        return 0
+    for h in heads:
+        session = "no Session" if h.session_id is None else f"session {shown(h.session_id)}"
+        owner = "no owner" if h.owner is None else f"owner {shown(h.owner)}"
+        events = f"{h.version} event{'' if h.version == 1 else 's'}"
+        print(f"run {shown(h.run_id)}: step {h.step.name}, {session}, {events}, {owner}")
     return 0
 
 
@@ -442,9 +414,9 @@ def _count(least: int) -> Callable[[str], int]:
 
 
 DESCRIPTION = (
-    "Render the run-step machine, inspect and replay runs, explore the invariants, and "
-    "play the demo. inspect, replay and render read a run's JSON file or a SQLite event "
-    "store and never change either.")
+    "Render the run-step machine, inspect, replay and list runs, explore the invariants, "
+    "and play the demo. inspect, replay and render read a run's JSON file or a SQLite "
+    "event store, list reads a store, and none of them changes either.")
 EPILOG = ("Exit status: 0 when all is well; 1 when explore finds a counterexample or a "
           "demo check fails; 2 for any error, which is one line on stderr. "
           "Run 'statemachine COMMAND --help' for a command's options.")
@@ -509,6 +481,23 @@ def parser() -> argparse.ArgumentParser:
                               "verdict says when it cut the search short (default: "
                               "200000)")
     explore.set_defaults(run=explore_command)
+
+    listing = commands.add_parser(
+        "list", help="the runs in a store: step, Session, events and owner",
+        description="List the runs a SQLite event store holds, one line per run: its id, "
+        "step, Session, number of events and owner (of its last claim), read off the "
+        "store's run index. The store is opened read-only and never changed.")
+    listing.add_argument("--store", type=Path, metavar="DB", required=True,
+                         help="a SQLite event store file (opened read-only, never changed)")
+    listing.add_argument("--session", metavar="ID",
+                         help="only the runs on this Session")
+    listing.add_argument("--step", action="append", metavar="STEP",
+                         help="only the runs in this step, by name (such as UNSETTLED or "
+                              "interruption); repeat it for several steps")
+    listing.add_argument("--json", action="store_true",
+                         help="print the runs as one JSON list of objects (run_id, step, "
+                              "session_id, version, owner)")
+    listing.set_defaults(run=list_command)
     return top
 
 
@@ -531,10 +520,26 @@ def _control_message(error: ControlError) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from statemachine.stores import SnapshotIgnored
+
+    args = parser().parse_args(argv)
+    command = args.command
+
+    def one_line(message: Warning | str, category: type[Warning], *_: Any,
+                 **__: Any) -> None:
+        print(f"statemachine {command}: warning: {category.__name__}: "
+              f"{shown(message, 450)}", file=sys.stderr, flush=True)
+
+    with warnings.catch_warnings():  # a warning (a snapshot ignored) is one line too
+        warnings.simplefilter("always", SnapshotIgnored)
+        warnings.showwarning = one_line
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from statemachine.diagrams import GraphvizFailed
     from statemachine.errors import ControlError
 
-    args = parser().parse_args(argv)
     command = args.command
     try:
         return int(args.run(args))

@@ -381,6 +381,21 @@ class Runner:
         take_over: bool = False,
         owner: str | None = None,
     ) -> RunResult:
+        """Run ``agent`` to its next stop and return the `RunResult`.
+
+        A new run starts with ``input`` (a str becomes one user message); an existing
+        one resumes from exactly one of ``controller=``, ``state=`` (its JSON) or
+        ``store=`` with ``run_id=`` (a ``run_id`` the store does not hold starts a new run
+        bound to the store). ``session`` is the run's Session (omit it for a run without
+        one). A resumed attempt first records ``claim(owner)``, then passes the gate, all
+        before any guardrail, hook, model call or tool.
+
+        Raises, before any work: `RunNotResumable`, `ToolInDoubt`, `ConcurrencyConflict`
+        (another process claimed the run first), `PublicationUnsettled` (another run left
+        this Session mid-write). During the run: `ReconcileRejected` (the Session cannot
+        be matched to the unsettled batch; nothing re-runs), the Session's own write error
+        (I6), `MaxTurnsExceeded`, `OutputGuardrailTripwire`. ``take_over=True`` only when
+        no earlier write of this run can still land."""
         return await Runner._run(agent, input, session=session, controller=controller,
                                  state=state, store=store, run_id=run_id, policy=policy,
                                  hooks=hooks, take_over=take_over, emit=lambda event: None,

@@ -36,7 +36,7 @@ async def one_writer(controller: RunController, session: Session) -> None:
     c = controller
     if c.session_id is None or c.step is Step.UNSETTLED:
         return
-    store = c._store  # the store the run is bound to (None: a run loaded from JSON)
+    store = c.store  # the store the run is bound to (None: a run loaded from JSON)
     if store is not None and indexes_runs(store):
         blocking = [head.run_id for head in store.list_runs(
             session_id=c.session_id, steps=(Step.UNSETTLED,)) if head.run_id != c.run_id]
