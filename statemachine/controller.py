@@ -24,9 +24,11 @@ and the calls it has in flight (started here, not yet completed).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import gc
+import inspect
 import sqlite3
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -75,6 +77,7 @@ from statemachine.payloads import (
 from statemachine.state import RunState, in_doubt, next_action
 from statemachine.stores import (
     SNAPSHOT_EVERY,
+    AsyncEventStore,
     SnapshotStore,
     indexes_runs,
     restored,
@@ -120,8 +123,9 @@ _WORKING = frozenset(WORKING_STEPS)
 class RunController:
     """The control core of one run. Create with `start`, `load` or `from_json`."""
 
-    __slots__ = ("_attempt", "_base", "_bytes", "_events", "_in_flight", "_log",
-                 "_max_bytes", "_max_depth", "_max_events", "_room", "_state", "_store",
+    __slots__ = ("_attempt", "_base", "_buffered", "_bytes", "_conflict", "_events",
+                 "_flushed", "_in_flight", "_log", "_max_bytes", "_max_depth", "_max_events",
+                 "_pending_snapshot", "_room", "_snapshot_at", "_state", "_store",
                  "_unknown")
 
     def __init__(self, state: RunState, events: list[ev.Event], *, store: EventStore | None,
@@ -139,6 +143,16 @@ class RunController:
         self._unknown: str | None = None
         """Why an append's outcome is unknown (None: it never was); then every command
         is refused until the run is loaded again."""
+        self._buffered = store is not None and _is_async(store)
+        """Durability at effect boundaries: events are kept here and appended by
+        `flush` / `flush_async` in one transaction (always so for an async store)."""
+        self._flushed = base + len(events)
+        """How many events the store holds (the version the next flush expects)."""
+        self._pending_snapshot: dict[str, JSON] | None = None
+        self._snapshot_at = base
+        self._conflict: str | None = None
+        """Why buffered events were refused by the store (another writer moved the log);
+        then every command is refused until the run is loaded again."""
         self._bytes = codec.log_size(state.run_id, events) if size is None else size
         """The size of `to_json()` (no chain): what ``max_bytes`` bounds, kept as events
         are recorded (``base`` > 0 needs ``size``: the events before it are not here)."""
@@ -162,10 +176,15 @@ class RunController:
         max_depth: int = DEFAULT_MAX_DEPTH,
         max_events: int = DEFAULT_MAX_EVENTS,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        buffered: bool = False,
     ) -> RunController:
         """Start a run. ``session_id=None`` is a run without a Session; ``canonical``
         names a registered canonical form (`register_canonical`). With a ``store`` the
         first event is appended at version 0 (`ConcurrencyConflict` if the run exists).
+
+        ``buffered=True`` (always so with an async store): events are appended only by
+        `flush` / `flush_async`, one transaction per effect boundary, and a run id the
+        store already holds is refused at the first flush.
 
         ``max_bytes`` bounds the size of `to_json()` (the UTF-8 length of its compact JSON
         text, the keyed chain included): a command that would take the run over it is
@@ -191,6 +210,12 @@ class RunController:
         canonical_form(canonical)  # SchemaError when unknown
         started = ev.RunStarted(0, run_id, session_id, policy, max_turns, canonical)
         size = _started_size(started, max_events, max_bytes, where)
+        if store is not None and (buffered or _is_async(store)):
+            controller = cls(RunState(started), [started], store=store, max_depth=max_depth,
+                             max_events=max_events, max_bytes=max_bytes, size=size)
+            controller._buffered, controller._flushed = True, 0
+            controller._logged(started, None)
+            return controller
         if store is not None:
             try:
                 store.append(run_id, (started,), 0)
@@ -245,8 +270,10 @@ class RunController:
         max_events: int = DEFAULT_MAX_EVENTS,
         max_bytes: int = DEFAULT_MAX_BYTES,
         snapshot: bool = True,
+        buffered: bool = False,
     ) -> RunController:
-        """Load a run from an event store and bind it to that store.
+        """Load a run from an event store and bind it to that store (``buffered`` as for
+        `start`; an async store is loaded with `load_async`).
 
         From a store that keeps snapshots (`stores.SnapshotStore`) the newest snapshot is
         used if it passes its checks and only the events after it are replayed, so loading
@@ -266,6 +293,37 @@ class RunController:
             loaded = cls._load(store, run_id, max_depth=max_depth, max_events=max_events,
                                snapshot=snapshot)
         loaded._bind_max_bytes(max_bytes)
+        loaded._buffered = buffered
+        return loaded
+
+    @classmethod
+    async def load_async(
+        cls,
+        store: AsyncEventStore | EventStore,
+        run_id: str,
+        *,
+        max_depth: int = DEFAULT_MAX_DEPTH,
+        max_events: int = DEFAULT_MAX_EVENTS,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        snapshot: bool = True,
+        buffered: bool = False,
+    ) -> RunController:
+        """`load` without blocking the event loop: decoding and replay run on a worker
+        thread, which awaits the store's coroutines on this loop. A controller bound to
+        an async store buffers its events (flush with `flush_async`)."""
+        if not _is_async(store):
+            return await asyncio.to_thread(
+                cls.load, store, run_id,  # type: ignore[arg-type]
+                max_depth=max_depth, max_events=max_events,
+                max_bytes=max_bytes, snapshot=snapshot, buffered=buffered)
+        loop = asyncio.get_running_loop()
+        bridge = _SyncBridge(store, loop)
+        loaded: RunController = await asyncio.to_thread(
+            cls.load, bridge, run_id,
+            max_depth=max_depth, max_events=max_events, max_bytes=max_bytes,
+            snapshot=snapshot)
+        loaded._store = store  # type: ignore[assignment]
+        loaded._buffered = True
         return loaded
 
     @classmethod
@@ -400,6 +458,11 @@ class RunController:
         shorter log, nor one the snapshot did not come from. O(log length), like
         ``events`` itself."""
         where = {"run_id": self._state.run_id, "action": "events"}
+        if _is_async(store):
+            raise InvalidTransition(
+                "this run was loaded from a snapshot of an async store, so its whole log "
+                "is not at hand: load it with load_async(..., snapshot=False) to read it",
+                step=self._state.step, **where)
         try:
             prefix = store.load(self._state.run_id)[: self._base]
         except StorageError as exc:
@@ -566,6 +629,10 @@ class RunController:
         raise kind(reason, run_id=self._state.run_id, step=self._state.step, action=action)
 
     def _gate(self, action: str, trigger: str) -> None:
+        if self._conflict is not None:
+            self._refuse(ConcurrencyConflict, action,
+                         f"this controller's buffered events were refused ({self._conflict}):"
+                         " another writer moved the log; load the run again to go on")
         if self._unknown is not None:
             self._refuse(StorageError, action,
                          f"an earlier append's outcome is unknown ({self._unknown}); this "
@@ -628,7 +695,9 @@ class RunController:
         except Refused as refused:
             self._refuse(InvalidTransition, action, refused.reason())
         store = self._store
-        if store is not None:
+        if store is not None and self._buffered:
+            self._buffer(event)
+        elif store is not None:
             snapshot = (s.snapshot() if event.seq % SNAPSHOT_EVERY == 0
                         and isinstance(store, SnapshotStore) else None)
             if snapshot is not None:
@@ -654,9 +723,102 @@ class RunController:
         s.apply(event, dest)
         self._events.append(event)
         self._bytes = size
+        if not self._buffered:
+            self._flushed = event.seq + 1
         if switch.enabled:
             self._logged(event, before)
         return dest
+
+    # ------------------------------------------------ durability at effect boundaries
+
+    def _buffer(self, event: ev.Event) -> None:
+        """Keep ``event`` for the next flush. A batch that starts a snapshot interval
+        takes the snapshot of the state it starts from (the store's expected version)."""
+        store = self._store
+        if (self._flushed == event.seq and event.seq - self._snapshot_at >= SNAPSHOT_EVERY
+                and isinstance(store, SnapshotStore | AsyncEventStore)):
+            snapshot = self._state.snapshot()
+            snapshot[SNAPSHOT_SIZE] = self._bytes
+            self._pending_snapshot = snapshot
+
+    @property
+    def unflushed(self) -> int:
+        """Events recorded here and not yet in the store (0 unless the run buffers)."""
+        return self._base + len(self._events) - self._flushed
+
+    def _batch(self) -> tuple[list[ev.Event], dict[str, Any]]:
+        first = self._flushed - self._base
+        options: dict[str, Any] = {"snapshot": self._pending_snapshot}
+        if indexes_runs(self._store) or _is_async(self._store):
+            options["step"] = self._state.step
+        return self._events[first:], options
+
+    def _flushed_ok(self, count: int) -> None:
+        if self._pending_snapshot is not None:
+            self._snapshot_at = self._flushed
+        self._flushed += count
+        self._pending_snapshot = None
+
+    def _flush_failed(self, exc: BaseException, batch: list[ev.Event]) -> NoReturn:
+        s = self._state
+        where = f"{len(batch)} event(s) from seq {batch[0].seq}"
+        if isinstance(exc, ConcurrencyConflict):
+            self._conflict = where
+            if batch[0].seq == 0:
+                exc = ConcurrencyConflict("a run with this id already exists in the store",
+                                          run_id=s.run_id)
+            exc.step, exc.action = s.step, "flush"
+            raise exc
+        if isinstance(exc, StorageError):
+            if exc.outcome != "not_written":
+                self._unknown = f"{where}, flush"
+            _placed(exc, run_id=s.run_id, step=s.step, action="flush")
+            raise exc
+        if isinstance(exc, sqlite3.Error | OSError):
+            self._unknown = f"{where}, flush"
+            raise _storage_error(exc, "unknown", run_id=s.run_id, step=s.step,
+                                 action="flush") from exc
+        raise exc
+
+    def flush(self) -> None:
+        """Append the events this controller buffered, as one transaction with the
+        expected version (a no-op when nothing is buffered, e.g. a run that appends per
+        command). Call it before every effect outside the process — a tool runs, a write
+        is attempted, a model is called — and before acknowledging a human decision; the
+        reference runner does. `ConcurrencyConflict` (another writer moved the log; this
+        controller then refuses everything until the run is loaded again) or
+        `StorageError` (after ``"not_written"`` the events stay buffered for a retry)."""
+        if not self.unflushed:
+            return
+        if self._unknown is not None or self._conflict is not None:
+            self._gate("flush", "flush")
+        store = self._store
+        assert store is not None
+        if _is_async(store):
+            raise InvalidTransition("this run's store is async: await flush_async()",
+                                    run_id=self.run_id, step=self.step, action="flush")
+        batch, options = self._batch()
+        try:
+            store.append(self._state.run_id, batch, self._flushed, **options)
+        except (ControlError, sqlite3.Error, OSError) as exc:
+            self._flush_failed(exc, batch)
+        self._flushed_ok(len(batch))
+
+    async def flush_async(self) -> None:
+        """`flush` for any store: awaits an async store's append, calls a sync one."""
+        store = self._store
+        if not self.unflushed or store is None or not _is_async(store):
+            self.flush()
+            return
+        if self._unknown is not None or self._conflict is not None:
+            self._gate("flush", "flush")
+        batch, options = self._batch()
+        try:
+            await store.append(  # type: ignore[func-returns-value,misc]
+                self._state.run_id, batch, self._flushed, **options)
+        except (ControlError, sqlite3.Error, OSError) as exc:
+            self._flush_failed(exc, batch)
+        self._flushed_ok(len(batch))
 
     def _over_bytes(self, action: str, event: ev.Event, size: int) -> None:
         """``event`` would take the run past the room for ordinary commands: only the
@@ -1149,6 +1311,33 @@ def _storage_error(error: BaseException, outcome: str, **where: Any) -> StorageE
     (outcome ``"unknown"`` for an append: the store did not say whether it landed)."""
     return StorageError(f"the store raised {type(error).__name__}: {error}", outcome=outcome,
                         **where)
+
+
+class _SyncBridge:
+    """An async store seen from a worker thread as a sync one (for `load_async`): each
+    call runs the store's coroutine on the loop and waits for it. Never used on the
+    loop's own thread."""
+
+    def __init__(self, store: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self._store = store
+        self._loop = loop
+
+    def _wait(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def append(self, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("loading never appends")
+
+    def load(self, run_id: str) -> list[ev.Event]:
+        return self._wait(self._store.load(run_id))  # type: ignore[no-any-return]
+
+    def load_latest(self, run_id: str) -> tuple[Any, list[ev.Event]]:
+        return self._wait(self._store.load_latest(run_id))  # type: ignore[no-any-return]
+
+
+def _is_async(store: object) -> bool:
+    """Whether ``store`` appends with a coroutine (an `AsyncEventStore`)."""
+    return bool(inspect.iscoroutinefunction(getattr(store, "append", None)))
 
 
 def _copy_call(call: ToolCall) -> ToolCall:

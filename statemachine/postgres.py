@@ -56,7 +56,7 @@ import threading
 import uuid
 import weakref
 from collections.abc import Collection, Generator, Sequence
-from typing import Any, Protocol, Self, TypeVar, runtime_checkable
+from typing import Any, Self, TypeVar
 
 import attrs
 import psycopg
@@ -65,6 +65,7 @@ from statemachine import codec
 from statemachine.errors import ConcurrencyConflict, SchemaError, StorageError
 from statemachine.events import Event
 from statemachine.stores import (
+    AsyncEventStore,
     RunHead,
     Snapshot,
     _check_filters,
@@ -89,26 +90,6 @@ SCHEMA_VERSION = 1
 
 T = TypeVar("T")
 Rows = list[tuple[Any, ...]]
-
-
-@runtime_checkable
-class AsyncEventStore(Protocol):
-    """The async store protocol (DESIGN §6.7): `EventStore`, `SnapshotStore` and
-    `IndexedStore` with coroutines, for runners that must not block their event loop."""
-
-    async def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
-                     snapshot: Snapshot | None = None, step: Step | None = None) -> None:
-        """As `IndexedStore.append`."""
-
-    async def load(self, run_id: str) -> list[Event]:
-        """As `EventStore.load`."""
-
-    async def load_latest(self, run_id: str) -> tuple[Snapshot | None, list[Event]]:
-        """As `SnapshotStore.load_latest`."""
-
-    async def list_runs(self, session_id: str | None = None,
-                        steps: Collection[Step] | None = None) -> tuple[RunHead, ...]:
-        """As `IndexedStore.list_runs`."""
 
 
 # ----------------------------------------------------------------------- failures

@@ -33,7 +33,10 @@ the result.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import hmac
 import json
@@ -43,7 +46,7 @@ import threading
 import uuid
 import warnings
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, Protocol, TypeGuard, runtime_checkable
+from typing import Any, Protocol, TypeGuard, TypeVar, runtime_checkable
 
 import attrs
 
@@ -55,6 +58,8 @@ from statemachine.machine import replay, replay_onto
 from statemachine.payloads import JSON
 from statemachine.state import RunState
 from statemachine.values import Step
+
+T = TypeVar("T")
 
 SNAPSHOT_EVERY = 256
 """How often (in events) a controller hands its store a snapshot."""
@@ -123,6 +128,28 @@ class IndexedStore(EventStore, Protocol):
                   steps: Collection[Step] | None = None) -> tuple[RunHead, ...]:
         """The heads of the runs on ``session_id`` (every run when None) whose step is in
         ``steps`` (any step when None), ordered by run id."""
+
+
+@runtime_checkable
+class AsyncEventStore(Protocol):
+    """The async store (DESIGN §6.7): `IndexedStore` and `SnapshotStore` with coroutines,
+    for runners that must not block their event loop. A controller bound to one buffers
+    its events and appends them at effect boundaries (``await controller.flush_async()``);
+    load one with ``await RunController.load_async(store, run_id)``."""
+
+    async def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
+                     snapshot: Snapshot | None = None, step: Step | None = None) -> None:
+        """As `IndexedStore.append`."""
+
+    async def load(self, run_id: str) -> list[Event]:
+        """As `EventStore.load`."""
+
+    async def load_latest(self, run_id: str) -> tuple[Snapshot | None, list[Event]]:
+        """As `SnapshotStore.load_latest`."""
+
+    async def list_runs(self, session_id: str | None = None,
+                        steps: Collection[Step] | None = None) -> tuple[RunHead, ...]:
+        """As `IndexedStore.list_runs`."""
 
 
 _INDEXED: dict[type, bool] = {}
@@ -882,3 +909,38 @@ def _decode(run_id: str, rows: Rows, first: int) -> list[Event]:
 
 def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+class AsyncSQLiteEventStore:
+    """The async face of `SQLiteEventStore` (an `AsyncEventStore`): every call runs the
+    sync store's method on one worker thread of its own, so an asyncio runner's event loop
+    never waits for a lock or an fsync. Calls are serialized on that thread, in order."""
+
+    def __init__(self, path: str | os.PathLike[str], *, timeout: float = 30.0) -> None:
+        self.sync = SQLiteEventStore(path, timeout=timeout)
+        self._worker = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="statemachine-sqlite")
+
+    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._worker, functools.partial(fn, *args,
+                                                                          **kwargs))
+
+    async def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
+                     snapshot: Snapshot | None = None, step: Step | None = None) -> None:
+        await self._call(self.sync.append, run_id, events, expected_version,
+                         snapshot=snapshot, step=step)
+
+    async def load(self, run_id: str) -> list[Event]:
+        return await self._call(self.sync.load, run_id)
+
+    async def load_latest(self, run_id: str) -> tuple[Snapshot | None, list[Event]]:
+        return await self._call(self.sync.load_latest, run_id)
+
+    async def list_runs(self, session_id: str | None = None,
+                        steps: Collection[Step] | None = None) -> tuple[RunHead, ...]:
+        return await self._call(self.sync.list_runs, session_id, steps)
+
+    async def close(self) -> None:
+        await self._call(self.sync.close)
+        self._worker.shutdown(wait=False)

@@ -44,7 +44,7 @@ from statemachine.runner.agents import (
 )
 from statemachine.runner.publish import one_writer, publish, settle
 from statemachine.sessions import MemorySession, Session
-from statemachine.stores import EventStore
+from statemachine.stores import AsyncEventStore, EventStore
 from statemachine.values import Action, CallView, Execute, Phase, RecoveryPolicy, Step, ToolCall
 
 
@@ -161,6 +161,7 @@ class _Drive:
             c.begin_model_call()
         await self._hook("model_start", lambda: self.hooks.on_llm_start(agent))
         history = await self.session.get_items()
+        await c.flush_async()  # an effect boundary: the model call is durable first
         try:
             response = await agent.model.respond(history, agent)
         except Exception as error:
@@ -218,6 +219,7 @@ class _Drive:
             verdict = await self._guardrails(tool.input_guardrails, "tool_input", call)
             decision = c.begin_tool(call_id)  # Execute, or Resend: never a second run
             if isinstance(decision, Execute):
+                await c.flush_async()  # an effect boundary: the start is durable first
                 try:
                     output: JSON = await self._execute(tool, call, decision, verdict)
                     c.tool_completed(call_id, output)
@@ -317,11 +319,12 @@ def _input_items(input: str | list[JSON] | None) -> list[JSON]:
     return list(input)
 
 
-def _controller(agent: Agent, *, session: Session | None, controller: RunController | None,
-                state: Mapping[str, Any] | str | None, store: EventStore | None,
-                run_id: str | None, policy: RecoveryPolicy) -> tuple[RunController, bool]:
+async def _controller(agent: Agent, *, session: Session | None,
+                      controller: RunController | None, state: Mapping[str, Any] | str | None,
+                      store: EventStore | AsyncEventStore | None, run_id: str | None,
+                      policy: RecoveryPolicy, buffered: bool) -> tuple[RunController, bool]:
     """The run's controller, and whether it is an existing run (resumed) rather than one
-    this call started."""
+    this call started. An async store is read without blocking the loop."""
     sources = sum(x is not None for x in (controller, state)) + (store is not None
                                                                  and run_id is not None)
     if sources > 1:
@@ -332,11 +335,14 @@ def _controller(agent: Agent, *, session: Session | None, controller: RunControl
         return RunController.from_json(state), True
     if store is not None and run_id is not None:
         with contextlib.suppress(RunNotFound):
-            return RunController.load(store, run_id), True
+            if isinstance(store, AsyncEventStore):
+                return await RunController.load_async(store, run_id), True
+            return RunController.load(store, run_id, buffered=buffered), True
     return RunController.start(
         run_id=run_id or uuid.uuid4().hex,
         session_id=None if session is None else session.session_id,
-        policy=policy, max_turns=agent.max_turns, store=store), False
+        policy=policy, max_turns=agent.max_turns,
+        store=store, buffered=buffered), False  # type: ignore[arg-type]
 
 
 def _session_for(c: RunController, session: Session | None) -> Session:
@@ -380,6 +386,7 @@ class Runner:
         hooks: RunHooks | None = None,
         take_over: bool = False,
         owner: str | None = None,
+        buffered: bool = False,
     ) -> RunResult:
         """Run ``agent`` to its next stop and return the `RunResult`.
 
@@ -399,7 +406,7 @@ class Runner:
         return await Runner._run(agent, input, session=session, controller=controller,
                                  state=state, store=store, run_id=run_id, policy=policy,
                                  hooks=hooks, take_over=take_over, emit=lambda event: None,
-                                 owner=owner)
+                                 owner=owner, buffered=buffered)
 
     @staticmethod
     def run_streamed(
@@ -416,9 +423,10 @@ class Runner:
                    controller: RunController | None, state: Mapping[str, Any] | str | None,
                    store: EventStore | None, run_id: str | None, policy: RecoveryPolicy,
                    hooks: RunHooks | None, take_over: bool, emit: Emit | AsyncEmit,
-                   owner: str | None = None) -> RunResult:
-        c, resumed = _controller(agent, session=session, controller=controller, state=state,
-                                 store=store, run_id=run_id, policy=policy)
+                   owner: str | None = None, buffered: bool = False) -> RunResult:
+        c, resumed = await _controller(agent, session=session, controller=controller,
+                                       state=state, store=store, run_id=run_id,
+                                       policy=policy, buffered=buffered)
         drive = _Drive(agent, c, _session_for(c, session), hooks or RunHooks(), emit,
                        take_over)
         if resumed:
@@ -426,7 +434,18 @@ class Runner:
             # hook, model call or tool: of attempts that loaded the same version, exactly
             # one goes on; the others get ConcurrencyConflict having done nothing (§6.3)
             c.claim(owner)
-        return await drive.run(_input_items(input))
+            await c.flush_async()  # durable before any effect, whatever the durability
+        try:
+            result = await drive.run(_input_items(input))
+        except BaseException:
+            # what the attempt buffered goes to the store, but a failing flush never
+            # replaces the attempt's own error (the events stay buffered for the next
+            # flush or, if the process dies, are lost like a crash before them)
+            with contextlib.suppress(ControlError):
+                await c.flush_async()
+            raise
+        await c.flush_async()
+        return result
 
 
 _LAST_KINDS = frozenset({"final_output", "interruption"})

@@ -7,12 +7,13 @@ first write: one Session, one writer (DESIGN §6.4)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 
 from statemachine.controller import RunController
 from statemachine.errors import PublicationUnsettled, ReconcileRejected
 from statemachine.payloads import JSON
 from statemachine.sessions import Session
-from statemachine.stores import indexes_runs
+from statemachine.stores import AsyncEventStore, indexes_runs
 from statemachine.values import Acknowledge, Append, Step
 
 TAIL_ITEMS = 16
@@ -37,9 +38,11 @@ async def one_writer(controller: RunController, session: Session) -> None:
     if c.session_id is None or c.step is Step.UNSETTLED:
         return
     store = c.store  # the store the run is bound to (None: a run loaded from JSON)
-    if store is not None and indexes_runs(store):
-        blocking = [head.run_id for head in store.list_runs(
-            session_id=c.session_id, steps=(Step.UNSETTLED,)) if head.run_id != c.run_id]
+    if store is not None and (indexes_runs(store) or isinstance(store, AsyncEventStore)):
+        heads = store.list_runs(session_id=c.session_id, steps=(Step.UNSETTLED,))
+        if inspect.isawaitable(heads):  # an async store
+            heads = await heads
+        blocking = [head.run_id for head in heads if head.run_id != c.run_id]
         if blocking:
             names = ", ".join(repr(run_id) for run_id in blocking[:3])
             more = f" (and {len(blocking) - 3} more)" if len(blocking) > 3 else ""
@@ -112,6 +115,7 @@ async def settle(controller: RunController, session: Session, *,
 
 
 async def _write(controller: RunController, session: Session, items: list[JSON]) -> None:
+    await controller.flush_async()  # an effect boundary: the staged envelope is durable
     try:
         await session.add_items(items)
     except asyncio.CancelledError:

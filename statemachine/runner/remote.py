@@ -161,6 +161,7 @@ class RemoteToolExecutor:
         except ToolInDoubt:
             return DispatchedToolCall(call_id, name, None, posted=False, in_doubt=True)
         if isinstance(decision, Execute):
+            await c.flush_async()  # an effect boundary: the start is durable first
             try:
                 try:
                     result = await maybe_await(
@@ -180,6 +181,7 @@ class RemoteToolExecutor:
 
     async def _post(self, call_id: str, result: JSON) -> bool:
         for attempt in range(self.retries + 1):
+            await self.c.flush_async()  # an effect boundary: the result is durable first
             try:
                 await self.remote.post_result(call_id, result)
             except AlreadyAnswered:
