@@ -512,7 +512,7 @@ def test_list_filters_by_session_and_step(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("args", "says"), [
     (["--step", "sleeping"], "unknown step 'sleeping'"),
     (["--step", "x" * 3000], "unknown step 'xxx"),
-    ([], "the following arguments are required: --store"),
+    ([], "list needs --store DB or --dsn DSN"),
 ])
 def test_list_refuses_a_bad_step_or_no_store_in_one_line(tmp_path: Path, args: list[str],
                                                          says: str) -> None:

@@ -39,8 +39,12 @@ def _add_source(parser: argparse.ArgumentParser) -> None:
                              "UTF-8")
     parser.add_argument("--store", type=Path, metavar="DB",
                         help="a SQLite event store file (opened read-only, never changed)")
+    parser.add_argument("--dsn", metavar="DSN",
+                        help="a PostgreSQL event store instead of --store: a libpq DSN or "
+                             "URI (opened read-only, never changed; needs the postgres "
+                             "extra)")
     parser.add_argument("--run", dest="run_id", metavar="ID",
-                        help="the run's id in the --store file")
+                        help="the run's id in the --store file or --dsn database")
 
 
 def _read_file(path: Path) -> str:
@@ -72,16 +76,31 @@ def open_store(path: Path) -> SQLiteEventStore:
     return SQLiteEventStore(path, readonly=True)
 
 
+def _source_store(args: argparse.Namespace) -> Any:
+    """The store ``--store DB`` or ``--dsn DSN`` names, opened read-only, or None."""
+    dsn = getattr(args, "dsn", None)
+    if dsn is not None and args.store is not None:
+        raise UserError("give either --store DB or --dsn DSN, not both")
+    if dsn is None:
+        return None if args.store is None else open_store(args.store)
+    try:
+        from statemachine.postgres import PostgresEventStore
+    except ImportError:
+        raise UserError("--dsn needs psycopg: pip install 'agent-statemachine[postgres]'"
+                        ) from None
+    return PostgresEventStore(dsn, readonly=True)
+
+
 def _load(args: argparse.Namespace, *, snapshot: bool = True) -> RunController:
     """The run a command names: from a JSON file (the whole log replayed), or from a
     store opened read-only (from its verified snapshot unless ``snapshot=False``)."""
     from statemachine.controller import RunController
     from statemachine.errors import RunNotFound
 
-    if args.store is not None:
+    store = _source_store(args)
+    if store is not None:
         if args.file is not None:
             raise UserError("give either FILE, or --store DB with --run ID, not both")
-        store = open_store(args.store)
         if args.run_id is not None:
             try:
                 return RunController.load(store, args.run_id, snapshot=snapshot)
@@ -93,9 +112,10 @@ def _load(args: argparse.Namespace, *, snapshot: bool = True) -> RunController:
                  else "it holds no run")
         if args.run_id is None:
             raise UserError(f"--store needs --run ID ({holds})")
-        raise UserError(f"no run {shown(args.run_id)!r} in {shown(args.store)} ({holds})")
+        where = shown(args.store) if args.store is not None else "the --dsn database"
+        raise UserError(f"no run {shown(args.run_id)!r} in {where} ({holds})")
     if args.run_id is not None:
-        raise UserError("--run needs --store DB (a FILE holds one run)")
+        raise UserError("--run needs --store DB or --dsn DSN (a FILE holds one run)")
     if args.file is None:
         raise UserError("give a run's JSON file, or --store DB with --run ID")
     return RunController.from_json(_read_file(args.file))
@@ -316,7 +336,10 @@ def _steps(texts: list[str] | None) -> set[Step] | None:
 
 def list_command(args: argparse.Namespace) -> int:
     steps = _steps(args.step)
-    heads = open_store(args.store).list_runs(session_id=args.session, steps=steps)
+    store = _source_store(args)
+    if store is None:
+        raise UserError("list needs --store DB or --dsn DSN")
+    heads = store.list_runs(session_id=args.session, steps=steps)
     if args.json:
         print(json.dumps([{"run_id": h.run_id, "step": h.step.value,
                            "session_id": h.session_id, "version": h.version,
@@ -484,11 +507,14 @@ def parser() -> argparse.ArgumentParser:
 
     listing = commands.add_parser(
         "list", help="the runs in a store: step, Session, events and owner",
-        description="List the runs a SQLite event store holds, one line per run: its id, "
-        "step, Session, number of events and owner (of its last claim), read off the "
-        "store's run index. The store is opened read-only and never changed.")
-    listing.add_argument("--store", type=Path, metavar="DB", required=True,
+        description="List the runs an event store (SQLite or PostgreSQL) holds, one line "
+        "per run: its id, step, Session, number of events and owner (of its last "
+        "claim), read off the store's run index. The store is opened read-only and never changed.")
+    listing.add_argument("--store", type=Path, metavar="DB",
                          help="a SQLite event store file (opened read-only, never changed)")
+    listing.add_argument("--dsn", metavar="DSN",
+                         help="a PostgreSQL event store: a libpq DSN or URI (opened "
+                              "read-only; needs the postgres extra)")
     listing.add_argument("--session", metavar="ID",
                          help="only the runs on this Session")
     listing.add_argument("--step", action="append", metavar="STEP",
