@@ -25,6 +25,7 @@ from statemachine.payloads import register_canonical
 from statemachine.stores import (
     EventStore,
     MemoryEventStore,
+    SessionWrite,
     SnapshotIgnored,
     SQLiteEventStore,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "RunNotResumable",
     "SQLiteEventStore",
     "SchemaError",
+    "SessionWrite",
     "SnapshotIgnored",
     "Step",
     "StorageError",

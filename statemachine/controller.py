@@ -78,10 +78,12 @@ from statemachine.state import RunState, in_doubt, next_action
 from statemachine.stores import (
     SNAPSHOT_EVERY,
     AsyncEventStore,
+    SessionWrite,
     SnapshotStore,
     indexes_runs,
     restored,
     snapshot_ignored,
+    takes_session_write,
 )
 from statemachine.values import (
     Acknowledge,
@@ -126,7 +128,7 @@ class RunController:
     __slots__ = ("_attempt", "_base", "_buffered", "_bytes", "_conflict", "_events",
                  "_flushed", "_in_flight", "_log", "_max_bytes", "_max_depth", "_max_events",
                  "_pending_snapshot", "_room", "_snapshot_at", "_state", "_store",
-                 "_unknown")
+                 "_unknown", "_write")
 
     def __init__(self, state: RunState, events: list[ev.Event], *, store: EventStore | None,
                  max_depth: int, max_events: int, base: int = 0,
@@ -149,6 +151,9 @@ class RunController:
         self._flushed = base + len(events)
         """How many events the store holds (the version the next flush expects)."""
         self._pending_snapshot: dict[str, JSON] | None = None
+        self._write: _PendingWrite | None = None
+        """A publication's commit event and its Session write, waiting for the append
+        that writes both in one transaction (`publication_committed(session_write=)`)."""
         self._snapshot_at = base
         self._conflict: str | None = None
         """Why buffered events were refused by the store (another writer moved the log);
@@ -687,6 +692,10 @@ class RunController:
 
     def _record(self, action: str, event: ev.Event) -> Step:
         s = self._state
+        if self._write is not None:  # a commit and its Session write wait for their append
+            self._refuse(InvalidTransition, action,
+                         "a publication's commit and its Session write are waiting for "
+                         "their append: await flush_async() first")
         size = self._bytes + _EVENT_SIZE[type(event)](event) + 1  # the comma before it
         if size > self._room:
             self._over_bytes(action, event, size)
@@ -731,6 +740,42 @@ class RunController:
 
     # ------------------------------------------------ durability at effect boundaries
 
+    def _commit_with(self, action: str, write: SessionWrite) -> None:
+        """`_record` for a commit event that carries its Session write: checked now,
+        appended with the write (and any buffered events) in one transaction, and applied
+        only once that append landed (`_flushed_ok`), so a failed append leaves this
+        controller as it was. A sync store appends here; an async one at the next
+        `flush_async`."""
+        s = self._state
+        event = ev.PublicationCommitted(self._seq)
+        size = self._bytes + _EVENT_SIZE[type(event)](event) + 1
+        if size > self._room:
+            self._over_bytes(action, event, size)
+        try:
+            dest = fire(s, event.TRIGGER, event)
+        except Refused as refused:
+            self._refuse(InvalidTransition, action, refused.reason())
+        store = self._store
+        if self._buffered:
+            self._buffer(event)  # the snapshot a batch starting an interval takes
+        elif event.seq % SNAPSHOT_EVERY == 0 and isinstance(store, SnapshotStore):
+            snapshot = s.snapshot()
+            snapshot[SNAPSHOT_SIZE] = self._bytes
+            self._pending_snapshot = snapshot
+        self._write = _PendingWrite(action, event, dest, size, write)
+        if not _is_async(store):
+            self.flush()
+
+    def _drop_write(self) -> str:
+        """Forget a pending commit whose append failed (nothing of it landed, or its
+        outcome is marked unknown); the action to name in the error."""
+        pending, self._write = self._write, None
+        if pending is None:
+            return "flush"
+        if not self._buffered:
+            self._pending_snapshot = None
+        return pending.action
+
     def _buffer(self, event: ev.Event) -> None:
         """Keep ``event`` for the next flush. A batch that starts a snapshot interval
         takes the snapshot of the state it starts from (the store's expected version)."""
@@ -751,33 +796,51 @@ class RunController:
         options: dict[str, Any] = {"snapshot": self._pending_snapshot}
         if indexes_runs(self._store) or _is_async(self._store):
             options["step"] = self._state.step
-        return self._events[first:], options
+        events = self._events[first:]
+        pending = self._write
+        if pending is not None:  # a commit event with its Session write: one transaction
+            events.append(pending.event)
+            options["step"] = pending.dest
+            options["session_write"] = pending.write
+        return events, options
 
     def _flushed_ok(self, count: int) -> None:
         if self._pending_snapshot is not None:
             self._snapshot_at = self._flushed
         self._flushed += count
         self._pending_snapshot = None
+        pending, self._write = self._write, None
+        if pending is not None:  # the commit and its items landed: apply the commit
+            s = self._state
+            before = s.step
+            s.apply(pending.event, pending.dest)
+            self._events.append(pending.event)
+            self._bytes = pending.size
+            self._attempt = None
+            if switch.enabled:
+                self._logged(pending.event, before)
 
     def _flush_failed(self, exc: BaseException, batch: list[ev.Event]) -> NoReturn:
         s = self._state
+        action = self._drop_write()
         where = f"{len(batch)} event(s) from seq {batch[0].seq}"
         if isinstance(exc, ConcurrencyConflict):
-            self._conflict = where
+            if self._buffered:  # buffered events stay behind, refused: reload to go on
+                self._conflict = where
             if batch[0].seq == 0:
                 exc = ConcurrencyConflict("a run with this id already exists in the store",
                                           run_id=s.run_id)
-            exc.step, exc.action = s.step, "flush"
+            exc.step, exc.action = s.step, action
             raise exc
         if isinstance(exc, StorageError):
             if exc.outcome != "not_written":
-                self._unknown = f"{where}, flush"
-            _placed(exc, run_id=s.run_id, step=s.step, action="flush")
+                self._unknown = f"{where}, {action}"
+            _placed(exc, run_id=s.run_id, step=s.step, action=action)
             raise exc
         if isinstance(exc, sqlite3.Error | OSError):
-            self._unknown = f"{where}, flush"
+            self._unknown = f"{where}, {action}"
             raise _storage_error(exc, "unknown", run_id=s.run_id, step=s.step,
-                                 action="flush") from exc
+                                 action=action) from exc
         raise exc
 
     def flush(self) -> None:
@@ -787,8 +850,10 @@ class RunController:
         is attempted, a model is called — and before acknowledging a human decision; the
         reference runner does. `ConcurrencyConflict` (another writer moved the log; this
         controller then refuses everything until the run is loaded again) or
-        `StorageError` (after ``"not_written"`` the events stay buffered for a retry)."""
-        if not self.unflushed:
+        `StorageError` (after ``"not_written"`` the events stay buffered for a retry).
+        A commit waiting with its Session write (`publication_committed(session_write=)`)
+        goes in the same transaction, and is applied only if it lands."""
+        if not self.unflushed and self._write is None:
             return
         if self._unknown is not None or self._conflict is not None:
             self._gate("flush", "flush")
@@ -802,12 +867,16 @@ class RunController:
             store.append(self._state.run_id, batch, self._flushed, **options)
         except (ControlError, sqlite3.Error, OSError) as exc:
             self._flush_failed(exc, batch)
+        except BaseException:
+            self._drop_write()  # interrupted: a pending commit is never re-attempted
+            raise
         self._flushed_ok(len(batch))
 
     async def flush_async(self) -> None:
         """`flush` for any store: awaits an async store's append, calls a sync one."""
         store = self._store
-        if not self.unflushed or store is None or not _is_async(store):
+        if (not self.unflushed and self._write is None) or store is None or not _is_async(
+                store):
             self.flush()
             return
         if self._unknown is not None or self._conflict is not None:
@@ -818,6 +887,9 @@ class RunController:
                 self._state.run_id, batch, self._flushed, **options)
         except (ControlError, sqlite3.Error, OSError) as exc:
             self._flush_failed(exc, batch)
+        except BaseException:
+            self._drop_write()  # cancelled: a pending commit is never re-attempted
+            raise
         self._flushed_ok(len(batch))
 
     def _over_bytes(self, action: str, event: ev.Event, size: int) -> None:
@@ -1166,13 +1238,69 @@ class RunController:
             self._refuse(InvalidTransition, action,
                          "no publication attempt is open in this controller")
 
-    def publication_committed(self) -> None:
+    def publication_committed(self, *, session_write: SessionWrite | None = None) -> None:
         """The write this controller attempted succeeded: settle the envelope, publish
-        its guardrail results and enter the continuation."""
-        self._gate("publication_committed", "publication_committed")
-        self._own_attempt("publication_committed")
-        self._record("publication_committed", ev.PublicationCommitted(self._seq))
+        its guardrail results and enter the continuation.
+
+        With ``session_write`` the write has not happened yet: the store writes the
+        batch's items together with this commit event, in one transaction (DESIGN §6.7),
+        so they land together or not at all. It must hold exactly the staged batch, for
+        the run's Session, under the attempt's publication id (``f"{run_id}:{seq}"``, the
+        seq of the event that opened the attempt: its `PublicationStaged`, or the
+        `ReconciledAppend`), and the store's ``append`` must take ``session_write=`` (the
+        PostgreSQL stores); otherwise `InvalidTransition` (`SchemaError` for a value that
+        is not a `SessionWrite` of plain JSON), nothing recorded or written.
+
+        A sync store appends at once, in either durability (events the run buffered go in
+        the same transaction). With an async store, ``await flush_async()`` right after:
+        the items are the effect, so they cannot wait (every command that records is
+        refused until then). The event is applied only once the append landed: if it
+        raises, nothing of the items was written either, the controller is as it was and
+        its attempt stays open — report ``publication_failed`` after a ``"not_written"``
+        `StorageError`; after a `ConcurrencyConflict` or an unknown outcome load the run
+        again (the log shows whether the pair landed)."""
+        action = "publication_committed"
+        self._gate(action, action)
+        self._own_attempt(action)
+        if session_write is not None:
+            self._commit_with(action, self._session_write(action, session_write))
+            return
+        self._record(action, ev.PublicationCommitted(self._seq))
         self._attempt = None
+
+    def _session_write(self, action: str, write: SessionWrite) -> SessionWrite:
+        """``write`` checked against the attempt this controller holds, its items detached
+        (the copy the store gets)."""
+        s = self._state
+        if type(write) is not SessionWrite:
+            self._refuse(SchemaError, action, "session_write must be a SessionWrite")
+        store = self._store
+        if store is None or not takes_session_write(store):
+            self._refuse(InvalidTransition, action,
+                         "this run's store cannot write a Session's items with its events "
+                         "(its append takes no session_write=): write the items to the "
+                         "Session, then call publication_committed()")
+        if write.session_id != s.session_id:
+            self._refuse(InvalidTransition, action,
+                         f"session_write is for Session {excerpt(str(write.session_id))}, "
+                         "not the run's Session")
+        if write.publication_id != f"{s.run_id}:{s.attempt_seq}":
+            self._refuse(InvalidTransition, action,
+                         "session_write's publication_id is not the open attempt's "
+                         f"(run_id:seq, seq {s.attempt_seq})")
+        if type(write.items) is not tuple:
+            self._refuse(SchemaError, action, "session_write's items must be a tuple")
+        items = tuple(self._detach(action, "a batch item", item) for item in write.items)
+        envelope = s.envelope
+        assert envelope is not None  # an attempt is open, so the run is unsettled
+        try:
+            same = digests(items, s.form) == envelope.batch_digests
+        except (TypeError, ValueError, RecursionError):
+            same = False
+        if not same:
+            self._refuse(InvalidTransition, action,
+                         "session_write's items are not the staged batch")
+        return SessionWrite(write.session_id, write.publication_id, items)
 
     def publication_failed(self, error: BaseException | type[BaseException]) -> None:
         """The write has *ended* without committing (it can no longer land). Under
@@ -1333,6 +1461,18 @@ class _SyncBridge:
 
     def load_latest(self, run_id: str) -> tuple[Any, list[ev.Event]]:
         return self._wait(self._store.load_latest(run_id))  # type: ignore[no-any-return]
+
+
+@attrs.frozen
+class _PendingWrite:
+    """A commit event checked by `publication_committed(session_write=)` and the Session
+    write it carries, until the append that writes both lands."""
+
+    action: str
+    event: ev.Event
+    dest: Step
+    size: int
+    write: SessionWrite
 
 
 def _is_async(store: object) -> bool:

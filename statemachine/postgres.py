@@ -1,4 +1,4 @@
-"""PostgreSQL event stores (DESIGN §6.7): many workers, one database.
+"""PostgreSQL event stores and Sessions (DESIGN §6.7): many workers, one database.
 
 `PostgresEventStore` (sync) and `AsyncPostgresEventStore` (asyncio) keep the same
 contract as `SQLiteEventStore` — `EventStore`, `SnapshotStore` (``load_latest``) and
@@ -24,6 +24,19 @@ transaction under an advisory lock, and versioned by ``statemachine_schema(versi
   ``load_latest`` uses it only if the digest matches, its JSON is this run's state ending
   right before its version, and that version is within the log; otherwise it warns
   (`SnapshotIgnored`) and returns the whole log.
+- ``session_items`` (schema version 2; a version 1 schema gains it on first use, under
+  the same lock): the items of `PostgresSession` / `AsyncPostgresSession`, ``id``
+  (bigserial: the order), ``session_id``, ``publication_id`` (the publication that wrote
+  the item, ``run_id:seq``; NULL for an item written without one) and ``body`` (detached
+  JSON text, as `SQLiteSession` keeps it).
+
+The shared transaction: when a run's store and its Session are on the same database and
+schema (`PostgresSession.shares_transaction_with`), ``statemachine.runner.publish`` hands
+a publication's items to the store with its `PublicationCommitted`
+(`RunController.publication_committed(session_write=...)`), and ``append(...,
+session_write=)`` inserts them in the append's own transaction: the items and the commit
+land together or not at all, and a COMMIT whose answer was lost is decided for both by
+reading the batch back. The write of that pair is never ambiguous.
 
 A log is read with its head in one statement and checked: a gap, a damaged row, or a log
 shorter or longer than its head says is a `SchemaError`, never a silently shorter log.
@@ -49,6 +62,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import os
 import re
@@ -60,13 +74,16 @@ from typing import Any, Self, TypeVar
 
 import attrs
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 
 from statemachine import codec
 from statemachine.errors import ConcurrencyConflict, SchemaError, StorageError
 from statemachine.events import Event
+from statemachine.payloads import JSON, detach
 from statemachine.stores import (
     AsyncEventStore,
     RunHead,
+    SessionWrite,
     Snapshot,
     _check_filters,
     _claim_in,
@@ -83,10 +100,12 @@ from statemachine.stores import (
 from statemachine.values import Step
 
 __all__ = ["SCHEMA_VERSION", "AsyncEventStore", "AsyncPostgresEventStore",
-           "PostgresEventStore"]
+           "AsyncPostgresSession", "PostgresEventStore", "PostgresSession", "SessionWrite"]
 
-SCHEMA_VERSION = 1
-"""The version of the tables this library writes (``statemachine_schema.version``)."""
+SCHEMA_VERSION = 2
+"""The version of the tables this library writes (``statemachine_schema.version``): 2
+adds ``session_items`` (`PostgresSession`); a version 1 schema is upgraded in place on
+first use."""
 
 T = TypeVar("T")
 Rows = list[tuple[Any, ...]]
@@ -121,8 +140,8 @@ def _failure(error: BaseException, *, doing: str, outcome: str, **where: Any) ->
                         outcome=outcome, **where)
 
 
-def _closed(doing: str, **where: Any) -> StorageError:
-    return StorageError(f"cannot {doing}: the event store is closed; nothing was written",
+def _closed(doing: str, noun: str, **where: Any) -> StorageError:
+    return StorageError(f"cannot {doing}: the {noun} is closed; nothing was written",
                         outcome="not_written", **where)
 
 
@@ -167,6 +186,7 @@ class _Sql:
         self.lock_key = f"agent-statemachine schema {schema}"
         self.version_table = f"{s}.statemachine_schema"
         runs, events, snapshots = f"{s}.runs", f"{s}.events", f"{s}.snapshots"
+        items = f"{s}.session_items"
         self.ddl = (
             f"""CREATE TABLE {runs} (
                 run_id     text COLLATE "C" PRIMARY KEY,
@@ -187,6 +207,16 @@ class _Sql:
                 version bigint NOT NULL,
                 body    text NOT NULL,
                 digest  text NOT NULL)""",
+        )
+        self.ddl_2 = (  # version 2: PostgresSession's items
+            f"""CREATE TABLE {items} (
+                id             bigserial PRIMARY KEY,
+                session_id     text COLLATE "C" NOT NULL,
+                publication_id text COLLATE "C",
+                body           text NOT NULL)""",
+            f"CREATE INDEX session_items_by_session ON {items} (session_id, id)",
+            f"CREATE INDEX session_items_by_publication ON {items} (publication_id) "
+            "WHERE publication_id IS NOT NULL",
         )
         one = ("SELECT head.run_id, %(seq)s::bigint, %(batch)s, %(body)s FROM head")
         many = ("SELECT head.run_id, e.seq, %(batch)s, e.body FROM head CROSS JOIN "
@@ -229,16 +259,31 @@ class _Sql:
                             "ON CONFLICT (run_id) DO NOTHING")
         self.probe_later = f"SELECT 1 FROM {runs} WHERE run_id = %s FOR SHARE"
         self.landed = f"SELECT EXISTS (SELECT 1 FROM {events} WHERE batch_id = %s)"
+        # PostgresSession (and an append's session_write=)
+        self.add_items = (f"INSERT INTO {items} (session_id, publication_id, body) "
+                          "SELECT %(session)s, %(publication)s, t.body FROM "
+                          "unnest(%(bodies)s::text[]) WITH ORDINALITY AS t(body, n) "
+                          "ORDER BY t.n")
+        self.items = f"SELECT body FROM {items} WHERE session_id = %s ORDER BY id"
+        self.items_tail = (f"SELECT body FROM (SELECT id, body FROM {items} WHERE "
+                           "session_id = %s ORDER BY id DESC LIMIT %s) AS tail ORDER BY id")
+        self.pop_item = (f"DELETE FROM {items} WHERE id = (SELECT max(id) FROM {items} "
+                         "WHERE session_id = %s) RETURNING body")
+        self.clear_session = f"DELETE FROM {items} WHERE session_id = %s"
+        self.publication_items = (f"SELECT count(*) FROM {items} WHERE session_id = %s AND "
+                                  "publication_id = %s")
 
 
 def _ensure_schema(sql: _Sql, *, readonly: bool) -> Op[None]:
-    """Check the tables' version; create them (under an advisory lock, so two processes
-    starting at once do not collide) when absent. A newer version is refused."""
+    """Check the tables' version; create them, or upgrade them from version 1 (adding
+    ``session_items``), under an advisory lock, so two processes starting at once do not
+    collide. A newer version is refused. A read-only store reads a version 1 schema as it
+    is (it writes no Session items)."""
     found = yield _Q("SELECT to_regclass(%s) IS NOT NULL", (sql.version_table,), "one")
     version = None
     if found[0]:
         version = (yield _Q(f"SELECT max(version) FROM {sql.version_table}", None, "one"))[0]
-    if version == SCHEMA_VERSION:
+    if version == SCHEMA_VERSION or (readonly and version in _UPGRADABLE):
         return
     _refuse_version(sql, version, readonly=readonly)
     yield _Q("SELECT pg_advisory_xact_lock(hashtext(%s))", (sql.lock_key,))
@@ -248,11 +293,20 @@ def _ensure_schema(sql: _Sql, *, readonly: bool) -> Op[None]:
     yield _Q(f"CREATE TABLE IF NOT EXISTS {sql.version_table} (version integer NOT NULL)")
     version = (yield _Q(f"SELECT max(version) FROM {sql.version_table}", None, "one"))[0]
     if version == SCHEMA_VERSION:
-        return  # another process created them first
+        return  # another process created (or upgraded) them first
     _refuse_version(sql, version, readonly=readonly)
-    for statement in sql.ddl:
+    if version is None:
+        for statement in (*sql.ddl, *sql.ddl_2):
+            yield _Q(statement)
+        yield _Q(f"INSERT INTO {sql.version_table} (version) VALUES (%s)", (SCHEMA_VERSION,))
+        return
+    for statement in sql.ddl_2:  # version 1 → 2
         yield _Q(statement)
-    yield _Q(f"INSERT INTO {sql.version_table} (version) VALUES (%s)", (SCHEMA_VERSION,))
+    yield _Q(f"UPDATE {sql.version_table} SET version = %s", (SCHEMA_VERSION,))
+
+
+_UPGRADABLE = frozenset({1})
+"""Versions this library upgrades in place (1: before ``session_items``)."""
 
 
 def _refuse_version(sql: _Sql, version: Any, *, readonly: bool) -> None:
@@ -261,6 +315,8 @@ def _refuse_version(sql: _Sql, version: Any, *, readonly: bool) -> None:
         raise StorageError(f"the event store in {where} has schema version {version}, newer "
                            f"than this library writes ({SCHEMA_VERSION}): upgrade "
                            "agent-statemachine; nothing was written", outcome="not_written")
+    if version in _UPGRADABLE and not readonly:
+        return
     if version is not None:
         raise StorageError(f"the event store in {where} has an unknown schema version "
                            f"{version}; nothing was written", outcome="not_written")
@@ -279,13 +335,24 @@ class _Append:
     params: dict[str, Any]
     snapshot: tuple[str, int, str, str] | None
     batch_id: str
+    items: dict[str, Any] | None = None
+    """The ``session_write``'s rows, written in the same transaction."""
 
 
 def _prepare(run_id: str, events: Sequence[Event], expected_version: int,
-             snapshot: Snapshot | None, step: Step | None) -> _Append:
+             snapshot: Snapshot | None, step: Step | None,
+             session_write: SessionWrite | None = None) -> _Append:
     if any(event.seq != expected_version + i for i, event in enumerate(events)):
         raise ValueError("events must carry the sequence numbers that follow "
                          "expected_version")
+    items = None
+    if session_write is not None:
+        if type(session_write) is not SessionWrite:
+            raise TypeError("session_write must be a SessionWrite")
+        if not events:  # the read-back after a lost COMMIT finds a batch by its events
+            raise ValueError("a session_write needs events to carry it")
+        items = _session_rows(session_write.session_id, session_write.publication_id,
+                              session_write.items)
     batch_id = uuid.uuid4().hex
     bodies = [_dumps(codec.encode_event(event)) for event in events]
     kept = None
@@ -302,7 +369,19 @@ def _prepare(run_id: str, events: Sequence[Event], expected_version: int,
         params.update(seq=events[0].seq, body=bodies[0])
     else:
         params.update(seqs=[event.seq for event in events], bodies=bodies)
-    return _Append(run_id, expected_version, len(events), params, kept, batch_id)
+    return _Append(run_id, expected_version, len(events), params, kept, batch_id, items)
+
+
+def _session_rows(session_id: str, publication_id: str | None,
+                  items: Sequence[JSON]) -> dict[str, Any]:
+    """The parameters of ``add_items``'s statement (items as detached JSON text; a value
+    that is not plain JSON raises here, before any I/O)."""
+    if type(session_id) is not str:
+        raise TypeError("session_id must be a str")
+    if publication_id is not None and type(publication_id) is not str:
+        raise TypeError("publication_id must be a str or None")
+    return {"session": session_id, "publication": publication_id,
+            "bodies": [_dumps(detach(item)) for item in items]}
 
 
 def _append(sql: _Sql, a: _Append) -> Op[None]:
@@ -318,6 +397,8 @@ def _append(sql: _Sql, a: _Append) -> Op[None]:
         version = 0 if row is None else row[0]
         if version != a.expected:
             raise _lost_race(a.run_id, a.expected, version)
+    if a.items is not None:
+        yield _Q(sql.add_items, a.items)
     if a.snapshot is not None:
         yield _Q(sql.snapshot, a.snapshot)
 
@@ -502,9 +583,12 @@ if hasattr(os, "register_at_fork"):
 
 
 class _Base:
-    """What the sync and the async store share: configuration and the pure steps."""
+    """What the sync and the async objects (stores and Sessions) share: configuration
+    and the pure steps."""
 
     _conn: Any
+    _noun = "event store"
+    _opening = "open the event store"
 
     def __init__(self, dsn: str, *, schema: str = "statemachine", readonly: bool = False,
                  readback_timeout: float = 10.0) -> None:
@@ -555,19 +639,11 @@ _ORPHANS: list[Any] = []
 _APPEND = "append to the event store"
 _LOAD = "load a run"
 _LIST = "list the runs of the event store"
-_OPEN = "open the event store"
 
 
-class PostgresEventStore(_Base):
-    """An event store on PostgreSQL (sync; psycopg 3). See the module's docstring.
-
-    ``dsn``: a libpq connection string or URI. ``schema``: where the tables live
-    (created on first use). ``readonly=True``: never creates or writes anything (every
-    session is ``default_transaction_read_only``; ``append`` is refused, ``list_runs``
-    folds unfolded heads without keeping them, a database without the tables is a
-    `StorageError`). ``readback_timeout``: how long (seconds) the read-back after a lost
-    COMMIT may wait for a lock or a connection before answering ``"unknown"``.
-    """
+class _Sync(_Base):
+    """One psycopg connection (autocommit), opened on first use and replaced when it
+    broke, serialized by a `threading.Lock`; what the sync store and Session share."""
 
     def __init__(self, dsn: str, *, schema: str = "statemachine", readonly: bool = False,
                  readback_timeout: float = 10.0) -> None:
@@ -593,7 +669,7 @@ class PostgresEventStore(_Base):
         """The store's connection, opened (and the tables checked or created) if there is
         none or the last one broke."""
         if self._closed:
-            raise _closed(doing, **where)
+            raise _closed(doing, self._noun, **where)
         if self._pid != os.getpid():  # a forked child: the connection is the parent's
             self._detach()
             self._pid = os.getpid()
@@ -613,7 +689,8 @@ class PostgresEventStore(_Base):
             with contextlib.suppress(Exception):
                 conn.close()
             if isinstance(error, _BACKEND):
-                raise _failure(error, doing=_OPEN, outcome="not_written", **where) from error
+                raise _failure(error, doing=self._opening, outcome="not_written",
+                               **where) from error
             raise
         self._conn = conn
         return conn
@@ -662,20 +739,63 @@ class PostgresEventStore(_Base):
                 self._settle()
                 raise
 
-    # ---------------------------------------------------------------- writing
+    def _write(self, op: Op[T], *, doing: str, **where: Any) -> T:
+        """One transaction of ``op`` (a Session's write). Before COMMIT every failure is
+        ``"not_written"``; a COMMIT that raises is ``"unknown"`` (no read-back: a Session
+        write is settled by reconciling its envelope)."""
+        with self._lock:
+            conn = self._live(doing, **where)
+            try:
+                result = _drive(conn, op, begin=True)
+                self._before_commit()
+            except _BACKEND as error:
+                self._settle()
+                raise _failure(error, doing=doing, outcome="not_written", **where) from error
+            except BaseException:
+                self._settle()
+                raise
+            try:
+                conn.execute("COMMIT")
+            except psycopg.Error as error:
+                self._drop()
+                raise _failure(error, doing=doing, outcome="unknown", **where) from error
+            except BaseException:  # interrupted while committing: unknown; never reused
+                self._drop()
+                raise
+        self._after_commit()
+        return result
 
     def _before_commit(self) -> None:
-        """A seam for fault injection: runs right before an append's COMMIT."""
+        """A seam for fault injection: runs right before a write's COMMIT."""
 
     def _after_commit(self) -> None:
-        """A seam for fault injection: runs right after an append's COMMIT returned."""
+        """A seam for fault injection: runs right after a write's COMMIT returned."""
+
+
+class PostgresEventStore(_Sync):
+    """An event store on PostgreSQL (sync; psycopg 3). See the module's docstring.
+
+    ``dsn``: a libpq connection string or URI. ``schema``: where the tables live
+    (created on first use). ``readonly=True``: never creates or writes anything (every
+    session is ``default_transaction_read_only``; ``append`` is refused, ``list_runs``
+    folds unfolded heads without keeping them, a database without the tables is a
+    `StorageError`). ``readback_timeout``: how long (seconds) the read-back after a lost
+    COMMIT may wait for a lock or a connection before answering ``"unknown"``.
+    """
+
+    # ---------------------------------------------------------------- writing
 
     def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
-               snapshot: Snapshot | None = None, step: Step | None = None) -> None:
+               snapshot: Snapshot | None = None, step: Step | None = None,
+               session_write: SessionWrite | None = None) -> None:
+        """`IndexedStore.append`; with ``session_write``, its items go to its Session (the
+        ``session_items`` table `PostgresSession` reads, tagged with its publication id)
+        in the same transaction as ``events``: both land or neither does, and a lost
+        COMMIT answer is decided for both by reading the batch back."""
         where = {"run_id": run_id}
         if self.readonly:
             raise self._refused_readonly(_APPEND, run_id)
-        prepared = _prepare(run_id, events, expected_version, snapshot, step)
+        prepared = _prepare(run_id, events, expected_version, snapshot, step, session_write)
         with self._lock:
             conn = self._live(_APPEND, **where)
             try:
@@ -779,10 +899,9 @@ def _one(sql: str, params: Any, want: str = "all") -> Op[Any]:
     return (yield _Q(sql, params, want))
 
 
-class AsyncPostgresEventStore(_Base):
-    """`PostgresEventStore` for asyncio (`AsyncEventStore`): the same tables, checks and
-    failure rules on a ``psycopg.AsyncConnection``; calls on one store are serialized by
-    an `asyncio.Lock` (use a store from one event loop)."""
+class _Async(_Base):
+    """`_Sync` for asyncio: one ``psycopg.AsyncConnection``, serialized by an
+    `asyncio.Lock` (use an object from one event loop)."""
 
     def __init__(self, dsn: str, *, schema: str = "statemachine", readonly: bool = False,
                  readback_timeout: float = 10.0) -> None:
@@ -803,7 +922,7 @@ class AsyncPostgresEventStore(_Base):
 
     async def _live(self, doing: str, **where: Any) -> psycopg.AsyncConnection[Any]:
         if self._closed:
-            raise _closed(doing, **where)
+            raise _closed(doing, self._noun, **where)
         conn = self._conn
         if conn is not None and not conn.closed:
             return conn  # type: ignore[no-any-return]
@@ -821,7 +940,8 @@ class AsyncPostgresEventStore(_Base):
             with contextlib.suppress(Exception):
                 await conn.close()
             if isinstance(error, _BACKEND):
-                raise _failure(error, doing=_OPEN, outcome="not_written", **where) from error
+                raise _failure(error, doing=self._opening, outcome="not_written",
+                               **where) from error
             raise
         self._conn = conn
         return conn
@@ -867,18 +987,50 @@ class AsyncPostgresEventStore(_Base):
                 await self._settle()
                 raise
 
+    async def _write(self, op: Op[T], *, doing: str, **where: Any) -> T:
+        """`_Sync._write`, awaited."""
+        async with self._lock:
+            conn = await self._live(doing, **where)
+            try:
+                result = await _adrive(conn, op, begin=True)
+                await self._before_commit()
+            except _BACKEND as error:
+                await self._settle()
+                raise _failure(error, doing=doing, outcome="not_written", **where) from error
+            except BaseException:
+                await self._settle()
+                raise
+            try:
+                await conn.execute("COMMIT")
+            except psycopg.Error as error:
+                await self._drop()
+                raise _failure(error, doing=doing, outcome="unknown", **where) from error
+            except BaseException:  # cancelled while committing: unknown; never reused
+                await self._drop()
+                raise
+        await self._after_commit()
+        return result
+
     async def _before_commit(self) -> None:
-        """A seam for fault injection: runs right before an append's COMMIT."""
+        """A seam for fault injection: runs right before a write's COMMIT."""
 
     async def _after_commit(self) -> None:
-        """A seam for fault injection: runs right after an append's COMMIT returned."""
+        """A seam for fault injection: runs right after a write's COMMIT returned."""
+
+
+class AsyncPostgresEventStore(_Async):
+    """`PostgresEventStore` for asyncio (`AsyncEventStore`): the same tables, checks and
+    failure rules on a ``psycopg.AsyncConnection``; calls on one store are serialized by
+    an `asyncio.Lock` (use a store from one event loop)."""
 
     async def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
-                     snapshot: Snapshot | None = None, step: Step | None = None) -> None:
+                     snapshot: Snapshot | None = None, step: Step | None = None,
+                     session_write: SessionWrite | None = None) -> None:
+        """`PostgresEventStore.append`, awaited."""
         where = {"run_id": run_id}
         if self.readonly:
             raise self._refused_readonly(_APPEND, run_id)
-        prepared = _prepare(run_id, events, expected_version, snapshot, step)
+        prepared = _prepare(run_id, events, expected_version, snapshot, step, session_write)
         async with self._lock:
             conn = await self._live(_APPEND, **where)
             try:
@@ -974,3 +1126,164 @@ class AsyncPostgresEventStore(_Base):
                 await self._read(_one(self._sql.keep_fold, (step.value, run_id, version),
                                       "none"), doing=_LIST, run_id=run_id)
         return version, step, session
+
+
+# ----------------------------------------------------------------------- sessions
+
+_READ = "read the Session"
+_ADD = "write to the Session"
+_POP = "pop an item from the Session"
+_CLEAR = "clear the Session"
+_COUNT = "count a publication's items"
+
+
+def _item(body: Any) -> JSON:
+    try:
+        return json.loads(body)
+    except (ValueError, TypeError, RecursionError):
+        raise StorageError("cannot read the Session: it holds a damaged item (not JSON)",
+                           outcome="not_written") from None
+
+
+def _get_items(sql: _Sql, session_id: str, limit: int | None) -> Op[list[JSON]]:
+    if limit is None:
+        rows = yield _Q(sql.items, (session_id,), "all")
+    else:
+        rows = yield _Q(sql.items_tail, (session_id, max(int(limit), 0)), "all")
+    return [_item(body) for (body,) in rows]
+
+
+def _add_items(sql: _Sql, rows: dict[str, Any]) -> Op[None]:
+    yield _Q(sql.add_items, rows)
+
+
+def _pop_item(sql: _Sql, session_id: str) -> Op[JSON | None]:
+    row = yield _Q(sql.pop_item, (session_id,), "one")
+    return None if row is None else _item(row[0])  # damaged: refused, rolled back, kept
+
+
+def _count(sql: _Sql, session_id: str, publication_id: str) -> Op[int]:
+    row = yield _Q(sql.publication_items, (session_id, publication_id), "one")
+    return int(row[0])
+
+
+def _conninfo(dsn: str) -> dict[str, str] | str:
+    try:
+        return conninfo_to_dict(dsn)  # type: ignore[return-value]
+    except psycopg.Error:
+        return dsn
+
+
+def _shares(session: _Base, store: object) -> bool:
+    """Whether ``store`` writes to the database and schema ``session`` reads: a PostgreSQL
+    store (sync or async), not read-only, on the same schema and a DSN with the same
+    parameters (compared as parsed; a DSN spelled with other parameters is another
+    database here, which only costs the shared transaction)."""
+    if not isinstance(store, PostgresEventStore | AsyncPostgresEventStore) or store.readonly:
+        return False
+    return store.schema == session.schema and _conninfo(store.dsn) == _conninfo(session.dsn)
+
+
+def _check_session_id(session_id: object) -> None:
+    if type(session_id) is not str:
+        raise TypeError("session_id must be a str")
+
+
+class PostgresSession(_Sync):
+    """A Session on PostgreSQL (sync psycopg; DESIGN §6.7): the `Session` protocol, whose
+    methods are coroutines, each running its statement on a worker thread
+    (`asyncio.to_thread`) so the event loop never waits on the server.
+
+    Items live in ``session_items`` (in the schema named by ``schema=``, created with the
+    event store's tables, under the same advisory lock and schema version) as detached
+    JSON text, each with the id of the publication that wrote it (``publication_id``, NULL
+    for an item written without one), so `publication_items` counts a publication's items
+    exactly. ``add_items`` is all or nothing (one transaction).
+
+    Failures are `StorageError`, as the store's: ``"not_written"`` before COMMIT (and for
+    every read, and for a damaged item, which ``pop_item`` refuses before removing it),
+    ``"unknown"`` when a COMMIT raised (a write's error reaches the runner as the write's
+    error: ``publish`` reports it and re-raises it, I6). A broken connection is replaced
+    on the next call.
+
+    When the run's event store is a PostgreSQL store on the same database and schema
+    (`shares_transaction_with`), ``statemachine.runner.publish`` does not call
+    ``add_items``: it hands the batch to the store with the publication's commit event
+    (`RunController.publication_committed(session_write=...)`), and both are written in
+    one transaction. One Session, one writer (DESIGN §6.4): concurrent ``pop_item`` calls
+    on one Session may both answer None for the last item.
+    """
+
+    _noun = "Session"
+    _opening = "open the Session"
+
+    def __init__(self, dsn: str, session_id: str, *, schema: str = "statemachine") -> None:
+        _check_session_id(session_id)
+        super().__init__(dsn, schema=schema)
+        self.session_id = session_id
+
+    def shares_transaction_with(self, store: object) -> bool:
+        """Whether ``store`` (a run's event store) writes into this Session's database and
+        schema, so a publication's items can ride in its commit event's transaction."""
+        return _shares(self, store)
+
+    async def get_items(self, limit: int | None = None) -> list[JSON]:
+        return await asyncio.to_thread(
+            self._read, _get_items(self._sql, self.session_id, limit), doing=_READ)
+
+    async def add_items(self, items: list[JSON], *, publication_id: str | None = None
+                        ) -> None:
+        """Append ``items`` in one transaction, tagged with ``publication_id``."""
+        rows = _session_rows(self.session_id, publication_id, items)
+        await asyncio.to_thread(self._write, _add_items(self._sql, rows), doing=_ADD)
+
+    async def pop_item(self) -> JSON | None:
+        return await asyncio.to_thread(self._write, _pop_item(self._sql, self.session_id),
+                                       doing=_POP)
+
+    async def clear_session(self) -> None:
+        await asyncio.to_thread(self._write, _one(self._sql.clear_session,
+                                                  (self.session_id,), "none"), doing=_CLEAR)
+
+    async def publication_items(self, publication_id: str) -> int:
+        """How many of this Session's items the publication ``publication_id`` wrote."""
+        return await asyncio.to_thread(
+            self._read, _count(self._sql, self.session_id, publication_id), doing=_COUNT)
+
+
+class AsyncPostgresSession(_Async):
+    """`PostgresSession` on a ``psycopg.AsyncConnection`` (use it from one event loop;
+    ``await close()``)."""
+
+    _noun = "Session"
+    _opening = "open the Session"
+
+    def __init__(self, dsn: str, session_id: str, *, schema: str = "statemachine") -> None:
+        _check_session_id(session_id)
+        super().__init__(dsn, schema=schema)
+        self.session_id = session_id
+
+    def shares_transaction_with(self, store: object) -> bool:
+        """As `PostgresSession.shares_transaction_with`."""
+        return _shares(self, store)
+
+    async def get_items(self, limit: int | None = None) -> list[JSON]:
+        return await self._read(_get_items(self._sql, self.session_id, limit), doing=_READ)
+
+    async def add_items(self, items: list[JSON], *, publication_id: str | None = None
+                        ) -> None:
+        """Append ``items`` in one transaction, tagged with ``publication_id``."""
+        rows = _session_rows(self.session_id, publication_id, items)
+        await self._write(_add_items(self._sql, rows), doing=_ADD)
+
+    async def pop_item(self) -> JSON | None:
+        return await self._write(_pop_item(self._sql, self.session_id), doing=_POP)
+
+    async def clear_session(self) -> None:
+        await self._write(_one(self._sql.clear_session, (self.session_id,), "none"),
+                          doing=_CLEAR)
+
+    async def publication_items(self, publication_id: str) -> int:
+        """How many of this Session's items the publication ``publication_id`` wrote."""
+        return await self._read(_count(self._sql, self.session_id, publication_id),
+                                doing=_COUNT)

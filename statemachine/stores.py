@@ -39,6 +39,7 @@ import contextlib
 import functools
 import hashlib
 import hmac
+import inspect
 import json
 import os
 import sqlite3
@@ -106,6 +107,40 @@ class RunHead:
     owner: str | None = None
     """The owner of the run's last `RunClaimed` (None before any claim, or claimed
     without an owner)."""
+
+
+@attrs.frozen
+class SessionWrite:
+    """A publication's Session items, handed to a store with the publication's commit
+    event so both land in one transaction (DESIGN §6.7): a store whose ``append`` takes
+    ``session_write=`` (the PostgreSQL stores) writes ``items`` to the Session
+    ``session_id``, tagged with ``publication_id``, in the append's own transaction. Build
+    one for `RunController.publication_committed` (``statemachine.runner.publish`` does
+    when the Session shares the store's database)."""
+
+    session_id: str
+    publication_id: str
+    """``f"{run_id}:{seq}"``: the seq of the event that opened the attempt (its
+    `PublicationStaged`, or the `ReconciledAppend` of a reconcile that said Append)."""
+    items: tuple[JSON, ...]
+
+
+_TAKES_WRITE: dict[type, bool] = {}
+
+
+def takes_session_write(store: object) -> bool:
+    """Whether ``store``'s ``append`` accepts ``session_write=`` (cached per class)."""
+    kind = type(store)
+    found = _TAKES_WRITE.get(kind)
+    if found is None:
+        append = getattr(store, "append", None)
+        try:
+            found = append is not None and "session_write" in inspect.signature(
+                append).parameters
+        except (TypeError, ValueError):
+            found = False
+        _TAKES_WRITE[kind] = found
+    return found
 
 
 @runtime_checkable

@@ -335,8 +335,8 @@ async def _controller(agent: Agent, *, session: Session | None,
         return RunController.from_json(state), True
     if store is not None and run_id is not None:
         with contextlib.suppress(RunNotFound):
-            if isinstance(store, AsyncEventStore):
-                return await RunController.load_async(store, run_id), True
+            if isinstance(store, AsyncEventStore):  # (a sync store passes this check too)
+                return await RunController.load_async(store, run_id, buffered=buffered), True
             return RunController.load(store, run_id, buffered=buffered), True
     return RunController.start(
         run_id=run_id or uuid.uuid4().hex,

@@ -10,10 +10,15 @@ import asyncio
 import inspect
 
 from statemachine.controller import RunController
-from statemachine.errors import PublicationUnsettled, ReconcileRejected
+from statemachine.errors import (
+    ConcurrencyConflict,
+    PublicationUnsettled,
+    ReconcileRejected,
+    StorageError,
+)
 from statemachine.payloads import JSON
 from statemachine.sessions import Session
-from statemachine.stores import AsyncEventStore, indexes_runs
+from statemachine.stores import AsyncEventStore, SessionWrite, indexes_runs
 from statemachine.values import Acknowledge, Append, Step
 
 TAIL_ITEMS = 16
@@ -115,9 +120,35 @@ async def settle(controller: RunController, session: Session, *,
 
 
 async def _write(controller: RunController, session: Session, items: list[JSON]) -> None:
+    """Write the attempt's batch, then report. Its publication id is ``run_id:seq`` (the
+    seq of the event that opened the attempt). A Session that shares the run's store's
+    database (``shares_transaction_with(store)``, `PostgresSession`) is not written here:
+    the store writes the items with the commit event, in one transaction (DESIGN §6.7). A
+    Session that keeps publication ids (``publication_items``) is told the id."""
     await controller.flush_async()  # an effect boundary: the staged envelope is durable
+    publication_id = f"{controller.run_id}:{controller.state.attempt_seq}"
+    store = controller.store
+    shares = getattr(session, "shares_transaction_with", None)
+    if store is not None and callable(shares) and shares(store):
+        write = SessionWrite(session.session_id, publication_id, tuple(items))
+        try:
+            controller.publication_committed(session_write=write)
+            await controller.flush_async()  # an async store appends the pair here
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            # nothing of the pair landed, unless its outcome is unknown or another writer
+            # moved the log: then the controller refuses everything (load the run again)
+            if not (isinstance(error, ConcurrencyConflict) or (
+                    isinstance(error, StorageError) and error.outcome != "not_written")):
+                controller.publication_failed(error)
+            raise
+        return
     try:
-        await session.add_items(items)
+        if callable(getattr(session, "publication_items", None)):
+            await session.add_items(items, publication_id=publication_id)  # type: ignore[call-arg]
+        else:
+            await session.add_items(items)
     except asyncio.CancelledError:
         raise
     except Exception as error:
