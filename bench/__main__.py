@@ -18,7 +18,16 @@ the large rows: staging a 10,000-item batch and loading its document, and record
 loading a run whose one event is a ~1 MB tool output, each also at twice the size (the
 ratio of the times shows the cost is linear: about 2).
 
-Usage: ``python -m bench [--json] [--runs N] [--repeats R] ...`` (``--help`` lists all).
+Then the rows of `bench.backends`, each only where its backend is available (else
+``skipped: <reason>``): the PostgreSQL store against a bare psycopg loop; the seed
+scenario on memory, SQLite (per command, buffered, async) and PostgreSQL (per command,
+buffered, async), against memory, with store transactions per scenario; the event-loop
+lag of 100 concurrent runs on the async stores and the sync SQLite store; and 1, 2 and 4
+worker processes on one PostgreSQL. PostgreSQL is ``--pg-dsn`` or STATEMACHINE_PG_DSN,
+else a throwaway cluster (``--no-pg`` skips those rows).
+
+Usage: ``python -m bench [--quick] [--json | --markdown] [--runs N] ...`` (``--help``
+lists all).
 """
 
 from __future__ import annotations
@@ -165,27 +174,63 @@ def measure_store(appends: int, repeats: int) -> dict[str, float]:
     return {"store_per_s": statistics.median(ours), "bare_per_s": statistics.median(bare)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    from bench import suite
+# Sizes of the full run and of ``--quick``; an option given explicitly wins over both.
+FULL: dict[str, Any] = {
+    "runs": 3000, "repeats": 7, "appends": 2000, "sizes": [100, 10_000, 100_000],
+    "idle_runs": 10_000, "fuzz_examples": 20, "turns": 500, "batch_items": [10_000, 20_000],
+    "event_mb": [1.0, 2.0], "pg_appends": 500, "scenarios": 20, "lag_runs": 100,
+    "workers": [1, 2, 4], "worker_runs": 20,
+}
+QUICK: dict[str, Any] = {
+    "runs": 500, "repeats": 3, "appends": 300, "sizes": [100, 10_000], "idle_runs": 2000,
+    "fuzz_examples": 5, "turns": 100, "batch_items": [2000, 4000], "event_mb": [0.25, 0.5],
+    "pg_appends": 150, "scenarios": 5, "lag_runs": 100, "workers": [1, 2, 4],
+    "worker_runs": 5,
+}
 
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=int, default=3000, help="fresh runs per repeat")
-    parser.add_argument("--repeats", type=int, default=7, help="repeats (medians are shown)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    parser.add_argument("--markdown", action="store_true",
-                        help="print the README's performance table instead")
-    parser.add_argument("--appends", type=int, default=2000, help="SQLite appends per repeat")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[100, 10_000, 100_000],
-                        help="log lengths to load")
-    parser.add_argument("--idle-runs", type=int, default=10_000, help="runs for the memory row")
-    parser.add_argument("--fuzz-examples", type=int, default=20,
-                        help="stateful examples for the throughput row")
-    parser.add_argument("--turns", type=int, default=500, help="turns of the paused run")
-    parser.add_argument("--batch-items", type=int, nargs=2, default=[10_000, 20_000],
-                        metavar=("N", "M"), help="items of the two large batches")
-    parser.add_argument("--event-mb", type=float, nargs=2, default=[1.0, 2.0],
-                        metavar=("A", "B"), help="MB of the two large events")
-    args = parser.parse_args(argv)
+    add = parser.add_argument
+    add("--quick", action="store_true",
+        help="smaller counts everywhere (about half a minute; for a look, not for the README)")
+    add("--runs", type=int, help="fresh runs per repeat (3000; quick 500)")
+    add("--repeats", type=int, help="repeats, medians are shown (7; quick 3)")
+    add("--json", action="store_true", help="print JSON instead of tables")
+    add("--markdown", action="store_true", help="print the README's performance table instead")
+    add("--appends", type=int, help="SQLite appends per repeat (2000; quick 300)")
+    add("--sizes", type=int, nargs="+", help="log lengths to load (100 10000 100000)")
+    add("--idle-runs", type=int, help="runs for the memory row (10000)")
+    add("--fuzz-examples", type=int, help="stateful examples for the throughput row (20)")
+    add("--turns", type=int, help="turns of the paused run (500)")
+    add("--batch-items", type=int, nargs=2, metavar=("N", "M"),
+        help="items of the two large batches (10000 20000)")
+    add("--event-mb", type=float, nargs=2, metavar=("A", "B"),
+        help="MB of the two large events (1 2)")
+    add("--pg-dsn", help="the PostgreSQL server of the PostgreSQL rows (default: "
+        "STATEMACHINE_PG_DSN, else a throwaway cluster from tests/pg_cluster.py)")
+    add("--no-pg", action="store_true", help="skip the PostgreSQL rows")
+    add("--pg-appends", type=int, help="PostgreSQL appends per repeat (500; quick 150)")
+    add("--scenarios", type=int, help="seed scenarios per store (20; quick 5)")
+    add("--lag-runs", type=int, help="concurrent runs of the loop-lag row (100)")
+    add("--workers", type=int, nargs="+", help="worker process counts (1 2 4)")
+    add("--worker-runs", type=int, help="seed scenarios per worker process (20; quick 5)")
+    return parser
+
+
+def options(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with the sizes not given taken from `FULL` or `QUICK`."""
+    args = _parser().parse_args(argv)
+    for name, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench import backends, suite
+
+    args = options(argv)
     rows: list[dict[str, Any]] = []
     for name in COMMANDS:
         m = measure(name, args.runs, args.repeats)
@@ -202,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"python": platform.python_version(), "machine": platform.machine(),
                     "processor": platform.processor() or "unknown",
                     "cpus": os.cpu_count()},
+        "quick": args.quick,
         "command": rows,
         "sqlite_store": {"store_appends_per_s": round(store["store_per_s"]),
                          "bare_sqlite_per_s": round(store["bare_per_s"]),
@@ -215,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
         "large": suite.measure_large(tuple(args.batch_items), tuple(args.event_mb),
                                      max(1, min(3, args.repeats // 2))),
     }
+    with backends.postgres(args.pg_dsn, enabled=not args.no_pg) as pg:
+        report.update(backends.measure_all(
+            pg, pg_appends=args.pg_appends, repeats=max(1, min(3, args.repeats // 2)),
+            scenarios=args.scenarios, lag_runs=args.lag_runs, workers=tuple(args.workers),
+            worker_runs=args.worker_runs))
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         print()
@@ -222,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         print(markdown(report))
         return 0
-    _print(report, args)
+    print_report(report, args)
     return 0
 
 
@@ -272,15 +323,24 @@ def markdown(report: dict[str, Any]) -> str:
                 f"load {small['load_ms']} ms ({small['load_ms_per_mb']} ms/MB); "
                 f"{big['event_bytes'] / 2**20:.2f} MB: {lg['event_record_ratio']}x / "
                 f"{lg['event_load_ratio']}x the time | linear (~{lg['event_size_ratio']}x) |")
-    return (f"Measured by `just bench` on Python {m['python']}, {m['machine']}, {m['cpus']} "
-            "CPUs (a shared machine; medians):\n\n" + "\n".join(rows))
+    if "pg_append" in report:
+        from bench import backends
+
+        rows += backends.markdown_rows(report)
+    pg = report.get("postgres", {})
+    server = (f"; PostgreSQL {pg['server']} (fsync={pg['fsync']}, synchronous_commit="
+              f"{pg['synchronous_commit']}) on the same machine" if pg.get("available") else "")
+    quick = " with `--quick`" if report.get("quick") else ""
+    return (f"Measured by `just bench`{quick} on Python {m['python']}, {m['machine']}, "
+            f"{m['cpus']} CPUs{server} (a shared machine; medians):\n\n" + "\n".join(rows))
 
 
 def _mark(ok: bool) -> str:
     return "met" if ok else "MISSED"
 
 
-def _print(report: dict[str, Any], args: argparse.Namespace) -> None:
+def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
+    """The text report."""
     m = report["machine"]
     print(f"just bench on Python {m['python']}, {m['machine']}, {m['cpus']} CPUs; medians")
     print(f"\none guarded command ({args.repeats} x {args.runs} fresh runs); targets: "
@@ -326,6 +386,10 @@ def _print(report: dict[str, Any], args: argparse.Namespace) -> None:
                  f"({rt['openai_agents_over_ours']}x; goal >= 5x)")
     print(line)
     _print_large(report["large"])
+    if "pg_append" in report:
+        from bench import backends
+
+        backends.print_rows(report)
 
 
 def _print_large(lg: dict[str, Any]) -> None:

@@ -182,7 +182,11 @@ def measure_fuzz_throughput(examples: int) -> dict[str, Any]:
     return {"examples": examples, "steps": steps, "steps_per_s": round(steps / elapsed)}
 
 
-async def _partial_approval_once() -> None:
+async def partial_approval(store: Any, *, run_id: str = "r", session_id: str = "s",
+                           buffered: bool = False) -> int:
+    """The seed scenario on ``store`` (any event store, sync or async): propose two
+    approval-gated calls, approve one, its Session write fails after landing, recover,
+    approve the other, finish. Returns the run's length in events."""
     from statemachine.runner import Agent, FunctionTool, ModelResponse, Runner
     from statemachine.sessions import MemorySession
     from statemachine.testing import FlakySession, InjectedWriteError, ScriptedModel
@@ -192,17 +196,24 @@ async def _partial_approval_once() -> None:
         ModelResponse(output="done")]), (
         FunctionTool("charge", lambda x: f"charged {x}", needs_approval=True),
         FunctionTool("notify", lambda: "notified", needs_approval=True)))
-    session, store = MemorySession("s"), MemoryEventStore()
-    paused = await Runner.run(agent, "charge me", session=session, store=store, run_id="r")
+    session = MemorySession(session_id)
+    paused = await Runner.run(agent, "charge me", session=session, store=store,
+                              run_id=run_id, buffered=buffered)
     paused.controller.approve("charge")
     with contextlib.suppress(InjectedWriteError):
         await Runner.run(agent, session=FlakySession(session, fail_on=1,
                                                      outcome="commit_then_raise"),
                          controller=paused.controller)
-    recovered = await Runner.run(agent, session=session, store=store, run_id="r")
+    recovered = await Runner.run(agent, session=session, store=store, run_id=run_id,
+                                 buffered=buffered)
     recovered.controller.approve("notify")
     done = await Runner.run(agent, session=session, controller=recovered.controller)
     assert done.final_output == "done"
+    return done.controller.version
+
+
+async def _partial_approval_once() -> None:
+    await partial_approval(MemoryEventStore())
 
 
 def measure_scenario(repeats: int) -> dict[str, Any]:

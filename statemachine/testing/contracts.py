@@ -14,8 +14,16 @@ subclasses you name ``Test*``; the bases here are not collected::
         def make_session(self, tmp_path, session_id):
             return MySession(session_id, tmp_path / "session")
 
-A backend whose objects have ``close()`` is closed after each test. Needs the
-``testing`` extra (pytest, Hypothesis).
+An `AsyncEventStore` runs the same event-store suite through `AsyncStoreAdapter` (its
+coroutines driven on a private event loop in a background thread, behind the sync
+protocol): subclass `AsyncEventStoreContract` and override ``make_async_store``::
+
+    class TestMyAsyncStore(AsyncEventStoreContract):
+        def make_async_store(self, tmp_path):
+            return MyAsyncStore(tmp_path / "events")
+
+A backend whose objects have ``close()`` is closed after each test (an async store's
+``close()`` is awaited). Needs the ``testing`` extra (pytest, Hypothesis).
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import asyncio
 import multiprocessing
 import threading
 import uuid
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Collection, Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -39,7 +47,7 @@ from statemachine.errors import ConcurrencyConflict
 from statemachine.payloads import JSON
 from statemachine.runner.publish import publish, settle
 from statemachine.sessions import Session
-from statemachine.stores import EventStore, SnapshotStore
+from statemachine.stores import AsyncEventStore, EventStore, RunHead, Snapshot, SnapshotStore
 from statemachine.values import (
     Acknowledge,
     Action,
@@ -50,7 +58,8 @@ from statemachine.values import (
     ToolCall,
 )
 
-__all__ = ["EventStoreContract", "SessionContract"]
+__all__ = ["AsyncEventStoreContract", "AsyncStoreAdapter", "EventStoreContract",
+           "SessionContract"]
 
 E = TypeVar("E", bound=BaseException)
 T = TypeVar("T")
@@ -349,6 +358,93 @@ class EventStoreContract:
             p.join(timeout=60)
         assert outputs == ["approved", "conflict"]
         assert len(store.load("run-1")) == at.version + 1
+
+
+# ------------------------------------------------------------ async event stores
+
+
+class AsyncStoreAdapter:
+    """An `AsyncEventStore` behind the sync store protocol (`EventStore`, `SnapshotStore`,
+    `IndexedStore`), so the event-store contract runs against it unchanged: each call
+    runs the async store's coroutine on a private event loop, which runs in a background
+    thread of its own, and waits for its answer. Calls from several threads at once are
+    scheduled on that one loop concurrently, as tasks of one asyncio runner would be, so
+    the store's own serialization (a lock, a worker thread) is what keeps them apart.
+
+    `close` awaits the store's ``close()`` (if it has one), then stops the loop. Never
+    call the adapter from a coroutine running on its own loop (it would wait for
+    itself)."""
+
+    def __init__(self, store: AsyncEventStore) -> None:
+        self.inner = store
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="statemachine-async-store-adapter")
+        self._thread.start()
+        self._closed = False
+
+    def _wait(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        if threading.current_thread() is self._thread:
+            coroutine.close()
+            raise RuntimeError("the adapter was called from its own event loop")
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def append(self, run_id: str, events: Sequence[ev.Event], expected_version: int, *,
+               snapshot: Snapshot | None = None, step: Step | None = None) -> None:
+        self._wait(self.inner.append(run_id, events, expected_version, snapshot=snapshot,
+                                     step=step))
+
+    def load(self, run_id: str) -> list[ev.Event]:
+        return self._wait(self.inner.load(run_id))
+
+    def load_latest(self, run_id: str) -> tuple[Snapshot | None, list[ev.Event]]:
+        return self._wait(self.inner.load_latest(run_id))
+
+    def list_runs(self, session_id: str | None = None,
+                  steps: Collection[Step] | None = None) -> tuple[RunHead, ...]:
+        return self._wait(self.inner.list_runs(session_id, steps))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            close = getattr(self.inner, "close", None)
+            if callable(close):
+                closing = close()
+                if asyncio.iscoroutine(closing):
+                    self._wait(closing)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=60)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+
+class AsyncEventStoreContract(EventStoreContract):
+    """`EventStoreContract` for an `AsyncEventStore`, through `AsyncStoreAdapter`.
+    Override `make_async_store`; for a store that other processes can open too, override
+    `open_async_again`."""
+
+    def make_async_store(self, tmp_path: Path) -> AsyncEventStore:
+        """A new, empty async store (it may keep its files under ``tmp_path``)."""
+        raise NotImplementedError
+
+    def open_async_again(self, tmp_path: Path) -> AsyncEventStore | None:
+        """As `EventStoreContract.open_again`, for the async store."""
+        return None
+
+    def make_store(self, tmp_path: Path) -> EventStore:
+        return AsyncStoreAdapter(self.make_async_store(tmp_path))
+
+    def open_again(self, tmp_path: Path) -> EventStore | None:
+        other = self.open_async_again(tmp_path)
+        return None if other is None else AsyncStoreAdapter(other)
+
+    def test_it_is_an_async_store(self, store: EventStore) -> None:
+        assert isinstance(store, AsyncStoreAdapter)
+        assert isinstance(store.inner, AsyncEventStore)
+        assert asyncio.iscoroutinefunction(store.inner.append)
 
 
 # ------------------------------------------------------------------------ Sessions

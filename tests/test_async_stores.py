@@ -1,0 +1,98 @@
+"""The event-store contract (`statemachine.testing.contracts.EventStoreContract`) run
+against the async stores (DESIGN §6.9), through `AsyncStoreAdapter`: `AsyncSQLiteEventStore`
+and, with a PostgreSQL server, `AsyncPostgresEventStore`. Then what a controller bound
+to an async store does directly: it buffers, flushes one transaction per effect boundary
+and loads back without blocking its loop."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from statemachine import ConcurrencyConflict, RunController
+from statemachine.postgres import AsyncPostgresEventStore
+from statemachine.stores import AsyncEventStore, AsyncSQLiteEventStore
+from statemachine.testing.contracts import AsyncEventStoreContract
+
+
+class TestAsyncSQLiteEventStore(AsyncEventStoreContract):
+    def make_async_store(self, tmp_path: Path) -> AsyncEventStore:
+        return AsyncSQLiteEventStore(tmp_path / "events.db")
+
+    def open_async_again(self, tmp_path: Path) -> AsyncEventStore:
+        return AsyncSQLiteEventStore(tmp_path / "events.db")
+
+
+@pytest.mark.postgres
+class TestAsyncPostgresEventStore(AsyncEventStoreContract):
+    dsn: str
+    schema: str
+
+    @pytest.fixture(autouse=True)
+    def _database(self, pg_dsn: str, pg_schema: str) -> None:
+        self.dsn, self.schema = pg_dsn, pg_schema
+
+    def make_async_store(self, tmp_path: Path) -> AsyncEventStore:
+        return AsyncPostgresEventStore(self.dsn, schema=self.schema)
+
+    def open_async_again(self, tmp_path: Path) -> AsyncEventStore:
+        return AsyncPostgresEventStore(self.dsn, schema=self.schema)
+
+
+# ------------------------------------------------- a controller bound to an async store
+
+
+async def _buffered_round_trip(store: AsyncEventStore) -> None:
+    """Commands buffer; one flush appends them as one transaction; a load equals the
+    live run; another controller from the same version conflicts on its flush."""
+    appends = 0
+    append = store.append
+
+    async def counted(*args: object, **kwargs: object) -> None:
+        nonlocal appends
+        appends += 1
+        await append(*args, **kwargs)  # type: ignore[arg-type]
+
+    store.append = counted  # type: ignore[method-assign]
+    c = RunController.start(run_id="run-1", session_id="s",
+                            store=store)  # type: ignore[arg-type]  # async: buffered
+    c.begin_model_call()
+    c.model_responded([], output="answer")
+    assert c.unflushed == 3
+    assert appends == 0
+    await c.flush_async()
+    assert (c.unflushed, appends) == (0, 1)
+    loaded = await RunController.load_async(store, "run-1")
+    assert loaded.state == c.state
+    assert loaded.events == c.events
+    rival = await RunController.load_async(store, "run-1")
+    c.claim("a")
+    rival.claim("b")
+    await c.flush_async()
+    with pytest.raises(ConcurrencyConflict):
+        await rival.flush_async()
+    assert (await RunController.load_async(store, "run-1")).state == c.state
+    assert appends == 3
+
+
+def test_a_controller_on_the_async_sqlite_store_flushes_per_boundary(tmp_path: Path) -> None:
+    async def go() -> None:
+        store = AsyncSQLiteEventStore(tmp_path / "events.db")
+        try:
+            await _buffered_round_trip(store)
+        finally:
+            await store.close()
+
+    asyncio.run(go())
+
+
+@pytest.mark.postgres
+def test_a_controller_on_the_async_postgres_store_flushes_per_boundary(
+        pg_dsn: str, pg_schema: str) -> None:
+    async def go() -> None:
+        async with AsyncPostgresEventStore(pg_dsn, schema=pg_schema) as store:
+            await _buffered_round_trip(store)
+
+    asyncio.run(go())
