@@ -1,0 +1,13 @@
+"""Adapters: the control core embedded in the agent runners people already use (DESIGN
+§6.8). Each adapter is a module here, installed with an extra and imported by its own
+name, so importing this package never imports an SDK:
+
+* `statemachine.adapters.openai_agents` — the OpenAI Agents SDK (``openai-agents``),
+  installed with ``agent-statemachine[openai-agents]``.
+
+The core never imports this package.
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []
