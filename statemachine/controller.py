@@ -728,6 +728,9 @@ class RunController:
                 self._unknown = f"{type(event).__name__} at seq {event.seq}, {action}"
                 raise _storage_error(exc, "unknown", run_id=s.run_id, step=s.step,
                                      action=action) from exc
+            except BaseException:  # interrupted, or untyped: the append may have landed
+                self._unknown = f"{type(event).__name__} at seq {event.seq}, {action}"
+                raise
         before = s.step
         s.apply(event, dest)
         self._events.append(event)
@@ -868,7 +871,9 @@ class RunController:
         except (ControlError, sqlite3.Error, OSError) as exc:
             self._flush_failed(exc, batch)
         except BaseException:
-            self._drop_write()  # interrupted: a pending commit is never re-attempted
+            # interrupted, or an error the store did not type: the append may have landed
+            self._drop_write()
+            self._unknown = f"{len(batch)} event(s) from seq {batch[0].seq}, flush"
             raise
         self._flushed_ok(len(batch))
 
@@ -888,7 +893,9 @@ class RunController:
         except (ControlError, sqlite3.Error, OSError) as exc:
             self._flush_failed(exc, batch)
         except BaseException:
-            self._drop_write()  # cancelled: a pending commit is never re-attempted
+            # cancelled, or an error the store did not type: the append may have landed
+            self._drop_write()
+            self._unknown = f"{len(batch)} event(s) from seq {batch[0].seq}, flush"
             raise
         self._flushed_ok(len(batch))
 

@@ -71,6 +71,43 @@ def store(pg_dsn: str, pg_schema: str) -> Iterator[PostgresEventStore]:
         yield opened
 
 
+# ------------------------------------------- a store that wraps its append (regression)
+
+
+class WrappedAppend(PostgresEventStore):
+    """Instrumentation as people write it: ``append(*args, **kwargs)``, which does not
+    name ``session_write=``."""
+
+    appends = 0
+
+    def append(self, *args: Any, **kwargs: Any) -> None:
+        self.appends += 1
+        super().append(*args, **kwargs)
+
+
+def test_a_store_whose_append_takes_kwargs_still_publishes_to_a_session_beside_it(
+        store: PostgresEventStore, pg_dsn: str, pg_schema: str, tmp_path: Path) -> None:
+    """Such a store cannot take a Session's items with the commit event: the runner
+    writes them to the Session itself (it once handed them over anyway, and every
+    publication of the run was refused, leaving it stuck unsettled)."""
+    wrapped = WrappedAppend(pg_dsn, schema=pg_schema)
+    session = pg_worker.open_session(pg_dsn, pg_schema, "wrapped-session", tmp_path)
+    try:
+        assert _paused(wrapped, session, "wrapped", "interruption") > 0
+        agent, hooks = pg_worker.build(tmp_path / "effects.txt")
+        c = RunController.load(wrapped, "wrapped")
+        assert asyncio.run(pg_worker.resume("run", agent, hooks, c, session, "me")) == (
+            "completed")
+        items = asyncio.run(session.get_items())
+    finally:
+        wrapped.close()
+        session.close()
+    assert wrapped.appends > 0
+    assert [item.get("type") or item.get("role") for item in items] == [
+        "user", "function_call", "function_call_output", "assistant"]
+    check_log(store.load("wrapped"))
+
+
 # ---------------------------------------------------------------- racing resumers
 
 

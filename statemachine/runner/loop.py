@@ -229,7 +229,10 @@ class _Drive:
                     # in flight, so it answers as a reloaded one would (ToolInDoubt, or
                     # Execute again for an idempotent call)
                     if call_id in c.in_flight:
-                        c.tool_interrupted(call_id)
+                        # never replaces the error in flight (a run already refusing
+                        # everything, e.g. after an unknown append, refuses this too)
+                        with contextlib.suppress(ControlError):
+                            c.tool_interrupted(call_id)
                     raise
                 await self._emit(StreamEvent("tool_output",
                                              {"call_id": call_id, "output": output}))

@@ -7,18 +7,20 @@ first write: one Session, one writer (DESIGN §6.4)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 
 from statemachine.controller import RunController
 from statemachine.errors import (
     ConcurrencyConflict,
+    ControlError,
     PublicationUnsettled,
     ReconcileRejected,
     StorageError,
 )
 from statemachine.payloads import JSON
 from statemachine.sessions import Session
-from statemachine.stores import AsyncEventStore, SessionWrite, indexes_runs
+from statemachine.stores import AsyncEventStore, SessionWrite, indexes_runs, takes_session_write
 from statemachine.values import Acknowledge, Append, Step
 
 TAIL_ITEMS = 16
@@ -129,7 +131,10 @@ async def _write(controller: RunController, session: Session, items: list[JSON])
     publication_id = f"{controller.run_id}:{controller.state.attempt_seq}"
     store = controller.store
     shares = getattr(session, "shares_transaction_with", None)
-    if store is not None and callable(shares) and shares(store):
+    # (a store whose append does not name session_write=, e.g. a subclass wrapping it
+    # with **kwargs, is refused the pair: its Session is then written like any other)
+    if (store is not None and callable(shares) and shares(store)
+            and takes_session_write(store)):
         write = SessionWrite(session.session_id, publication_id, tuple(items))
         try:
             controller.publication_committed(session_write=write)
@@ -141,7 +146,8 @@ async def _write(controller: RunController, session: Session, items: list[JSON])
             # moved the log: then the controller refuses everything (load the run again)
             if not (isinstance(error, ConcurrencyConflict) or (
                     isinstance(error, StorageError) and error.outcome != "not_written")):
-                controller.publication_failed(error)
+                with contextlib.suppress(ControlError):  # the write's error wins (I6)
+                    controller.publication_failed(error)
             raise
         return
     try:
@@ -152,6 +158,7 @@ async def _write(controller: RunController, session: Session, items: list[JSON])
     except asyncio.CancelledError:
         raise
     except Exception as error:
-        controller.publication_failed(error)
+        with contextlib.suppress(ControlError):  # the write's own error propagates (I6)
+            controller.publication_failed(error)
         raise
     controller.publication_committed()

@@ -5,6 +5,7 @@ restarts."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from typing import Literal, Protocol
@@ -12,7 +13,7 @@ from typing import Literal, Protocol
 import attrs
 
 from statemachine.controller import RunController
-from statemachine.errors import ToolInDoubt
+from statemachine.errors import ControlError, ToolInDoubt
 from statemachine.payloads import JSON
 from statemachine.runner.agents import FunctionTool
 from statemachine.runner.loop import maybe_await
@@ -173,7 +174,10 @@ class RemoteToolExecutor:
                 # cancelled, timed out, or the result was refused: the call ended without
                 # a recorded result, so this controller answers as a reloaded one would
                 if call_id in c.in_flight:
-                    c.tool_interrupted(call_id)
+                    # never replaces the error in flight (a run already refusing
+                    # everything, e.g. after an unknown append, refuses this too)
+                    with contextlib.suppress(ControlError):
+                        c.tool_interrupted(call_id)
                 raise
         else:
             result = decision.result
