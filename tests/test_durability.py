@@ -396,7 +396,7 @@ def test_the_async_sqlite_store_never_runs_sqlite_on_the_event_loop(tmp_path: Pa
     async def go() -> tuple[int, RunController]:
         loop_thread = threading.get_ident()
         first = await Runner.run(agent, "charge 7", session=session,
-                                 store=store,  # type: ignore[arg-type]  # async: buffered
+                                 store=store,  # async: buffered
                                  run_id=RUN, hooks=hooks)
         assert first.step is Step.INTERRUPTION
         assert first.controller.unflushed == 0  # flushed at the end of the attempt
@@ -407,7 +407,7 @@ def test_the_async_sqlite_store_never_runs_sqlite_on_the_event_loop(tmp_path: Pa
             decided.flush()  # an async store is never written from the loop's thread
         await decided.flush_async()  # the decision is durable before it is acknowledged
         second = await Runner.run(agent, session=session,
-                                  store=store,  # type: ignore[arg-type]  # async: buffered
+                                  store=store,  # async: buffered
                                   run_id=RUN, hooks=hooks, owner="resumer")
         assert second.step is Step.COMPLETED
         reloaded = await RunController.load_async(store, RUN, snapshot=False)

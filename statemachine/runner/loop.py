@@ -383,7 +383,7 @@ class Runner:
         session: Session | None = None,
         controller: RunController | None = None,
         state: Mapping[str, Any] | str | None = None,
-        store: EventStore | None = None,
+        store: EventStore | AsyncEventStore | None = None,
         run_id: str | None = None,
         policy: RecoveryPolicy = RecoveryPolicy.RECONCILE,
         hooks: RunHooks | None = None,
@@ -424,7 +424,8 @@ class Runner:
     @staticmethod
     async def _run(agent: Agent, input: str | list[JSON] | None, *, session: Session | None,
                    controller: RunController | None, state: Mapping[str, Any] | str | None,
-                   store: EventStore | None, run_id: str | None, policy: RecoveryPolicy,
+                   store: EventStore | AsyncEventStore | None, run_id: str | None,
+                   policy: RecoveryPolicy,
                    hooks: RunHooks | None, take_over: bool, emit: Emit | AsyncEmit,
                    owner: str | None = None, buffered: bool = False) -> RunResult:
         c, resumed = await _controller(agent, session=session, controller=controller,
