@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 
-from statemachine import RecoveryPolicy, RunController, ToolCall
+from statemachine import RecoveryPolicy, RunController
+from statemachine.testing import contracts
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -45,17 +46,7 @@ def at_interruption(
     run_id: str = "run-1",
 ) -> RunController:
     """The seed's model response: charge(x=7), notify() and audit(), all approval-gated."""
-    c = RunController.start(run_id=run_id, session_id=SESSION, policy=policy, store=store)
-    c.hook_ran("agent_start")
-    c.begin_model_call()
-    c.hook_ran("model_start")
-    c.model_responded([
-        ToolCall("charge", "charge", {"x": 7}, needs_approval=True),
-        ToolCall("notify", "notify", {}, needs_approval=True),
-        ToolCall("audit", "audit", {}, needs_approval=True),
-    ])
-    c.hook_ran("model_end")
-    return c
+    return contracts.at_interruption(store, run_id, SESSION, policy)
 
 
 def run_charge(c: RunController) -> None:

@@ -74,11 +74,13 @@ def _close(backend: object) -> None:
 # ------------------------------------------------------------------ scenario kit
 
 
-def _at_interruption(store: EventStore | None = None, run_id: str = "run-1",
-                     session_id: str = "session-1") -> RunController:
+def at_interruption(store: EventStore | None = None, run_id: str = "run-1",
+                    session_id: str = "session-1",
+                    policy: RecoveryPolicy = RecoveryPolicy.RECONCILE) -> RunController:
     """A run paused on three approval-gated calls, ``charge``, ``notify`` and ``audit``,
-    with its agent and model hooks recorded (six events)."""
-    c = RunController.start(run_id=run_id, session_id=session_id, store=store)
+    with its agent and model hooks recorded (six events): the seed's model response."""
+    c = RunController.start(run_id=run_id, session_id=session_id, policy=policy,
+                            store=store)
     c.hook_ran("agent_start")
     c.begin_model_call()
     c.hook_ran("model_start")
@@ -245,12 +247,12 @@ class EventStoreContract:
         assert store.load("unknown") == []
 
     def test_a_batch_lands_whole(self, store: EventStore) -> None:
-        c = _at_interruption()
+        c = at_interruption()
         store.append("run-1", c.events, 0)
         assert store.load("run-1") == list(c.events)
 
     def test_a_moved_version_conflicts_and_writes_nothing(self, store: EventStore) -> None:
-        c = _at_interruption(store=store)
+        c = at_interruption(store=store)
         before = store.load("run-1")
         for version in (0, len(before) - 1, len(before) + 1):
             with pytest.raises(ConcurrencyConflict):
@@ -258,14 +260,14 @@ class EventStoreContract:
         assert store.load("run-1") == before == list(c.events)
 
     def test_runs_are_independent(self, store: EventStore) -> None:
-        a = _at_interruption(store=store, run_id="a")
-        b = _at_interruption(store=store, run_id="b")
+        a = at_interruption(store=store, run_id="a")
+        b = at_interruption(store=store, run_id="b")
         a.approve("charge")
         assert store.load("b") == list(b.events)
         assert store.load("a") == list(a.events)
 
     def test_a_loaded_run_equals_the_live_one(self, store: EventStore) -> None:
-        c = _at_interruption(store=store)
+        c = at_interruption(store=store)
         c.approve("charge", fingerprint=c.fingerprint("charge"))
         loaded = RunController.load(store, "run-1")
         assert loaded.state == c.state
@@ -295,7 +297,7 @@ class EventStoreContract:
         check()
 
     def test_two_threads_from_one_version_cannot_both_act(self, store: EventStore) -> None:
-        at = _at_interruption(store=store)
+        at = at_interruption(store=store)
         racers = [RunController.load(store, "run-1") for _ in range(2)]
         barrier = threading.Barrier(2)
         outcomes: list[str] = []
@@ -329,7 +331,7 @@ class EventStoreContract:
         _close(probe)
         if "fork" not in multiprocessing.get_all_start_methods():
             pytest.skip("needs the fork start method")
-        at = _at_interruption(store=store)
+        at = at_interruption(store=store)
         context = multiprocessing.get_context("fork")
         ready = context.Barrier(3)
         answers = context.Queue()
@@ -599,7 +601,7 @@ class SessionContract:
 
         async def go() -> None:
             await session.add_items(list(history))
-            c = _at_interruption(session_id=session.session_id)
+            c = at_interruption(session_id=session.session_id)
             c.approve("charge", fingerprint=c.fingerprint("charge"))
             c.approve("audit")
             c.resume()
