@@ -143,11 +143,11 @@ def measure_pg_append(dsn: str, appends: int, repeats: int) -> dict[str, Any]:
     and index included): the event row alone, and with the run head's ``UPDATE`` too
     (also pipelined into one round trip). Medians of ``repeats`` interleaved rounds.
 
-    Where the time goes: each store append is split at its COMMIT (the store's
-    fault-injection seams) into the part before (preparing: encoding and ids, measured
-    apart; then ``BEGIN`` and the one statement, pipelined: one round trip) and the
-    ``COMMIT`` round trip (the server's WAL flush); the bare loop's ``BEGIN``, ``INSERT``
-    and ``COMMIT`` are timed each."""
+    Where the time goes: an append of events alone is one statement that is its own
+    transaction (one round trip, the server's WAL flush included); each store append is
+    split at its fault-injection seams into the part before sending (preparing: encoding
+    and ids, also measured apart, and taking the connection) and that round trip; the
+    bare loop's ``BEGIN``, ``INSERT`` and ``COMMIT`` are timed each."""
     import psycopg
 
     from statemachine.postgres import PostgresEventStore, _prepare
@@ -168,7 +168,7 @@ def measure_pg_append(dsn: str, appends: int, repeats: int) -> dict[str, Any]:
     bodies = [_dumps(codec.encode_event(e)) for e in events]
     rounds: dict[str, list[float]] = {"store": [], "bare": [], "bare_head": [],
                                       "bare_head_pipelined": []}
-    split: dict[str, list[float]] = {"store_statement": [], "store_commit": [],
+    split: dict[str, list[float]] = {"store_before_send": [], "store_round_trip": [],
                                      "bare_begin": [], "bare_insert": [], "bare_commit": []}
     with _schema(dsn) as schema, Timed(dsn, schema=schema) as store, \
             psycopg.connect(dsn, autocommit=True) as conn:
@@ -190,8 +190,8 @@ def measure_pg_append(dsn: str, appends: int, repeats: int) -> dict[str, Any]:
                 statement += store.before - t0
                 commit += store.after - store.before
             rounds["store"].append(appends / (clock() - began))
-            split["store_statement"].append(statement / appends)
-            split["store_commit"].append(commit / appends)
+            split["store_before_send"].append(statement / appends)
+            split["store_round_trip"].append(commit / appends)
 
             rows = [(f"b{r}", e.seq, uuid.uuid4().hex, body)
                     for e, body in zip(events, bodies, strict=True)]
@@ -245,8 +245,8 @@ def measure_pg_append(dsn: str, appends: int, repeats: int) -> dict[str, Any]:
         "bare_us_per_append": round(1e6 / rate["bare"], 1),
         "where": {
             "store_prepare_us": round(prepare, 1),
-            "store_begin_and_statement_us": us["store_statement"],
-            "store_commit_us": us["store_commit"],
+            "store_before_send_us": us["store_before_send"],
+            "store_round_trip_us": us["store_round_trip"],
             "bare_begin_us": us["bare_begin"],
             "bare_insert_us": us["bare_insert"],
             "bare_commit_us": us["bare_commit"],
@@ -589,8 +589,8 @@ def print_rows(report: dict[str, Any]) -> None:
             f"{a['bare_with_head_pipelined_per_s']}/s ({a['store_over_pipelined']:.2f}x)")
         w = a["where"]
         say(f"  where the time goes, µs per append: store {a['store_us_per_append']} = "
-            f"BEGIN + statement, pipelined {w['store_begin_and_statement_us']} (of which "
-            f"preparing {w['store_prepare_us']}) + COMMIT {w['store_commit_us']}; bare "
+            f"before sending {w['store_before_send_us']} (of which preparing "
+            f"{w['store_prepare_us']}) + the one round trip {w['store_round_trip_us']}; bare "
             f"{a['bare_us_per_append']} = BEGIN {w['bare_begin_us']} + INSERT "
             f"{w['bare_insert_us']} + COMMIT {w['bare_commit_us']}; an idle round trip "
             f"(SELECT 1) {w['select_1_round_trip_us']}")

@@ -41,19 +41,29 @@ reading the batch back. The write of that pair is never ambiguous.
 A log is read with its head in one statement and checked: a gap, a damaged row, or a log
 shorter or longer than its head says is a `SchemaError`, never a silently shorter log.
 
-Failures are typed: no psycopg error escapes a public call. Before COMMIT, every failure
-is `StorageError` with ``outcome="not_written"`` (the transaction cannot have committed),
-except a lost version race (`ConcurrencyConflict`). A COMMIT that raises (the connection
-was lost while committing) has an unknown outcome, decided by reading the append's batch
-id back on a fresh connection, after waiting (``readback_timeout``) for any lock the lost
-transaction may still hold: found is success, not found is ``"not_written"``, a read-back
-that cannot decide is ``"unknown"``. Nothing is ever retried. A broken connection is
-replaced on the next call, so after a server restart the command that met it fails and
-the next one works.
+Failures are typed: no psycopg error escapes a public call. An error the server answered
+while the connection stays up is `StorageError` with ``outcome="not_written"`` (the
+transaction rolled back), and so is every failure before a COMMIT was sent; a lost
+version race is `ConcurrencyConflict`. A connection lost while the COMMIT (or the
+one-statement append that is its own transaction) was in flight has an unknown outcome,
+decided on a fresh connection: first the fence, then the read-back. The fence ends the
+lost connection's server process (``pg_terminate_backend``, matched by process id and
+start time, waiting up to ``readback_timeout``), so nothing still travelling towards it
+can commit later; the read-back then waits for any lock the lost transaction may still
+hold and looks for the append's batch id: found is success, not found is
+``"not_written"``. Not found without a fence (no permission to signal the process, or it
+would not end in time) is ``"not_written"`` only for a two-round-trip append, whose open
+transaction holds the run's head until its COMMIT arrives; for a one-statement append it
+is ``"unknown"``. A read-back that cannot decide is ``"unknown"``. Nothing is ever
+retried. A broken connection is replaced on the next call, so after a server restart the
+command that met it fails and the next one works. The fence needs the store's connection
+to be its own server process for its lifetime: connect directly or through a pooler in
+session mode, never in transaction mode.
 
 One connection per store object, in autocommit mode (a read is one statement, so one
-snapshot; an append is ``BEGIN`` and one statement, pipelined, then ``COMMIT``: two round
-trips), serialized by a lock: share a store
+snapshot; an append of events alone is one statement that is its own transaction: one
+round trip; an append with a snapshot or Session items is ``BEGIN`` and its first
+statement, pipelined, the others, then ``COMMIT``), serialized by a lock: share a store
 between threads (or tasks) freely, or give each worker its own. A process forked while a
 store is open leaves the parent's connection alone (the child opens its own).
 """
@@ -259,6 +269,10 @@ class _Sql:
                             "ON CONFLICT (run_id) DO NOTHING")
         self.probe_later = f"SELECT 1 FROM {runs} WHERE run_id = %s FOR SHARE"
         self.landed = f"SELECT EXISTS (SELECT 1 FROM {events} WHERE batch_id = %s)"
+        self.identify = ("SELECT pid, backend_start FROM pg_stat_activity "
+                         "WHERE pid = pg_backend_pid()")
+        self.fence = ("SELECT pg_terminate_backend(pid, %s) FROM pg_stat_activity "
+                      "WHERE pid = %s AND backend_start = %s")
         # PostgresSession (and an append's session_write=)
         self.add_items = (f"INSERT INTO {items} (session_id, publication_id, body) "
                           "SELECT %(session)s, %(publication)s, t.body FROM "
@@ -408,6 +422,34 @@ def _lost_race(run_id: str, expected: int, actual: int) -> ConcurrencyConflict:
         return ConcurrencyConflict(f"a run with this id already exists in the store "
                                    f"(version {actual})", run_id=run_id)
     return _conflict(run_id, expected, actual)
+
+
+def _one_statement(a: _Append) -> bool:
+    """Whether the append is one statement, run as its own transaction (autocommit): one
+    round trip, no ``BEGIN`` and no ``COMMIT``. A lost race writes no row (the head moves
+    in the statement's first part, and the events are inserted only from its answer)."""
+    return a.items is None and a.snapshot is None and a.count > 0
+
+
+def _answered(conn: Any) -> bool:
+    """After an error, the connection is still up and idle: the server answered the error
+    (the statement's transaction rolled back) or psycopg refused the parameters before
+    sending (a NUL in a text); either way nothing of the statement can commit later. (The
+    statement returns no rows, so no error can come from reading an answer.)"""
+    return (not conn.closed and not conn.broken
+            and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE)
+
+
+Backend = tuple[int, Any]
+"""A connection's server process: its pid and its start time (a pid alone may be reused)."""
+
+
+def _fence(sql: _Sql, backend: Backend, timeout: float) -> Op[bool]:
+    """End the server process of a lost connection and wait (up to ``timeout``) until it
+    is gone. True when it is gone (or was already), False when it would not end in time."""
+    millis = max(1, math.ceil(timeout * 1000))
+    row = yield _Q(sql.fence, (millis, backend[0], backend[1]), "one")
+    return row is None or bool(row[0])
 
 
 def _probe(sql: _Sql, run_id: str, first: bool, batch_id: str, timeout: float) -> Op[bool]:
@@ -602,6 +644,7 @@ class _Base:
         self.readback_timeout = readback_timeout
         self._sql = _Sql(schema)
         self._conn = None
+        self._backend: Backend | None = None
         self._ready = False
         self._closed = False
         _LIVE.add(self)
@@ -685,6 +728,7 @@ class _Sync(_Base):
             if not self._ready:
                 self._transaction(conn, _ensure_schema(self._sql, readonly=self.readonly))
                 self._ready = True
+            self._backend = conn.execute(self._sql.identify).fetchone()
         except BaseException as error:
             with contextlib.suppress(Exception):
                 conn.close()
@@ -798,6 +842,10 @@ class PostgresEventStore(_Sync):
         prepared = _prepare(run_id, events, expected_version, snapshot, step, session_write)
         with self._lock:
             conn = self._live(_APPEND, **where)
+            if _one_statement(prepared):
+                self._append_one(conn, prepared)
+                self._after_commit()
+                return
             try:
                 _drive(conn, _append(self._sql, prepared), begin=True)
                 self._before_commit()
@@ -823,24 +871,69 @@ class PostgresEventStore(_Sync):
                 raise
         self._after_commit()
 
+    def _append_one(self, conn: psycopg.Connection[Any], a: _Append) -> None:
+        """An append of events alone: one statement, its own transaction."""
+        where = {"run_id": a.run_id}
+        try:
+            self._before_commit()
+        except _BACKEND as error:  # nothing was sent
+            raise _failure(error, doing=_APPEND, outcome="not_written", **where) from error
+        try:
+            moved = conn.execute(self._sql.append[a.expected == 0, a.count == 1],
+                                 a.params).rowcount
+        except psycopg.errors.UniqueViolation:  # the log is ahead of its head
+            raise _lost_race(a.run_id, a.expected, a.expected + 1) from None
+        except psycopg.Error as error:
+            if _answered(conn):
+                raise _failure(error, doing=_APPEND, outcome="not_written",
+                               **where) from error
+            self._classify(error, a)
+            return
+        except UnicodeEncodeError as error:  # refused while encoding: nothing was sent
+            raise _failure(error, doing=_APPEND, outcome="not_written", **where) from error
+        except BaseException:  # interrupted in flight: unknown; never reused
+            self._drop()
+            raise
+        if moved != a.count:  # a lost race: the statement wrote nothing
+            try:
+                row = conn.execute(self._sql.head_version, (a.run_id,)).fetchone()
+            except _BACKEND as error:
+                self._settle()
+                raise _failure(error, doing=_APPEND, outcome="not_written",
+                               **where) from error
+            raise _lost_race(a.run_id, a.expected, 0 if row is None else row[0])
+
     def _classify(self, error: psycopg.Error, prepared: _Append) -> None:
-        """A COMMIT raised: read the batch back on a fresh connection. Found: appended
-        (return). Not found: ``"not_written"``. Undecidable: ``"unknown"``."""
+        """The connection was lost with a COMMIT in flight: fence and read the batch back
+        on a fresh connection. Found: appended (return). Not found: ``"not_written"``.
+        Undecidable: ``"unknown"``."""
         where = {"run_id": prepared.run_id}
+        backend = self._backend
         self._drop()  # closing it ends whatever is left of the transaction server-side
         try:
-            landed = self._landed(prepared)
+            fenced, landed = self._landed(prepared, backend)
         except Exception as probe_error:
             raise _failure(error, doing=_APPEND, outcome="unknown", **where) from probe_error
-        if not landed:
-            raise _failure(error, doing=_APPEND, outcome="not_written", **where) from error
+        if landed:
+            return
+        decided = fenced or not _one_statement(prepared)
+        raise _failure(error, doing=_APPEND, outcome="not_written" if decided else "unknown",
+                       **where) from error
 
-    def _landed(self, prepared: _Append) -> bool:
+    def _landed(self, prepared: _Append, backend: Backend | None) -> tuple[bool, bool]:
+        """(fenced, landed): see the module's docstring."""
         with psycopg.connect(self.dsn, **self._probe_options()) as probe:
+            fenced = False
+            if backend is not None:
+                try:
+                    fenced = _drive(probe, _fence(self._sql, backend, self.readback_timeout))
+                except psycopg.Error:  # not allowed to signal it: the lock wait decides
+                    fenced = False
             probe.execute("BEGIN")
             try:
-                return _drive(probe, _probe(self._sql, prepared.run_id, prepared.expected == 0,
-                                            prepared.batch_id, self.readback_timeout))
+                return fenced, _drive(probe, _probe(
+                    self._sql, prepared.run_id, prepared.expected == 0, prepared.batch_id,
+                    self.readback_timeout))
             finally:
                 with contextlib.suppress(Exception):
                     probe.execute("ROLLBACK")
@@ -936,6 +1029,7 @@ class _Async(_Base):
                 await self._transaction(conn, _ensure_schema(self._sql,
                                                              readonly=self.readonly))
                 self._ready = True
+            self._backend = await (await conn.execute(self._sql.identify)).fetchone()
         except BaseException as error:
             with contextlib.suppress(Exception):
                 await conn.close()
@@ -1033,6 +1127,10 @@ class AsyncPostgresEventStore(_Async):
         prepared = _prepare(run_id, events, expected_version, snapshot, step, session_write)
         async with self._lock:
             conn = await self._live(_APPEND, **where)
+            if _one_statement(prepared):
+                await self._append_one(conn, prepared)
+                await self._after_commit()
+                return
             try:
                 await _adrive(conn, _append(self._sql, prepared), begin=True)
                 await self._before_commit()
@@ -1058,22 +1156,67 @@ class AsyncPostgresEventStore(_Async):
                 raise
         await self._after_commit()
 
+    async def _append_one(self, conn: psycopg.AsyncConnection[Any], a: _Append) -> None:
+        """`PostgresEventStore._append_one`, awaited."""
+        where = {"run_id": a.run_id}
+        try:
+            await self._before_commit()
+        except _BACKEND as error:
+            raise _failure(error, doing=_APPEND, outcome="not_written", **where) from error
+        try:
+            cursor = await conn.execute(self._sql.append[a.expected == 0, a.count == 1],
+                                        a.params)
+            moved = cursor.rowcount
+        except psycopg.errors.UniqueViolation:
+            raise _lost_race(a.run_id, a.expected, a.expected + 1) from None
+        except psycopg.Error as error:
+            if _answered(conn):
+                raise _failure(error, doing=_APPEND, outcome="not_written",
+                               **where) from error
+            await self._classify(error, a)
+            return
+        except UnicodeEncodeError as error:
+            raise _failure(error, doing=_APPEND, outcome="not_written", **where) from error
+        except BaseException:  # cancelled in flight: unknown; never reused
+            await self._drop()
+            raise
+        if moved != a.count:
+            try:
+                row = await (await conn.execute(self._sql.head_version,
+                                                (a.run_id,))).fetchone()
+            except _BACKEND as error:
+                await self._settle()
+                raise _failure(error, doing=_APPEND, outcome="not_written",
+                               **where) from error
+            raise _lost_race(a.run_id, a.expected, 0 if row is None else row[0])
+
     async def _classify(self, error: psycopg.Error, prepared: _Append) -> None:
         where = {"run_id": prepared.run_id}
+        backend = self._backend
         await self._drop()
         try:
-            landed = await self._landed(prepared)
+            fenced, landed = await self._landed(prepared, backend)
         except Exception as probe_error:
             raise _failure(error, doing=_APPEND, outcome="unknown", **where) from probe_error
-        if not landed:
-            raise _failure(error, doing=_APPEND, outcome="not_written", **where) from error
+        if landed:
+            return
+        decided = fenced or not _one_statement(prepared)
+        raise _failure(error, doing=_APPEND, outcome="not_written" if decided else "unknown",
+                       **where) from error
 
-    async def _landed(self, prepared: _Append) -> bool:
+    async def _landed(self, prepared: _Append, backend: Backend | None) -> tuple[bool, bool]:
         async with await psycopg.AsyncConnection.connect(
                 self.dsn, **self._probe_options()) as probe:
+            fenced = False
+            if backend is not None:
+                try:
+                    fenced = await _adrive(probe, _fence(self._sql, backend,
+                                                         self.readback_timeout))
+                except psycopg.Error:
+                    fenced = False
             await probe.execute("BEGIN")
             try:
-                return await _adrive(probe, _probe(
+                return fenced, await _adrive(probe, _probe(
                     self._sql, prepared.run_id, prepared.expected == 0, prepared.batch_id,
                     self.readback_timeout))
             finally:

@@ -116,7 +116,7 @@ def test_bench_postgres_rows(pg_dsn: str) -> None:
     assert append["appends"] == 5
     assert append["store_appends_per_s"] > 0
     assert append["bare_psycopg_per_s"] > 0
-    assert append["where"]["store_commit_us"] > 0
+    assert append["where"]["store_round_trip_us"] > 0
     _check_embedded_rows(report)
     rows = {row["store"]: row for row in report["backend_scenario"]}
     for name in ("PostgreSQL per command", "PostgreSQL buffered", "PostgreSQL async"):
