@@ -4,6 +4,8 @@ name, so importing this package never imports an SDK:
 
 * `statemachine.adapters.openai_agents` — the OpenAI Agents SDK (``openai-agents``),
   installed with ``agent-statemachine[openai-agents]``.
+* `statemachine.adapters.pydantic_ai` — Pydantic AI (``pydantic-ai-slim``), installed
+  with ``agent-statemachine[pydantic-ai]``.
 
 The core never imports this package.
 """

@@ -1,0 +1,680 @@
+"""Pydantic AI (``pydantic-ai-slim``, import ``pydantic_ai``) with the control core
+underneath: a pydantic-ai user keeps their `Agent` and ``agent.run`` and gets, with a
+store and across process restarts, the guarantees of `RunController` (DESIGN §6.8).
+Install with ``pip install 'agent-statemachine[pydantic-ai]'`` (tested on
+pydantic-ai-slim 2.68.x).
+
+Theory of operation
+-------------------
+pydantic-ai publishes its durability seam as *capabilities*: objects handed to an agent
+(or to one run, ``agent.run(..., capabilities=[...])``) whose hooks wrap each model
+request, each tool execution, and the resolution of deferred tool calls. `LedgerRun` is one
+run bound to a `RunController`; its `LedgerCapability` goes into every ``agent.run`` it
+makes and asks the controller first and reports after, like the reference runner
+(`statemachine.runner.loop`):
+
+=============================  ================================================================
+pydantic-ai hook               what the capability records
+=============================  ================================================================
+``wrap_model_request``        publishes the messages the run added since the last write (a
+                               staged publication: the tool results), then
+                               ``begin_model_call`` (durable before the request), then
+                               ``model_responded(calls, output)`` or ``model_failed``; a
+                               response with tool calls is published before any of them runs
+``wrap_tool_execute``          ``begin_tool(call id)``: `Execute` → durable start, the body,
+                               ``tool_completed`` (``tool_interrupted`` if it ends without a
+                               result); `Resend` → the cached result, the body never runs
+                               again; a started, unfinished call → `ToolInDoubt`, never re-run
+``handle_deferred_tool_calls``  approval-gated calls (``requires_approval=True``) are answered
+                               from the ledger's decisions; an undecided one pauses the run
+                               (its output is `DeferredToolRequests`)
+=============================  ================================================================
+
+The messages are the conversation. With a ``history`` (any Session of
+`statemachine.sessions`: memory, SQLite, PostgreSQL, or `ConversationStoreHistory` over a
+pydantic-ai `ConversationStore`) every message is written there exactly once, each write a
+staged publication reconciled after a failure, and each attempt reads the run's messages
+back from it. Without one the run keeps a private history for its own bookkeeping and the
+caller carries the messages (``message_history=``), as with pydantic-ai alone.
+
+Before pydantic-ai is called, an attempt on an existing run records ``claim`` (of two
+processes that loaded the same version one goes on, the other gets `ConcurrencyConflict`
+having done nothing), passes the gate (``resume()``: `RunNotResumable`, `ToolInDoubt`),
+records the decisions it was given (``deferred_tool_results=``), and settles an unsettled
+write. Decisions (`LedgerRun.approve`, `LedgerRun.reject`, or ``deferred_tool_results``)
+and new input are refused with `PublicationUnsettled` while a write is unsettled. An
+in-doubt call leaves doubt only through the operator: `LedgerRun.resolve_in_doubt` records
+the outcome the operator established, and the next attempt answers the call from it.
+
+What it does not cover (refused or documented, never silently unsafe): external tools
+(``DeferredToolResults.calls``, tools of kind ``external``) and approvals that change a
+call's arguments (``ToolApproved(override_args=...)``: an approval binds the recorded
+arguments) are refused; a tool body that defers itself (``CallDeferred`` or
+``ApprovalRequired`` raised inside it) or raises is treated as ended without a result, so
+its call is in doubt; ``ModelRetry`` / ``ToolFailed`` raised by a tool are its recorded
+answer (the model's next call has a new id); capabilities that rewrite the stored history
+(compaction, history processors) are not supported with a ``history``; runs go through
+``agent.run`` (the capability also guards ``run_stream`` / ``iter``, but only `LedgerRun`
+publishes the messages); pydantic-ai's own lifecycle hooks are capabilities and are not
+recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import attrs
+import pydantic_core
+from pydantic_ai import Agent, DeferredToolRequests, DeferredToolResults, ToolApproved, ToolDenied
+from pydantic_ai.capabilities import AbstractCapability
+from pydantic_ai.conversation import Conversation
+from pydantic_ai.conversation_store import ConversationStore
+from pydantic_ai.exceptions import ModelRetry, ToolFailedError, ToolRetryError
+from pydantic_ai.messages import (
+    ModelMessage,
+    ModelMessagesTypeAdapter,
+    ModelRequest,
+    ModelResponse,
+    TextPart,
+    ToolCallPart,
+)
+from pydantic_ai.run import AgentRunResult
+
+from statemachine.controller import RunController
+from statemachine.errors import ControlError, InvalidTransition, PublicationUnsettled, RunNotFound
+from statemachine.payloads import JSON
+from statemachine.runner.publish import one_writer, publish, settle
+from statemachine.sessions import MemorySession, Session
+from statemachine.stores import AsyncEventStore, EventStore
+from statemachine.values import Phase, RecoveryPolicy, Resend, Step, ToolCall
+
+__all__ = [
+    "ConversationStoreHistory",
+    "HistoryRequired",
+    "LedgerCapability",
+    "LedgerRun",
+    "LedgerRunResult",
+    "UnsupportedDeferral",
+]
+
+_MID_TURN = frozenset({Step.INTERRUPTION, Step.TOOLS, Step.FINALIZING, Step.FINAL_OUTPUT})
+"""Steps inside one turn: only the run's messages lead pydantic-ai back into them."""
+
+
+class HistoryRequired(ControlError):
+    """The run stopped inside a turn and no messages lead back into it: the run has no
+    ``history`` and the caller passed no ``message_history``. Pass the messages the run
+    had at its last stop (``result.messages``), or abandon the run."""
+
+
+class UnsupportedDeferral(ControlError, ValueError):
+    """A deferral the ledger cannot make safe: an external tool's result, or an approval
+    that changes the call's arguments. Nothing was recorded."""
+
+
+# ------------------------------------------------------------------ plain JSON forms
+
+
+def _plain(value: Any) -> JSON:
+    """``value`` as plain JSON (what pydantic-ai would send the model for it)."""
+    plain = pydantic_core.to_jsonable_python(value, fallback=str)
+    return _finite(plain)
+
+
+def _finite(value: Any, depth: int = 0) -> JSON:
+    if depth > 100:
+        return str(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, list):
+        return [_finite(item, depth + 1) for item in value]
+    if isinstance(value, dict):
+        return {str(key): _finite(item, depth + 1) for key, item in value.items()}
+    return value
+
+
+def _is_plain(value: Any) -> bool:
+    return type(value) in (str, int, float, bool, type(None), list, dict) and _plain(
+        value) == value
+
+
+def _messages_json(messages: Sequence[ModelMessage]) -> list[JSON]:
+    dumped = ModelMessagesTypeAdapter.dump_python(list(messages), mode="json")
+    return [_finite(item) for item in dumped]
+
+
+def _messages(items: Sequence[JSON]) -> list[ModelMessage]:
+    return ModelMessagesTypeAdapter.validate_python(list(items))
+
+
+def _arguments(call: ToolCallPart) -> JSON:
+    return _plain(call.args_as_dict())
+
+
+# ------------------------------------------------------------------------ results
+
+
+@attrs.frozen
+class LedgerRunResult:
+    """Where an attempt stopped.
+
+    ``step`` is ``COMPLETED`` (``output`` holds the output: pydantic-ai's object when it
+    produced it in this attempt, its recorded JSON form when the run settled from the
+    ledger) or ``INTERRUPTION`` (``pending`` names the ledger's calls awaiting a decision,
+    ``requests`` the `DeferredToolRequests` pydantic-ai paused with, when it ran).
+    ``messages`` are the run's messages (what to pass back as ``message_history`` for a
+    run without a ``history``); ``sdk_result`` is pydantic-ai's own result of this
+    attempt (None when pydantic-ai was not called)."""
+
+    output: Any
+    step: Step
+    pending: tuple[ToolCall, ...]
+    requests: DeferredToolRequests | None
+    messages: tuple[ModelMessage, ...]
+    sdk_result: AgentRunResult[Any] | None
+
+
+# ------------------------------------------------------------------ the histories
+
+
+class _PrivateHistory(MemorySession):
+    """The history of a run without a Session: its publications land here."""
+
+    def __init__(self) -> None:
+        super().__init__("")
+        self.session_id = None  # type: ignore[assignment]
+
+
+class ConversationStoreHistory:
+    """A pydantic-ai `ConversationStore` conversation as a run's ``history``.
+
+    Items are the conversation's messages in pydantic-ai's JSON form. ``add_items`` loads
+    the stored conversation and saves it extended by the batch; the store's revision check
+    makes a concurrent writer's save fail (`ConversationConflict`) instead of landing
+    twice, and the run reconciles against what the store holds. ``pop_item`` and
+    ``clear_session`` are refused (the store keeps every message: branch it instead)."""
+
+    def __init__(self, store: ConversationStore, conversation_id: str, *,
+                 scope: str | None = None) -> None:
+        self.store = store
+        self.session_id = conversation_id
+        self.scope = scope
+
+    async def get_items(self, limit: int | None = None) -> list[JSON]:
+        if limit is not None and limit <= 0:
+            return []
+        conversation = await self.store.load(self.session_id, limit=limit, scope=self.scope)
+        return [] if conversation is None else _messages_json(conversation.messages)
+
+    async def add_items(self, items: list[JSON]) -> None:
+        stored = await self.store.load(self.session_id, scope=self.scope)
+        if stored is None:
+            stored = Conversation(conversation_id=self.session_id)
+        stored.messages = [*stored.messages, *_messages(items)]
+        await self.store.save(stored, scope=self.scope)
+
+    async def pop_item(self) -> JSON | None:
+        raise NotImplementedError("a conversation store keeps every message: branch it")
+
+    async def clear_session(self) -> None:
+        raise NotImplementedError("a conversation store keeps every message: branch it")
+
+
+# ----------------------------------------------------------------- the capability
+
+
+@dataclass
+class LedgerCapability(AbstractCapability[Any]):
+    """The capability `LedgerRun` hands to every ``agent.run`` it makes: model requests,
+    tool executions and deferred approvals go through the run's ledger."""
+
+    run: LedgerRun
+
+    async def wrap_model_request(self, ctx: Any, *, request_context: Any,
+                                 handler: Any) -> ModelResponse:
+        run = self.run
+        await run._before_model_call(list(ctx.messages))
+        try:
+            response: ModelResponse = await handler(request_context)
+        except BaseException as error:
+            run._model_failed(error)
+            raise
+        await run._model_responded(response, ctx)
+        return response
+
+    async def wrap_tool_execute(self, ctx: Any, *, call: ToolCallPart, tool_def: Any,
+                                args: Any, handler: Any) -> Any:
+        return await self.run._execute(call, args, handler)
+
+    async def handle_deferred_tool_calls(self, ctx: Any, *,
+                                         requests: DeferredToolRequests
+                                         ) -> DeferredToolResults | None:
+        return self.run._ledger_decisions([call.tool_call_id for call in requests.approvals])
+
+
+# ----------------------------------------------------------------------- the run
+
+
+class LedgerRun:
+    """One run of a pydantic-ai `Agent`, bound to a `RunController`.
+
+    Open it with `LedgerRun.open` (loads the run from ``store`` when it exists, else
+    starts it), drive it with `run`, decide with `approve` / `reject` (or pass
+    ``deferred_tool_results`` to `run`), repair with `settle` and `resolve_in_doubt`.
+    Every public call may raise the controller's refusals: `RunNotResumable`,
+    `ToolInDoubt`, `PublicationUnsettled`, `ReconcileRejected`, `ConcurrencyConflict`,
+    `InvalidTransition`, and `HistoryRequired`, `UnsupportedDeferral`."""
+
+    def __init__(self, agent: Agent[Any, Any], controller: RunController,
+                 history: Session | None, *, existing: bool, owner: str | None,
+                 take_over: bool, idempotent: Collection[str]) -> None:
+        self.agent = agent
+        self.controller = controller
+        self.owner = owner
+        self.take_over = take_over
+        self.history = history
+        self._history: Session = history if history is not None else _PrivateHistory()
+        self._idempotent = frozenset(idempotent)
+        self._existing = existing
+        self._published = 0
+        """How many of the messages pydantic-ai holds in this attempt are written."""
+        self._flush_lock = asyncio.Lock()
+        self.capability = LedgerCapability(self)
+
+    @classmethod
+    async def open(cls, agent: Agent[Any, Any], *, run_id: str,
+                   history: Session | None = None,
+                   store: EventStore | AsyncEventStore | None = None,
+                   policy: RecoveryPolicy = RecoveryPolicy.RECONCILE,
+                   owner: str | None = None, take_over: bool = False,
+                   idempotent: Collection[str] = (), buffered: bool = False) -> LedgerRun:
+        """The run ``run_id``: loaded from ``store`` when the store holds it (another
+        process may have started it), else started (bound to ``store``, writing its
+        messages to ``history``, under ``policy``). ``idempotent`` names the tools that may
+        run again after a crash inside them; every other tool's unfinished call is in
+        doubt. ``owner`` is recorded by every claim. ``take_over=True`` only when no
+        earlier write of this run can still land (its writer is gone)."""
+        controller: RunController | None = None
+        if store is not None:
+            with contextlib.suppress(RunNotFound):
+                if isinstance(store, AsyncEventStore):
+                    controller = await RunController.load_async(store, run_id)
+                else:
+                    controller = RunController.load(store, run_id, buffered=buffered)
+        existing = controller is not None
+        if controller is None:
+            controller = RunController.start(
+                run_id=run_id, session_id=None if history is None else history.session_id,
+                policy=policy, store=store, buffered=buffered)  # type: ignore[arg-type]
+        return cls(agent, controller, history, existing=existing, owner=owner,
+                   take_over=take_over, idempotent=idempotent)
+
+    # ---------------------------------------------------------------- decisions
+
+    async def approve(self, call_id: str) -> None:
+        """Approve a call awaiting a decision; durable before this returns.
+        `PublicationUnsettled` while a write is unsettled; `InvalidTransition` for a call
+        not awaiting a decision."""
+        self.controller.approve(call_id)
+        await self._flush()
+
+    async def reject(self, call_id: str, message: str = "The tool call was denied.") -> None:
+        """Reject a call awaiting a decision; ``message`` is what the model is told.
+        Refused like `approve`."""
+        self.controller.reject(call_id, message)
+        await self._flush()
+
+    async def resolve_in_doubt(self, call_id: str, output: Any) -> None:
+        """The operator's way out of `ToolInDoubt`: record ``output`` as the outcome of a
+        call that started and never reported (established outside the run: did the
+        charge go through?). The next attempt answers the call with it; the tool never
+        runs again. Claims the run first; `InvalidTransition` for a call not in doubt."""
+        c = self.controller
+        await self._claim()
+        c.resolve_in_doubt(call_id, _plain(output))
+        await self._flush()
+
+    def _record_decisions(self, results: DeferredToolResults) -> None:
+        """Record ``deferred_tool_results``' approvals as the ledger's decisions, all or
+        nothing: each is checked before the first is recorded."""
+        c = self.controller
+        if results.calls:
+            raise UnsupportedDeferral(
+                "external tool results (DeferredToolResults.calls) are not supported: the "
+                "ledger cannot tell whether they ran", run_id=c.run_id, step=c.step,
+                action="approve")
+        decisions: list[tuple[str, str | None]] = []
+        for call_id, answer in results.approvals.items():
+            if isinstance(answer, ToolApproved) and answer.override_args is not None:
+                raise UnsupportedDeferral(
+                    f"the approval of call {call_id!r} changes its arguments; an approval "
+                    "binds the recorded ones", run_id=c.run_id, step=c.step,
+                    action="approve")
+            if answer is True or isinstance(answer, ToolApproved):
+                decisions.append((call_id, None))
+            elif answer is False or isinstance(answer, ToolDenied):
+                denial = answer.message if isinstance(answer, ToolDenied) else (
+                    "The tool call was denied.")
+                decisions.append((call_id, denial))
+            else:
+                raise UnsupportedDeferral(
+                    f"the answer to call {call_id!r} is neither an approval nor a denial",
+                    run_id=c.run_id, step=c.step, action="approve")
+        if decisions and c.step is Step.UNSETTLED:
+            raise PublicationUnsettled(
+                "a write of this run is unsettled: settle it before deciding",
+                run_id=c.run_id, step=c.step, action="approve")
+        views = {call_id: c.call(call_id)  # InvalidTransition for a call never proposed
+                 for call_id, _ in decisions}
+        for call_id, message in decisions:
+            view = views[call_id]
+            recorded = (Phase.APPROVED if message is None else Phase.REJECTED)
+            if view.phase is recorded and view.starts == 0:
+                continue  # the same decision, given again
+            if message is None:
+                c.approve(call_id)
+            else:
+                c.reject(call_id, message)
+
+    def _ledger_decisions(self, call_ids: Sequence[str]) -> DeferredToolResults | None:
+        """The ledger's decisions for ``call_ids`` (undecided calls are left out)."""
+        c = self.controller
+        approvals: dict[str, bool | ToolApproved | ToolDenied] = {}
+        for call_id in call_ids:
+            phase = c.phase(call_id)
+            if phase is None or phase in (Phase.AWAITING, Phase.SKIPPED):
+                continue
+            view = c.call(call_id)
+            if phase is Phase.REJECTED or (phase is Phase.PUBLISHED and view.starts == 0):
+                result = view.result
+                approvals[call_id] = ToolDenied(result if isinstance(result, str)
+                                                else "The tool call was denied.")
+            else:
+                approvals[call_id] = ToolApproved()
+        return DeferredToolResults(approvals=approvals) if approvals else None
+
+    # ------------------------------------------------------------------ running
+
+    async def run(self, user_prompt: str | None = None, *,
+                  message_history: Sequence[ModelMessage] | None = None,
+                  deferred_tool_results: DeferredToolResults | None = None,
+                  **options: Any) -> LedgerRunResult:
+        """One attempt: claim (an existing run), gate, record the decisions given, settle,
+        then ``agent.run`` to the next stop (``options`` go to ``agent.run``). With a
+        ``history`` the run's messages are read from it (``message_history`` must be
+        omitted); without one, pass the messages of the run's last stop to resume it.
+        The original error of a failed write propagates (I6)."""
+        c = self.controller
+        if self.history is not None and message_history is not None:
+            raise ValueError("this run reads its messages from its history: omit "
+                             "message_history")
+        new_run = not self._existing
+        await self._claim()
+        c.resume()  # the gate: RunNotResumable or ToolInDoubt before any work
+        if user_prompt is not None and c.step is Step.UNSETTLED:
+            raise PublicationUnsettled(
+                "a write of this run is unsettled: settle it before giving new input",
+                run_id=c.run_id, step=c.step, action="add_input")
+        if deferred_tool_results is not None:
+            self._record_decisions(deferred_tool_results)  # refused while unsettled
+        await self._flush()  # decisions are durable before anything acts on them
+        if new_run:
+            await one_writer(c, self._history)
+        while c.step is Step.UNSETTLED:
+            await settle(c, self._history, take_over=self.take_over)
+        await self._flush()
+        messages = (_messages(await self._history.get_items()) if self.history is not None
+                    else list(message_history or ()))
+        if c.step is Step.COMPLETED:  # the settled batch published the final output
+            return self._result(None, messages, None)
+        if c.step is Step.INTERRUPTION and c.pending_approvals:
+            if user_prompt is None and not self._has_decided():
+                return self._result(None, messages, None)  # still waiting: nothing to do
+            # pydantic-ai resumes a paused turn only with an answer for every call it
+            # deferred; refused before the ledger leaves INTERRUPTION, so the remaining
+            # decisions can still be taken
+            raise InvalidTransition(
+                f"{len(c.pending_approvals)} call(s) still await a decision: decide every "
+                "one before resuming the run", run_id=c.run_id, step=c.step, action="run")
+        c.resume()  # an interruption whose approved calls may run enters TOOLS
+        if c.step in (Step.FINALIZING, Step.FINAL_OUTPUT):
+            # the model's final answer was recorded and the process stopped before it was
+            # written: finish from the ledger, never asking the model again
+            return await self._finish_from_ledger(messages)
+        if c.step in _MID_TURN and not messages:
+            raise HistoryRequired(
+                "the run stopped inside a turn and no messages lead back into it: pass "
+                "message_history (the messages of its last stop), or abandon the run",
+                run_id=c.run_id, step=c.step, action="run")
+        self._published = len(messages)
+        deferred = None
+        if messages and isinstance(messages[-1], ModelRequest):
+            # a paused turn: pydantic-ai reads the decisions from deferred_tool_results
+            deferred = self._ledger_decisions(_unanswered(messages))
+        capabilities = [*(options.pop("capabilities", None) or ()), self.capability]
+        try:
+            result = await self.agent.run(user_prompt, message_history=messages,
+                                          deferred_tool_results=deferred,
+                                          capabilities=capabilities, **options)
+        except BaseException:
+            with contextlib.suppress(ControlError):  # the run's own error wins
+                await self._flush()
+            raise
+        return await self._epilogue(result)
+
+    async def settle(self) -> None:
+        """Settle an unsettled write now (claiming the run first), without calling
+        pydantic-ai. `ReconcileRejected` when the history cannot be matched (nothing
+        recorded; repair it and call again)."""
+        c = self.controller
+        await self._claim()
+        c.resume()
+        while c.step is Step.UNSETTLED:
+            await settle(c, self._history, take_over=self.take_over)
+        await self._flush()
+
+    async def _claim(self) -> None:
+        if self._existing:
+            # the first command of every attempt on an existing run, before any effect:
+            # of attempts that loaded the same version exactly one goes on (§6.3)
+            self.controller.claim(self.owner)
+            await self._flush()
+        self._existing = True
+
+    async def _finish_from_ledger(self, messages: list[ModelMessage]) -> LedgerRunResult:
+        c = self.controller
+        if c.step is Step.FINALIZING:
+            c.accept_final_output(c.model_output)
+        text = c.final_output
+        if not isinstance(text, str):
+            raise HistoryRequired(
+                "the run's final output was recorded but not written, and it is not text: "
+                "it cannot be rebuilt as a message; abandon the run",
+                run_id=c.run_id, step=c.step, action="run")
+        response = ModelResponse(parts=[TextPart(text)])
+        self._published = len(messages)
+        await self._publish([response])
+        if c.step is Step.FINAL_OUTPUT and c.session_id is None:
+            c.complete()
+        await self._flush()
+        return self._result(None, [*messages, response], None)
+
+    def _has_decided(self) -> bool:
+        c = self.controller
+        return any(view.phase in (Phase.APPROVED, Phase.REJECTED) for view in c.calls)
+
+    async def _epilogue(self, result: AgentRunResult[Any]) -> LedgerRunResult:
+        c = self.controller
+        messages = result.all_messages()
+        output = result.output
+        if isinstance(output, DeferredToolRequests):
+            if output.calls:
+                raise UnsupportedDeferral(
+                    "the run paused for external tool calls, which are not supported",
+                    run_id=c.run_id, step=c.step, action="run")
+        elif c.step in (Step.FINALIZING, Step.TOOLS):
+            c.accept_final_output(_plain(output), lossless=_is_plain(output))
+        await self._publish(messages[self._published:])
+        if c.step is Step.FINAL_OUTPUT and c.session_id is None:
+            c.complete()
+        await self._flush()
+        expected = (Step.INTERRUPTION if isinstance(output, DeferredToolRequests)
+                    else Step.COMPLETED)
+        if c.step is not expected:
+            raise InvalidTransition(
+                f"pydantic-ai ended its run expecting step {expected.value}, but the ledger "
+                f"is at {c.step.value}", run_id=c.run_id, step=c.step, action="run")
+        requests = output if isinstance(output, DeferredToolRequests) else None
+        return self._result(result, messages, requests)
+
+    def _result(self, result: AgentRunResult[Any] | None, messages: Sequence[ModelMessage],
+                requests: DeferredToolRequests | None) -> LedgerRunResult:
+        c = self.controller
+        pending = tuple(c.call(call_id).call for call_id in c.pending_approvals)
+        output: Any = None
+        if c.step is Step.COMPLETED:
+            output = result.output if result is not None else c.final_output
+        return LedgerRunResult(output, c.step, pending, requests, tuple(messages), result)
+
+    # ------------------------------------------------------ what the hooks record
+
+    async def _flush(self) -> None:
+        """Make what the controller buffered durable (a no-op for a run that appends per
+        command). pydantic-ai runs a response's tools concurrently, and each flushes
+        before its body: one flush at a time."""
+        async with self._flush_lock:
+            await self.controller.flush_async()
+
+    async def _publish(self, messages: Sequence[ModelMessage]) -> None:
+        """Write ``messages`` (with every result the ledger owes) as one publication."""
+        c = self.controller
+        if not messages and not c.unpublished_call_ids():
+            return
+        self._answer_unrun(messages)
+        owed = list(c.unpublished_call_ids())
+        if not messages:
+            raise InvalidTransition(
+                "results are owed but pydantic-ai added no message carrying them",
+                run_id=c.run_id, step=c.step, action="publish")
+        async with self._flush_lock:
+            await publish(c, self._history, _messages_json(messages), call_ids=owed)
+        self._published += len(messages)
+
+    def _answer_unrun(self, messages: Sequence[ModelMessage]) -> None:
+        """Calls pydantic-ai answered without running them (an unknown tool, arguments
+        that failed validation) carry that answer in ``messages``: record it as the
+        call's result, so the call can never run later."""
+        c = self.controller
+        for message in messages:
+            if not isinstance(message, ModelRequest):
+                continue
+            for part in message.parts:
+                call_id = getattr(part, "tool_call_id", None)
+                if (part.part_kind in ("tool-return", "retry-prompt")
+                        and isinstance(call_id, str) and c.phase(call_id) is Phase.APPROVED
+                        and c.call(call_id).starts == 0):
+                    if c.step is Step.INTERRUPTION:
+                        c.resume()
+                    if c.step is Step.TOOLS:
+                        c.begin_tool(call_id)
+                        c.tool_completed(call_id, _plain(getattr(part, "content", None)))
+
+    async def _before_model_call(self, messages: list[ModelMessage]) -> None:
+        c = self.controller
+        if c.step is not Step.AWAITING_MODEL:  # a crash may have come after the record
+            await self._publish(messages[self._published:])
+            c.begin_model_call()  # refused while a write is unsettled (I2)
+        await self._flush()  # an effect boundary: the model call is durable first
+
+    def _model_failed(self, error: BaseException) -> None:
+        c = self.controller
+        if c.step is Step.AWAITING_MODEL:
+            c.model_failed(error)
+
+    async def _model_responded(self, response: ModelResponse, ctx: Any) -> None:
+        c = self.controller
+        tools: dict[str, Any] = dict(getattr(ctx, "tools", None) or {})
+        calls: list[ToolCall] = []
+        outputs: list[JSON] = []
+        for part in response.parts:
+            if not isinstance(part, ToolCallPart):
+                continue
+            tool = tools.get(part.tool_name)
+            kind = getattr(tool, "kind", "function")
+            if kind == "output":
+                outputs.append({"output_tool": part.tool_name, "arguments": _arguments(part)})
+                continue
+            if kind == "external":
+                raise UnsupportedDeferral(
+                    f"tool {part.tool_name!r} is external; external tools are not supported",
+                    run_id=c.run_id, step=c.step, action="model_responded")
+            calls.append(ToolCall(part.tool_call_id, part.tool_name, _arguments(part),
+                                  needs_approval=kind == "unapproved",
+                                  idempotent=part.tool_name in self._idempotent))
+        text = "".join(part.content for part in response.parts if isinstance(part, TextPart))
+        output: JSON = None
+        if not calls:
+            output = outputs[0] if outputs else text
+        # a duplicate or reused call id is refused here (InvalidTransition), before any
+        # of the response's calls runs
+        c.model_responded(calls, output=output)
+        if calls:
+            # the calls are in the history before any of them runs: a resumed attempt
+            # finds them there
+            await self._publish([response])
+
+    async def _execute(self, call: ToolCallPart, args: Any, handler: Any) -> Any:
+        c = self.controller
+        call_id = call.tool_call_id
+        view = c.call(call_id)  # InvalidTransition for a call the ledger never saw
+        if view.phase is Phase.PUBLISHED:
+            return view.result  # published before: its cached result, never a rerun
+        if _arguments(call) != view.call.arguments:
+            raise InvalidTransition(
+                f"call {call_id!r} was asked to run with arguments other than the recorded "
+                "ones (which its approval binds); it did not run",
+                run_id=c.run_id, step=c.step, action="begin_tool")
+        if c.step is Step.INTERRUPTION:
+            c.resume()  # calls needing no approval run while others await a decision
+        decision = c.begin_tool(call_id)  # ToolInDoubt for a started, unfinished call
+        if isinstance(decision, Resend):
+            return decision.result  # it ran: the cached result, never a second run
+        await self._flush()  # an effect boundary: the start is durable first
+        try:
+            output = await handler(args)
+        except (ModelRetry, ToolRetryError, ToolFailedError) as answer:
+            # the tool answered "retry" or "failed": that is its result; the model's next
+            # call has a new id, and this one never runs again
+            c.tool_completed(call_id, {"error": type(answer).__name__,
+                                       "message": str(answer)})
+            raise
+        except BaseException:
+            # cancelled, killed, deferred itself or raised: the call stays started, and
+            # this controller answers as a reloaded one would (ToolInDoubt)
+            if call_id in c.in_flight:
+                c.tool_interrupted(call_id)
+            raise
+        c.tool_completed(call_id, _plain(output))
+        return output
+
+
+def _unanswered(messages: Sequence[ModelMessage]) -> list[str]:
+    """The ids of tool calls in ``messages`` that no later part answers."""
+    answered: set[str] = set()
+    unanswered: list[str] = []
+    for message in reversed(messages):
+        for part in message.parts:
+            call_id = getattr(part, "tool_call_id", None)
+            if not isinstance(call_id, str):
+                continue
+            if isinstance(part, ToolCallPart):
+                if call_id not in answered:
+                    unanswered.append(call_id)
+            else:
+                answered.add(call_id)
+    return unanswered
