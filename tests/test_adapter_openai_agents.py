@@ -63,7 +63,7 @@ from statemachine import (
     ToolInDoubt,
 )
 from statemachine.adapters.openai_agents import AgentRun, AgentRunResult, SDKStateRequired
-from statemachine.stores import AsyncSQLiteEventStore
+from statemachine.stores import AsyncSQLiteEventStore, SQLiteEventStore
 from statemachine.testing import FlakySession, InjectedWriteError
 
 set_tracing_disabled(True)
@@ -562,6 +562,28 @@ def test_an_async_store_with_tools_running_concurrently(tmp_path: Path) -> None:
         durable = await RunController.load_async(store, RUN_ID)
         assert durable.step is Step.COMPLETED
         assert durable.version == again.controller.version
+
+    asyncio.run(go())
+
+
+def test_a_sync_store_reopened_keeps_the_buffering_asked_for(tmp_path: Path) -> None:
+    """``buffered=`` on a sync store holds for a run opened again too: a claim waits for
+    the next flush when buffered, and is appended at once when not."""
+
+    async def go() -> None:
+        world = World(APPROVAL, "atomic-no-commit")
+        store = SQLiteEventStore(tmp_path / "events.db")
+        run = await AgentRun.open(world.agent, run_id=RUN_ID, session=world.session,
+                                  store=store)
+        await run.run("charge me 7", hooks=world.hooks, run_config=CONFIG)
+        for buffered in (True, False):
+            again = await AgentRun.open(world.agent, run_id=RUN_ID, session=world.session,
+                                        store=store, buffered=buffered)
+            stored = len(store.load(RUN_ID))
+            again.controller.claim(f"worker-{buffered}")
+            assert len(store.load(RUN_ID)) == stored + (0 if buffered else 1)
+            again.controller.flush()
+            assert len(store.load(RUN_ID)) == stored + 1
 
     asyncio.run(go())
 

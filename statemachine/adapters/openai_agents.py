@@ -526,7 +526,9 @@ class AgentRun:
         controller: RunController | None = None
         if store is not None:
             with contextlib.suppress(RunNotFound):
-                if isinstance(store, AsyncEventStore):
+                if inspect.iscoroutinefunction(getattr(store, "append", None)):
+                    # (not isinstance(store, AsyncEventStore): a runtime protocol checks
+                    # names only, and a sync store has the same names)
                     controller = await RunController.load_async(store, run_id)
                 else:
                     controller = RunController.load(store, run_id, buffered=buffered)
