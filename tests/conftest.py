@@ -101,3 +101,14 @@ def _skip_reason(report: pytest.TestReport) -> str:
     if isinstance(longrepr, tuple) and len(longrepr) == 3:
         return str(longrepr[2]).removeprefix("Skipped: ")
     return str(longrepr)
+
+
+# ------------------------------------------------------- stateful steps (DESIGN §6.9)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The number of stateful steps the Hypothesis world machines ran in this session."""
+    from statemachine.testing.explore import STEPS
+
+    if STEPS["stateful"]:
+        terminalreporter.write_line(f"stateful steps executed: {STEPS['stateful']}")

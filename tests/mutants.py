@@ -1,5 +1,7 @@
-"""Six deliberate bugs, each a context manager that plants it for the duration of a
-test. The fuzzers must catch every one (tests/test_teeth.py)."""
+"""Deliberate bugs, each a context manager that plants it for the duration of a test.
+The fuzzers must catch every one of `MUTANTS` (tests/test_teeth.py); the oracle and the
+liveness check of the scripted world must catch every one of `ORACLE_MUTANTS`, bugs
+whose log is consistent with what happened (so no check of the log alone sees them)."""
 
 from __future__ import annotations
 
@@ -88,13 +90,13 @@ def started_call_re_executed() -> contextlib.AbstractContextManager[None]:
 def terminal_marker_dropped_by_json() -> contextlib.AbstractContextManager[None]:
     real = codec.encode_log
 
-    def encode_log(run_id: str, events: Any) -> Any:
+    def encode_log(run_id: str, events: Any, *args: Any, **kwargs: Any) -> Any:
         events = list(events)
         fail_closed = events and events[0].policy is RecoveryPolicy.FAIL_CLOSED
         if events and (isinstance(events[-1], ev.Abandoned) or (
                 fail_closed and isinstance(events[-1], ev.PublicationFailed))):
             events = events[:-1]  # the run's terminal marker is lost on the way out
-        return real(run_id, events)
+        return real(run_id, events, *args, **kwargs)
 
     return _patched((codec, "encode_log", encode_log))
 
@@ -133,4 +135,76 @@ MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "a started call re-executed on resume": started_call_re_executed,
     "the terminal marker dropped by JSON": terminal_marker_dropped_by_json,
     "a streamed run skipping the envelope": streamed_run_skips_the_envelope,
+}
+
+
+# ------------------------------------------------ bugs only the oracle can see
+
+
+def rejected_guardrail_stops_the_run() -> contextlib.AbstractContextManager[None]:
+    """A tool input guardrail's rejection is taken for a tripwire: the run is abandoned
+    instead of going on with the rejection as the call's output."""
+    from statemachine.runner import OutputGuardrailTripwire
+
+    real = loop._Drive._guardrails
+
+    async def guardrails(self: Any, guards: Any, stage: str, call: Any, *args: Any) -> Any:
+        verdict = await real(self, guards, stage, call, *args)
+        if stage == "tool_input" and verdict.behavior == "reject_content":
+            self.c.abandon("tool guardrail")
+            raise OutputGuardrailTripwire(guards[0].name)
+        return verdict
+
+    return _patched((loop._Drive, "_guardrails", guardrails))
+
+
+def session_write_drops_an_item() -> contextlib.AbstractContextManager[None]:
+    """A batch of several tool results loses its last item on the way to staging (an
+    off-by-one slice): the log and the Session agree, and both lack the item."""
+    real = loop.publish  # type: ignore[attr-defined]
+
+    async def publish(controller: Any, session: Any, items: list[Any], **kw: Any) -> None:
+        if len(items) > 2:
+            items = items[:-1]
+        await real(controller, session, items, **kw)
+
+    return _patched((loop, "publish", publish))
+
+
+def failed_tool_retried() -> contextlib.AbstractContextManager[None]:
+    """A tool that raised is run once more before its result is recorded: one start, one
+    result in the log, two executions."""
+    real = loop._Drive._execute
+
+    async def execute(self: Any, tool: Any, call: Any, decision: Any, verdict: Any) -> Any:
+        output = await real(self, tool, call, decision, verdict)
+        if isinstance(output, str) and output.startswith("tool error:"):
+            output = await real(self, tool, call, decision, verdict)
+        return output
+
+    return _patched((loop._Drive, "_execute", execute))
+
+
+def interruption_returned_early() -> contextlib.AbstractContextManager[None]:
+    """An attempt that settles an earlier write returns right after, as if it had
+    reached an interruption: it raises nothing, and the run stops short."""
+    real = loop._Drive.run
+
+    async def run(self: Any, input_items: Any) -> Any:
+        if self.c.step is Step.UNSETTLED:
+            from statemachine.runner.publish import settle
+
+            self.c.resume()
+            await settle(self.c, self.session, take_over=self.take_over)
+            return loop._result(self.c)
+        return await real(self, input_items)
+
+    return _patched((loop._Drive, "run", run))
+
+
+ORACLE_MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+    "a rejected tool guardrail stops the run": rejected_guardrail_stops_the_run,
+    "a Session write drops an item": session_write_drops_an_item,
+    "a failed tool run twice": failed_tool_retried,
+    "an attempt stops after settling": interruption_returned_early,
 }

@@ -149,3 +149,32 @@ def drive(data: st.DataObject, max_steps: int = 40, **kw: Any) -> Driven:
         if not step(d, data):
             break
     return d
+
+
+# ---------------------------------------------------------------- scripted worlds
+
+
+@st.composite
+def scripts(draw: Any, *, max_turns: int = 3) -> Any:
+    """A `Script` for a scripted world: 0-``max_turns`` tool turns of 1-3 calls each
+    (every kind in `TOOL_KINDS`), their human decisions and handoffs, then the final
+    output; a tripping output guardrail, a turn limit that may be too short, the
+    recovery policy and streaming."""
+    from statemachine.testing.worlds import TOOL_KINDS, Script, Turn
+
+    turns = []
+    for _ in range(draw(st.integers(0, max_turns), label="tool turns")):
+        calls = tuple(draw(st.lists(st.sampled_from(TOOL_KINDS), min_size=1, max_size=3),
+                           label="calls"))
+        needing = calls.count("approve")
+        turns.append(Turn(calls, tuple(draw(st.lists(st.booleans(), min_size=needing,
+                                                    max_size=needing), label="approve")),
+                          handoff=needing > 0 and draw(st.integers(0, 4)) == 0))
+    turns.append(Turn())
+    return Script(tuple(turns), trip=draw(st.integers(0, 5), label="trip") == 0,
+                  max_turns=draw(st.sampled_from([10, 10, 10, len(turns) - 1]),
+                                 label="max_turns"),
+                  policy=draw(st.sampled_from([RecoveryPolicy.RECONCILE] * 3
+                                              + [RecoveryPolicy.FAIL_CLOSED]),
+                              label="policy"),
+                  streamed=draw(st.booleans(), label="streamed"))

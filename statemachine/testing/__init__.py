@@ -1,5 +1,7 @@
 """The test kit: fakes for the seed scenarios (`ScriptedModel`, `FlakySession`,
-`FakeRemote`, counters), the log checker (`check_log`), explorable worlds, the exhaustive
+`FakeRemote`, counters), the log checker (`check_log`), explorable worlds (`ScriptWorld`
+checks every step against an `Oracle` computed from its `Script`, and that the run can
+finish), the exhaustive
 explorer and the Hypothesis kit, and the contract suites every store and Session backend
 runs (`statemachine.testing.contracts`). Install with the ``testing`` extra."""
 
@@ -11,6 +13,7 @@ from statemachine.testing.fakes import (
     FlakySession,
     InjectedWriteError,
     ListingFailed,
+    ListSession,
     Outcome,
     PermanentPostError,
     PostOutcome,
@@ -22,14 +25,22 @@ from statemachine.testing.fakes import (
 from statemachine.testing.invariants import InvariantViolation, check_log, settled
 from statemachine.testing.worlds import (
     FAULTS,
+    SCRIPT_FAULTS,
+    TOOL_KINDS,
+    Oracle,
     ReferenceWorld,
     RemoteWorld,
+    Script,
+    ScriptWorld,
     SimulatedCrash,
+    Turn,
     World,
 )
 
 __all__ = [
     "FAULTS",
+    "SCRIPT_FAULTS",
+    "TOOL_KINDS",
     "Counters",
     "CountingHooks",
     "ExploreReport",
@@ -37,15 +48,20 @@ __all__ = [
     "FlakySession",
     "InjectedWriteError",
     "InvariantViolation",
+    "ListSession",
     "ListingFailed",
+    "Oracle",
     "Outcome",
     "PermanentPostError",
     "PostOutcome",
     "ReferenceWorld",
     "RemoteWorld",
+    "Script",
+    "ScriptWorld",
     "ScriptedModel",
     "SimulatedCrash",
     "StreamDisconnected",
+    "Turn",
     "Untouchable",
     "World",
     "check_log",

@@ -98,6 +98,29 @@ class FlakySession:
         await self.inner.clear_session()
 
 
+class ListSession:
+    """A Session in a plain list, readable without an event loop (``items``). Items are
+    copied through JSON on the way in and out, like a real store."""
+
+    def __init__(self, session_id: str, items: Sequence[JSON] = ()) -> None:
+        self.session_id = session_id
+        self.items: list[JSON] = json.loads(json.dumps(list(items)))
+
+    async def get_items(self, limit: int | None = None) -> list[JSON]:
+        chosen = self.items if limit is None else self.items[-limit:] if limit > 0 else []
+        result: list[JSON] = json.loads(json.dumps(chosen))
+        return result
+
+    async def add_items(self, items: list[JSON]) -> None:
+        self.items += json.loads(json.dumps(items))
+
+    async def pop_item(self) -> JSON | None:
+        return self.items.pop() if self.items else None
+
+    async def clear_session(self) -> None:
+        self.items.clear()
+
+
 class Counters:
     """How often each effect happened: tool bodies, guardrails and hooks, by name."""
 
