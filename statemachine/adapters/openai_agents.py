@@ -59,7 +59,7 @@ import inspect
 import json
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 from agents import (
@@ -531,7 +531,8 @@ class AgentRun:
                     # names only, and a sync store has the same names)
                     controller = await RunController.load_async(store, run_id)
                 else:
-                    controller = RunController.load(store, run_id, buffered=buffered)
+                    controller = RunController.load(cast("EventStore", store), run_id,
+                                                    buffered=buffered)
         existing = controller is not None
         if controller is None:
             controller = RunController.start(
