@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from statemachine import RunController, ToolCall, codec
+from statemachine.controller import SNAPSHOT_SIZE
 from statemachine.payloads import JSON, compact_json
 from statemachine.stores import MemoryEventStore, SQLiteEventStore
 
@@ -72,7 +73,11 @@ def _snapshot_store(path: Path, events: list[Any]) -> SQLiteEventStore:
     cut = max(1, len(events) - 128)
     store.append("long", events[:cut], 0)
     at_cut = RunController.from_json(codec.encode_log("long", events[:cut]))
-    store.append("long", events[cut:], cut, snapshot=at_cut.state.snapshot())
+    snapshot = at_cut.state.snapshot()
+    # the size of the log before it, as a controller's own snapshot records it (without
+    # it, as from an older library, a load reads the whole log once to count it)
+    snapshot[SNAPSHOT_SIZE] = at_cut.size
+    store.append("long", events[cut:], cut, snapshot=snapshot)
     return store
 
 
@@ -89,6 +94,7 @@ def _load_row(size: int, repeats: int) -> dict[str, Any]:
         snap = _snapshot_store(Path(tmp) / "snap.db", events)
         loaded = RunController.load(snap, "long")
         assert loaded.state == c.state  # snapshot + tail equals the full replay
+        assert loaded.size == c.size  # and counts the same bytes against max_bytes
         from_snapshot = _median_seconds(lambda: RunController.load(snap, "long"), repeats)
         small = _snapshot_store(Path(tmp) / "small.db",
                                 list(long_run(size, max_calls=100).events))
@@ -212,23 +218,43 @@ async def partial_approval(store: Any, *, run_id: str = "r", session_id: str = "
     return done.controller.version
 
 
-async def _partial_approval_once() -> None:
+async def _partial_approval_times(repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` scenarios, all on one event loop (as the other
+    runners' rows time theirs: a new loop per repeat would time asyncio, not the run),
+    after one untimed warm-up."""
     await partial_approval(MemoryEventStore())
+    times = []
+    for _ in range(repeats):
+        gc.collect()
+        start = time.perf_counter()
+        await partial_approval(MemoryEventStore())
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def measure_scenario(repeats: int) -> dict[str, Any]:
     """The whole partial-approval scenario (propose, approve one, failed write, recover,
-    approve the other, finish) on the reference runner, memory Session and store."""
-    ours = _median_seconds(lambda: asyncio.run(_partial_approval_once()), repeats)
-    row: dict[str, Any] = {"reference_runner_ms": round(ours * 1e3, 2),
-                           "openai_agents_ms": None}
+    approve the other, finish) on the reference runner, memory Session and store; beside
+    it the same scenario on LangGraph (`bench.langgraph_rows`) and on openai-agents
+    (`bench.openai_agents_rows`) where they are installed (else None)."""
+    ours = statistics.median(asyncio.run(_partial_approval_times(repeats))) * 1e3
+    row: dict[str, Any] = {"reference_runner_ms": round(ours, 3),
+                           "langgraph_ms": None, "openai_agents_ms": None}
+    try:
+        from bench.langgraph_rows import partial_approval_ms as langgraph_ms
+        theirs = langgraph_ms(repeats)
+    except ImportError:
+        pass
+    else:
+        row["langgraph_ms"] = round(theirs, 2)
+        row["langgraph_over_ours"] = round(theirs / ours, 1)
     try:
         from bench.openai_agents_rows import partial_approval_ms
         theirs = partial_approval_ms(repeats)
     except ImportError:
         return row
     row["openai_agents_ms"] = round(theirs, 2)
-    row["openai_agents_over_ours"] = round(theirs / (ours * 1e3), 1)
+    row["openai_agents_over_ours"] = round(theirs / ours, 1)
     return row
 
 
@@ -253,12 +279,19 @@ def measure_roundtrip(turns: int, repeats: int) -> dict[str, Any]:
                            "load_us_per_item": round(load / items * 1e6, 2),
                            "openai_agents_load_us_per_item": None}
     try:
-        from bench.openai_agents_rows import state_roundtrip_us_per_item
-        theirs = state_roundtrip_us_per_item(turns)
+        from bench.openai_agents_rows import state_roundtrip_detail
+        theirs = state_roundtrip_detail(turns, repeats)
     except ImportError:
         return row
-    row["openai_agents_load_us_per_item"] = round(theirs, 2)
-    row["openai_agents_over_ours"] = round(theirs / row["load_us_per_item"], 1)
+    ours = load / items * 1e6
+    # theirs per generated item; ``from_json`` (a dict) is the target, ``from_string``
+    # (text, as ours loads) is shown too
+    from_json = theirs["from_json_ms"] * 1e3 / theirs["items"]
+    from_string = theirs["load_ms"] * 1e3 / theirs["items"]
+    row["openai_agents_load_us_per_item"] = round(from_json, 2)
+    row["openai_agents_from_string_us_per_item"] = round(from_string, 2)
+    row["openai_agents_over_ours"] = round(from_json / ours, 1)
+    row["openai_agents_from_string_over_ours"] = round(from_string / ours, 1)
     return row
 
 

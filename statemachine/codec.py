@@ -20,8 +20,10 @@ import contextvars
 import hashlib
 import hmac
 import json
+import json.encoder
 import sys
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import attrs
 import cattrs
@@ -33,8 +35,10 @@ from statemachine.payloads import (
     DEFAULT_MAX_DEPTH,
     DEFAULT_MAX_EVENTS,
     JSON,
+    MAX_TEXT,
     PayloadError,
     canonical_json,
+    compact_json,
     detach,
     encode_str,
     json_size,
@@ -47,7 +51,7 @@ from statemachine.values import GuardrailResult, RecoveryPolicy, Step, ToolCall
 
 if TYPE_CHECKING:
     import enum
-    from collections.abc import Callable, Mapping
+    from collections.abc import Mapping
 
 SCHEMA_VERSION = 2
 """The version `to_json` writes. Every released version stays readable (see `UPCASTERS`).
@@ -400,6 +404,182 @@ def decode_event(data: Any, position: int) -> ev.Event:
         ) from None
 
 
+# ------------------------------------------------------------------ fast path
+#
+# Loading is mostly decoding text this library wrote. A text that is exactly the compact
+# JSON of what it parses to (or exactly what ``json.dumps`` writes with its defaults)
+# holds no duplicate key (a re-encoded dict has none) and no NaN or infinity (the
+# re-encoder refuses them); if that text is also valid Unicode throughout, every value in
+# it is plain JSON of an exact type with valid text and printable ints. Such a "clean"
+# tree is the parser's own, so nothing else holds it and its payloads need no copy: only
+# their depth is checked. Its events are decoded by one generated function per class
+# (exact types, text lengths, enums, key sets); anything such a function does not accept
+# is decoded again by `decode_event`, which gives the precise refusal. The strict parse
+# stays the authority for every text that is not clean. `tests/test_codec.py` checks the
+# two paths agree.
+
+
+class _Slow(Exception):
+    """Internal: the fast decoder declines; `decode_event` decides."""
+
+
+def _refuse_type(value: object) -> NoReturn:
+    raise TypeError(type(value).__name__)
+
+
+_c_make_encoder = getattr(json.encoder, "c_make_encoder", None)
+_c_ascii = getattr(json.encoder, "c_encode_basestring_ascii", None)
+_default_form: Callable[[Any], str] | None = None
+if _c_make_encoder is not None and _c_ascii is not None:
+    _default_shot = _c_make_encoder(None, _refuse_type, _c_ascii, None, ": ", ", ", False,
+                                    False, False)
+
+    def _default_form(value: Any) -> str:  # json.dumps' defaults, for a tree
+        return "".join(_default_shot(value, 0))
+
+
+def clean_parse(text: str) -> tuple[Any, str] | None:
+    """(the parsed tree, its compact text) when ``text`` is clean (see above), else
+    None: then `parse` decides, strictly."""
+    if type(text) is not str:
+        return None
+    try:
+        tree = json.loads(text)
+        compact = compact_json(tree)
+    except (ValueError, TypeError, RecursionError):
+        return None
+    if compact != text and (_default_form is None or _default_form(tree) != text):
+        return None
+    if not compact.isascii():
+        try:
+            compact.encode("utf-8")
+        except UnicodeEncodeError:
+            return None
+    return tree, compact
+
+
+def _within(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests at most ``limit`` containers deep (a container is 1)."""
+    kind = type(value)
+    if kind is not dict and kind is not list:
+        return True
+    level = [value]
+    depth = 1
+    while depth <= limit:
+        below = [item for node in level
+                 for item in (node.values() if type(node) is dict else node)
+                 if type(item) is dict or type(item) is list]
+        if not below:
+            return True
+        level = below
+        depth += 1
+    return False
+
+
+def _fast_source(cls: type, fn: str) -> str:
+    """The source of a fast decoder for ``cls`` (an event or a nested value)."""
+    fields = attrs.fields(attrs.resolve_types(cls))
+    extra = 1 if issubclass(cls, ev.Event) else 0  # an event's "type"
+    lines = [f"def {fn}(d, limit):",
+             f"    if type(d) is not dict or len(d) != {len(fields) + extra}:",
+             "        raise _Slow"]
+    args = []
+    for i, f in enumerate(fields):
+        v = f"v{i}"
+        args.append(v)
+        lines.append(f"    {v} = d[{f.name!r}]")
+        kind = f.type
+        if kind is int:
+            lines.append(f"    if type({v}) is not int: raise _Slow")
+        elif kind is str:
+            lines.append(f"    if type({v}) is not str or len({v}) > MAX_TEXT: raise _Slow")
+        elif kind == str | None:
+            lines.append(f"    if {v} is not None and (type({v}) is not str "
+                         f"or len({v}) > MAX_TEXT): raise _Slow")
+        elif kind == int | None:
+            lines.append(f"    if {v} is not None and type({v}) is not int: raise _Slow")
+        elif kind is bool:
+            lines.append(f"    if type({v}) is not bool: raise _Slow")
+        elif kind in (Step, RecoveryPolicy):
+            table = f"_{kind.__name__}"
+            lines.append(f"    {v} = {table}.get({v}) if type({v}) is str else None")
+            lines.append(f"    if {v} is None: raise _Slow")
+        elif kind is JSON:
+            lines.append(f"    if limit is not None and not _within({v}, limit): raise _Slow")
+        elif kind == tuple[str, ...]:
+            lines.append(f"    if type({v}) is not list: raise _Slow")
+            lines.append(f"    for x in {v}:")
+            lines.append("        if type(x) is not str or len(x) > MAX_TEXT: raise _Slow")
+            lines.append(f"    {v} = tuple({v})")
+        elif kind == tuple[JSON, ...]:
+            lines.append(f"    if type({v}) is not list: raise _Slow")
+            lines.append(f"    if limit is not None and not all(_within(x, limit) "
+                         f"for x in {v}): raise _Slow")
+            lines.append(f"    {v} = tuple({v})")
+        elif kind == tuple[ToolCall, ...]:
+            lines.append(f"    if type({v}) is not list: raise _Slow")
+            lines.append(f"    {v} = tuple([_ToolCall(x, limit) for x in {v}])")
+        elif kind is GuardrailResult:
+            lines.append(f"    {v} = _GuardrailResult({v}, limit)")
+        else:  # pragma: no cover - every field type of the events is listed above
+            raise TypeError(f"no fast decoder for a field of type {kind}")
+    lines.append(f"    return _cls({', '.join(args)})")
+    return "\n".join(lines) + "\n"
+
+
+Limit = int | None
+"""The depth limit of a fast decoder's payloads (None: none)."""
+
+
+def _fast_decoder(cls: type, namespace: dict[str, Any]) -> Callable[[Any, Limit], Any]:
+    local = {**namespace, "_cls": cls}
+    exec(_fast_source(cls, "decode"), local)  # built above from attrs field names only
+    decoder: Callable[[Any, Limit], Any] = local["decode"]
+    return decoder
+
+
+_FAST_NAMESPACE: dict[str, Any] = {
+    "_Slow": _Slow, "MAX_TEXT": MAX_TEXT, "_within": _within,
+    "_Step": {member.value: member for member in Step},
+    "_RecoveryPolicy": {member.value: member for member in RecoveryPolicy},
+}
+_FAST_NAMESPACE["_ToolCall"] = _fast_decoder(ToolCall, _FAST_NAMESPACE)
+_FAST_NAMESPACE["_GuardrailResult"] = _fast_decoder(GuardrailResult, _FAST_NAMESPACE)
+FAST_DECODE: dict[str, Callable[[Any, Limit], ev.Event]] = {
+    cls.__name__: _fast_decoder(cls, _FAST_NAMESPACE) for cls in ev.EVENT_TYPES
+}
+"""``FAST_DECODE[name](raw, limit)``: the event a clean raw event holds (payloads within
+``limit`` levels; None: no limit), or an exception: then `decode_event` decides."""
+
+
+def decode_clean(raw_events: list[Any], max_depth: int) -> list[ev.Event]:
+    """The events of a clean tree's ``"events"`` list, each by its fast decoder or, when
+    that declines, by `decode_event` (under the current depth limit)."""
+    fast = FAST_DECODE
+    limit = None if max_depth >= sys.maxsize else max_depth
+    events: list[ev.Event] = []
+    append = events.append
+    for raw in raw_events:
+        try:
+            append(fast[raw["type"]](raw, limit))
+        except Exception:  # a bad or unusual event: the strict decoder decides
+            append(decode_event(raw, len(events)))
+    return events
+
+
+def decode_stored_text(body: str, position: int) -> ev.Event:
+    """`decode_stored_event` of the JSON text of one stored event (`parse` first)."""
+    clean = clean_parse(body)
+    if clean is not None:
+        raw = clean[0]
+        try:
+            return FAST_DECODE[raw["type"]](raw, None)
+        except Exception:  # the strict decoder decides
+            pass
+        return decode_stored_event(raw, position)
+    return decode_stored_event(parse(body), position)
+
+
 def decode_stored_event(data: Any, position: int) -> ev.Event:
     """Decode an event a store holds. Stores hold only what a controller recorded, under
     that controller's own depth limit, so none is imposed again here: every log a
@@ -448,15 +628,21 @@ def decode_log(
     if key is not None:
         check_key(key)
     measured: int | None
+    clean = False
     if isinstance(data, str | bytes):
         # a str's UTF-8 length is at least its length: the first test is O(1)
         if len(data) > max_bytes or (type(data) is str and utf8_len(data) > max_bytes):
             raise _over(max_bytes)
-        data = parse(data)
-        try:  # parsed text holds no cycle and no NaN: the plain encoder measures it
-            measured = json_size(data)
-        except (TypeError, ValueError):
-            measured = None  # a float overflowing to infinity ("1e400"): refused below
+        found = clean_parse(data)  # type: ignore[arg-type]
+        if found is not None:
+            data, compact = found
+            measured, clean = utf8_len(compact), True
+        else:
+            data = parse(data)
+            try:  # parsed text holds no cycle and no NaN: the plain encoder measures it
+                measured = json_size(data)
+            except (TypeError, ValueError):
+                measured = None  # a float overflowing to infinity ("1e400"): refused below
     else:
         measured = document_size(data, max_depth + 8)  # the document's own nesting too
     if measured is not None and measured > max_bytes:
@@ -500,7 +686,10 @@ def decode_log(
         raise SchemaError(f"the log has more than max_events={max_events} events")
     token = _max_depth.set(max_depth)
     try:
-        decoded = [decode_event(raw, i) for i, raw in enumerate(raw_events)]
+        if clean:
+            decoded = decode_clean(raw_events, max_depth)
+        else:
+            decoded = [decode_event(raw, i) for i, raw in enumerate(raw_events)]
     finally:
         _max_depth.reset(token)
     if key is not None:

@@ -120,6 +120,30 @@ def read_limit_for(frontier: Sequence[str], batch: Sequence[str], *, whole: bool
     return low
 
 
+def is_read_limit(frontier: Sequence[str], batch: Sequence[str], *, whole: bool,
+                  limit: int) -> bool:
+    """``read_limit_for(frontier, batch, whole=whole) == limit``, with two window checks
+    instead of a search: since "distinct" is monotone in n, ``limit`` is the smallest n
+    that tells the outcomes apart exactly when it does and ``limit - 1`` does not (or
+    ``limit`` is the smallest n allowed). Replay checks every recorded limit this way."""
+    m, p = len(batch), len(frontier)
+    high = max(m + 1, p + m) if whole else p
+    low = m + 1
+    if type(limit) is not int or not low <= limit <= high:
+        return False
+    seq = (*frontier, *batch)
+    if m <= 32 and limit <= 32:  # a few short windows: compare them directly
+        def distinct(n: int) -> bool:
+            ends = range(max(p, n), p + m + 1)
+            return len({seq[end - n:end] for end in ends}) == len(ends)
+    else:
+        w = _Windows(seq)
+
+        def distinct(n: int) -> bool:
+            return _distinct(w, p, m, n)
+    return distinct(limit) and (limit == low or not distinct(limit - 1))
+
+
 @attrs.frozen
 class Frontier:
     """What `measure_frontier` found: the limit and the digests of P's tail to keep."""

@@ -86,12 +86,87 @@ def text_problem(value: object) -> str | None:
     return None
 
 
+class _Unsure(Exception):
+    """Internal: the fast copy met something it does not decide (a non-ASCII text, a big
+    int, a non-finite float, a foreign type, the depth limit, a deep tree): `_walk`
+    decides, with its precise message."""
+
+
+_FAST_DEPTH = 48
+"""Below this nesting the fast copy recurses (Python's stack holds it with room to
+spare); a deeper tree is left to the iterative walk, which never recurses."""
+
+
+def _fast_copy(value: Any, left: int) -> Any:
+    """A copy of the dict or list ``value`` if it is plain JSON with only ASCII text,
+    small ints and finite floats, within ``left`` levels; else `_Unsure`. Recursion is
+    bounded by ``left`` (at most `_FAST_DEPTH`)."""
+    if type(value) is dict:
+        out: Any = {}
+        for key, item in value.items():
+            if type(key) is not str or not key.isascii():
+                raise _Unsure
+            kind = type(item)
+            if kind is str:
+                if not item.isascii():
+                    raise _Unsure
+            elif kind is int:
+                if item.bit_length() >= _INT_BITS:
+                    raise _Unsure
+            elif kind is dict or kind is list:
+                if left <= 1:
+                    raise _Unsure
+                out[key] = _fast_copy(item, left - 1)
+                continue
+            elif kind is float:
+                if item - item != 0.0:  # inf - inf and nan - nan are nan
+                    raise _Unsure
+            elif item is not None and kind is not bool:
+                raise _Unsure
+            out[key] = item
+        return out
+    out = []
+    for item in value:
+        kind = type(item)
+        if kind is str:
+            if not item.isascii():
+                raise _Unsure
+        elif kind is int:
+            if item.bit_length() >= _INT_BITS:
+                raise _Unsure
+        elif kind is dict or kind is list:
+            if left <= 1:
+                raise _Unsure
+            out.append(_fast_copy(item, left - 1))
+            continue
+        elif kind is float:
+            if item - item != 0.0:
+                raise _Unsure
+        elif item is not None and kind is not bool:
+            raise _Unsure
+        out.append(item)
+    return out
+
+
 def detach(value: JSON, max_depth: int = DEFAULT_MAX_DEPTH) -> JSON:
     """Return a deep copy of ``value``, raising `PayloadError` unless it is plain JSON.
 
     ``max_depth`` bounds the nesting of containers counted from ``value`` itself (a
     top-level list or dict is depth 1). The message names the problem, never the content.
-    """
+
+    The common case (ASCII text, small ints, finite floats, shallow) is copied by a short
+    recursive pass; anything else, and every refusal, by the iterative `_walk`."""
+    kind = type(value)
+    if (kind is dict or kind is list) and max_depth >= 1:
+        try:
+            return _fast_copy(value, min(max_depth, _FAST_DEPTH))
+        except (_Unsure, RecursionError):
+            pass
+    return _walk(value, max_depth)
+
+
+def _walk(value: JSON, max_depth: int) -> JSON:
+    """`detach`, by an iterative walk: the reference for every value and every refusal."""
     kind = type(value)
     if kind in _SCALARS:
         if kind is str and not _encodable(value):
@@ -254,11 +329,29 @@ def walk_size(value: JSON, max_depth: int) -> int | None:
     return total
 
 
+def _not_serializable(value: object) -> NoReturn:
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+_C_MAKE_ENCODER = getattr(json.encoder, "c_make_encoder", None)
+_C_ENCODE_STR = getattr(json.encoder, "c_encode_basestring", None)
+
+
 def canonical_json(value: JSON) -> bytes:
-    """The built-in canonical form: sorted keys, no spaces, UTF-8, no NaN."""
-    return json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
+    """The built-in canonical form: sorted keys, no spaces, UTF-8, no NaN.
+
+    ``json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+    allow_nan=False)``, through the C encoder it would build, built here without the
+    options' overhead (the circular check stays)."""
+    if _C_MAKE_ENCODER is None or _C_ENCODE_STR is None:  # pragma: no cover - no C accelerator
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                          allow_nan=False).encode("utf-8")
+    if type(value) is str:
+        text: str = _C_ENCODE_STR(value)
+        return text.encode("utf-8")
+    one_shot = _C_MAKE_ENCODER({}, _not_serializable, _C_ENCODE_STR, None, ":", ",", True,
+                               False, False)
+    return "".join(one_shot(value, 0)).encode("utf-8")
 
 
 def sha256_hex(data: bytes) -> str:
@@ -268,6 +361,11 @@ def sha256_hex(data: bytes) -> str:
 def fingerprint_of(name: str, arguments: JSON) -> str:
     """sha256 hex of the built-in canonical form of ``[name, arguments]``."""
     return sha256_hex(canonical_json([name, arguments]))
+
+
+def fingerprint_digest(name: str, arguments: JSON) -> bytes:
+    """`fingerprint_of` as the 32 bytes of the digest (its ``hex()`` is the fingerprint)."""
+    return hashlib.sha256(canonical_json([name, arguments])).digest()
 
 
 CanonicalForm: TypeAlias = Callable[[JSON], bytes]

@@ -18,7 +18,7 @@ from typing import Any
 
 from statemachine import events as ev
 from statemachine.envelope import Envelope
-from statemachine.payloads import JSON, CanonicalForm, canonical_form, fingerprint_of
+from statemachine.payloads import JSON, CanonicalForm, canonical_form, fingerprint_digest
 from statemachine.values import Action, GuardrailResult, Phase, RecoveryPolicy, Step, ToolCall
 
 STATE_VERSION = 2
@@ -39,17 +39,29 @@ class CallRecord:
 
     def __init__(self, call: ToolCall, phase: Phase) -> None:
         self.call = call
-        self._fingerprint: str | None = None
+        self._fingerprint: bytes | str | None = None
         self.phase = phase
         self.result: JSON = None
         self.starts = 0
 
+    def digest(self) -> None:
+        """Compute the fingerprint now (a live run does, so decisions stay cheap), kept as
+        its 32 bytes until first read: an idle run's ledger holds one per call."""
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint_digest(self.call.name, self.call.arguments)
+
     @property
     def fingerprint(self) -> str:
-        """Computed on first use: most calls are never decided, and replay is hot."""
-        if self._fingerprint is None:
-            self._fingerprint = fingerprint_of(self.call.name, self.call.arguments)
-        return self._fingerprint
+        """Computed on first use: most calls are never decided, and replay is hot. Kept as
+        hex once read (a decision reads it twice)."""
+        found = self._fingerprint
+        if isinstance(found, str):
+            return found
+        if found is None:
+            found = fingerprint_digest(self.call.name, self.call.arguments)
+        shown = found.hex()
+        self._fingerprint = shown
+        return shown
 
     def view(self) -> tuple[Any, ...]:
         return (self.call, self.phase, self.result, self.starts)
@@ -60,7 +72,7 @@ class RunState:
 
     __slots__ = (
         "activation", "attempt_seq", "awaiting_ids", "calls", "canonical", "counts", "envelope",
-        "final_accepted", "final_lossless", "final_output", "form", "guardrail_keys",
+        "final_accepted", "final_lossless", "final_output", "guardrail_keys",
         "hook_keys", "last_seq", "max_turns", "model_calls", "model_output", "pending_guardrails",
         "pending_input", "policy", "published_guardrails", "run_id", "session_id", "step",
         "turns",
@@ -72,7 +84,7 @@ class RunState:
         self.policy = started.policy
         self.max_turns = started.max_turns
         self.canonical = started.canonical
-        self.form: CanonicalForm = canonical_form(started.canonical)
+        canonical_form(started.canonical)  # SchemaError when it is not registered
         self.step = Step.RUN_AGAIN
         self.turns = 0
         self.model_calls = 0
@@ -87,7 +99,8 @@ class RunState:
         self.published_guardrails: list[GuardrailResult] = []
         self.guardrail_keys: dict[tuple[Any, ...], GuardrailResult] = {}
         """Every recorded guardrail by (name, stage, call id or activation)."""
-        self.hook_keys: set[tuple[Any, ...]] = set()
+        self.hook_keys: dict[tuple[Any, ...], None] = {}
+        """Every recorded hook's key (a set, in the 64 bytes of an empty dict)."""
         self.model_output: JSON = None
         self.final_output: JSON = None
         self.final_accepted = False
@@ -97,6 +110,12 @@ class RunState:
         self.last_seq = started.seq
 
     # ------------------------------------------------------------------ queries
+
+    @property
+    def form(self) -> CanonicalForm:
+        """The run's canonical form (a name stays bound to one form: `register_canonical`
+        refuses to rebind it), looked up when a batch is digested, not kept per run."""
+        return canonical_form(self.canonical)
 
     def count(self, phase: Phase) -> int:
         return self.counts[phase]
@@ -215,7 +234,7 @@ class RunState:
                                       for g in data["published_guardrails"]]
         state.guardrail_keys = {tuple(key): structure(result, GuardrailResult)
                                 for key, result in data["guardrail_keys"]}
-        state.hook_keys = {tuple(key) for key in data["hook_keys"]}
+        state.hook_keys = {tuple(key): None for key in data["hook_keys"]}
         state.model_output = data["model_output"]
         state.final_output = data["final_output"]
         state.final_accepted = data["final_accepted"]
@@ -318,7 +337,7 @@ def _guardrail(s: RunState, e: ev.GuardrailEvaluated) -> None:
 
 
 def _hook(s: RunState, e: ev.HookRan) -> None:
-    s.hook_keys.add(s.hook_key(e.hook, e.call_id))
+    s.hook_keys[s.hook_key(e.hook, e.call_id)] = None
 
 
 def _final_output(s: RunState, e: ev.FinalOutputAccepted) -> None:

@@ -565,7 +565,7 @@ class SQLiteEventStore:
             for seq, body in conn.execute(
                     "SELECT seq, body FROM events WHERE run_id = ? AND body LIKE "
                     "'%RunClaimed%' ORDER BY seq DESC", (run_id,)).fetchall():
-                event = codec.decode_stored_event(codec.parse(body), seq)
+                event = codec.decode_stored_text(body, seq)
                 if type(event) is ev.RunClaimed:
                     owner = event.owner
                     break
@@ -934,7 +934,7 @@ def _decode(run_id: str, rows: Rows, first: int) -> list[Event]:
         if type(body) is not str:
             raise SchemaError(f"stored event {seq} is damaged: its body is not text",
                               run_id=run_id, action="load")
-        event = codec.decode_stored_event(codec.parse(body), seq)
+        event = codec.decode_stored_text(body, seq)
         if event.seq != seq:
             raise SchemaError(f"stored event {seq} is damaged: its body carries seq "
                               f"{event.seq}", run_id=run_id, action="load")

@@ -11,7 +11,16 @@ import attrs
 from statemachine.payloads import JSON
 
 
-class Step(enum.Enum):
+class _Fast(enum.Enum):
+    """An enum hashed by identity: `enum.Enum` hashes a member by its name in Python
+    code, and the machine's table, the ledger's counts and every set of steps hash one
+    per command. Members compare by identity, so the identity hash is consistent (and
+    no less stable: a str hash changes from one process to the next as well)."""
+
+    __hash__ = object.__hash__
+
+
+class Step(_Fast):
     """The step a run is in."""
 
     RUN_AGAIN = "run_again"
@@ -36,7 +45,7 @@ class Step(enum.Enum):
     """The final output is published."""
 
 
-class Phase(enum.Enum):
+class Phase(_Fast):
     """A call's place in the tool ledger (DESIGN §2.4). A proposed call awaits a decision
     or is approved; an approved call starts, completes (its result cached) and is
     published. A rejected call's rejection output is its result. Calls that a final output
@@ -58,7 +67,7 @@ class Phase(enum.Enum):
     """Its result (or rejection) is in the Session or the remote history."""
 
 
-class RecoveryPolicy(enum.Enum):
+class RecoveryPolicy(_Fast):
     """What a failed or interrupted publication leads to."""
 
     RECONCILE = "reconcile"
@@ -68,7 +77,7 @@ class RecoveryPolicy(enum.Enum):
     the run in ``TERMINAL_UNRECOVERABLE``; only the attempt that saw it succeed clears it."""
 
 
-class Action(enum.Enum):
+class Action(_Fast):
     """What the runner should do next (`RunController.next_action`)."""
 
     RESOLVE_IN_DOUBT = "resolve_in_doubt"
