@@ -206,5 +206,18 @@ def tool_call_overhead(calls: int = 100, repeats: int = 5) -> dict[str, float]:
     return figures
 
 
+def bench_row(args: Any) -> dict[str, Any]:
+    """The bench's row (`bench.__main__.EXTRA_ROWS`): ``--adapter-calls`` calls per
+    run, ``--adapter-repeats`` repeats."""
+    figures = tool_call_overhead(args.adapter_calls, args.adapter_repeats)
+    return {"summary": (
+        f"overhead per tool call against the SDK alone: managed session +"
+        f"{figures['session_memory_overhead_us']} µs in memory, +"
+        f"{figures['session_sqlite_overhead_us']} µs on SQLite per event, +"
+        f"{figures['session_sqlite_buffered_overhead_us']} µs SQLite buffered (SDK alone "
+        f"{figures['session_sdk_us']} µs); messages loop +"
+        f"{figures['messages_memory_overhead_us']} µs in memory"), **figures}
+
+
 if __name__ == "__main__":
     print(json.dumps(tool_call_overhead(), indent=2))

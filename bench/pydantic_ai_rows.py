@@ -111,5 +111,14 @@ def tool_call_overhead(repeats: int = 7) -> dict[str, Any]:
         return asyncio.run(_overhead(Path(folder), repeats))
 
 
+def bench_row(args: Any) -> dict[str, Any]:
+    """The bench's row (`bench.__main__.EXTRA_ROWS`): ``--adapter-repeats`` repeats."""
+    figures = tool_call_overhead(args.adapter_repeats)
+    over, alone = figures["tool_call_overhead_us"], figures["per_tool_call_us"]["pydantic-ai"]
+    return {"summary": (
+        f"overhead per tool call against pydantic-ai alone ({alone} µs): "
+        + ", ".join(f"{how} +{us} µs" for how, us in over.items())), **figures}
+
+
 if __name__ == "__main__":
     print(json.dumps(tool_call_overhead(), indent=2))
