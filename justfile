@@ -1,5 +1,5 @@
-# The front door: `just test`, `just lint`, `just bench`, `just fuzz`, `just diagrams`,
-# `just demo`.
+# The front door: `just test`, `just lint`, `just bench`, `just fuzz`, `just mutate`,
+# `just diagrams`, `just demo`.
 
 set positional-arguments
 set shell := ["bash", "-uc"]
@@ -12,7 +12,7 @@ test *args:
 
 # ruff and mypy --strict.
 lint:
-    {{python}} -m ruff check statemachine tests bench examples
+    {{python}} -m ruff check statemachine tests bench examples mutate
     {{python}} -m mypy
 
 # Benchmarks: ratios against floors measured in the same run (`just bench --json`).
@@ -32,3 +32,10 @@ diagrams:
 # Play the field-report scenarios with injected failures.
 demo *args:
     {{python}} -m statemachine demo "$@"
+
+# Mutation testing (long; not in CI): each mutant of mutate/catalogue.py alone in a temp
+# copy of the tree, against its module's tests; killed / survived / equivalent per module
+# and the score. Exits non-zero below 90% or on a stale mutant (`--module machine`,
+# `--list`, `--jobs 1`).
+mutate *args:
+    {{python}} -m mutate "$@"

@@ -1,0 +1,613 @@
+"""The mutants: plausible bugs a tired engineer would write, one snippet each.
+
+Each `Mutant` names its target file (relative to the repository root), the exact original
+snippet (it must occur exactly once there, or the mutant is stale), its replacement, the
+bug in one line, and, for a mutant that cannot change behaviour, ``equivalent`` with the
+reason. `SELECTIONS` maps each target to the tests that guard it (pytest arguments, run
+in order with ``-x``: the fastest and most likely to fail first)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    target: str
+    original: str
+    replacement: str
+    description: str
+    equivalent: str | None = None
+
+
+_FILES = {
+    "MA": "statemachine/machine.py",
+    "ST": "statemachine/state.py",
+    "EN": "statemachine/envelope.py",
+    "CO": "statemachine/codec.py",
+    "CT": "statemachine/controller.py",
+    "SS": "statemachine/stores.py",
+    "SQ": "statemachine/sqlite.py",
+    "SE": "statemachine/sessions.py",
+    "PG": "statemachine/postgres.py",
+    "LP": "statemachine/runner/loop.py",
+    "PU": "statemachine/runner/publish.py",
+    "RE": "statemachine/runner/remote.py",
+    "AG": "statemachine/runner/agents.py",
+}
+
+
+def _m(ident: str, original: str, replacement: str, description: str,
+       equivalent: str | None = None) -> Mutant:
+    return Mutant(ident, _FILES[ident[:2]], original, replacement, description, equivalent)
+
+
+_CORE = ("tests/test_controller.py", "tests/test_invariants.py", "tests/test_hardening.py",
+         "tests/test_seed_core.py", "tests/test_review_findings.py", "tests/test_machine.py",
+         "tests/test_mutant_kills.py", "tests/test_forged_guards.py", "tests/test_stateful.py")
+_RUNNER = ("tests/test_one_writer.py", "tests/test_tool_interrupted.py",
+           "tests/test_streaming.py", "tests/test_seed_runner.py", "tests/test_crash_hooks.py",
+           "tests/test_claim.py", "tests/test_mutant_kills.py")
+_STORES = ("tests/test_stores.py", "tests/test_storage_faults.py", "tests/test_async_stores.py",
+           "tests/test_mutant_kills.py", "tests/test_snapshots.py", "tests/test_claim.py")
+
+SELECTIONS: dict[str, tuple[str, ...]] = {
+    "statemachine/machine.py": _CORE,
+    "statemachine/state.py": (*_CORE, "tests/test_snapshots.py"),
+    "statemachine/envelope.py": ("tests/test_envelope.py", *_CORE),
+    "statemachine/codec.py": ("tests/test_codec.py", "tests/test_limits.py",
+                              "tests/test_keyed_chain.py", "tests/test_decoder_fuzz.py",
+                              "tests/test_controller.py", "tests/test_mutant_kills.py"),
+    "statemachine/controller.py": ("tests/test_copies.py", "tests/test_limits.py", *_CORE,
+                                   "tests/test_durability.py", "tests/test_snapshots.py"),
+    "statemachine/stores.py": _STORES,
+    "statemachine/sqlite.py": ("tests/test_sessions.py", *_STORES),
+    "statemachine/sessions.py": ("tests/test_sessions.py", "tests/test_mutant_kills.py",
+                                 "tests/test_seed_runner.py"),
+    "statemachine/postgres.py": ("tests/test_postgres_session.py", "tests/test_postgres.py",
+                                 "tests/test_mutant_kills.py"),
+    "statemachine/runner/loop.py": (*_RUNNER, "tests/test_runner_promises.py"),
+    "statemachine/runner/publish.py": _RUNNER,
+    "statemachine/runner/remote.py": ("tests/test_remote.py", "tests/test_mutant_kills.py",
+                                      "tests/test_runner_promises.py"),
+    "statemachine/runner/agents.py": _RUNNER,
+}
+
+CATALOGUE: tuple[Mutant, ...] = (
+    # ------------------------------------------------------------ machine: guards
+    _m("MA01", "s.turns < s.max_turns", "s.turns <= s.max_turns",
+       "turns_left off by one: one model call past max_turns"),
+    _m("MA02", '"no_envelope", "turns_left", "results_published"),',
+       '"no_envelope", "turns_left"),',
+       "begin_model_call forgets results_published: the model is called with results "
+       "unpublished"),
+    _m("MA03", "return len(set(ids)) == len(ids) and not any(i in s.calls for i in ids)",
+       "return not any(i in s.calls for i in ids)",
+       "calls_are_new lets one response repeat a call id"),
+    _m("MA04", "return len(set(ids)) == len(ids) and not any(i in s.calls for i in ids)",
+       "return len(set(ids)) == len(ids)",
+       "calls_are_new lets a response reuse an id the run already knows"),
+    _m("MA05", "return bool(e.tool_calls) and not any(c.needs_approval for c in e.tool_calls)",
+       "return not any(c.needs_approval for c in e.tool_calls)",
+       "calls_without_approval holds for a response without calls (output goes to TOOLS)"),
+    _m("MA06", "return not e.tool_calls and e.output is not None",
+       "return not e.tool_calls",
+       "output_only accepts a response with neither calls nor output"),
+    _m("MA07", "return record is not None and record.phase == Phase.COMPLETED",
+       "return record is not None and record.phase in (Phase.COMPLETED, Phase.PUBLISHED)",
+       "result_unpublished accepts an already posted result (posted twice)"),
+    _m("MA08", "return record is not None and record.phase == Phase.AWAITING",
+       "return record is not None and record.phase in (Phase.AWAITING, Phase.APPROVED)",
+       "call_awaits_decision lets an approved call be decided again"),
+    _m("MA09", "return bool(s.calls[e.call_id].fingerprint == e.fingerprint)",
+       "return True",
+       "fingerprint_matches never compares: an approval binds to any arguments"),
+    _m("MA10", "return s.count(Phase.APPROVED) > 0", "return s.count(Phase.APPROVED) >= 0",
+       "approved_call_unstarted off by one: resume with nothing approved"),
+    _m("MA11", "return phase is Phase.APPROVED or (phase is Phase.STARTED and "
+               "record.call.idempotent)",
+       "return phase is Phase.APPROVED or phase is Phase.STARTED",
+       "call_can_start ignores the idempotent flag: a started call may start again (I11)"),
+    _m("MA12", "return record is not None and record.phase == Phase.STARTED",
+       "return record is not None and record.phase in (Phase.STARTED, Phase.APPROVED)",
+       "call_started accepts a result for a call never started"),
+    _m("MA13", "        return r.call_id is not None and r.call_id in s.calls\n",
+       "        return r.call_id is not None\n",
+       "guardrail_fits_stage accepts a tool guardrail for an unknown call"),
+    _m("MA14", '"no_envelope", "guardrail_fits_stage", "guardrail_not_repeated"),',
+       '"no_envelope", "guardrail_fits_stage"),',
+       "guardrail_evaluated row drops guardrail_not_repeated: a guardrail runs twice (I1)"),
+    _m("MA15", '"no_envelope", "hook_fits_scope", "hook_not_repeated"),',
+       '"no_envelope", "hook_fits_scope"),',
+       "hook_ran row drops hook_not_repeated: a hook runs twice (I1)"),
+    _m("MA16", "return s.count(Phase.STARTED) == 0", "return s.count(Phase.STARTED) <= 1",
+       "no_call_started off by one: one started call is tolerated"),
+    _m("MA17", "return s.unpublished_results() == 0 and not s.pending_guardrails",
+       "return s.unpublished_results() == 0",
+       "nothing_unpublished forgets guardrails: complete drops pending guardrail results"),
+    _m("MA18", "return s.unpublished_results() == len(e.call_ids)",
+       "return s.unpublished_results() >= len(e.call_ids)",
+       "batch_publishes_every_result accepts a partial final batch"),
+    _m("MA19", "    if len(listed) != len(e.call_ids):\n        return False\n", "",
+       "batch_names_its_calls accepts a call id listed twice"),
+    _m("MA20", "                if record is not None and record.phase in (Phase.COMPLETED, "
+               "Phase.REJECTED):",
+       "                if record is not None and record.phase is Phase.COMPLETED:",
+       "batch_names_its_calls forgets rejected calls an item names but call_ids omits"),
+    _m("MA21", "return is_read_limit(", "return True or is_read_limit(",
+       "read_limit_is_minimal checks only the bounds, never the recorded limit"),
+    _m("MA22", "return s.continuation_after(e.call_ids) is e.continuation", "return True",
+       "continuation_matches trusts the recorded continuation"),
+    _m("MA23", 'S.UNSETTLED, None, "attempt_open", "envelope_reconcilable"),',
+       'S.UNSETTLED, None, "attempt_open"),',
+       "publication_failed's staying row drops envelope_reconcilable",
+       equivalent="the fail-closed row comes first and needs only attempt_open besides "
+                  "fail_closed, so the staying row is reached with an open attempt only "
+                  "when the envelope is reconcilable"),
+    _m("MA24", "return s.attempt_seq is None or e.take_over", "return True",
+       "no_attempt_or_take_over ignores an open attempt (replay accepts a racing append)"),
+    _m("MA25", '_row("claim", S.UNSETTLED, None, "envelope_reconcilable"),',
+       '_row("claim", S.UNSETTLED, None),',
+       "claim accepted on a fail-closed unsettled run"),
+    _m("MA26", '(S.RUN_AGAIN, S.HANDOFF), S.AWAITING_MODEL,\n         "no_envelope", ',
+       '(S.RUN_AGAIN, S.HANDOFF), S.AWAITING_MODEL,\n         ',
+       "begin_model_call drops no_envelope",
+       equivalent="an envelope exists only in UNSETTLED (staging enters it, settling "
+                  "clears it, abandon leaves it for a terminal step), so no_envelope always "
+                  "holds in RUN_AGAIN and HANDOFF"),
+    _m("MA27", '_row("accept_final_output", S.TOOLS, S.FINAL_OUTPUT, "no_call_started"),',
+       '_row("accept_final_output", S.TOOLS, S.FINAL_OUTPUT),',
+       "a final output accepted while a tool is running"),
+    _m("MA28", '(S.RUN_AGAIN, S.INTERRUPTION), S.HANDOFF, "no_envelope", "no_call_started"),',
+       '(S.RUN_AGAIN, S.INTERRUPTION), S.HANDOFF, "no_envelope"),',
+       "handoff drops no_call_started",
+       equivalent="calls start only in TOOLS, and every way out of TOOLS but abandon "
+                  "requires no_call_started, so no call is started in RUN_AGAIN or "
+                  "INTERRUPTION"),
+    _m("MA29", '"run_has_no_session", "nothing_unpublished"),', '"nothing_unpublished"),',
+       "complete allowed for a run with a Session (its final batch never published)"),
+    _m("MA30", '*_STAGE_CHECKS, "batch_publishes_every_result"),', "*_STAGE_CHECKS),",
+       "a final-output batch may leave results unpublished"),
+    _m("MA31", '"batch_names_its_calls", "batch_digests_match", "read_limit_is_minimal",',
+       '"batch_names_its_calls", "read_limit_is_minimal",',
+       "staging never checks the recorded batch digests"),
+    _m("MA32", '("publication_committed", ("attempt_open",)),', '("publication_committed", ()),',
+       "a commit accepted with no attempt open"),
+    _m("MA33", '"no_envelope", "calls_are_new", "calls_without_approval"),',
+       '"no_envelope", "calls_without_approval"),',
+       "receive_tool_calls accepts an id the run already knows"),
+    _m("MA34", "started.max_turns is not None and started.max_turns < 0",
+       "started.max_turns is not None and started.max_turns <= 0",
+       "replay refuses a log with max_turns=0"),
+    _m("MA35", "if started.run_id != run_id or started.seq != 0:",
+       "if started.seq != 0:",
+       "replay loads another run's log under this run id"),
+    # ------------------------------------------------------------- state: the fold
+    _m("ST01", "    s.turns += 1\n    s.model_output = e.output",
+       "    s.model_output = e.output",
+       "turns never counted: max_turns never reached"),
+    _m("ST02", "return (hook, self.model_calls)", "return (hook, self.activation)",
+       "model hooks keyed per activation: the second model call skips model_start"),
+    _m("ST03", "scope = result.call_id if stage in _TOOL_STAGES else self.activation",
+       "scope = result.call_id",
+       "input/output guardrails keyed once per run instead of per activation"),
+    _m("ST04", "self.unpublished_results() > len(call_ids)",
+       "self.unpublished_results() >= len(call_ids)",
+       "continuation off by one: a batch publishing every result continues to TOOLS"),
+    _m("ST05", "if counts[Phase.APPROVED] or self.unpublished_results()",
+       "if self.unpublished_results()",
+       "continuation forgets approved calls: a batch continues past unrun calls"),
+    _m("ST06", "return self.policy is RecoveryPolicy.FAIL_CLOSED or not self.final_lossless",
+       "return self.policy is RecoveryPolicy.FAIL_CLOSED",
+       "a lossy final output no longer fails closed"),
+    _m("ST07", "        del self.pending_guardrails[: len(envelope.guardrails)]\n", "",
+       "settling publishes guardrails but keeps them pending (published twice)"),
+    _m("ST08", "        del self.pending_input[: envelope.input_items]\n", "",
+       "settling keeps published input pending (published again)"),
+    _m("ST09", "        self.envelope = None\n        self.attempt_seq = None\n",
+       "        self.envelope = None\n",
+       "settling leaves the attempt open",
+       equivalent="attempt_seq is read only in UNSETTLED (attempt_open, "
+                  "no_attempt_or_take_over, reconcile, the Session write's id), every way "
+                  "into UNSETTLED (PublicationStaged) sets it afresh, and holds_attempt also "
+                  "needs the controller's own attempt, which the commit clears"),
+    _m("ST10", "                if record.phase in (Phase.AWAITING, Phase.APPROVED):",
+       "                if record.phase is Phase.APPROVED:",
+       "a final output or handoff skips approved calls but leaves awaiting ones"),
+    _m("ST11", "    record.starts += 1\n", "",
+       "tool starts not counted"),
+    _m("ST12", "    if record.phase != Phase.STARTED:\n        s._phase(record, Phase.STARTED)",
+       "    s._phase(record, Phase.STARTED)",
+       "a re-started call moves STARTED to STARTED",
+       equivalent="_phase from a phase to itself decrements and increments the same count "
+                  "and touches awaiting_ids only for AWAITING: no change"),
+    _m("ST13", "        s.calls[call.call_id] = CallRecord(call, Phase.APPROVED)\n"
+               "        s.counts[Phase.APPROVED] += 1\n",
+       "        s.calls[call.call_id] = CallRecord(call, Phase.APPROVED)\n",
+       "received calls not counted as approved"),
+    _m("ST14", "        if phase == Phase.AWAITING:\n"
+               "            s.awaiting_ids[call.call_id] = None",
+       "        pass",
+       "calls needing approval not listed as pending approvals"),
+    _m("ST15", "interruptions=s.awaiting(),", "interruptions=(),",
+       "the envelope forgets the interruptions (I5)"),
+    _m("ST16", "return n if n and len(items) >= n and list(items[:n]) == pending else 0",
+       "return n",
+       "pending input counted published by a batch that does not start with it"),
+    _m("ST17", "def _failed(s: RunState, e: ev.PublicationFailed) -> None:\n"
+               "    s.attempt_seq = None",
+       "def _failed(s: RunState, e: ev.PublicationFailed) -> None:\n"
+               "    return None",
+       "a failed publication leaves its attempt open"),
+    _m("ST18", "    if s.pending_input and step in _STAGING:",
+       "    if s.pending_input and step is Step.RUN_AGAIN:",
+       "recorded input published first only from RUN_AGAIN"),
+    _m("ST19", "        if step is Step.HANDOFF and s.unpublished_results():\n"
+               "            return Action.PUBLISH\n", "",
+       "a handoff with unpublished results asks for the model first"),
+    _m("ST20", "if s.session_id is not None or s.unpublished_results() or s.pending_guardrails:",
+       "if s.session_id is not None or s.unpublished_results():",
+       "FINAL_OUTPUT finishes with guardrail results unpublished"),
+    _m("ST21", "if r.phase is Phase.STARTED and not r.call.idempotent and call_id not in "
+               "in_flight",
+       "if r.phase is Phase.STARTED and call_id not in in_flight",
+       "an idempotent started call is reported in doubt"),
+    _m("ST22", "            if phase is Phase.AWAITING:\n"
+               "                state.awaiting_ids[record.call.call_id] = None\n", "",
+       "restoring a snapshot loses the pending approvals"),
+    _m("ST23", 'state.turns, state.model_calls = data["turns"], data["model_calls"]',
+       'state.turns = data["turns"]',
+       "restoring a snapshot forgets the model call count"),
+    # ------------------------------------------------------------------- envelope
+    _m("EN01", "    low = m + 1\n    if high < low:\n", "    low = m\n    if high < low:\n",
+       "read_limit searched from len(B), not len(B) + 1"),
+    _m("EN02", "for end in range(max(p, n), p + m + 1):", "for end in range(max(p, n), p + m):",
+       "the full batch P + B is not compared with the partial writes"),
+    _m("EN03", "    if session_id != envelope.session_id:\n"
+               '        return Finding("session_mismatch")\n',
+       "",
+       "reconcile accepts another Session's history"),
+    _m("EN04", "    for k in range(1, len(b)):", "    for k in range(1, len(b) - 1):",
+       "the partial write of all but the last item is not recognised"),
+    _m("EN05", "tail = history[-n:] if len(history) > n else history", "tail = history[-n:]",
+       "the tail slice without the length test",
+       equivalent="read_limit is at least 2, and a slice [-n:] of a shorter list is the "
+                  "whole list"),
+    _m("EN06", "window = min(given, 2 * (m + 1))", "window = min(given, m + 1)",
+       "the first window read is smaller",
+       equivalent="the window only grows until a limit is found; the smallest limit "
+                  "depends on the last n items alone, so the result is the same (only the "
+                  "number of rounds differs)"),
+    _m("EN07", "return Frontier(n, kept, whole and covers_all and len(kept) == given)",
+       "return Frontier(n, kept, whole and covers_all)",
+       "frontier marked whole although it keeps only part of the history"),
+    _m("EN09", "(limit == low or not distinct(limit - 1))", "(limit == low or True)",
+       "replay accepts a recorded read limit larger than the smallest"),
+    _m("EN08", '    if seen == p[-n:]:\n        return Finding("append")\n'
+               '    if seen == (p + b)[-n:]:\n        return Finding("acknowledge")\n',
+       '    if seen == (p + b)[-n:]:\n        return Finding("acknowledge")\n'
+       '    if seen == p[-n:]:\n        return Finding("append")\n',
+       "acknowledge tested before append",
+       equivalent="read_limit makes the n-item tails of P and P + B distinct, so at most "
+                  "one of the two tests holds"),
+    # ---------------------------------------------------------------------- codec
+    _m("CO01", "        if type(value) is not kind:\n",
+       "        if not isinstance(value, kind):\n",
+       "strict hooks accept a subclass: True decodes as an int"),
+    _m("CO02", '"RunClaimed": 2}', '"RunClaimed": 1}',
+       "a version 1 document may hold RunClaimed"),
+    _m("CO03", "if len(data) != len(fields) + 1 or any(f not in data for f in fields):",
+       "if any(f not in data for f in fields):",
+       "an event with an unknown field decodes"),
+    _m("CO04", "tag = hmac.new(key, tag + canonical_json(raw), hashlib.sha256).digest()",
+       "tag = hmac.new(key, canonical_json(raw), hashlib.sha256).digest()",
+       "the keyed chain is not chained: only the last event is covered"),
+    _m("CO05", "if len(raw_events) > max_events:", "if len(raw_events) > max_events + 1:",
+       "max_events off by one on decode"),
+    _m("CO06", 'return f"(4 if {value} else 5)"', 'return f"(5 if {value} else 4)"',
+       "the size of a bool field swapped"),
+    _m("CO07", "+ max(len(events) - 1, 0))", "+ len(events))",
+       "log_size counts one comma too many"),
+    _m("CO08", "if version < 1 or (version < SCHEMA_VERSION and version not in UPCASTERS):",
+       "if version < 0 or (version < SCHEMA_VERSION and version not in UPCASTERS):",
+       "schema_version 0 slips past the first test",
+       equivalent="0 has no upcaster, so the second test refuses it anyway"),
+    _m("CO09", "    if measured is not None and measured > max_bytes:\n",
+       "    if measured is not None and measured > max_bytes + 1:\n",
+       "a document one byte over max_bytes decodes"),
+    _m("CO10", "        if chain is None:\n            raise SchemaError(CHAIN_MISSING)\n"
+               "        # every raw event decoded",
+       "        if chain is None:\n            chain = chain_tag(key, raw_events)\n"
+       "        # every raw event decoded",
+       "a document without a chain passes the keyed check"),
+    # ----------------------------------------------------------------- controller
+    _m("CT01", "> RESERVED_EVENTS + 2):", "> RESERVED_EVENTS):",
+       "the hot path skips the room check too close to max_events"),
+    _m("CT02", '_FINISHING = {"begin_tool": 3,', '_FINISHING = {"begin_tool": 1,',
+       "a tool may start with no room left to record its result"),
+    _m("CT03", '                trigger in ("publication_committed", "publication_failed")\n'
+               "                and self.holds_attempt\n",
+       '                trigger in ("publication_committed", "publication_failed")\n',
+       "a fail-closed unsettled run lets a controller without the attempt commit"),
+    _m("CT04", "                if exc.outcome != \"not_written\":\n"
+               "                    self._unknown = f\"{type(event).__name__} at seq "
+               "{event.seq}, {action}\"\n",
+       "",
+       "an append of unknown outcome does not stop the controller"),
+    _m("CT05", "        if not self._buffered:\n            self._flushed = event.seq + 1\n", "",
+       "an unbuffered controller forgets what the store holds"),
+    _m("CT06", "                snapshot[SNAPSHOT_SIZE] = self._bytes  # how a load from it "
+               "knows the size\n", "",
+       "snapshots carry no log size",
+       equivalent="a load from a snapshot without the size reads it off the log "
+                  "(_snapshot_size): the same size, one read more"),
+    _m("CT07", "                if not record.call.idempotent:\n"
+               '                    self._refuse_in_doubt("begin_tool", call_id)\n', "",
+       "begin_tool of an in-doubt call is refused by the guard, not ToolInDoubt"),
+    _m("CT08", "        self._in_flight[call_id] = None\n", "",
+       "a started call is not held in flight"),
+    _m("CT09", "            if record.phase is Phase.COMPLETED:\n                return Resend(",
+       "            if record.phase in (Phase.COMPLETED, Phase.PUBLISHED):\n"
+       "                return Resend(",
+       "a published call is re-sent"),
+    _m("CT10", 'self._record("tool_completed", ev.ToolCompleted(self._seq, call_id, detached))\n'
+               "        self._in_flight.pop(call_id, None)\n",
+       'self._record("tool_completed", ev.ToolCompleted(self._seq, call_id, detached))\n',
+       "a completed call stays in flight"),
+    _m("CT11", "if s.step is Step.INTERRUPTION and s.counts[Phase.APPROVED]:",
+       "if s.step is Step.INTERRUPTION:",
+       "resume records Resumed with nothing approved"),
+    _m("CT12", "        doubtful = self.in_doubt()\n        if doubtful:\n"
+               '            self._refuse_in_doubt("resume", doubtful[0])\n', "",
+       "resume does not stop at an in-doubt call"),
+    _m("CT13", "whole=whole or len(history) < len(batch) + 1)", "whole=whole)",
+       "a history shorter than the batch + 1 is not taken as the whole Session"),
+    _m("CT14", "        self._record(action, event)\n        self._attempt = event.seq\n"
+               "\n    def _own_attempt",
+       "        self._record(action, event)\n\n    def _own_attempt",
+       "staging opens no attempt in the controller"),
+    _m("CT15", "if s.attempt_seq is not None and not take_over:",
+       "if s.attempt_seq is not None:",
+       "reconcile ignores take_over"),
+    _m("CT16", "items = tuple(copy_plain(item) for item in envelope.items)",
+       "items = envelope.items",
+       "Append hands out the envelope's own items (forgotten copy)"),
+    _m("CT17", "        return attrs.evolve(envelope, items=tuple(copy_plain(i) for i in "
+               "envelope.items),\n"
+               "                            guardrails=tuple(ev.copied(g) for g in "
+               "envelope.guardrails))",
+       "        return envelope",
+       "the envelope property hands out the live envelope (forgotten copy)"),
+    _m("CT18", "return copy_plain(self._state.model_output)", "return self._state.model_output",
+       "model_output hands out the state's own value (forgotten copy)"),
+    _m("CT19", 'if write.publication_id != f"{s.run_id}:{s.attempt_seq}":',
+       "if not write.publication_id:",
+       "a session_write under another attempt's publication id is accepted"),
+    _m("CT20", "        if room < needed:\n", "        if room < needed - 1:\n",
+       "max_events room check off by one"),
+    _m("CT21", "            if self._buffered:  # buffered events stay behind, refused: reload "
+               "to go on\n                self._conflict = where\n", "",
+       "a buffered controller goes on after its events were refused"),
+    _m("CT22", 'f"call {excerpt(call_id)} is not in flight in this controller")\n'
+               "        self._in_flight.pop(call_id, None)\n",
+       'f"call {excerpt(call_id)} is not in flight in this controller")\n',
+       "tool_interrupted keeps the call in flight"),
+    _m("CT23", "if base + len(tail) > max_events:", "if len(tail) > max_events:",
+       "a snapshot load does not count the events before the snapshot"),
+    _m("CT24", "            if replay(self._state.run_id, [*prefix, *self._events]) != "
+               "self._state:",
+       "            if False:",
+       "an edited log before the snapshot is handed out as the run's events"),
+    _m("CT25", "        if call_id not in self._in_flight:\n"
+               '            self._refuse(InvalidTransition, "tool_completed",',
+       "        if False:\n"
+       '            self._refuse(InvalidTransition, "tool_completed",',
+       "a controller completes a call another process started (I11)"),
+    _m("CT26", "        if call_id in self._in_flight:\n"
+               '            self._refuse(InvalidTransition, "resolve_in_doubt",',
+       "        if False:\n"
+       '            self._refuse(InvalidTransition, "resolve_in_doubt",',
+       "resolve_in_doubt accepted for a call still running here"),
+    _m("CT27", "            self._attempt = None\n            if switch.enabled:\n"
+               "                self._logged(pending.event, before)",
+       "            if switch.enabled:\n                self._logged(pending.event, before)",
+       "a commit with its Session write leaves the controller's attempt set",
+       equivalent="holds_attempt also compares with the state's attempt_seq, which the "
+                  "commit clears, and the next stage sets the attempt again"),
+    # --------------------------------------------------------------------- stores
+    _m("SS01", "            if len(log) != expected_version:\n",
+       "            if len(log) > expected_version:\n",
+       "the memory store appends past a gap (expected version ahead of the log)"),
+    _m("SS02", "self._snapshots[run_id] = (expected_version, snapshot)",
+       "self._snapshots[run_id] = (expected_version + len(events), snapshot)",
+       "the memory store files a snapshot under the wrong version"),
+    _m("SS03", "            elif claimed:\n                self._owners[run_id] = owner\n", "",
+       "the memory store never updates the owner after the first append"),
+    _m("SS04", "return list(self._logs.get(run_id, ()))", "return self._logs.get(run_id, [])",
+       "the memory store hands out its own log list (forgotten copy)"),
+    _m("SS05", "    if state.run_id != run_id:\n"
+               "        snapshot_ignored(run_id, \"it is another run's\")\n"
+               "        return None\n", "",
+       "another run's snapshot is restored"),
+    _m("SS06", "if tail and tail[0].seq != state.last_seq + 1:",
+       "if tail and tail[0].seq < state.last_seq + 1:",
+       "a snapshot followed by a gap is restored"),
+    _m("SS07", "                    if version != expected_version:\n",
+       "                    if version > expected_version:\n",
+       "the SQLite store appends past a gap"),
+    _m("SS08", "head = (value, owner if claimed else row[1])", "head = (value, owner)",
+       "the SQLite store clears the owner on an append without a claim"),
+    _m("SS09", "if present != (1 if version == 1 else 2):", "if present < 1:",
+       "a truncated log under a verified snapshot is not noticed"),
+    _m("SS10", "    if not hmac.compare_digest(_digest(body), digest):\n"
+               '        return None, "its digest does not match its text"\n', "",
+       "a snapshot whose digest does not match is used"),
+    _m("SS11", "        if event.seq != seq:\n", "        if event.seq < seq:\n",
+       "a stored body carrying a later seq than its row is accepted"),
+    _m("SS12", "        if not landed:\n            raise sqlite.failure(",
+       "        if landed:\n            raise sqlite.failure(",
+       "a lost COMMIT classified backwards (swapped branch)"),
+    _m("SS13", "if step is not None or expected_version != 0 or not events:",
+       "if step is not None or not events:",
+       "every append without a step is folded",
+       equivalent="a later batch does not start with RunStarted, so replaying it raises "
+                  "and the step stays None, as before"),
+    # --------------------------------------------------------------------- sqlite
+    _m("SQ01", 'conn.execute("PRAGMA synchronous=FULL")',
+       'conn.execute("PRAGMA synchronous=NORMAL")',
+       "no fsync per commit (a power cut loses acknowledged appends)"),
+    _m("SQ02", '    conn.execute("BEGIN IMMEDIATE")\n', '    conn.execute("BEGIN")\n',
+       "deferred write transactions: writers deadlock instead of queueing"),
+    _m("SQ03", "        with contextlib.suppress(sqlite3.Error):\n"
+               '            conn.execute("ROLLBACK")\n        raise\n',
+       "        raise\n",
+       "a failed write transaction is not rolled back"),
+    _m("SQ04", "            if now == self._identity:\n                return\n",
+       "            return\n",
+       "a replaced database file is not noticed"),
+    _m("SQ05", "    except sqlite3.Error as error:\n"
+               "        raise CommitFailed(str(error)) from error",
+       "    except sqlite3.Error:\n        raise",
+       "a failed COMMIT reported as not written without reading back"),
+    # ------------------------------------------------------------------- sessions
+    _m("SE01", "self._items[-limit:] if limit > 0 else []", "self._items[-limit:]",
+       "MemorySession.get_items(limit=0) returns the whole history"),
+    _m("SE02", "copies = [detach(item) for item in items]", "copies = list(items)",
+       "MemorySession keeps the caller's items (forgotten copy)"),
+    _m("SE03", "(self.session_id, max(limit, 0))", "(self.session_id, limit)",
+       "SQLiteSession.get_items with a negative limit returns everything"),
+    _m("SE04", '" ORDER BY id DESC LIMIT ?) ORDER BY id",', '" ORDER BY id DESC LIMIT ?)",',
+       "SQLiteSession's tail comes back newest first"),
+    _m("SE05", '"ORDER BY id DESC LIMIT 1", (self.session_id,)).fetchone()',
+       '"ORDER BY id LIMIT 1", (self.session_id,)).fetchone()',
+       "SQLiteSession.pop_item removes the oldest item"),
+    # ------------------------------------------------------------------- postgres
+    _m("PG01", '"WHERE run_id = %(run)s AND version = %(expected)s RETURNING run_id) ")',
+       '"WHERE run_id = %(run)s RETURNING run_id) ")',
+       "the PostgreSQL append does not check the expected version"),
+    _m("PG02", "    if version != first + len(events):\n",
+       "    if version < first + len(events):\n",
+       "a PostgreSQL log shorter than its head is not noticed"),
+    _m("PG03", '"owner = CASE WHEN %(claimed)s THEN %(owner)s::text ELSE owner END "',
+       '"owner = %(owner)s::text "',
+       "the PostgreSQL head loses its owner on an append without a claim"),
+    _m("PG04", '"session_id = %s ORDER BY id DESC LIMIT %s) AS tail ORDER BY id")',
+       '"session_id = %s ORDER BY id DESC LIMIT %s) AS tail")',
+       "PostgresSession's tail comes back in no defined order"),
+    # ---------------------------------------------------------------- runner/loop
+    _m("LP01", "            await call()\n            self.c.hook_ran(hook, call_id=call_id)",
+       "            self.c.hook_ran(hook, call_id=call_id)\n            await call()",
+       "a hook recorded before it ran (a crash between loses it)"),
+    _m("LP02", "if c.max_turns is not None and c.turns >= c.max_turns:",
+       "if c.max_turns is not None and c.turns > c.max_turns:",
+       "max_turns checked off by one"),
+    _m("LP03", "        await c.flush_async()  # an effect boundary: the model call is durable "
+               "first\n", "",
+       "the model is called before the log is durable"),
+    _m("LP04", "                await c.flush_async()  # an effect boundary: the start is "
+               "durable first\n", "",
+       "a tool runs before its start is durable"),
+    _m("LP05", "        if recorded is not None:\n"
+               '            return Verdict(recorded.result["behavior"], '
+               'recorded.result["message"])\n', "",
+       "a guardrail that already ran runs again on resume"),
+    _m("LP06", 'if outcome.behavior == "reject_content" and verdict is ALLOW:',
+       'if outcome.behavior == "reject_content":',
+       "the last rejecting tool guardrail wins instead of the first"),
+    _m("LP07", 'return checked.message if checked.behavior == "reject_content" else output',
+       "return output",
+       "a tool output guardrail's rejection is ignored"),
+    _m("LP08", '                c.abandon(f"output guardrail {guard.name}")\n', "",
+       "an output guardrail tripwire leaves the run live"),
+    _m("LP09", "        await one_writer(c, self.session)  # §6.4: never write over another "
+               "run's batch\n", "",
+       "the one-writer check is skipped (§6.4)"),
+    _m("LP10", "            c.claim(owner)\n", "",
+       "a resumed attempt does not claim the run (§6.3)"),
+    _m("LP11", "            with contextlib.suppress(ControlError):\n"
+               "                await c.flush_async()\n            raise\n",
+       "            raise\n",
+       "a failed attempt drops its buffered events"),
+    _m("LP12", "            if progress == (c.version, action):", "            if False:",
+       "no guard against a loop that records nothing"),
+    _m("LP13", "items: list[JSON] = list(c.unpublished_input)", "items: list[JSON] = []",
+       "input recorded before a crash is never published"),
+    _m("LP14", "final_output=c.final_output if c.step is Step.COMPLETED else None,",
+       "final_output=c.final_output,",
+       "a paused run reports a final output",
+       equivalent="a result is built only at COMPLETED and when the run pauses in "
+                  "INTERRUPTION, and no final output is ever accepted before INTERRUPTION "
+                  "(accepting one leads only to FINAL_OUTPUT, then COMPLETED or a terminal "
+                  "step), so final_output is None there either way"),
+    # ------------------------------------------------------------- runner/publish
+    _m("PU01", 'elif kind == "function_call" and call_id not in answered:',
+       'elif kind == "function_call":',
+       "one_writer blocks on a call that has its output"),
+    _m("PU02", "history = await session.get_items(limit=len(items) + 1)",
+       "history = await session.get_items(limit=len(items))",
+       "publish reads one history item too few"),
+    _m("PU03", "    await controller.flush_async()  # an effect boundary: the staged envelope "
+               "is durable\n", "",
+       "the Session is written before the envelope is durable"),
+    _m("PU04", "        with contextlib.suppress(ControlError):  # the write's own error "
+               "propagates (I6)\n            controller.publication_failed(error)\n",
+       "",
+       "a failed write is not reported (I6)"),
+    _m("PU05", "    except asyncio.CancelledError:\n        raise\n    except Exception as error:\n"
+               "        with contextlib.suppress(ControlError):  # the write's own",
+       "    except BaseException as error:\n"
+       "        with contextlib.suppress(ControlError):  # the write's own",
+       "a cancelled write is reported as failed (it may still land)"),
+    _m("PU06", '    _same_session(controller, session, "settle")\n', "",
+       "settle reconciles against a Session that is not the run's"),
+    _m("PU07", "decision = controller.reconcile(await session.get_items(limit=limit),",
+       "decision = controller.reconcile(await session.get_items(),",
+       "settle reads the whole Session",
+       equivalent="reconcile reads only the last read_limit items of what it is given"),
+    _m("PU08", "    for item in reversed(tail):", "    for item in tail:",
+       "one_writer reads the tail oldest first"),
+    # -------------------------------------------------------------- runner/remote
+    _m("RE01", 'answered = {e.call_id for e in history if e.kind == "tool_result"}',
+       "answered: set[str | None] = set()",
+       "the listing's results are ignored on reconnect"),
+    _m("RE02", "        elif phase is Phase.PUBLISHED:\n            return None\n", "",
+       "a published call is handled again"),
+    _m("RE03", "                if attempt < self.retries:",
+       "                if attempt <= self.retries:",
+       "one backoff too many after the last retry",
+       equivalent="the loop ends after the last attempt either way and returns False; only "
+                  "one more sleep of the backoff"),
+    _m("RE04", "            await self.c.flush_async()  # an effect boundary: the result is "
+               "durable first\n", "",
+       "a result is posted before it is durable"),
+    _m("RE05", "            except AlreadyAnswered:\n"
+               "                self.c.result_posted(call_id)\n",
+       "            except AlreadyAnswered:\n",
+       "an already answered call is not recorded as posted"),
+    _m("RE06", "            if self.c.in_doubt():\n                self.c.resume()",
+       "            if False:\n                pass",
+       "the executor reconnects forever around an in-doubt call"),
+    _m("RE07", "if self.reconnects > self.max_reconnects:",
+       "if self.reconnects > self.max_reconnects + 1:",
+       "max_reconnects off by one"),
+    _m("RE08", "        if self.c.phase(call_id) is Phase.COMPLETED:\n"
+               "            self.c.result_posted(call_id)",
+       "        self.c.result_posted(call_id)",
+       "an acknowledgement of a call not completed is recorded"),
+    _m("RE09", "                    result = f\"tool error: {type(error).__name__}\"\n"
+               "                c.tool_completed(call_id, result)",
+       "                    raise\n                c.tool_completed(call_id, result)",
+       "a remote tool's exception escapes instead of becoming its result"),
+    # -------------------------------------------------------------- runner/agents
+    _m("AG01", 'return {"behavior": self.behavior, "message": self.message}',
+       'return {"behavior": self.behavior}',
+       "a recorded verdict loses its message"),
+    _m("AG02", "    idempotent: bool = False\n", "    idempotent: bool = True\n",
+       "tools idempotent by default: a crashed tool runs again (I11)"),
+    _m("AG03", 'return Verdict("reject_content", message)', 'return Verdict("allow", message)',
+       "reject_content allows"),
+    _m("AG04", "            if tool.name == name:\n                return tool\n",
+       "            if tool.name.startswith(name):\n                return tool\n",
+       "a tool looked up by prefix"),
+)
