@@ -173,3 +173,35 @@ def test_a_cancelled_remote_tool_is_in_doubt_in_the_live_controller() -> None:
         with pytest.raises(ToolInDoubt) as info:
             controller.begin_tool("toolu_1")
         assert info.value.call_id == "toolu_1"
+
+
+def test_a_refusal_of_the_controller_is_raised_not_taken_for_a_dropped_stream() -> None:
+    """A command the controller refuses while a call arrives on the stream (here: the
+    store cannot tell whether the tool's start was written) ends the run with that typed
+    error at once; it is not a dropped stream to reconnect over, and the tool never
+    runs."""
+    from statemachine import MemoryEventStore, StorageError
+
+    class Failing(MemoryEventStore):
+        def append(self, run_id: str, events: Any, expected_version: int,
+                   **options: Any) -> None:
+            if any(type(event).__name__ == "ToolStarted" for event in events):
+                raise StorageError("the disk went away", outcome="unknown", run_id=run_id)
+            super().append(run_id, events, expected_version, **options)
+
+    remote = FakeRemote([("toolu_1", "bash", {"cmd": "charge"})])
+    executions: Counter[str] = Counter()
+    c = RunController.start(run_id="remote", session_id=None, store=Failing())
+    executor = RemoteToolExecutor(remote, _tools(executions), controller=c, backoff=0,
+                                  max_reconnects=3)
+
+    async def drain() -> None:
+        async with aclosing(executor.run()) as stream:
+            async for _ in stream:
+                pass
+
+    with pytest.raises(StorageError) as info:
+        asyncio.run(drain())
+    assert info.value.outcome == "unknown"
+    assert executions == {}
+    assert executor.reconnects == 0

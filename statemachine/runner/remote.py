@@ -126,6 +126,8 @@ class RemoteToolExecutor:
                             self._acknowledge(event.call_id)
                         else:
                             return
+            except ControlError:  # the controller refused: a typed end, not a drop
+                raise
             except Exception:  # the stream dropped: reconnect and reconcile
                 pass
             if self.c.in_doubt():
