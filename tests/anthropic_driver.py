@@ -39,6 +39,8 @@ from anthropic.lib.environments import SessionToolRunner
 from anthropic.lib.tools import _beta_session_runner as session_runner
 from anthropic.lib.tools import beta_async_tool
 
+from tests.effects import Effects
+
 SESSION_ID = "sesn_fake"
 STAMP = "2026-01-01T00:00:00Z"
 
@@ -192,25 +194,6 @@ def client_for(server: FakeSession) -> AsyncAnthropic:
     return AsyncAnthropic(api_key="test-key", max_retries=0,
                           http_client=httpx2.AsyncClient(
                               transport=httpx2.MockTransport(server.handle)))
-
-
-class Effects:
-    """Tool runs, counted in a file (O_APPEND + fsync), never in memory."""
-
-    def __init__(self, folder: Path, name: str) -> None:
-        self.path = folder / "effects.txt"
-        self.name = name
-
-    def __call__(self, what: str) -> None:
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, f"{self.name} {what}\n".encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def lines(self) -> list[str]:
-        return self.path.read_text().splitlines() if self.path.exists() else []
 
 
 def charge_tool(effect: Effects, *, crash: bool = False) -> Any:

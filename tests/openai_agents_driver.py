@@ -48,24 +48,12 @@ from agents.testing import ScriptedModel, assistant_message, function_call
 
 from statemachine import SQLiteEventStore, Step
 from statemachine.adapters.openai_agents import AgentRun
+from tests.effects import Effects
 
 RUN_ID = "oa-run"
 SESSION_ID = "oa-session"
 CONFIG = RunConfig(tracing_disabled=True)
 set_tracing_disabled(True)
-
-
-class Effects:
-    def __init__(self, folder: Path, name: str) -> None:
-        self.path = folder / "effects.txt"
-        self.name = name
-
-    def __call__(self, what: str) -> None:
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, f"{self.name} {what}\n".encode())
-        finally:
-            os.close(fd)
 
 
 class Hooks(RunHooks[Any]):

@@ -47,26 +47,11 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 from statemachine import SQLiteEventStore, Step
 from statemachine.adapters.pydantic_ai import LedgerRun
 from statemachine.sessions import SQLiteSession
+from tests.effects import Effects
 
 RUN_ID = "pa-run"
 HISTORY_ID = "pa-history"
 RESOLVED = "ran once (confirmed by the operator)"
-
-
-class Effects:
-    """Appends one line per effect to DIR/effects.txt, durable before it returns."""
-
-    def __init__(self, folder: Path, name: str) -> None:
-        self.path = folder / "effects.txt"
-        self.name = name
-
-    def __call__(self, what: str) -> None:
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, f"{self.name} {what}\n".encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def model(tool: str, call_id: str) -> FunctionModel:

@@ -60,12 +60,12 @@ from statemachine.adapters.anthropic import (
 from statemachine.stores import AsyncSQLiteEventStore
 from tests.anthropic_driver import (
     SESSION_ID,
-    Effects,
     FakeSession,
     PostFault,
     client_for,
     tool_use,
 )
+from tests.effects import Effects
 
 ROOT = Path(__file__).resolve().parent.parent
 
