@@ -87,6 +87,7 @@ from agents.memory import Session as SDKSession
 from agents.tool_context import ToolContext
 from agents.tool_guardrails import ToolInputGuardrailData, ToolOutputGuardrailData
 
+from statemachine.adapters._calls import begin_call
 from statemachine.controller import RunController
 from statemachine.errors import (
     ControlError,
@@ -97,7 +98,7 @@ from statemachine.errors import (
 from statemachine.payloads import JSON, fingerprint_of
 from statemachine.runner.publish import one_writer, publish, settle
 from statemachine.stores import AsyncEventStore, EventStore
-from statemachine.values import Action, Phase, RecoveryPolicy, Resend, Step, ToolCall
+from statemachine.values import Action, Phase, RecoveryPolicy, Step, ToolCall
 
 __all__ = [
     "AgentRun",
@@ -838,19 +839,9 @@ class AgentRun:
                            ctx: ToolContext[Any], input: str) -> Any:
         c = self.controller
         call_id = ctx.tool_call_id
-        view = c.call(call_id)  # InvalidTransition for a call the ledger never saw
-        if view.phase is Phase.PUBLISHED:
-            return view.result  # published before: its cached result, never a rerun
-        if _arguments(input) != view.call.arguments:
-            raise InvalidTransition(
-                f"call {call_id!r} was asked to run with arguments other than the recorded "
-                "ones (which its approval binds); it did not run",
-                run_id=c.run_id, step=c.step, action="begin_tool")
-        if c.step is Step.INTERRUPTION:
-            c.resume()  # calls needing no approval run while others await a decision
-        decision = c.begin_tool(call_id)  # ToolInDoubt for a started, unfinished call
-        if isinstance(decision, Resend):
-            return decision.result  # it ran: the cached result, never a second run
+        done, cached = begin_call(c, call_id, _arguments(input))
+        if done:  # published before, or recorded: its cached result, never a rerun
+            return cached
         await self._flush()  # an effect boundary: the start is durable first
         try:
             output = await inner(ctx, input)

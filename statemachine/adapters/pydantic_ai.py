@@ -85,13 +85,14 @@ from pydantic_ai.messages import (
 )
 from pydantic_ai.run import AgentRunResult
 
+from statemachine.adapters._calls import begin_call
 from statemachine.controller import RunController
 from statemachine.errors import ControlError, InvalidTransition, PublicationUnsettled, RunNotFound
 from statemachine.payloads import JSON
 from statemachine.runner.publish import one_writer, publish, settle
 from statemachine.sessions import MemorySession, Session
 from statemachine.stores import AsyncEventStore, EventStore
-from statemachine.values import Phase, RecoveryPolicy, Resend, Step, ToolCall
+from statemachine.values import Phase, RecoveryPolicy, Step, ToolCall
 
 __all__ = [
     "ConversationStoreHistory",
@@ -631,19 +632,9 @@ class LedgerRun:
     async def _execute(self, call: ToolCallPart, args: Any, handler: Any) -> Any:
         c = self.controller
         call_id = call.tool_call_id
-        view = c.call(call_id)  # InvalidTransition for a call the ledger never saw
-        if view.phase is Phase.PUBLISHED:
-            return view.result  # published before: its cached result, never a rerun
-        if _arguments(call) != view.call.arguments:
-            raise InvalidTransition(
-                f"call {call_id!r} was asked to run with arguments other than the recorded "
-                "ones (which its approval binds); it did not run",
-                run_id=c.run_id, step=c.step, action="begin_tool")
-        if c.step is Step.INTERRUPTION:
-            c.resume()  # calls needing no approval run while others await a decision
-        decision = c.begin_tool(call_id)  # ToolInDoubt for a started, unfinished call
-        if isinstance(decision, Resend):
-            return decision.result  # it ran: the cached result, never a second run
+        done, cached = begin_call(c, call_id, _arguments(call))
+        if done:  # published before, or recorded: its cached result, never a rerun
+            return cached
         await self._flush()  # an effect boundary: the start is durable first
         try:
             output = await handler(args)

@@ -1,0 +1,31 @@
+"""What every adapter does before a tool body runs: ask the ledger (DESIGN §2.4)."""
+
+from __future__ import annotations
+
+from statemachine.controller import RunController
+from statemachine.errors import InvalidTransition
+from statemachine.payloads import JSON
+from statemachine.values import Phase, Resend, Step
+
+
+def begin_call(c: RunController, call_id: str, arguments: JSON) -> tuple[bool, JSON]:
+    """``(True, result)`` when the call must not run: its recorded result (published
+    before, or a `Resend` of a result recorded but not yet published). ``(False, None)``
+    when its start is recorded and the body runs now, once the start is made durable
+    (the caller flushes: an effect boundary). Raises `InvalidTransition` for a call the
+    ledger never saw or one asked to run with other arguments than the recorded ones
+    (which its approval binds), and `ToolInDoubt` for a started, unfinished call."""
+    view = c.call(call_id)
+    if view.phase is Phase.PUBLISHED:
+        return True, view.result
+    if arguments != view.call.arguments:
+        raise InvalidTransition(
+            f"call {call_id!r} was asked to run with arguments other than the recorded "
+            "ones (which its approval binds); it did not run",
+            run_id=c.run_id, step=c.step, action="begin_tool")
+    if c.step is Step.INTERRUPTION:
+        c.resume()  # calls needing no approval run while others await a decision
+    decision = c.begin_tool(call_id)
+    if isinstance(decision, Resend):
+        return True, decision.result
+    return False, None
