@@ -48,10 +48,13 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import hashlib
 import json
+import os
 import statistics
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -63,6 +66,9 @@ if TYPE_CHECKING:
     from agents.model_settings import ModelSettings
     from agents.models.interface import Model, ModelTracing
     from agents.tool import Tool
+
+
+CACHE_VARIABLE = "STATEMACHINE_BENCH_CACHE"
 
 
 class InjectedSessionFailure(OSError):
@@ -311,8 +317,30 @@ def partial_approval_ms(repeats: int = 20) -> float:
 # --- row 2: RunState persistence round trip ------------------------------------------------
 
 
+def _state_cache(turns: int) -> Path | None:
+    """Where the paused state of ``turns`` turns is kept between bench runs (None: not
+    kept): under STATEMACHINE_BENCH_CACHE (``off`` turns it off), else the user's cache
+    directory; the name carries the SDK's version and a digest of this module, so a
+    change to either builds the state anew."""
+    from importlib.metadata import version
+
+    where = os.environ.get(CACHE_VARIABLE)
+    if where == "off":
+        return None
+    root = (Path(where) if where else
+            Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+            / "statemachine-bench")
+    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+    return root / f"openai-agents-{version('openai-agents')}-paused-{turns}-{digest}.json"
+
+
 async def _paused_state(turns: int) -> tuple[Agent[Any], RunState[Any, Agent[Any]]]:
-    from agents import Agent, Runner, function_tool
+    """The agent and its run paused after ``turns`` turns. Running the SDK's loop that
+    long costs about half a minute (its per-turn work grows with the run), so the state's
+    ``to_json()`` is kept (`_state_cache`) and later runs restore it with
+    ``RunState.from_json``, checked to give back the same document, the same items and
+    the one interruption."""
+    from agents import Agent, RunState, function_tool
 
     def lookup(i: int) -> str:
         """Look row i up."""
@@ -330,10 +358,29 @@ async def _paused_state(turns: int) -> tuple[Agent[Any], RunState[Any, Agent[Any
     script.append([_call("charge", {"x": 7}, "call-charge")])
     agent: Agent[Any] = Agent(name="payer", instructions="Pay.",
                               model=_model_factory()(Script(script)), tools=tools)
+    cache = _state_cache(turns)
+    if cache is not None and cache.is_file():
+        kept = json.loads(cache.read_text(encoding="utf-8"))
+        state = await RunState.from_json(agent, kept)
+        if (state.to_json() == kept and len(kept["generated_items"]) == 2 * turns + 2
+                and len(state.get_interruptions()) == 1):
+            return agent, state
+    state = await _run_paused(agent, turns)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(state.to_json()), encoding="utf-8")
+        os.replace(partial, cache)
+    return agent, state
+
+
+async def _run_paused(agent: Agent[Any], turns: int) -> RunState[Any, Agent[Any]]:
+    from agents import Runner
+
     result = await Runner.run(agent, "look up then charge", max_turns=turns + 2,
                               run_config=_run_config())
     _check(len(result.interruptions) == 1, "the big run should pause on charge")
-    return agent, result.to_state()
+    return result.to_state()
 
 
 async def _roundtrip(turns: int, repeats: int) -> dict[str, float]:

@@ -37,7 +37,9 @@ def _run(*argv: str) -> str:
 @pytest.fixture(scope="module")
 def report() -> dict[str, Any]:
     """One tiny run of the whole bench (without PostgreSQL), as JSON."""
-    found: dict[str, Any] = json.loads(_run(*TINY, "--no-pg", "--json"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("STATEMACHINE_BENCH_CACHE", "off")  # no state kept between runs
+        found: dict[str, Any] = json.loads(_run(*TINY, "--no-pg", "--json"))
     return found
 
 
@@ -466,3 +468,82 @@ def test_decode_log_equals_the_strict_path_field_by_field() -> None:
                     with pytest.MonkeyPatch.context() as monkeypatch:
                         assert _same(_outcome(load), _strict(monkeypatch, load)), (
                             index, field, which, depth)
+
+
+# ------------------------------------------------- what the bench builds its rows from
+
+
+@pytest.mark.parametrize(("size", "cut"), [(50, 1), (50, 7), (300, 172), (300, 300)])
+def test_the_load_rows_snapshot_is_the_runs_state_at_the_cut(size: int, cut: int) -> None:
+    """`_long_run` takes its snapshot as the log reaches ``cut`` events; the independent
+    model: the state of the first ``cut`` events decoded from their own JSON log, and the
+    bytes that log counts against max_bytes."""
+    from bench.suite import _long_run
+    from statemachine.controller import SNAPSHOT_SIZE
+
+    c, snapshot = _long_run(size, None, cut)
+    assert c.version == size
+    prefix = RunController.from_json(codec.encode_log("long", list(c.events)[:cut]))
+    expected = prefix.state.snapshot()
+    expected[SNAPSHOT_SIZE] = prefix.size
+    assert snapshot == expected
+
+
+def test_the_load_rows_two_stores_hold_the_whole_run(tmp_path: Any) -> None:
+    """`_two_stores` appends the events before the cut once and copies the file: both
+    stores load the run's whole state and size, and only the second holds a snapshot
+    (the first replays every event from the start)."""
+    from bench.suite import _cut, _long_run, _two_stores
+
+    c, snapshot = _long_run(400, None, _cut(400))
+    full, snap = _two_stores(tmp_path, list(c.events), snapshot)
+    try:
+        for store in (full, snap):
+            loaded = RunController.load(store, "long")
+            assert loaded.state == c.state
+            assert loaded.size == c.size
+            assert [codec.encode_event(e) for e in store.load("long")] == \
+                [codec.encode_event(e) for e in c.events]
+        assert full.load_latest("long")[0] is None
+        kept, tail = snap.load_latest("long")
+        assert kept is not None
+        assert len(tail) == 400 - _cut(400)
+    finally:
+        full.close()
+        snap.close()
+
+
+def test_the_paused_openai_agents_state_is_kept_and_checked(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 500-turn openai-agents state is built once and kept: a second build restores
+    the same document from the cache; a kept document that no longer matches (here: an
+    item dropped) is not used but built anew."""
+    pytest.importorskip("agents")
+    import asyncio
+
+    from bench import openai_agents_rows as rows
+
+    monkeypatch.setenv(rows.CACHE_VARIABLE, str(tmp_path))
+    built: list[int] = []
+    real = rows._run_paused
+
+    async def counted(agent: Any, turns: int) -> Any:
+        built.append(turns)
+        return await real(agent, turns)
+
+    monkeypatch.setattr(rows, "_run_paused", counted)
+    first = asyncio.run(rows._paused_state(3))[1].to_json()
+    kept = rows._state_cache(3)
+    assert kept is not None
+    assert json.loads(kept.read_text(encoding="utf-8")) == first
+    second = asyncio.run(rows._paused_state(3))[1].to_json()
+    assert second == first
+    assert built == [3]  # the second came from the cache
+    document = json.loads(kept.read_text(encoding="utf-8"))
+    document["generated_items"].pop(0)
+    kept.write_text(json.dumps(document), encoding="utf-8")
+    third = asyncio.run(rows._paused_state(3))[1].to_json()
+    assert built == [3, 3]  # a tampered cache is rebuilt
+    assert len(third["generated_items"]) == 2 * 3 + 2
+    monkeypatch.setenv(rows.CACHE_VARIABLE, "off")
+    assert rows._state_cache(3) is None
