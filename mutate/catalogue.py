@@ -100,7 +100,7 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("MA08", "return record is not None and record.phase == Phase.AWAITING",
        "return record is not None and record.phase in (Phase.AWAITING, Phase.APPROVED)",
        "call_awaits_decision lets an approved call be decided again"),
-    _m("MA09", "return bool(s.calls[e.call_id].fingerprint == e.fingerprint)",
+    _m("MA09", "return record is None or bool(record.fingerprint == e.fingerprint)",
        "return True",
        "fingerprint_matches never compares: an approval binds to any arguments"),
     _m("MA10", "return s.count(Phase.APPROVED) > 0", "return s.count(Phase.APPROVED) >= 0",

@@ -149,7 +149,8 @@ def call_awaits_decision(s: RunState, e: Any) -> bool:
 @guard
 def fingerprint_matches(s: RunState, e: Any) -> bool:
     """the decision's fingerprint matches the call's name and arguments"""
-    return bool(s.calls[e.call_id].fingerprint == e.fingerprint)
+    record = s.calls.get(e.call_id)  # (an unknown call is call_awaits_decision's to refuse)
+    return record is None or bool(record.fingerprint == e.fingerprint)
 
 
 @guard

@@ -52,6 +52,7 @@ from statemachine.machine import GUARDS, TABLE, TRANSITIONS, Refused, fire, repl
 from statemachine.payloads import JSON, digests
 from statemachine.state import RunState
 from statemachine.values import GuardrailResult, Phase
+from tests.helpers import at_interruption
 from tests.strategies import drive
 
 Events = list[ev.Event]
@@ -1231,3 +1232,19 @@ def test_generated_logs_with_one_guard_broken_are_refused(data: st.DataObject) -
                 RunController.from_json(codec.encode_log(RUN, forged))
             break  # one site per forger per example keeps the budget bounded
     RunController.from_json(codec.encode_log(RUN, events))  # the unforged log loads
+
+
+@pytest.mark.parametrize("event", [
+    ev.CallApproved(6, "unknown", "f" * 64),
+    ev.CallRejected(6, "unknown", "f" * 64, "no"),
+], ids=["approve", "reject"])
+def test_each_guard_of_a_decision_answers_alone_for_an_unknown_call(event: Any) -> None:
+    """A guard is a predicate on its own: for a decision naming a call the run never saw,
+    each guard of the decision's rows answers True or False whatever its place in the row
+    (none leans on an earlier guard having checked that the call exists), so a forged
+    decision is refused with `InvalidTransition`, never a `KeyError`, in any order."""
+    state = at_interruption().state
+    names = {name for t in TRANSITIONS if t.trigger == event.TRIGGER for name in t.guards}
+    assert "fingerprint_matches" in names
+    for name in sorted(names):
+        assert type(GUARDS[name](state, event)) is bool, name
