@@ -51,14 +51,15 @@ lost connection's server process (``pg_terminate_backend``, matched by process i
 start time, waiting up to ``readback_timeout``), so nothing still travelling towards it
 can commit later; the read-back then waits for any lock the lost transaction may still
 hold and looks for the append's batch id: found is success, not found is
-``"not_written"``. Not found without a fence (no permission to signal the process, or it
-would not end in time) is ``"not_written"`` only for a two-round-trip append, whose open
-transaction holds the run's head until its COMMIT arrives; for a one-statement append it
-is ``"unknown"``. A read-back that cannot decide is ``"unknown"``. Nothing is ever
-retried. A broken connection is replaced on the next call, so after a server restart the
-command that met it fails and the next one works. The fence needs the store's connection
-to be its own server process for its lifetime: connect directly or through a pooler in
-session mode, never in transaction mode.
+``"not_written"``. Not found without a fence is ``"not_written"`` only for a
+two-round-trip append, whose open transaction holds the run's head until its COMMIT
+arrives; for a one-statement append it is ``"unknown"``. There is no fence when the role
+may not signal the process, when it would not end in time, when the read-back reached
+another server (its address or port differ), before PostgreSQL 14, and behind a pooler or a
+proxy that answers for the server (seen at connect: the process the client was told of
+is not the one it talks to). A read-back that cannot decide is ``"unknown"``. Nothing is
+ever retried. A broken connection is replaced on the next call, so after a server restart
+the command that met it fails and the next one works.
 
 One connection per store object, in autocommit mode (a read is one statement, so one
 snapshot; an append of events alone is one statement that is its own transaction: one
@@ -269,10 +270,14 @@ class _Sql:
                             "ON CONFLICT (run_id) DO NOTHING")
         self.probe_later = f"SELECT 1 FROM {runs} WHERE run_id = %s FOR SHARE"
         self.landed = f"SELECT EXISTS (SELECT 1 FROM {events} WHERE batch_id = %s)"
-        self.identify = ("SELECT pid, backend_start FROM pg_stat_activity "
-                         "WHERE pid = pg_backend_pid()")
-        self.fence = ("SELECT pg_terminate_backend(pid, %s) FROM pg_stat_activity "
-                      "WHERE pid = %s AND backend_start = %s")
+        where = "inet_server_addr()::text, current_setting('port')"
+        self.identify = (f"SELECT pid, backend_start, pg_postmaster_start_time(), {where} "
+                         "FROM pg_stat_activity WHERE pid = pg_backend_pid()")
+        here = f"({where}) IS NOT DISTINCT FROM (%(addr)s, %(port)s)"
+        self.fence = (f"SELECT {here}, pg_postmaster_start_time() = %(server)s, (SELECT "
+                      "pg_terminate_backend(pid, %(millis)s) FROM pg_stat_activity "
+                      "WHERE pid = %(pid)s AND backend_start = %(start)s "
+                      f"AND pg_postmaster_start_time() = %(server)s AND {here})")
         # PostgresSession (and an append's session_write=)
         self.add_items = (f"INSERT INTO {items} (session_id, publication_id, body) "
                           "SELECT %(session)s, %(publication)s, t.body FROM "
@@ -440,16 +445,36 @@ def _answered(conn: Any) -> bool:
             and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE)
 
 
-Backend = tuple[int, Any]
-"""A connection's server process: its pid and its start time (a pid alone may be reused)."""
+Backend = tuple[int, Any, Any, Any, Any]
+"""A connection's server process: its pid and start time (a pid alone may be reused), and
+its server: the server's start time, address and port (another server holds no trace of
+the process; the same server started again holds none of its processes)."""
+
+
+def _backend_of(conn: Any, row: Any) -> Backend | None:
+    """The server process ``conn`` talks to, when it is the one the server announced at
+    connect. Behind a pooler or a proxy that answers for the server they differ (or a
+    client may move between server processes): then there is nothing to fence."""
+    if row is None or conn.info.backend_pid != row[0]:
+        return None
+    return (row[0], row[1], row[2], row[3], row[4])
 
 
 def _fence(sql: _Sql, backend: Backend, timeout: float) -> Op[bool]:
     """End the server process of a lost connection and wait (up to ``timeout``) until it
-    is gone. True when it is gone (or was already), False when it would not end in time."""
+    is gone. True when it is gone (or already was), or when its server has started again
+    since (every process it had is gone); False when the probe reached another server,
+    or the process would not end in time. Needs PostgreSQL 14+ (the two-argument
+    ``pg_terminate_backend``); on an older server it raises, and the caller does not
+    count it as fenced."""
     millis = max(1, math.ceil(timeout * 1000))
-    row = yield _Q(sql.fence, (millis, backend[0], backend[1]), "one")
-    return row is None or bool(row[0])
+    pid, start, server, addr, port = backend
+    row = yield _Q(sql.fence, {"addr": addr, "port": port, "server": server,
+                               "millis": millis, "pid": pid, "start": start}, "one")
+    same_address, same_start, ended = row
+    if not same_address:
+        return False
+    return not same_start or ended is None or bool(ended)
 
 
 def _probe(sql: _Sql, run_id: str, first: bool, batch_id: str, timeout: float) -> Op[bool]:
@@ -728,7 +753,7 @@ class _Sync(_Base):
             if not self._ready:
                 self._transaction(conn, _ensure_schema(self._sql, readonly=self.readonly))
                 self._ready = True
-            self._backend = conn.execute(self._sql.identify).fetchone()
+            self._backend = _backend_of(conn, conn.execute(self._sql.identify).fetchone())
         except BaseException as error:
             with contextlib.suppress(Exception):
                 conn.close()
@@ -1029,7 +1054,8 @@ class _Async(_Base):
                 await self._transaction(conn, _ensure_schema(self._sql,
                                                              readonly=self.readonly))
                 self._ready = True
-            self._backend = await (await conn.execute(self._sql.identify)).fetchone()
+            self._backend = _backend_of(
+                conn, await (await conn.execute(self._sql.identify)).fetchone())
         except BaseException as error:
             with contextlib.suppress(Exception):
                 await conn.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import os
 import shutil
 import socket
@@ -479,7 +480,9 @@ class _Terminates(PostgresEventStore):
 class _Armed(PostgresEventStore):
     """Arms its proxy right before the next COMMIT (the one-statement append: right
     before it is sent). ``unfenced`` forgets the connection's server process first, as a
-    role without the right to signal it would: the read-back cannot fence."""
+    role without the right to signal it, or a pooler in between, would; ``elsewhere``
+    makes the read-back find another server (its port differs): the read-back cannot
+    fence either way."""
 
     def __init__(self, proxy: _Proxy, schema: str, **options: Any) -> None:
         super().__init__(proxy.dsn, schema=schema, **options)
@@ -487,6 +490,7 @@ class _Armed(PostgresEventStore):
         self.arm: str | None = None
         self.refuse_readback = False
         self.unfenced = False
+        self.elsewhere = False
 
     def _before_commit(self) -> None:
         if self.arm is not None:
@@ -497,6 +501,9 @@ class _Armed(PostgresEventStore):
             self.proxy.refuse = self.refuse_readback
             if self.unfenced:
                 self._backend = None
+            if self.elsewhere and self._backend is not None:
+                pid, started, server, addr, port = self._backend
+                self._backend = (pid, started, server, addr, str(int(port) + 1))
 
 
 def test_a_commit_that_failed_for_real_is_not_written_and_never_retried(
@@ -613,9 +620,11 @@ def test_a_request_held_in_flight_is_fenced_and_never_lands_late(
     store.close()
 
 
+@pytest.mark.parametrize("why", ["unfenced", "elsewhere"])
 @pytest.mark.parametrize("first", [False, True], ids=["later-append", "first-append"])
 def test_without_a_fence_the_read_back_waits_and_never_guesses(
-        proxy: _Proxy, pg_dsn: str, pg_schema: str, first: bool, shape: str) -> None:
+        proxy: _Proxy, pg_dsn: str, pg_schema: str, first: bool, shape: str,
+        why: str) -> None:
     """The read-back may not end the lost connection's server process (no right to signal
     it). Two round trips: the server's transaction stays open holding the run's head; a
     read-back now would see "not there" and could be wrong a moment later, so it waits for
@@ -631,7 +640,8 @@ def test_without_a_fence_the_read_back_waits_and_never_guesses(
         else:
             c.approve("charge")
 
-    store.arm, store.unfenced = "hold_request", True
+    store.arm = "hold_request"
+    setattr(store, why, True)
     started = time.monotonic()
     with pytest.raises(StorageError) as info:
         command()
@@ -812,3 +822,18 @@ def test_measure_appends_against_a_bare_psycopg_loop(pg_dsn: str, pg_schema: str
           f"{rate['store'] / rate['bare+head']:.2f}x")
     assert all(value > 0 for value in rate.values())
 
+
+def test_behind_a_pooler_there_is_nothing_to_fence() -> None:
+    """A pooler or a proxy that answers for the server announces a process of its own at
+    connect: the store then keeps no server process to fence (a lost one-statement append
+    is "unknown", never guessed "not_written")."""
+    from types import SimpleNamespace
+
+    from statemachine.postgres import _backend_of
+
+    row = (4242, datetime.datetime(2026, 1, 1), datetime.datetime(2025, 12, 1), None, "5432")
+    direct = SimpleNamespace(info=SimpleNamespace(backend_pid=4242))
+    pooled = SimpleNamespace(info=SimpleNamespace(backend_pid=77))
+    assert _backend_of(direct, row) == row
+    assert _backend_of(pooled, row) is None
+    assert _backend_of(direct, None) is None
