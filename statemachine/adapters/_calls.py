@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from statemachine.controller import RunController
 from statemachine.errors import InvalidTransition
-from statemachine.payloads import JSON
+from statemachine.payloads import JSON, canonical_json
 from statemachine.values import Phase, Resend, Step
 
 
@@ -18,7 +18,7 @@ def begin_call(c: RunController, call_id: str, arguments: JSON) -> tuple[bool, J
     view = c.call(call_id)
     if view.phase is Phase.PUBLISHED:
         return True, view.result
-    if arguments != view.call.arguments:
+    if canonical_json(arguments) != canonical_json(view.call.arguments):  # exact: 1 != true
         raise InvalidTransition(
             f"call {call_id!r} was asked to run with arguments other than the recorded "
             "ones (which its approval binds); it did not run",
