@@ -68,6 +68,7 @@ from statemachine.payloads import (
     DEFAULT_MAX_DEPTH,
     DEFAULT_MAX_EVENTS,
     JSON,
+    MAX_TEXT,
     PayloadError,
     canonical_form,
     copy_plain,
@@ -751,14 +752,13 @@ class RunController:
             except BaseException:  # interrupted, or untyped: the append may have landed
                 self._unknown = f"{type(event).__name__} at seq {event.seq}, {action}"
                 raise
-        before = s.step
         s.apply(event, dest)
         self._events.append(event)
         self._bytes = size
         if not self._buffered:
             self._flushed = event.seq + 1
         if switch.enabled:
-            self._logged(event, before)
+            self._logged(event, step)  # (the step before: nothing above changes it)
         return dest
 
     # ------------------------------------------------ durability at effect boundaries
@@ -955,7 +955,7 @@ class RunController:
         """RUN_AGAIN or HANDOFF → AWAITING_MODEL. Refused naming ``max_turns`` when no
         turn is left, and while a result is unpublished."""
         self._gate("begin_model_call", "begin_model_call")
-        self._record("begin_model_call", ev.ModelCallBegun(self._seq))
+        self._record("begin_model_call", ev.ModelCallBegun(self._base + len(self._events)))
 
     def model_failed(self, error: BaseException | type[BaseException]) -> None:
         """AWAITING_MODEL → RUN_AGAIN; records the error's type name only."""
@@ -1002,9 +1002,12 @@ class RunController:
     # ------------------------------------------------------------------ decisions
 
     def _decision_fingerprint(self, action: str, call_id: str, fingerprint: str | None) -> str:
-        self._text(action, "call_id", call_id)
-        self._text(action, "fingerprint", fingerprint, optional=True)
+        if not (type(call_id) is str and call_id.isascii() and len(call_id) <= MAX_TEXT):
+            self._text(action, "call_id", call_id)
         if fingerprint is not None:
+            if not (type(fingerprint) is str and fingerprint.isascii()
+                    and len(fingerprint) <= MAX_TEXT):
+                self._text(action, "fingerprint", fingerprint, optional=True)
             return fingerprint
         record = self._state.calls.get(call_id)
         return record.fingerprint if record is not None else ""
@@ -1014,7 +1017,7 @@ class RunController:
         the approval binds to those exact arguments; a mismatch is refused."""
         self._gate("approve", "approve")
         bound = self._decision_fingerprint("approve", call_id, fingerprint)
-        self._record("approve", ev.CallApproved(self._seq, call_id, bound))
+        self._record("approve", ev.CallApproved(self._base + len(self._events), call_id, bound))
 
     def reject(self, call_id: str, message: JSON = None, *,
                fingerprint: str | None = None) -> None:
@@ -1139,20 +1142,29 @@ class RunController:
         input/output stages once per (name, stage, activation) (I1)."""
         action = "guardrail_evaluated"
         self._gate(action, action)
-        self._text(action, "name", name)
-        self._text(action, "stage", stage)
-        self._text(action, "call_id", call_id, optional=True)
+        # the common case (short ASCII text) passes here; anything else goes to `_text`,
+        # which decides with the exact message (an ASCII str is valid Unicode)
+        if not (type(name) is str and name.isascii() and len(name) <= MAX_TEXT):
+            self._text(action, "name", name)
+        if not (type(stage) is str and stage.isascii() and len(stage) <= MAX_TEXT):
+            self._text(action, "stage", stage)
+        if call_id is not None and not (type(call_id) is str and call_id.isascii()
+                                        and len(call_id) <= MAX_TEXT):
+            self._text(action, "call_id", call_id, optional=True)
         detached = self._detach(action, "guardrail result", result)
         self._record(action, ev.GuardrailEvaluated(
-            self._seq, GuardrailResult(name, stage, call_id, detached)))
+            self._base + len(self._events), GuardrailResult(name, stage, call_id, detached)))
 
     def hook_ran(self, hook: str, *, call_id: str | None = None) -> None:
         """Record a lifecycle hook: tool hooks once per call, model hooks once per model
         call (record them after ``begin_model_call``), agent hooks once per activation."""
         self._gate("hook_ran", "hook_ran")
-        self._text("hook_ran", "hook", hook)
-        self._text("hook_ran", "call_id", call_id, optional=True)
-        self._record("hook_ran", ev.HookRan(self._seq, hook, call_id))
+        if not (type(hook) is str and hook.isascii() and len(hook) <= MAX_TEXT):
+            self._text("hook_ran", "hook", hook)  # (the exact message; see guardrail_evaluated)
+        if call_id is not None and not (type(call_id) is str and call_id.isascii()
+                                        and len(call_id) <= MAX_TEXT):
+            self._text("hook_ran", "call_id", call_id, optional=True)
+        self._record("hook_ran", ev.HookRan(self._base + len(self._events), hook, call_id))
 
     # ---------------------------------------------------- final output, handoff
 

@@ -73,6 +73,8 @@ no share of the events reserved under ``max_events`` for settling or closing a r
 HOOKS = frozenset({"agent_start", "agent_end", "model_start", "model_end", "tool_start",
                    "tool_end"})
 GUARDRAIL_STAGES = frozenset({"input", "output", "tool_input", "tool_output"})
+_TOOL_HOOKS = frozenset(h for h in HOOKS if h.startswith("tool_"))
+_TOOL_STAGES = frozenset(g for g in GUARDRAIL_STAGES if g.startswith("tool_"))
 
 
 # --------------------------------------------------------------------------- guards
@@ -181,9 +183,10 @@ def guardrail_fits_stage(s: RunState, e: Any) -> bool:
     """the stage is input, output, tool_input or tool_output, and tool stages name a
     known call while the others name none"""
     r = e.result
-    if r.stage not in GUARDRAIL_STAGES:
+    stage = r.stage
+    if stage not in GUARDRAIL_STAGES:
         return False
-    if r.stage.startswith("tool_"):
+    if stage in _TOOL_STAGES:  # (a known stage: a tool stage is one named tool_...)
         return r.call_id is not None and r.call_id in s.calls
     return r.call_id is None
 
@@ -198,9 +201,10 @@ def guardrail_not_repeated(s: RunState, e: Any) -> bool:
 def hook_fits_scope(s: RunState, e: Any) -> bool:
     """the hook is agent_start, agent_end, model_start, model_end, tool_start or
     tool_end, and tool hooks name a known call while the others name none"""
-    if e.hook not in HOOKS:
+    hook = e.hook
+    if hook not in HOOKS:
         return False
-    if e.hook.startswith("tool_"):
+    if hook in _TOOL_HOOKS:  # (a known hook: a tool hook is one named tool_...)
         return e.call_id is not None and e.call_id in s.calls
     return e.call_id is None
 

@@ -290,7 +290,7 @@ def json_size(value: JSON) -> int:
         if size is None:
             raise ValueError("not plain JSON") from None
         return size
-    return utf8_len(text)
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
 def walk_size(value: JSON, max_depth: int) -> int | None:

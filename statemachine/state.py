@@ -26,6 +26,10 @@ STATE_VERSION = 2
 replayed instead)."""
 
 _TOOL_STAGES = frozenset({"tool_input", "tool_output"})
+_HOOK_SCOPES = {"tool_start": "tool", "tool_end": "tool", "model_start": "model",
+                "model_end": "model", "agent_start": "agent", "agent_end": "agent"}
+"""What a known hook is once per: a call, a model call or an activation (one dict look-up
+on the hot path; any other name is keyed by its prefix the same way)."""
 _TERMINAL = frozenset({Step.TERMINAL_UNRECOVERABLE, Step.COMPLETED})
 _CALL_MODEL_STEPS = frozenset({Step.RUN_AGAIN, Step.HANDOFF, Step.AWAITING_MODEL})
 _STAGING = frozenset({Step.RUN_AGAIN, Step.INTERRUPTION, Step.TOOLS, Step.HANDOFF,
@@ -132,9 +136,13 @@ class RunState:
         return (result.name, stage, scope)
 
     def hook_key(self, hook: str, call_id: str | None) -> tuple[Any, ...]:
-        if hook.startswith("tool_"):
+        scope = _HOOK_SCOPES.get(hook)
+        if scope is None:  # not a known hook (a guard may still ask): by its prefix
+            scope = ("tool" if hook.startswith("tool_") else
+                     "model" if hook.startswith("model_") else "agent")
+        if scope == "tool":
             return (hook, call_id)
-        if hook.startswith("model_"):
+        if scope == "model":
             return (hook, self.model_calls)
         return (hook, self.activation)
 

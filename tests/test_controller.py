@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -332,3 +334,63 @@ def test_execute_hands_out_a_detached_call() -> None:
     assert isinstance(decision, Execute)
     decision.call.arguments["k"].append(2)
     assert c.state.calls["a"].call.arguments == {"k": [1]}
+
+
+# The text fields of hook_ran, guardrail_evaluated and approve pass a short ASCII str on a
+# fast path and leave everything else to the full check: a differential against an
+# independent model of an acceptable text (a str, at most 4096 characters, valid Unicode).
+_TEXTS = ["a" * 4096, "a" * 4097, "é" * 4096, "é" * 4097, "ok\ud800", "\ud800", "",
+          7, b"hook", None]
+
+
+def _text_ok(value: object) -> bool:
+    if type(value) is not str or len(value) > 4096:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+_TEXT_FIELDS: dict[str, tuple[Callable[[RunController, Any], None], bool]] = {
+    "hook": (lambda c, v: c.hook_ran(v), False),
+    "hook call_id": (lambda c, v: c.hook_ran("tool_start", call_id=v), True),
+    "guardrail name": (lambda c, v: c.guardrail_evaluated(v, {}, stage="input"), False),
+    "guardrail stage": (lambda c, v: c.guardrail_evaluated("g", {}, stage=v), False),
+    "guardrail call_id": (lambda c, v: c.guardrail_evaluated("g", {}, stage="tool_input",
+                                                             call_id=v), True),
+    "approve call_id": (lambda c, v: c.approve(v), False),
+    "approve fingerprint": (lambda c, v: c.approve("charge", fingerprint=v), True),
+}
+
+
+@pytest.mark.parametrize("value", _TEXTS, ids=range(len(_TEXTS)))
+@pytest.mark.parametrize("field", list(_TEXT_FIELDS))
+def test_text_fields_are_refused_exactly_when_not_acceptable_text(field: str,
+                                                                  value: object) -> None:
+    command, optional = _TEXT_FIELDS[field]
+    c = at_interruption()
+    acceptable = _text_ok(value) or (optional and value is None)
+    if not acceptable:
+        error = assert_refused(c, SchemaError, command, c, value)
+        assert "\ud800" not in str(error)
+        return
+    before = c.version
+    try:
+        command(c, value)
+    except InvalidTransition:  # past the text check: a guard may still refuse it
+        assert c.version == before
+    else:
+        assert c.version == before + 1
+
+
+@pytest.mark.parametrize("hook", ["agent_start", "agent_end", "model_start", "model_end",
+                                  "tool_start", "tool_end", "tool_", "tool_x", "model_",
+                                  "model_x", "agent", "", "toolstart", "x_tool_start"])
+def test_hook_key_scopes_a_hook_by_its_prefix(hook: str) -> None:
+    c = at_interruption()
+    s = c.state
+    expected = ((hook, "cid") if hook.startswith("tool_") else
+                (hook, s.model_calls) if hook.startswith("model_") else (hook, s.activation))
+    assert s.hook_key(hook, "cid") == expected
