@@ -24,7 +24,9 @@ def _run(arguments: dict[str, JSON]) -> RunController:
     ({"x": 0}, {"x": False}),
     ({"x": [1]}, {"x": [True]}),
     ({"x": 7}, {"x": 8}),
-], ids=["int-as-bool", "bool-as-int", "int-as-float", "zero-as-false", "nested", "value"])
+    ({"x": 7}, {"x": float("nan")}),
+], ids=["int-as-bool", "bool-as-int", "int-as-float", "zero-as-false", "nested", "value",
+        "nan"])
 def test_arguments_other_than_the_recorded_ones_never_start(
         recorded: dict[str, JSON], asked: dict[str, JSON]) -> None:
     """Equal in Python is not the same JSON: a call asked to run with arguments whose

@@ -18,7 +18,7 @@ def begin_call(c: RunController, call_id: str, arguments: JSON) -> tuple[bool, J
     view = c.call(call_id)
     if view.phase is Phase.PUBLISHED:
         return True, view.result
-    if canonical_json(arguments) != canonical_json(view.call.arguments):  # exact: 1 != true
+    if not _same_json(arguments, view.call.arguments):
         raise InvalidTransition(
             f"call {call_id!r} was asked to run with arguments other than the recorded "
             "ones (which its approval binds); it did not run",
@@ -29,3 +29,12 @@ def begin_call(c: RunController, call_id: str, arguments: JSON) -> tuple[bool, J
     if isinstance(decision, Resend):
         return True, decision.result
     return False, None
+
+
+def _same_json(asked: JSON, recorded: JSON) -> bool:
+    """Exactly the same JSON (``1``, ``1.0`` and ``true`` are equal in Python, not here);
+    arguments that are not plain JSON (a NaN) are never the recorded ones."""
+    try:
+        return canonical_json(asked) == canonical_json(recorded)
+    except (TypeError, ValueError):
+        return False
