@@ -45,6 +45,7 @@ from anthropic.lib.environments import SessionToolRunner
 from anthropic.lib.tools import beta_async_tool, beta_tool
 
 from statemachine import (
+    InvalidTransition,
     MemoryEventStore,
     Phase,
     RunController,
@@ -408,6 +409,26 @@ def test_a_restarted_loop_answers_a_finished_call_from_the_store(tmp_path: Path)
     second = MessageToolLedger.open("m", tools, store=SQLiteEventStore(tmp_path / "events.db"),
                                     owner="second")
     assert second.run_tools(reply) == answered
+    assert effects.lines() == ["p charge 7"]
+
+
+def test_a_tool_use_id_seen_again_with_other_input_never_runs(tmp_path: Path) -> None:
+    """A reply whose ``tool_use`` id the ledger holds, with input other than the recorded
+    one (as JSON: ``7`` and ``7.0`` differ), is refused before anything runs; the same
+    input is answered from the ledger."""
+    effects = Effects(tmp_path, "p")
+    model = FakeModel()
+    client = model.client()
+    ledger = MessageToolLedger.open("m", [sync_charge(effects)], store=MemoryEventStore())
+    reply = ledger.create(client.messages, model="claude-test", max_tokens=64,
+                          messages=[{"role": "user", "content": "pay 7"}])
+    answered = ledger.run_tools(reply)
+    for other in ({"x": 8}, {"x": 7.0}):
+        altered = reply.model_copy(deep=True)
+        altered.content[0].input = other
+        with pytest.raises(InvalidTransition, match="other than the recorded"):
+            ledger.run_tools(altered)
+    assert ledger.run_tools(reply) == answered
     assert effects.lines() == ["p charge 7"]
 
 

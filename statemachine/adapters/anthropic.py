@@ -77,11 +77,12 @@ from anthropic.lib.tools import (
     ToolError,
 )
 
+from statemachine.adapters._calls import begin_call
 from statemachine.controller import RunController
 from statemachine.errors import ControlError, InvalidTransition, RunNotFound, ToolInDoubt
 from statemachine.payloads import JSON
 from statemachine.stores import AsyncEventStore, EventStore
-from statemachine.values import Execute, Phase, ToolCall
+from statemachine.values import Phase, ToolCall
 
 __all__ = [
     "LedgerSessionToolRunner",
@@ -277,14 +278,10 @@ class LedgerSessionToolRunner(SessionToolRunner):
     async def _call_tool(self, tool: Any, ev: Any, input_: dict[str, object]) -> Any:
         c = self.controller
         call_id: str = ev.id
-        _receive(c, call_id, ev.name, _plain(input_), self._idempotent)
-        if c.phase(call_id) is Phase.PUBLISHED:
-            # the ledger shows it posted: send the cached result, never run it again
-            result = c.call(call_id).result
-            return result, _field(result, "content")
-        decision = c.begin_tool(call_id)  # ToolInDoubt for a started, unfinished call
-        if not isinstance(decision, Execute):
-            result = decision.result  # it ran: the cached result, never a second run
+        arguments = _plain(input_)
+        _receive(c, call_id, ev.name, arguments, self._idempotent)
+        done, result = begin_call(c, call_id, arguments)  # ToolInDoubt: started, unfinished
+        if done:  # posted before, or it ran: the cached result, never a second run
             return result, _field(result, "content")
         try:
             await c.flush_async()  # an effect boundary: the start is durable first
@@ -442,13 +439,10 @@ class MessageToolLedger:
         if not isinstance(call_id, str) or not isinstance(name, str):
             raise InvalidTransition("a tool_use block without a str id and name",
                                     run_id=c.run_id, step=c.step, action="begin_tool")
-        _receive(c, call_id, name, _plain(_field(tool_use, "input")), self._idempotent)
-        if c.phase(call_id) is Phase.PUBLISHED:
-            return call_id, c.call(call_id).result
-        decision = c.begin_tool(call_id)
-        if isinstance(decision, Execute):
-            return call_id, None
-        return call_id, decision.result
+        arguments = _plain(_field(tool_use, "input"))
+        _receive(c, call_id, name, arguments, self._idempotent)
+        done, result = begin_call(c, call_id, arguments)
+        return call_id, result if done else None
 
     def _gate(self, tool_uses: Sequence[Any]) -> None:
         """Before any call of a reply runs: refuse if any call of the run is in doubt."""
