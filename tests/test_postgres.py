@@ -585,6 +585,26 @@ def test_a_read_back_that_cannot_decide_is_unknown(proxy: _Proxy, pg_dsn: str,
     store.close()
 
 
+def _held_command(store: PostgresEventStore, c: RunController | None) -> None:
+    """The command whose request is held: a run's first append (no run yet), or an
+    approval of the paused run ``c``."""
+    if c is None:
+        RunController.start(run_id="run-1", session_id="s", store=store)
+    else:
+        c.approve("charge")
+
+
+def _nothing_landed_and_the_run_goes_on(store: PostgresEventStore,
+                                        c: RunController | None) -> None:
+    if c is None:
+        assert store.load("run-1") == []
+        RunController.start(run_id="run-1", session_id="s", store=store)
+    else:
+        reloaded = RunController.load(store, "run-1")
+        assert reloaded.pending_approvals == ("charge", "notify", "audit")
+        reloaded.approve("charge")
+
+
 @pytest.mark.parametrize("first", [False, True], ids=["later-append", "first-append"])
 def test_a_request_held_in_flight_is_fenced_and_never_lands_late(
         proxy: _Proxy, pg_dsn: str, pg_schema: str, first: bool, shape: str) -> None:
@@ -597,26 +617,14 @@ def test_a_request_held_in_flight_is_fenced_and_never_lands_late(
     c = None if first else at_interruption(store=store)
     attempts = _Counted(pg_dsn, pg_schema)
 
-    def command() -> None:
-        if c is None:
-            RunController.start(run_id="run-1", session_id="s", store=store)
-        else:
-            c.approve("charge")
-
     store.arm = "hold_request"
     with pytest.raises(StorageError) as info:
-        command()
+        _held_command(store, c)
     assert info.value.outcome == "not_written"
     proxy.release(deliver=True)  # the held request arrives late
     # a run's first append carries no snapshot: it is one statement in either shape
     assert attempts() == (1 if shape == "two-round-trips" and not first else 0)
-    if c is None:
-        assert store.load("run-1") == []
-        RunController.start(run_id="run-1", session_id="s", store=store)
-    else:
-        reloaded = RunController.load(store, "run-1")
-        assert reloaded.pending_approvals == ("charge", "notify", "audit")
-        reloaded.approve("charge")
+    _nothing_landed_and_the_run_goes_on(store, c)
     store.close()
 
 
@@ -634,17 +642,11 @@ def test_without_a_fence_the_read_back_waits_and_never_guesses(
     store.load("x")
     c = None if first else at_interruption(store=store)
 
-    def command() -> None:
-        if c is None:
-            RunController.start(run_id="run-1", session_id="s", store=store)
-        else:
-            c.approve("charge")
-
     store.arm = "hold_request"
     setattr(store, why, True)
     started = time.monotonic()
     with pytest.raises(StorageError) as info:
-        command()
+        _held_command(store, c)
     assert info.value.outcome == "unknown"
     if shape == "two-round-trips" and not first:  # (a first append is one statement)
         assert time.monotonic() - started >= 0.5
@@ -655,13 +657,7 @@ def test_without_a_fence_the_read_back_waits_and_never_guesses(
                             "'idle in transaction%%'").fetchone() != (0,):
             assert time.monotonic() < deadline
             time.sleep(0.01)
-    if c is None:
-        assert store.load("run-1") == []
-        RunController.start(run_id="run-1", session_id="s", store=store)
-    else:
-        reloaded = RunController.load(store, "run-1")
-        assert reloaded.pending_approvals == ("charge", "notify", "audit")
-        reloaded.approve("charge")
+    _nothing_landed_and_the_run_goes_on(store, c)
     store.close()
 
 
