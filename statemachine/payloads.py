@@ -337,21 +337,40 @@ _C_MAKE_ENCODER = getattr(json.encoder, "c_make_encoder", None)
 _C_ENCODE_STR = getattr(json.encoder, "c_encode_basestring", None)
 
 
+def _make_canonical() -> Callable[[JSON], str]:
+    """The canonical text through one C encoder built once, without the circular check
+    (a per-call encoder with its own check costs half as much again as the encoding):
+    a cycle then recurses until `RecursionError`, and `canonical_json` asks the checked
+    encoder, which names it as ``json.dumps`` does."""
+    if _C_MAKE_ENCODER is None or _C_ENCODE_STR is None:  # pragma: no cover - no C accelerator
+        encoder = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                                   allow_nan=False)
+        return encoder.encode
+    one_shot = _C_MAKE_ENCODER(None, _not_serializable, _C_ENCODE_STR, None, ":", ",", True,
+                               False, False)
+
+    def canonical(value: JSON) -> str:
+        return "".join(one_shot(value, 0))
+
+    return canonical
+
+
+_canonical_text = _make_canonical()
+
+
 def canonical_json(value: JSON) -> bytes:
     """The built-in canonical form: sorted keys, no spaces, UTF-8, no NaN.
 
     ``json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-    allow_nan=False)``, through the C encoder it would build, built here without the
-    options' overhead (the circular check stays)."""
-    if _C_MAKE_ENCODER is None or _C_ENCODE_STR is None:  # pragma: no cover - no C accelerator
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                          allow_nan=False).encode("utf-8")
-    if type(value) is str:
+    allow_nan=False).encode("utf-8")``, the same bytes and the same errors."""
+    if type(value) is str and _C_ENCODE_STR is not None:
         text: str = _C_ENCODE_STR(value)
         return text.encode("utf-8")
-    one_shot = _C_MAKE_ENCODER({}, _not_serializable, _C_ENCODE_STR, None, ":", ",", True,
-                               False, False)
-    return "".join(one_shot(value, 0)).encode("utf-8")
+    try:
+        return _canonical_text(value).encode("utf-8")
+    except RecursionError:  # a cycle, or deeper than the C encoder goes: json.dumps says
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                          allow_nan=False).encode("utf-8")
 
 
 def sha256_hex(data: bytes) -> str:
@@ -399,4 +418,5 @@ def canonical_form(name: str) -> CanonicalForm:
 
 def digests(items: list[JSON] | tuple[JSON, ...], form: CanonicalForm) -> tuple[str, ...]:
     """Digest of each item's canonical form."""
-    return tuple(sha256_hex(form(item)) for item in items)
+    sha256 = hashlib.sha256
+    return tuple([sha256(form(item)).hexdigest() for item in items])
