@@ -20,10 +20,9 @@ import contextvars
 import hashlib
 import hmac
 import json
-import json.encoder
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import attrs
 import cattrs
@@ -406,15 +405,15 @@ def decode_event(data: Any, position: int) -> ev.Event:
 
 # ------------------------------------------------------------------ fast path
 #
-# Loading is mostly decoding text this library wrote. A text that is exactly the compact
-# JSON of what it parses to (or exactly what ``json.dumps`` writes with its defaults)
-# holds no duplicate key (a re-encoded dict has none) and no NaN or infinity (the
-# re-encoder refuses them); if that text is also valid Unicode throughout, every value in
-# it is plain JSON of an exact type with valid text and printable ints. Such a "clean"
-# tree is the parser's own, so nothing else holds it and its payloads need no copy: only
-# their depth is checked. Its events are decoded by one generated function per class
-# (exact types, text lengths, enums, key sets); anything such a function does not accept
-# is decoded again by `decode_event`, which gives the precise refusal. The strict parse
+# Loading is mostly decoding text this library wrote. A text that is the compact JSON of
+# what it parses to, up to a space after a comma or a colon (so what ``json.dumps`` writes
+# with its default separators too), holds no duplicate key and no NaN or infinity (see
+# `clean_parse`); if that text is also valid Unicode throughout, every value in it is
+# plain JSON of an exact type with valid text and printable ints. Such a "clean" tree is
+# the parser's own, so nothing else holds it and its payloads need no copy: only their
+# depth is checked. Its events are decoded by one generated function per class (exact
+# types, text lengths, enums, key sets); anything such a function does not accept is
+# decoded again by `decode_event`, which gives the precise refusal. The strict parse
 # stays the authority for every text that is not clean. `tests/test_codec.py` checks the
 # two paths agree.
 
@@ -423,24 +422,23 @@ class _Slow(Exception):
     """Internal: the fast decoder declines; `decode_event` decides."""
 
 
-def _refuse_type(value: object) -> NoReturn:
-    raise TypeError(type(value).__name__)
-
-
-_c_make_encoder = getattr(json.encoder, "c_make_encoder", None)
-_c_ascii = getattr(json.encoder, "c_encode_basestring_ascii", None)
-_default_form: Callable[[Any], str] | None = None
-if _c_make_encoder is not None and _c_ascii is not None:
-    _default_shot = _c_make_encoder(None, _refuse_type, _c_ascii, None, ": ", ", ", False,
-                                    False, False)
-
-    def _default_form(value: Any) -> str:  # json.dumps' defaults, for a tree
-        return "".join(_default_shot(value, 0))
+def _squeezed(text: str) -> str:
+    """``text`` without the space after each ", " and ": " (left to right)."""
+    return text.replace(", ", ",").replace(": ", ":")
 
 
 def clean_parse(text: str) -> tuple[Any, str] | None:
     """(the parsed tree, its compact text) when ``text`` is clean (see above), else
-    None: then `parse` decides, strictly."""
+    None: then `parse` decides, strictly.
+
+    Clean: ``text`` and the compact text are equal once each drops the space after every
+    ", " and ": " (`_squeezed`). Why that rules out a duplicate key: both then have the
+    same characters once every space is dropped, and a space is never part of an escape,
+    so which of those characters lie outside strings is the same for both. A colon
+    outside a string is a key's separator, so ``text`` has as many keys as the compact
+    text, which has one per key of the parsed tree: none was lost to a duplicate. The
+    compact encoder refuses NaN and infinities (and so ``1e400``), and the parser ints
+    past the 4,300-digit limit; text that is not valid UTF-8 is refused below."""
     if type(text) is not str:
         return None
     try:
@@ -448,7 +446,7 @@ def clean_parse(text: str) -> tuple[Any, str] | None:
         compact = compact_json(tree)
     except (ValueError, TypeError, RecursionError):
         return None
-    if compact != text and (_default_form is None or _default_form(tree) != text):
+    if compact != text and _squeezed(compact) != _squeezed(text):
         return None
     if not compact.isascii():
         try:
@@ -564,6 +562,60 @@ def decode_clean(raw_events: list[Any], max_depth: int) -> list[ev.Event]:
             append(fast[raw["type"]](raw, limit))
         except Exception:  # a bad or unusual event: the strict decoder decides
             append(decode_event(raw, len(events)))
+    return events
+
+
+class SizedEvents(list[ev.Event]):
+    """Events a store decoded, with ``json_size``: the UTF-8 length of their compact JSON
+    joined by commas (what they add to `to_json()`'s ``"events"``), measured while
+    decoding them, so a controller loading them need not size each event again."""
+
+    json_size: int
+
+
+_scan_once: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+
+
+def decode_stored_batch(bodies: list[str], first: int) -> SizedEvents | None:
+    """The events of stored bodies, the compact JSON of one event each from seq
+    ``first`` on, when every body is clean; None otherwise: decode them one by one
+    (`decode_stored_text`), which names what is wrong.
+
+    One parser call per body (with no ``json.loads`` wrapper) and one compact encoding
+    of them all: each body must be exactly one JSON value, and the compact text of the
+    list of their trees must be the bodies joined by commas. Then each body is the
+    compact text of its tree: were the first one that differs shorter or longer than its
+    tree's text, one would be a proper prefix of the other followed by a comma, and a
+    complete JSON value is never that (the parser stops where it ends, and a value
+    holding a comma ends after it). So each body is clean (see `clean_parse`)."""
+    scan = _scan_once
+    trees: list[Any] = []
+    append = trees.append
+    try:
+        for body in bodies:
+            tree, end = scan(body, 0)
+            if end != len(body):
+                return None
+            append(tree)
+        compact = compact_json(trees)
+    except (StopIteration, ValueError, TypeError, RecursionError):
+        return None
+    if compact[1:-1] != ",".join(bodies):
+        return None
+    if not compact.isascii():
+        try:
+            compact.encode("utf-8")
+        except UnicodeEncodeError:
+            return None
+    fast = FAST_DECODE
+    events = SizedEvents()
+    add = events.append
+    for position, raw in enumerate(trees, start=first):
+        try:
+            add(fast[raw["type"]](raw, None))
+        except Exception:  # a bad or unusual event: the strict decoder decides
+            add(decode_stored_event(raw, position))
+    events.json_size = utf8_len(compact) - 2
     return events
 
 

@@ -360,6 +360,7 @@ class RunController:
         stored: Mapping[str, Any] | None = None
         state: RunState | None = None
         log: list[ev.Event] | None = None
+        source: Sequence[ev.Event] = ()
         if snapshot and isinstance(store, SnapshotStore):
             stored, tail = store.load_latest(run_id)
             state = restored(run_id, stored, tail)
@@ -377,25 +378,28 @@ class RunController:
                                max_events=max_events, base=base,
                                size=_snapshot_size(store, run_id, stored, base, tail))
             elif stored is None and tail and tail[0].seq == 0:
-                log = list(tail)  # no snapshot: the tail is the whole log
+                log, source = list(tail), tail  # no snapshot: the tail is the whole log
         if log is None:
-            log = list(store.load(run_id))
+            source = store.load(run_id)
+            log = list(source)
         if not log:
             raise RunNotFound("no such run in the store", **where)
         if len(log) > max_events:
             raise SchemaError(f"the log has more than max_events={max_events} events",
                               **where)
         loaded = cls._replayed(run_id, log, store=store, max_depth=max_depth,
-                               max_events=max_events)
+                               max_events=max_events, size=_measured_size(run_id, source))
         if stored is not None and state is not None:
             snapshot_ignored(run_id, "the events after it do not replay onto it")
         return loaded
 
     @classmethod
     def _replayed(cls, run_id: str, events: list[ev.Event], *, store: EventStore | None,
-                  max_depth: int, max_events: int) -> RunController:
+                  max_depth: int, max_events: int, size: int | None = None
+                  ) -> RunController:
         state = replay(run_id, events)
-        return cls(state, events, store=store, max_depth=max_depth, max_events=max_events)
+        return cls(state, events, store=store, max_depth=max_depth, max_events=max_events,
+                   size=size)
 
     def to_json(self, key: bytes | None = None) -> dict[str, JSON]:
         """The run as a plain JSON tree of the current ``schema_version``.
@@ -1450,7 +1454,17 @@ def _snapshot_size(store: EventStore, run_id: str, stored: Mapping[str, Any] | N
     before = None if stored is None else stored.get(SNAPSHOT_SIZE)
     if type(before) is not int or before < 1:
         before = codec.log_size(run_id, store.load(run_id)[:base])
+    if type(tail) is codec.SizedEvents:  # measured as it was decoded
+        return before + (tail.json_size + 1 if tail else 0)
     return before + sum(_EVENT_SIZE[type(event)](event) + 1 for event in tail)
+
+
+def _measured_size(run_id: str, events: Sequence[ev.Event]) -> int | None:
+    """`RunController.size` of a whole log a store decoded and measured
+    (`codec.SizedEvents`); None when it did not: the controller sizes each event."""
+    if type(events) is not codec.SizedEvents:
+        return None
+    return codec.envelope_size(run_id) + events.json_size
 
 
 @contextlib.contextmanager

@@ -925,7 +925,22 @@ def _verified(run_id: str, found: tuple[Any, Any, Any] | None) -> tuple[Snapshot
 def _decode(run_id: str, rows: Rows, first: int) -> list[Event]:
     """Stored rows (seq, body) from seq ``first`` on → events. `SchemaError` for a gap, a
     row whose body does not decode, or whose body's seq is not the row's: a log is never
-    silently shorter, or other, than its rows."""
+    silently shorter, or other, than its rows. Clean rows (the common case) are decoded
+    together (`codec.decode_stored_batch`), and their events know their size."""
+    position = first
+    for seq, body in rows:
+        if type(seq) is not int or seq != position or type(body) is not str:
+            break
+        position += 1
+    else:
+        batch = codec.decode_stored_batch([body for _, body in rows], first)
+        if batch is not None:
+            for position, event in enumerate(batch, start=first):
+                if event.seq != position:
+                    raise SchemaError(f"stored event {position} is damaged: its body "
+                                      f"carries seq {event.seq}", run_id=run_id,
+                                      action="load")
+            return batch
     events = []
     for position, (seq, body) in enumerate(rows, start=first):
         if type(seq) is not int or seq != position:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from bench import backends
 from bench.__main__ import COMMANDS, FULL, QUICK, judge, main, markdown, options, print_report
-from statemachine import RunController, ToolCall, codec, payloads
+from statemachine import RunController, SchemaError, ToolCall, codec, payloads
 from tests.strategies import drive
 
 TINY = ["--runs", "20", "--repeats", "1", "--appends", "20", "--sizes", "50",
@@ -370,15 +370,21 @@ def _log_text(data: st.DataObject) -> str:
             del event[field]
         else:
             event["unknown"] = 1
-    pretty = data.draw(st.booleans(), label="json.dumps defaults")
+    item, key = data.draw(st.sampled_from(_SEPARATORS), label="separators")
     try:
-        text = json.dumps(doc, ensure_ascii=pretty, separators=None if pretty else (",", ":"),
-                          default=repr)
+        text = json.dumps(doc, ensure_ascii=data.draw(st.booleans(), label="ensure_ascii"),
+                          separators=(item, key), default=repr)
     except ValueError:  # a circular or otherwise unwritable tamper
         text = "{}"
     if data.draw(st.booleans(), label="duplicate a key"):
-        text = text.replace('"seq":', '"seq":0,"seq":', 1)
+        text = text.replace(f'"seq"{key}', f'"seq"{key}0{item}"seq"{key}', 1)
     return text
+
+
+_SEPARATORS = [(",", ":"), (", ", ": "), (",", ": "), (", ", ":"), (",  ", ":  "),
+               (" ,", " :"), ("\n,", ":\t")]
+"""(item, key) separators: compact, ``json.dumps``' defaults, each half of them, and
+whitespace the clean check does not squeeze (those texts go to the strict parser)."""
 
 
 @settings(suppress_health_check=[HealthCheck.too_slow])
@@ -410,6 +416,82 @@ def test_a_stored_event_decodes_as_the_strict_path(data: st.DataObject) -> None:
     position = data.draw(st.integers(0, 3))
     assert _same(_outcome(lambda: codec.decode_stored_text(body, position)),
                  _outcome(lambda: codec.decode_stored_event(codec.parse(body), position)))
+
+
+@pytest.mark.parametrize(("item", "key"), _SEPARATORS)
+def test_a_duplicate_key_is_refused_whatever_the_spacing(item: str, key: str) -> None:
+    doc: Any = RunController.start(run_id="r", session_id="s").to_json()
+    text = json.dumps(doc, separators=(item, key))
+    forged = text.replace(f'"seq"{key}0', f'"seq"{key}0{item}"seq"{key}0', 1)
+    assert forged != text
+    with pytest.raises(SchemaError, match="duplicate keys"):
+        codec.decode_log(forged)
+    assert codec.clean_parse(forged) is None
+    # and a text whose strings hold the separators, with and without their spaces
+    c = RunController.start(run_id="r, s: t", session_id="a,b:c")
+    text = json.dumps(c.to_json(), separators=(item, key))
+    assert codec.decode_log(text).events == list(c.events)
+
+
+def _stored_rows(data: st.DataObject) -> tuple[str, list[tuple[Any, Any]]]:
+    """A log's stored rows (seq, compact body), perhaps damaged: a body re-split across
+    two rows so the rows still join to the same text, a key duplicated, spacing or a
+    number's form changed, a seq or a body of the wrong type."""
+    from statemachine.payloads import compact_json
+
+    c = drive(data, max_steps=20).c
+    bodies = [compact_json(codec.encode_event(e)) for e in c.events]
+    how = data.draw(st.sampled_from(["clean", "resplit", "duplicate", "spaced", "number",
+                                     "seq", "not text", "two in one"]), label="damage")
+    i = data.draw(st.integers(0, len(bodies) - 1), label="row")
+    if how in ("resplit", "two in one") and i + 1 == len(bodies):
+        how = "clean"  # no row after this one
+    if how == "resplit":
+        # the same joined text, cut elsewhere: "A,B" as "A[:k]" and "A[k+1:],B" ...
+        joined = bodies[i] + "," + bodies[i + 1]
+        commas = [k for k, ch in enumerate(joined) if ch == ","]
+        cut = data.draw(st.sampled_from(commas), label="cut")
+        bodies[i:i + 2] = [joined[:cut], joined[cut + 1:]]
+    elif how == "duplicate":
+        bodies[i] = bodies[i].replace('"seq":', '"seq":0,"seq":', 1)
+    elif how == "spaced":
+        bodies[i] = bodies[i].replace(",", ", ", 1)
+    elif how == "number":
+        bodies[i] = bodies[i].replace(f'"seq":{i}', f'"seq":{i}.0e0', 1)
+    elif how == "two in one":
+        bodies[i:i + 2] = [bodies[i] + "," + bodies[i + 1], "{}"]
+    rows: list[tuple[Any, Any]] = list(enumerate(bodies))
+    if how == "seq":
+        rows[i] = (float(i), rows[i][1])
+    elif how == "not text":
+        rows[i] = (i, rows[i][1].encode())
+    return how, rows
+
+
+@given(data=st.data())
+def test_stored_rows_decode_together_as_one_by_one(data: st.DataObject) -> None:
+    """The batch decoding of a store's rows equals decoding them one by one, the events
+    and the size a controller counts alike; a damaged row is refused the same way."""
+    from statemachine import stores
+
+    how, rows = _stored_rows(data)
+
+    def load() -> Any:
+        events = stores._decode("r", rows, 0)
+        sized = type(events) is codec.SizedEvents
+        return events, sized, codec.log_size("r", events)
+
+    found = _outcome(load)
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(codec, "decode_stored_batch", lambda bodies, first: None)
+        strict = _outcome(load)
+    assert _same(found[:1] + found[1][:1] if found[0] == "ok" else found,
+                 strict[:1] + strict[1][:1] if strict[0] == "ok" else strict)
+    if found[0] == "ok":
+        events, sized, size = found[1]
+        assert sized == (how == "clean"), "clean rows, and only those, decode together"
+        if sized:
+            assert codec.envelope_size("r") + events.json_size == size
 
 
 _HOSTILE = [{"\udc80": 1}, {"é": "ü"}, ["\ud800"], {1: 2}, {None: 1}, (1,), [(1,)],
