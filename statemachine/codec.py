@@ -20,9 +20,10 @@ import contextvars
 import hashlib
 import hmac
 import json
+import json.encoder
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import attrs
 import cattrs
@@ -422,6 +423,27 @@ class _Slow(Exception):
     """Internal: the fast decoder declines; `decode_event` decides."""
 
 
+def _make_ascii_compact() -> Callable[[Any], str]:
+    c_make_encoder = getattr(json.encoder, "c_make_encoder", None)
+    c_ascii = getattr(json.encoder, "c_encode_basestring_ascii", None)
+    if c_make_encoder is None or c_ascii is None:  # pragma: no cover - no C accelerator
+        return json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+    one_shot = c_make_encoder(None, _not_plain, c_ascii, None, ":", ",", False, False, False)
+
+    def ascii_compact(value: Any) -> str:
+        return "".join(one_shot(value, 0))
+
+    return ascii_compact
+
+
+def _not_plain(value: object) -> NoReturn:
+    raise TypeError(type(value).__name__)
+
+
+_ascii_compact = _make_ascii_compact()
+"""`compact_json` with every non-ASCII character escaped (``ensure_ascii``), for a tree."""
+
+
 def _squeezed(text: str) -> str:
     """``text`` without the space after each ", " and ": " (left to right)."""
     return text.replace(", ", ",").replace(": ", ":")
@@ -446,8 +468,13 @@ def clean_parse(text: str) -> tuple[Any, str] | None:
         compact = compact_json(tree)
     except (ValueError, TypeError, RecursionError):
         return None
-    if compact != text and _squeezed(compact) != _squeezed(text):
-        return None
+    if compact != text:
+        squeezed = _squeezed(text)
+        if _squeezed(compact) != squeezed and not (
+                # json.dumps' default also escapes every non-ASCII character
+                text.isascii() and not compact.isascii()
+                and _squeezed(_ascii_compact(tree)) == squeezed):
+            return None
     if not compact.isascii():
         try:
             compact.encode("utf-8")

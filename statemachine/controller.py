@@ -54,8 +54,8 @@ from statemachine.errors import (
 from statemachine.log import run_logger, switch
 from statemachine.machine import (
     NEUTRAL_TRIGGERS,
+    ROWS,
     SETTLING_TRIGGERS,
-    TABLE,
     TERMINAL_STEPS,
     WORKING_STEPS,
     Refused,
@@ -76,7 +76,7 @@ from statemachine.payloads import (
     digests,
     text_problem,
 )
-from statemachine.state import RunState, in_doubt, next_action
+from statemachine.state import APPLY, RunState, in_doubt, next_action
 from statemachine.stores import (
     SNAPSHOT_EVERY,
     AsyncEventStore,
@@ -710,13 +710,14 @@ class RunController:
             self._refuse(InvalidTransition, action,
                          "a publication's commit and its Session write are waiting for "
                          "their append: await flush_async() first")
-        size = self._bytes + _EVENT_SIZE[type(event)](event) + 1  # the comma before it
+        kind = type(event)
+        size = self._bytes + _EVENT_SIZE[kind](event) + 1  # the comma before it
         if size > self._room:
             self._over_bytes(action, event, size)
         # `fire`, inlined (the hot path): the first row of the table whose guards all hold
         step = s.step
-        for guards, row_dest in TABLE.get((step, event.TRIGGER), ()):
-            for _, check in guards:
+        for checks, row_dest in ROWS.get((step, kind), ()):
+            for check in checks:
                 if not check(s, event):
                     break
             else:
@@ -756,7 +757,9 @@ class RunController:
             except BaseException:  # interrupted, or untyped: the append may have landed
                 self._unknown = f"{type(event).__name__} at seq {event.seq}, {action}"
                 raise
-        s.apply(event, dest)
+        APPLY[kind](s, event)  # `RunState.apply`, inlined
+        s.step = dest
+        s.last_seq = event.seq
         self._events.append(event)
         self._bytes = size
         if not self._buffered:

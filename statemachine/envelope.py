@@ -133,15 +133,16 @@ def is_read_limit(frontier: Sequence[str], batch: Sequence[str], *, whole: bool,
         return False
     seq = (*frontier, *batch)
     if m <= 32 and limit <= 32:  # a few short windows: compare them directly
-        def distinct(n: int) -> bool:
-            ends = range(max(p, n), p + m + 1)
-            return len({seq[end - n:end] for end in ends}) == len(ends)
-    else:
-        w = _Windows(seq)
-
-        def distinct(n: int) -> bool:
-            return _distinct(w, p, m, n)
-    return distinct(limit) and (limit == low or not distinct(limit - 1))
+        ends = range(max(p, limit), p + m + 1)
+        if len({seq[end - limit:end] for end in ends}) != len(ends):
+            return False
+        if limit == low:
+            return True
+        n = limit - 1
+        ends = range(max(p, n), p + m + 1)
+        return len({seq[end - n:end] for end in ends}) != len(ends)
+    w = _Windows(seq)
+    return _distinct(w, p, m, limit) and (limit == low or not _distinct(w, p, m, limit - 1))
 
 
 @attrs.frozen

@@ -41,7 +41,7 @@ from statemachine import events as ev
 from statemachine.envelope import is_read_limit
 from statemachine.errors import InvalidTransition, SchemaError
 from statemachine.payloads import digests
-from statemachine.state import RunState
+from statemachine.state import APPLY, RunState
 from statemachine.values import Phase, Step
 
 TERMINAL_STEPS = frozenset({Step.TERMINAL_UNRECOVERABLE, Step.COMPLETED})
@@ -112,8 +112,8 @@ def results_published(s: RunState, e: Any) -> bool:
 @guard
 def calls_are_new(s: RunState, e: Any) -> bool:
     """the response's call ids are unique and new to the run"""
-    ids = [c.call_id for c in e.tool_calls]
-    return len(set(ids)) == len(ids) and not any(i in s.calls for i in ids)
+    ids = {c.call_id for c in e.tool_calls}
+    return len(ids) == len(e.tool_calls) and s.calls.keys().isdisjoint(ids)
 
 
 @guard
@@ -431,6 +431,14 @@ for _t in TRANSITIONS:
         TABLE[(_src, _t.trigger)] = (*TABLE.get((_src, _t.trigger), ()), (_guards, _t.dest))
 
 
+ROWS: dict[tuple[Step, type[ev.Event]], tuple[tuple[tuple[Guard, ...], Step | None], ...]] = {
+    (step, kind): tuple((tuple(check for _, check in guards), dest) for guards, dest in rows)
+    for kind in ev.EVENT_TYPES for (step, trigger), rows in TABLE.items()
+    if trigger == kind.TRIGGER
+}
+"""`TABLE` by event class, each row's guards without their names: what replay reads."""
+
+
 class Refused(Exception):
     """Internal: no row of the table lets this event fire. ``failed`` names the first
     failing guard of each candidate row (empty when the step has no row at all)."""
@@ -496,33 +504,36 @@ def replay(run_id: str, events: Sequence[ev.Event]) -> RunState:
 
 def replay_onto(state: RunState, events: Sequence[ev.Event], *, first: int) -> None:
     """Fold ``events`` (the log from seq ``first`` on) into ``state``, checking each."""
-    run_id = state.run_id
-    table = TABLE
-    apply = state.apply
+    rows_of = ROWS
+    fold = APPLY
     for position, event in enumerate(events, start=first):
         if event.seq != position:
             raise SchemaError(f"sequence gap: event {position} carries seq {event.seq}",
-                              run_id=run_id, action="load")
+                              run_id=state.run_id, action="load")
         kind = type(event)
-        if kind is ev.RunStarted:
-            raise InvalidTransition(f"event {position}: RunStarted after the start",
-                                    run_id=run_id, step=state.step, action="load")
-        # `fire`, inlined (the loop is hot): the first row whose guards all hold
+        # `fire` and `RunState.apply`, inlined (the loop is hot): the first row whose
+        # guards all hold
         step = state.step
-        for guards, dest in table.get((step, kind.TRIGGER), ()):
-            for _, check in guards:
+        for checks, dest in rows_of.get((step, kind), ()):
+            for check in checks:
                 if not check(state, event):
                     break
             else:
-                apply(event, step if dest is None else dest)
+                fold[kind](state, event)
+                state.step = step if dest is None else dest
+                state.last_seq = position
                 break
         else:  # no row let it fire: `fire` names why
+            if kind is ev.RunStarted:
+                raise InvalidTransition(f"event {position}: RunStarted after the start",
+                                        run_id=state.run_id, step=step, action="load")
             try:
                 fire(state, kind.TRIGGER, event)
             except Refused as refused:
                 raise InvalidTransition(
                     f"event {position} ({kind.__name__}) is forbidden here: "
-                    f"{refused.reason()}", run_id=run_id, step=step, action="load") from None
+                    f"{refused.reason()}", run_id=state.run_id, step=step,
+                    action="load") from None
             raise AssertionError("fire accepted an event its table refused")  # pragma: no cover
 
 

@@ -433,6 +433,18 @@ def test_a_duplicate_key_is_refused_whatever_the_spacing(item: str, key: str) ->
     assert codec.decode_log(text).events == list(c.events)
 
 
+@pytest.mark.parametrize("ensure_ascii", [True, False])
+@pytest.mark.parametrize(("item", "key"), _SEPARATORS[:4])
+def test_what_json_dumps_writes_takes_the_fast_path(ensure_ascii: bool, item: str,
+                                                    key: str) -> None:
+    """A document as ``json.dumps`` writes it (its defaults, compact, either half of them;
+    non-ASCII text escaped or not) is clean: decoded without the strict parser."""
+    c = _every_event_type()
+    text = json.dumps(c.to_json(), ensure_ascii=ensure_ascii, separators=(item, key))
+    assert codec.clean_parse(text) is not None
+    assert codec.decode_log(text).events == list(c.events)
+
+
 def _stored_rows(data: st.DataObject) -> tuple[str, list[tuple[Any, Any]]]:
     """A log's stored rows (seq, compact body), perhaps damaged: a body re-split across
     two rows so the rows still join to the same text, a key duplicated, spacing or a

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from statemachine.envelope import Envelope, classify, measure_frontier, read_limit_for
-from statemachine.payloads import canonical_json, digests
+from statemachine.payloads import JSON, canonical_json, digests
 from statemachine.values import Step
 
 tokens = st.lists(st.sampled_from("xyab"), max_size=7)
@@ -124,3 +124,37 @@ def test_classify_matches_the_naive_comparison(history: list[str], batch: list[s
         ks = [k for k in range(1, len(fb)) if seen == (fp + fb[:k])[-n:]]
         assert (found.kind, found.written) == (("partial_write", ks[0]) if ks
                                                 else ("history_changed", 0))
+
+
+def test_a_staged_envelope_holds_each_field_under_its_own_name() -> None:
+    """The fold builds the envelope by position: every field must land under its name."""
+    from statemachine import RunController, ToolCall
+    from statemachine.events import PublicationStaged
+
+    c = RunController.start(run_id="r", session_id="s")
+    c.add_input([{"role": "user", "content": "hi"}])
+    c.guardrail_evaluated("g", {"ok": True}, stage="input")
+    c.begin_model_call()
+    c.model_responded([ToolCall("a", "t", {}, needs_approval=True),
+                       ToolCall("b", "t", {}, needs_approval=True)])
+    c.reject("a", {"r": 1})
+    history: list[JSON] = [{"role": "system", "content": "x"}]
+    batch: list[JSON] = [{"role": "user", "content": "hi"}, {"call_id": "a", "output": {"r": 1}}]
+    c.stage_publication(batch, history, call_ids=["a"])
+    envelope = c.envelope
+    staged = c.events[-1]
+    assert envelope is not None
+    assert isinstance(staged, PublicationStaged)
+    assert envelope.session_id == "s"
+    assert envelope.items == tuple(batch) == staged.items
+    assert envelope.call_ids == ("a",)
+    assert envelope.continuation is Step.INTERRUPTION is staged.continuation
+    assert envelope.read_limit == staged.read_limit == 3
+    assert envelope.frontier == staged.frontier == tuple(digests(history, canonical_json))
+    assert envelope.frontier_whole is True
+    assert envelope.batch_digests == tuple(digests(batch, canonical_json))
+    assert [g.name for g in envelope.guardrails] == ["g"]
+    assert envelope.interruptions == ("b",)
+    assert envelope.fail_closed is False
+    assert envelope.staged_seq == staged.seq
+    assert envelope.input_items == 1
