@@ -595,9 +595,26 @@ def decode_clean(raw_events: list[Any], max_depth: int) -> list[ev.Event]:
 class SizedEvents(list[ev.Event]):
     """Events a store decoded, with ``json_size``: the UTF-8 length of their compact JSON
     joined by commas (what they add to `to_json()`'s ``"events"``), measured while
-    decoding them, so a controller loading them need not size each event again."""
+    decoding them, so a controller loading them need not size each event again. Any
+    change to the list (by whoever it was handed to) forgets it: None."""
 
-    json_size: int
+    json_size: int | None = None
+
+
+def _forgetting(name: str) -> Callable[..., Any]:
+    change = getattr(list, name)
+
+    def method(self: SizedEvents, *args: Any) -> Any:
+        self.json_size = None
+        return change(self, *args)
+
+    method.__name__ = name
+    return method
+
+
+for _name in ("append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse",
+              "__setitem__", "__delitem__", "__iadd__", "__imul__"):
+    setattr(SizedEvents, _name, _forgetting(_name))
 
 
 _scan_once: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
@@ -635,13 +652,14 @@ def decode_stored_batch(bodies: list[str], first: int) -> SizedEvents | None:
         except UnicodeEncodeError:
             return None
     fast = FAST_DECODE
-    events = SizedEvents()
-    add = events.append
+    decoded: list[ev.Event] = []
+    add = decoded.append
     for position, raw in enumerate(trees, start=first):
         try:
             add(fast[raw["type"]](raw, None))
         except Exception:  # a bad or unusual event: the strict decoder decides
             add(decode_stored_event(raw, position))
+    events = SizedEvents(decoded)
     events.json_size = utf8_len(compact) - 2
     return events
 

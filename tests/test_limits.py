@@ -336,6 +336,38 @@ def test_a_store_load_knows_the_size_and_refuses_a_log_over_max_bytes(
     assert loaded.size == measured(loaded.to_json())
 
 
+def test_a_store_that_changes_the_events_it_was_handed_is_sized_by_the_events(
+    tmp_path: Any,
+) -> None:
+    """A store's decoded rows carry their size (`codec.SizedEvents`); a wrapper store that
+    changes that list before handing it on (here: drops the last event) must not pass
+    the old size on: the controller counts the events it got."""
+
+    class Trimming:
+        def __init__(self, inner: SQLiteEventStore) -> None:
+            self.inner = inner
+
+        def append(self, run_id: str, events: Any, expected_version: int, *,
+                   snapshot: dict[str, Any] | None = None) -> None:
+            self.inner.append(run_id, events, expected_version, snapshot=snapshot)
+
+        def load(self, run_id: str) -> list[Any]:
+            events = self.inner.load(run_id)
+            assert type(events) is codec.SizedEvents
+            assert events.json_size is not None
+            events.pop()
+            return events
+
+    inner = SQLiteEventStore(tmp_path / "s.db")
+    c = RunController.start(run_id="r", session_id="s", store=inner)
+    c.begin_model_call()
+    c.model_failed(TimeoutError)
+    c.hook_ran("agent_start")
+    loaded = RunController.load(Trimming(inner), "r")
+    assert len(loaded.events) == 3
+    assert loaded.size == measured(loaded.to_json()) < c.size
+
+
 def test_a_snapshot_without_a_recorded_size_costs_one_read_of_the_log(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
