@@ -2,8 +2,10 @@
 
 `machine.fire` asks the declaration whether an event may fire (raising `Refused`), and
 `RunState.apply` folds an accepted event in. The controller and the replay make the same
-two calls, so a log is re-validated exactly as it was recorded. ``apply`` never fails for
-an event ``fire`` accepted, which is what lets a refused command leave nothing changed.
+two steps (their hot loops inline both: the rows of `machine.ROWS`, then the event's
+`APPLY` function and the step), so a log is re-validated exactly as it was recorded.
+``apply`` never fails for an event ``fire`` accepted, which is what lets a refused command
+leave nothing changed.
 The fold performs no I/O.
 
 Also here: `RunState.snapshot` / `RunState.restore` (the folded state as plain JSON, for
@@ -256,7 +258,8 @@ class RunState:
 
     def apply(self, event: ev.Event, dest: Step) -> None:
         """Fold an event that `machine.fire` accepted, with the step it returned. This is
-        the one fold: the controller and the replay both call it."""
+        the one fold: the controller and the replay run it (inlined in their hot loops:
+        ``APPLY[type(event)]``, then the step and the seq)."""
         APPLY[type(event)](self, event)
         self.step = dest
         self.last_seq = event.seq
