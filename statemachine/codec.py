@@ -40,6 +40,7 @@ from statemachine.payloads import (
     canonical_json,
     compact_json,
     detach,
+    encodable,
     encode_str,
     json_size,
     str_size,
@@ -475,11 +476,8 @@ def clean_parse(text: str) -> tuple[Any, str] | None:
                 text.isascii() and not compact.isascii()
                 and _squeezed(_ascii_compact(tree)) == squeezed):
             return None
-    if not compact.isascii():
-        try:
-            compact.encode("utf-8")
-        except UnicodeEncodeError:
-            return None
+    if not encodable(compact):
+        return None
     return tree, compact
 
 
@@ -622,8 +620,9 @@ _scan_once: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once
 
 def decode_stored_batch(bodies: list[str], first: int) -> SizedEvents | None:
     """The events of stored bodies, the compact JSON of one event each from seq
-    ``first`` on, when every body is clean; None otherwise: decode them one by one
-    (`decode_stored_text`), which names what is wrong.
+    ``first`` on, when every body is clean, decodes by its fast decoder and carries its
+    row's seq; None otherwise: decode them one by one (`decode_stored_text`), which names
+    the first row that is wrong.
 
     One parser call per body (with no ``json.loads`` wrapper) and one compact encoding
     of them all: each body must be exactly one JSON value, and the compact text of the
@@ -644,21 +643,19 @@ def decode_stored_batch(bodies: list[str], first: int) -> SizedEvents | None:
         compact = compact_json(trees)
     except (StopIteration, ValueError, TypeError, RecursionError):
         return None
-    if compact[1:-1] != ",".join(bodies):
+    if compact[1:-1] != ",".join(bodies) or not encodable(compact):
         return None
-    if not compact.isascii():
-        try:
-            compact.encode("utf-8")
-        except UnicodeEncodeError:
-            return None
     fast = FAST_DECODE
     decoded: list[ev.Event] = []
     add = decoded.append
     for position, raw in enumerate(trees, start=first):
         try:
-            add(fast[raw["type"]](raw, None))
-        except Exception:  # a bad or unusual event: the strict decoder decides
-            add(decode_stored_event(raw, position))
+            event = fast[raw["type"]](raw, None)
+        except Exception:  # a bad or unusual event: row by row, the first problem named
+            return None
+        if event.seq != position:
+            return None
+        add(event)
     events = SizedEvents(decoded)
     events.json_size = utf8_len(compact) - 2
     return events

@@ -41,7 +41,7 @@ class PayloadError(ValueError):
     """Why a value is not plain JSON; turned into a `SchemaError` by the caller."""
 
 
-def _encodable(text: str) -> bool:
+def encodable(text: str) -> bool:
     """Whether ``text`` encodes as UTF-8 (a lone surrogate does not)."""
     if text.isascii():
         return True
@@ -81,7 +81,7 @@ def text_problem(value: object) -> str | None:
         return f"must be a str, not {type_name(value)}"
     if len(value) > MAX_TEXT:
         return f"is longer than {MAX_TEXT} characters"
-    if not _encodable(value):
+    if not encodable(value):
         return "is not valid Unicode (a lone surrogate)"
     return None
 
@@ -169,7 +169,7 @@ def _walk(value: JSON, max_depth: int) -> JSON:
     """`detach`, by an iterative walk: the reference for every value and every refusal."""
     kind = type(value)
     if kind in _SCALARS:
-        if kind is str and not _encodable(value):
+        if kind is str and not encodable(value):
             raise PayloadError(_BAD_TEXT)
         if kind is int and not _int_ok(value):
             raise PayloadError(_BIG_INT)
@@ -183,11 +183,11 @@ def _walk(value: JSON, max_depth: int) -> JSON:
     if max_depth >= 1:
         # the common case: one flat container of strings, ints, bools and None
         values = value.values() if kind is dict else value
-        if all(type(v) in _SCALARS and (type(v) is not str or _encodable(v))
+        if all(type(v) in _SCALARS and (type(v) is not str or encodable(v))
                and (type(v) is not int or v.bit_length() < _INT_BITS) for v in values):
             if kind is list:
                 return list(value)
-            if all(type(k) is str and _encodable(k) for k in value):
+            if all(type(k) is str and encodable(k) for k in value):
                 return dict(value)
     root: dict[str, JSON] | list[JSON] = {} if kind is dict else []
     stack: list[tuple[Any, Any, int]] = [(value, root, 1)]
@@ -200,11 +200,11 @@ def _walk(value: JSON, max_depth: int) -> JSON:
         for key, item in pairs:
             if is_dict and type(key) is not str:
                 raise PayloadError(f"a dict key of type {type_name(key)}")
-            if is_dict and isinstance(key, str) and not _encodable(key):
+            if is_dict and isinstance(key, str) and not encodable(key):
                 raise PayloadError(_BAD_TEXT)
             kind = type(item)
             if kind in _SCALARS:
-                if kind is str and not _encodable(item):
+                if kind is str and not encodable(item):
                     raise PayloadError(_BAD_TEXT)
                 if kind is int and not _int_ok(item):
                     raise PayloadError(_BIG_INT)
@@ -337,40 +337,21 @@ _C_MAKE_ENCODER = getattr(json.encoder, "c_make_encoder", None)
 _C_ENCODE_STR = getattr(json.encoder, "c_encode_basestring", None)
 
 
-def _make_canonical() -> Callable[[JSON], str]:
-    """The canonical text through one C encoder built once, without the circular check
-    (a per-call encoder with its own check costs half as much again as the encoding):
-    a cycle then recurses until `RecursionError`, and `canonical_json` asks the checked
-    encoder, which names it as ``json.dumps`` does."""
-    if _C_MAKE_ENCODER is None or _C_ENCODE_STR is None:  # pragma: no cover - no C accelerator
-        encoder = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                                   allow_nan=False)
-        return encoder.encode
-    one_shot = _C_MAKE_ENCODER(None, _not_serializable, _C_ENCODE_STR, None, ":", ",", True,
-                               False, False)
-
-    def canonical(value: JSON) -> str:
-        return "".join(one_shot(value, 0))
-
-    return canonical
-
-
-_canonical_text = _make_canonical()
-
-
 def canonical_json(value: JSON) -> bytes:
     """The built-in canonical form: sorted keys, no spaces, UTF-8, no NaN.
 
     ``json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-    allow_nan=False).encode("utf-8")``, the same bytes and the same errors."""
-    if type(value) is str and _C_ENCODE_STR is not None:
-        text: str = _C_ENCODE_STR(value)
-        return text.encode("utf-8")
-    try:
-        return _canonical_text(value).encode("utf-8")
-    except RecursionError:  # a cycle, or deeper than the C encoder goes: json.dumps says
+    allow_nan=False)``, through the C encoder it would build, built here without the
+    options' overhead (the circular check stays)."""
+    if _C_MAKE_ENCODER is None or _C_ENCODE_STR is None:  # pragma: no cover - no C accelerator
         return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
                           allow_nan=False).encode("utf-8")
+    if type(value) is str:
+        text: str = _C_ENCODE_STR(value)
+        return text.encode("utf-8")
+    one_shot = _C_MAKE_ENCODER({}, _not_serializable, _C_ENCODE_STR, None, ":", ",", True,
+                               False, False)
+    return "".join(one_shot(value, 0)).encode("utf-8")
 
 
 def sha256_hex(data: bytes) -> str:

@@ -935,11 +935,6 @@ def _decode(run_id: str, rows: Rows, first: int) -> list[Event]:
     else:
         batch = codec.decode_stored_batch([body for _, body in rows], first)
         if batch is not None:
-            for position, event in enumerate(batch, start=first):
-                if event.seq != position:
-                    raise SchemaError(f"stored event {position} is damaged: its body "
-                                      f"carries seq {event.seq}", run_id=run_id,
-                                      action="load")
             return batch
     events = []
     for position, (seq, body) in enumerate(rows, start=first):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import sys
 from typing import Any
 
@@ -332,6 +333,20 @@ def test_canonical_json_refuses_a_cycle_like_json_dumps() -> None:
         "ValueError", "Circular reference detected")
 
 
+def test_canonical_json_refuses_a_cycle_under_a_raised_recursion_limit() -> None:
+    """With the recursion limit raised far past what the C stack holds, a cycle is still
+    named by the circular check, never found by recursing (a crash), as json.dumps does."""
+    import subprocess
+
+    code = ("import sys; from statemachine.payloads import canonical_json\n"
+            "sys.setrecursionlimit(1_000_000); cycle = []; cycle.append(cycle)\n"
+            "try:\n    canonical_json({'k': [cycle]})\n"
+            "except ValueError as exc:\n    print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert (done.returncode, done.stdout) == (0, "Circular reference detected\n")
+
+
 @given(data=st.data())
 def test_is_read_limit_equals_the_search(data: st.DataObject) -> None:
     from statemachine.envelope import is_read_limit, read_limit_for
@@ -445,53 +460,67 @@ def test_what_json_dumps_writes_takes_the_fast_path(ensure_ascii: bool, item: st
     assert codec.decode_log(text).events == list(c.events)
 
 
-def _stored_rows(data: st.DataObject) -> tuple[str, list[tuple[Any, Any]]]:
-    """A log's stored rows (seq, compact body), perhaps damaged: a body re-split across
-    two rows so the rows still join to the same text, a key duplicated, spacing or a
-    number's form changed, a seq or a body of the wrong type."""
-    from statemachine.payloads import compact_json
+_ROW_DAMAGES = ["resplit", "duplicate", "spaced", "number", "seq", "not text", "two in one",
+                "body seq", "unknown type"]
 
-    c = drive(data, max_steps=20).c
-    bodies = [compact_json(codec.encode_event(e)) for e in c.events]
-    how = data.draw(st.sampled_from(["clean", "resplit", "duplicate", "spaced", "number",
-                                     "seq", "not text", "two in one"]), label="damage")
-    i = data.draw(st.integers(0, len(bodies) - 1), label="row")
+
+def _damage(bodies: list[Any], seqs: list[Any], how: str, i: int, cut: int) -> bool:
+    """Damage row ``i`` (and ``i + 1``) of a log's stored rows in place: a body re-split
+    across two rows at the ``cut``-th comma so the rows still join to the same text, a
+    key duplicated, spacing or a number's form changed, a seq or a body of the wrong
+    type, a body carrying another seq, an unknown event type. False when it could not
+    (no row after ``i``, or a body already made bytes)."""
     if how in ("resplit", "two in one") and i + 1 == len(bodies):
-        how = "clean"  # no row after this one
+        return False
+    if not all(type(body) is str for body in bodies[i:i + 2]):
+        return False
     if how == "resplit":
-        # the same joined text, cut elsewhere: "A,B" as "A[:k]" and "A[k+1:],B" ...
         joined = bodies[i] + "," + bodies[i + 1]
         commas = [k for k, ch in enumerate(joined) if ch == ","]
-        cut = data.draw(st.sampled_from(commas), label="cut")
-        bodies[i:i + 2] = [joined[:cut], joined[cut + 1:]]
+        at = commas[cut % len(commas)]
+        bodies[i:i + 2] = [joined[:at], joined[at + 1:]]
     elif how == "duplicate":
         bodies[i] = bodies[i].replace('"seq":', '"seq":0,"seq":', 1)
     elif how == "spaced":
         bodies[i] = bodies[i].replace(",", ", ", 1)
     elif how == "number":
-        bodies[i] = bodies[i].replace(f'"seq":{i}', f'"seq":{i}.0e0', 1)
+        bodies[i] = re.sub(r'"seq":(\d+)', r'"seq":\1.0e0', bodies[i], count=1)
     elif how == "two in one":
         bodies[i:i + 2] = [bodies[i] + "," + bodies[i + 1], "{}"]
-    rows: list[tuple[Any, Any]] = list(enumerate(bodies))
-    if how == "seq":
-        rows[i] = (float(i), rows[i][1])
-    elif how == "not text":
-        rows[i] = (i, rows[i][1].encode())
-    return how, rows
+    elif how == "body seq":
+        bodies[i] = bodies[i].replace('"seq":', '"seq":1', 1)
+    elif how == "unknown type":
+        bodies[i] = f'{{"type":"Nope","seq":{i}}}'
+    elif how == "seq":
+        seqs[i] = float(seqs[i])
+    else:  # not text
+        bodies[i] = bodies[i].encode()
+    return True
 
 
-@given(data=st.data())
-def test_stored_rows_decode_together_as_one_by_one(data: st.DataObject) -> None:
-    """The batch decoding of a store's rows equals decoding them one by one, the events
-    and the size a controller counts alike; a damaged row is refused the same way."""
+_ROW_DAMAGES = ["resplit", "duplicate", "spaced", "number", "seq", "not text", "two in one",
+                "body seq", "unknown type"]
+
+
+def _rows_agree(c: RunController, damages: list[tuple[str, int, int]]) -> None:
+    """The batch decoding of ``c``'s stored rows, damaged by ``damages`` (how, row, cut),
+    equals decoding them one by one: the events and the size a controller counts alike,
+    or the same refusal (the first damaged row's); clean rows, and only those, decode
+    together."""
     from statemachine import stores
+    from statemachine.payloads import compact_json
 
-    how, rows = _stored_rows(data)
+    bodies: list[Any] = [compact_json(codec.encode_event(e)) for e in c.events]
+    seqs: list[Any] = list(range(len(bodies)))
+    clean = True
+    for how, row, cut in damages:
+        if _damage(bodies, seqs, how, row % len(bodies), cut):
+            clean = False
+    rows = list(zip(seqs, bodies, strict=True))
 
     def load() -> Any:
         events = stores._decode("r", rows, 0)
-        sized = type(events) is codec.SizedEvents
-        return events, sized, codec.log_size("r", events)
+        return events, type(events) is codec.SizedEvents, codec.log_size("r", events)
 
     found = _outcome(load)
     with pytest.MonkeyPatch.context() as patched:
@@ -501,9 +530,23 @@ def test_stored_rows_decode_together_as_one_by_one(data: st.DataObject) -> None:
                  strict[:1] + strict[1][:1] if strict[0] == "ok" else strict)
     if found[0] == "ok":
         events, sized, size = found[1]
-        assert sized == (how == "clean"), "clean rows, and only those, decode together"
+        assert sized == clean, "clean rows, and only those, decode together"
         if sized:
             assert codec.envelope_size("r") + events.json_size == size
+
+
+@given(data=st.data())
+def test_stored_rows_decode_together_as_one_by_one(data: st.DataObject) -> None:
+    damage = st.tuples(st.sampled_from(_ROW_DAMAGES), st.integers(0, 40), st.integers(0, 9))
+    _rows_agree(drive(data, max_steps=20).c,
+                data.draw(st.lists(damage, max_size=2), label="damages"))
+
+
+@pytest.mark.parametrize(("first", "second"), [(a, b) for a in _ROW_DAMAGES
+                                               for b in _ROW_DAMAGES])
+def test_two_damaged_rows_are_refused_as_one_by_one(first: str, second: str) -> None:
+    """Every pair of damages, the earlier row first: the refusal names the first."""
+    _rows_agree(_every_event_type(), [(first, 2, 1), (second, 6, 3)])
 
 
 _HOSTILE = [{"\udc80": 1}, {"é": "ü"}, ["\ud800"], {1: 2}, {None: 1}, (1,), [(1,)],
