@@ -460,10 +460,6 @@ def test_what_json_dumps_writes_takes_the_fast_path(ensure_ascii: bool, item: st
     assert codec.decode_log(text).events == list(c.events)
 
 
-_ROW_DAMAGES = ["resplit", "duplicate", "spaced", "number", "seq", "not text", "two in one",
-                "body seq", "unknown type"]
-
-
 def _damage(bodies: list[Any], seqs: list[Any], how: str, i: int, cut: int) -> bool:
     """Damage row ``i`` (and ``i + 1``) of a log's stored rows in place: a body re-split
     across two rows at the ``cut``-th comma so the rows still join to the same text, a
