@@ -602,9 +602,9 @@ class SizedEvents(list[ev.Event]):
 def _forgetting(name: str) -> Callable[..., Any]:
     change = getattr(list, name)
 
-    def method(self: SizedEvents, *args: Any) -> Any:
+    def method(self: SizedEvents, *args: Any, **kwargs: Any) -> Any:
         self.json_size = None
-        return change(self, *args)
+        return change(self, *args, **kwargs)
 
     method.__name__ = name
     return method
