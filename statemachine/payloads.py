@@ -100,7 +100,9 @@ spare); a deeper tree is left to the iterative walk, which never recurses."""
 def _fast_copy(value: Any, left: int) -> Any:
     """A copy of the dict or list ``value`` if it is plain JSON with only ASCII text,
     small ints and finite floats, within ``left`` levels; else `_Unsure`. Recursion is
-    bounded by ``left`` (at most `_FAST_DEPTH`)."""
+    bounded by ``left`` (at most `_FAST_DEPTH`). The dict and the list loops check items
+    alike and stay apart: one loop over either (``enumerate`` for a list, a branch for
+    keys) made a payload's copy a quarter to a third slower."""
     if type(value) is dict:
         out: Any = {}
         for key, item in value.items():
