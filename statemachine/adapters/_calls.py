@@ -1,6 +1,10 @@
-"""What every adapter does before a tool body runs: ask the ledger (DESIGN §2.4)."""
+"""What every adapter does before a tool body runs: ask the ledger (DESIGN §2.4); and,
+for the async adapters, the whole of one call (`run_call`)."""
 
 from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from statemachine.controller import RunController
 from statemachine.errors import InvalidTransition
@@ -38,3 +42,31 @@ def _same_json(asked: JSON, recorded: JSON) -> bool:
         return canonical_json(asked) == canonical_json(recorded)
     except (TypeError, ValueError):
         return False
+
+
+async def run_call(c: RunController, call_id: str, arguments: JSON, *,
+                   flush: Callable[[], Awaitable[None]], body: Callable[[], Awaitable[Any]],
+                   plain: Callable[[Any], JSON],
+                   answers: tuple[type[BaseException], ...] = ()) -> Any:
+    """One tool call through the ledger: its recorded result when it must not run
+    (`begin_call`); else its start made durable (``flush``: an effect boundary), the
+    body once, and its result recorded (``plain`` makes it JSON). An exception of a type
+    in ``answers`` is the tool's own answer ("retry", "failed"): recorded as its result
+    and raised on. Anything else the body raises (cancelled, timed out, failed before a
+    result) leaves the call started, and this controller answers as a reloaded one would
+    (`ToolInDoubt`)."""
+    done, cached = begin_call(c, call_id, arguments)
+    if done:  # published before, or recorded: its cached result, never a rerun
+        return cached
+    await flush()
+    try:
+        output = await body()
+    except answers as answer:
+        c.tool_completed(call_id, {"error": type(answer).__name__, "message": str(answer)})
+        raise
+    except BaseException:
+        if call_id in c.in_flight:
+            c.tool_interrupted(call_id)
+        raise
+    c.tool_completed(call_id, plain(output))
+    return output

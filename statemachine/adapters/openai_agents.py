@@ -87,7 +87,7 @@ from agents.memory import Session as SDKSession
 from agents.tool_context import ToolContext
 from agents.tool_guardrails import ToolInputGuardrailData, ToolOutputGuardrailData
 
-from statemachine.adapters._calls import begin_call
+from statemachine.adapters._calls import run_call
 from statemachine.controller import RunController
 from statemachine.errors import (
     ControlError,
@@ -837,22 +837,9 @@ class AgentRun:
 
     async def _invoke_tool(self, inner: Callable[[ToolContext[Any], str], Awaitable[Any]],
                            ctx: ToolContext[Any], input: str) -> Any:
-        c = self.controller
-        call_id = ctx.tool_call_id
-        done, cached = begin_call(c, call_id, _arguments(input))
-        if done:  # published before, or recorded: its cached result, never a rerun
-            return cached
-        await self._flush()  # an effect boundary: the start is durable first
-        try:
-            output = await inner(ctx, input)
-        except BaseException:
-            # cancelled, timed out, or failed the run before its result was recorded: the
-            # call stays started and this controller answers as a reloaded one would
-            if call_id in c.in_flight:
-                c.tool_interrupted(call_id)
-            raise
-        c.tool_completed(call_id, _plain(output))
-        return output
+        return await run_call(self.controller, ctx.tool_call_id, _arguments(input),
+                              flush=self._flush, body=lambda: inner(ctx, input),
+                              plain=_plain)
 
 
 def _refusal(error: BaseException) -> BaseException:

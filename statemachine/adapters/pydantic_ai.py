@@ -85,7 +85,7 @@ from pydantic_ai.messages import (
 )
 from pydantic_ai.run import AgentRunResult
 
-from statemachine.adapters._calls import begin_call
+from statemachine.adapters._calls import run_call
 from statemachine.controller import RunController
 from statemachine.errors import ControlError, InvalidTransition, PublicationUnsettled, RunNotFound
 from statemachine.payloads import JSON
@@ -630,28 +630,12 @@ class LedgerRun:
             await self._publish([response])
 
     async def _execute(self, call: ToolCallPart, args: Any, handler: Any) -> Any:
-        c = self.controller
-        call_id = call.tool_call_id
-        done, cached = begin_call(c, call_id, _arguments(call))
-        if done:  # published before, or recorded: its cached result, never a rerun
-            return cached
-        await self._flush()  # an effect boundary: the start is durable first
-        try:
-            output = await handler(args)
-        except (ModelRetry, ToolRetryError, ToolFailedError) as answer:
-            # the tool answered "retry" or "failed": that is its result; the model's next
-            # call has a new id, and this one never runs again
-            c.tool_completed(call_id, {"error": type(answer).__name__,
-                                       "message": str(answer)})
-            raise
-        except BaseException:
-            # cancelled, killed, deferred itself or raised: the call stays started, and
-            # this controller answers as a reloaded one would (ToolInDoubt)
-            if call_id in c.in_flight:
-                c.tool_interrupted(call_id)
-            raise
-        c.tool_completed(call_id, _plain(output))
-        return output
+        # "retry" and "failed" are the tool's answer, recorded as its result: the model's
+        # next call has a new id, and this one never runs again; cancelled, killed,
+        # deferred itself or raised: the call stays started (ToolInDoubt on a resume)
+        return await run_call(self.controller, call.tool_call_id, _arguments(call),
+                              flush=self._flush, body=lambda: handler(args), plain=_plain,
+                              answers=(ModelRetry, ToolRetryError, ToolFailedError))
 
 
 def _unanswered(messages: Sequence[ModelMessage]) -> list[str]:
