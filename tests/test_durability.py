@@ -49,7 +49,6 @@ from statemachine import (
     RunController,
     SQLiteEventStore,
     Step,
-    ToolCall,
     codec,
 )
 from statemachine import events as ev
@@ -69,6 +68,7 @@ from statemachine.testing import (
     check_log,
     counted_tool,
 )
+from statemachine.testing.contracts import at_interruption
 from statemachine.values import Phase
 from tests import durability_driver as driver
 from tests.helpers import SESSION, B, P, assert_refused, run_charge
@@ -171,23 +171,9 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Recording]
 RUN = "run-1"
 
 
-def _seed_model_call(c: RunController) -> None:
-    """The seed's first turn: charge(x=7), notify() and audit(), all approval-gated."""
-    c.hook_ran("agent_start")
-    c.begin_model_call()
-    c.hook_ran("model_start")
-    c.model_responded([
-        ToolCall("charge", "charge", {"x": 7}, needs_approval=True),
-        ToolCall("notify", "notify", {}, needs_approval=True),
-        ToolCall("audit", "audit", {}, needs_approval=True),
-    ])
-    c.hook_ran("model_end")
-
-
 def _buffered(store: EventStore) -> RunController:
-    c = RunController.start(run_id=RUN, session_id=SESSION, store=store, buffered=True)
-    _seed_model_call(c)
-    return c
+    """The seed's first turn (`at_interruption`), buffered."""
+    return at_interruption(store, RUN, SESSION, buffered=True)
 
 
 def test_buffered_commands_append_nothing_until_one_flush_appends_them_all(
@@ -227,8 +213,7 @@ def test_buffered_commands_append_nothing_until_one_flush_appends_them_all(
 
 def test_a_run_loaded_with_buffered_true_buffers_and_one_loaded_without_appends_each(
         store: Recording) -> None:
-    c = RunController.start(run_id=RUN, session_id=SESSION, store=store)
-    _seed_model_call(c)
+    c = at_interruption(store, RUN, SESSION)
     assert len(store.record.appends) == c.version == 6  # per command: one append each
     assert c.unflushed == 0
 

@@ -76,11 +76,12 @@ def _close(backend: object) -> None:
 
 def at_interruption(store: EventStore | None = None, run_id: str = "run-1",
                     session_id: str = "session-1",
-                    policy: RecoveryPolicy = RecoveryPolicy.RECONCILE) -> RunController:
+                    policy: RecoveryPolicy = RecoveryPolicy.RECONCILE, *,
+                    buffered: bool = False) -> RunController:
     """A run paused on three approval-gated calls, ``charge``, ``notify`` and ``audit``,
     with its agent and model hooks recorded (six events): the seed's model response."""
     c = RunController.start(run_id=run_id, session_id=session_id, policy=policy,
-                            store=store)
+                            store=store, buffered=buffered)
     c.hook_ran("agent_start")
     c.begin_model_call()
     c.hook_ran("model_start")
