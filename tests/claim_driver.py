@@ -103,9 +103,10 @@ class Hooks(RunHooks):
         self.effect(f"hook tool_end:{call.call_id}")
 
 
-def build(effects: Path | None) -> tuple[Agent, Hooks]:
-    """The agent and hooks; every effect goes to ``effects`` (None: nowhere)."""
-    effect = Effects(effects)
+def build(effects: Path | None, kind: type[Effects] = Effects) -> tuple[Agent, Hooks]:
+    """The agent and hooks; every effect goes to ``effects`` (None: nowhere), written by
+    ``kind``."""
+    effect = kind(effects)
 
     def guard(name: str) -> Any:
         def check(*args: Any) -> Verdict:

@@ -37,11 +37,7 @@ from statemachine.payloads import JSON
 from statemachine.postgres import PostgresEventStore
 from statemachine.runner import (
     Agent,
-    FunctionTool,
-    OutputGuardrail,
     Runner,
-    ToolGuardrail,
-    Verdict,
 )
 from statemachine.sessions import Session, SQLiteSession
 from statemachine.stores import Snapshot
@@ -79,24 +75,7 @@ class FsyncEffects(claim_driver.Effects):
 
 def build(effects: Path | None) -> tuple[Agent, claim_driver.Hooks]:
     """`claim_driver.build` with fsynced effects."""
-    effect = FsyncEffects(effects)
-
-    def guard(name: str) -> Any:
-        def check(*args: Any) -> Verdict:
-            effect(f"guardrail {name}")
-            return Verdict()
-        return check
-
-    def pay(amount: int) -> str:
-        effect("tool pay")
-        return f"paid {amount}"
-
-    tool = FunctionTool("pay", pay, needs_approval=True,
-                        input_guardrails=(ToolGuardrail("pay_input", guard("pay_input")),),
-                        output_guardrails=(ToolGuardrail("pay_output", guard("pay_output")),))
-    agent = Agent("payer", claim_driver.Model(effect), (tool,),
-                  output_guardrails=(OutputGuardrail("final_check", guard("final_check")),))
-    return agent, claim_driver.Hooks(effect)
+    return claim_driver.build(effects, FsyncEffects)
 
 
 async def prepare(store: PostgresEventStore, session: Session, run_id: str,
