@@ -22,7 +22,7 @@ import hmac
 import json
 import json.encoder
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import attrs
@@ -613,6 +613,12 @@ def _forgetting(name: str) -> Callable[..., Any]:
 for _name in ("append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse",
               "__setitem__", "__delitem__", "__iadd__", "__imul__"):
     setattr(SizedEvents, _name, _forgetting(_name))
+
+
+def measured_size(events: Sequence[ev.Event]) -> int | None:
+    """The size a store measured for ``events`` while decoding them (`SizedEvents`, and
+    unchanged since); None when none was, or it was forgotten."""
+    return events.json_size if type(events) is SizedEvents else None
 
 
 _scan_once: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]

@@ -1457,17 +1457,17 @@ def _snapshot_size(store: EventStore, run_id: str, stored: Mapping[str, Any] | N
     before = None if stored is None else stored.get(SNAPSHOT_SIZE)
     if type(before) is not int or before < 1:
         before = codec.log_size(run_id, store.load(run_id)[:base])
-    if type(tail) is codec.SizedEvents and tail.json_size is not None:  # measured
-        return before + (tail.json_size + 1 if tail else 0)
+    measured = codec.measured_size(tail)
+    if measured is not None:
+        return before + (measured + 1 if tail else 0)
     return before + sum(_EVENT_SIZE[type(event)](event) + 1 for event in tail)
 
 
 def _measured_size(run_id: str, events: Sequence[ev.Event]) -> int | None:
     """`RunController.size` of a whole log a store decoded and measured
     (`codec.SizedEvents`); None when it did not: the controller sizes each event."""
-    if type(events) is not codec.SizedEvents or events.json_size is None:
-        return None
-    return codec.envelope_size(run_id) + events.json_size
+    measured = codec.measured_size(events)
+    return None if measured is None else codec.envelope_size(run_id) + measured
 
 
 @contextlib.contextmanager
