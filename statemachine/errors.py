@@ -10,6 +10,7 @@ When several checks fail, the first in this order wins: `RunNotResumable`,
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 EXCERPT = 64
@@ -107,6 +108,16 @@ class ReconcileRejected(ControlError):
     """The Session cannot be matched to the envelope; nothing was recorded (I7)."""
 
 
+class Outcome(enum.StrEnum):
+    """What happened to a write that a `StorageError` refused (a str enum: each member
+    equals its text, so ``error.outcome == "unknown"`` keeps working)."""
+
+    NOT_WRITTEN = "not_written"
+    """Nothing of it landed: the controller is unchanged and the command may be retried."""
+    UNKNOWN = "unknown"
+    """It may have landed: reload the run to go on."""
+
+
 class StorageError(ControlError):
     """The backend failed (locked, read-only, full, corrupt, deleted, connection lost).
 
@@ -114,10 +125,10 @@ class StorageError(ControlError):
     the controller is unchanged and the command may be retried) or ``"unknown"`` (it may
     have landed; the controller refuses every command until the run is loaded again)."""
 
-    def __init__(self, reason: str, *, outcome: str = "unknown", **where: Any) -> None:
+    def __init__(self, reason: str, *, outcome: str = Outcome.UNKNOWN, **where: Any) -> None:
         if outcome not in ("not_written", "unknown"):
             raise ValueError("outcome is 'not_written' or 'unknown'")
-        self.outcome = outcome
+        self.outcome = Outcome(outcome)
         super().__init__(reason, **where)
 
     def _extra(self) -> dict[str, Any]:

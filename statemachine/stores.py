@@ -94,6 +94,36 @@ class SnapshotStore(EventStore, Protocol):
 
 
 @attrs.frozen
+class Loaded:
+    """Events a store read, with ``size``: the UTF-8 length of their compact JSON joined
+    by commas (what they add to `to_json()`'s ``"events"``) when the store measured it
+    while decoding them, else None (the controller sizes each event)."""
+
+    events: list[Event]
+    size: int | None = None
+
+
+def load_measured(store: EventStore, run_id: str) -> Loaded:
+    """The whole log of ``run_id`` with the size the store measured, when it offers one
+    (an optional ``load_measured`` method); else ``load`` with no size."""
+    own = getattr(store, "load_measured", None)
+    if own is not None:
+        return own(run_id)  # type: ignore[no-any-return]
+    events = store.load(run_id)
+    return Loaded(list(events), codec.measured_size(events))
+
+
+def load_latest_measured(store: SnapshotStore, run_id: str) -> tuple[Snapshot | None, Loaded]:
+    """`SnapshotStore.load_latest` with the size the store measured for the tail (an
+    optional ``load_latest_measured`` method); else with no size."""
+    own = getattr(store, "load_latest_measured", None)
+    if own is not None:
+        return own(run_id)  # type: ignore[no-any-return]
+    snapshot, tail = store.load_latest(run_id)
+    return snapshot, Loaded(list(tail), codec.measured_size(tail))
+
+
+@attrs.frozen
 class RunHead:
     """Where one run stands, as its store indexes it (DESIGN §6.7's run head row)."""
 
