@@ -23,7 +23,10 @@ bench *args:
 # long `fuzz` profile (persistent example database, a progress line every 50 examples).
 fuzz depth="7" *args:
     {{python}} -m statemachine explore --depth "$1"
-    HYPOTHESIS_PROFILE=fuzz {{python}} -m pytest -s tests/test_stateful.py tests/test_machine.py tests/test_codec.py tests/test_envelope.py tests/test_remote.py tests/test_decoder_fuzz.py tests/test_random_walk.py "${@:2}"
+    HYPOTHESIS_PROFILE=fuzz {{python}} -m pytest -s tests/kit/test_worlds.py \
+        tests/core/test_machine.py tests/core/test_codec.py tests/core/test_envelope.py \
+        tests/runner/test_remote.py tests/core/test_decoding.py tests/core/test_refusals.py \
+        "${@:2}"
 
 # Regenerate diagrams/ from the declaration in statemachine/machine.py.
 diagrams:

@@ -1,0 +1,134 @@
+"""Versioned JSON: round trips of any reachable run, the golden fixtures, and every kind
+of bad input refused with a typed error that names the problem."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from statemachine import InvalidTransition, RunController, SchemaError
+from statemachine.codec import SCHEMA_VERSION
+from tests.strategies import drive
+
+FIXTURES = Path(__file__).parents[1] / "fixtures"
+
+
+@given(st.data())
+def test_any_reachable_run_round_trips_exactly(data: st.DataObject) -> None:
+    c = drive(data).c
+    doc = c.to_json()
+    text = json.dumps(doc, sort_keys=True)
+    again = RunController.from_json(text)
+    assert again.state == c.state
+    assert json.dumps(again.to_json(), sort_keys=True) == text
+    assert again.events == c.events
+    assert json.loads(text) == doc  # plain JSON: no tuples, no enum members survive
+
+
+def test_to_json_is_plain_json() -> None:
+    doc = drive_fixed().to_json()
+    stack: list[Any] = [doc]
+    while stack:
+        value = stack.pop()
+        assert type(value) in (dict, list, str, int, float, bool, type(None))
+        if type(value) is dict:
+            assert all(type(k) is str for k in value)
+            stack.extend(value.values())
+        elif type(value) is list:
+            stack.extend(value)
+    assert doc["schema_version"] == SCHEMA_VERSION
+
+
+def drive_fixed() -> RunController:
+    from tests.helpers import failed
+
+    return failed()
+
+
+# ------------------------------------------------------------------ golden fixtures
+
+
+@pytest.mark.parametrize("path", sorted(FIXTURES.glob("v*/*.json")), ids=lambda p: p.stem)
+def test_golden_fixture_of_every_released_version_loads(path: Path) -> None:
+    expected = json.loads(path.with_suffix(".expected").read_text())
+    c = RunController.from_json(path.read_text())
+    assert c.step.value == expected["step"]
+    assert list(c.pending_approvals) == expected["pending_approvals"]
+    assert c.next_action().value == expected["next_action"]
+    assert len(c.events) == expected["events"]
+    if path.parent.name == f"v{SCHEMA_VERSION}":
+        assert c.to_json() == json.loads(path.read_text())
+
+
+def _negatives() -> list[tuple[str, dict[str, Any]]]:
+    return [(p.stem, json.loads(p.read_text()))
+            for p in sorted((FIXTURES / "negative").glob("*.json"))]
+
+
+@pytest.mark.parametrize(("name", "case"), _negatives(), ids=[n for n, _ in _negatives()])
+def test_negative_fixture_is_refused_with_a_typed_error(name: str, case: dict[str, Any]) -> None:
+    text = (FIXTURES / "negative" / case["document"]).read_text()
+    error = {"SchemaError": SchemaError, "InvalidTransition": InvalidTransition}[case["error"]]
+    with pytest.raises(error) as info:
+        RunController.from_json(text, **case.get("limits", {}))
+    assert type(info.value) is error
+    assert case["says"] in str(info.value)
+    for secret in case.get("never_says", []):
+        assert secret not in str(info.value)
+
+
+def test_older_versions_are_upcast_and_newer_fields_refused_under_old_labels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Simulates the next release: version SCHEMA_VERSION + 1 introduces the Abandoned
+    event."""
+    from statemachine import codec
+
+    current, following = SCHEMA_VERSION, SCHEMA_VERSION + 1
+    doc = json.loads((FIXTURES / f"v{current}" / "partial_approval_unsettled.json").read_text())
+    abandoned = json.loads((FIXTURES / f"v{current}" / "abandoned.json").read_text())
+    calls: list[int] = []
+
+    def upcast(doc: dict[str, Any]) -> dict[str, Any]:
+        calls.append(doc["schema_version"])
+        return {**doc, "schema_version": following}
+
+    monkeypatch.setattr(codec, "SCHEMA_VERSION", following)
+    monkeypatch.setitem(codec.UPCASTERS, current, upcast)
+    monkeypatch.setitem(codec.EVENT_SINCE, "Abandoned", following)
+    c = RunController.from_json(doc)
+    assert calls == [current]
+    assert c.to_json()["schema_version"] == following
+    with pytest.raises(SchemaError, match=f"Abandoned is not valid under schema_version {current}"):
+        RunController.from_json(abandoned)
+    assert RunController.from_json({**abandoned, "schema_version": following}).step.value == (
+        "terminal_unrecoverable")
+    # a version 1 document goes through every upcaster in turn
+    calls.clear()
+    assert RunController.from_json(
+        (FIXTURES / "v1" / "partial_approval_unsettled.json").read_text()).events == c.events
+    assert calls == [current]
+
+
+def test_version_2_adds_run_claimed_and_upcasts_version_1_unchanged() -> None:
+    from statemachine import codec
+
+    assert SCHEMA_VERSION == 2
+    assert codec.EVENT_SINCE["RunClaimed"] == 2
+    assert {name for name, since in codec.EVENT_SINCE.items() if since > 1} == {"RunClaimed"}
+    for path in sorted((FIXTURES / "v1").glob("*.json")):
+        v1 = json.loads(path.read_text())
+        assert codec.UPCASTERS[1](v1) == {**v1, "schema_version": 2}
+        c = RunController.from_json(v1)
+        assert c.to_json() == {**v1, "schema_version": 2}  # only the label changes
+        assert c.to_json() == json.loads((FIXTURES / "v2" / path.name).read_text())
+    claimed = json.loads((FIXTURES / "v2" / "claimed_unsettled.json").read_text())
+    assert [e["owner"] for e in claimed["events"] if e["type"] == "RunClaimed"] == [
+        "worker-a", None]
+    with pytest.raises(SchemaError, match="RunClaimed is not valid under schema_version 1"):
+        RunController.from_json({**claimed, "schema_version": 1})

@@ -1,0 +1,262 @@
+"""A fake managed-agents session served through the Anthropic SDK's own HTTP layer (an
+``httpx2.MockTransport``: nothing leaves the process), and the processes of the Anthropic
+adapter tests (tests/adapters/test_anthropic.py).
+
+`FakeSession` serves the three endpoints the SDK's session tool runner uses: the event list
+(``GET /v1/sessions/{id}/events``), the live stream (``GET .../events/stream``, SSE) and the
+result post (``POST .../events``). Its history can live in a JSON file, so a restarted
+process sees what an earlier one left. Faults are scripted per post (`PostFault`) and a
+stream can be dropped after a post.
+
+``python -m tests.drivers.anthropic_driver COMMAND DIR [NAME]`` — one command per process, on a run
+kept in DIR (SQLite event store DIR/events.db, remote history DIR/remote.json, tool runs
+appended to DIR/effects.txt with O_APPEND + fsync):
+
+* ``crash-post DIR``: the adapter runs ``charge`` (effect recorded), then the process kills
+  itself (SIGKILL) when the result post reaches the transport, before it lands;
+* ``crash-tool DIR``: ``charge`` kills its own process inside its body, after its effect;
+* a fourth argument ``buffered`` opens the adapter with ``buffered=True``;
+* ``resume DIR NAME``: open the run again and drive it until the session ends; prints one
+  JSON line ``{"name", "outcome": "done" | "error", "error", "posted"}``;
+* ``sdk-crash-post DIR`` / ``sdk-resume DIR NAME``: the same two steps on the SDK's runner
+  alone (no ledger), to show what the adapter prevents.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx2
+from anthropic import AsyncAnthropic
+from anthropic.lib.environments import SessionToolRunner
+from anthropic.lib.tools import _beta_session_runner as session_runner
+from anthropic.lib.tools import beta_async_tool
+
+from tests.drivers.effects import Effects
+
+SESSION_ID = "sesn_fake"
+STAMP = "2026-01-01T00:00:00Z"
+
+# the SDK waits 0.5 s before a reconnect and up to a second between post retries: the
+# tests shorten both (the behaviour under test does not depend on the waits)
+session_runner.STREAM_BACKOFF_START = 0.01
+session_runner.SEND_BACKOFF_CAP = 0.01
+
+
+class PostFault:
+    """What the server does with one result post: ``reject`` (400, nothing lands),
+    ``land-then-500`` (the result lands, the answer is a 500), ``drop`` (a connection
+    error, nothing lands); ``then_drop_stream`` also ends the live stream with an error."""
+
+    def __init__(self, kind: str, *, then_drop_stream: bool = False) -> None:
+        self.kind = kind
+        self.then_drop_stream = then_drop_stream
+
+
+def tool_use(call_id: str, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "agent.custom_tool_use", "id": call_id, "name": name,
+            "input": arguments, "processed_at": STAMP}
+
+
+class FakeSession:
+    """The server side of one managed session: ``calls`` are the agent's tool calls; once
+    every one of them is answered the session ends (``session.status_terminated``)."""
+
+    def __init__(self, calls: list[dict[str, Any]], *, path: Path | None = None,
+                 faults: list[PostFault] | None = None,
+                 on_post: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.path = path
+        self.faults = list(faults or [])
+        self.on_post = on_post
+        self.posts: list[dict[str, Any]] = []
+        self.stream_opens = 0
+        self._changed = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drop = False
+        if path is None or not path.exists():
+            self._save({"events": list(calls), "calls": [c["id"] for c in calls]})
+
+    # ---------------------------------------------------------------- history
+
+    def _load(self) -> dict[str, Any]:
+        if self.path is None:
+            return self._memory
+        return json.loads(self.path.read_text())  # type: ignore[no-any-return]
+
+    def _save(self, data: dict[str, Any]) -> None:
+        if self.path is None:
+            self._memory = data
+        else:
+            self.path.write_text(json.dumps(data))
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return list(self._load()["events"])
+
+    def results(self, call_id: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e.get("custom_tool_use_id") == call_id]
+
+    def _append(self, event: dict[str, Any]) -> None:
+        data = self._load()
+        data["events"].append({**event, "id": f"sevt_{len(data['events'])}",
+                               "processed_at": STAMP})
+        answered = {e.get("custom_tool_use_id") for e in data["events"]}
+        ended = any(e["type"] == "session.status_terminated" for e in data["events"])
+        if not ended and all(call in answered for call in data["calls"]):
+            data["events"].append({"type": "session.status_terminated",
+                                   "id": f"sevt_{len(data['events'])}", "processed_at": STAMP})
+        self._save(data)
+        self._changed.set()
+
+    # ------------------------------------------------------------------- HTTP
+
+    async def handle(self, request: httpx2.Request) -> httpx2.Response:
+        path = request.url.path
+        if path.endswith("/events/stream"):
+            return self._stream()
+        if path.endswith("/events") and request.method == "GET":
+            return httpx2.Response(200, json={"data": self.events, "next_page": None})
+        if path.endswith("/events") and request.method == "POST":
+            return self._post(json.loads(request.content))
+        return httpx2.Response(404, json={"type": "error", "error": {
+            "type": "not_found_error", "message": path}})
+
+    def _post(self, body: dict[str, Any]) -> httpx2.Response:
+        event = body["events"][0]
+        self.posts.append(event)
+        if self.on_post is not None:
+            self.on_post(event)
+        fault = self.faults.pop(0) if self.faults else None
+        if fault is not None and fault.then_drop_stream:
+            self._drop = True
+            self._changed.set()
+        call_id = event.get("custom_tool_use_id")
+        if fault is not None and fault.kind == "reject":
+            return _error(400, "invalid_request_error", "injected rejection")
+        if fault is not None and fault.kind == "drop":
+            raise httpx2.ConnectError("injected connection drop")
+        if self.results(call_id):
+            return _error(400, "invalid_request_error", "tool use already answered")
+        self._append(event)
+        if fault is not None and fault.kind == "land-then-500":
+            return _error(500, "api_error", "injected failure after the result landed")
+        return httpx2.Response(200, json={"data": []})
+
+    def _stream(self) -> httpx2.Response:
+        self.stream_opens += 1
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # an asyncio.Event belongs to one loop
+            self._loop, self._changed = loop, asyncio.Event()
+        events = self.events
+        # a stream opened after the session ended is told so at once (else the SDK's
+        # runner would wait for an end it already missed)
+        ended = [e for e in events if e["type"] == "session.status_terminated"]
+        start = len(events) - len(ended[-1:])
+        self._drop = False
+
+        async def body() -> AsyncIterator[bytes]:
+            seen = start
+            while True:
+                self._changed.clear()  # before the read: no append can slip between
+                events = self.events
+                for event in events[seen:]:
+                    yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
+                seen = len(events)
+                if self._drop:
+                    self._drop = False
+                    raise httpx2.ReadError("injected stream drop")
+                if any(e["type"] == "session.status_terminated" for e in events):
+                    return
+                if len(self.events) > seen:
+                    continue
+                try:
+                    await asyncio.wait_for(self._changed.wait(), 5)
+                except TimeoutError:
+                    return
+
+        return httpx2.Response(200, headers={"content-type": "text/event-stream"},
+                               content=body())
+
+
+def _error(status: int, kind: str, message: str) -> httpx2.Response:
+    return httpx2.Response(status, json={"type": "error",
+                                         "error": {"type": kind, "message": message}})
+
+
+def client_for(server: FakeSession) -> AsyncAnthropic:
+    return AsyncAnthropic(api_key="test-key", max_retries=0,
+                          http_client=httpx2.AsyncClient(
+                              transport=httpx2.MockTransport(server.handle)))
+
+
+def charge_tool(effect: Effects, *, crash: bool = False) -> Any:
+    @beta_async_tool
+    async def charge(x: int) -> str:
+        """Charge the customer x dollars."""
+        effect(f"charge {x}")
+        if crash:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return f"charged {x}"
+
+    return charge
+
+
+# ------------------------------------------------------------------- processes
+
+
+def _kill_self(event: dict[str, Any]) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+async def _drive(folder: Path, name: str, *, ledger: bool, crash_tool: bool = False,
+                 crash_post: bool = False, buffered: bool = False) -> dict[str, Any]:
+    from statemachine import SQLiteEventStore
+    from statemachine.adapters.anthropic import LedgerSessionToolRunner
+
+    effect = Effects(folder, name)
+    server = FakeSession([tool_use("tu_1", "charge", {"x": 7})], path=folder / "remote.json",
+                         on_post=_kill_self if crash_post else None)
+    client = client_for(server)
+    tools = [charge_tool(effect, crash=crash_tool)]
+    runner: SessionToolRunner
+    if ledger:
+        runner = await LedgerSessionToolRunner.open(
+            client, SESSION_ID, tools=tools, store=SQLiteEventStore(folder / "events.db"),
+            owner=name, max_idle=None, buffered=buffered)
+    else:
+        runner = SessionToolRunner(client, SESSION_ID, tools=tools, max_idle=None)
+    posted: list[bool] = []
+    try:
+        async for call in runner:
+            posted.append(call.posted)
+    except Exception as error:  # the outcome is what the test reads
+        return {"name": name, "outcome": "error", "error": type(error).__name__,
+                "posted": posted}
+    return {"name": name, "outcome": "done", "error": None, "posted": posted}
+
+
+def main(argv: list[str]) -> int:
+    command, folder = argv[0], Path(argv[1])
+    name = argv[2] if len(argv) > 2 else command
+    buffered = argv[3:] == ["buffered"]
+    options = {
+        "crash-post": {"ledger": True, "crash_post": True},
+        "crash-tool": {"ledger": True, "crash_tool": True},
+        "resume": {"ledger": True},
+        "sdk-crash-post": {"ledger": False, "crash_post": True},
+        "sdk-resume": {"ledger": False},
+    }[command]
+    answer = asyncio.run(_drive(folder, name, buffered=buffered, **options))
+    print(json.dumps(answer))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,152 @@
+"""The event-store contract (`statemachine.testing.contracts.EventStoreContract`) run
+against each of our stores, then what only SQLite promises: durable pragmas, two fresh
+interpreters racing on one file, and appends whose outcome is unknown."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from statemachine import MemoryEventStore, RunController, Step, StorageError
+from statemachine import controller as controller_module
+from statemachine.stores import EventStore, SQLiteEventStore
+from statemachine.testing.contracts import EventStoreContract
+from tests.helpers import assert_refused, at_interruption
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class TestMemoryEventStore(EventStoreContract):
+    def make_store(self, tmp_path: Path) -> EventStore:
+        return MemoryEventStore()
+
+
+class TestSQLiteEventStore(EventStoreContract):
+    def make_store(self, tmp_path: Path) -> EventStore:
+        return SQLiteEventStore(tmp_path / "events.db")
+
+    def open_again(self, tmp_path: Path) -> EventStore:
+        return SQLiteEventStore(tmp_path / "events.db")
+
+    def test_is_durable_on_disk_with_the_promised_pragmas(self, tmp_path: Path) -> None:
+        path = tmp_path / "events.db"
+        first = SQLiteEventStore(path)
+        c = at_interruption(store=first)
+        first.close()
+        second = SQLiteEventStore(path)
+        assert RunController.load(second, "run-1").state == c.state
+        conn = second._conn
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+        with sqlite3.connect(path) as raw, pytest.raises(sqlite3.IntegrityError):
+            raw.execute("INSERT INTO events VALUES ('run-1', 0, 'x', '{}')")
+
+    def test_two_processes_on_one_file_cannot_both_act(self, tmp_path: Path) -> None:
+        path = tmp_path / "events.db"
+        at_interruption(store=SQLiteEventStore(path))
+        script = (
+            "import sys, time\n"
+            "from statemachine import RunController, ConcurrencyConflict\n"
+            "from statemachine.stores import SQLiteEventStore\n"
+            "c = RunController.load(SQLiteEventStore(sys.argv[1]), 'run-1')\n"
+            "open(sys.argv[3], 'w').close()\n"
+            "while not __import__('os').path.exists(sys.argv[4]): time.sleep(0.005)\n"
+            "try:\n    c.approve(sys.argv[2]); print('approved')\n"
+            "except ConcurrencyConflict: print('conflict')\n"
+        )
+        go = tmp_path / "go"
+        procs = [subprocess.Popen([sys.executable, "-c", script, str(path), call_id,
+                                   str(tmp_path / f"ready-{call_id}"), str(go)],
+                                  stdout=subprocess.PIPE, text=True, cwd=ROOT)
+                 for call_id in ("charge", "notify")]
+        for call_id in ("charge", "notify"):
+            while not (tmp_path / f"ready-{call_id}").exists():
+                threading.Event().wait(0.005)
+        go.touch()
+        outputs = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
+        assert outputs == ["approved", "conflict"]
+        assert len(SQLiteEventStore(path).load("run-1")) == 7
+
+    def test_an_append_whose_commit_answer_was_lost_is_classified_by_read_back(
+        self, tmp_path: Path
+    ) -> None:
+        class LostAnswer(SQLiteEventStore):
+            """COMMIT lands, then the connection reports an error."""
+
+            def _connect(self) -> sqlite3.Connection:
+                conn = sqlite3.connect(self.path, isolation_level=None,
+                                       check_same_thread=False, factory=_LosesCommitAnswer)
+                conn.execute("PRAGMA journal_mode=WAL")
+                return conn
+
+        store = LostAnswer(tmp_path / "events.db")
+        c = at_interruption(store=store)
+        _LOSE_COMMIT_ANSWER.set()
+        try:
+            c.approve("charge")  # the commit landed: classified as appended, no retry
+        finally:
+            _LOSE_COMMIT_ANSWER.clear()
+        assert RunController.load(store, "run-1").state == c.state
+        assert store.load("run-1")[-1] == c.events[-1]
+
+    def test_an_append_that_did_not_land_raises_and_leaves_the_run_unchanged(
+        self, tmp_path: Path
+    ) -> None:
+        class Refusing(SQLiteEventStore):
+            def _landed(self, batch_id: str) -> bool:
+                return False
+
+        store = Refusing(tmp_path / "events.db")
+        c = at_interruption(store=store)
+        original = store._conn
+        store._conn = _Broken(original)
+        refused = assert_refused(c, StorageError, c.approve, "charge")
+        assert refused.outcome == "not_written"
+        assert RunController.load(store, "run-1").state == c.state
+
+
+_LOSE_COMMIT_ANSWER = threading.Event()
+
+
+class _LosesCommitAnswer(sqlite3.Connection):
+    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+        cursor = super().execute(sql, *args)
+        if sql == "COMMIT" and _LOSE_COMMIT_ANSWER.is_set():
+            raise sqlite3.OperationalError("disk I/O error")
+        return cursor
+
+
+class _Broken:
+    """A connection whose COMMIT fails for real (rolled back: nothing lands)."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        if sql == "COMMIT":
+            self._conn.execute("ROLLBACK")
+            raise sqlite3.OperationalError("disk I/O error")
+        return self._conn.execute(sql, *args)
+
+    def executemany(self, sql: str, rows: Any) -> Any:
+        return self._conn.executemany(sql, rows)
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def test_snapshots_are_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(controller_module, "SNAPSHOT_EVERY", 2)
+    store = MemoryEventStore()
+    c = at_interruption(store=store)
+    assert c.step is Step.INTERRUPTION
+    snapshot, _ = store.load_latest("run-1")
+    assert snapshot is not None
+    assert json.loads(json.dumps(snapshot)) == snapshot
