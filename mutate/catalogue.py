@@ -44,17 +44,17 @@ def _m(ident: str, original: str, replacement: str, description: str,
 
 
 _CORE = ("tests/core/test_controller.py", "tests/core/test_invariants.py",
-         "tests/core/test_bad_input.py", "tests/core/test_partial_approval.py",
-         "tests/test_review_findings.py", "tests/core/test_machine.py",
-         "tests/test_mutant_kills.py", "tests/core/test_forged_logs.py",
-         "tests/kit/test_worlds.py")
-_RUNNER = ("tests/runner/test_one_writer.py", "tests/core/test_tool_interrupted.py",
-           "tests/runner/test_streaming.py", "tests/runner/test_partial_approval.py",
-           "tests/runner/test_crash_hooks.py", "tests/core/test_claim.py",
-           "tests/test_mutant_kills.py")
+         "tests/core/test_bad_input.py", "tests/core/test_payloads.py",
+         "tests/core/test_partial_approval.py", "tests/core/test_codec.py",
+         "tests/core/test_limits.py", "tests/core/test_machine.py",
+         "tests/core/test_forged_logs.py", "tests/kit/test_worlds.py")
+_RUNNER = ("tests/runner/test_one_writer.py", "tests/runner/test_runner_promises.py",
+           "tests/core/test_tool_interrupted.py", "tests/runner/test_streaming.py",
+           "tests/runner/test_partial_approval.py", "tests/runner/test_crash_hooks.py",
+           "tests/core/test_claim.py", "tests/storage/test_durability.py")
 _STORES = ("tests/storage/test_stores.py", "tests/storage/test_storage_faults.py",
-           "tests/storage/test_async_stores.py", "tests/test_mutant_kills.py",
-           "tests/storage/test_snapshots.py", "tests/core/test_claim.py")
+           "tests/storage/test_async_stores.py", "tests/storage/test_snapshots.py",
+           "tests/core/test_claim.py")
 
 SELECTIONS: dict[str, tuple[str, ...]] = {
     "statemachine/machine.py": _CORE,
@@ -62,19 +62,21 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     "statemachine/envelope.py": ("tests/core/test_envelope.py", *_CORE),
     "statemachine/codec.py": ("tests/core/test_codec.py", "tests/core/test_limits.py",
                               "tests/core/test_keyed_chain.py", "tests/core/test_decoding.py",
-                              "tests/core/test_controller.py", "tests/test_mutant_kills.py"),
-    "statemachine/controller.py": ("tests/core/test_copies.py", "tests/core/test_limits.py",
-                                   *_CORE, "tests/storage/test_durability.py",
-                                   "tests/storage/test_snapshots.py"),
+                              "tests/core/test_controller.py"),
+    "statemachine/controller.py": ("tests/core/test_copies.py", *_CORE,
+                                   "tests/storage/test_storage_faults.py",
+                                   "tests/storage/test_snapshots.py",
+                                   "tests/storage/test_durability.py",
+                                   "tests/core/test_tool_interrupted.py"),
     "statemachine/stores.py": _STORES,
     "statemachine/sqlite.py": ("tests/storage/test_sessions.py", *_STORES),
-    "statemachine/sessions.py": ("tests/storage/test_sessions.py", "tests/test_mutant_kills.py",
+    "statemachine/sessions.py": ("tests/storage/test_sessions.py",
                                  "tests/runner/test_partial_approval.py"),
     "statemachine/postgres.py": ("tests/storage/test_postgres_session.py",
-                                 "tests/storage/test_postgres.py", "tests/test_mutant_kills.py"),
-    "statemachine/runner/loop.py": (*_RUNNER, "tests/runner/test_runner_promises.py"),
+                                 "tests/storage/test_postgres.py", "tests/storage/test_stores.py"),
+    "statemachine/runner/loop.py": _RUNNER,
     "statemachine/runner/publish.py": _RUNNER,
-    "statemachine/runner/remote.py": ("tests/runner/test_remote.py", "tests/test_mutant_kills.py",
+    "statemachine/runner/remote.py": ("tests/runner/test_remote.py",
                                       "tests/runner/test_runner_promises.py"),
     "statemachine/runner/agents.py": _RUNNER,
 }

@@ -6,12 +6,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 
-from statemachine import RecoveryPolicy, RunController
+from statemachine import RecoveryPolicy, RunController, Step, ToolCall
 from statemachine.testing import contracts
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from statemachine.payloads import JSON
     from statemachine.stores import EventStore
 
 E = TypeVar("E", bound=BaseException)
@@ -72,6 +73,24 @@ def staged(policy: RecoveryPolicy = RecoveryPolicy.RECONCILE,
     c = at_interruption(policy, store)
     run_charge(c)
     c.stage_publication(B, P, call_ids=["charge", "audit"])
+    return c
+
+
+def tools_run(*calls: ToolCall) -> RunController:
+    """A run whose model proposed ``calls``, in TOOLS (none of them approval-gated)."""
+    c = RunController.start(run_id="forge", session_id=SESSION)
+    c.begin_model_call()
+    c.model_responded(list(calls))
+    assert c.step is Step.TOOLS
+    return c
+
+
+def staged_over(history: list[JSON], items: list[JSON], *, whole: bool = False
+                ) -> RunController:
+    """A run that recorded ``items`` as input and staged them over ``history``."""
+    c = RunController.start(run_id="forge", session_id=SESSION)
+    c.add_input(items)
+    c.stage_publication(items, history, whole=whole)
     return c
 
 

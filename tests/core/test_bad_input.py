@@ -183,3 +183,13 @@ def test_an_absurd_error_type_name_still_records_a_log_that_loads() -> None:
     huge = type("E" * 5000, (Exception,), {})
     c.model_failed(huge())
     assert RunController.from_json(json.dumps(c.to_json())).to_json() == c.to_json()
+
+
+def test_a_lone_surrogate_is_refused_before_anything_is_recorded() -> None:
+    c = RunController.start(run_id="r", session_id="s")
+    c.begin_model_call()
+    for bad in ({"a": "\ud800"}, {"\udfff": 1}, ["ok", {"deep": ["\ud800"]}]):
+        assert_refused(c, SchemaError, c.model_responded,
+                       [ToolCall("c1", "t", bad, needs_approval=True)])
+    c.model_responded([ToolCall("c1", "t", {"a": "caf\u00e9 \U0001f600"}, needs_approval=True)])
+    c.approve("c1")

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from statemachine import InvalidTransition, RunController, SchemaError
+from statemachine import InvalidTransition, RunController, SchemaError, ToolCall
 from statemachine.codec import SCHEMA_VERSION
 from tests.strategies import drive
 
@@ -132,3 +132,17 @@ def test_version_2_adds_run_claimed_and_upcasts_version_1_unchanged() -> None:
         "worker-a", None]
     with pytest.raises(SchemaError, match="RunClaimed is not valid under schema_version 1"):
         RunController.from_json({**claimed, "schema_version": 1})
+
+
+def test_a_log_that_drops_a_nested_field_is_refused() -> None:
+    c = RunController.start(run_id="r", session_id="s")
+    c.begin_model_call()
+    c.model_responded([ToolCall("c1", "t", {}, needs_approval=True)])
+    doc = c.to_json()
+    del doc["events"][2]["tool_calls"][0]["needs_approval"]
+    with pytest.raises(SchemaError, match="missing field"):
+        RunController.from_json(doc)
+    doc = c.to_json()
+    doc["events"][2]["tool_calls"][0]["extra"] = "x"
+    with pytest.raises(SchemaError, match="unknown field"):
+        RunController.from_json(doc)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -21,14 +21,27 @@ from statemachine import (
     RunNotFound,
     RunNotResumable,
     SchemaError,
+    SessionWrite,
     Step,
     ToolCall,
     ToolInDoubt,
     disable_logging,
     enable_logging,
 )
+from statemachine import events as ev
+from statemachine.payloads import JSON
+from statemachine.stores import Snapshot
 from statemachine.values import Phase
-from tests.helpers import SESSION, P, assert_refused, at_interruption, reloaded, staged
+from tests.helpers import (
+    SESSION,
+    B,
+    P,
+    assert_refused,
+    at_interruption,
+    reloaded,
+    staged,
+    tools_run,
+)
 
 
 def _finalizing(session_id: str | None = SESSION, **kw: object) -> RunController:
@@ -111,6 +124,33 @@ def test_a_response_needs_calls_or_an_output() -> None:
     assert c.step is Step.INTERRUPTION
 
 
+def test_a_run_with_max_turns_zero_round_trips() -> None:
+    # MA34: max_turns=0 is a legal start (no model call at all), so its log loads
+    c = RunController.start(run_id="zero", session_id=None, max_turns=0)
+    again = RunController.from_json(c.to_json())
+    assert again.max_turns == 0
+    assert_refused(again, InvalidTransition, again.begin_model_call)
+
+
+def test_a_call_id_is_never_reused_in_a_run() -> None:
+    # MA04: call ids are new to the run; reusing a published call's id would overwrite
+    # its ledger record, and the call could run again
+    c = tools_run(ToolCall("pay", "pay", {}))
+    c.begin_tool("pay")
+    c.tool_completed("pay", "paid")
+    c.stage_publication([{"type": "function_call_output", "call_id": "pay",
+                          "output": "paid"}], [], call_ids=["pay"])
+    c.publication_committed()
+    assert c.phase("pay") is Phase.PUBLISHED
+    c.begin_model_call()
+    assert_refused(c, InvalidTransition, c.model_responded, [ToolCall("pay", "pay", {})])
+    c.model_responded([ToolCall("pay-2", "pay", {})])  # a new id is accepted
+    remote = RunController.start(run_id="remote", session_id=None)
+    remote.receive_tool_calls([ToolCall("k", "echo", {})])
+    assert_refused(remote, InvalidTransition, remote.receive_tool_calls,
+                   [ToolCall("k", "echo", {})])
+
+
 # --------------------------------------------------------- hooks, guardrails (I1)
 
 
@@ -144,6 +184,35 @@ def test_guardrails_run_once_per_scope() -> None:
                    stage="tool_input", call_id="charge")
     assert len(c.pending_guardrail_results) == 3
     assert c.guardrail_results == ()
+
+
+def test_a_tool_stage_guardrail_names_a_known_call() -> None:
+    # MA13: tool_input/tool_output guardrails are keyed by their call, which must exist
+    c = at_interruption()
+    for stage in ("tool_input", "tool_output"):
+        assert_refused(c, InvalidTransition, c.guardrail_evaluated, "g", {"ok": True},
+                       stage=stage, call_id="no-such-call")
+        assert_refused(c, InvalidTransition, c.guardrail_evaluated, "g", {"ok": True},
+                       stage=stage)
+    c.guardrail_evaluated("g", {"ok": True}, stage="tool_input", call_id="charge")
+    assert c.recorded_guardrail("g", stage="tool_input", call_id="charge") is not None
+
+
+def test_input_and_output_guardrails_run_once_per_activation() -> None:
+    # ST03: a handoff starts a new activation, in which the input guardrail runs again
+    # (once); tool guardrails stay keyed by their call
+    c = RunController.start(run_id="acts", session_id=None)
+    c.guardrail_evaluated("screen", {"ok": True}, stage="input")
+    assert_refused(c, InvalidTransition, c.guardrail_evaluated, "screen", {"ok": True},
+                   stage="input")
+    c.handoff("specialist")
+    assert c.recorded_guardrail("screen", stage="input") is None
+    c.guardrail_evaluated("screen", {"ok": False}, stage="input")
+    found = c.recorded_guardrail("screen", stage="input")
+    assert found is not None
+    assert found.result == {"ok": False}
+    assert_refused(c, InvalidTransition, c.guardrail_evaluated, "screen", {"ok": True},
+                   stage="input")
 
 
 # ------------------------------------------------------------------ decisions
@@ -261,6 +330,89 @@ def test_a_batch_must_name_exactly_its_calls() -> None:
     assert c.envelope.continuation is Step.TOOLS
 
 
+def test_a_batch_listing_a_call_twice_is_refused() -> None:
+    # MA19: each call's result is published once; a doubled id would publish it twice
+    c = at_interruption()
+    c.approve("charge")
+    c.resume()
+    c.begin_tool("charge")
+    c.tool_completed("charge", "charged 7")
+    items: list[JSON] = [{"type": "function_call_output", "call_id": "charge",
+                          "output": "charged 7"}]
+    assert_refused(c, InvalidTransition, c.stage_publication, items, P,
+                   call_ids=["charge", "charge"])
+    c.stage_publication(items, P, call_ids=["charge"])  # the honest batch is accepted
+
+
+def test_a_batch_naming_a_rejected_call_it_does_not_list_is_refused() -> None:
+    # MA20: a rejection's output is a result like any other; an item naming it must be
+    # listed in call_ids, or the call would stay unpublished after its output was written
+    c = at_interruption()
+    c.reject("notify", "not now")
+    c.reject("charge", "no")
+    items: list[JSON] = [{"type": "function_call_output", "call_id": "notify",
+                          "output": "not now"}]
+    assert_refused(c, InvalidTransition, c.stage_publication, items, P, call_ids=["charge"])
+    c.stage_publication(items, P, call_ids=["notify"])
+
+
+def test_recorded_input_is_published_only_by_a_batch_that_starts_with_it() -> None:
+    # ST16: a batch that does not start with the recorded input leaves it unpublished
+    c = RunController.start(run_id="input", session_id=SESSION)
+    c.add_input([{"role": "user", "content": "hi"}])
+    c.stage_publication([{"role": "user", "content": "other"}], [])
+    c.publication_committed()
+    assert c.unpublished_input == ({"role": "user", "content": "hi"},)
+    assert c.next_action() is Action.PUBLISH
+    c.stage_publication([{"role": "user", "content": "hi"}, {"note": 1}],
+                        [{"role": "user", "content": "other"}])
+    c.publication_committed()
+    assert c.unpublished_input == ()
+
+
+def test_recorded_input_is_published_before_anything_else() -> None:
+    # ST18: from every step that stages, recorded input goes to the Session first
+    c = at_interruption()
+    c.add_input([{"role": "user", "content": "and also"}])
+    assert c.next_action() is Action.PUBLISH  # not AWAIT_DECISIONS
+    h = RunController.start(run_id="handoff", session_id=SESSION)
+    h.add_input([{"role": "user", "content": "hi"}])
+    h.handoff("specialist")
+    assert h.next_action() is Action.PUBLISH  # not CALL_MODEL
+
+
+# ------------------------------------------------- calls a remote loop hands over
+
+
+def test_received_calls_are_approved_and_runnable() -> None:
+    # ST13: calls a remote loop hands over need no approval here: they are runnable at
+    # once, and the run has tools to run until each has run
+    c = RunController.start(run_id="remote", session_id=None)
+    c.receive_tool_calls([ToolCall("k1", "echo", {}), ToolCall("k2", "echo", {})])
+    assert c.runnable_call_ids() == ("k1", "k2")
+    assert c.next_action() is Action.RUN_TOOLS
+    c.begin_tool("k1")
+    c.tool_completed("k1", 1)
+    assert c.runnable_call_ids() == ("k2",)
+    assert c.next_action() is Action.RUN_TOOLS
+    c.begin_tool("k2")
+    c.tool_completed("k2", 2)
+    assert c.runnable_call_ids() == ()
+    assert c.next_action() is Action.PUBLISH
+
+
+def test_a_posted_result_is_posted_once() -> None:
+    # MA07: once the remote holds a call's result, no further post of it is recorded
+    c = RunController.start(run_id="remote", session_id=None)
+    c.receive_tool_calls([ToolCall("k", "echo", {})])
+    c.begin_tool("k")
+    c.tool_completed("k", "out")
+    c.result_post_failed("k", TimeoutError)  # a failed post leaves the result cached
+    c.result_posted("k")
+    assert_refused(c, InvalidTransition, c.result_posted, "k")
+    assert_refused(c, InvalidTransition, c.result_post_failed, "k", TimeoutError)
+
+
 # ---------------------------------------------------------------- stores
 
 
@@ -280,6 +432,37 @@ def test_two_controllers_from_one_version_cannot_both_act() -> None:
 def test_load_of_an_unknown_run_is_refused() -> None:
     with pytest.raises(RunNotFound, match="no such run"):
         RunController.load(MemoryEventStore(), "ghost")
+
+
+class _PairStore(MemoryEventStore):
+    """A memory store whose append takes a Session write with its events (as the
+    PostgreSQL stores do), keeping what it was handed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[SessionWrite] = []
+
+    def append(self, run_id: str, events: Sequence[ev.Event], expected_version: int, *,
+               snapshot: Snapshot | None = None, step: Step | None = None,
+               session_write: SessionWrite | None = None) -> None:
+        super().append(run_id, events, expected_version, snapshot=snapshot, step=step)
+        if session_write is not None:
+            self.written.append(session_write)
+
+
+def test_a_session_write_under_another_attempts_id_is_refused() -> None:
+    # CT19: the publication id is f"{run_id}:{seq of the event that opened the attempt}"
+    store = _PairStore()
+    c = staged(store=store)
+    opened = [e.seq for e in c.events if type(e) is ev.PublicationStaged][-1]
+    for wrong in (f"{c.run_id}:{opened + 1}", f"other-run:{opened}", "x"):
+        assert_refused(c, InvalidTransition, c.publication_committed,
+                       session_write=SessionWrite(SESSION, wrong, tuple(B)))
+    assert store.written == []
+    c.publication_committed(session_write=SessionWrite(SESSION, f"{c.run_id}:{opened}",
+                                                       tuple(B)))
+    assert [w.publication_id for w in store.written] == [f"{c.run_id}:{opened}"]
+    assert c.step is not Step.UNSETTLED
 
 
 # ---------------------------------------------------------------- limits

@@ -150,3 +150,17 @@ def test_a_resumed_attempt_never_rereads_the_log(tmp_path: Any) -> None:
     assert result.final_output == "done"
     assert result.controller.version > 600
     assert CountingStore.whole_loads == 0
+
+
+def test_the_model_output_handed_out_is_a_copy() -> None:
+    # CT18: what the controller hands out is the caller's; changing it changes nothing
+    c = RunController.start(run_id="copy", session_id=None)
+    c.begin_model_call()
+    c.model_responded(output={"answer": [1, 2]})
+    handed = c.model_output
+    assert isinstance(handed, dict)
+    handed["answer"].append(3)
+    handed["extra"] = True
+    assert c.model_output == {"answer": [1, 2]}
+    c.accept_final_output(c.model_output)
+    assert RunController.from_json(c.to_json()).final_output == {"answer": [1, 2]}

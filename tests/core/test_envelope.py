@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from statemachine.envelope import Envelope, classify, measure_frontier, read_limit_for
 from statemachine.payloads import JSON, canonical_json, digests
 from statemachine.values import Step
+from tests.helpers import staged_over
 
 tokens = st.lists(st.sampled_from("xyab"), max_size=7)
 
@@ -158,3 +159,19 @@ def test_a_staged_envelope_holds_each_field_under_its_own_name() -> None:
     assert envelope.fail_closed is False
     assert envelope.staged_seq == staged.seq
     assert envelope.input_items == 1
+
+
+def test_a_frontier_is_whole_only_when_it_covers_the_whole_history() -> None:
+    # EN07: frontier_whole says the frontier covers all of P; with the whole Session given
+    # but only its last read_limit items kept, it does not
+    history: list[JSON] = [{"h": i} for i in range(3)]
+    c = staged_over(history, [{"n": 9}], whole=True)
+    envelope = c.envelope
+    assert envelope is not None
+    assert envelope.read_limit == 2
+    assert envelope.frontier == digests(history[-2:], c.state.form)
+    assert envelope.frontier_whole is False
+    short = staged_over(history[:1], [{"n": 9}], whole=True)  # P shorter than the limit: all kept
+    assert short.envelope is not None
+    assert short.envelope.frontier_whole is True
+    assert short.envelope.frontier == digests(history[:1], c.state.form)

@@ -52,7 +52,7 @@ from statemachine.machine import GUARDS, TABLE, TRANSITIONS, Refused, fire, repl
 from statemachine.payloads import JSON, digests
 from statemachine.state import RunState
 from statemachine.values import GuardrailResult, Phase
-from tests.helpers import at_interruption
+from tests.helpers import at_interruption, failed, staged, staged_over, tools_run
 from tests.strategies import drive
 
 Events = list[ev.Event]
@@ -1248,3 +1248,134 @@ def test_each_guard_of_a_decision_answers_alone_for_an_unknown_call(event: Any) 
     assert "fingerprint_matches" in names
     for name in sorted(names):
         assert type(GUARDS[name](state, event)) is bool, name
+
+
+# ------------------------------------------ forged by hand: rules the controller checks first
+# The controller checks these rules before it records, so only a log edited outside it
+# shows whether replay checks them too (I10: a log is re-validated as it is loaded).
+
+
+def _forged(c: RunController, *extra: dict[str, Any]) -> dict[str, Any]:
+    """``c``'s document with ``extra`` raw events appended (their seq filled in)."""
+    doc: dict[str, Any] = c.to_json()
+    for offset, raw in enumerate(extra):
+        doc["events"].append({**raw, "seq": c.version + offset})
+    return doc
+
+
+def _refused(doc: dict[str, Any], seq: int) -> None:
+    with pytest.raises(InvalidTransition) as info:
+        RunController.from_json(doc)
+    assert f"event {seq}" in str(info.value)
+
+
+def test_a_log_starting_a_non_idempotent_call_twice_is_refused() -> None:
+    # MA11: I11, a started non-idempotent call is never started again
+    c = tools_run(ToolCall("pay", "pay", {"x": 1}), ToolCall("look", "look", {},
+                                                                idempotent=True))
+    c.begin_tool("pay")
+    c.begin_tool("look")
+    _refused(_forged(c, {"type": "ToolStarted", "call_id": "pay"}), c.version)
+    # the same second start of the idempotent call is legal: the flag is what decides
+    again = RunController.from_json(_forged(c, {"type": "ToolStarted", "call_id": "look"}))
+    assert again.call("look").starts == 2
+
+
+def test_a_log_completing_a_call_never_started_is_refused() -> None:
+    # MA12: a result belongs to a started call
+    c = tools_run(ToolCall("pay", "pay", {}))
+    for kind in ("ToolCompleted", "InDoubtResolved"):
+        _refused(_forged(c, {"type": kind, "call_id": "pay", "output": "paid"}), c.version)
+    c.begin_tool("pay")
+    done = RunController.from_json(_forged(c, {"type": "ToolCompleted", "call_id": "pay",
+                                               "output": "paid"}))
+    assert done.phase("pay") is Phase.COMPLETED
+
+
+def test_a_log_appending_over_an_open_attempt_is_refused() -> None:
+    # MA24: reconcile decides Append only when no attempt may still be writing
+    c = staged()
+    assert c.state.attempt_seq is not None
+    _refused(_forged(c, {"type": "ReconciledAppend", "take_over": False}), c.version)
+    taken = RunController.from_json(_forged(c, {"type": "ReconciledAppend",
+                                                "take_over": True}))
+    assert taken.state.attempt_seq == c.version
+
+
+def test_a_log_claiming_a_fail_closed_unsettled_run_is_refused() -> None:
+    # MA25: a fail-closed envelope refuses every attempt, so no claim is ever recorded
+    closed = staged(RecoveryPolicy.FAIL_CLOSED)
+    _refused(_forged(closed, {"type": "RunClaimed", "owner": None}), closed.version)
+    open_ = staged(RecoveryPolicy.RECONCILE)
+    assert RunController.from_json(_forged(open_, {"type": "RunClaimed", "owner": "w"}
+                                           )).step is Step.UNSETTLED
+
+
+def test_a_log_committing_with_no_attempt_open_is_refused() -> None:
+    # MA32: after publication_failed the attempt is over; only reconcile may settle
+    c = failed()
+    assert c.state.attempt_seq is None
+    _refused(_forged(c, {"type": "PublicationCommitted"}), c.version)
+    committed = RunController.from_json(_forged(staged(), {"type": "PublicationCommitted"}))
+    assert committed.step is not Step.UNSETTLED
+
+
+def test_a_log_resuming_with_nothing_approved_is_refused() -> None:
+    # MA10: resume enters TOOLS only for an approved, unstarted call
+    c = at_interruption()
+    _refused(_forged(c, {"type": "Resumed"}), c.version)
+    c.approve("charge")
+    assert RunController.from_json(_forged(c, {"type": "Resumed"})).step is Step.TOOLS
+
+
+def _last_staging(doc: dict[str, Any]) -> dict[str, Any]:
+    staging: dict[str, Any] = [e for e in doc["events"] if e["type"] == "PublicationStaged"][-1]
+    return staging
+
+
+def test_a_log_recording_a_read_limit_larger_than_needed_is_refused() -> None:
+    # MA21, EN09: the recorded read limit is the smallest that tells the outcomes apart;
+    # a larger one (with a frontier long enough to match it) is forged
+    history: list[JSON] = [{"h": i} for i in range(5)]
+    c = staged_over(history, [{"n": 9}])
+    doc = c.to_json()
+    staging = _last_staging(doc)
+    form = c.state.form
+    # five distinct items and a new one: the last 2 tell "nothing written" from "written"
+    assert staging["read_limit"] == 2
+    assert staging["frontier"] == list(digests(history[-2:], form))
+    assert RunController.from_json(doc).step is Step.UNSETTLED
+    staging["read_limit"] = 3
+    staging["frontier"] = list(digests(history[-3:], form))
+    _refused(doc, staging["seq"])
+
+
+def test_a_log_recording_another_continuation_is_refused() -> None:
+    # MA22: the continuation is implied by the ledger (notify still awaits a decision)
+    c = staged()
+    doc = c.to_json()
+    staging = _last_staging(doc)
+    assert staging["continuation"] == Step.INTERRUPTION.value
+    staging["continuation"] = Step.RUN_AGAIN.value
+    _refused(doc, staging["seq"])
+
+
+def test_a_log_whose_batch_does_not_match_its_digests_is_refused() -> None:
+    # MA31: the staged items are the batch the digests describe (reconcile compares the
+    # Session with the digests, the runner writes the items)
+    c = staged()
+    doc = c.to_json()
+    staging = _last_staging(doc)
+    staging["items"][0] = {"type": "function_call", "call_id": "charge", "name": "refund"}
+    _refused(doc, staging["seq"])
+
+
+def test_a_document_whose_run_id_is_not_its_logs_is_refused() -> None:
+    # MA35: the RunStarted names the run; a document relabelled as another run is forged
+    c = at_interruption()
+    doc = c.to_json()
+    doc["run_id"] = "another-run"
+    with pytest.raises(SchemaError):
+        RunController.from_json(doc)
+    with pytest.raises(SchemaError):
+        replay("another-run", list(c.events))

@@ -280,6 +280,27 @@ def test_start_refuses_a_limit_with_no_room() -> None:
         RunController.from_json(failed().to_json(), max_bytes=0)
 
 
+def test_a_started_tool_always_has_room_to_record_and_publish_its_result() -> None:
+    c = RunController.start(run_id="r", session_id="s", max_events=10)
+    c.begin_model_call()
+    c.model_responded([ToolCall("c1", "t", {})])
+    c.hook_ran("agent_start")  # 4 events; 6 left
+    error = assert_refused(c, SchemaError, c.begin_tool, "c1")
+    assert "max_events" in str(error)
+    roomy = RunController.start(run_id="r", session_id="s", max_events=11)
+    roomy.begin_model_call()
+    roomy.model_responded([ToolCall("c1", "t", {})])
+    roomy.hook_ran("agent_start")
+    roomy.begin_tool("c1")  # 7 left: room to complete, stage, and settle or abandon
+    roomy.tool_completed("c1", "done")
+    roomy.stage_publication([{"call_id": "c1"}], [], call_ids=["c1"])
+    roomy.publication_failed(OSError())
+    roomy.reconcile([], "s")
+    roomy.publication_committed()
+    assert_refused(roomy, SchemaError, roomy.begin_model_call)
+    roomy.abandon("limit")
+
+
 @given(st.data(), st.integers(1_300, 5_000))
 def test_every_log_written_under_a_small_max_bytes_loads_under_it(
     data: st.DataObject, limit: int,
@@ -385,6 +406,23 @@ def test_a_snapshot_without_a_recorded_size_costs_one_read_of_the_log(
     assert stored is not None
     assert stored.pop(controller_module.SNAPSHOT_SIZE) > 0  # an older library's snapshot
     assert RunController.load(store, "r").size == c.size
+
+
+def test_max_events_counts_the_events_before_a_snapshot() -> None:
+    # CT23: max_events bounds the whole log, however it is loaded
+    store = MemoryEventStore()
+    c = RunController.start(run_id="long", session_id=None, store=store)
+    for i in range(299):
+        c.add_input([i])
+    assert c.version == 300
+    snapshot, tail = store.load_latest("long")
+    assert snapshot is not None  # the load below starts from it
+    assert len(tail) < 280
+    for use_snapshot in (True, False):
+        with pytest.raises(SchemaError):
+            RunController.load(store, "long", max_events=280, snapshot=use_snapshot)
+        assert RunController.load(store, "long", max_events=300,
+                                  snapshot=use_snapshot).version == 300
 
 
 # ------------------------------------------------------------- message bounds

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from statemachine import RunController, SchemaError, ToolCall, register_canonical
+from statemachine import (
+    Execute,
+    InvalidTransition,
+    MemoryEventStore,
+    RunController,
+    SchemaError,
+    SQLiteEventStore,
+    ToolCall,
+    register_canonical,
+)
 from statemachine.payloads import PayloadError, canonical_json, detach, fingerprint_of
 from tests.helpers import assert_refused
 
@@ -83,3 +93,41 @@ def test_canonical_forms_are_registered_once_by_name() -> None:
     assert RunController.from_json(c.to_json()).state == c.state
     with pytest.raises(SchemaError, match="unknown canonical form"):
         RunController.start(run_id="c", session_id="s", canonical="never-registered")
+
+
+def _deep(levels: int) -> dict[str, Any]:
+    root: dict[str, Any] = {}
+    node = root
+    for _ in range(levels):
+        node["k"] = {}
+        node = node["k"]
+    return root
+
+
+def test_payloads_deeper_than_the_default_work_under_a_raised_limit(tmp_path: Path) -> None:
+    deep = _deep(250)
+    for store in (None, SQLiteEventStore(tmp_path / "events.db"), MemoryEventStore()):
+        c = RunController.start(run_id="deep", session_id=None, max_depth=500, store=store)
+        c.begin_model_call()
+        c.model_responded([ToolCall("c1", "t", deep)])
+        decision = c.begin_tool("c1")
+        assert isinstance(decision, Execute)
+        assert decision.call.arguments == deep
+        c.tool_completed("c1", deep)
+        assert c.begin_tool("c1").result == deep  # type: ignore[union-attr]
+        if store is not None:
+            assert RunController.load(store, "deep", max_depth=500).state == c.state
+        assert RunController.from_json(c.to_json(), max_depth=500).state == c.state
+
+
+def test_history_that_is_not_plain_json_is_a_schema_error() -> None:
+    c = RunController.start(run_id="r", session_id="s")
+    c.begin_model_call()
+    c.model_responded([], output="o")
+    c.accept_final_output("o")
+    deep: Any = []
+    for _ in range(100_000):
+        deep = [deep]
+    assert_refused(c, SchemaError, c.stage_publication, [{"a": 1}], [deep, {"x": 1}],
+                   whole=True)
+    assert_refused(c, InvalidTransition, c.stage_publication, [], [])

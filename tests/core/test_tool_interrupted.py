@@ -28,7 +28,7 @@ from statemachine.runner import Agent, FunctionTool, ModelResponse, Runner, RunR
 from statemachine.sessions import MemorySession, Session
 from statemachine.testing import ScriptedModel
 from statemachine.values import Phase
-from tests.helpers import assert_refused, at_interruption, reloaded, snapshot, staged
+from tests.helpers import assert_refused, at_interruption, reloaded, snapshot, staged, tools_run
 from tests.runner.test_streaming import run_clean
 
 SESSION_ID = "interrupted-session"
@@ -135,6 +135,34 @@ def test_accepted_when_the_log_is_at_its_limit() -> None:
     c.tool_interrupted("charge")
     assert snapshot(c)[:-1] == before[:-1]  # all but in_doubt()
     assert c.next_action() is Action.RESOLVE_IN_DOUBT
+
+
+def test_a_completed_call_is_no_longer_in_flight() -> None:
+    # CT10: in flight means started here and not seen complete
+    c = tools_run(ToolCall("pay", "pay", {}))
+    c.begin_tool("pay")
+    assert c.in_flight == ("pay",)
+    assert c.call("pay").in_flight is True
+    c.tool_completed("pay", "paid")
+    assert c.in_flight == ()
+    assert c.call("pay").in_flight is False
+    assert c.in_doubt() == ()
+
+
+def test_an_interrupted_tool_is_answered_as_a_reloaded_controller_would() -> None:
+    # CT22: after tool_interrupted the call is no longer held in flight: in doubt when it
+    # is not idempotent (never re-run, I11), runnable again when it is
+    c = tools_run(ToolCall("pay", "pay", {}), ToolCall("look", "look", {}, idempotent=True))
+    c.begin_tool("pay")
+    c.begin_tool("look")
+    c.tool_interrupted("pay")
+    c.tool_interrupted("look")
+    assert c.in_flight == ()
+    assert c.in_doubt() == ("pay",)
+    assert_refused(c, ToolInDoubt, c.begin_tool, "pay")
+    again = c.begin_tool("look")
+    assert isinstance(again, Execute)
+    assert c.call("look").starts == 2
 
 
 # -------------------------------------------------------------------- the runner

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any
@@ -17,13 +18,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from statemachine import RunController
+from statemachine import MemoryEventStore, Phase, RunController
+from statemachine import events as ev
+from statemachine.payloads import JSON
 from statemachine.runner import (
     DispatchedToolCall,
     FunctionTool,
     RemoteEvent,
     RemoteToolExecutor,
 )
+from statemachine.runner.remote import RemoteUnavailable
 from statemachine.testing import FakeRemote, PostOutcome
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -206,3 +210,138 @@ def test_a_refusal_of_the_controller_is_raised_not_taken_for_a_dropped_stream() 
     assert info.value.outcome == "unknown"
     assert executions == {}
     assert executor.reconnects == 0
+
+
+class _WatchedRemote(FakeRemote):
+    def __init__(self, store: MemoryEventStore, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.store = store
+        self.completed_when_posted: list[tuple[str, int]] = []
+
+    async def post_result(self, call_id: str, result: JSON) -> None:
+        done = sum(type(e) is ev.ToolCompleted and e.call_id == call_id
+                   for e in self.store.load("remote"))
+        self.completed_when_posted.append((call_id, done))
+        await super().post_result(call_id, result)
+
+
+async def _drain_remote(remote: FakeRemote, c: RunController,
+                        tools: Sequence[FunctionTool]) -> list[Any]:
+    executor = RemoteToolExecutor(remote, tools, controller=c, backoff=0)
+    return [call async for call in executor.run()]
+
+
+def test_a_remote_result_is_durable_before_it_is_posted() -> None:
+    # RE04: a buffered run's result is in the store before the remote is told it
+    store = MemoryEventStore()
+    remote = _WatchedRemote(store, [("t1", "echo", {"v": 1}), ("t2", "echo", {"v": 2})])
+    c = RunController.start(run_id="remote", session_id=None, store=store, buffered=True)
+    asyncio.run(_drain_remote(remote, c, [FunctionTool("echo", lambda v: v)]))
+    assert remote.completed_when_posted == [("t1", 1), ("t2", 1)]
+
+
+def test_a_result_the_remote_already_holds_is_recorded_as_posted() -> None:
+    # RE05: the first post lands but its answer is lost; the retry hears AlreadyAnswered,
+    # which means the remote holds the result: the ledger must say published
+    remote = FakeRemote([("t1", "echo", {"v": 1})],
+                        post_outcomes={"t1": ["commit_then_raise"]})
+    c = RunController.start(run_id="remote", session_id=None)
+    seen = asyncio.run(_drain_remote(remote, c, [FunctionTool("echo", lambda v: v)]))
+    assert remote.results() == {"t1": [1]}
+    assert c.phase("t1") is Phase.PUBLISHED
+    assert [(d.call_id, d.posted) for d in seen] == [("t1", True)]
+
+
+def test_a_result_the_listing_shows_is_never_posted_again() -> None:
+    # RE01: on reconnect the listing is reconciled with the ledger: a result the remote
+    # holds (its post landed, the answer was lost) is recorded as posted, not re-posted
+    remote = FakeRemote([("t1", "echo", {"v": 1})], disconnect_after=[1],
+                        post_outcomes={"t1": ["commit_then_raise"]})
+    c = RunController.start(run_id="remote", session_id=None)
+    executor = RemoteToolExecutor(remote, [FunctionTool("echo", lambda v: v)],
+                                  controller=c, backoff=0, retries=0)
+
+    async def drain() -> list[Any]:
+        return [d async for d in executor.run()]
+
+    seen = asyncio.run(drain())
+    assert remote.posts["t1"] == 1
+    assert remote.results() == {"t1": [1]}
+    assert c.phase("t1") is Phase.PUBLISHED
+    assert [(d.call_id, d.posted) for d in seen] == [("t1", False)]
+
+
+class _Redelivering:
+    """A remote whose stream delivers the same tool_use twice (at-least-once delivery),
+    then ends the session."""
+
+    def __init__(self) -> None:
+        self.history: list[RemoteEvent] = []
+        self.posted: list[tuple[str, JSON]] = []
+
+    async def list_events(self) -> AsyncGenerator[RemoteEvent, None]:
+        for event in list(self.history):
+            yield event
+
+    async def events(self) -> AsyncGenerator[RemoteEvent, None]:
+        use = RemoteEvent("tool_use", "t1", "echo", {"v": 1})
+        self.history.append(use)
+        yield use
+        yield use  # redelivered after its result was posted
+        yield RemoteEvent("session_end")
+
+    async def post_result(self, call_id: str, result: JSON) -> None:
+        self.posted.append((call_id, result))
+        self.history.append(RemoteEvent("tool_result", call_id, result=result))
+
+
+def test_a_redelivered_call_is_not_run_or_posted_again() -> None:
+    # RE02: a published call is done: a second delivery of it changes nothing
+    remote = _Redelivering()
+    runs: list[int] = []
+
+    def echo(v: int) -> int:
+        runs.append(v)
+        return v
+
+    c = RunController.start(run_id="remote", session_id=None)
+    executor = RemoteToolExecutor(remote, [FunctionTool("echo", echo)], controller=c,
+                                  backoff=0)
+
+    async def drain() -> list[Any]:
+        return [d async for d in executor.run()]
+
+    seen = asyncio.run(drain())
+    assert runs == [1]
+    assert remote.posted == [("t1", 1)]
+    assert [(d.call_id, d.posted) for d in seen] == [("t1", True)]
+    assert c.phase("t1") is Phase.PUBLISHED
+
+
+def test_the_executor_gives_up_after_max_reconnects() -> None:
+    # RE07: max_reconnects=3: the first listing and three reconnects, then it gives up
+    remote = FakeRemote([("t1", "echo", {"v": 1})], failing_listings=range(1, 100))
+    c = RunController.start(run_id="remote", session_id=None)
+    executor = RemoteToolExecutor(remote, [FunctionTool("echo", lambda v: v)],
+                                  controller=c, backoff=0, max_reconnects=3)
+
+    async def drain() -> list[Any]:
+        return [d async for d in executor.run()]
+
+    with pytest.raises(RemoteUnavailable):
+        asyncio.run(drain())
+    assert remote.listings == 4
+
+
+def test_a_remote_tools_exception_is_its_result() -> None:
+    # RE09: as for every FunctionTool, an exception the tool raises is its output
+    def broken(v: int) -> int:
+        raise KeyError(v)
+
+    remote = FakeRemote([("t1", "broken", {"v": 1}), ("t2", "echo", {"v": 2})])
+    c = RunController.start(run_id="remote", session_id=None)
+    seen = asyncio.run(_drain_remote(remote, c, [FunctionTool("broken", broken),
+                                                 FunctionTool("echo", lambda v: v)]))
+    assert remote.results() == {"t1": ["tool error: KeyError"], "t2": [2]}
+    assert [(d.call_id, d.result, d.posted) for d in seen] == [
+        ("t1", "tool error: KeyError", True), ("t2", 2, True)]

@@ -13,6 +13,7 @@ and the same Session (I8).
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any
@@ -41,8 +42,12 @@ from statemachine.runner import (
     Verdict,
     reject_content,
 )
+from statemachine.runner.agents import ALLOW
 from statemachine.sessions import MemorySession
+from statemachine.testing import ScriptedModel
 from statemachine.values import ToolCall
+from tests import helpers
+from tests.helpers import tools_run
 
 SESSION = "promises"
 MODES = ["run", "streamed"]
@@ -440,6 +445,123 @@ def test_a_streamed_result_is_single_use() -> None:
     assert model.calls == 1
     assert streamed.result.final_output == "once"
     assert w.hooks.total("llm_start") == 1
+
+
+# ------------------------------------------------------ more promises, one test each
+
+
+def test_a_tool_is_looked_up_by_its_whole_name() -> None:
+    # AG04: Agent.tool names one tool exactly; a prefix is another (unknown) name
+    agent = Agent("a", ScriptedModel([]), (FunctionTool("search_all", lambda: 1),))
+    assert agent.tool("search_all").name == "search_all"
+    with pytest.raises(LookupError):
+        agent.tool("search")
+
+
+def test_the_first_rejecting_input_guardrail_decides() -> None:
+    # LP06: the tool guardrails of a stage run in order and the first rejection wins
+    ran: list[str] = []
+
+    def tool() -> str:
+        ran.append("tool")
+        return "ran"
+
+    guards = (ToolGuardrail("allow", lambda call: ALLOW),
+              ToolGuardrail("first", lambda call: reject_content("first says no")),
+              ToolGuardrail("second", lambda call: reject_content("second says no")))
+    agent = Agent("a", ScriptedModel([ModelResponse((("k", "act", {}),)),
+                                      ModelResponse(output="done")]),
+                  (FunctionTool("act", tool, input_guardrails=guards),))
+    result = asyncio.run(Runner.run(agent, "go"))
+    assert ran == []
+    assert result.controller.call("k").result == "first says no"
+
+
+def test_a_rejected_tool_output_is_replaced_by_the_guardrails_message() -> None:
+    # LP07: an output guardrail's reject_content verdict replaces the tool's output
+    runs: list[int] = []
+
+    def secret() -> str:
+        runs.append(1)
+        return "the password is hunter2"
+
+    guard = ToolGuardrail("redact", lambda call, output: reject_content("[redacted]"))
+    agent = Agent("a", ScriptedModel([ModelResponse((("s", "secret", {}),)),
+                                      ModelResponse(output="done")]),
+                  (FunctionTool("secret", secret, output_guardrails=(guard,)),))
+    session = MemorySession(SESSION)
+    result = asyncio.run(Runner.run(agent, "tell me", session=session))
+    assert runs == [1]
+    assert result.controller.call("s").result == "[redacted]"
+    written = asyncio.run(session.get_items())
+    assert {"type": "function_call_output", "call_id": "s", "output": "[redacted]"} in written
+    assert "hunter2" not in json.dumps(written)
+
+
+def test_an_output_guardrail_tripwire_abandons_the_run() -> None:
+    # LP08: the tripwire is raised and the run is abandoned (terminal, for good)
+    store = MemoryEventStore()
+    agent = Agent("a", ScriptedModel([ModelResponse(output="rude")]),
+                  output_guardrails=(OutputGuardrail("polite",
+                                                     lambda out: reject_content("no")),))
+    with pytest.raises(OutputGuardrailTripwire):
+        asyncio.run(Runner.run(agent, "hi", store=store, run_id="tripped"))
+    c = RunController.load(store, "tripped")
+    assert c.step is Step.TERMINAL_UNRECOVERABLE
+    assert c.final_output is None
+
+
+def test_max_turns_abandons_the_run_before_one_more_model_call() -> None:
+    # LP02: with max_turns=2, the third model call is never made: the run is abandoned
+    # with "max_turns" and MaxTurnsExceeded raised
+    store = MemoryEventStore()
+    model = ScriptedModel([ModelResponse(((f"c{i}", "tick", {}),)) for i in range(3)])
+    agent = Agent("a", model, (FunctionTool("tick", lambda: "tock"),), max_turns=2)
+    with pytest.raises(MaxTurnsExceeded):
+        asyncio.run(Runner.run(agent, "go", store=store, run_id="turns"))
+    assert model.calls == 2
+    c = RunController.load(store, "turns")
+    assert c.step is Step.TERMINAL_UNRECOVERABLE
+    assert [e.reason for e in c.events if isinstance(e, ev.Abandoned)] == ["max_turns"]
+
+
+def test_a_failed_attempt_still_stores_what_it_recorded() -> None:
+    # LP11: a buffered run whose model call fails records the failure, and the attempt's
+    # buffered events reach the store although the run ends with the model's error
+    class Broken(ScriptedModel):
+        async def respond(self, history: list[JSON], agent: Agent) -> ModelResponse:
+            raise ValueError("the model is down")
+
+    store = MemoryEventStore()
+    agent = Agent("a", Broken([]))
+    with pytest.raises(ValueError, match="the model is down"):
+        asyncio.run(Runner.run(agent, "hi", store=store, run_id="down", buffered=True))
+    c = RunController.load(store, "down")
+    assert c.step is Step.RUN_AGAIN
+    last = c.events[-1]
+    assert isinstance(last, ev.ModelFailed)
+    assert last.error == "ValueError"
+
+
+def test_a_runner_that_can_make_no_progress_stops() -> None:
+    # LP12: a call this controller holds in flight (started, never reported) can be
+    # neither run again nor resolved here: the runner raises instead of spinning
+    c = tools_run(ToolCall("pay", "pay", {}))
+    c.begin_tool("pay")
+    agent = Agent("a", ScriptedModel([]), (FunctionTool("pay", lambda: "paid"),))
+
+    async def consume() -> int:
+        seen = 0
+        streamed = Runner.run_streamed(agent, controller=c, session=MemorySession(helpers.SESSION))
+        async for _ in streamed.stream_events():
+            seen += 1
+            if seen > 50:
+                break
+        return seen
+
+    with pytest.raises(RuntimeError, match="no progress"):
+        asyncio.run(consume())
+    assert c.phase("pay") is Phase.STARTED
 
 
 # ------------------------------------------------------------- the remote executor

@@ -55,7 +55,7 @@ from statemachine import events as ev
 from statemachine.errors import InvalidTransition, StorageError
 from statemachine.machine import replay
 from statemachine.payloads import JSON
-from statemachine.runner import Agent, ModelResponse, Runner
+from statemachine.runner import Agent, FunctionTool, ModelResponse, Runner
 from statemachine.sessions import MemorySession, Session, SQLiteSession
 from statemachine.state import RunState
 from statemachine.stores import SNAPSHOT_EVERY, AsyncSQLiteEventStore, EventStore, Snapshot
@@ -629,6 +629,60 @@ def test_transactions_per_scenario_buffered_against_per_command(tmp_path: Path) 
         print(f"\nseed scenario ({outcome} failed write, then recovery; 3 attempts): "
               f"{events} events; transactions: per command {per_command}, buffered "
               f"{buffered}, async store {asynchronous} (bound: {bound} boundaries)")
+
+
+# A run that buffers its events appends them at each effect boundary: whatever the run
+# recorded before a model call, a tool, a Session write or a post is in the store when
+# that effect happens (a crash during the effect must find its announcement in the log).
+# LP03, LP04, PU03.
+
+
+def _stored(store: MemoryEventStore, run_id: str, kind: type[ev.Event]) -> int:
+    return sum(type(e) is kind for e in store.load(run_id))
+
+
+class _WatchedModel(ScriptedModel):
+    def __init__(self, store: MemoryEventStore, responses: list[ModelResponse]) -> None:
+        super().__init__(responses)
+        self.store = store
+        self.begun_when_called: list[int] = []
+
+    async def respond(self, history: list[JSON], agent: Agent) -> ModelResponse:
+        self.begun_when_called.append(_stored(self.store, "durable", ev.ModelCallBegun))
+        return await super().respond(history, agent)
+
+
+class _WatchedSession(MemorySession):
+    def __init__(self, store: MemoryEventStore) -> None:
+        super().__init__(SESSION)
+        self.store = store
+        self.staged_when_written: list[int] = []
+
+    async def add_items(self, items: list[JSON]) -> None:
+        self.staged_when_written.append(_stored(self.store, "durable", ev.PublicationStaged))
+        await super().add_items(items)
+
+
+def test_a_buffered_run_is_durable_at_every_effect() -> None:
+    store = MemoryEventStore()
+    started_when_run: list[int] = []
+
+    def pay(x: int) -> str:
+        started_when_run.append(_stored(store, "durable", ev.ToolStarted))
+        return f"paid {x}"
+
+    model = _WatchedModel(store, [ModelResponse((("p1", "pay", {"x": 1}),)),
+                                  ModelResponse((("p2", "pay", {"x": 2}),)),
+                                  ModelResponse(output="done")])
+    session = _WatchedSession(store)
+    agent = Agent("a", model, (FunctionTool("pay", pay),))
+    result = asyncio.run(Runner.run(agent, "pay twice", session=session, store=store,
+                                    run_id="durable", buffered=True))
+    assert result.step is Step.COMPLETED
+    assert model.begun_when_called == [1, 2, 3]  # the k-th call finds k begun
+    assert started_when_run == [1, 2]
+    # input, two tool batches, the final output: the k-th write finds k staged
+    assert session.staged_when_written == [1, 2, 3, 4]
 
 
 # ------------------------------------------------------- kill -9 between record and flush

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -98,3 +99,35 @@ def test_sqlite_sessions_share_a_file_by_id(tmp_path: Path) -> None:
         assert await SQLiteSession("a", tmp_path / "s.db").get_items() == [{"a": 1}]
 
     asyncio.run(go())
+
+
+def test_a_refused_pop_leaves_the_session_usable(tmp_path: Path) -> None:
+    # SQ03: a write transaction that fails is rolled back, so the next one can begin
+    path = tmp_path / "session.db"
+    session = SQLiteSession("s", path)
+    try:
+        raw = sqlite3.connect(path)
+        raw.execute("INSERT INTO session_items (session_id, body) VALUES ('s', 'not json{')")
+        raw.commit()
+        raw.close()
+        with pytest.raises(StorageError):
+            asyncio.run(session.pop_item())
+        asyncio.run(session.clear_session())
+        asyncio.run(session.add_items([{"n": 1}]))
+        assert asyncio.run(session.get_items()) == [{"n": 1}]
+    finally:
+        session.close()
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+def test_a_non_positive_limit_reads_no_items(kind: str, tmp_path: Path) -> None:
+    # SE01, SE03: get_items(limit=n) is the last n items: none for 0 (and for a negative
+    # n, on which both Sessions agree)
+    session: MemorySession | SQLiteSession = (
+        MemorySession("s") if kind == "memory" else SQLiteSession("s", tmp_path / "s.db"))
+    asyncio.run(session.add_items([1, 2, 3]))
+    assert asyncio.run(session.get_items(limit=2)) == [2, 3]
+    assert asyncio.run(session.get_items(limit=0)) == []
+    assert asyncio.run(session.get_items(limit=-1)) == []
+    if isinstance(session, SQLiteSession):
+        session.close()

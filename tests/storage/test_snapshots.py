@@ -42,9 +42,10 @@ from statemachine import (
     codec,
 )
 from statemachine import controller as controller_module
-from statemachine.state import STATE_VERSION
-from statemachine.stores import SnapshotIgnored
-from tests.helpers import B, P, at_interruption, run_charge
+from statemachine import events as ev
+from statemachine.state import STATE_VERSION, RunState
+from statemachine.stores import Snapshot, SnapshotIgnored, restored
+from tests.helpers import SESSION, B, P, at_interruption, run_charge
 
 RUN = "run-1"
 EVERY = 8
@@ -136,6 +137,18 @@ def test_an_older_database_gets_the_digest_column_and_drops_unverified_snapshots
     assert _snapshot_row(path)[0] == 40
 
 
+def test_a_restored_snapshot_keeps_the_pending_approvals() -> None:
+    # ST22: a snapshot is the whole folded state; the calls awaiting a decision (in
+    # proposal order) come back with it, so a run loaded from one still pauses on them
+    c = at_interruption()
+    c.approve("notify")
+    restored = RunState.restore(json.loads(json.dumps(c.state.snapshot())))
+    assert restored is not None
+    assert restored.awaiting() == ("charge", "audit")
+    assert restored == c.state
+    assert restored.counts == c.state.counts
+
+
 # ------------------------------------------------------------ bad snapshots
 
 
@@ -216,6 +229,40 @@ def test_a_snapshot_the_tail_does_not_replay_onto_is_ignored() -> None:
         assert RunController.load(store, RUN, snapshot=False).state == c.state
 
 
+def test_another_runs_snapshot_is_ignored_even_where_its_tail_would_replay_onto_it(
+) -> None:
+    # SS05: a snapshot is used only for its own run, even when the run's later events
+    # would replay onto it; otherwise the whole log is replayed and an operator warned
+    class Crossed(MemoryEventStore):
+        foreign: Snapshot | None = None
+
+        def load_latest(self, run_id: str) -> tuple[Snapshot | None, list[ev.Event]]:
+            return self.foreign, self.load(run_id)[2:]
+
+    other = RunController.start(run_id="other", session_id=SESSION)
+    other.add_input(["theirs"])
+    store = Crossed()
+    store.foreign = other.state.snapshot()  # two events, like the tail expects
+    mine = RunController.start(run_id="mine", session_id=SESSION, store=store)
+    mine.add_input(["mine"])
+    mine.add_input(["also mine"])
+    with pytest.warns(SnapshotIgnored):
+        loaded = RunController.load(store, "mine")
+    assert loaded.run_id == "mine"
+    assert loaded.unpublished_input == ("mine", "also mine")
+    assert loaded.state == mine.state
+
+
+def test_a_snapshot_that_does_not_meet_its_tail_is_not_restored() -> None:
+    # SS06: the events after a snapshot start right after it (a gap means another log)
+    c = at_interruption()
+    snapshot = c.state.snapshot()  # at the last event
+    later = ev.RunClaimed(c.version + 1, None)  # one event missing before it
+    with pytest.warns(SnapshotIgnored):
+        assert restored(c.run_id, snapshot, [later]) is None
+    assert restored(c.run_id, snapshot, [ev.RunClaimed(c.version, None)]) == c.state
+
+
 def test_list_runs_ignores_a_bad_snapshot_too(tmp_path: Path) -> None:
     path = tmp_path / "events.db"
     c, other = _store_file(path)
@@ -283,6 +330,30 @@ def test_a_damaged_row_is_refused(tmp_path: Path, change: str) -> None:
     for snapshot in (True, False):
         with pytest.raises(SchemaError):
             RunController.load(SQLiteEventStore(path), RUN, snapshot=snapshot)
+
+
+def test_a_stored_body_must_carry_its_rows_seq(tmp_path: Path) -> None:
+    # SS11: load never returns a log other than its rows: a body whose seq is not its
+    # row's (here a later one) is damage, refused
+    path = tmp_path / "e.db"
+    store = SQLiteEventStore(path)
+    c = RunController.start(run_id="r", session_id=None, store=store)
+    c.add_input(["a"])
+    c.add_input(["b"])
+    store.close()
+    raw = sqlite3.connect(path)
+    (body,) = raw.execute("SELECT body FROM events WHERE seq = 2").fetchone()
+    event = json.loads(body)
+    event["seq"] = 3
+    raw.execute("UPDATE events SET body = ? WHERE seq = 2", (json.dumps(event),))
+    raw.commit()
+    raw.close()
+    reopened = SQLiteEventStore(path)
+    try:
+        with pytest.raises(SchemaError):
+            reopened.load("r")
+    finally:
+        reopened.close()
 
 
 def test_a_shorter_prefix_in_a_store_is_never_shown_as_the_log() -> None:

@@ -21,7 +21,7 @@ import sqlite3
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ import pytest
 
 from statemachine import (
     ControlError,
+    MemoryEventStore,
     RecoveryPolicy,
     RunController,
     RunNotFound,
@@ -36,8 +37,10 @@ from statemachine import (
     Step,
     StorageError,
 )
+from statemachine import events as ev
 from statemachine.runner import publish
 from statemachine.sessions import SQLiteSession
+from statemachine.stores import Snapshot
 from tests.helpers import B, assert_refused, at_interruption, run_charge, snapshot
 
 RUN = "run-1"
@@ -376,6 +379,40 @@ def test_an_undecidable_commit_is_unknown_and_every_command_is_refused_until_rel
         with pytest.raises(ControlError):  # started, never completed here: in doubt
             again.begin_tool("charge")
     again.abandon("done")
+
+
+class _LostAnswerStore(MemoryEventStore):
+    """Appends, then (when armed) loses the answer: the append landed, the caller cannot
+    know it (a StorageError with outcome "unknown")."""
+
+    armed = False
+
+    def append(self, run_id: str, events: Sequence[ev.Event], expected_version: int, *,
+               snapshot: Snapshot | None = None, step: Step | None = None) -> None:
+        super().append(run_id, events, expected_version, snapshot=snapshot, step=step)
+        if self.armed:
+            self.armed = False
+            raise StorageError("the answer was lost", outcome="unknown")
+
+
+def test_after_an_append_of_unknown_outcome_every_command_is_refused() -> None:
+    # CT04: the controller may be behind its log, so it refuses everything (StorageError,
+    # nothing appended) until the run is loaded again, which shows what landed
+    store = _LostAnswerStore()
+    c = RunController.start(run_id="lost", session_id=None, store=store)
+    store.armed = True
+    with pytest.raises(StorageError):
+        c.add_input(["first"])
+    for command, args in ((c.add_input, (["second"],)), (c.begin_model_call, ()),
+                          (c.abandon, ("gone",))):
+        with pytest.raises(StorageError) as info:
+            command(*args)
+        assert type(info.value) is StorageError
+        assert "load the run again" in str(info.value)
+    assert [type(e) for e in store.load("lost")] == [ev.RunStarted, ev.InputAdded]
+    again = RunController.load(store, "lost")
+    assert again.unpublished_input == ("first",)
+    again.add_input(["second"])
 
 
 def test_a_commit_that_did_not_land_and_reads_back_so_is_not_written(

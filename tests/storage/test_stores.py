@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 
-from statemachine import MemoryEventStore, RunController, Step, StorageError
+from statemachine import MemoryEventStore, RunController, Step, StorageError, sqlite
 from statemachine import controller as controller_module
+from statemachine import events as ev
 from statemachine.stores import EventStore, SQLiteEventStore
 from statemachine.testing.contracts import EventStoreContract
-from tests.helpers import assert_refused, at_interruption
+from tests.helpers import SESSION, assert_refused, at_interruption
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,6 +113,54 @@ class TestSQLiteEventStore(EventStoreContract):
         assert RunController.load(store, "run-1").state == c.state
 
 
+def test_a_memory_stores_log_is_not_the_callers_list() -> None:
+    # SS04: what load returns is the caller's; changing it changes nothing stored
+    store = MemoryEventStore()
+    RunController.start(run_id="r", session_id=None, store=store).add_input(["x"])
+    log = store.load("r")
+    log.clear()
+    assert [type(e) for e in store.load("r")] == [ev.RunStarted, ev.InputAdded]
+    assert RunController.load(store, "r").version == 2
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite",
+                                  pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_a_run_heads_owner_is_its_last_claims(kind: str, tmp_path: Path,
+                                              request: pytest.FixtureRequest) -> None:
+    # SS03, SS08, PG03: RunHead.owner is the owner of the run's last RunClaimed, whatever
+    # was appended after it
+    store: Any
+    if kind == "memory":
+        store = MemoryEventStore()
+    elif kind == "sqlite":
+        store = SQLiteEventStore(tmp_path / "e.db")
+    else:
+        from statemachine.postgres import PostgresEventStore
+
+        store = PostgresEventStore(request.getfixturevalue("pg_dsn"),
+                                   schema=request.getfixturevalue("pg_schema"))
+
+    def owner() -> str | None:
+        (head,) = store.list_runs()
+        found: str | None = head.owner
+        return found
+
+    try:
+        c = RunController.start(run_id="owned", session_id=SESSION, store=store)
+        assert owner() is None
+        for who in ("worker-1", "worker-2"):
+            c = RunController.load(store, "owned")
+            c.claim(who)
+            assert owner() == who
+            c.add_input(["more"])  # an append without a claim keeps the owner
+            assert owner() == who
+        c.claim(None)
+        assert owner() is None
+    finally:
+        if kind != "memory":
+            store.close()
+
+
 _LOSE_COMMIT_ANSWER = threading.Event()
 
 
@@ -150,3 +199,33 @@ def test_snapshots_are_json(monkeypatch: pytest.MonkeyPatch) -> None:
     snapshot, _ = store.load_latest("run-1")
     assert snapshot is not None
     assert json.loads(json.dumps(snapshot)) == snapshot
+
+
+def test_sqlite_connections_sync_every_commit(tmp_path: Path) -> None:
+    # SQ01: synchronous=FULL (2) in WAL mode: an acknowledged commit survives a power cut
+    conn = sqlite.connect(tmp_path / "db.sqlite", timeout=1.0)
+    try:
+        assert conn.execute("PRAGMA synchronous").fetchone()[0] == 2
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    finally:
+        conn.close()
+
+
+def test_a_write_transaction_holds_the_write_lock_from_its_start(tmp_path: Path) -> None:
+    # SQ02: BEGIN IMMEDIATE, so a check-then-write (an append's version check) cannot
+    # interleave with another writer's: the second writer waits at its BEGIN
+    path = tmp_path / "db.sqlite"
+    first = sqlite.connect(path, timeout=5.0)
+    second = sqlite.connect(path, timeout=0.05)
+    try:
+        first.execute("CREATE TABLE t (x INTEGER)")
+        with sqlite.write_transaction(first):
+            first.execute("SELECT COUNT(*) FROM t").fetchone()  # a read, no write yet
+            with pytest.raises(sqlite3.OperationalError, match="locked"), \
+                    sqlite.write_transaction(second):
+                pass
+        with sqlite.write_transaction(second):
+            second.execute("INSERT INTO t VALUES (1)")
+    finally:
+        first.close()
+        second.close()
