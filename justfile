@@ -1,5 +1,5 @@
 # The front door: `just test`, `just lint`, `just bench`, `just fuzz`, `just mutate`,
-# `just diagrams`, `just demo`.
+# `just invariants`, `just diagrams`, `just demo`.
 
 set positional-arguments
 set shell := ["bash", "-uc"]
@@ -9,6 +9,11 @@ python := "python"
 # Run the test suite (the CI profile of the property tests when CI is set).
 test *args:
     {{python}} -m pytest "$@"
+
+# The invariant index: the tests marked with each of I1-I12 (collection only, nothing runs;
+# `--markdown` for the README's table). Fails when an invariant has no test.
+invariants *args:
+    {{python}} -m tests.tools.invariant_index "$@"
 
 # ruff and mypy --strict.
 lint:

@@ -44,12 +44,6 @@ settings.load_profile(
 # ------------------------------------------------------------------ PostgreSQL (§6.7)
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "postgres: needs a PostgreSQL server (the pg_dsn fixture); a skip of "
-        "such a test fails the run when CI is set")
-
-
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[pg_cluster.Cluster | None]:
     """The throwaway cluster (None when STATEMACHINE_PG_DSN names a server)."""

@@ -95,6 +95,7 @@ async def drive(runner: SessionToolRunner) -> list[tuple[str, bool, list[str]]]:
 # --------------------------------------------------------------- managed sessions
 
 
+@pytest.mark.invariant("I1", "I12")
 @pytest.mark.parametrize("through", ["sdk-alone", "adapter"])
 def test_differential_failed_post_then_reconnect(tmp_path: Path, through: str) -> None:
     """The seed's scenario: the first post of the result is rejected, then the stream
@@ -137,6 +138,7 @@ FAULTS = {
 }
 
 
+@pytest.mark.invariant("I1", "I12")
 @pytest.mark.parametrize("buffered", [False, True], ids=["per-event", "buffered"])
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_post_faults_run_the_tool_once_and_land_one_result(tmp_path: Path, fault: str,
@@ -166,6 +168,7 @@ def test_post_faults_run_the_tool_once_and_land_one_result(tmp_path: Path, fault
         "tu_1": Phase.PUBLISHED, "tu_2": Phase.PUBLISHED}
 
 
+@pytest.mark.invariant("I1", "I12")
 def test_an_async_store_keeps_the_ledger_across_runners(tmp_path: Path) -> None:
     """On an async store (always buffered): the first runner's post is rejected and the
     session stops before a reconnect; a second runner, loaded from the store, re-posts the
@@ -195,6 +198,7 @@ def test_an_async_store_keeps_the_ledger_across_runners(tmp_path: Path) -> None:
     assert [texts(e) for e in server.results("tu_1")] == [["charged 7 (run 1)"]]
 
 
+@pytest.mark.invariant("I11")
 def test_a_call_in_doubt_fails_closed_before_anything_is_sent(tmp_path: Path) -> None:
     """A process started the tool and died: the restarted runner raises `ToolInDoubt`
     (itself, not inside an exception group) before it opens the stream or posts."""
@@ -225,6 +229,7 @@ def test_a_call_in_doubt_fails_closed_before_anything_is_sent(tmp_path: Path) ->
     assert [texts(e) for e in server.results("tu_1")] == [["charged 7 (by hand)"]]
 
 
+@pytest.mark.invariant("I11")
 def test_a_tool_interrupted_by_a_base_exception_is_left_in_doubt(tmp_path: Path) -> None:
     store = MemoryEventStore()
     effects = Effects(tmp_path, "p")
@@ -264,6 +269,7 @@ def _driver(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120, check=False)
 
 
+@pytest.mark.invariant("I1", "I12")
 @pytest.mark.parametrize("through", ["sdk-alone", "adapter", "adapter-buffered"])
 def test_kill_9_between_the_tool_and_its_post_then_restart(tmp_path: Path,
                                                            through: str) -> None:
@@ -285,6 +291,7 @@ def test_kill_9_between_the_tool_and_its_post_then_restart(tmp_path: Path,
         assert texts(landed) == ["charged 7"]
 
 
+@pytest.mark.invariant("I11")
 def test_kill_9_inside_the_tool_then_restart_is_in_doubt(tmp_path: Path) -> None:
     crashed = _driver("crash-tool", str(tmp_path), "first")
     assert crashed.returncode == -9, crashed.stderr
@@ -372,6 +379,7 @@ def _loop(client: Anthropic, ledger: MessageToolLedger | None, tools: list[Any],
     raise AssertionError("the loop never finished")
 
 
+@pytest.mark.invariant("I1", "I12")
 @pytest.mark.parametrize("through", ["sdk-alone", "ledger"])
 def test_a_retried_turn_of_a_create_loop_never_reruns_a_finished_tool(
         tmp_path: Path, through: str) -> None:
@@ -393,6 +401,7 @@ def test_a_retried_turn_of_a_create_loop_never_reruns_a_finished_tool(
         assert RunController.load(store, "m").phase("tu_1") is Phase.PUBLISHED
 
 
+@pytest.mark.invariant("I12")
 def test_a_restarted_loop_answers_a_finished_call_from_the_store(tmp_path: Path) -> None:
     """The process died after the tool and before the request: a new ledger on the same
     store answers the reply again from the cache (no second run)."""
@@ -462,6 +471,7 @@ def test_an_unanswered_tool_use_is_refused_before_anything_is_sent(tmp_path: Pat
     assert effects.lines() == []
 
 
+@pytest.mark.invariant("I1", "I12")
 @pytest.mark.parametrize("through", ["sdk-alone", "ledger"])
 def test_a_retried_tool_runner_turn_never_reruns_a_finished_tool(
         tmp_path: Path, through: str) -> None:

@@ -38,6 +38,7 @@ def test_arguments_other_than_the_recorded_ones_never_start(
     assert begin_call(c, "c1", recorded) == (False, None)  # the recorded ones start it
 
 
+@pytest.mark.invariant("I11", "I12")
 def test_a_started_call_is_in_doubt_and_a_finished_one_answers_from_the_ledger() -> None:
     c = _run({"x": 7})
     assert begin_call(c, "c1", {"x": 7}) == (False, None)

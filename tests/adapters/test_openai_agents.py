@@ -439,6 +439,7 @@ POLICIES = {APPROVAL: [RecoveryPolicy.RECONCILE], STREAMED: [RecoveryPolicy.RECO
             TERMINAL: list(RecoveryPolicy)}
 
 
+@pytest.mark.invariant("I1", "I2", "I3", "I6", "I7", "I9")
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fault", list(FAULTS))
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -455,6 +456,7 @@ def test_differential(scenario: str, fault: str, mode: str) -> None:
 # ---------------------------------------------------------------- the tools
 
 
+@pytest.mark.invariant("I1", "I12")
 def test_a_completed_call_is_resent_never_run_again() -> None:
     """The tool completed and the attempt died before its batch was written (its end hook
     raised): a new process resuming from the store and the saved SDK state gets the cached
@@ -492,6 +494,7 @@ def test_a_completed_call_is_resent_never_run_again() -> None:
     asyncio.run(go())
 
 
+@pytest.mark.invariant("I11")
 @pytest.mark.parametrize("mode", MODES)
 def test_an_interrupted_tool_is_in_doubt_and_never_run_again(mode: str) -> None:
     """A tool cancelled mid-body (the caller's task cancelled, or the stream's consumer
@@ -617,6 +620,7 @@ def test_a_turn_without_its_sdk_state_fails_closed() -> None:
     asyncio.run(go())
 
 
+@pytest.mark.invariant("I1")
 def test_hooks_and_guardrails_are_recorded_once() -> None:
     async def go() -> None:
         world = World(APPROVAL, "atomic-no-commit")
@@ -651,6 +655,7 @@ def _effects(folder: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
+@pytest.mark.invariant("I11")
 @pytest.mark.parametrize("paused", [True, False], ids=["approved-call", "fresh-run"])
 def test_kill_9_inside_a_tool_then_resume_in_a_new_process(tmp_path: Path,
                                                            paused: bool) -> None:
@@ -667,6 +672,7 @@ def test_kill_9_inside_a_tool_then_resume_in_a_new_process(tmp_path: Path,
     assert [line for line in _effects(tmp_path) if line.endswith(tool)] == [f"crash {tool}"]
 
 
+@pytest.mark.invariant("I1", "I7")
 def test_two_processes_resume_one_paused_run_and_one_proceeds(tmp_path: Path) -> None:
     assert _driver("pause", str(tmp_path)).returncode == 0
     racers = [subprocess.Popen([sys.executable, "-m", "tests.drivers.openai_agents_driver", "race",

@@ -145,6 +145,7 @@ async def within(awaitable: Any) -> Any:
 # ------------------------------------------------------------------ plain runs
 
 
+@pytest.mark.invariant("I1", "I3")
 def test_a_test_model_run_runs_each_tool_once_and_writes_each_message_once() -> None:
     async def go() -> None:
         ran: Counter[str] = Counter()
@@ -262,6 +263,7 @@ def test_calls_pydantic_ai_answers_without_running_them_never_run_later() -> Non
 # ------------------------------------------------------- unsettled writes (I2, I6)
 
 
+@pytest.mark.invariant("I2")
 @pytest.mark.parametrize("outcome", ["atomic", "commit_then_raise"])
 def test_decisions_and_input_are_refused_while_a_write_is_unsettled(outcome: str) -> None:
     async def go() -> None:
@@ -412,6 +414,7 @@ def test_cancelled_inside_a_tool_pydantic_ai_alone_runs_it_again() -> None:
     run_async(go())
 
 
+@pytest.mark.invariant("I11")
 @pytest.mark.parametrize("where", ["live", "store-reload"])
 def test_cancelled_inside_a_tool_the_ledger_fails_closed_until_the_operator_resolves(
         where: str) -> None:
@@ -446,6 +449,7 @@ def test_cancelled_inside_a_tool_the_ledger_fails_closed_until_the_operator_reso
     run_async(go())
 
 
+@pytest.mark.invariant("I1", "I12")
 def test_a_completed_call_is_resent_from_the_cache_never_run_again() -> None:
     """lookup completes, charge (no approval here) is cancelled in the same response; once
     the operator resolves charge, pydantic-ai asks for both calls again: lookup's result
@@ -529,6 +533,7 @@ def test_kill_9_inside_a_tool_pydantic_ai_alone_runs_it_again(tmp_path: Path) ->
     assert _effects(tmp_path) == ["alone-crash tool charge", "again tool charge"]
 
 
+@pytest.mark.invariant("I11")
 @pytest.mark.parametrize("paused", [True, False], ids=["approved-call", "fresh-run"])
 def test_kill_9_inside_a_tool_then_resume_fails_closed_and_the_operator_resolves(
         tmp_path: Path, paused: bool) -> None:

@@ -149,6 +149,7 @@ def test_claim_records_run_claimed_in_every_live_step_and_changes_nothing_else(
     _claimed(c, "a second claim")  # claims repeat freely: each attempt makes one
 
 
+@pytest.mark.invariant("I2")
 def test_a_claim_while_unsettled_leaves_the_attempt_where_it_was() -> None:
     held = staged()
     held.claim("same process")
@@ -201,6 +202,7 @@ REFUSING: dict[str, Callable[[], RunController]] = {
 }
 
 
+@pytest.mark.invariant("I9")
 @pytest.mark.parametrize("owner", ["worker-1", None, 7])
 @pytest.mark.parametrize("case", list(REFUSING))
 def test_claim_is_refused_where_no_attempt_may_go_on(case: str, owner: Any) -> None:
@@ -278,6 +280,7 @@ def test_a_log_with_claims_replays_and_round_trips() -> None:
     check_log(again.events)
 
 
+@pytest.mark.invariant("I10")
 @pytest.mark.parametrize("make", [lambda: staged(RecoveryPolicy.FAIL_CLOSED), _completed,
                                   _abandoned], ids=["fail_closed", "completed", "terminal"])
 def test_a_forged_claim_where_no_attempt_may_go_on_is_rejected_on_load(
@@ -333,6 +336,7 @@ def _paused(store: EventStore) -> RunController:
     return c
 
 
+@pytest.mark.invariant("I7")
 def test_of_two_controllers_loaded_at_one_version_exactly_one_claims(store: EventStore) -> None:
     paused = _paused(store)
     first = RunController.load(store, paused.run_id)
@@ -355,6 +359,7 @@ def test_of_two_controllers_loaded_at_one_version_exactly_one_claims(store: Even
     third.claim("third")
 
 
+@pytest.mark.invariant("I7")
 def test_a_superseded_claim_is_refused_on_its_next_append(store: EventStore) -> None:
     paused = _paused(store)
     stale = RunController.load(store, paused.run_id)
@@ -438,6 +443,7 @@ def test_the_runner_claims_first_on_every_resumed_attempt(source: str, mode: str
     assert not [e for e in new[1:] if isinstance(e, ev.RunClaimed)]
 
 
+@pytest.mark.invariant("I1", "I7")
 @pytest.mark.parametrize("mode", ["run", "streamed"])
 @pytest.mark.parametrize("variant", ["interruption", "tools"])
 def test_the_runner_that_loses_the_claim_runs_nothing(tmp_path: Path, variant: str,
@@ -522,6 +528,7 @@ def _trial_folder(base: Path, template: Path, trial: int) -> Path:
     return folder
 
 
+@pytest.mark.invariant("I1", "I7")
 def test_racing_worker_processes_exactly_one_goes_on_and_the_others_run_nothing(
     tmp_path: Path,
 ) -> None:

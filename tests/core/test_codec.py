@@ -18,6 +18,7 @@ from tests.strategies import drive
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 
 
+@pytest.mark.invariant("I10")
 @given(st.data())
 def test_any_reachable_run_round_trips_exactly(data: st.DataObject) -> None:
     c = drive(data).c
@@ -53,6 +54,7 @@ def drive_fixed() -> RunController:
 # ------------------------------------------------------------------ golden fixtures
 
 
+@pytest.mark.invariant("I10")
 @pytest.mark.parametrize("path", sorted(FIXTURES.glob("v*/*.json")), ids=lambda p: p.stem)
 def test_golden_fixture_of_every_released_version_loads(path: Path) -> None:
     expected = json.loads(path.with_suffix(".expected").read_text())
@@ -70,6 +72,7 @@ def _negatives() -> list[tuple[str, dict[str, Any]]]:
             for p in sorted((FIXTURES / "negative").glob("*.json"))]
 
 
+@pytest.mark.invariant("I10")
 @pytest.mark.parametrize(("name", "case"), _negatives(), ids=[n for n, _ in _negatives()])
 def test_negative_fixture_is_refused_with_a_typed_error(name: str, case: dict[str, Any]) -> None:
     text = (FIXTURES / "negative" / case["document"]).read_text()
@@ -134,6 +137,7 @@ def test_version_2_adds_run_claimed_and_upcasts_version_1_unchanged() -> None:
         RunController.from_json({**claimed, "schema_version": 1})
 
 
+@pytest.mark.invariant("I10")
 def test_a_log_that_drops_a_nested_field_is_refused() -> None:
     c = RunController.start(run_id="r", session_id="s")
     c.begin_model_call()

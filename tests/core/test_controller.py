@@ -132,6 +132,7 @@ def test_a_run_with_max_turns_zero_round_trips() -> None:
     assert_refused(again, InvalidTransition, again.begin_model_call)
 
 
+@pytest.mark.invariant("I1")
 def test_a_call_id_is_never_reused_in_a_run() -> None:
     # MA04: call ids are new to the run; reusing a published call's id would overwrite
     # its ledger record, and the call could run again
@@ -154,6 +155,7 @@ def test_a_call_id_is_never_reused_in_a_run() -> None:
 # --------------------------------------------------------- hooks, guardrails (I1)
 
 
+@pytest.mark.invariant("I1")
 def test_hooks_run_once_per_scope() -> None:
     c = at_interruption()
     assert_refused(c, InvalidTransition, c.hook_ran, "agent_start")
@@ -170,6 +172,7 @@ def test_hooks_run_once_per_scope() -> None:
     c.hook_ran("model_start")  # a new model call
 
 
+@pytest.mark.invariant("I1")
 def test_guardrails_run_once_per_scope() -> None:
     c = at_interruption()
     c.guardrail_evaluated("pii", {"ok": True}, stage="input")
@@ -198,6 +201,7 @@ def test_a_tool_stage_guardrail_names_a_known_call() -> None:
     assert c.recorded_guardrail("g", stage="tool_input", call_id="charge") is not None
 
 
+@pytest.mark.invariant("I1")
 def test_input_and_output_guardrails_run_once_per_activation() -> None:
     # ST03: a handoff starts a new activation, in which the input guardrail runs again
     # (once); tool guardrails stay keyed by their call
@@ -416,6 +420,7 @@ def test_a_posted_result_is_posted_once() -> None:
 # ---------------------------------------------------------------- stores
 
 
+@pytest.mark.invariant("I7")
 def test_two_controllers_from_one_version_cannot_both_act() -> None:
     store = MemoryEventStore()
     first = at_interruption(store=store)

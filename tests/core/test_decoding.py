@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -138,6 +139,7 @@ def _through_cli(text: str) -> None:
         assert len(err.getvalue().strip().splitlines()) <= 1
 
 
+@pytest.mark.invariant("I10")
 @given(mutated_documents())
 def test_mutated_documents_are_accepted_exactly_or_refused_typed(text: str) -> None:
     try:

@@ -898,6 +898,7 @@ def check_forgery(forgery: Forgery, tmp_path: Path) -> None:
             assert re.search(pattern, message), (n, message)
 
 
+@pytest.mark.invariant("I10")
 @pytest.mark.parametrize("forgery", FORGERIES, ids=[f.name for f in FORGERIES])
 def test_a_log_breaking_one_guard_is_refused_on_load(forgery: Forgery, tmp_path: Path) -> None:
     check_forgery(forgery, tmp_path)
@@ -1104,6 +1105,7 @@ def _triple_id(t: Triple) -> str:
     return f"{t[1]}-{t[2]}-in-{t[0].name}"
 
 
+@pytest.mark.invariant("I10")
 @pytest.mark.parametrize("triple", [t for t in TRIPLES if t not in IMPLIED], ids=_triple_id)
 def test_every_guard_of_every_row_has_a_forged_log(triple: Triple) -> None:
     """Enumerated from `TABLE`: a row's guard with no forged log fails here, so a new guard
@@ -1212,6 +1214,7 @@ ON_GENERATED: dict[str, tuple[str, bool, Callable[[Events, int, RunState], ev.Ev
 }
 
 
+@pytest.mark.invariant("I10")
 @_SETTINGS
 @given(st.data())
 def test_generated_logs_with_one_guard_broken_are_refused(data: st.DataObject) -> None:
@@ -1269,6 +1272,7 @@ def _refused(doc: dict[str, Any], seq: int) -> None:
     assert f"event {seq}" in str(info.value)
 
 
+@pytest.mark.invariant("I10", "I11")
 def test_a_log_starting_a_non_idempotent_call_twice_is_refused() -> None:
     # MA11: I11, a started non-idempotent call is never started again
     c = tools_run(ToolCall("pay", "pay", {"x": 1}), ToolCall("look", "look", {},
@@ -1281,6 +1285,7 @@ def test_a_log_starting_a_non_idempotent_call_twice_is_refused() -> None:
     assert again.call("look").starts == 2
 
 
+@pytest.mark.invariant("I10")
 def test_a_log_completing_a_call_never_started_is_refused() -> None:
     # MA12: a result belongs to a started call
     c = tools_run(ToolCall("pay", "pay", {}))
@@ -1292,6 +1297,7 @@ def test_a_log_completing_a_call_never_started_is_refused() -> None:
     assert done.phase("pay") is Phase.COMPLETED
 
 
+@pytest.mark.invariant("I10")
 def test_a_log_appending_over_an_open_attempt_is_refused() -> None:
     # MA24: reconcile decides Append only when no attempt may still be writing
     c = staged()
@@ -1302,6 +1308,7 @@ def test_a_log_appending_over_an_open_attempt_is_refused() -> None:
     assert taken.state.attempt_seq == c.version
 
 
+@pytest.mark.invariant("I10")
 def test_a_log_claiming_a_fail_closed_unsettled_run_is_refused() -> None:
     # MA25: a fail-closed envelope refuses every attempt, so no claim is ever recorded
     closed = staged(RecoveryPolicy.FAIL_CLOSED)
@@ -1311,6 +1318,7 @@ def test_a_log_claiming_a_fail_closed_unsettled_run_is_refused() -> None:
                                            )).step is Step.UNSETTLED
 
 
+@pytest.mark.invariant("I10")
 def test_a_log_committing_with_no_attempt_open_is_refused() -> None:
     # MA32: after publication_failed the attempt is over; only reconcile may settle
     c = failed()
@@ -1320,6 +1328,7 @@ def test_a_log_committing_with_no_attempt_open_is_refused() -> None:
     assert committed.step is not Step.UNSETTLED
 
 
+@pytest.mark.invariant("I10")
 def test_a_log_resuming_with_nothing_approved_is_refused() -> None:
     # MA10: resume enters TOOLS only for an approved, unstarted call
     c = at_interruption()
@@ -1333,6 +1342,7 @@ def _last_staging(doc: dict[str, Any]) -> dict[str, Any]:
     return staging
 
 
+@pytest.mark.invariant("I10")
 def test_a_log_recording_a_read_limit_larger_than_needed_is_refused() -> None:
     # MA21, EN09: the recorded read limit is the smallest that tells the outcomes apart;
     # a larger one (with a frontier long enough to match it) is forged
@@ -1350,6 +1360,7 @@ def test_a_log_recording_a_read_limit_larger_than_needed_is_refused() -> None:
     _refused(doc, staging["seq"])
 
 
+@pytest.mark.invariant("I10")
 def test_a_log_recording_another_continuation_is_refused() -> None:
     # MA22: the continuation is implied by the ledger (notify still awaits a decision)
     c = staged()
@@ -1360,6 +1371,7 @@ def test_a_log_recording_another_continuation_is_refused() -> None:
     _refused(doc, staging["seq"])
 
 
+@pytest.mark.invariant("I10")
 def test_a_log_whose_batch_does_not_match_its_digests_is_refused() -> None:
     # MA31: the staged items are the batch the digests describe (reconcile compares the
     # Session with the digests, the runner writes the items)
@@ -1370,6 +1382,7 @@ def test_a_log_whose_batch_does_not_match_its_digests_is_refused() -> None:
     _refused(doc, staging["seq"])
 
 
+@pytest.mark.invariant("I10")
 def test_a_document_whose_run_id_is_not_its_logs_is_refused() -> None:
     # MA35: the RunStarted names the run; a document relabelled as another run is forged
     c = at_interruption()

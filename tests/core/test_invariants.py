@@ -60,15 +60,17 @@ UNSETTLED_REFUSALS: dict[str, tuple[str, tuple[Any, ...], dict[str, Any]]] = {
 }
 
 
+@pytest.mark.invariant("I2")
 @pytest.mark.parametrize("transport", ["live", "json"])
 @pytest.mark.parametrize("command", list(UNSETTLED_REFUSALS))
-def test_i2_unsettled_refuses_before_recording(command: str, transport: str) -> None:
+def test_unsettled_refuses_before_recording(command: str, transport: str) -> None:
     c = staged() if transport == "live" else reloaded(failed())
     name, args, kwargs = UNSETTLED_REFUSALS[command]
     assert_refused(c, PublicationUnsettled, getattr(c, name), *args, **kwargs)
 
 
-def test_i2_resume_while_unsettled_records_nothing_and_says_reconcile() -> None:
+@pytest.mark.invariant("I2")
+def test_resume_while_unsettled_records_nothing_and_says_reconcile() -> None:
     c = reloaded(failed())
     before = c.events
     assert c.resume() is Action.RECONCILE
@@ -76,7 +78,8 @@ def test_i2_resume_while_unsettled_records_nothing_and_says_reconcile() -> None:
     assert c.step is Step.UNSETTLED
 
 
-def test_i2_unsettled_outranks_schema_errors() -> None:
+@pytest.mark.invariant("I2")
+def test_unsettled_outranks_schema_errors() -> None:
     c = staged()
     assert_refused(c, PublicationUnsettled, c.add_input, [float("nan")])
 
@@ -84,7 +87,8 @@ def test_i2_unsettled_outranks_schema_errors() -> None:
 # ------------------------------------------------------------------------------- I5
 
 
-def test_i5_interruptions_survive_and_approvals_are_not_resurrected() -> None:
+@pytest.mark.invariant("I5")
+def test_interruptions_survive_and_approvals_are_not_resurrected() -> None:
     c = reloaded(failed())
     assert c.envelope is not None
     assert c.envelope.interruptions == ("notify",)
@@ -100,7 +104,8 @@ def test_i5_interruptions_survive_and_approvals_are_not_resurrected() -> None:
     assert_refused(c, InvalidTransition, c.approve, "notify")
 
 
-def test_i5_decisions_bind_to_the_fingerprint_not_the_position() -> None:
+@pytest.mark.invariant("I5")
+def test_decisions_bind_to_the_fingerprint_not_the_position() -> None:
     c = at_interruption()
     other = c.fingerprint("notify")
     assert_refused(c, InvalidTransition, c.approve, "charge", fingerprint=other)
@@ -109,7 +114,8 @@ def test_i5_decisions_bind_to_the_fingerprint_not_the_position() -> None:
     assert_refused(c, InvalidTransition, c.approve, "charge")
 
 
-def test_i5_a_forged_fingerprint_in_the_log_is_rejected_on_load() -> None:
+@pytest.mark.invariant("I5", "I10")
+def test_a_forged_fingerprint_in_the_log_is_rejected_on_load() -> None:
     c = at_interruption()
     c.approve("charge")
     doc = c.to_json()
@@ -133,8 +139,9 @@ REJECTED_HISTORIES = {
 }
 
 
+@pytest.mark.invariant("I7")
 @pytest.mark.parametrize("case", list(REJECTED_HISTORIES))
-def test_i7_reconcile_fails_closed_and_keeps_the_envelope(case: str) -> None:
+def test_reconcile_fails_closed_and_keeps_the_envelope(case: str) -> None:
     c = reloaded(failed())
     history, session_id, says = REJECTED_HISTORIES[case]
     error = assert_refused(c, ReconcileRejected, c.reconcile, history, session_id)
@@ -144,7 +151,8 @@ def test_i7_reconcile_fails_closed_and_keeps_the_envelope(case: str) -> None:
     assert c.reconcile(P, SESSION) == Append(tuple(B))
 
 
-def test_i7_a_foreign_attempt_blocks_append_but_not_acknowledge() -> None:
+@pytest.mark.invariant("I7")
+def test_a_foreign_attempt_blocks_append_but_not_acknowledge() -> None:
     writer = staged()  # holds the attempt; its write may still land
     resumer = reloaded(writer)
     assert resumer.next_action() is Action.RECONCILE
@@ -153,7 +161,8 @@ def test_i7_a_foreign_attempt_blocks_append_but_not_acknowledge() -> None:
     assert resumer.reconcile(P + B, SESSION) == Acknowledge()
 
 
-def test_i7_take_over_is_recorded() -> None:
+@pytest.mark.invariant("I7")
+def test_take_over_is_recorded() -> None:
     resumer = reloaded(staged())
     decision = resumer.reconcile(P, SESSION, take_over=True)
     assert decision == Append(tuple(B))
@@ -162,7 +171,8 @@ def test_i7_take_over_is_recorded() -> None:
     assert resumer.next_action() is Action.PUBLISH
 
 
-def test_i7_an_attempt_from_append_blocks_a_second_resumer() -> None:
+@pytest.mark.invariant("I7")
+def test_an_attempt_from_append_blocks_a_second_resumer() -> None:
     first = reloaded(failed())
     shared = first.to_json()
     assert isinstance(first.reconcile(P, SESSION), Append)
@@ -173,7 +183,8 @@ def test_i7_an_attempt_from_append_blocks_a_second_resumer() -> None:
     assert isinstance(RunController.from_json(shared).reconcile(P, SESSION), Append)
 
 
-def test_i7_reconcile_reads_only_the_tail() -> None:
+@pytest.mark.invariant("I7")
+def test_reconcile_reads_only_the_tail() -> None:
     long_history = [{"old": i} for i in range(1000)] + P
     c = at_interruption()
     run_charge(c)
@@ -199,6 +210,7 @@ def failed_with_history(history: list[Any]) -> RunController:
     return c
 
 
+@pytest.mark.invariant("I7")
 def test_stage_refuses_a_history_too_short_to_tell_outcomes_apart() -> None:
     # P = [a, y, x, y], B = [x, y]: the 3-item tails of P and P + B are equal
     a, x, y = {"a": 1}, {"x": 1}, {"y": 1}
@@ -237,9 +249,10 @@ def _terminal_runs() -> dict[str, RunController]:
     return {"abandoned": abandoned, "fail-closed-write-failed": fail_closed}
 
 
+@pytest.mark.invariant("I9")
 @pytest.mark.parametrize("transport", ["live", "json", "json-twice"])
 @pytest.mark.parametrize("run", ["abandoned", "fail-closed-write-failed"])
-def test_i9_terminal_rejects_everything_and_survives_serialization(
+def test_terminal_rejects_everything_and_survives_serialization(
     run: str, transport: str
 ) -> None:
     c = _terminal_runs()[run]
@@ -252,8 +265,9 @@ def test_i9_terminal_rejects_everything_and_survives_serialization(
     assert c.step is Step.TERMINAL_UNRECOVERABLE
 
 
+@pytest.mark.invariant("I9")
 @pytest.mark.parametrize("command", sorted(set(ALL_COMMANDS) - {"abandon"}))
-def test_i9_fail_closed_unsettled_reload_refuses_all_but_abandon(command: str) -> None:
+def test_fail_closed_unsettled_reload_refuses_all_but_abandon(command: str) -> None:
     c = reloaded(staged(RecoveryPolicy.FAIL_CLOSED))  # died during the write
     assert c.next_action() is Action.NOT_RESUMABLE
     name, args, kwargs = ALL_COMMANDS[command]
@@ -261,14 +275,16 @@ def test_i9_fail_closed_unsettled_reload_refuses_all_but_abandon(command: str) -
     assert "outcome is unknown" in str(error)
 
 
-def test_i9_fail_closed_abandon_records_terminal() -> None:
+@pytest.mark.invariant("I9")
+def test_fail_closed_abandon_records_terminal() -> None:
     c = reloaded(staged(RecoveryPolicy.FAIL_CLOSED))
     c.abandon("write outcome unknown")
     assert c.step is Step.TERMINAL_UNRECOVERABLE
     assert reloaded(c).step is Step.TERMINAL_UNRECOVERABLE
 
 
-def test_i9_fail_closed_is_cleared_only_by_the_attempt_that_saw_the_write() -> None:
+@pytest.mark.invariant("I9")
+def test_fail_closed_is_cleared_only_by_the_attempt_that_saw_the_write() -> None:
     c = staged(RecoveryPolicy.FAIL_CLOSED)
     assert c.next_action() is Action.PUBLISH
     assert_refused(c, RunNotResumable, c.reconcile, P + B, SESSION)
@@ -276,7 +292,8 @@ def test_i9_fail_closed_is_cleared_only_by_the_attempt_that_saw_the_write() -> N
     assert c.step is Step.INTERRUPTION
 
 
-def test_i9_a_lossy_final_output_fails_closed_under_reconcile() -> None:
+@pytest.mark.invariant("I9")
+def test_a_lossy_final_output_fails_closed_under_reconcile() -> None:
     c = RunController.start(run_id="lossy", session_id=SESSION)
     c.begin_model_call()
     c.model_responded([], output="<encoded object>")
@@ -290,7 +307,8 @@ def test_i9_a_lossy_final_output_fails_closed_under_reconcile() -> None:
 # ------------------------------------------------------------------------------ I10
 
 
-def test_i10_replay_is_deterministic() -> None:
+@pytest.mark.invariant("I10")
+def test_replay_is_deterministic() -> None:
     c = failed()
     c.reconcile(P, SESSION)
     doc = c.to_json()
@@ -326,16 +344,18 @@ def _forge(doc: dict[str, Any], how: str) -> dict[str, Any]:
     return doc
 
 
+@pytest.mark.invariant("I10")
 @pytest.mark.parametrize("how", ["approve-while-unsettled", "batch-item-altered",
                                  "continuation-altered", "read-limit-altered",
                                  "tool-run-twice", "commit-without-attempt"])
-def test_i10_a_forged_log_is_rejected_on_load(how: str) -> None:
+def test_a_forged_log_is_rejected_on_load(how: str) -> None:
     doc = failed().to_json()
     with pytest.raises(InvalidTransition, match=r"event \d+ "):
         RunController.from_json(_forge(doc, how))
 
 
-def test_i10_a_sequence_gap_is_a_schema_error() -> None:
+@pytest.mark.invariant("I10")
+def test_a_sequence_gap_is_a_schema_error() -> None:
     doc = failed().to_json()
     del doc["events"][3]
     with pytest.raises(SchemaError, match="sequence gap"):
@@ -353,7 +373,8 @@ def _in_tools() -> RunController:
     return c
 
 
-def test_i11_a_started_call_is_never_re_executed_after_a_restart() -> None:
+@pytest.mark.invariant("I11")
+def test_a_started_call_is_never_re_executed_after_a_restart() -> None:
     c = _in_tools()
     assert isinstance(c.begin_tool("pay"), Execute)  # the process dies while it runs
     assert c.next_action() is Action.RUN_TOOLS
@@ -370,7 +391,8 @@ def test_i11_a_started_call_is_never_re_executed_after_a_restart() -> None:
     assert restarted.resume() is Action.RUN_TOOLS
 
 
-def test_i11_an_idempotent_call_runs_again_with_a_new_start() -> None:
+@pytest.mark.invariant("I11")
+def test_an_idempotent_call_runs_again_with_a_new_start() -> None:
     c = _in_tools()
     c.begin_tool("lookup")
     restarted = reloaded(c)
@@ -380,7 +402,8 @@ def test_i11_an_idempotent_call_runs_again_with_a_new_start() -> None:
     assert_refused(restarted, InvalidTransition, restarted.begin_tool, "lookup")
 
 
-def test_i11_the_live_controller_may_not_start_its_own_call_twice() -> None:
+@pytest.mark.invariant("I11")
+def test_the_live_controller_may_not_start_its_own_call_twice() -> None:
     c = _in_tools()
     c.begin_tool("pay")
     assert c.in_doubt() == ()
@@ -391,8 +414,9 @@ def test_i11_the_live_controller_may_not_start_its_own_call_twice() -> None:
 # ------------------------------------------------------------------------------ I12
 
 
+@pytest.mark.invariant("I12")
 @pytest.mark.parametrize("transport", ["live", "json"])
-def test_i12_an_unpublished_result_is_resent_from_the_cache(transport: str) -> None:
+def test_an_unpublished_result_is_resent_from_the_cache(transport: str) -> None:
     c = _in_tools()
     c.begin_tool("pay")
     c.tool_completed("pay", {"receipt": "r-1"})
@@ -407,7 +431,8 @@ def test_i12_an_unpublished_result_is_resent_from_the_cache(transport: str) -> N
     assert_refused(c, InvalidTransition, c.begin_model_call)
 
 
-def test_i12_a_published_result_is_neither_resent_nor_run() -> None:
+@pytest.mark.invariant("I12")
+def test_a_published_result_is_neither_resent_nor_run() -> None:
     c = _in_tools()
     c.begin_tool("pay")
     c.tool_completed("pay", "paid")

@@ -89,6 +89,7 @@ def test_the_chain_is_hmac_sha256_over_the_canonical_events() -> None:
     assert c.to_json(key=KEY)["chain"] == tag.hex()
 
 
+@pytest.mark.invariant("I10")
 def test_every_single_edit_is_refused_with_the_key_and_legal_ones_load_without() -> None:
     signed = _rich().to_json(key=KEY)
     legal = 0
@@ -112,6 +113,7 @@ def test_every_single_edit_is_refused_with_the_key_and_legal_ones_load_without()
     assert edited.state.calls["charge"].result == "charged 7!"  # loads, changed
 
 
+@pytest.mark.invariant("I10")
 def test_a_wrong_key_a_truncation_and_a_missing_chain_are_refused() -> None:
     c = _rich()
     signed = c.to_json(key=KEY)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from hypothesis import given, target
 from hypothesis import strategies as st
 from transitions.core import MachineError
@@ -38,10 +39,12 @@ def test_every_guard_is_declared_and_documented() -> None:
     assert all(GUARDS[g].__doc__ for g in used)
 
 
+@pytest.mark.invariant("I9")
 def test_terminal_steps_have_no_way_out() -> None:
     assert not [key for key in TABLE if key[0] in TERMINAL_STEPS]
 
 
+@pytest.mark.invariant("I2")
 def test_unsettled_accepts_only_settling_and_neutral_triggers() -> None:
     assert {trigger for step, trigger in TABLE if step is Step.UNSETTLED} == (
         SETTLING_TRIGGERS | NEUTRAL_TRIGGERS)
@@ -140,6 +143,7 @@ def _transitions_verdict(machine: Any, machine_model: GuardAdapter, state: RunSt
     return Step(machine_model.step_value) if moved else None
 
 
+@pytest.mark.invariant("I10")
 @given(st.data(), st.sampled_from([None, "s"]), st.sampled_from(list(RecoveryPolicy)),
        st.sampled_from([None, 1, 2]))
 def test_differential_table_equals_transitions(

@@ -25,6 +25,7 @@ OUTCOMES = {
 }
 
 
+@pytest.mark.invariant("I2", "I3", "I4", "I5")
 @pytest.mark.parametrize("transport", ["live", "json"])
 @pytest.mark.parametrize("outcome", list(OUTCOMES))
 def test_partial_approval_recovers_exactly_once(outcome: str, transport: str) -> None:

@@ -47,6 +47,7 @@ def _running(c: RunController | None = None) -> RunController:
 # ----------------------------------------------------------------- the command
 
 
+@pytest.mark.invariant("I11")
 def test_the_live_controller_answers_as_a_reloaded_one() -> None:
     c = _running()
     before = (c.events, c.to_json())
@@ -68,6 +69,7 @@ def test_the_live_controller_answers_as_a_reloaded_one() -> None:
     assert c.to_json() == again.to_json()
 
 
+@pytest.mark.invariant("I11")
 def test_an_idempotent_call_executes_again_with_a_new_recorded_start() -> None:
     c = RunController.start(run_id="idem", session_id=SESSION_ID)
     c.begin_model_call()
@@ -149,6 +151,7 @@ def test_a_completed_call_is_no_longer_in_flight() -> None:
     assert c.in_doubt() == ()
 
 
+@pytest.mark.invariant("I11")
 def test_an_interrupted_tool_is_answered_as_a_reloaded_controller_would() -> None:
     # CT22: after tool_interrupted the call is no longer held in flight: in doubt when it
     # is not idempotent (never re-run, I11), runnable again when it is
@@ -224,6 +227,7 @@ async def _interrupted(how: str, stop: str, tool: HangingTool, agent: Agent,
     return c
 
 
+@pytest.mark.invariant("I1", "I11")
 @pytest.mark.parametrize("stop", ["cancel", "timeout"])
 @pytest.mark.parametrize("how", ["run", "run_streamed"])
 def test_a_cancelled_tool_leaves_the_live_controller_like_a_reloaded_one(
@@ -251,6 +255,7 @@ def test_a_cancelled_tool_leaves_the_live_controller_like_a_reloaded_one(
     run_clean(main)
 
 
+@pytest.mark.invariant("I11")
 @pytest.mark.parametrize("stop", ["cancel", "timeout"])
 @pytest.mark.parametrize("how", ["run", "run_streamed"])
 def test_a_cancelled_idempotent_tool_runs_again_once(how: str, stop: str) -> None:

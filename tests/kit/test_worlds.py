@@ -39,18 +39,28 @@ scripted world, whose every step is checked against the oracle (over 20,000 in a
 terminal summary reports the count)."""
 PROGRESS = 50 if FUZZING else None
 
-TestReferenceRunner = world_state_machine(ReferenceWorld, progress_every=PROGRESS).TestCase
+# What each world checks after every step: its own checks and those of `check_log`
+# (I1, I2, I4, I5, I9, I10, I11, I12 as the log shows them).
+REFERENCE = pytest.mark.invariant("I1", "I2", "I3", "I4", "I5", "I8", "I9", "I10", "I11",
+                                  "I12")
+REMOTE_CHECKS = pytest.mark.invariant("I1", "I3", "I11", "I12")
+SCRIPT_CHECKS = pytest.mark.invariant("I1", "I2", "I3", "I4", "I5", "I9", "I10", "I11", "I12")
+
+TestReferenceRunner = REFERENCE(
+    world_state_machine(ReferenceWorld, progress_every=PROGRESS).TestCase)
 TestReferenceRunner.settings = STATEFUL
-TestFailClosedRunner = world_state_machine(_fail_closed_world,
-                                           progress_every=PROGRESS).TestCase
+TestFailClosedRunner = REFERENCE(
+    world_state_machine(_fail_closed_world, progress_every=PROGRESS).TestCase)
 TestFailClosedRunner.settings = STATEFUL
-TestRemoteExecutor = world_state_machine(RemoteWorld, progress_every=PROGRESS).TestCase
+TestRemoteExecutor = REMOTE_CHECKS(
+    world_state_machine(RemoteWorld, progress_every=PROGRESS).TestCase)
 TestRemoteExecutor.settings = REMOTE
-TestScriptedRunner = world_state_machine(ScriptWorld, scripts=scripts(),
-                                         progress_every=PROGRESS).TestCase
+TestScriptedRunner = SCRIPT_CHECKS(
+    world_state_machine(ScriptWorld, scripts=scripts(), progress_every=PROGRESS).TestCase)
 TestScriptedRunner.settings = SCRIPTED
 
 
+@REFERENCE
 @pytest.mark.parametrize("world", [ReferenceWorld, _fail_closed_world, RemoteWorld],
                          ids=["reference-reconcile", "reference-fail-closed", "remote"])
 def test_explorer_finds_no_counterexample_at_the_ci_bound(world: type) -> None:
@@ -76,6 +86,7 @@ EXPLORED_SCRIPTS = {
 SCRIPT_DEPTH = 3
 
 
+@SCRIPT_CHECKS
 @pytest.mark.parametrize("name", list(EXPLORED_SCRIPTS))
 def test_explorer_checks_the_oracle_and_liveness_of_scripted_worlds(name: str) -> None:
     script = EXPLORED_SCRIPTS[name]

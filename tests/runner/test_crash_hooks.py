@@ -213,6 +213,7 @@ def _trial(folder: Path, index: int, reference: Reference) -> Trial:
     return Trial(first_kill, kills, result, effects)
 
 
+@pytest.mark.invariant("I1", "I3", "I11")
 def test_hooks_and_guardrails_rerun_at_most_once_per_crash(reference: Reference,
                                                            crash_root: Path) -> None:
     started = time.monotonic()
@@ -270,6 +271,7 @@ def _kill_at_then_restart(folder: Path, reference: Reference, boundary: str) -> 
     assert result["outcome"] == "completed"
 
 
+@pytest.mark.invariant("I1")
 def test_a_kill_after_a_tool_completed_still_runs_its_end_hook(reference: Reference,
                                                                crash_root: Path) -> None:
     folder = crash_root / "end-hook"

@@ -69,6 +69,7 @@ def _kill_and_restart(base: Path, flags: tuple[str, ...]) -> tuple[tuple[str, ..
                    "after": _observe(folder), "again": json.loads(_run(folder).stdout)}
 
 
+@pytest.mark.invariant("I1", "I3", "I11")
 def test_every_kill_point_restarts_safely(reference: dict[str, Any], tmp_path: Path) -> None:
     points = _kill_points(len(reference["types"]))
     with ThreadPoolExecutor(max_workers=2) as pool:

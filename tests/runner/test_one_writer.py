@@ -132,6 +132,7 @@ async def _assert_new_run_refused(world: World, blocker: str) -> None:
 # ----------------------------------------------------- a new run on a blocked Session
 
 
+@pytest.mark.invariant("I7")
 @pytest.mark.parametrize("kind", STORES)
 def test_a_new_run_is_refused_until_the_old_one_settles(tmp_path: Path, kind: str) -> None:
     async def go() -> None:
@@ -163,6 +164,7 @@ def test_a_new_run_is_refused_until_the_old_one_settles(tmp_path: Path, kind: st
     asyncio.run(go())
 
 
+@pytest.mark.invariant("I7")
 @pytest.mark.parametrize("kind", STORES)
 def test_an_abandoned_run_still_blocks_until_the_session_is_repaired(
     tmp_path: Path, kind: str
@@ -182,6 +184,7 @@ def test_an_abandoned_run_still_blocks_until_the_session_is_repaired(
     asyncio.run(go())
 
 
+@pytest.mark.invariant("I7")
 @pytest.mark.parametrize("kind", ["memory", "sqlite"])
 def test_with_a_store_any_unsettled_run_blocks_even_with_a_clean_tail(
     tmp_path: Path, kind: str
@@ -204,6 +207,7 @@ def test_with_a_store_any_unsettled_run_blocks_even_with_a_clean_tail(
     asyncio.run(go())
 
 
+@pytest.mark.invariant("I7")
 def test_a_streamed_new_run_is_refused_alike(tmp_path: Path) -> None:
     async def go() -> None:
         world = World(tmp_path, "memory")
@@ -356,6 +360,7 @@ def test_a_database_made_before_the_run_index_gets_one(tmp_path: Path) -> None:
 # ----------------------------------------------------------- the wrong Session
 
 
+@pytest.mark.invariant("I7")
 def test_publish_refuses_a_session_that_is_not_the_runs() -> None:
     c = at_interruption()
     run_charge(c)
@@ -373,6 +378,7 @@ def test_publish_refuses_a_session_that_is_not_the_runs() -> None:
     assert snapshot(c) == before
 
 
+@pytest.mark.invariant("I7")
 def test_settle_refuses_a_session_that_is_not_the_runs() -> None:
     c = reloaded(staged())
     before = snapshot(c)

@@ -167,6 +167,7 @@ async def partial_approval(tmp_path: Path, failing: str, recovery: str, transpor
     return world, result
 
 
+@pytest.mark.invariant("I1", "I2", "I3", "I4", "I6", "I7", "I8")
 @pytest.mark.parametrize("outcome", list(OUTCOMES))
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("recovery", ATTEMPTS)
@@ -229,6 +230,7 @@ async def terminal_output(tmp_path: Path, failing: str, recovery: str, transport
     return world, await world.attempt(recovery, world.session, **world.source(c))
 
 
+@pytest.mark.invariant("I1", "I3", "I6", "I8", "I9")
 @pytest.mark.parametrize("policy", list(RecoveryPolicy), ids=lambda p: p.value)
 @pytest.mark.parametrize("outcome", list(OUTCOMES))
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -308,6 +310,7 @@ async def _assert_streaming_parity(tmp_path: Path, scenario: str, failing: str,
 # -------------------------------------------------------------------- one more
 
 
+@pytest.mark.invariant("I1", "I3", "I7")
 def test_a_hung_write_blocks_append_until_taken_over(tmp_path: Path) -> None:
     async def go() -> None:
         world = World(tmp_path, "json", terminal=False)

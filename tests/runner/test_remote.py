@@ -49,6 +49,7 @@ async def _drain(remote: FakeRemote, executions: Counter[str],
         return [call async for call in stream]
 
 
+@pytest.mark.invariant("I1", "I12")
 def test_seed_regression_permanent_post_failure_then_reconnect() -> None:
     """A permanent failure on the first post, then a reconnect: the tool runs once and
     the same cached result is re-posted."""
@@ -84,6 +85,7 @@ schedules = st.fixed_dictionaries({
 })
 
 
+@pytest.mark.invariant("I1", "I12")
 @given(schedules)
 def test_any_disconnect_and_post_failure_schedule(schedule: dict[str, Any]) -> None:
     ids = [f"toolu_{i}" for i in range(schedule["calls"])]
@@ -118,6 +120,7 @@ def _driver(folder: Path, *flags: str) -> subprocess.CompletedProcess[str]:
                           cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
 
 
+@pytest.mark.invariant("I1", "I12")
 def test_restart_after_the_tool_ran_reposts_the_cached_result(tmp_path: Path) -> None:
     killed = _driver(tmp_path, "--kill-before-post")
     assert killed.returncode == -9
@@ -131,6 +134,7 @@ def test_restart_after_the_tool_ran_reposts_the_cached_result(tmp_path: Path) ->
     assert remote.results() == {"toolu_1": ["ran pay #1"]}
 
 
+@pytest.mark.invariant("I11")
 def test_restart_after_a_crash_inside_the_tool_is_in_doubt(tmp_path: Path) -> None:
     assert _driver(tmp_path, "--kill-in-tool").returncode == -9
     restarted = _driver(tmp_path)
@@ -141,6 +145,7 @@ def test_restart_after_a_crash_inside_the_tool_is_in_doubt(tmp_path: Path) -> No
     assert FakeRemote(path=str(tmp_path / "remote.json")).results() == {}
 
 
+@pytest.mark.invariant("I11")
 def test_a_cancelled_remote_tool_is_in_doubt_in_the_live_controller() -> None:
     """A remote tool whose task is cancelled mid-run leaves its call in doubt in the live
     controller, exactly as a reloaded controller sees it (never held "in flight")."""
@@ -295,6 +300,7 @@ class _Redelivering:
         self.history.append(RemoteEvent("tool_result", call_id, result=result))
 
 
+@pytest.mark.invariant("I1")
 def test_a_redelivered_call_is_not_run_or_posted_again() -> None:
     # RE02: a published call is done: a second delivery of it changes nothing
     remote = _Redelivering()

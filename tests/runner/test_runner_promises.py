@@ -387,12 +387,14 @@ SCENARIOS: dict[str, Callable[[World], Awaitable[Outcome]]] = {
 }
 
 
+@pytest.mark.invariant("I1")
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_the_runner_keeps_its_promise(scenario: str, mode: str) -> None:
     run(SCENARIOS[scenario](World(mode)))
 
 
+@pytest.mark.invariant("I8")
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_streamed_and_plain_runs_leave_the_same_log(scenario: str) -> None:
     """I8, per scenario: the same log (every event, in order) and the same Session."""
@@ -402,6 +404,7 @@ def test_streamed_and_plain_runs_leave_the_same_log(scenario: str) -> None:
     assert streamed_items == plain_items
 
 
+@pytest.mark.invariant("I9")
 @pytest.mark.parametrize("mode", MODES)
 def test_a_terminal_run_refuses_to_resume_before_any_work(mode: str) -> None:
     """`Runner.run`: resuming a run that cannot go on raises `RunNotResumable` before any
@@ -611,6 +614,7 @@ async def _drain(executor: RemoteToolExecutor) -> list[Any]:
     return [d async for d in executor.run()]
 
 
+@pytest.mark.invariant("I1")
 def test_remote_a_call_already_answered_is_never_run_again() -> None:
     """README: on (re)connect a result the remote holds is acknowledged, never re-run; a
     new call runs once; every successful post is recorded (`result_posted`)."""
@@ -626,6 +630,7 @@ def test_remote_a_call_already_answered_is_never_run_again() -> None:
     assert c.phase("done") is None  # never taken into the ledger, never run
 
 
+@pytest.mark.invariant("I1", "I12")
 def test_remote_a_failed_post_is_resent_from_the_cache_and_every_landed_post_recorded(
 ) -> None:
     """`RemoteToolExecutor`: transient post failures are retried, permanent ones wait for

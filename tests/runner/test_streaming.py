@@ -210,6 +210,7 @@ class AbortingSession(MemorySession):
         await super().add_items(items)
 
 
+@pytest.mark.invariant("I6")
 @pytest.mark.parametrize("read_result", [True, False])
 def test_an_error_raised_while_the_run_stops_is_raised_from_result(read_result: bool) -> None:
     async def main() -> None:
@@ -235,6 +236,7 @@ def test_an_error_raised_while_the_run_stops_is_raised_from_result(read_result: 
     run_clean(main)
 
 
+@pytest.mark.invariant("I6")
 def test_a_write_error_reaches_the_consumer_and_result_without_a_stray_task() -> None:
     async def main() -> None:
         agent, _model, tool, session = _world()

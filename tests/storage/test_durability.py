@@ -232,6 +232,7 @@ def test_a_run_loaded_with_buffered_true_buffers_and_one_loaded_without_appends_
     assert len(store.record.appends) == 8
 
 
+@pytest.mark.invariant("I7")
 def test_of_two_buffered_controllers_at_one_version_the_first_flush_wins(
         store: Recording) -> None:
     paused = _buffered(store)
@@ -806,6 +807,7 @@ def _reruns(trial: KillTrial) -> int:
                if name.startswith(("hook ", "guardrail ")))
 
 
+@pytest.mark.invariant("I1", "I11")
 def test_kill_9_between_any_record_and_its_flush(references: dict[str, Reference],
                                                  kill_root: Path) -> None:
     started = time.monotonic()

@@ -304,6 +304,7 @@ def test_a_truncated_log_or_a_gap_is_an_error_never_a_shorter_log(
 # ------------------------------------------------------------------ a stale owner
 
 
+@pytest.mark.invariant("I7")
 def test_a_stale_owner_is_refused_on_its_next_append(store: PostgresEventStore) -> None:
     at_interruption(store=store)
     mine = RunController.load(store, "run-1")

@@ -188,6 +188,7 @@ def _reference(store: PostgresEventStore, dsn: str, schema: str, folder: Path,
     return [type(event).__name__ for event in log[paused + 1:]]
 
 
+@pytest.mark.invariant("I1", "I7")
 def test_racing_resumers_on_postgres_exactly_one_goes_on(
         store: PostgresEventStore, pg_dsn: str, pg_schema: str, tmp_path: Path) -> None:
     references = {variant: _reference(store, pg_dsn, pg_schema, tmp_path / f"ref-{variant}",
@@ -397,6 +398,7 @@ def _kill_trial(world: KillWorld, index: int, references: dict[str, KillReferenc
     return KillTrial(mode, how, kills, conflicts, result["outcome"], effects, tuple(kinds))
 
 
+@pytest.mark.invariant("I1", "I11")
 def test_kill_9_of_workers_at_random_moments_on_postgres(
         store: PostgresEventStore, pg_dsn: str, pg_schema: str, tmp_path: Path) -> None:
     world = KillWorld(pg_dsn, pg_schema, tmp_path, store)

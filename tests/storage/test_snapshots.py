@@ -278,6 +278,7 @@ def test_list_runs_ignores_a_bad_snapshot_too(tmp_path: Path) -> None:
 # -------------------------------------------------------------- bad logs
 
 
+@pytest.mark.invariant("I10")
 def test_a_truncated_log_under_a_verified_snapshot_is_refused(tmp_path: Path) -> None:
     """The snapshot vouches for 32 events: a log with fewer is truncated (SchemaError),
     not replayed short (which once loaded a stale state and inspect said all was well)."""
@@ -290,6 +291,7 @@ def test_a_truncated_log_under_a_verified_snapshot_is_refused(tmp_path: Path) ->
             RunController.load(SQLiteEventStore(path, readonly=readonly), RUN)
 
 
+@pytest.mark.invariant("I10")
 @pytest.mark.parametrize("seq", [0, 3, 31, 32, 36])
 def test_a_log_with_a_gap_is_refused(tmp_path: Path, seq: int) -> None:
     """A row deleted before the snapshot (found when the prefix is read: ``events``), at
@@ -307,6 +309,7 @@ def test_a_log_with_a_gap_is_refused(tmp_path: Path, seq: int) -> None:
         SQLiteEventStore(path).load(RUN)
 
 
+@pytest.mark.invariant("I10")
 @pytest.mark.parametrize("change", ["row-seq", "body-seq", "not-json", "not-text"])
 def test_a_damaged_row_is_refused(tmp_path: Path, change: str) -> None:
     path = tmp_path / "events.db"
@@ -332,6 +335,7 @@ def test_a_damaged_row_is_refused(tmp_path: Path, change: str) -> None:
             RunController.load(SQLiteEventStore(path), RUN, snapshot=snapshot)
 
 
+@pytest.mark.invariant("I10")
 def test_a_stored_body_must_carry_its_rows_seq(tmp_path: Path) -> None:
     # SS11: load never returns a log other than its rows: a body whose seq is not its
     # row's (here a later one) is damage, refused
@@ -485,6 +489,7 @@ def _stored_log(path: Path) -> list[Any] | None:
     return [codec.decode_stored_event(codec.parse(body), seq) for seq, body in rows]
 
 
+@pytest.mark.invariant("I10")
 def test_random_corruptions_load_exactly_or_fail_typed(tmp_path: Path) -> None:
     pristine = tmp_path / "pristine.db"
     original, _ = _store_file(pristine)
