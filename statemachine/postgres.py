@@ -91,23 +91,21 @@ from statemachine import codec
 from statemachine.errors import ConcurrencyConflict, SchemaError, StorageError
 from statemachine.events import Event
 from statemachine.payloads import JSON, detach
-from statemachine.stores import (
-    AsyncEventStore,
+from statemachine.stored import (
     RunHead,
-    SessionWrite,
-    Snapshot,
-    _check_filters,
-    _claim_in,
-    _conflict,
-    _decode,
-    _digest,
-    _dumps,
-    _first_step,
-    _fold,
-    _started_session,
-    _verified,
+    check_filters,
+    claimed_owner,
+    conflict,
+    decode_rows,
+    digest,
+    dumps,
+    head_of_log,
     snapshot_ignored,
+    started_session,
+    step_to_index,
+    verified_snapshot,
 )
+from statemachine.stores import AsyncEventStore, SessionWrite, Snapshot
 from statemachine.values import Step
 
 __all__ = ["SCHEMA_VERSION", "AsyncEventStore", "AsyncPostgresEventStore",
@@ -373,17 +371,17 @@ def _prepare(run_id: str, events: Sequence[Event], expected_version: int,
         items = _session_rows(session_write.session_id, session_write.publication_id,
                               session_write.items)
     batch_id = uuid.uuid4().hex
-    bodies = [_dumps(codec.encode_event(event)) for event in events]
+    bodies = [dumps(codec.encode_event(event)) for event in events]
     kept = None
     if snapshot is not None:
-        text = _dumps(snapshot)
-        kept = (run_id, expected_version, text, _digest(text))
-    step = _first_step(run_id, events, step, expected_version)
-    claimed, owner = _claim_in(events)
+        text = dumps(snapshot)
+        kept = (run_id, expected_version, text, digest(text))
+    step = step_to_index(run_id, events, step, expected_version)
+    claimed, owner = claimed_owner(events)
     params: dict[str, Any] = {
         "run": run_id, "new": expected_version + len(events), "expected": expected_version,
         "step": None if step is None else step.value, "owner": owner, "claimed": claimed,
-        "session": _started_session(events), "batch": batch_id}
+        "session": started_session(events), "batch": batch_id}
     if len(events) == 1:
         params.update(seq=events[0].seq, body=bodies[0])
     else:
@@ -400,7 +398,7 @@ def _session_rows(session_id: str, publication_id: str | None,
     if publication_id is not None and type(publication_id) is not str:
         raise TypeError("publication_id must be a str or None")
     return {"session": session_id, "publication": publication_id,
-            "bodies": [_dumps(detach(item)) for item in items]}
+            "bodies": [dumps(detach(item)) for item in items]}
 
 
 def _append(sql: _Sql, a: _Append) -> Op[None]:
@@ -426,7 +424,7 @@ def _lost_race(run_id: str, expected: int, actual: int) -> ConcurrencyConflict:
     if expected == 0:
         return ConcurrencyConflict(f"a run with this id already exists in the store "
                                    f"(version {actual})", run_id=run_id)
-    return _conflict(run_id, expected, actual)
+    return conflict(run_id, expected, actual)
 
 
 def _one_statement(a: _Append) -> bool:
@@ -509,7 +507,7 @@ def _checked(run_id: str, head: Any, rows: Rows, first: int) -> list[Event]:
     """Decode a log read with its head (``first``: the seq of the first row) and check
     that the log and its head agree: a log shorter than its head was truncated, one
     without a head was not written by this store. Never a silently shorter log."""
-    events = _decode(run_id, rows, first)
+    events = decode_rows(run_id, rows, first).events
     if head is None:
         if events:
             raise SchemaError("the stored log has no run head row: the store is damaged",
@@ -536,7 +534,7 @@ def _latest(run_id: str, rows: Rows) -> tuple[Snapshot | None, str | None, list[
     if snap is None:
         return None, None, _checked(run_id, head, events, 0)
     version, body, digest, present = snap
-    snapshot, problem = _verified(run_id, (version, body, digest))
+    snapshot, problem = verified_snapshot(run_id, (version, body, digest))
     if snapshot is not None and present != (1 if version == 1 else 2):
         snapshot, problem = None, (f"its version {version} is past the log (event "
                                    f"{version - 1} or event 0 is missing)")
@@ -980,7 +978,7 @@ class PostgresEventStore(_Sync):
 
     def list_runs(self, session_id: str | None = None,
                   steps: Collection[Step] | None = None) -> tuple[RunHead, ...]:
-        wanted = _check_filters(session_id, steps)
+        wanted = check_filters(session_id, steps)
         if wanted is not None and not wanted:
             return ()
         tail, params = _heads(session_id, wanted)
@@ -1005,7 +1003,7 @@ class PostgresEventStore(_Sync):
         not moved meanwhile; never when read-only). Keeping it is a cache: a failure to
         keep it costs a fold next time."""
         snapshot, tail = self.load_latest(run_id)
-        version, step, session = _fold(run_id, snapshot, tail, lambda: self.load(run_id))
+        version, step, session = head_of_log(run_id, snapshot, tail, lambda: self.load(run_id))
         if not self.readonly:
             with contextlib.suppress(StorageError):
                 self._read(_one(self._sql.keep_fold, (step.value, run_id, version), "none"),
@@ -1265,7 +1263,7 @@ class AsyncPostgresEventStore(_Async):
 
     async def list_runs(self, session_id: str | None = None,
                         steps: Collection[Step] | None = None) -> tuple[RunHead, ...]:
-        wanted = _check_filters(session_id, steps)
+        wanted = check_filters(session_id, steps)
         if wanted is not None and not wanted:
             return ()
         tail, params = _heads(session_id, wanted)
@@ -1289,7 +1287,7 @@ class AsyncPostgresEventStore(_Async):
         """As `PostgresEventStore._fold`, from the whole log (an unfolded head is rare:
         only a caller appending without ``step=`` leaves one)."""
         log = await self.load(run_id)
-        version, step, session = _fold(run_id, None, log, log.copy)
+        version, step, session = head_of_log(run_id, None, log, log.copy)
         if not self.readonly:
             with contextlib.suppress(StorageError):
                 await self._read(_one(self._sql.keep_fold, (step.value, run_id, version),
