@@ -33,7 +33,8 @@ _FILES = {
     "SD": "statemachine/stored.py",
     "SQ": "statemachine/sqlite.py",
     "SE": "statemachine/sessions.py",
-    "PG": "statemachine/postgres.py",
+    "PG": "statemachine/postgres/steps.py",
+    "PA": "statemachine/postgres/aio.py",
     "LP": "statemachine/runner/loop.py",
     "PU": "statemachine/runner/publish.py",
     "RE": "statemachine/runner/remote.py",
@@ -54,6 +55,8 @@ _RUNNER = ("tests/test_one_writer.py", "tests/test_tool_interrupted.py",
            "tests/test_claim.py", "tests/test_mutant_kills.py")
 _CODEC = ("tests/test_codec.py", "tests/test_limits.py", "tests/test_keyed_chain.py",
           "tests/test_decoder_fuzz.py", "tests/test_controller.py", "tests/test_mutant_kills.py")
+_POSTGRES = ("tests/test_postgres_session.py", "tests/test_postgres.py",
+             "tests/test_async_stores.py", "tests/test_mutant_kills.py")
 _STORES = ("tests/test_stores.py", "tests/test_storage_faults.py", "tests/test_async_stores.py",
            "tests/test_mutant_kills.py", "tests/test_snapshots.py", "tests/test_claim.py")
 
@@ -71,8 +74,10 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     "statemachine/sqlite.py": ("tests/test_sessions.py", *_STORES),
     "statemachine/sessions.py": ("tests/test_sessions.py", "tests/test_mutant_kills.py",
                                  "tests/test_seed_runner.py"),
-    "statemachine/postgres.py": ("tests/test_postgres_session.py", "tests/test_postgres.py",
-                                 "tests/test_mutant_kills.py"),
+    "statemachine/postgres/steps.py": _POSTGRES,
+    # sync.py is generated from aio.py and not regenerated for a mutant: only the async
+    # store and Session run one planted in aio.py
+    "statemachine/postgres/aio.py": _POSTGRES,
     "statemachine/runner/loop.py": (*_RUNNER, "tests/test_runner_promises.py"),
     "statemachine/runner/publish.py": _RUNNER,
     "statemachine/runner/remote.py": ("tests/test_remote.py", "tests/test_mutant_kills.py",
@@ -510,6 +515,13 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("PG04", '"session_id = %s ORDER BY id DESC LIMIT %s) AS tail ORDER BY id")',
        '"session_id = %s ORDER BY id DESC LIMIT %s) AS tail")',
        "PostgresSession's tail comes back in no defined order"),
+    _m("PA01", "decided = fenced or not one_statement(prepared)", "decided = True",
+       "a lost one-statement append that could not be fenced is guessed not written"),
+    _m("PA02", "raise failure(error, doing=doing, outcome=Outcome.UNKNOWN, **where) from error",
+       "raise failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN, **where) from error",
+       "a Session write whose COMMIT raised is reported as not written"),
+    _m("PA03", "return None, await self.load_measured(run_id)", "return None, tail",
+       "an ignored snapshot's store hands back no events instead of the whole log"),
     # ---------------------------------------------------------------- runner/loop
     _m("LP01", "            await call()\n            self.c.hook_ran(hook, call_id=call_id)",
        "            self.c.hook_ran(hook, call_id=call_id)\n            await call()",

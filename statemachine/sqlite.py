@@ -524,7 +524,7 @@ class SQLiteEventStore:
             except (sqlite3.Error, OSError) as error:  # before COMMIT: nothing landed
                 self._settle_connection()
                 raise failure(error, self.path, outcome=Outcome.NOT_WRITTEN, doing=doing,
-                                     **where) from error
+                              **where) from error
             except BaseException:
                 self._settle_connection()
                 raise
@@ -555,10 +555,10 @@ class SQLiteEventStore:
             raise
         except Exception as error:  # the read-back failed: cannot decide
             raise failure(cause, self.path, outcome=Outcome.UNKNOWN, doing=doing,
-                                 **where) from error
+                          **where) from error
         if not landed:
             raise failure(cause, self.path, outcome=Outcome.NOT_WRITTEN, doing=doing,
-                                 **where) from cause
+                          **where) from cause
 
     def _landed(self, batch_id: str) -> bool:
         probe = sqlite3.connect(self.path, timeout=self._timeout)
@@ -657,7 +657,7 @@ class SQLiteEventStore:
         if snapshot is None and not tail:
             return None
         version, step, session = head_of_log(run_id, snapshot, tail,
-                                            lambda: self.load(run_id))
+                                             lambda: self.load(run_id))
         if self.readonly:
             return version, step, session
         with self._lock:

@@ -2,8 +2,8 @@
 
 - A run's head (`RunHead`): what an append's own events tell it (`started_session`, the
   owner of the last `RunClaimed`: `claimed_owner`), the step a first append indexes
-  (`step_to_index`), and the head of a run folded from its log (`head_of_log`, for a head
-  left unfolded by an append that gave no step).
+  (`step_to_index`), and the head of a run folded from its snapshot and log
+  (`head_of_log`, for a head left unfolded by an append that gave no step).
 - Snapshots are never trusted blindly: `restored` is the state a snapshot holds if it is
   usable for the run and the events after it, else None, with a `SnapshotIgnored`
   warning when it is damaged; `verified_snapshot` checks a SQL store's snapshot row
@@ -94,25 +94,42 @@ def step_to_index(run_id: str, events: Sequence[Event], step: Step | None,
         return None
 
 
+Head = tuple[int, Step, str | None]
+"""A run's version, step and Session, as folded from its log."""
+
+
 def head_of_log(run_id: str, snapshot: Snapshot | None, tail: list[Event],
-                whole: Callable[[], list[Event]]) -> tuple[int, Step, str | None]:
-    """Version, step and Session of a run, folded from its newest snapshot and the tail
-    after it (the whole log when there is no usable snapshot, or when the tail does not
-    replay onto it). A log that does not replay raises (`SchemaError`,
+                whole: Callable[[], list[Event]]) -> Head:
+    """The head of a run, folded from its newest snapshot and the tail after it (the
+    whole log, read by ``whole``, when there is no usable snapshot, or when the tail does
+    not replay onto it). A log that does not replay raises (`SchemaError`,
     `InvalidTransition`): fail closed."""
+    head, stale = head_after_snapshot(run_id, snapshot, tail)
+    return head if head is not None else head_of_whole_log(run_id, whole(), stale=stale)
+
+
+def head_after_snapshot(run_id: str, snapshot: Snapshot | None, tail: list[Event]
+                        ) -> tuple[Head | None, bool]:
+    """(the head folded from a usable snapshot and the tail after it, False); (None,
+    False) when there is no usable snapshot; (None, True) when the tail does not replay
+    onto it. Without a head, the whole log decides (`head_of_whole_log`)."""
     state = restored(run_id, snapshot, tail)
-    if state is not None:
-        base = state.last_seq + 1
-        try:
-            replay_onto(state, tail, first=base)
-        except ControlError:
-            log = whole()  # the whole log decides: it raises too, or the snapshot was bad
-            state = replay(run_id, log)
-            snapshot_ignored(run_id, "the events after it do not replay onto it")
-            return len(log), state.step, state.session_id
-        return base + len(tail), state.step, state.session_id
-    log = whole()
+    if state is None:
+        return None, False
+    base = state.last_seq + 1
+    try:
+        replay_onto(state, tail, first=base)
+    except ControlError:
+        return None, True
+    return (base + len(tail), state.step, state.session_id), False
+
+
+def head_of_whole_log(run_id: str, log: list[Event], *, stale: bool = False) -> Head:
+    """The head folded from the whole log (it raises, or the snapshot was bad: ``stale``,
+    its tail did not replay onto it, which is then warned of)."""
     state = replay(run_id, log)
+    if stale:
+        snapshot_ignored(run_id, "the events after it do not replay onto it")
     return len(log), state.step, state.session_id
 
 

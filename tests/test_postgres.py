@@ -825,11 +825,11 @@ def test_behind_a_pooler_there_is_nothing_to_fence() -> None:
     is "unknown", never guessed "not_written")."""
     from types import SimpleNamespace
 
-    from statemachine.postgres import _backend_of
+    from statemachine.postgres.steps import backend_of
 
     row = (4242, datetime.datetime(2026, 1, 1), datetime.datetime(2025, 12, 1), None, "5432")
     direct = SimpleNamespace(info=SimpleNamespace(backend_pid=4242))
     pooled = SimpleNamespace(info=SimpleNamespace(backend_pid=77))
-    assert _backend_of(direct, row) == row
-    assert _backend_of(pooled, row) is None
-    assert _backend_of(direct, None) is None
+    assert backend_of(direct, row) == row
+    assert backend_of(pooled, row) is None
+    assert backend_of(direct, None) is None
