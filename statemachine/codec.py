@@ -7,8 +7,9 @@ is not ``7``, ``1`` is not ``True``), no unknown or missing keys, enums by value
 explicit hooks, payloads checked to be plain JSON within the depth limit.
 
 A document's size is the UTF-8 length of its compact JSON text (`payloads.compact_json`:
-no spaces, no ASCII escapes): `document_size` for a whole document, `event_size` for one
-event, counted without building the text for the events the hot path records.
+no spaces, no ASCII escapes): `log_size` for the document of a run's events (its frame
+here, each event's by `sizes.event_size`), `sizes.document_size` for a raw one. Clean text
+is decoded by `fastload` first; whatever it declines is decoded here, strictly.
 
 Messages name the event's position and the problem, never payload values; a string taken
 from the document (a key, a name) is quoted by `errors.excerpt`, at most 64 characters.
@@ -20,34 +21,36 @@ import contextvars
 import hashlib
 import hmac
 import json
-import json.encoder
 import sys
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import attrs
 import cattrs
 
 from statemachine import events as ev
+from statemachine import fastload
 from statemachine.errors import SchemaError, excerpt, type_name
 from statemachine.payloads import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_DEPTH,
     DEFAULT_MAX_EVENTS,
     JSON,
-    MAX_TEXT,
     PayloadError,
     canonical_json,
-    compact_json,
     detach,
-    encodable,
-    encode_str,
     json_size,
     str_size,
     text_problem,
     utf8_len,
-    walk_size,
 )
+
+# CHAIN_BYTES, EVENT_SIZE and event_size live in `sizes`; exported here too (`as`) until
+# the controller reads them there
+from statemachine.sizes import CHAIN_BYTES as CHAIN_BYTES  # noqa: PLC0414
+from statemachine.sizes import EVENT_SIZE as EVENT_SIZE  # noqa: PLC0414
+from statemachine.sizes import document_size
+from statemachine.sizes import event_size as event_size  # noqa: PLC0414
 from statemachine.values import GuardrailResult, RecoveryPolicy, Step, ToolCall
 
 if TYPE_CHECKING:
@@ -221,105 +224,22 @@ def named(keys: Any, most: int = 3) -> str:
     return ", ".join(shown[:most]) + (f" and {more} more" if more > 0 else "")
 
 
-# ----------------------------------------------------------------------- sizes
-#
-# The size of an attrs record's compact JSON is a constant (braces, the "type" pair of an
-# event, every key with its colon and comma) plus the encoded length of each value. One
-# straight-line function per class adds them up: str fields through the C string encoder
-# (quotes and escapes included), payloads through the compact encoder, the rest by
-# arithmetic. The function is generated from the fields, so the hot path makes no call
-# and no loop per field (a generic loop cost twice as much), and recording a payload-free
-# event (a model call, a hook, an approval) builds no JSON text at all.
-# `tests/test_limits.py` checks every event type against `compact_json`.
-
-
-def _str_expr(value: str) -> str:
-    # the quoted, escaped text; its UTF-8 length without a copy when it is ASCII (O(1))
-    return f"(len(_q) if (_q := _quote({value})).isascii() else _utf8(_q))"
-
-
-def _value_expr(kind: Any, value: str, sizers: dict[str, Any]) -> str:
-    """A Python expression for the encoded length of ``value`` (source text), of type
-    ``kind``; nested records and tuples of them get a sizer of their own in ``sizers``."""
-    if kind is str:
-        return _str_expr(value)
-    if kind is int:
-        return f"len(str({value}))"
-    if kind is bool:
-        return f"(4 if {value} else 5)"
-    if kind == str | None:
-        return f"(4 if {value} is None else {_str_expr(value)})"
-    if kind == int | None:
-        return f"(4 if {value} is None else len(str({value})))"
-    if kind in (Step, RecoveryPolicy):
-        return _str_expr(f"{value}.value")
-    if kind is JSON:
-        return f"(4 if {value} is None else _json({value}))"
-    if kind in (tuple[str, ...], tuple[JSON, ...]):
-        return f"_json(list({value}))"  # a list: the tuple's own JSON, and walk_size knows it
-    if kind in (ToolCall, GuardrailResult):
-        name = f"_{kind.__name__}"
-        sizers[name] = _sizer(kind)
-        return f"{name}({value})"
-    if kind == tuple[ToolCall, ...]:
-        sizers["_ToolCall"] = _sizer(ToolCall)
-        return f"(max(len({value}) + 1, 2) + sum(map(_ToolCall, {value})))"
-    raise TypeError(f"no size for a field of type {kind}")  # pragma: no cover
-
-
-def _sizer(cls: type, tag: str | None = None) -> Callable[[Any], int]:
-    """The exact size of ``cls``'s compact JSON; ``tag`` for an event's "type"."""
-    fields = attrs.fields(attrs.resolve_types(cls))
-    pairs = [f'"type":{json.dumps(tag)}'] if tag is not None else []
-    pairs += [f'"{f.name}":' for f in fields]
-    constant = 2 + sum(map(len, pairs)) + len(pairs) - 1
-    namespace: dict[str, Any] = {"_quote": encode_str, "_json": json_size, "_utf8": utf8_len}
-    terms = [_value_expr(f.type, f"value.{f.name}", namespace) for f in fields]
-    source = f"def size(value):\n    return {constant} + {' + '.join(terms) or '0'}\n"
-    exec(source, namespace)  # the source is built above from attrs field names only
-    sizer: Callable[[Any], int] = namespace["size"]
-    return sizer
-
-
-EVENT_SIZE: dict[type[ev.Event], Callable[[Any], int]] = {
-    cls: _sizer(cls, cls.__name__) for cls in ev.EVENT_TYPES
-}
-"""``EVENT_SIZE[type(event)](event)`` is `event_size`, one call fewer (the hot path)."""
-
-
-def event_size(event: ev.Event) -> int:
-    """Bytes of ``event``'s compact JSON (`encode_event`), exactly, without encoding the
-    event: a constant per event type plus the encoded length of each field."""
-    return EVENT_SIZE[type(event)](event)
+# ----------------------------------------------------------------- a document's size
 
 
 _ENVELOPE = len('{"schema_version":,"run_id":,"events":[]}')
-CHAIN_BYTES = len(',"chain":""') + 64
-"""What the keyed chain adds to a document's size."""
 
 
-def envelope_size(run_id: str, version: int = SCHEMA_VERSION) -> int:
-    """Bytes of a document around its events (its run id, version, brackets)."""
-    return _ENVELOPE + len(str(version)) + str_size(run_id)
+def envelope_size(run_id: str) -> int:
+    """Bytes of a current-version document around its events (its run id, version,
+    brackets); the events' own are `sizes.event_size`."""
+    return _ENVELOPE + len(str(SCHEMA_VERSION)) + str_size(run_id)
 
 
 def log_size(run_id: str, events: list[ev.Event] | tuple[ev.Event, ...]) -> int:
     """Bytes of ``encode_log(run_id, events)`` as compact JSON, exactly (no chain)."""
     return (envelope_size(run_id) + sum(EVENT_SIZE[type(e)](e) for e in events)
             + max(len(events) - 1, 0))
-
-
-def document_size(data: Any, max_depth: int = sys.maxsize) -> int | None:
-    """Bytes of a raw document's compact JSON, exactly; None when the encoder cannot
-    write it (a NaN, a set, a cycle) or it nests deeper than ``max_depth``: the decoder
-    refuses those with a precise message."""
-    try:
-        text = json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-        return utf8_len(text)
-    except RecursionError:
-        return walk_size(data, max_depth)
-    except (TypeError, ValueError):
-        return None
 
 
 # ------------------------------------------------------------------ keyed chain
@@ -405,180 +325,13 @@ def decode_event(data: Any, position: int) -> ev.Event:
         ) from None
 
 
-# ------------------------------------------------------------------ fast path
-#
-# Loading is mostly decoding text this library wrote. A text that is the compact JSON of
-# what it parses to, up to a space after a comma or a colon (so what ``json.dumps`` writes
-# with its default separators too), holds no duplicate key and no NaN or infinity (see
-# `clean_parse`); if that text is also valid Unicode throughout, every value in it is
-# plain JSON of an exact type with valid text and printable ints. Such a "clean" tree is
-# the parser's own, so nothing else holds it and its payloads need no copy: only their
-# depth is checked. Its events are decoded by one generated function per class (exact
-# types, text lengths, enums, key sets); anything such a function does not accept is
-# decoded again by `decode_event`, which gives the precise refusal. The strict parse
-# stays the authority for every text that is not clean. `tests/test_codec.py` checks the
-# two paths agree.
-
-
-class _Slow(Exception):
-    """Internal: the fast decoder declines; `decode_event` decides."""
-
-
-def _make_ascii_compact() -> Callable[[Any], str]:
-    c_make_encoder = getattr(json.encoder, "c_make_encoder", None)
-    c_ascii = getattr(json.encoder, "c_encode_basestring_ascii", None)
-    if c_make_encoder is None or c_ascii is None:  # pragma: no cover - no C accelerator
-        return json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
-    one_shot = c_make_encoder(None, _not_plain, c_ascii, None, ":", ",", False, False, False)
-
-    def ascii_compact(value: Any) -> str:
-        return "".join(one_shot(value, 0))
-
-    return ascii_compact
-
-
-def _not_plain(value: object) -> NoReturn:
-    raise TypeError(type(value).__name__)
-
-
-_ascii_compact = _make_ascii_compact()
-"""`compact_json` with every non-ASCII character escaped (``ensure_ascii``), for a tree."""
-
-
-def _squeezed(text: str) -> str:
-    """``text`` without the space after each ", " and ": " (left to right)."""
-    return text.replace(", ", ",").replace(": ", ":")
-
-
-def clean_parse(text: str) -> tuple[Any, str] | None:
-    """(the parsed tree, its compact text) when ``text`` is clean (see above), else
-    None: then `parse` decides, strictly.
-
-    Clean: ``text`` and the compact text are equal once each drops the space after every
-    ", " and ": " (`_squeezed`). Why that rules out a duplicate key: both then have the
-    same characters once every space is dropped, and a space is never part of an escape,
-    so which of those characters lie outside strings is the same for both. A colon
-    outside a string is a key's separator, so ``text`` has as many keys as the compact
-    text, which has one per key of the parsed tree: none was lost to a duplicate. The
-    compact encoder refuses NaN and infinities (and so ``1e400``), and the parser ints
-    past the 4,300-digit limit; text that is not valid UTF-8 is refused below."""
-    if type(text) is not str:
-        return None
-    try:
-        tree = json.loads(text)
-        compact = compact_json(tree)
-    except (ValueError, TypeError, RecursionError):
-        return None
-    if compact != text:
-        squeezed = _squeezed(text)
-        if _squeezed(compact) != squeezed and not (
-                # json.dumps' default also escapes every non-ASCII character
-                text.isascii() and not compact.isascii()
-                and _squeezed(_ascii_compact(tree)) == squeezed):
-            return None
-    if not encodable(compact):
-        return None
-    return tree, compact
-
-
-def _within(value: Any, limit: int) -> bool:
-    """Whether ``value`` nests at most ``limit`` containers deep (a container is 1)."""
-    kind = type(value)
-    if kind is not dict and kind is not list:
-        return True
-    level = [value]
-    depth = 1
-    while depth <= limit:
-        below = [item for node in level
-                 for item in (node.values() if type(node) is dict else node)
-                 if type(item) is dict or type(item) is list]
-        if not below:
-            return True
-        level = below
-        depth += 1
-    return False
-
-
-def _fast_source(cls: type, fn: str) -> str:
-    """The source of a fast decoder for ``cls`` (an event or a nested value)."""
-    fields = attrs.fields(attrs.resolve_types(cls))
-    extra = 1 if issubclass(cls, ev.Event) else 0  # an event's "type"
-    lines = [f"def {fn}(d, limit):",
-             f"    if type(d) is not dict or len(d) != {len(fields) + extra}:",
-             "        raise _Slow"]
-    args = []
-    for i, f in enumerate(fields):
-        v = f"v{i}"
-        args.append(v)
-        lines.append(f"    {v} = d[{f.name!r}]")
-        kind = f.type
-        if kind is int:
-            lines.append(f"    if type({v}) is not int: raise _Slow")
-        elif kind is str:
-            lines.append(f"    if type({v}) is not str or len({v}) > MAX_TEXT: raise _Slow")
-        elif kind == str | None:
-            lines.append(f"    if {v} is not None and (type({v}) is not str "
-                         f"or len({v}) > MAX_TEXT): raise _Slow")
-        elif kind == int | None:
-            lines.append(f"    if {v} is not None and type({v}) is not int: raise _Slow")
-        elif kind is bool:
-            lines.append(f"    if type({v}) is not bool: raise _Slow")
-        elif kind in (Step, RecoveryPolicy):
-            table = f"_{kind.__name__}"
-            lines.append(f"    {v} = {table}.get({v}) if type({v}) is str else None")
-            lines.append(f"    if {v} is None: raise _Slow")
-        elif kind is JSON:
-            lines.append(f"    if limit is not None and not _within({v}, limit): raise _Slow")
-        elif kind == tuple[str, ...]:
-            lines.append(f"    if type({v}) is not list: raise _Slow")
-            lines.append(f"    for x in {v}:")
-            lines.append("        if type(x) is not str or len(x) > MAX_TEXT: raise _Slow")
-            lines.append(f"    {v} = tuple({v})")
-        elif kind == tuple[JSON, ...]:
-            lines.append(f"    if type({v}) is not list: raise _Slow")
-            lines.append(f"    if limit is not None and not all(_within(x, limit) "
-                         f"for x in {v}): raise _Slow")
-            lines.append(f"    {v} = tuple({v})")
-        elif kind == tuple[ToolCall, ...]:
-            lines.append(f"    if type({v}) is not list: raise _Slow")
-            lines.append(f"    {v} = tuple([_ToolCall(x, limit) for x in {v}])")
-        elif kind is GuardrailResult:
-            lines.append(f"    {v} = _GuardrailResult({v}, limit)")
-        else:  # pragma: no cover - every field type of the events is listed above
-            raise TypeError(f"no fast decoder for a field of type {kind}")
-    lines.append(f"    return _cls({', '.join(args)})")
-    return "\n".join(lines) + "\n"
-
-
-Limit = int | None
-"""The depth limit of a fast decoder's payloads (None: none)."""
-
-
-def _fast_decoder(cls: type, namespace: dict[str, Any]) -> Callable[[Any, Limit], Any]:
-    local = {**namespace, "_cls": cls}
-    exec(_fast_source(cls, "decode"), local)  # built above from attrs field names only
-    decoder: Callable[[Any, Limit], Any] = local["decode"]
-    return decoder
-
-
-_FAST_NAMESPACE: dict[str, Any] = {
-    "_Slow": _Slow, "MAX_TEXT": MAX_TEXT, "_within": _within,
-    "_Step": {member.value: member for member in Step},
-    "_RecoveryPolicy": {member.value: member for member in RecoveryPolicy},
-}
-_FAST_NAMESPACE["_ToolCall"] = _fast_decoder(ToolCall, _FAST_NAMESPACE)
-_FAST_NAMESPACE["_GuardrailResult"] = _fast_decoder(GuardrailResult, _FAST_NAMESPACE)
-FAST_DECODE: dict[str, Callable[[Any, Limit], ev.Event]] = {
-    cls.__name__: _fast_decoder(cls, _FAST_NAMESPACE) for cls in ev.EVENT_TYPES
-}
-"""``FAST_DECODE[name](raw, limit)``: the event a clean raw event holds (payloads within
-``limit`` levels; None: no limit), or an exception: then `decode_event` decides."""
 
 
 def decode_clean(raw_events: list[Any], max_depth: int) -> list[ev.Event]:
-    """The events of a clean tree's ``"events"`` list, each by its fast decoder or, when
-    that declines, by `decode_event` (under the current depth limit)."""
-    fast = FAST_DECODE
+    """The events of a clean tree's ``"events"`` list (`fastload.clean_parse`), each by its
+    fast decoder or, when that declines, by `decode_event` (under the current depth
+    limit)."""
+    fast = fastload.FAST_DECODE
     limit = None if max_depth >= sys.maxsize else max_depth
     events: list[ev.Event] = []
     append = events.append
@@ -590,90 +343,14 @@ def decode_clean(raw_events: list[Any], max_depth: int) -> list[ev.Event]:
     return events
 
 
-class SizedEvents(list[ev.Event]):
-    """Events a store decoded, with ``json_size``: the UTF-8 length of their compact JSON
-    joined by commas (what they add to `to_json()`'s ``"events"``), measured while
-    decoding them, so a controller loading them need not size each event again. Any
-    change to the list (by whoever it was handed to) forgets it: None."""
-
-    json_size: int | None = None
-
-
-def _forgetting(name: str) -> Callable[..., Any]:
-    change = getattr(list, name)
-
-    def method(self: SizedEvents, *args: Any, **kwargs: Any) -> Any:
-        self.json_size = None
-        return change(self, *args, **kwargs)
-
-    method.__name__ = name
-    return method
-
-
-for _name in ("append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse",
-              "__setitem__", "__delitem__", "__iadd__", "__imul__"):
-    setattr(SizedEvents, _name, _forgetting(_name))
-
-
-def measured_size(events: Sequence[ev.Event]) -> int | None:
-    """The size a store measured for ``events`` while decoding them (`SizedEvents`, and
-    unchanged since); None when none was, or it was forgotten."""
-    return events.json_size if type(events) is SizedEvents else None
-
-
-_scan_once: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
-
-
-def decode_stored_batch(bodies: list[str], first: int) -> SizedEvents | None:
-    """The events of stored bodies, the compact JSON of one event each from seq
-    ``first`` on, when every body is clean, decodes by its fast decoder and carries its
-    row's seq; None otherwise: decode them one by one (`decode_stored_text`), which names
-    the first row that is wrong.
-
-    One parser call per body (with no ``json.loads`` wrapper) and one compact encoding
-    of them all: each body must be exactly one JSON value, and the compact text of the
-    list of their trees must be the bodies joined by commas. Then each body is the
-    compact text of its tree: were the first one that differs shorter or longer than its
-    tree's text, one would be a proper prefix of the other followed by a comma, and a
-    complete JSON value is never that (the parser stops where it ends, and a value
-    holding a comma ends after it). So each body is clean (see `clean_parse`)."""
-    scan = _scan_once
-    trees: list[Any] = []
-    append = trees.append
-    try:
-        for body in bodies:
-            tree, end = scan(body, 0)
-            if end != len(body):
-                return None
-            append(tree)
-        compact = compact_json(trees)
-    except (StopIteration, ValueError, TypeError, RecursionError):
-        return None
-    if compact[1:-1] != ",".join(bodies) or not encodable(compact):
-        return None
-    fast = FAST_DECODE
-    decoded: list[ev.Event] = []
-    add = decoded.append
-    for position, raw in enumerate(trees, start=first):
-        try:
-            event = fast[raw["type"]](raw, None)
-        except Exception:  # a bad or unusual event: row by row, the first problem named
-            return None
-        if event.seq != position:
-            return None
-        add(event)
-    events = SizedEvents(decoded)
-    events.json_size = utf8_len(compact) - 2
-    return events
-
-
 def decode_stored_text(body: str, position: int) -> ev.Event:
-    """`decode_stored_event` of the JSON text of one stored event (`parse` first)."""
-    clean = clean_parse(body)
+    """`decode_stored_event` of the JSON text of one stored event (`parse` first; a
+    clean text by its fast decoder, when that accepts it)."""
+    clean = fastload.clean_parse(body)
     if clean is not None:
         raw = clean[0]
         try:
-            return FAST_DECODE[raw["type"]](raw, None)
+            return fastload.FAST_DECODE[raw["type"]](raw, None)
         except Exception:  # the strict decoder decides
             pass
         return decode_stored_event(raw, position)
@@ -733,7 +410,7 @@ def decode_log(
         # a str's UTF-8 length is at least its length: the first test is O(1)
         if len(data) > max_bytes or (type(data) is str and utf8_len(data) > max_bytes):
             raise _over(max_bytes)
-        found = clean_parse(data)  # type: ignore[arg-type]
+        found = fastload.clean_parse(data)  # type: ignore[arg-type]
         if found is not None:
             data, compact = found
             measured, clean = utf8_len(compact), True

@@ -80,10 +80,13 @@ from statemachine.state import APPLY, RunState, in_doubt, next_action
 from statemachine.stores import (
     SNAPSHOT_EVERY,
     AsyncEventStore,
+    Loaded,
     MemoryEventStore,
     SessionWrite,
     SnapshotStore,
     indexes_runs,
+    load_latest_measured,
+    load_measured,
     restored,
     snapshot_ignored,
     takes_session_write,
@@ -359,10 +362,10 @@ class RunController:
         where = {"run_id": run_id, "action": "load"}
         stored: Mapping[str, Any] | None = None
         state: RunState | None = None
-        log: list[ev.Event] | None = None
-        source: Sequence[ev.Event] = ()
+        source: Loaded | None = None
         if snapshot and isinstance(store, SnapshotStore):
-            stored, tail = store.load_latest(run_id)
+            stored, latest = load_latest_measured(store, run_id)
+            tail = latest.events
             state = restored(run_id, stored, tail)
             if state is not None:
                 base = state.last_seq + 1
@@ -376,12 +379,12 @@ class RunController:
                 else:
                     return cls(state, list(tail), store=store, max_depth=max_depth,
                                max_events=max_events, base=base,
-                               size=_snapshot_size(store, run_id, stored, base, tail))
+                               size=_snapshot_size(store, run_id, stored, base, latest))
             elif stored is None and tail and tail[0].seq == 0:
-                log, source = list(tail), tail  # no snapshot: the tail is the whole log
-        if log is None:
-            source = store.load(run_id)
-            log = list(source)
+                source = latest  # no snapshot: the tail is the whole log
+        if source is None:
+            source = load_measured(store, run_id)
+        log = list(source.events)
         if not log:
             raise RunNotFound("no such run in the store", **where)
         if len(log) > max_events:
@@ -1450,24 +1453,22 @@ def _started_size(started: ev.RunStarted, max_events: int, max_bytes: int,
 
 
 def _snapshot_size(store: EventStore, run_id: str, stored: Mapping[str, Any] | None,
-                   base: int, tail: Sequence[ev.Event]) -> int:
+                   base: int, tail: Loaded) -> int:
     """`RunController.size` of a run loaded from a snapshot: the size it recorded for the
-    log before it, plus the tail's events. A snapshot without one (an older library's)
-    costs one read of the log before it."""
+    log before it, plus the tail's events (as the store measured them, if it did). A
+    snapshot without one (an older library's) costs one read of the log before it."""
     before = None if stored is None else stored.get(SNAPSHOT_SIZE)
     if type(before) is not int or before < 1:
         before = codec.log_size(run_id, store.load(run_id)[:base])
-    measured = codec.measured_size(tail)
-    if measured is not None:
-        return before + (measured + 1 if tail else 0)
-    return before + sum(_EVENT_SIZE[type(event)](event) + 1 for event in tail)
+    if tail.size is not None:
+        return before + (tail.size + 1 if tail.events else 0)
+    return before + sum(_EVENT_SIZE[type(event)](event) + 1 for event in tail.events)
 
 
-def _measured_size(run_id: str, events: Sequence[ev.Event]) -> int | None:
-    """`RunController.size` of a whole log a store decoded and measured
-    (`codec.SizedEvents`); None when it did not: the controller sizes each event."""
-    measured = codec.measured_size(events)
-    return None if measured is None else codec.envelope_size(run_id) + measured
+def _measured_size(run_id: str, loaded: Loaded) -> int | None:
+    """`RunController.size` of a whole log a store decoded and measured (`Loaded.size`);
+    None when it did not: the controller sizes each event."""
+    return None if loaded.size is None else codec.envelope_size(run_id) + loaded.size
 
 
 @contextlib.contextmanager

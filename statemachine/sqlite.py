@@ -1,25 +1,62 @@
-"""The one place SQLite connections are opened and transactions are run, for the event
-store and the Session alike: WAL, ``synchronous=FULL``, autocommit off, and every write
-in one ``BEGIN IMMEDIATE`` transaction that rolls back on any exception (cancellation
-included) before it propagates.
+"""Everything SQLite: the event stores (`SQLiteEventStore`, `AsyncSQLiteEventStore`), the
+Session (`SQLiteSession`), and the one place their connections are opened and their
+transactions run: WAL, ``synchronous=FULL``, autocommit off, and every write in one
+``BEGIN IMMEDIATE`` transaction that rolls back on any exception (cancellation included)
+before it propagates.
 
 It is also where a backend failure gets its type: every `sqlite3.Error` and `OSError` a
 store or a Session meets becomes a `StorageError` (`failure`) saying what went wrong
 (locked, read-only, full, not a database, damaged, deleted or replaced) and what happened
 to the write (``outcome``). A database file is also watched for being deleted or replaced
 while open (`FileIdentity`), which SQLite itself never notices: it would go on writing
-into the unlinked file."""
+into the unlinked file.
+
+The stores are also importable from `statemachine.stores` (and `SQLiteEventStore` from
+`statemachine`), the Session from `statemachine.sessions`.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
+import functools
+import json
 import os
 import sqlite3
-from collections.abc import Iterator
-from typing import Any
+import threading
+import uuid
+from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote
 
-from statemachine.errors import StorageError
+from statemachine import codec
+from statemachine import events as ev
+from statemachine.errors import ControlError, Outcome, SchemaError, StorageError
+from statemachine.events import Event
+from statemachine.payloads import JSON, detach
+from statemachine.stored import (
+    Loaded,
+    Rows,
+    RunHead,
+    check_filters,
+    claimed_owner,
+    conflict,
+    decode_rows,
+    digest,
+    dumps,
+    head_of_log,
+    snapshot_ignored,
+    started_session,
+    step_to_index,
+    verified_snapshot,
+)
+from statemachine.values import Step
+
+if TYPE_CHECKING:
+    from statemachine.stores import Snapshot
+
+T = TypeVar("T")
 
 SHOWN = 200
 """The most characters of a path a message echoes."""
@@ -103,12 +140,12 @@ def shown(path: str) -> str:
 
 
 _AFTER = {
-    "not_written": "nothing was written",
-    "unknown": "the write may or may not have landed",
+    Outcome.NOT_WRITTEN: "nothing was written",
+    Outcome.UNKNOWN: "the write may or may not have landed",
 }
 
 
-def failure(error: BaseException, path: str, *, outcome: str, doing: str,
+def failure(error: BaseException, path: str, *, outcome: Outcome, doing: str,
             **where: Any) -> StorageError:
     """The `StorageError` for a `sqlite3.Error` or `OSError` met while ``doing`` something
     with the database at ``path``. Its message names the path, the kind of failure and
@@ -138,7 +175,7 @@ def failure(error: BaseException, path: str, *, outcome: str, doing: str,
 
 
 @contextlib.contextmanager
-def storage_errors(path: str, *, doing: str, outcome: str = "not_written",
+def storage_errors(path: str, *, doing: str, outcome: Outcome = Outcome.NOT_WRITTEN,
                    **where: Any) -> Iterator[None]:
     """Turn a `sqlite3.Error` or `OSError` raised in the body into `failure`'s
     `StorageError` (other errors, `StorageError` included, pass through)."""
@@ -161,7 +198,7 @@ class FileIdentity:
         st = os.stat(self.path)
         return st.st_dev, st.st_ino
 
-    def check(self, *, doing: str, outcome: str = "not_written", **where: Any) -> None:
+    def check(self, *, doing: str, outcome: Outcome = Outcome.NOT_WRITTEN, **where: Any) -> None:
         """`StorageError` when the path no longer names the file opened."""
         try:
             now = self._now()
@@ -177,3 +214,687 @@ class FileIdentity:
         raise StorageError(f"cannot {doing}: the database file {shown(self.path)} "
                            f"{problem}; open it again; {_AFTER[outcome]}",
                            outcome=outcome, **where)
+
+
+# ------------------------------------------------------------------ the event store
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS events (
+    run_id   TEXT    NOT NULL,
+    seq      INTEGER NOT NULL,
+    batch_id TEXT    NOT NULL,
+    body     TEXT    NOT NULL,
+    UNIQUE (run_id, seq)
+);
+CREATE INDEX IF NOT EXISTS events_by_batch ON events (batch_id);
+CREATE TABLE IF NOT EXISTS snapshots (
+    run_id  TEXT    PRIMARY KEY,
+    version INTEGER NOT NULL,
+    body    TEXT    NOT NULL,
+    digest  TEXT
+);
+"""
+"""``snapshots.digest`` is the sha256 (hex) of ``body``, the snapshot's JSON text exactly as
+stored; a row whose digest is missing or does not match is never used."""
+
+_RUNS_TABLE = """CREATE TABLE runs (
+    run_id     TEXT    PRIMARY KEY,
+    step       TEXT,
+    session_id TEXT,
+    owner      TEXT
+)"""
+"""One head per run. ``step`` NULL: unfolded; `SQLiteEventStore.list_runs` folds the
+run's log and fills it in (with the Session as the log has it). The head's version
+is not stored: it is read off the log's UNIQUE (run_id, seq) index, so an append that
+moves neither the step nor the owner writes no head row (and costs no extra page)."""
+_RUNS_INDEXES = ("CREATE INDEX runs_by_session ON runs (session_id, step)",
+                 "CREATE INDEX runs_unfolded ON runs (run_id) WHERE step IS NULL")
+_HAS_RUNS = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'runs'"
+_VERSION = "(SELECT MAX(seq) + 1 FROM events WHERE events.run_id = runs.run_id)"
+_HEAD = f"SELECT run_id, {_VERSION}, step, session_id, owner FROM runs"
+_SIDE_FILES = ("-wal", "-shm", "-journal")
+
+
+class SQLiteEventStore:
+    """A store on a real SQLite database file: WAL, ``synchronous=FULL``, every append in
+    one ``BEGIN IMMEDIATE`` transaction, UNIQUE(run_id, seq).
+
+    Failures are typed: every `sqlite3.Error` and `OSError` of a public call is a
+    `StorageError` (the database locked past the busy ``timeout``, read-only, the disk
+    full, not a database, damaged, the file deleted or replaced while open) with an
+    ``outcome``: ``"not_written"`` when the append certainly did not land (and for every
+    read), ``"unknown"`` when it may have. An append whose COMMIT raises is classified by
+    reading back the append's client-generated batch id on a fresh connection, never by
+    retrying: found means appended; not found is ``"not_written"``; a read-back that
+    cannot decide (it fails too, or the path no longer names the file) is ``"unknown"``.
+
+    ``timeout`` (seconds) is SQLite's busy timeout on every connection the store opens
+    (the read-back's too): a writer waits that long for another's lock, ``BEGIN
+    IMMEDIATE`` included, so a few processes contending for one file queue rather than
+    fail. Each append and read first checks, with one ``stat``, that the path still names
+    the file opened (`FileIdentity`): a file deleted or replaced while open is a
+    `StorageError` instead of writes into the void.
+
+    The log is checked as it is read: rows must run from seq 0 (or from the snapshot)
+    without a gap, each body decoding to the event of its row's seq, else `SchemaError`;
+    so a loaded log is never silently shorter than the rows say. Snapshots carry a digest
+    (sha256 of their JSON text) and are used only when the digest matches and the JSON is
+    an object of this run ending right before the row's version; otherwise the snapshot
+    is ignored with a `SnapshotIgnored` warning and the whole log is read. A snapshot that
+    passes vouches for the log up to its version: if event 0 or event version - 1 is
+    missing, the log was truncated (or has a gap) and loading is a `SchemaError`, not a
+    replay of what is left. Two checks would cost O(log length) and are left to a whole
+    read (``load``, a controller's ``events``, which raise `SchemaError`): a gap strictly
+    inside the snapshot's prefix; and a truncation at the end past the newest snapshot
+    leaves a shorter legal log that no check tells from a run that stopped there.
+
+    ``readonly=True`` opens an existing store that can never be written through this
+    object, nor any file created or changed by reading it: each read is its own SQLite
+    ``mode=ro`` connection, ``immutable`` when the database is at rest (no ``-wal``,
+    ``-shm`` or ``-journal`` beside it, which a read-only connection could leave behind
+    and never remove), read again through SQLite's locks if the file moved meanwhile.
+    No PRAGMA, no schema: a missing file, a directory and a file without the store's
+    ``events`` table are refused (`StorageError`); ``append`` is refused
+    (``"not_written"``); ``list_runs`` folds unfolded heads without keeping them.
+
+    Safe to share between threads; several processes may open the same file.
+
+    Runs are indexed by Session (`IndexedStore`) in a ``runs`` table, one head per run,
+    written in each append's transaction. A database made before that table existed gets
+    it when first opened, in one transaction: a row per run with its Session and last
+    owner read off its log and its step unfolded, so the first ``list_runs`` folds each
+    such run (snapshot plus tail) once and keeps the result. A run an older writer logs
+    later gets its row on the next append here. A database made before snapshots had a
+    digest gets the column, and its undigested snapshots are dropped (the next ones are
+    written with one). Processes writing to one database should all run a version that
+    keeps the heads and the digests.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, timeout: float = 30.0,
+                 readonly: bool = False) -> None:
+        self.path = os.fspath(path)
+        self.readonly = readonly
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._conn: Any = None
+        self._identity: FileIdentity | None = None
+        self._closed = False
+        self._has_runs = self._has_digests = True
+        if readonly:
+            self._open_readonly()
+            return
+        with storage_errors(self.path, doing="open the event store"):
+            try:
+                self._conn = self._connect()
+                with self._lock:
+                    self._conn.executescript(_SCHEMA)
+                    self._ensure_runs()
+                    self._ensure_digests()
+                if not _in_memory(self.path):
+                    self._identity = FileIdentity(self.path)
+            except BaseException:
+                if self._conn is not None:
+                    self._conn.close()
+                raise
+
+    # ------------------------------------------------------------------ opening
+
+    def _ensure_runs(self) -> None:
+        """Create the ``runs`` table if absent, with a head for every run already logged
+        (its Session and owner; the step is left unfolded)."""
+        conn = self._conn
+        if conn.execute(_HAS_RUNS).fetchone() is not None:
+            return
+        try:
+            with write_transaction(conn):
+                if conn.execute(_HAS_RUNS).fetchone() is not None:
+                    return  # another process created it first
+                conn.execute(_RUNS_TABLE)
+                for index in _RUNS_INDEXES:
+                    conn.execute(index)
+                logged = conn.execute("SELECT DISTINCT run_id FROM events").fetchall()
+                for (run_id,) in logged:
+                    conn.execute("INSERT INTO runs (run_id, session_id, owner) "
+                                 "VALUES (?, ?, ?)", (run_id, *self._read_head(conn, run_id)))
+        except CommitFailed as failed:
+            raise failed.__cause__ from None  # type: ignore[misc]
+
+    def _ensure_digests(self) -> None:
+        """Give the ``snapshots`` table of an older database its ``digest`` column, and
+        drop the snapshots it holds (nothing vouches for them; they are only a cache)."""
+        conn = self._conn
+        if _has_digest(conn):
+            return
+        try:
+            with write_transaction(conn):
+                if _has_digest(conn):
+                    return  # another process added it first
+                conn.execute("ALTER TABLE snapshots ADD COLUMN digest TEXT")
+                conn.execute("DELETE FROM snapshots")
+        except CommitFailed as failed:
+            raise failed.__cause__ from None  # type: ignore[misc]
+
+    def _open_readonly(self) -> None:
+        name = shown(self.path)
+        if not os.path.lexists(self.path):
+            raise StorageError(f"no such store file: {name}", outcome=Outcome.NOT_WRITTEN)
+        if os.path.isdir(self.path):
+            raise StorageError(f"{name} is a directory, not an event store file",
+                               outcome=Outcome.NOT_WRITTEN)
+        with storage_errors(self.path, doing="open the event store"):
+            self._identity = FileIdentity(self.path)
+            tables, columns, digest = self._read(_describe, doing="open the event store")
+        if "events" not in tables or not {"run_id", "seq", "body"} <= columns:
+            what = ("an empty file" if os.path.getsize(self.path) == 0
+                    else "a SQLite database")
+            raise StorageError(f"{name} is not an agent-statemachine event store: it is "
+                               f"{what} without the store's events table",
+                               outcome=Outcome.NOT_WRITTEN)
+        self._has_runs = "runs" in tables
+        self._has_digests = "snapshots" in tables and digest
+
+    def _read_head(self, conn: sqlite3.Connection, run_id: str) -> tuple[str | None,
+                                                                        str | None]:
+        """The Session (of its `RunStarted`) and the owner (of its last `RunClaimed`) of a
+        run logged without a head, read off its log. What does not decode is left None:
+        the run's step is unfolded, and folding it reads (and rejects) the whole log."""
+        session = owner = None
+        try:
+            first = conn.execute("SELECT body FROM events WHERE run_id = ? AND seq = 0",
+                                 (run_id,)).fetchone()
+            if first is not None:
+                session = started_session([codec.decode_stored_event(codec.parse(first[0]),
+                                                                      0)])
+            for seq, body in conn.execute(
+                    "SELECT seq, body FROM events WHERE run_id = ? AND body LIKE "
+                    "'%RunClaimed%' ORDER BY seq DESC", (run_id,)).fetchall():
+                event = codec.decode_stored_text(body, seq)
+                if type(event) is ev.RunClaimed:
+                    owner = event.owner
+                    break
+        except ControlError:
+            pass
+        return session, owner
+
+    def _connect(self) -> sqlite3.Connection:
+        return connect(self.path, timeout=self._timeout)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._conn is not None:
+                self._drop_connection()
+
+    def _live(self) -> sqlite3.Connection:
+        """The writer connection, opened again if a failure closed it."""
+        if self._conn is None:
+            self._conn = self._connect()
+        return self._conn  # type: ignore[no-any-return]
+
+    def _check(self, doing: str, outcome: Outcome = Outcome.NOT_WRITTEN, **where: Any) -> None:
+        """`StorageError` when the store is closed, or its path no longer names the file
+        it opened."""
+        if self._closed:
+            raise StorageError(f"cannot {doing}: the event store is closed",
+                               outcome=Outcome.NOT_WRITTEN, **where)
+        if self._identity is not None:
+            self._identity.check(doing=doing, outcome=outcome, **where)
+
+    def _read(self, query: Callable[[sqlite3.Connection], Any], *, doing: str,
+              run_id: str | None = None) -> Any:
+        """Run ``query`` (reads only) on a connection and return what it returns; every
+        backend failure is a `StorageError` (``"not_written"``: nothing was)."""
+        where: dict[str, Any] = {} if run_id is None else {"run_id": run_id}
+        with storage_errors(self.path, doing=doing, **where):
+            if self.readonly:
+                self._check(doing, **where)
+                return self._read_only(query)
+            with self._lock:
+                self._check(doing, **where)
+                try:
+                    return query(self._live())
+                except BaseException:
+                    self._settle_connection()
+                    raise
+
+    def _read_only(self, query: Callable[[sqlite3.Connection], Any]) -> Any:
+        """``query`` on a connection that creates and changes nothing: ``immutable`` when
+        the database is at rest, again through SQLite's locks if it moved meanwhile."""
+        name = self._identity.path if self._identity is not None else self.path
+        before = _at_rest(name)
+        if before is not None:
+            result = self._query_readonly(query, immutable=True)
+            if _at_rest(name) == before:
+                return result
+        return self._query_readonly(query, immutable=False)
+
+    def _query_readonly(self, query: Callable[[sqlite3.Connection], Any], *,
+                        immutable: bool) -> Any:
+        conn = connect_readonly(self.path, timeout=self._timeout, immutable=immutable)
+        try:
+            return query(conn)
+        finally:
+            conn.close()
+
+    # ------------------------------------------------------------------ writing
+
+    def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
+               snapshot: Snapshot | None = None, step: Step | None = None) -> None:
+        where: dict[str, Any] = {"run_id": run_id}
+        doing = "append to the event store"
+        if self.readonly:
+            raise StorageError(f"cannot {doing}: {shown(self.path)} is open "
+                               "read-only; nothing was written", outcome=Outcome.NOT_WRITTEN,
+                               **where)
+        batch_id = uuid.uuid4().hex
+        rows = [(run_id, event.seq, batch_id, dumps(codec.encode_event(event)))
+                for event in events]
+        if any(event.seq != expected_version + i for i, event in enumerate(events)):
+            raise ValueError("events must carry the sequence numbers that follow "
+                             "expected_version")
+        kept = None
+        if snapshot is not None:
+            text = dumps(snapshot)
+            kept = (run_id, expected_version, text, digest(text))
+        step = step_to_index(run_id, events, step, expected_version)
+        with self._lock:
+            self._check(doing, **where)
+            try:
+                conn = self._live()
+                with write_transaction(conn):
+                    (last,) = conn.execute(
+                        "SELECT MAX(seq) FROM events WHERE run_id = ?", (run_id,)).fetchone()
+                    version = 0 if last is None else last + 1
+                    if version != expected_version:
+                        raise conflict(run_id, expected_version, version)
+                    conn.executemany(
+                        "INSERT INTO events (run_id, seq, batch_id, body) VALUES (?, ?, ?, ?)",
+                        rows)
+                    if kept is not None:
+                        conn.execute(
+                            "INSERT OR REPLACE INTO snapshots (run_id, version, body, digest) "
+                            "VALUES (?, ?, ?, ?)", kept)
+                    if events:
+                        self._keep_head(conn, run_id, events, expected_version, step)
+            except sqlite3.IntegrityError:
+                self._settle_connection()
+                raise conflict(run_id, expected_version, expected_version + 1) from None
+            except CommitFailed as failed:
+                self._classify(failed, batch_id, doing, **where)
+            except (sqlite3.Error, OSError) as error:  # before COMMIT: nothing landed
+                self._settle_connection()
+                raise failure(error, self.path, outcome=Outcome.NOT_WRITTEN, doing=doing,
+                              **where) from error
+            except BaseException:
+                self._settle_connection()
+                raise
+            # the file was deleted or replaced during the append: it went into the void
+            self._check(doing, outcome=Outcome.UNKNOWN, **where)
+
+    def _settle_connection(self) -> None:
+        """After a failed write: a connection left inside a transaction (its ROLLBACK
+        failed too) is closed, which rolls back, and opened again on next use."""
+        if self._conn is not None and in_transaction(self._conn):
+            self._drop_connection()
+
+    def _drop_connection(self) -> None:
+        conn, self._conn = self._conn, None
+        with contextlib.suppress(sqlite3.Error):
+            conn.close()
+
+    def _classify(self, failed: CommitFailed, batch_id: str, doing: str,
+                  **where: Any) -> None:
+        """A COMMIT raised: read the batch back. Found: appended (return). Not found:
+        `StorageError` ``"not_written"``. Undecidable: ``"unknown"``."""
+        cause = failed.__cause__ or failed
+        self._drop_connection()  # a fresh one next time; closing rolls back what is left
+        try:
+            landed = self._landed(batch_id)
+            self._check(doing, outcome=Outcome.UNKNOWN, **where)  # the probe read the right file
+        except StorageError:
+            raise
+        except Exception as error:  # the read-back failed: cannot decide
+            raise failure(cause, self.path, outcome=Outcome.UNKNOWN, doing=doing,
+                          **where) from error
+        if not landed:
+            raise failure(cause, self.path, outcome=Outcome.NOT_WRITTEN, doing=doing,
+                          **where) from cause
+
+    def _landed(self, batch_id: str) -> bool:
+        probe = sqlite3.connect(self.path, timeout=self._timeout)
+        try:
+            row = probe.execute("SELECT 1 FROM events WHERE batch_id = ? LIMIT 1",
+                                (batch_id,)).fetchone()
+        finally:
+            probe.close()
+        return row is not None
+
+    def _keep_head(self, conn: sqlite3.Connection, run_id: str, events: Sequence[Event],
+                   expected_version: int, step: Step | None) -> None:
+        """Move the run's head in the append's transaction (written only if it moves)."""
+        claimed, owner = claimed_owner(events)
+        value = None if step is None else step.value
+        if expected_version == 0:
+            conn.execute("INSERT OR REPLACE INTO runs (run_id, step, session_id, owner) "
+                         "VALUES (?, ?, ?, ?)",
+                         (run_id, value, started_session(events), owner))
+            return
+        row = conn.execute("SELECT step, owner FROM runs WHERE run_id = ?",
+                           (run_id,)).fetchone()
+        if row is None:  # a run an older writer logged without a head
+            session, logged_owner = self._read_head(conn, run_id)
+            conn.execute("INSERT INTO runs (run_id, session_id, owner) VALUES (?, ?, ?)",
+                         (run_id, session, owner if claimed else logged_owner))
+            return  # unfolded: its Session was read off a log this store did not write
+        head = (value, owner if claimed else row[1])
+        if head != row:
+            conn.execute("UPDATE runs SET step = ?, owner = ? WHERE run_id = ?",
+                         (*head, run_id))
+
+    # ------------------------------------------------------------------ reading
+
+    def list_runs(self, session_id: str | None = None,
+                  steps: Collection[Step] | None = None) -> tuple[RunHead, ...]:
+        wanted = check_filters(session_id, steps)
+        if wanted is not None and not wanted:
+            return ()
+        where, params = [], []
+        if session_id is not None:
+            where.append("session_id = ?")
+            params.append(session_id)
+        if wanted is not None:
+            where.append(f"step IN ({', '.join('?' * len(wanted))})")
+            params.extend(step.value for step in wanted)
+        sql = _HEAD
+        if where:  # and every unfolded head, which may match: folded below, then filtered
+            sql = (f"{_HEAD} WHERE step IS NOT NULL AND {' AND '.join(where)} "
+                   f"UNION ALL {_HEAD} WHERE step IS NULL")
+
+        def query(conn: sqlite3.Connection) -> list[tuple[Any, ...]]:
+            if not self._has_runs:  # a read-only look at a database made before heads
+                return [(run_id, version, None, None, self._read_head(conn, run_id)[1])
+                        for run_id, version in conn.execute(
+                            "SELECT run_id, MAX(seq) + 1 FROM events GROUP BY run_id "
+                            "ORDER BY run_id").fetchall()]
+            return conn.execute(f"{sql} ORDER BY 1", params).fetchall()
+
+        rows = self._read(query, doing="list the runs of the event store")
+        heads = []
+        for run_id, stored_version, step, stored_session, owner in rows:
+            if stored_version is None:
+                continue  # a head without a log (rows are never deleted; be safe)
+            if step is None:
+                folded = self._fill_unfolded_head(run_id)
+                if folded is None:
+                    continue
+                version, known, session = folded
+            else:
+                try:
+                    known = Step(step)
+                except ValueError:
+                    raise SchemaError("the run's head names an unknown step",
+                                      run_id=run_id, action="list_runs") from None
+                version, session = stored_version, stored_session
+            if (session_id is None or session == session_id) and (
+                    wanted is None or known in wanted):
+                heads.append(RunHead(run_id, version, known, session, owner))
+        return tuple(heads)
+
+    def run_ids(self, limit: int | None = None) -> list[str]:
+        """The ids of the runs the store holds, sorted (the first ``limit`` of them)."""
+        def query(conn: sqlite3.Connection) -> list[str]:
+            return [row[0] for row in conn.execute(
+                "SELECT DISTINCT run_id FROM events ORDER BY run_id LIMIT ?",
+                (-1 if limit is None else limit,))]
+
+        return self._read(query, doing="read the event store")  # type: ignore[no-any-return]
+
+    def _fill_unfolded_head(self, run_id: str) -> tuple[int, Step, str | None] | None:
+        """Fold an unfolded head from the run's log and keep the result (only if the run
+        has not moved meanwhile: a newer append keeps its own head; never when the store
+        is read-only)."""
+        snapshot, tail = self.load_latest(run_id)
+        if snapshot is None and not tail:
+            return None
+        version, step, session = head_of_log(run_id, snapshot, tail,
+                                             lambda: self.load(run_id))
+        if self.readonly:
+            return version, step, session
+        with self._lock:
+            try:
+                self._check("fold a run's head", run_id=run_id)
+                with write_transaction(self._live()) as conn:
+                    conn.execute(f"UPDATE runs SET step = ?, session_id = ? WHERE run_id = ? "
+                                  f"AND step IS NULL AND {_VERSION} = ?",
+                                  (step.value, session, run_id, version))
+            except (CommitFailed, sqlite3.Error, OSError, StorageError):
+                self._drop_connection()  # only a cache of the fold was lost: fold again
+        return version, step, session
+
+    def load(self, run_id: str) -> list[Event]:
+        return self.load_measured(run_id).events
+
+    def load_measured(self, run_id: str) -> Loaded:
+        """`load`, with the size of the events when they were decoded together (clean
+        rows, the common case): see `stores.load_measured`."""
+        def query(conn: sqlite3.Connection) -> Rows:
+            return conn.execute("SELECT seq, body FROM events WHERE run_id = ? ORDER BY seq",
+                                (run_id,)).fetchall()
+
+        return decode_rows(run_id, self._read(query, doing="load a run", run_id=run_id), 0)
+
+    def load_latest(self, run_id: str) -> tuple[Snapshot | None, list[Event]]:
+        snapshot, tail = self.load_latest_measured(run_id)
+        return snapshot, tail.events
+
+    def load_latest_measured(self, run_id: str) -> tuple[Snapshot | None, Loaded]:
+        """`load_latest`, with the size of the tail as `load_measured` measures it."""
+        def query(conn: sqlite3.Connection) -> tuple[Snapshot | None, str | None, int, Rows]:
+            with read_transaction(conn):
+                found = conn.execute(
+                    "SELECT version, body, digest FROM snapshots WHERE run_id = ?",
+                    (run_id,)).fetchone() if self._has_digests else None
+                snapshot, problem = verified_snapshot(run_id, found)
+                version = 0
+                if snapshot is not None:
+                    assert found is not None
+                    version = found[0]
+                    present = conn.execute(
+                        "SELECT COUNT(*) FROM events WHERE run_id = ? AND seq IN (0, ?)",
+                        (run_id, version - 1)).fetchone()[0]
+                    if present != (1 if version == 1 else 2):  # it vouches for them
+                        raise SchemaError(
+                            f"the stored log is truncated or has a gap: its verified "
+                            f"snapshot is at version {version}, but event {version - 1} "
+                            "or event 0 is missing", run_id=run_id, action="load")
+                rows = conn.execute(
+                    "SELECT seq, body FROM events WHERE run_id = ? AND seq >= ? ORDER BY seq",
+                    (run_id, version)).fetchall()
+            return snapshot, problem, version, rows
+
+        snapshot, problem, version, rows = self._read(query, doing="load a run",
+                                                      run_id=run_id)
+        if problem is not None:
+            snapshot_ignored(run_id, problem)
+        return snapshot, decode_rows(run_id, rows, version)
+
+
+def _describe(conn: sqlite3.Connection) -> tuple[set[str], set[str], bool]:
+    """The tables of a database, the columns of its ``events`` table, and whether its
+    snapshots have a digest."""
+    tables = {row[0] for row in conn.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'table'")}
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(events)")}
+    return tables, columns, _has_digest(conn)
+
+
+def _in_memory(path: str) -> bool:
+    """Whether ``path`` names no file (SQLite's in-memory and temporary databases)."""
+    return path in ("", ":memory:")
+
+
+def _has_digest(conn: sqlite3.Connection) -> bool:
+    return any(row[1] == "digest" for row in conn.execute("PRAGMA table_info(snapshots)"))
+
+
+def _at_rest(name: str) -> tuple[int, int, int, int] | None:
+    """The identity, size and mtime of a database with no side file beside it (None when
+    it has one: a writer may be at work)."""
+    if any(os.path.lexists(name + suffix) for suffix in _SIDE_FILES):
+        return None
+    st = os.stat(name)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class AsyncSQLiteEventStore:
+    """The async face of `SQLiteEventStore` (an `AsyncEventStore`): every call runs the
+    sync store's method on one worker thread of its own, so an asyncio runner's event loop
+    never waits for a lock or an fsync. Calls are serialized on that thread, in order."""
+
+    def __init__(self, path: str | os.PathLike[str], *, timeout: float = 30.0) -> None:
+        self.sync = SQLiteEventStore(path, timeout=timeout)
+        self._worker = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="statemachine-sqlite")
+
+    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._worker, functools.partial(fn, *args,
+                                                                          **kwargs))
+
+    async def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
+                     snapshot: Snapshot | None = None, step: Step | None = None) -> None:
+        await self._call(self.sync.append, run_id, events, expected_version,
+                         snapshot=snapshot, step=step)
+
+    async def load(self, run_id: str) -> list[Event]:
+        return await self._call(self.sync.load, run_id)
+
+    async def load_latest(self, run_id: str) -> tuple[Snapshot | None, list[Event]]:
+        return await self._call(self.sync.load_latest, run_id)
+
+    async def list_runs(self, session_id: str | None = None,
+                        steps: Collection[Step] | None = None) -> tuple[RunHead, ...]:
+        return await self._call(self.sync.list_runs, session_id, steps)
+
+    async def close(self) -> None:
+        await self._call(self.sync.close)
+        self._worker.shutdown(wait=False)
+
+
+# ------------------------------------------------------------------------ the Session
+
+
+class SQLiteSession:
+    """A Session in a real SQLite database file (WAL, ``synchronous=FULL``).
+
+    ``add_items`` writes its batch in one transaction: all of it or none of it. Several
+    sessions (and processes) may share one file; rows are keyed by ``session_id``.
+
+    Every `sqlite3.Error` and `OSError` of a public call is a `StorageError` (a locked,
+    read-only, full, damaged file, or a stored item that is not JSON) with an
+    ``outcome``: ``"not_written"`` when nothing of a write landed (and for every read),
+    ``"unknown"`` when its COMMIT raised (it may have landed). A write's error reaches
+    the runner as the write's error, like any Session's: ``publish`` reports it with
+    ``publication_failed`` and re-raises it (I6). ``timeout`` is SQLite's busy timeout.
+    """
+
+    def __init__(self, session_id: str, path: str | os.PathLike[str], *,
+                 timeout: float = 30.0) -> None:
+        self.session_id = session_id
+        self.path = os.fspath(path)
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        with storage_errors(self.path, doing="open the Session"):
+            self._conn = connect(self.path, timeout=timeout)
+            try:
+                self._conn.execute(
+                    "CREATE TABLE IF NOT EXISTS session_items (id INTEGER PRIMARY KEY "
+                    "AUTOINCREMENT, session_id TEXT NOT NULL, body TEXT NOT NULL)")
+                self._conn.execute("CREATE INDEX IF NOT EXISTS session_items_by_session "
+                                   "ON session_items (session_id, id)")
+            except BaseException:
+                self._conn.close()
+                raise
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def _failed(self, error: BaseException, doing: str, outcome: Outcome) -> StorageError:
+        if in_transaction(self._conn):  # a failed ROLLBACK: closing rolls back
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.close()
+            with contextlib.suppress(sqlite3.Error, OSError):
+                self._conn = connect(self.path, timeout=self._timeout)
+        return failure(error, self.path, outcome=outcome, doing=doing)
+
+    async def get_items(self, limit: int | None = None) -> list[JSON]:
+        doing = "read the Session"
+        with self._lock, storage_errors(self.path, doing=doing):
+            if limit is None:
+                rows = self._conn.execute(
+                    "SELECT body FROM session_items WHERE session_id = ? ORDER BY id",
+                    (self.session_id,)).fetchall()
+            else:
+                rows = self._conn.execute(
+                    "SELECT body FROM (SELECT id, body FROM session_items WHERE session_id = ?"
+                    " ORDER BY id DESC LIMIT ?) ORDER BY id",
+                    (self.session_id, max(limit, 0))).fetchall()
+        return [self._item(body, doing) for (body,) in rows]
+
+    def _item(self, body: Any, doing: str) -> JSON:
+        try:
+            return json.loads(body)
+        except (ValueError, TypeError, RecursionError):
+            raise StorageError(f"cannot {doing}: {shown(self.path)} holds a damaged "
+                               "item (not JSON)", outcome=Outcome.NOT_WRITTEN) from None
+
+    async def add_items(self, items: list[JSON]) -> None:
+        bodies = [(self.session_id, dumps(detach(item))) for item in items]
+        doing = "write to the Session"
+        with self._lock:
+            try:
+                with write_transaction(self._conn) as conn:
+                    conn.executemany(
+                        "INSERT INTO session_items (session_id, body) VALUES (?, ?)", bodies)
+                    self._before_commit()
+            except CommitFailed as failed:
+                raise self._failed(failed.__cause__ or failed, doing, Outcome.UNKNOWN) from None
+            except (sqlite3.Error, OSError) as error:
+                raise self._failed(error, doing, Outcome.NOT_WRITTEN) from error
+        self._after_commit()
+
+    def _before_commit(self) -> None:
+        """A seam for fault injection (tests kill the process here)."""
+
+    def _after_commit(self) -> None:
+        """A seam for fault injection (tests kill the process here)."""
+
+    async def pop_item(self) -> JSON | None:
+        doing = "pop an item from the Session"
+        with self._lock:
+            try:
+                with write_transaction(self._conn) as conn:
+                    row = conn.execute(
+                        "SELECT id, body FROM session_items WHERE session_id = ? "
+                        "ORDER BY id DESC LIMIT 1", (self.session_id,)).fetchone()
+                    item = None if row is None else self._item(row[1], doing)
+                    if row is not None:  # a damaged item is refused before it is removed
+                        conn.execute("DELETE FROM session_items WHERE id = ?", (row[0],))
+            except CommitFailed as failed:
+                raise self._failed(failed.__cause__ or failed, doing, Outcome.UNKNOWN) from None
+            except (sqlite3.Error, OSError) as error:
+                raise self._failed(error, doing, Outcome.NOT_WRITTEN) from error
+        return item
+
+    async def clear_session(self) -> None:
+        doing = "clear the Session"
+        with self._lock:
+            try:
+                with write_transaction(self._conn) as conn:
+                    conn.execute("DELETE FROM session_items WHERE session_id = ?",
+                                 (self.session_id,))
+            except CommitFailed as failed:
+                raise self._failed(failed.__cause__ or failed, doing, Outcome.UNKNOWN) from None
+            except (sqlite3.Error, OSError) as error:
+                raise self._failed(error, doing, Outcome.NOT_WRITTEN) from error

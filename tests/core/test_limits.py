@@ -357,36 +357,58 @@ def test_a_store_load_knows_the_size_and_refuses_a_log_over_max_bytes(
     assert loaded.size == measured(loaded.to_json())
 
 
-def test_a_store_that_changes_the_events_it_was_handed_is_sized_by_the_events(
-    tmp_path: Any,
+class _Trimming:
+    """A wrapper store whose ``load`` drops the last event of what its store read."""
+
+    def __init__(self, inner: SQLiteEventStore) -> None:
+        self.inner = inner
+
+    def append(self, run_id: str, events: Any, expected_version: int, *,
+               snapshot: dict[str, Any] | None = None) -> None:
+        self.inner.append(run_id, events, expected_version, snapshot=snapshot)
+
+    def load(self, run_id: str) -> list[Any]:
+        events = self.inner.load(run_id)
+        events.sort(key=lambda event: event.seq, reverse=True)  # keyword arguments too
+        events.sort(key=lambda event: event.seq)
+        events.pop()
+        return events
+
+
+class _TrimmingLoad(SQLiteEventStore):
+    def load(self, run_id: str) -> list[Any]:
+        return super().load(run_id)[:-1]
+
+
+class _TrimmingLatest(SQLiteEventStore):
+    def load_latest(self, run_id: str) -> Any:
+        snapshot, tail = super().load_latest(run_id)
+        return snapshot, tail[:-1]
+
+
+@pytest.mark.parametrize("how", ["a wrapper's load", "a subclass's load",
+                                 "a subclass's load_latest"])
+def test_a_store_that_changes_the_events_it_read_is_sized_by_the_events(
+    tmp_path: Any, how: str,
 ) -> None:
-    """A store's decoded rows carry their size (`codec.SizedEvents`); a wrapper store that
-    changes that list before handing it on (here: drops the last event) must not pass
-    the old size on: the controller counts the events it got."""
+    """A store's decoded rows come with their size (`stores.load_measured`); a store that
+    changes them before handing them on (here: drops the last event), a wrapper around
+    such a store or a subclass overriding ``load`` or ``load_latest``, must not pass the
+    size of what it read on: the controller counts the events it got."""
+    from statemachine import stores
 
-    class Trimming:
-        def __init__(self, inner: SQLiteEventStore) -> None:
-            self.inner = inner
-
-        def append(self, run_id: str, events: Any, expected_version: int, *,
-                   snapshot: dict[str, Any] | None = None) -> None:
-            self.inner.append(run_id, events, expected_version, snapshot=snapshot)
-
-        def load(self, run_id: str) -> list[Any]:
-            events = self.inner.load(run_id)
-            assert type(events) is codec.SizedEvents
-            assert events.json_size is not None
-            events.sort(key=lambda event: event.seq, reverse=True)  # keyword arguments too
-            events.sort(key=lambda event: event.seq)
-            events.pop()
-            return events
-
-    inner = SQLiteEventStore(tmp_path / "s.db")
+    kind = {"a subclass's load": _TrimmingLoad,
+            "a subclass's load_latest": _TrimmingLatest}.get(how, SQLiteEventStore)
+    inner = kind(tmp_path / "s.db")
     c = RunController.start(run_id="r", session_id="s", store=inner)
     c.begin_model_call()
     c.model_failed(TimeoutError)
     c.hook_ran("agent_start")
-    loaded = RunController.load(Trimming(inner), "r")
+    whole = SQLiteEventStore(tmp_path / "s.db")
+    assert stores.load_measured(whole, "r").size is not None  # the rows were measured
+    assert stores.load_latest_measured(whole, "r")[1].size is not None
+    store: Any = _Trimming(inner) if how == "a wrapper's load" else inner
+    loaded = RunController.load(store, "r", snapshot=how != "a subclass's load")
     assert len(loaded.events) == 3
     assert loaded.size == measured(loaded.to_json()) < c.size
 

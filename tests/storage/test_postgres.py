@@ -287,6 +287,38 @@ def test_a_damaged_snapshot_is_ignored_with_a_warning(
                 assert RunController.load(store, "run-1").state == c.state
 
 
+def test_the_stores_measure_what_they_load_and_a_run_is_sized_by_it(
+        store: PostgresEventStore, pg_dsn: str, pg_schema: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both stores hand a controller the size of the events they decoded (the whole log,
+    and a snapshot's tail): the size `to_json()` has, never another."""
+    from statemachine import stores
+
+    monkeypatch.setattr(controller_module, "SNAPSHOT_EVERY", 3)
+    c = at_interruption(store=store)
+    run_charge(c)
+
+    def events_size(events: list[Any]) -> int:
+        return len(",".join(_dumps(codec.encode_event(e)) for e in events).encode())
+
+    whole = stores.load_measured(store, "run-1")
+    snapshot, tail = stores.load_latest_measured(store, "run-1")
+    assert snapshot is not None and 0 < len(tail.events) < len(c.events)
+    assert whole.events == list(c.events) and whole.size == events_size(whole.events)
+    assert tail.size == events_size(tail.events)
+
+    async def measured_async() -> tuple[Any, Any]:
+        async with AsyncPostgresEventStore(pg_dsn, schema=pg_schema) as other:
+            return await other.load_measured("run-1"), await other.load_latest_measured(
+                "run-1")
+
+    whole_async, (snapshot_async, tail_async) = asyncio.run(measured_async())
+    assert (whole_async, snapshot_async, tail_async) == (whole, snapshot, tail)
+    for from_snapshot in (True, False):
+        loaded = RunController.load(store, "run-1", snapshot=from_snapshot)
+        assert loaded.size == c.size == len(_dumps(loaded.to_json()).encode())
+
+
 def test_a_truncated_log_or_a_gap_is_an_error_never_a_shorter_log(
         store: PostgresEventStore, pg_dsn: str, pg_schema: str) -> None:
     c = at_interruption(store=store)
@@ -826,11 +858,11 @@ def test_behind_a_pooler_there_is_nothing_to_fence() -> None:
     is "unknown", never guessed "not_written")."""
     from types import SimpleNamespace
 
-    from statemachine.postgres import _backend_of
+    from statemachine.postgres.steps import backend_of
 
     row = (4242, datetime.datetime(2026, 1, 1), datetime.datetime(2025, 12, 1), None, "5432")
     direct = SimpleNamespace(info=SimpleNamespace(backend_pid=4242))
     pooled = SimpleNamespace(info=SimpleNamespace(backend_pid=77))
-    assert _backend_of(direct, row) == row
-    assert _backend_of(pooled, row) is None
-    assert _backend_of(direct, None) is None
+    assert backend_of(direct, row) == row
+    assert backend_of(pooled, row) is None
+    assert backend_of(direct, None) is None

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from bench import backends
 from bench.__main__ import COMMANDS, FULL, QUICK, judge, main, markdown, options, print_report
-from statemachine import RunController, SchemaError, ToolCall, codec, payloads
+from statemachine import RunController, SchemaError, ToolCall, codec, fastload, payloads
 from tests.strategies import drive
 
 TINY = ["--runs", "20", "--repeats", "1", "--appends", "20", "--sizes", "50",
@@ -368,7 +368,7 @@ _ODD_FIELD_VALUES = st.one_of(
 def _strict(monkeypatch: pytest.MonkeyPatch, fn: Any) -> Any:
     """``fn``'s outcome with the fast path switched off (every text parsed strictly)."""
     with monkeypatch.context() as patched:
-        patched.setattr(codec, "clean_parse", lambda text: None)
+        patched.setattr(fastload, "clean_parse", lambda text: None)
         return _outcome(fn)
 
 
@@ -441,7 +441,7 @@ def test_a_duplicate_key_is_refused_whatever_the_spacing(item: str, key: str) ->
     assert forged != text
     with pytest.raises(SchemaError, match="duplicate keys"):
         codec.decode_log(forged)
-    assert codec.clean_parse(forged) is None
+    assert fastload.clean_parse(forged) is None
     # and a text whose strings hold the separators, with and without their spaces
     c = RunController.start(run_id="r, s: t", session_id="a,b:c")
     text = json.dumps(c.to_json(), separators=(item, key))
@@ -456,7 +456,7 @@ def test_what_json_dumps_writes_takes_the_fast_path(ensure_ascii: bool, item: st
     non-ASCII text escaped or not) is clean: decoded without the strict parser."""
     c = _every_event_type()
     text = json.dumps(c.to_json(), ensure_ascii=ensure_ascii, separators=(item, key))
-    assert codec.clean_parse(text) is not None
+    assert fastload.clean_parse(text) is not None
     assert codec.decode_log(text).events == list(c.events)
 
 
@@ -503,7 +503,7 @@ def _rows_agree(c: RunController, damages: list[tuple[str, int, int]]) -> None:
     equals decoding them one by one: the events and the size a controller counts alike,
     or the same refusal (the first damaged row's); clean rows, and only those, decode
     together."""
-    from statemachine import stores
+    from statemachine import stored
     from statemachine.payloads import compact_json
 
     bodies: list[Any] = [compact_json(codec.encode_event(e)) for e in c.events]
@@ -515,20 +515,20 @@ def _rows_agree(c: RunController, damages: list[tuple[str, int, int]]) -> None:
     rows = list(zip(seqs, bodies, strict=True))
 
     def load() -> Any:
-        events = stores._decode("r", rows, 0)
-        return events, type(events) is codec.SizedEvents, codec.log_size("r", events)
+        loaded = stored.decode_rows("r", rows, 0)
+        return loaded.events, loaded.size, codec.log_size("r", loaded.events)
 
     found = _outcome(load)
     with pytest.MonkeyPatch.context() as patched:
-        patched.setattr(codec, "decode_stored_batch", lambda bodies, first: None)
+        patched.setattr(fastload, "decode_stored_batch", lambda bodies, first: None)
         strict = _outcome(load)
     assert _same(found[:1] + found[1][:1] if found[0] == "ok" else found,
                  strict[:1] + strict[1][:1] if strict[0] == "ok" else strict)
     if found[0] == "ok":
-        events, sized, size = found[1]
-        assert sized == clean, "clean rows, and only those, decode together"
-        if sized:
-            assert codec.envelope_size("r") + events.json_size == size
+        _, measured, size = found[1]
+        assert (measured is not None) == clean, "clean rows, and only those, decode together"
+        if measured is not None:
+            assert codec.envelope_size("r") + measured == size
 
 
 @given(data=st.data())

@@ -55,7 +55,7 @@ def test_every_selection_names_existing_test_files() -> None:
 def test_the_catalogue_covers_core_and_runner_modules() -> None:
     modules = {module_of(m.target) for m in CATALOGUE}
     assert {"machine", "state", "envelope", "codec", "controller", "stores", "sqlite",
-            "sessions", "postgres", "runner/loop", "runner/publish", "runner/remote",
+            "sessions", "postgres/steps", "runner/loop", "runner/publish", "runner/remote",
             "runner/agents"} <= modules
     assert len(CATALOGUE) >= 80
 

@@ -1,0 +1,434 @@
+"""The async PostgreSQL event store and Session, on psycopg's ``AsyncConnection``.
+
+Written by hand, and the one copy: ``sync.py`` (`PostgresEventStore`, `PostgresSession`)
+is generated from this file by ``tools/unasync.py``, which drops ``async`` and ``await``
+and renames the async names; ``python tools/unasync.py --check`` fails when ``sync.py``
+is stale. The SQL, the operations and the checks both run are in ``steps.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Collection, Sequence
+from typing import Any, Self, TypeVar
+
+import psycopg
+
+from statemachine.errors import ConcurrencyConflict, Outcome, StorageError
+from statemachine.events import Event
+from statemachine.postgres.steps import (
+    APPEND,
+    BACKEND_ERRORS,
+    LIST,
+    LOAD,
+    PIPELINE,
+    Backend,
+    Base,
+    Op,
+    PreparedAppend,
+    SessionMethods,
+    answered,
+    append_steps,
+    backend_of,
+    closed,
+    ensure_schema,
+    failure,
+    fence_steps,
+    head_step,
+    heads_query,
+    latest_log,
+    loaded_log,
+    lost_race,
+    one,
+    one_statement,
+    prepare,
+    probe_steps,
+)
+from statemachine.stored import (
+    Head,
+    Loaded,
+    RunHead,
+    check_filters,
+    head_after_snapshot,
+    head_of_whole_log,
+    snapshot_ignored,
+)
+from statemachine.stores import SessionWrite, Snapshot
+from statemachine.values import Step
+
+T = TypeVar("T")
+
+
+# ------------------------------------------------------------------------- driver
+
+
+async def answer(cursor: psycopg.AsyncCursor[Any], want: str) -> Any:
+    """What a `steps.Query` wants back from its cursor."""
+    if want == "rowcount":
+        return cursor.rowcount
+    if want == "one":
+        return await cursor.fetchone()
+    if want == "all":
+        return await cursor.fetchall()
+    return None
+
+
+async def run_statements(conn: psycopg.AsyncConnection[Any], op: Op[T], *,
+                         begin: bool = False) -> T:
+    """Run the statements ``op`` yields on ``conn``, sending each its answer, and return
+    what ``op`` returns; with ``begin``, open a transaction first (pipelined with the
+    first statement where libpq can)."""
+    if begin and not PIPELINE:
+        await conn.execute("BEGIN")
+        begin = False
+    reply: Any = None
+    while True:
+        try:
+            q = op.send(reply)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        if begin:
+            begin = False
+            async with conn.pipeline():
+                await conn.execute("BEGIN")
+                cursor = await conn.execute(q.sql, q.params)
+        else:
+            cursor = await conn.execute(q.sql, q.params)
+        reply = await answer(cursor, q.want)
+
+
+class _AsyncClient(Base):
+    """One psycopg ``AsyncConnection`` (autocommit), opened on first use and replaced when
+    it broke, with every call serialized by a lock (``asyncio.Lock``): what the store and
+    the Session share."""
+
+    def __init__(self, dsn: str, *, schema: str = "statemachine", readonly: bool = False,
+                 readback_timeout: float = 10.0) -> None:
+        super().__init__(dsn, schema=schema, readonly=readonly,
+                         readback_timeout=readback_timeout)
+        self._lock = asyncio.Lock()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        async with self._lock:
+            self._closed = True
+            await self._drop()
+
+    # ------------------------------------------------------------ connections
+
+    async def _live(self, doing: str, **where: Any) -> psycopg.AsyncConnection[Any]:
+        """The connection, opened (and the tables checked or created) if there is none,
+        the last one broke, or it is a forked parent's."""
+        if self._closed:
+            raise closed(doing, self._noun, **where)
+        self._inherited()
+        conn = self._conn
+        if conn is not None and not conn.closed:
+            return conn  # type: ignore[no-any-return]
+        self._conn = None
+        try:
+            conn = await psycopg.AsyncConnection.connect(self.dsn, **self._options())
+        except psycopg.Error as error:
+            raise failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN, **where) from error
+        try:
+            if not self._ready:
+                await self._transaction(conn, ensure_schema(self._sql, readonly=self.readonly))
+                self._ready = True
+            cursor = await conn.execute(self._sql.identify)
+            self._backend = backend_of(conn, await cursor.fetchone())
+        except BaseException as error:
+            with contextlib.suppress(Exception):
+                await conn.close()
+            if isinstance(error, BACKEND_ERRORS):
+                raise failure(error, doing=self._opening, outcome=Outcome.NOT_WRITTEN,
+                              **where) from error
+            raise
+        self._conn = conn
+        return conn
+
+    async def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await conn.close()
+
+    async def _settle(self) -> None:
+        """After a failure before COMMIT: roll back, or drop a connection that cannot."""
+        conn = self._conn
+        if conn is None:
+            return
+        try:
+            if conn.closed or conn.broken:
+                raise psycopg.InterfaceError("the connection is gone")
+            await conn.execute("ROLLBACK")
+        except Exception:
+            await self._drop()
+
+    @staticmethod
+    async def _transaction(conn: psycopg.AsyncConnection[Any], op: Op[T]) -> T:
+        await conn.execute("BEGIN")
+        try:
+            result = await run_statements(conn, op)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await conn.execute("ROLLBACK")
+            raise
+        await conn.execute("COMMIT")
+        return result
+
+    async def _read(self, op: Op[T], *, doing: str, **where: Any) -> T:
+        """One read (one statement: one snapshot); every failure is `StorageError`
+        (``"not_written"``: a read writes nothing)."""
+        async with self._lock:
+            conn = await self._live(doing, **where)
+            try:
+                return await run_statements(conn, op)
+            except BACKEND_ERRORS as error:
+                await self._settle()
+                raise failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN,
+                              **where) from error
+            except BaseException:
+                await self._settle()
+                raise
+
+    async def _write(self, op: Op[T], *, doing: str, **where: Any) -> T:
+        """One transaction of ``op`` (a Session's write). Before COMMIT every failure is
+        ``"not_written"``; a COMMIT that raises is ``"unknown"`` (no read-back: a Session
+        write is settled by reconciling its envelope)."""
+        async with self._lock:
+            conn = await self._live(doing, **where)
+            try:
+                result = await run_statements(conn, op, begin=True)
+                await self._before_commit()
+            except BACKEND_ERRORS as error:
+                await self._settle()
+                raise failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN,
+                              **where) from error
+            except BaseException:
+                await self._settle()
+                raise
+            try:
+                await conn.execute("COMMIT")
+            except psycopg.Error as error:
+                await self._drop()
+                raise failure(error, doing=doing, outcome=Outcome.UNKNOWN, **where) from error
+            except BaseException:  # interrupted or cancelled while committing: never reused
+                await self._drop()
+                raise
+        await self._after_commit()
+        return result
+
+    async def _before_commit(self) -> None:
+        """A seam for fault injection: runs right before a write's COMMIT."""
+
+    async def _after_commit(self) -> None:
+        """A seam for fault injection: runs right after a write's COMMIT returned."""
+
+
+class AsyncPostgresEventStore(_AsyncClient):
+    """An event store on PostgreSQL through psycopg 3's ``AsyncConnection`` (see the
+    package's docstring for its tables and failure rules).
+
+    ``dsn``: a libpq connection string or URI. ``schema``: where the tables live
+    (created on first use). ``readonly=True``: never creates or writes anything (every
+    session is ``default_transaction_read_only``; ``append`` is refused, ``list_runs``
+    folds unfolded heads without keeping them, a database without the tables is a
+    `StorageError`). ``readback_timeout``: how long (seconds) the read-back after a lost
+    COMMIT may wait for a lock or a connection before answering ``"unknown"``.
+    """
+
+    # ---------------------------------------------------------------- writing
+
+    async def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
+                     snapshot: Snapshot | None = None, step: Step | None = None,
+                     session_write: SessionWrite | None = None) -> None:
+        """`IndexedStore.append`; with ``session_write``, its items go to its Session (the
+        ``session_items`` table the PostgreSQL Sessions read, tagged with its publication
+        id) in the same transaction as ``events``: both land or neither does, and a lost
+        COMMIT answer is decided for both by reading the batch back."""
+        where = {"run_id": run_id}
+        if self.readonly:
+            raise self._refused_readonly(APPEND, run_id)
+        prepared = prepare(run_id, events, expected_version, snapshot, step, session_write)
+        async with self._lock:
+            conn = await self._live(APPEND, **where)
+            if one_statement(prepared):
+                await self._append_one(conn, prepared)
+                await self._after_commit()
+                return
+            try:
+                await run_statements(conn, append_steps(self._sql, prepared), begin=True)
+                await self._before_commit()
+            except ConcurrencyConflict:
+                await self._settle()
+                raise
+            except psycopg.errors.UniqueViolation:  # the log is ahead of its head
+                await self._settle()
+                raise lost_race(run_id, expected_version, expected_version + 1) from None
+            except BACKEND_ERRORS as error:  # before COMMIT: the transaction did not commit
+                await self._settle()
+                raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                              **where) from error
+            except BaseException:
+                await self._settle()
+                raise
+            try:
+                await conn.execute("COMMIT")
+            except psycopg.Error as error:
+                await self._classify(error, prepared)
+            except BaseException:  # interrupted or cancelled while committing: never reused
+                await self._drop()
+                raise
+        await self._after_commit()
+
+    async def _append_one(self, conn: psycopg.AsyncConnection[Any], a: PreparedAppend
+                          ) -> None:
+        """An append of events alone: one statement, its own transaction."""
+        where = {"run_id": a.run_id}
+        try:
+            await self._before_commit()
+        except BACKEND_ERRORS as error:  # nothing was sent
+            raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                          **where) from error
+        try:
+            cursor = await conn.execute(self._sql.append[a.expected == 0, a.count == 1],
+                                        a.params)
+            moved = cursor.rowcount
+        except psycopg.errors.UniqueViolation:  # the log is ahead of its head
+            raise lost_race(a.run_id, a.expected, a.expected + 1) from None
+        except psycopg.Error as error:
+            if answered(conn):
+                raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                              **where) from error
+            await self._classify(error, a)
+            return
+        except UnicodeEncodeError as error:  # refused while encoding: nothing was sent
+            raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                          **where) from error
+        except BaseException:  # interrupted or cancelled in flight: never reused
+            await self._drop()
+            raise
+        if moved != a.count:  # a lost race: the statement wrote nothing
+            try:
+                cursor = await conn.execute(self._sql.head_version, (a.run_id,))
+                row = await cursor.fetchone()
+            except BACKEND_ERRORS as error:
+                await self._settle()
+                raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                              **where) from error
+            raise lost_race(a.run_id, a.expected, 0 if row is None else row[0])
+
+    async def _classify(self, error: psycopg.Error, prepared: PreparedAppend) -> None:
+        """The connection was lost with a COMMIT in flight: fence and read the batch back
+        on a fresh connection. Found: appended (return). Not found: ``"not_written"``.
+        Undecidable: ``"unknown"``."""
+        where = {"run_id": prepared.run_id}
+        backend = self._backend
+        await self._drop()  # closing it ends whatever is left of the transaction server-side
+        try:
+            fenced, landed = await self._landed(prepared, backend)
+        except Exception as probe_error:
+            raise failure(error, doing=APPEND, outcome=Outcome.UNKNOWN,
+                          **where) from probe_error
+        if landed:
+            return
+        decided = fenced or not one_statement(prepared)
+        raise failure(error, doing=APPEND,
+                      outcome=Outcome.NOT_WRITTEN if decided else Outcome.UNKNOWN,
+                      **where) from error
+
+    async def _landed(self, prepared: PreparedAppend, backend: Backend | None
+                      ) -> tuple[bool, bool]:
+        """(fenced, landed): see the package's docstring."""
+        async with await psycopg.AsyncConnection.connect(
+                self.dsn, **self._probe_options()) as probe:
+            fenced = False
+            if backend is not None:
+                try:
+                    fenced = await run_statements(
+                        probe, fence_steps(self._sql, backend, self.readback_timeout))
+                except psycopg.Error:  # not allowed to signal it: the lock wait decides
+                    fenced = False
+            await probe.execute("BEGIN")
+            try:
+                return fenced, await run_statements(probe, probe_steps(
+                    self._sql, prepared.run_id, prepared.expected == 0, prepared.batch_id,
+                    self.readback_timeout))
+            finally:
+                with contextlib.suppress(Exception):
+                    await probe.execute("ROLLBACK")
+
+    # ---------------------------------------------------------------- reading
+
+    async def load(self, run_id: str) -> list[Event]:
+        loaded = await self.load_measured(run_id)
+        return loaded.events
+
+    async def load_measured(self, run_id: str) -> Loaded:
+        """`load`, with the size of the events when they were decoded together (clean
+        rows, the common case): see `stores.load_measured`."""
+        rows = await self._read(one(self._sql.load, {"run": run_id}), doing=LOAD,
+                                run_id=run_id)
+        return loaded_log(run_id, rows)
+
+    async def load_latest(self, run_id: str) -> tuple[Snapshot | None, list[Event]]:
+        snapshot, tail = await self.load_latest_measured(run_id)
+        return snapshot, tail.events
+
+    async def load_latest_measured(self, run_id: str) -> tuple[Snapshot | None, Loaded]:
+        """`load_latest`, with the size of the tail as `load_measured` measures it."""
+        rows = await self._read(one(self._sql.load_latest, {"run": run_id}), doing=LOAD,
+                                run_id=run_id)
+        snapshot, problem, tail = latest_log(run_id, rows)
+        if problem is None:
+            return snapshot, tail
+        snapshot_ignored(run_id, problem)
+        return None, await self.load_measured(run_id)
+
+    async def list_runs(self, session_id: str | None = None,
+                        steps: Collection[Step] | None = None) -> tuple[RunHead, ...]:
+        wanted = check_filters(session_id, steps)
+        if wanted is not None and not wanted:
+            return ()
+        tail, params = heads_query(session_id, wanted)
+        rows = await self._read(one(self._sql.heads + tail, params), doing=LIST)
+        heads = []
+        for run_id, stored_version, step, stored_session, owner in rows:
+            if step is None:
+                version, known, session = await self._fill_unfolded_head(run_id)
+            else:
+                version, known, session = stored_version, head_step(run_id, step), stored_session
+            if wanted is None or known in wanted:
+                heads.append(RunHead(run_id, version, known, session, owner))
+        return tuple(heads)
+
+    async def run_ids(self, limit: int | None = None) -> list[str]:
+        """The ids of the runs the store holds, sorted (the first ``limit`` of them)."""
+        sql = self._sql.run_ids + ("" if limit is None else f" LIMIT {int(limit)}")
+        return [row[0] for row in await self._read(one(sql, None), doing=LIST)]
+
+    async def _fill_unfolded_head(self, run_id: str) -> Head:
+        """Fold an unfolded head from the run's log (its snapshot and tail) and keep the
+        step (only if the run has not moved meanwhile; never when read-only). Keeping it
+        is a cache: a failure to keep it costs a fold next time."""
+        snapshot, tail = await self.load_latest(run_id)
+        head, stale = head_after_snapshot(run_id, snapshot, tail)
+        if head is None:  # the whole log decides
+            head = head_of_whole_log(run_id, await self.load(run_id), stale=stale)
+        version, step, session = head
+        if not self.readonly:
+            with contextlib.suppress(StorageError):
+                await self._read(one(self._sql.keep_fold, (step.value, run_id, version),
+                                     "none"), doing=LIST, run_id=run_id)
+        return version, step, session
+
+
+class AsyncPostgresSession(SessionMethods, _AsyncClient):
+    """A Session on PostgreSQL through psycopg's ``AsyncConnection``: see `SessionMethods`
+    (``dsn``, ``session_id``, ``schema``)."""

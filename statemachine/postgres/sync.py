@@ -1,0 +1,433 @@
+"""The sync PostgreSQL event store and Session, on psycopg's ``Connection``.
+
+GENERATED from ``aio.py`` by ``tools/unasync.py``: do not edit. Change ``aio.py`` and
+run ``python tools/unasync.py``; ``python tools/unasync.py --check`` fails while this
+file is stale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Collection, Sequence
+from typing import Any, Self, TypeVar
+
+import psycopg
+
+from statemachine.errors import ConcurrencyConflict, Outcome, StorageError
+from statemachine.events import Event
+from statemachine.postgres.steps import (
+    APPEND,
+    BACKEND_ERRORS,
+    LIST,
+    LOAD,
+    PIPELINE,
+    Backend,
+    Base,
+    Op,
+    PreparedAppend,
+    SessionMethods,
+    answered,
+    append_steps,
+    backend_of,
+    closed,
+    ensure_schema,
+    failure,
+    fence_steps,
+    head_step,
+    heads_query,
+    latest_log,
+    loaded_log,
+    lost_race,
+    one,
+    one_statement,
+    prepare,
+    probe_steps,
+)
+from statemachine.stored import (
+    Head,
+    Loaded,
+    RunHead,
+    check_filters,
+    head_after_snapshot,
+    head_of_whole_log,
+    snapshot_ignored,
+)
+from statemachine.stores import SessionWrite, Snapshot
+from statemachine.values import Step
+
+T = TypeVar("T")
+
+
+# ------------------------------------------------------------------------- driver
+
+
+def answer(cursor: psycopg.Cursor[Any], want: str) -> Any:
+    """What a `steps.Query` wants back from its cursor."""
+    if want == "rowcount":
+        return cursor.rowcount
+    if want == "one":
+        return cursor.fetchone()
+    if want == "all":
+        return cursor.fetchall()
+    return None
+
+
+def run_statements(conn: psycopg.Connection[Any], op: Op[T], *,
+                   begin: bool = False) -> T:
+    """Run the statements ``op`` yields on ``conn``, sending each its answer, and return
+    what ``op`` returns; with ``begin``, open a transaction first (pipelined with the
+    first statement where libpq can)."""
+    if begin and not PIPELINE:
+        conn.execute("BEGIN")
+        begin = False
+    reply: Any = None
+    while True:
+        try:
+            q = op.send(reply)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        if begin:
+            begin = False
+            with conn.pipeline():
+                conn.execute("BEGIN")
+                cursor = conn.execute(q.sql, q.params)
+        else:
+            cursor = conn.execute(q.sql, q.params)
+        reply = answer(cursor, q.want)
+
+
+class _Client(Base):
+    """One psycopg ``Connection`` (autocommit), opened on first use and replaced when
+    it broke, with every call serialized by a lock (``threading.Lock``): what the store and
+    the Session share."""
+
+    def __init__(self, dsn: str, *, schema: str = "statemachine", readonly: bool = False,
+                 readback_timeout: float = 10.0) -> None:
+        super().__init__(dsn, schema=schema, readonly=readonly,
+                         readback_timeout=readback_timeout)
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._drop()
+
+    # ------------------------------------------------------------ connections
+
+    def _live(self, doing: str, **where: Any) -> psycopg.Connection[Any]:
+        """The connection, opened (and the tables checked or created) if there is none,
+        the last one broke, or it is a forked parent's."""
+        if self._closed:
+            raise closed(doing, self._noun, **where)
+        self._inherited()
+        conn = self._conn
+        if conn is not None and not conn.closed:
+            return conn  # type: ignore[no-any-return]
+        self._conn = None
+        try:
+            conn = psycopg.connect(self.dsn, **self._options())
+        except psycopg.Error as error:
+            raise failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN, **where) from error
+        try:
+            if not self._ready:
+                self._transaction(conn, ensure_schema(self._sql, readonly=self.readonly))
+                self._ready = True
+            cursor = conn.execute(self._sql.identify)
+            self._backend = backend_of(conn, cursor.fetchone())
+        except BaseException as error:
+            with contextlib.suppress(Exception):
+                conn.close()
+            if isinstance(error, BACKEND_ERRORS):
+                raise failure(error, doing=self._opening, outcome=Outcome.NOT_WRITTEN,
+                              **where) from error
+            raise
+        self._conn = conn
+        return conn
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    def _settle(self) -> None:
+        """After a failure before COMMIT: roll back, or drop a connection that cannot."""
+        conn = self._conn
+        if conn is None:
+            return
+        try:
+            if conn.closed or conn.broken:
+                raise psycopg.InterfaceError("the connection is gone")
+            conn.execute("ROLLBACK")
+        except Exception:
+            self._drop()
+
+    @staticmethod
+    def _transaction(conn: psycopg.Connection[Any], op: Op[T]) -> T:
+        conn.execute("BEGIN")
+        try:
+            result = run_statements(conn, op)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+        return result
+
+    def _read(self, op: Op[T], *, doing: str, **where: Any) -> T:
+        """One read (one statement: one snapshot); every failure is `StorageError`
+        (``"not_written"``: a read writes nothing)."""
+        with self._lock:
+            conn = self._live(doing, **where)
+            try:
+                return run_statements(conn, op)
+            except BACKEND_ERRORS as error:
+                self._settle()
+                raise failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN,
+                              **where) from error
+            except BaseException:
+                self._settle()
+                raise
+
+    def _write(self, op: Op[T], *, doing: str, **where: Any) -> T:
+        """One transaction of ``op`` (a Session's write). Before COMMIT every failure is
+        ``"not_written"``; a COMMIT that raises is ``"unknown"`` (no read-back: a Session
+        write is settled by reconciling its envelope)."""
+        with self._lock:
+            conn = self._live(doing, **where)
+            try:
+                result = run_statements(conn, op, begin=True)
+                self._before_commit()
+            except BACKEND_ERRORS as error:
+                self._settle()
+                raise failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN,
+                              **where) from error
+            except BaseException:
+                self._settle()
+                raise
+            try:
+                conn.execute("COMMIT")
+            except psycopg.Error as error:
+                self._drop()
+                raise failure(error, doing=doing, outcome=Outcome.UNKNOWN, **where) from error
+            except BaseException:  # interrupted or cancelled while committing: never reused
+                self._drop()
+                raise
+        self._after_commit()
+        return result
+
+    def _before_commit(self) -> None:
+        """A seam for fault injection: runs right before a write's COMMIT."""
+
+    def _after_commit(self) -> None:
+        """A seam for fault injection: runs right after a write's COMMIT returned."""
+
+
+class PostgresEventStore(_Client):
+    """An event store on PostgreSQL through psycopg 3's ``Connection`` (see the
+    package's docstring for its tables and failure rules).
+
+    ``dsn``: a libpq connection string or URI. ``schema``: where the tables live
+    (created on first use). ``readonly=True``: never creates or writes anything (every
+    session is ``default_transaction_read_only``; ``append`` is refused, ``list_runs``
+    folds unfolded heads without keeping them, a database without the tables is a
+    `StorageError`). ``readback_timeout``: how long (seconds) the read-back after a lost
+    COMMIT may wait for a lock or a connection before answering ``"unknown"``.
+    """
+
+    # ---------------------------------------------------------------- writing
+
+    def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
+               snapshot: Snapshot | None = None, step: Step | None = None,
+               session_write: SessionWrite | None = None) -> None:
+        """`IndexedStore.append`; with ``session_write``, its items go to its Session (the
+        ``session_items`` table the PostgreSQL Sessions read, tagged with its publication
+        id) in the same transaction as ``events``: both land or neither does, and a lost
+        COMMIT answer is decided for both by reading the batch back."""
+        where = {"run_id": run_id}
+        if self.readonly:
+            raise self._refused_readonly(APPEND, run_id)
+        prepared = prepare(run_id, events, expected_version, snapshot, step, session_write)
+        with self._lock:
+            conn = self._live(APPEND, **where)
+            if one_statement(prepared):
+                self._append_one(conn, prepared)
+                self._after_commit()
+                return
+            try:
+                run_statements(conn, append_steps(self._sql, prepared), begin=True)
+                self._before_commit()
+            except ConcurrencyConflict:
+                self._settle()
+                raise
+            except psycopg.errors.UniqueViolation:  # the log is ahead of its head
+                self._settle()
+                raise lost_race(run_id, expected_version, expected_version + 1) from None
+            except BACKEND_ERRORS as error:  # before COMMIT: the transaction did not commit
+                self._settle()
+                raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                              **where) from error
+            except BaseException:
+                self._settle()
+                raise
+            try:
+                conn.execute("COMMIT")
+            except psycopg.Error as error:
+                self._classify(error, prepared)
+            except BaseException:  # interrupted or cancelled while committing: never reused
+                self._drop()
+                raise
+        self._after_commit()
+
+    def _append_one(self, conn: psycopg.Connection[Any], a: PreparedAppend
+                    ) -> None:
+        """An append of events alone: one statement, its own transaction."""
+        where = {"run_id": a.run_id}
+        try:
+            self._before_commit()
+        except BACKEND_ERRORS as error:  # nothing was sent
+            raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                          **where) from error
+        try:
+            cursor = conn.execute(self._sql.append[a.expected == 0, a.count == 1],
+                                  a.params)
+            moved = cursor.rowcount
+        except psycopg.errors.UniqueViolation:  # the log is ahead of its head
+            raise lost_race(a.run_id, a.expected, a.expected + 1) from None
+        except psycopg.Error as error:
+            if answered(conn):
+                raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                              **where) from error
+            self._classify(error, a)
+            return
+        except UnicodeEncodeError as error:  # refused while encoding: nothing was sent
+            raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                          **where) from error
+        except BaseException:  # interrupted or cancelled in flight: never reused
+            self._drop()
+            raise
+        if moved != a.count:  # a lost race: the statement wrote nothing
+            try:
+                cursor = conn.execute(self._sql.head_version, (a.run_id,))
+                row = cursor.fetchone()
+            except BACKEND_ERRORS as error:
+                self._settle()
+                raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                              **where) from error
+            raise lost_race(a.run_id, a.expected, 0 if row is None else row[0])
+
+    def _classify(self, error: psycopg.Error, prepared: PreparedAppend) -> None:
+        """The connection was lost with a COMMIT in flight: fence and read the batch back
+        on a fresh connection. Found: appended (return). Not found: ``"not_written"``.
+        Undecidable: ``"unknown"``."""
+        where = {"run_id": prepared.run_id}
+        backend = self._backend
+        self._drop()  # closing it ends whatever is left of the transaction server-side
+        try:
+            fenced, landed = self._landed(prepared, backend)
+        except Exception as probe_error:
+            raise failure(error, doing=APPEND, outcome=Outcome.UNKNOWN,
+                          **where) from probe_error
+        if landed:
+            return
+        decided = fenced or not one_statement(prepared)
+        raise failure(error, doing=APPEND,
+                      outcome=Outcome.NOT_WRITTEN if decided else Outcome.UNKNOWN,
+                      **where) from error
+
+    def _landed(self, prepared: PreparedAppend, backend: Backend | None
+                ) -> tuple[bool, bool]:
+        """(fenced, landed): see the package's docstring."""
+        with psycopg.connect(
+                self.dsn, **self._probe_options()) as probe:
+            fenced = False
+            if backend is not None:
+                try:
+                    fenced = run_statements(
+                        probe, fence_steps(self._sql, backend, self.readback_timeout))
+                except psycopg.Error:  # not allowed to signal it: the lock wait decides
+                    fenced = False
+            probe.execute("BEGIN")
+            try:
+                return fenced, run_statements(probe, probe_steps(
+                    self._sql, prepared.run_id, prepared.expected == 0, prepared.batch_id,
+                    self.readback_timeout))
+            finally:
+                with contextlib.suppress(Exception):
+                    probe.execute("ROLLBACK")
+
+    # ---------------------------------------------------------------- reading
+
+    def load(self, run_id: str) -> list[Event]:
+        loaded = self.load_measured(run_id)
+        return loaded.events
+
+    def load_measured(self, run_id: str) -> Loaded:
+        """`load`, with the size of the events when they were decoded together (clean
+        rows, the common case): see `stores.load_measured`."""
+        rows = self._read(one(self._sql.load, {"run": run_id}), doing=LOAD,
+                          run_id=run_id)
+        return loaded_log(run_id, rows)
+
+    def load_latest(self, run_id: str) -> tuple[Snapshot | None, list[Event]]:
+        snapshot, tail = self.load_latest_measured(run_id)
+        return snapshot, tail.events
+
+    def load_latest_measured(self, run_id: str) -> tuple[Snapshot | None, Loaded]:
+        """`load_latest`, with the size of the tail as `load_measured` measures it."""
+        rows = self._read(one(self._sql.load_latest, {"run": run_id}), doing=LOAD,
+                          run_id=run_id)
+        snapshot, problem, tail = latest_log(run_id, rows)
+        if problem is None:
+            return snapshot, tail
+        snapshot_ignored(run_id, problem)
+        return None, self.load_measured(run_id)
+
+    def list_runs(self, session_id: str | None = None,
+                  steps: Collection[Step] | None = None) -> tuple[RunHead, ...]:
+        wanted = check_filters(session_id, steps)
+        if wanted is not None and not wanted:
+            return ()
+        tail, params = heads_query(session_id, wanted)
+        rows = self._read(one(self._sql.heads + tail, params), doing=LIST)
+        heads = []
+        for run_id, stored_version, step, stored_session, owner in rows:
+            if step is None:
+                version, known, session = self._fill_unfolded_head(run_id)
+            else:
+                version, known, session = stored_version, head_step(run_id, step), stored_session
+            if wanted is None or known in wanted:
+                heads.append(RunHead(run_id, version, known, session, owner))
+        return tuple(heads)
+
+    def run_ids(self, limit: int | None = None) -> list[str]:
+        """The ids of the runs the store holds, sorted (the first ``limit`` of them)."""
+        sql = self._sql.run_ids + ("" if limit is None else f" LIMIT {int(limit)}")
+        return [row[0] for row in self._read(one(sql, None), doing=LIST)]
+
+    def _fill_unfolded_head(self, run_id: str) -> Head:
+        """Fold an unfolded head from the run's log (its snapshot and tail) and keep the
+        step (only if the run has not moved meanwhile; never when read-only). Keeping it
+        is a cache: a failure to keep it costs a fold next time."""
+        snapshot, tail = self.load_latest(run_id)
+        head, stale = head_after_snapshot(run_id, snapshot, tail)
+        if head is None:  # the whole log decides
+            head = head_of_whole_log(run_id, self.load(run_id), stale=stale)
+        version, step, session = head
+        if not self.readonly:
+            with contextlib.suppress(StorageError):
+                self._read(one(self._sql.keep_fold, (step.value, run_id, version),
+                               "none"), doing=LIST, run_id=run_id)
+        return version, step, session
+
+
+class PostgresSession(SessionMethods, _Client):
+    """A Session on PostgreSQL through psycopg's ``Connection``: see `SessionMethods`
+    (``dsn``, ``session_id``, ``schema``)."""

@@ -1,0 +1,268 @@
+"""What every event store shares, none of it I/O: a run's head, snapshot checks, rows.
+
+- A run's head (`RunHead`): what an append's own events tell it (`started_session`, the
+  owner of the last `RunClaimed`: `claimed_owner`), the step a first append indexes
+  (`step_to_index`), and the head of a run folded from its snapshot and log
+  (`head_of_log`, for a head left unfolded by an append that gave no step).
+- Snapshots are never trusted blindly: `restored` is the state a snapshot holds if it is
+  usable for the run and the events after it, else None, with a `SnapshotIgnored`
+  warning when it is damaged; `verified_snapshot` checks a SQL store's snapshot row
+  (its digest, its JSON, its version) before that.
+- The SQL stores keep each event as a row of JSON text (`dumps` of `codec.encode_event`);
+  `decode_rows` reads them back, checked, with the size it measured (`Loaded`).
+
+`stores` re-exports the public names; the SQLite and PostgreSQL stores import them from
+here, so that `stores` can re-export those stores by name without an import circle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import warnings
+from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from statemachine import codec, fastload
+from statemachine import events as ev
+from statemachine.errors import ConcurrencyConflict, ControlError, SchemaError
+from statemachine.events import Event
+from statemachine.machine import replay, replay_onto
+from statemachine.state import RunState
+from statemachine.values import Step
+
+if TYPE_CHECKING:
+    from statemachine.stores import Snapshot
+
+
+@attrs.frozen
+class Loaded:
+    """Events a store read, with ``size``: the UTF-8 length of their compact JSON joined
+    by commas (what they add to `to_json()`'s ``"events"``) when the store measured it
+    while decoding them, else None (the controller sizes each event)."""
+
+    events: list[Event]
+    size: int | None = None
+
+
+# --------------------------------------------------------------------- run heads
+
+
+@attrs.frozen
+class RunHead:
+    """Where one run stands, as its store indexes it (DESIGN §6.7's run head row)."""
+
+    run_id: str
+    version: int
+    """How many events the run's log holds."""
+    step: Step
+    """The step the log leads to."""
+    session_id: str | None
+    """The run's Session (None: a run without one)."""
+    owner: str | None = None
+    """The owner of the run's last `RunClaimed` (None before any claim, or claimed
+    without an owner)."""
+
+
+def claimed_owner(events: Sequence[Event]) -> tuple[bool, str | None]:
+    """Whether ``events`` hold a `RunClaimed`, and the owner of the last one."""
+    for event in reversed(events):
+        if type(event) is ev.RunClaimed:
+            return True, event.owner
+    return False, None
+
+
+def started_session(events: Sequence[Event]) -> str | None:
+    """The Session of a log's `RunStarted` (None when ``events`` do not start with one)."""
+    first = events[0] if events else None
+    return first.session_id if type(first) is ev.RunStarted else None
+
+
+def step_to_index(run_id: str, events: Sequence[Event], step: Step | None,
+                  expected_version: int) -> Step | None:
+    """The step to index: ``step`` when given; for a run's first append (its whole log)
+    the step it folds to; otherwise None (unfolded). A first append that does not fold
+    is left unfolded: folding it again where it is listed rejects it there."""
+    if step is not None or expected_version != 0 or not events:
+        return step
+    try:
+        return replay(run_id, events).step
+    except ControlError:
+        return None
+
+
+Head = tuple[int, Step, str | None]
+"""A run's version, step and Session, as folded from its log."""
+
+
+def head_of_log(run_id: str, snapshot: Snapshot | None, tail: list[Event],
+                whole: Callable[[], list[Event]]) -> Head:
+    """The head of a run, folded from its newest snapshot and the tail after it (the
+    whole log, read by ``whole``, when there is no usable snapshot, or when the tail does
+    not replay onto it). A log that does not replay raises (`SchemaError`,
+    `InvalidTransition`): fail closed."""
+    head, stale = head_after_snapshot(run_id, snapshot, tail)
+    return head if head is not None else head_of_whole_log(run_id, whole(), stale=stale)
+
+
+def head_after_snapshot(run_id: str, snapshot: Snapshot | None, tail: list[Event]
+                        ) -> tuple[Head | None, bool]:
+    """(the head folded from a usable snapshot and the tail after it, False); (None,
+    False) when there is no usable snapshot; (None, True) when the tail does not replay
+    onto it. Without a head, the whole log decides (`head_of_whole_log`)."""
+    state = restored(run_id, snapshot, tail)
+    if state is None:
+        return None, False
+    base = state.last_seq + 1
+    try:
+        replay_onto(state, tail, first=base)
+    except ControlError:
+        return None, True
+    return (base + len(tail), state.step, state.session_id), False
+
+
+def head_of_whole_log(run_id: str, log: list[Event], *, stale: bool = False) -> Head:
+    """The head folded from the whole log (it raises, or the snapshot was bad: ``stale``,
+    its tail did not replay onto it, which is then warned of)."""
+    state = replay(run_id, log)
+    if stale:
+        snapshot_ignored(run_id, "the events after it do not replay onto it")
+    return len(log), state.step, state.session_id
+
+
+def check_filters(session_id: object, steps: object) -> frozenset[Step] | None:
+    """``list_runs``' filters checked (`TypeError`), with ``steps`` as a set (None: any)."""
+    if session_id is not None and type(session_id) is not str:
+        raise TypeError("session_id must be a str or None")
+    if steps is None:
+        return None
+    if isinstance(steps, str | bytes) or not isinstance(steps, Collection) or any(
+            type(step) is not Step for step in steps):
+        raise TypeError("steps must be None or a collection of Step")
+    return frozenset(steps)
+
+
+def conflict(run_id: str, expected: int, actual: int) -> ConcurrencyConflict:
+    """The `ConcurrencyConflict` of an append that expected another version."""
+    return ConcurrencyConflict(
+        f"another writer moved the log: expected version {expected}, found {actual}",
+        run_id=run_id)
+
+
+# --------------------------------------------------------------------- snapshots
+
+
+class SnapshotIgnored(UserWarning):
+    """A stored snapshot failed its checks (digest, JSON, shape, version within the log,
+    run id) and was ignored: the whole log was replayed instead. Issued with
+    `warnings.warn`; the run loads correctly, so this is news for an operator (a damaged
+    or edited store), not an error. Silence or escalate it with `warnings.filterwarnings`.
+    """
+
+
+def snapshot_ignored(run_id: str, why: str) -> None:
+    """Warn (`SnapshotIgnored`) that ``run_id``'s snapshot is not used, and why."""
+    warnings.warn(f"run {run_id[:200]!r}: the stored snapshot is ignored ({why}); the "
+                  "whole log is replayed instead", SnapshotIgnored, stacklevel=3)
+
+
+def restored(run_id: str, snapshot: Snapshot | None, tail: Sequence[Event]) -> RunState | None:
+    """The state ``snapshot`` holds, if it is usable for ``run_id`` with ``tail`` (the
+    events after it): None when there is none, when it is of another ``state_version``
+    (silently: an older library's snapshot), or, with a `SnapshotIgnored` warning, when
+    it does not restore (bad shape or values: whatever `RunState.restore` raises), is
+    another run's, or does not meet the tail (the tail must start right after it)."""
+    if snapshot is None:
+        return None
+    try:
+        state = RunState.restore(snapshot)
+    except Exception as exc:  # a damaged snapshot raises anything
+        snapshot_ignored(run_id, f"it does not restore: {type(exc).__name__}")
+        return None
+    if state is None:
+        return None
+    if state.run_id != run_id:
+        snapshot_ignored(run_id, "it is another run's")
+        return None
+    if tail and tail[0].seq != state.last_seq + 1:
+        snapshot_ignored(run_id, f"it ends at event {state.last_seq} but the events after "
+                                 f"it start at {tail[0].seq}")
+        return None
+    return state
+
+
+def digest(text: str) -> str:
+    """The sha256 (hex) of a snapshot's JSON text, as a SQL store keeps it beside it."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def verified_snapshot(run_id: str, found: tuple[Any, Any, Any] | None
+                      ) -> tuple[Snapshot | None, str | None]:
+    """A stored snapshot row (version, body, digest) checked on its own: (the snapshot,
+    None) when its digest matches its text and the text is a JSON object of this run
+    ending right before the row's version; (None, why) otherwise; (None, None) when there
+    is no row."""
+    if found is None:
+        return None, None
+    version, body, stored = found
+    if type(body) is not str or type(stored) is not str:
+        return None, "it has no digest" if stored is None else "its row is damaged"
+    if not hmac.compare_digest(digest(body), stored):
+        return None, "its digest does not match its text"
+    try:
+        snapshot = codec.parse(body)
+    except ControlError:
+        return None, "its text is not JSON"
+    if type(snapshot) is not dict:
+        return None, "it is not a JSON object"
+    if type(version) is not int or version < 1 or snapshot.get("last_seq") != version - 1:
+        return None, "its version does not match its state"
+    started = snapshot.get("started")
+    if type(started) is not dict or started.get("run_id") != run_id:
+        return None, "it is another run's"
+    return snapshot, None
+
+
+# -------------------------------------------------------------------------- rows
+
+Rows = list[tuple[Any, Any]]
+"""Stored rows (seq, body), as a SQL store reads them."""
+
+
+def dumps(value: Any) -> str:
+    """The JSON text a SQL store keeps for an event, a snapshot or an item: compact, not
+    ASCII-escaped (what `codec.decode_stored_text` decodes on its fast path)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def decode_rows(run_id: str, rows: Rows, first: int) -> Loaded:
+    """Stored rows (seq, body) from seq ``first`` on → events. `SchemaError` for a gap, a
+    row whose body does not decode, or whose body's seq is not the row's: a log is never
+    silently shorter, or other, than its rows. Clean rows (the common case) are decoded
+    together (`fastload.decode_stored_batch`), and come with their size."""
+    position = first
+    for seq, body in rows:
+        if type(seq) is not int or seq != position or type(body) is not str:
+            break
+        position += 1
+    else:
+        batch = fastload.decode_stored_batch([body for _, body in rows], first)
+        if batch is not None:
+            return Loaded(*batch)
+    events = []
+    for position, (seq, body) in enumerate(rows, start=first):
+        if type(seq) is not int or seq != position:
+            raise SchemaError(f"the stored log has a gap or a damaged row: event {position} "
+                              f"is missing", run_id=run_id, action="load")
+        if type(body) is not str:
+            raise SchemaError(f"stored event {seq} is damaged: its body is not text",
+                              run_id=run_id, action="load")
+        event = codec.decode_stored_text(body, seq)
+        if event.seq != seq:
+            raise SchemaError(f"stored event {seq} is damaged: its body carries seq "
+                              f"{event.seq}", run_id=run_id, action="load")
+        events.append(event)
+    return Loaded(events)
