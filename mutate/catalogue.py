@@ -32,6 +32,7 @@ _FILES = {
     "SE": "statemachine/sessions.py",
     "PG": "statemachine/postgres.py",
     "LP": "statemachine/runner/loop.py",
+    "AT": "statemachine/runner/attempt.py",
     "PU": "statemachine/runner/publish.py",
     "RE": "statemachine/runner/remote.py",
     "AG": "statemachine/runner/agents.py",
@@ -68,6 +69,7 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     "statemachine/postgres.py": ("tests/test_postgres_session.py", "tests/test_postgres.py",
                                  "tests/test_mutant_kills.py"),
     "statemachine/runner/loop.py": (*_RUNNER, "tests/test_runner_promises.py"),
+    "statemachine/runner/attempt.py": (*_RUNNER, "tests/test_runner_promises.py"),
     "statemachine/runner/publish.py": _RUNNER,
     "statemachine/runner/remote.py": ("tests/test_remote.py", "tests/test_mutant_kills.py",
                                       "tests/test_runner_promises.py"),
@@ -523,12 +525,6 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("LP09", "        await one_writer(c, self.session)  # §6.4: never write over another "
                "run's batch\n", "",
        "the one-writer check is skipped (§6.4)"),
-    _m("LP10", "            c.claim(owner)\n", "",
-       "a resumed attempt does not claim the run (§6.3)"),
-    _m("LP11", "            with contextlib.suppress(ControlError):\n"
-               "                await c.flush_async()\n            raise\n",
-       "            raise\n",
-       "a failed attempt drops its buffered events"),
     _m("LP12", "            if progress == (c.version, action):", "            if False:",
        "no guard against a loop that records nothing"),
     _m("LP13", "items: list[JSON] = list(c.unpublished_input)", "items: list[JSON] = []",
@@ -540,6 +536,12 @@ CATALOGUE: tuple[Mutant, ...] = (
                   "INTERRUPTION, and no final output is ever accepted before INTERRUPTION "
                   "(accepting one leads only to FINAL_OUTPUT, then COMPLETED or a terminal "
                   "step), so final_output is None there either way"),
+    # ------------------------------------------------------------- runner/attempt
+    _m("AT01", "            self.controller.claim(self.owner)\n", "",
+       "a resumed attempt does not claim the run (§6.3)"),
+    _m("AT02", "        with contextlib.suppress(ControlError):  # the attempt's own error "
+               "wins\n            await self._flush()\n", "",
+       "a failed attempt drops its buffered events"),
     # ------------------------------------------------------------- runner/publish
     _m("PU01", 'elif kind == "function_call" and call_id not in answered:',
        'elif kind == "function_call":',

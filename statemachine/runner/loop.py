@@ -5,7 +5,8 @@ Every effect is asked of the controller first and reported after: the model call
 `Execute` or `Resend`), every guardrail and hook (skipped when the log shows it already
 ran), and every write to the Session (``publish`` / ``settle``). The loop itself is one
 question asked again and again: ``controller.next_action()``. Read `_Drive.run` as the
-guide to embedding the core in your own runner.
+guide to embedding the core in your own runner, and `attempt.Attempt` for how each
+attempt begins (a claim) and ends (a flush).
 
 ``Runner.run`` and ``Runner.run_streamed`` share that loop, so a streamed and a
 non-streamed run leave equal durable state (I8); a streamed run whose write fails ends
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from functools import partial
@@ -42,6 +42,7 @@ from statemachine.runner.agents import (
     ToolGuardrail,
     Verdict,
 )
+from statemachine.runner.attempt import Attempt, interrupted, maybe_await
 from statemachine.runner.publish import one_writer, publish, settle
 from statemachine.sessions import MemorySession, Session
 from statemachine.stores import AsyncEventStore, EventStore
@@ -55,10 +56,6 @@ def _result(c: RunController) -> RunResult:
         guardrail_results=c.guardrail_results,
         controller=c,
     )
-
-
-async def maybe_await(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
 
 
 AsyncEmit = Callable[[StreamEvent], Awaitable[None]]
@@ -224,15 +221,7 @@ class _Drive:
                     output: JSON = await self._execute(tool, call, decision, verdict)
                     c.tool_completed(call_id, output)
                 except BaseException:
-                    # cancelled, timed out, or stopped by an error before its result was
-                    # recorded: the call stays started and this controller stops holding it
-                    # in flight, so it answers as a reloaded one would (ToolInDoubt, or
-                    # Execute again for an idempotent call)
-                    if call_id in c.in_flight:
-                        # never replaces the error in flight (a run already refusing
-                        # everything, e.g. after an unknown append, refuses this too)
-                        with contextlib.suppress(ControlError):
-                            c.tool_interrupted(call_id)
+                    interrupted(c, call_id)  # ended without a result: in doubt from now on
                     raise
                 await self._emit(StreamEvent("tool_output",
                                              {"call_id": call_id, "output": output}))
@@ -433,23 +422,8 @@ class Runner:
                                        policy=policy, buffered=buffered)
         drive = _Drive(agent, c, _session_for(c, session), hooks or RunHooks(), emit,
                        take_over)
-        if resumed:
-            # the first command of every attempt on an existing run, before any guardrail,
-            # hook, model call or tool: of attempts that loaded the same version, exactly
-            # one goes on; the others get ConcurrencyConflict having done nothing (§6.3)
-            c.claim(owner)
-            await c.flush_async()  # durable before any effect, whatever the durability
-        try:
-            result = await drive.run(_input_items(input))
-        except BaseException:
-            # what the attempt buffered goes to the store, but a failing flush never
-            # replaces the attempt's own error (the events stay buffered for the next
-            # flush or, if the process dies, are lost like a crash before them)
-            with contextlib.suppress(ControlError):
-                await c.flush_async()
-            raise
-        await c.flush_async()
-        return result
+        async with Attempt(c, resumes=resumed, owner=owner):  # claim first, flush last
+            return await drive.run(_input_items(input))
 
 
 _LAST_KINDS = frozenset({"final_output", "interruption"})
