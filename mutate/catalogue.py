@@ -498,8 +498,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        '"session_id = %s ORDER BY id DESC LIMIT %s) AS tail")',
        "PostgresSession's tail comes back in no defined order"),
     # ---------------------------------------------------------------- runner/loop
-    _m("LP01", "            await call()\n            self.c.hook_ran(hook, call_id=call_id)",
-       "            self.c.hook_ran(hook, call_id=call_id)\n            await call()",
+    _m("LP01", "            await call()\n            c.hook_ran(hook, call_id=call_id)",
+       "            c.hook_ran(hook, call_id=call_id)\n            await call()",
        "a hook recorded before it ran (a crash between loses it)"),
     _m("LP02", "if c.max_turns is not None and c.turns >= c.max_turns:",
        "if c.max_turns is not None and c.turns > c.max_turns:",
