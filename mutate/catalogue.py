@@ -36,6 +36,7 @@ _FILES = {
     "PG": "statemachine/postgres/steps.py",
     "PA": "statemachine/postgres/aio.py",
     "LP": "statemachine/runner/loop.py",
+    "AT": "statemachine/runner/attempt.py",
     "PU": "statemachine/runner/publish.py",
     "RE": "statemachine/runner/remote.py",
     "AG": "statemachine/runner/agents.py",
@@ -88,6 +89,7 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     # store and Session run one planted in aio.py
     "statemachine/postgres/aio.py": _POSTGRES,
     "statemachine/runner/loop.py": _RUNNER,
+    "statemachine/runner/attempt.py": _RUNNER,
     "statemachine/runner/publish.py": _RUNNER,
     "statemachine/runner/remote.py": ("tests/runner/test_remote.py",
                                       "tests/runner/test_runner_promises.py"),
@@ -532,8 +534,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("PA03", "return None, await self.load_measured(run_id)", "return None, tail",
        "an ignored snapshot's store hands back no events instead of the whole log"),
     # ---------------------------------------------------------------- runner/loop
-    _m("LP01", "            await call()\n            self.c.hook_ran(hook, call_id=call_id)",
-       "            self.c.hook_ran(hook, call_id=call_id)\n            await call()",
+    _m("LP01", "            await call()\n            c.hook_ran(hook, call_id=call_id)",
+       "            c.hook_ran(hook, call_id=call_id)\n            await call()",
        "a hook recorded before it ran (a crash between loses it)"),
     _m("LP02", "if c.max_turns is not None and c.turns >= c.max_turns:",
        "if c.max_turns is not None and c.turns > c.max_turns:",
@@ -559,12 +561,6 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("LP09", "        await one_writer(c, self.session)  # §6.4: never write over another "
                "run's batch\n", "",
        "the one-writer check is skipped (§6.4)"),
-    _m("LP10", "            c.claim(owner)\n", "",
-       "a resumed attempt does not claim the run (§6.3)"),
-    _m("LP11", "            with contextlib.suppress(ControlError):\n"
-               "                await c.flush_async()\n            raise\n",
-       "            raise\n",
-       "a failed attempt drops its buffered events"),
     _m("LP12", "            if progress == (c.version, action):", "            if False:",
        "no guard against a loop that records nothing"),
     _m("LP13", "items: list[JSON] = list(c.unpublished_input)", "items: list[JSON] = []",
@@ -576,6 +572,12 @@ CATALOGUE: tuple[Mutant, ...] = (
                   "INTERRUPTION, and no final output is ever accepted before INTERRUPTION "
                   "(accepting one leads only to FINAL_OUTPUT, then COMPLETED or a terminal "
                   "step), so final_output is None there either way"),
+    # ------------------------------------------------------------- runner/attempt
+    _m("AT01", "            self.controller.claim(self.owner)\n", "",
+       "a resumed attempt does not claim the run (§6.3)"),
+    _m("AT02", "        with contextlib.suppress(ControlError):  # the attempt's own error "
+               "wins\n            await self._flush()\n", "",
+       "a failed attempt drops its buffered events"),
     # ------------------------------------------------------------- runner/publish
     _m("PU01", 'elif kind == "function_call" and call_id not in answered:',
        'elif kind == "function_call":',

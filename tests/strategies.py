@@ -1,6 +1,6 @@
-"""A random driver of reachable runs: it asks the controller what to do next and picks one
-of the legal moves (and sometimes an abandon or a reload), with a simulated Session whose
-writes may land, not land, or land and report failure."""
+"""Hypothesis strategies for the tests: random reachable runs (`drive`, `step`: the kit's
+`statemachine.testing.RandomRun` as these tests spell it) and `scripts`, the scripts of
+scripted worlds."""
 
 from __future__ import annotations
 
@@ -8,147 +8,31 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from statemachine import (
-    Action,
-    Append,
-    RecoveryPolicy,
-    RunController,
-    Step,
-    ToolCall,
-)
-from statemachine.values import Phase
+from statemachine import RecoveryPolicy, RunController
+from statemachine.testing import RandomRun
 
 
-class Driven:
-    """A run being driven, with its simulated Session."""
+class Driven(RandomRun):
+    """A `RandomRun`, its controller also read (and rebound) as ``c``."""
 
-    def __init__(self, controller: RunController) -> None:
-        self.c = controller
-        self.session: list[Any] = []
-        self.batch: list[Any] = []
-        self.next_call = 0
+    @property
+    def c(self) -> RunController:
+        return self.controller
 
-
-def start_run(data: st.DataObject, run_id: str = "driven", **kw: Any) -> Driven:
-    session_id = data.draw(st.sampled_from(["s", None]), label="session")
-    policy = data.draw(st.sampled_from([RecoveryPolicy.RECONCILE] * 3
-                                       + [RecoveryPolicy.FAIL_CLOSED]), label="policy")
-    max_turns = data.draw(st.sampled_from([None, 3]), label="max_turns")
-    return Driven(RunController.start(run_id=run_id, session_id=session_id, policy=policy,
-                                      max_turns=max_turns, **kw))
-
-
-def _unpublished(c: RunController) -> list[str]:
-    return [i for i, r in c.state.calls.items() if r.phase in (Phase.COMPLETED, Phase.REJECTED)]
-
-
-def _publish(d: Driven, data: st.DataObject) -> None:
-    c = d.c
-    ids = _unpublished(c)
-    items = [{"call_id": i, "output": c.state.calls[i].result} for i in ids]
-    if c.step is Step.FINAL_OUTPUT or not items:
-        items.append({"role": "assistant", "n": len(c.events)})
-    history = d.session[-(len(items) + 1):]
-    c.stage_publication(items, history, call_ids=ids)
-    d.batch = items
-    _write(d, data)
-
-
-def _write(d: Driven, data: st.DataObject) -> None:
-    outcome = data.draw(st.sampled_from(["ok", "ok", "no-commit", "commit-then-raise"]),
-                        label="write")
-    if outcome != "no-commit":
-        d.session.extend(d.batch)
-    if outcome == "ok":
-        d.c.publication_committed()
-    else:
-        d.c.publication_failed(OSError("injected"))
-
-
-def step(d: Driven, data: st.DataObject) -> bool:
-    """One move; False once the run can do nothing more."""
-    c = d.c
-    action = c.next_action()
-    roll = data.draw(st.integers(0, 99), label="roll")
-    if action is Action.NOT_RESUMABLE:
-        return False
-    if roll < 1:
-        c.abandon("driver")
-        return True
-    if roll < 10:
-        d.c = RunController.from_json(c.to_json())
-        return True
-    if action is Action.RESOLVE_IN_DOUBT:
-        c.resolve_in_doubt(c.in_doubt()[0], "resolved")
-    elif action is Action.RECONCILE:
-        assert c.envelope is not None
-        decision = c.reconcile(d.session[-c.envelope.read_limit:], c.session_id,
-                               take_over=True)
-        if isinstance(decision, Append):
-            d.batch = list(decision.items)
-            _write(d, data)
-    elif action is Action.CALL_MODEL:
-        if c.step is not Step.AWAITING_MODEL:
-            if c.state.max_turns is not None and c.state.turns >= c.state.max_turns:
-                c.abandon("max_turns")
-                return True
-            c.begin_model_call()
-        if roll < 15:
-            c.model_failed(TimeoutError())
-            return True
-        count = data.draw(st.integers(0, 3), label="calls")
-        calls = []
-        for _ in range(count):
-            d.next_call += 1
-            calls.append(ToolCall(f"c{d.next_call}", "tool", {"n": d.next_call},
-                                  needs_approval=data.draw(st.booleans(), label="approval"),
-                                  idempotent=data.draw(st.booleans(), label="idempotent")))
-        c.model_responded(calls, output=None if calls else "answer")
-    elif action is Action.AWAIT_DECISIONS:
-        call_id = data.draw(st.sampled_from(c.pending_approvals), label="decide")
-        if roll < 60:
-            c.approve(call_id, fingerprint=c.fingerprint(call_id))
-        elif roll < 90:
-            c.reject(call_id, "declined")
-        else:
-            c.handoff("other")
-    elif action is Action.RUN_TOOLS:
-        if c.step is Step.INTERRUPTION:
-            c.resume()
-            return True
-        runnable = [i for i, r in c.state.calls.items() if r.phase == Phase.APPROVED
-                    or (r.phase == Phase.STARTED and i not in c.in_doubt())]
-        call_id = data.draw(st.sampled_from(runnable), label="tool")
-        record = c.state.calls[call_id]
-        if record.phase == Phase.APPROVED or call_id not in c.in_flight:
-            c.begin_tool(call_id)
-            if roll < 20:
-                return True  # left in flight: a reload now puts it in doubt
-        c.guardrail_evaluated("tool_out", {"ok": True}, stage="tool_output", call_id=call_id)
-        c.tool_completed(call_id, f"result of {call_id}")
-        if roll > 92 and not c.state.count(Phase.STARTED):
-            c.accept_final_output(f"result of {call_id}")
-    elif action is Action.PUBLISH:
-        if c.holds_attempt:
-            _write(d, data)
-        else:
-            _publish(d, data)
-    elif action is Action.FINISH:
-        if c.step is Step.FINALIZING:
-            if roll < 50:
-                c.guardrail_evaluated("final", {"ok": True}, stage="output")
-            c.accept_final_output("answer", lossless=roll < 90)
-        else:
-            c.complete()
-    return True
+    @c.setter
+    def c(self, controller: RunController) -> None:
+        self.controller = controller
 
 
 def drive(data: st.DataObject, max_steps: int = 40, **kw: Any) -> Driven:
-    d = start_run(data, **kw)
-    for _ in range(data.draw(st.integers(0, max_steps), label="steps")):
-        if not step(d, data):
-            break
-    return d
+    """A random reachable run (run id ``"driven"`` unless ``run_id=`` says otherwise;
+    ``kw`` go to `RunController.start`), moved up to ``max_steps`` times."""
+    return Driven.start(data, **{"run_id": "driven", **kw}).walk(data, max_steps=max_steps)
+
+
+def step(d: Driven, data: st.DataObject) -> bool:
+    """One move of ``d``; False once the run can make none."""
+    return d.step(data)
 
 
 # ---------------------------------------------------------------- scripted worlds

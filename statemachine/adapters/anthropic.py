@@ -55,7 +55,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
-import math
 from collections.abc import (
     AsyncGenerator,
     Awaitable,
@@ -77,10 +76,11 @@ from anthropic.lib.tools import (
     ToolError,
 )
 
-from statemachine.adapters._calls import begin_call
+from statemachine.adapters._calls import Walk, begin_call, plain
 from statemachine.controller import RunController
 from statemachine.errors import ControlError, InvalidTransition, RunNotFound, ToolInDoubt
 from statemachine.payloads import JSON
+from statemachine.runner.attempt import Attempt, interrupted, maybe_await
 from statemachine.stores import AsyncEventStore, EventStore
 from statemachine.values import Phase, ToolCall
 
@@ -116,25 +116,19 @@ def _field(obj: Any, name: str) -> Any:
     return getattr(obj, name, None)
 
 
-def _plain(value: Any, depth: int = 0) -> JSON:
-    """``value`` as plain JSON (pydantic models through ``model_dump(mode="json")``);
-    anything else is left as it is, so the controller refuses it (`SchemaError`)."""
-    if depth > 100 or value is None or type(value) in (bool, str, int):
-        return cast(JSON, value)
-    if type(value) is float:
-        return value if math.isfinite(value) else cast(JSON, value)
-    if isinstance(value, list | tuple):
-        return [_plain(item, depth + 1) for item in value]
+def _as_is(value: Any, walk: Walk | None) -> JSON:
+    """The `plain` fallback of this adapter: a pydantic model through
+    ``model_dump(mode="json", exclude_none=True)`` (the form the API takes), a mapping's
+    items whatever its keys; anything else (and a value nested too deep to walk) is left
+    as it is, so the controller refuses it (`SchemaError`)."""
+    if walk is None:
+        return value
     if isinstance(value, Mapping):
-        return {key: _plain(item, depth + 1) for key, item in value.items()}
+        return {key: walk(item) for key, item in value.items()}
     dump = getattr(value, "model_dump", None)
     if callable(dump):
-        return _plain(dump(mode="json", exclude_none=True), depth + 1)
-    return cast(JSON, value)
-
-
-async def _maybe(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
+        return walk(dump(mode="json", exclude_none=True))
+    return value
 
 
 def _open_sync(run_id: str, store: EventStore | None, buffered: bool
@@ -167,14 +161,6 @@ def _receive(c: RunController, call_id: str, name: str, arguments: JSON,
     if c.phase(call_id) is None:
         c.receive_tool_calls([ToolCall(call_id, name, arguments,
                                        idempotent=name in idempotent)])
-
-
-def _interrupted(c: RunController, call_id: str) -> None:
-    """The tool ended without a recorded result: the call stays started, and this
-    controller now answers as a reloaded one (in doubt, never re-run)."""
-    if call_id in c.in_flight:
-        with contextlib.suppress(ControlError):  # never replaces the error in flight
-            c.tool_interrupted(call_id)
 
 
 # ------------------------------------------------------------- managed sessions
@@ -212,9 +198,8 @@ class LedgerSessionToolRunner(SessionToolRunner):
                  **options: Any) -> None:
         super().__init__(client, session_id, tools=tools, **options)
         self.controller = controller
-        self.owner = owner
         self._idempotent = frozenset(idempotent)
-        self._existing = existing
+        self._attempt = Attempt(controller, resumes=existing, owner=owner)
 
     @classmethod
     async def open(cls, client: AsyncAnthropic, session_id: str, *, tools: Sequence[Any],
@@ -235,6 +220,11 @@ class LedgerSessionToolRunner(SessionToolRunner):
         return cls(client, session_id, tools=tools, controller=controller, existing=existing,
                    idempotent=idempotent, owner=owner, **options)
 
+    @property
+    def owner(self) -> str | None:
+        """Who claims the run: recorded by every claim (``RunClaimed(owner)``)."""
+        return self._attempt.owner
+
     # the SDK assigns a fresh set when it starts; the ledger listens to it
     @property
     def _answered(self) -> set[str]:
@@ -250,35 +240,26 @@ class LedgerSessionToolRunner(SessionToolRunner):
             c.result_posted(call_id)
 
     async def __aiter__(self) -> AsyncGenerator[DispatchedToolCall, None]:
-        c = self.controller
-        try:
-            if self._existing:
-                # the first command of every attempt on an existing run, before any
-                # effect: of two processes that loaded the same version one goes on
-                c.claim(self.owner)
-            self._existing = True
-            c.resume()  # the gate: RunNotResumable, or ToolInDoubt for a call in doubt
-            await c.flush_async()
-            # closing this iterator closes the SDK's in the same task (anyio requires it)
-            async with contextlib.aclosing(cast(AsyncGenerator[DispatchedToolCall, None],
-                                                super().__aiter__())) as calls:
-                async for call in calls:
-                    yield call
-        except BaseExceptionGroup as group:
-            refusal = _refusal_in(group)
-            if refusal is not None:
-                raise refusal from None
-            if group.split(GeneratorExit)[1] is None:
-                return  # the consumer closed the iterator early: the SDK's runner stopped
-            raise
-        finally:
-            with contextlib.suppress(ControlError):
-                await c.flush_async()
+        async with self._attempt:  # an existing run is claimed first, before any effect
+            try:
+                self.controller.resume()  # the gate: RunNotResumable, or ToolInDoubt
+                # closing this iterator closes the SDK's in the same task (anyio needs it)
+                sdk_calls = cast(AsyncGenerator[DispatchedToolCall, None], super().__aiter__())
+                async with contextlib.aclosing(sdk_calls) as calls:
+                    async for call in calls:
+                        yield call
+            except BaseExceptionGroup as group:
+                refusal = _refusal_in(group)
+                if refusal is not None:
+                    raise refusal from None
+                if group.split(GeneratorExit)[1] is None:
+                    return  # the consumer closed the iterator early: the SDK runner stopped
+                raise
 
     async def _call_tool(self, tool: Any, ev: Any, input_: dict[str, object]) -> Any:
         c = self.controller
         call_id: str = ev.id
-        arguments = _plain(input_)
+        arguments = plain(input_, fallback=_as_is)
         _receive(c, call_id, ev.name, arguments, self._idempotent)
         done, result = begin_call(c, call_id, arguments)  # ToolInDoubt: started, unfinished
         if done:  # posted before, or it ran: the cached result, never a second run
@@ -286,10 +267,10 @@ class LedgerSessionToolRunner(SessionToolRunner):
         try:
             await c.flush_async()  # an effect boundary: the start is durable first
             result_event, recorded = await super()._call_tool(tool, ev, input_)
-            c.tool_completed(call_id, _plain(result_event))
+            c.tool_completed(call_id, plain(result_event, fallback=_as_is))
             await c.flush_async()  # the result is durable before it is posted
         except BaseException:
-            _interrupted(c, call_id)
+            interrupted(c, call_id)
             raise
         return result_event, recorded
 
@@ -338,11 +319,11 @@ def _content_of(value: Any) -> JSON:
         return ""
     if isinstance(value, str):
         return value
-    plain = _plain(value)
-    if isinstance(plain, list):
-        return plain
+    blocks = plain(value, fallback=_as_is)
+    if isinstance(blocks, list):
+        return blocks
     try:
-        return json.dumps(plain)
+        return json.dumps(blocks)
     except (TypeError, ValueError):
         return str(value)
 
@@ -439,7 +420,7 @@ class MessageToolLedger:
         if not isinstance(call_id, str) or not isinstance(name, str):
             raise InvalidTransition("a tool_use block without a str id and name",
                                     run_id=c.run_id, step=c.step, action="begin_tool")
-        arguments = _plain(_field(tool_use, "input"))
+        arguments = plain(_field(tool_use, "input"), fallback=_as_is)
         _receive(c, call_id, name, arguments, self._idempotent)
         done, result = begin_call(c, call_id, arguments)
         return call_id, result if done else None
@@ -457,7 +438,7 @@ class MessageToolLedger:
                     call_id=call_id, run_id=c.run_id, step=c.step, action="run_tools")
 
     def _finish(self, call_id: str, block: Any) -> Any:
-        self.controller.tool_completed(call_id, _plain(block))
+        self.controller.tool_completed(call_id, plain(block, fallback=_as_is))
         return block
 
     def _result(self, call_id: str, tool_use: Any, output: Any, error: bool) -> dict[str, JSON]:
@@ -521,7 +502,7 @@ class MessageToolLedger:
         if tool is None:
             return self._missing_tool(call_id, use)
         try:
-            output = await _maybe(tool.call(_field(use, "input")))
+            output = await maybe_await(tool.call(_field(use, "input")))
         except Exception as error:  # a tool's failure is its result
             return self._failure(call_id, use, error)
         return self._result(call_id, use, output, False)
@@ -536,7 +517,7 @@ class MessageToolLedger:
             block = execute(use)
             return self._finish(call_id, block)
         except BaseException:
-            _interrupted(c, call_id)
+            interrupted(c, call_id)
             raise
 
     async def _arun_one(self, use: Any, execute: Callable[[Any], Awaitable[Any]]) -> Any:
@@ -549,7 +530,7 @@ class MessageToolLedger:
             block = await execute(use)
             return self._finish(call_id, block)
         except BaseException:
-            _interrupted(c, call_id)
+            interrupted(c, call_id)
             raise
 
     # --------------------------------------------------- the SDK's tool runner

@@ -87,7 +87,7 @@ from agents.memory import Session as SDKSession
 from agents.tool_context import ToolContext
 from agents.tool_guardrails import ToolInputGuardrailData, ToolOutputGuardrailData
 
-from statemachine.adapters._calls import run_call
+from statemachine.adapters._calls import Walk, lossless, plain, run_call
 from statemachine.controller import RunController
 from statemachine.errors import (
     ControlError,
@@ -96,6 +96,7 @@ from statemachine.errors import (
     RunNotFound,
 )
 from statemachine.payloads import JSON, fingerprint_of
+from statemachine.runner.attempt import Attempt, maybe_await
 from statemachine.runner.publish import one_writer, publish, settle
 from statemachine.stores import AsyncEventStore, EventStore
 from statemachine.values import Action, Phase, RecoveryPolicy, Step, ToolCall
@@ -127,13 +128,14 @@ class ModelStreamIncomplete(Exception):
 # ------------------------------------------------------------------ plain JSON forms
 
 
-def _plain(value: Any, depth: int = 0) -> JSON:
-    """``value`` as plain JSON: pydantic models through ``model_dump(mode="json")``,
-    anything else that is not JSON as ``str(value)`` (what the SDK shows the model)."""
-    if depth > 100:
+def _as_shown(value: Any, walk: Walk | None) -> JSON:
+    """The `plain` fallback of this adapter: what the SDK shows the model. A str, int or
+    float of a subclass (an enum member) as its plain value, an int too long to print as
+    a note of its size, a non-finite float as its text, a pydantic model through
+    ``model_dump(mode="json")``; anything else (a mapping with a key that is not a str, a
+    model that does not dump, a value nested too deep to walk) as ``str(value)``."""
+    if walk is None:
         return str(value)
-    if value is None or type(value) is bool or type(value) is str:
-        return value
     if isinstance(value, str):
         return str.__str__(value)  # a str subclass (a str enum): its plain text
     if isinstance(value, int):
@@ -141,22 +143,13 @@ def _plain(value: Any, depth: int = 0) -> JSON:
         return number if number.bit_length() < 14_000 else f"<int of {number.bit_length()} bits>"
     if isinstance(value, float):
         return value if math.isfinite(value) else str(value)
-    if isinstance(value, list | tuple):
-        return [_plain(item, depth + 1) for item in value]
     if isinstance(value, Mapping):
-        if all(isinstance(key, str) for key in value):
-            return {key: _plain(item, depth + 1) for key, item in value.items()}
         return str(value)
     dump = getattr(value, "model_dump", None)
     if callable(dump):
         with contextlib.suppress(Exception):
-            return _plain(dump(mode="json"), depth + 1)
+            return walk(dump(mode="json"))
     return str(value)
-
-
-def _is_plain(value: Any) -> bool:
-    return _plain(value) == value and type(value) in (str, int, float, bool, type(None), list,
-                                                       dict)
 
 
 def _arguments(raw: str | None) -> JSON:
@@ -165,13 +158,13 @@ def _arguments(raw: str | None) -> JSON:
     if raw is None:
         return None
     try:
-        return _plain(json.loads(raw))
+        return plain(json.loads(raw), fallback=_as_shown)
     except ValueError:
         return raw
 
 
 def _items(items: Sequence[Any]) -> list[JSON]:
-    return [_plain(item) for item in items]
+    return [plain(item, fallback=_as_shown) for item in items]
 
 
 # ------------------------------------------------------------------------ results
@@ -387,10 +380,6 @@ def _overridden(hooks: Any, name: str, base: type) -> Callable[..., Awaitable[No
 # -------------------------------------------------------------------- guardrails
 
 
-async def _maybe(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
-
-
 def _agent_guardrail(run: AgentRun, guardrail: Any, stage: str) -> Any:
     """An input or output guardrail that runs once per activation; a repeat returns the
     recorded verdict (``output_info`` in its recorded JSON form)."""
@@ -403,10 +392,11 @@ def _agent_guardrail(run: AgentRun, guardrail: Any, stage: str) -> Any:
             result: Any = recorded.result
             return GuardrailFunctionOutput(output_info=result["output_info"],
                                            tripwire_triggered=result["tripwire_triggered"])
-        output = await _maybe(guardrail.guardrail_function(context, agent, value))
+        output = await maybe_await(guardrail.guardrail_function(context, agent, value))
         if recorded is None:
             c.guardrail_evaluated(name, {"tripwire_triggered": bool(output.tripwire_triggered),
-                                         "output_info": _plain(output.output_info)},
+                                         "output_info": plain(output.output_info,
+                                                              fallback=_as_shown)},
                                   stage=stage)
         return output  # type: ignore[no-any-return]
 
@@ -428,9 +418,10 @@ def _tool_guardrail(run: AgentRun, guardrail: Any, stage: str) -> Any:
             result: Any = recorded.result
             return ToolGuardrailFunctionOutput(output_info=result["output_info"],
                                                behavior=result["behavior"])
-        output = await _maybe(guardrail.guardrail_function(data))
-        c.guardrail_evaluated(name, {"behavior": _plain(dict(output.behavior)),
-                                     "output_info": _plain(output.output_info)},
+        output = await maybe_await(guardrail.guardrail_function(data))
+        c.guardrail_evaluated(name, {"behavior": plain(dict(output.behavior), fallback=_as_shown),
+                                     "output_info": plain(output.output_info,
+                                                          fallback=_as_shown)},
                               stage=stage, call_id=call_id)
         return output  # type: ignore[no-any-return]
 
@@ -485,7 +476,6 @@ class AgentRun:
                  idempotent: Collection[str]) -> None:
         _check_supported(agent)
         self.controller = controller
-        self.owner = owner
         self.take_over = take_over
         self.session = LedgerSession(self, session)
         self._inner_session = session
@@ -493,11 +483,11 @@ class AgentRun:
         self._original = agent
         self._tools = {tool.name: tool for tool in agent.tools
                        if isinstance(tool, FunctionTool)}
-        self._existing = existing
         self._state: RunState[Any] | None = None
         self._context: Any = None
         self._write_error: BaseException | None = None
         self._flush_lock = asyncio.Lock()
+        self._attempt = Attempt(controller, resumes=existing, owner=owner, flush=self._flush)
         self._fresh_input = False
         """This attempt brought input after the activation's input guardrails were recorded:
         they check it again (the log keeps one verdict per activation: the first)."""
@@ -550,6 +540,11 @@ class AgentRun:
         """An existing run from its controller (e.g. ``RunController.from_json``)."""
         return cls(agent, controller, session, existing=True, owner=owner,
                    take_over=take_over, idempotent=idempotent)
+
+    @property
+    def owner(self) -> str | None:
+        """Who claims the run: recorded by every claim (``RunClaimed(owner)``)."""
+        return self._attempt.owner
 
     @property
     def state(self) -> RunState[Any] | None:
@@ -623,19 +618,19 @@ class AgentRun:
         next stop. ``input`` is new input (refused while a write is unsettled); ``state``
         is the SDK state saved at the last interruption (needed only to resume a turn in
         another process). The original error of a failed write propagates (I6)."""
-        call = await self._prologue(input, state)
-        if isinstance(call, AgentRunResult):
-            return call
-        try:
-            result = await Runner.run(self._agent, call.input, **self._options(
-                hooks, run_config, context, max_turns))
-        except BaseException as error:
-            await self._failed()
-            refusal = _refusal(error)
-            if refusal is error:
-                raise
-            raise refusal from None
-        return await self._epilogue(result)
+        async with self._attempt as resumes:
+            call = await self._prologue(input, state, new_run=not resumes)
+            if isinstance(call, AgentRunResult):
+                return call
+            try:
+                result = await Runner.run(self._agent, call.input, **self._options(
+                    hooks, run_config, context, max_turns))
+            except BaseException as error:
+                refusal = _refusal(error)
+                if refusal is error:
+                    raise
+                raise refusal from None
+            return await self._epilogue(result)
 
     def run_streamed(self, input: str | list[Any] | None = None, *,
                      state: RunState[Any] | str | Mapping[str, Any] | None = None,
@@ -652,11 +647,10 @@ class AgentRun:
         SDK: reconcile and write the batch if nothing of it landed. `ReconcileRejected`
         when the Session cannot be matched (nothing recorded; repair it and call again)."""
         c = self.controller
-        await self._claim()
-        c.resume()
-        while c.step is Step.UNSETTLED:
-            await settle(c, self._inner_session, take_over=self.take_over)
-        await self._flush()
+        async with self._attempt:
+            c.resume()
+            while c.step is Step.UNSETTLED:
+                await settle(c, self._inner_session, take_over=self.take_over)
 
     def _options(self, hooks: RunHooks[Any] | None, run_config: RunConfig | None,
                  context: Any, max_turns: int | None) -> dict[str, Any]:
@@ -683,21 +677,11 @@ class AgentRun:
                                     for g in config.output_guardrails or []] or None
         return config
 
-    async def _claim(self) -> None:
-        c = self.controller
-        if self._existing:
-            # the first command of every attempt on an existing run, before any effect:
-            # of attempts that loaded the same version exactly one goes on (§6.3)
-            c.claim(self.owner)
-            await self._flush()
-        self._existing = True
-
     async def _prologue(self, input: str | list[Any] | None,
-                        state: RunState[Any] | str | Mapping[str, Any] | None
-                        ) -> AgentRunResult | _Call:
+                        state: RunState[Any] | str | Mapping[str, Any] | None, *,
+                        new_run: bool) -> AgentRunResult | _Call:
+        """An attempt's work before the SDK is called, after its claim: what to run."""
         c = self.controller
-        new_run = not self._existing
-        await self._claim()
         c.resume()  # the gate: RunNotResumable or ToolInDoubt before any work
         self._write_error = None
         if state is not None:
@@ -740,12 +724,6 @@ class AgentRun:
         if isinstance(state, str):
             return await RunState.from_string(self._agent, state)
         return await RunState.from_json(self._agent, dict(state))
-
-    async def _failed(self) -> None:
-        # what the attempt buffered goes to the store; a failing flush never replaces the
-        # attempt's own error
-        with contextlib.suppress(ControlError):
-            await self._flush()
 
     async def _epilogue(self, result: RunResult | RunResultStreaming) -> AgentRunResult:
         c = self.controller
@@ -822,7 +800,7 @@ class AgentRun:
             from agents.util._approvals import evaluate_function_tool_approval
         except ImportError:  # pragma: no cover - a newer SDK: ask the policy directly
             arguments = _arguments(item.arguments)
-            return bool(await _maybe(setting(self._context, arguments
+            return bool(await maybe_await(setting(self._context, arguments
                                              if isinstance(arguments, dict) else {},
                                              item.call_id)))
         verdict = await evaluate_function_tool_approval(tool, self._context, item.arguments,
@@ -832,14 +810,14 @@ class AgentRun:
     def _accept_final_output(self, output: Any) -> None:
         c = self.controller
         if c.step in (Step.FINALIZING, Step.TOOLS):
-            plain = _plain(output)
-            c.accept_final_output(plain, lossless=_is_plain(output))
+            shown = plain(output, fallback=_as_shown)
+            c.accept_final_output(shown, lossless=lossless(output, shown))
 
     async def _invoke_tool(self, inner: Callable[[ToolContext[Any], str], Awaitable[Any]],
                            ctx: ToolContext[Any], input: str) -> Any:
         return await run_call(self.controller, ctx.tool_call_id, _arguments(input),
                               flush=self._flush, body=lambda: inner(ctx, input),
-                              plain=_plain)
+                              as_json=lambda output: plain(output, fallback=_as_shown))
 
 
 def _refusal(error: BaseException) -> BaseException:
@@ -923,29 +901,28 @@ class AgentRunStreaming:
     async def _stream(self) -> AsyncIterator[Any]:
         run = self._run
         try:
-            call = await run._prologue(self._input, self._state)
-            if isinstance(call, AgentRunResult):
-                self._result = call
-                return
-            streamed = Runner.run_streamed(run.agent, call.input, **self._options)
-            self.sdk_result = streamed
-            events = streamed.stream_events()
-            try:
-                async for event in events:
-                    yield event
-            except GeneratorExit:
-                streamed.cancel()  # the consumer stopped: stop the run at once
-                raise
-            finally:
-                if not streamed.is_complete:
-                    streamed.cancel()
-                await events.aclose()  # type: ignore[attr-defined]
-            self._result = await run._epilogue(streamed)
+            async with run._attempt as resumes:
+                call = await run._prologue(self._input, self._state, new_run=not resumes)
+                if isinstance(call, AgentRunResult):
+                    self._result = call
+                    return
+                streamed = Runner.run_streamed(run.agent, call.input, **self._options)
+                self.sdk_result = streamed
+                events = streamed.stream_events()
+                try:
+                    async for event in events:
+                        yield event
+                except GeneratorExit:
+                    streamed.cancel()  # the consumer stopped: stop the run at once
+                    raise
+                finally:
+                    if not streamed.is_complete:
+                        streamed.cancel()
+                    await events.aclose()  # type: ignore[attr-defined]
+                self._result = await run._epilogue(streamed)
         except GeneratorExit:
-            await run._failed()
             raise
         except BaseException as error:
-            await run._failed()
             self._error = _refusal(error)
             if self._error is error:
                 raise

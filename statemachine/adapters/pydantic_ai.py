@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -85,10 +84,11 @@ from pydantic_ai.messages import (
 )
 from pydantic_ai.run import AgentRunResult
 
-from statemachine.adapters._calls import run_call
+from statemachine.adapters._calls import Walk, lossless, plain, run_call
 from statemachine.controller import RunController
 from statemachine.errors import ControlError, InvalidTransition, PublicationUnsettled, RunNotFound
 from statemachine.payloads import JSON
+from statemachine.runner.attempt import Attempt
 from statemachine.runner.publish import one_writer, publish, settle
 from statemachine.sessions import MemorySession, Session
 from statemachine.stores import AsyncEventStore, EventStore
@@ -121,32 +121,23 @@ class UnsupportedDeferral(ControlError, ValueError):
 # ------------------------------------------------------------------ plain JSON forms
 
 
-def _plain(value: Any) -> JSON:
-    """``value`` as plain JSON (what pydantic-ai would send the model for it)."""
-    plain = pydantic_core.to_jsonable_python(value, fallback=str)
-    return _finite(plain)
+def _finite(value: Any, walk: Walk | None) -> JSON:
+    """The `plain` fallback for pydantic's JSON form (``to_jsonable_python``, whose values
+    are plain but for these): a non-finite float (JSON has none) and a value nested too
+    deep to walk as their text; an int too long to print as it is, for the controller to
+    refuse."""
+    return value if walk is not None and type(value) is int else str(value)
 
 
-def _finite(value: Any, depth: int = 0) -> JSON:
-    if depth > 100:
-        return str(value)
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, list):
-        return [_finite(item, depth + 1) for item in value]
-    if isinstance(value, dict):
-        return {str(key): _finite(item, depth + 1) for key, item in value.items()}
-    return value
-
-
-def _is_plain(value: Any) -> bool:
-    return type(value) in (str, int, float, bool, type(None), list, dict) and _plain(
-        value) == value
+def _sent(value: Any) -> JSON:
+    """``value`` as plain JSON, as pydantic-ai would send it to the model: pydantic's JSON
+    form (what it cannot serialize as its text), then `_finite`."""
+    return plain(pydantic_core.to_jsonable_python(value, fallback=str), fallback=_finite)
 
 
 def _messages_json(messages: Sequence[ModelMessage]) -> list[JSON]:
     dumped = ModelMessagesTypeAdapter.dump_python(list(messages), mode="json")
-    return [_finite(item) for item in dumped]
+    return [plain(item, fallback=_finite) for item in dumped]
 
 
 def _messages(items: Sequence[JSON]) -> list[ModelMessage]:
@@ -154,7 +145,7 @@ def _messages(items: Sequence[JSON]) -> list[ModelMessage]:
 
 
 def _arguments(call: ToolCallPart) -> JSON:
-    return _plain(call.args_as_dict())
+    return _sent(call.args_as_dict())
 
 
 # ------------------------------------------------------------------------ results
@@ -276,15 +267,14 @@ class LedgerRun:
                  take_over: bool, idempotent: Collection[str]) -> None:
         self.agent = agent
         self.controller = controller
-        self.owner = owner
         self.take_over = take_over
         self.history = history
         self._history: Session = history if history is not None else _PrivateHistory()
         self._idempotent = frozenset(idempotent)
-        self._existing = existing
         self._published = 0
         """How many of the messages pydantic-ai holds in this attempt are written."""
         self._flush_lock = asyncio.Lock()
+        self._attempt = Attempt(controller, resumes=existing, owner=owner, flush=self._flush)
         self.capability = LedgerCapability(self)
 
     @classmethod
@@ -315,6 +305,11 @@ class LedgerRun:
         return cls(agent, controller, history, existing=existing, owner=owner,
                    take_over=take_over, idempotent=idempotent)
 
+    @property
+    def owner(self) -> str | None:
+        """Who claims the run: recorded by every claim (``RunClaimed(owner)``)."""
+        return self._attempt.owner
+
     # ---------------------------------------------------------------- decisions
 
     async def approve(self, call_id: str) -> None:
@@ -335,10 +330,8 @@ class LedgerRun:
         call that started and never reported (established outside the run: did the
         charge go through?). The next attempt answers the call with it; the tool never
         runs again. Claims the run first; `InvalidTransition` for a call not in doubt."""
-        c = self.controller
-        await self._claim()
-        c.resolve_in_doubt(call_id, _plain(output))
-        await self._flush()
+        async with self._attempt:
+            self.controller.resolve_in_doubt(call_id, _sent(output))
 
     def _record_decisions(self, results: DeferredToolResults) -> None:
         """Record ``deferred_tool_results``' approvals as the ledger's decisions, all or
@@ -410,12 +403,20 @@ class LedgerRun:
         ``history`` the run's messages are read from it (``message_history`` must be
         omitted); without one, pass the messages of the run's last stop to resume it.
         The original error of a failed write propagates (I6)."""
-        c = self.controller
         if self.history is not None and message_history is not None:
             raise ValueError("this run reads its messages from its history: omit "
                              "message_history")
-        new_run = not self._existing
-        await self._claim()
+        async with self._attempt as resumes:
+            return await self._run_attempt(user_prompt, message_history,
+                                           deferred_tool_results, new_run=not resumes,
+                                           options=options)
+
+    async def _run_attempt(self, user_prompt: str | None,
+                           message_history: Sequence[ModelMessage] | None,
+                           deferred_tool_results: DeferredToolResults | None, *,
+                           new_run: bool, options: dict[str, Any]) -> LedgerRunResult:
+        """The work of `run`'s attempt, once the run is claimed."""
+        c = self.controller
         c.resume()  # the gate: RunNotResumable or ToolInDoubt before any work
         if user_prompt is not None and c.step is Step.UNSETTLED:
             raise PublicationUnsettled(
@@ -458,14 +459,9 @@ class LedgerRun:
             # a paused turn: pydantic-ai reads the decisions from deferred_tool_results
             deferred = self._ledger_decisions(_unanswered(messages))
         capabilities = [*(options.pop("capabilities", None) or ()), self.capability]
-        try:
-            result = await self.agent.run(user_prompt, message_history=messages,
-                                          deferred_tool_results=deferred,
-                                          capabilities=capabilities, **options)
-        except BaseException:
-            with contextlib.suppress(ControlError):  # the run's own error wins
-                await self._flush()
-            raise
+        result = await self.agent.run(user_prompt, message_history=messages,
+                                      deferred_tool_results=deferred,
+                                      capabilities=capabilities, **options)
         return await self._epilogue(result)
 
     async def settle(self) -> None:
@@ -473,19 +469,10 @@ class LedgerRun:
         pydantic-ai. `ReconcileRejected` when the history cannot be matched (nothing
         recorded; repair it and call again)."""
         c = self.controller
-        await self._claim()
-        c.resume()
-        while c.step is Step.UNSETTLED:
-            await settle(c, self._history, take_over=self.take_over)
-        await self._flush()
-
-    async def _claim(self) -> None:
-        if self._existing:
-            # the first command of every attempt on an existing run, before any effect:
-            # of attempts that loaded the same version exactly one goes on (§6.3)
-            self.controller.claim(self.owner)
-            await self._flush()
-        self._existing = True
+        async with self._attempt:
+            c.resume()
+            while c.step is Step.UNSETTLED:
+                await settle(c, self._history, take_over=self.take_over)
 
     async def _finish_from_ledger(self, messages: list[ModelMessage]) -> LedgerRunResult:
         c = self.controller
@@ -519,7 +506,8 @@ class LedgerRun:
                     "the run paused for external tool calls, which are not supported",
                     run_id=c.run_id, step=c.step, action="run")
         elif c.step in (Step.FINALIZING, Step.TOOLS):
-            c.accept_final_output(_plain(output), lossless=_is_plain(output))
+            sent = _sent(output)
+            c.accept_final_output(sent, lossless=lossless(output, sent))
         await self._publish(messages[self._published:])
         if c.step is Step.FINAL_OUTPUT and c.session_id is None:
             c.complete()
@@ -583,7 +571,7 @@ class LedgerRun:
                         c.resume()
                     if c.step is Step.TOOLS:
                         c.begin_tool(call_id)
-                        c.tool_completed(call_id, _plain(getattr(part, "content", None)))
+                        c.tool_completed(call_id, _sent(getattr(part, "content", None)))
 
     async def _before_model_call(self, messages: list[ModelMessage]) -> None:
         c = self.controller
@@ -634,7 +622,7 @@ class LedgerRun:
         # next call has a new id, and this one never runs again; cancelled, killed,
         # deferred itself or raised: the call stays started (ToolInDoubt on a resume)
         return await run_call(self.controller, call.tool_call_id, _arguments(call),
-                              flush=self._flush, body=lambda: handler(args), plain=_plain,
+                              flush=self._flush, body=lambda: handler(args), as_json=_sent,
                               answers=(ModelRetry, ToolRetryError, ToolFailedError))
 
 

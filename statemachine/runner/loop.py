@@ -4,8 +4,9 @@ Every effect is asked of the controller first and reported after: the model call
 (``begin_model_call`` → respond → ``model_responded``), every tool (``begin_tool`` →
 `Execute` or `Resend`), every guardrail and hook (skipped when the log shows it already
 ran), and every write to the Session (``publish`` / ``settle``). The loop itself is one
-question asked again and again: ``controller.next_action()``. Read `_Drive.run` as the
-guide to embedding the core in your own runner.
+question asked again and again: ``controller.next_action()``. Read `_AgentLoop.run` as
+the guide to embedding the core in your own runner, and `attempt.Attempt` for how each
+attempt begins (a claim) and ends (a flush).
 
 ``Runner.run`` and ``Runner.run_streamed`` share that loop, so a streamed and a
 non-streamed run leave equal durable state (I8); a streamed run whose write fails ends
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from functools import partial
@@ -42,6 +42,7 @@ from statemachine.runner.agents import (
     ToolGuardrail,
     Verdict,
 )
+from statemachine.runner.attempt import Attempt, interrupted, maybe_await
 from statemachine.runner.publish import one_writer, publish, settle
 from statemachine.sessions import MemorySession, Session
 from statemachine.stores import AsyncEventStore, EventStore
@@ -57,10 +58,6 @@ def _result(c: RunController) -> RunResult:
     )
 
 
-async def maybe_await(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
-
-
 AsyncEmit = Callable[[StreamEvent], Awaitable[None]]
 """A streamed run's emitter: the run waits on it at every event (an event boundary)."""
 
@@ -72,18 +69,21 @@ class _LocalHistory(MemorySession):
 # ------------------------------------------------------------------------ the loop
 
 
-class _Drive:
+class _AgentLoop:
+    """One attempt of the reference runner: ``run`` asks ``next_action()`` again and again
+    and does what it says, until the run completes or pauses for human decisions."""
+
     def __init__(self, agent: Agent, controller: RunController, session: Session,
                  hooks: RunHooks, emit: Emit | AsyncEmit, take_over: bool) -> None:
         self.agent = agent
-        self.c = controller
+        self.controller = controller
         self.session = session
         self.hooks = hooks
         self.emit = emit
         self.take_over = take_over
 
     async def run(self, input_items: Sequence[JSON]) -> RunResult:
-        c = self.c
+        c = self.controller
         c.resume()  # the gate: RunNotResumable or ToolInDoubt before any work
         await one_writer(c, self.session)  # §6.4: never write over another run's batch
         if input_items:
@@ -135,8 +135,9 @@ class _Drive:
                     c.complete()
 
     async def _done(self) -> RunResult:
-        await self._emit(StreamEvent("final_output", {"output": self.c.final_output}))
-        return _result(self.c)
+        c = self.controller
+        await self._emit(StreamEvent("final_output", {"output": c.final_output}))
+        return _result(c)
 
     async def _emit(self, event: StreamEvent) -> None:
         """Report an event. A streamed run waits here until its consumer asks for the next
@@ -147,12 +148,13 @@ class _Drive:
 
     async def _hook(self, hook: str, call: Callable[[], Awaitable[None]],
                     call_id: str | None = None) -> None:
-        if not self.c.hook_done(hook, call_id=call_id):
+        c = self.controller
+        if not c.hook_done(hook, call_id=call_id):
             await call()
-            self.c.hook_ran(hook, call_id=call_id)
+            c.hook_ran(hook, call_id=call_id)
 
     async def _call_model(self) -> None:
-        c, agent = self.c, self.agent
+        c, agent = self.controller, self.agent
         if c.step is not Step.AWAITING_MODEL:
             await self._hook("agent_start", lambda: self.hooks.on_agent_start(agent))
             if c.max_turns is not None and c.turns >= c.max_turns:
@@ -180,11 +182,12 @@ class _Drive:
                               check: Callable[[], Verdict | Awaitable[Verdict]]) -> Verdict:
         """Run a guardrail unless the log shows it ran in its scope; then its recorded
         verdict is honoured and the guardrail is never re-run (I1)."""
-        recorded = self.c.recorded_guardrail(name, stage=stage, call_id=call_id)
+        c = self.controller
+        recorded = c.recorded_guardrail(name, stage=stage, call_id=call_id)
         if recorded is not None:
             return Verdict(recorded.result["behavior"], recorded.result["message"])
         outcome: Verdict = await maybe_await(check())
-        self.c.guardrail_evaluated(name, outcome.as_json(), stage=stage, call_id=call_id)
+        c.guardrail_evaluated(name, outcome.as_json(), stage=stage, call_id=call_id)
         return outcome
 
     async def _guardrails(self, guards: tuple[ToolGuardrail, ...], stage: str,
@@ -202,7 +205,7 @@ class _Drive:
         """What `runnable_call_ids` names (approved calls, idempotent calls a dead process
         started), and completed calls whose end hook did not run yet (a crash came
         between), in proposal order."""
-        c = self.c
+        c = self.controller
         runnable = set(c.runnable_call_ids())
         return [view for view in c.calls
                 if view.call.call_id in runnable or (
@@ -211,7 +214,7 @@ class _Drive:
                     and not c.hook_done("tool_end", call_id=view.call.call_id))]
 
     async def _run_tools(self) -> None:
-        c, agent = self.c, self.agent
+        c, agent = self.controller, self.agent
         for view in self._runnable():
             call = view.call
             call_id = call.call_id
@@ -224,15 +227,7 @@ class _Drive:
                     output: JSON = await self._execute(tool, call, decision, verdict)
                     c.tool_completed(call_id, output)
                 except BaseException:
-                    # cancelled, timed out, or stopped by an error before its result was
-                    # recorded: the call stays started and this controller stops holding it
-                    # in flight, so it answers as a reloaded one would (ToolInDoubt, or
-                    # Execute again for an idempotent call)
-                    if call_id in c.in_flight:
-                        # never replaces the error in flight (a run already refusing
-                        # everything, e.g. after an unknown append, refuses this too)
-                        with contextlib.suppress(ControlError):
-                            c.tool_interrupted(call_id)
+                    interrupted(c, call_id)  # ended without a result: in doubt from now on
                     raise
                 await self._emit(StreamEvent("tool_output",
                                              {"call_id": call_id, "output": output}))
@@ -260,18 +255,18 @@ class _Drive:
         return checked.message if checked.behavior == "reject_content" else output
 
     def _stops_on_tool(self) -> bool:
-        c = self.c
+        c = self.controller
         return (self.agent.tool_use_behavior == "stop_on_first_tool"
                 and c.step is Step.TOOLS and self._first_tool_output() is not _NONE)
 
     def _first_tool_output(self) -> Any:
-        for view in self.c.calls:
+        for view in self.controller.calls:
             if view.phase is Phase.COMPLETED:
                 return view.result
         return _NONE
 
     async def _finish(self, output: JSON) -> None:
-        c, agent = self.c, self.agent
+        c, agent = self.controller, self.agent
         for guard in agent.output_guardrails:
             outcome = await self._guardrail_once(guard.name, "output", None,
                                                  partial(guard.check, output))
@@ -284,7 +279,7 @@ class _Drive:
     async def _end_hooks(self) -> None:
         """The end hook of every completed call whose start hook ran and whose end hook
         did not (the process died between the two): run once, with the cached result."""
-        c = self.c
+        c = self.controller
         for view in c.calls:
             call_id = view.call.call_id
             if (view.phase is Phase.COMPLETED and c.hook_done("tool_start", call_id=call_id)
@@ -293,7 +288,7 @@ class _Drive:
                                                      view.call, view.result), call_id)
 
     async def _publish(self) -> None:
-        c = self.c
+        c = self.controller
         ids = list(c.unpublished_call_ids())
         items: list[JSON] = list(c.unpublished_input)  # input recorded before a crash
         for call_id in ids:
@@ -431,25 +426,10 @@ class Runner:
         c, resumed = await _controller(agent, session=session, controller=controller,
                                        state=state, store=store, run_id=run_id,
                                        policy=policy, buffered=buffered)
-        drive = _Drive(agent, c, _session_for(c, session), hooks or RunHooks(), emit,
-                       take_over)
-        if resumed:
-            # the first command of every attempt on an existing run, before any guardrail,
-            # hook, model call or tool: of attempts that loaded the same version, exactly
-            # one goes on; the others get ConcurrencyConflict having done nothing (§6.3)
-            c.claim(owner)
-            await c.flush_async()  # durable before any effect, whatever the durability
-        try:
-            result = await drive.run(_input_items(input))
-        except BaseException:
-            # what the attempt buffered goes to the store, but a failing flush never
-            # replaces the attempt's own error (the events stay buffered for the next
-            # flush or, if the process dies, are lost like a crash before them)
-            with contextlib.suppress(ControlError):
-                await c.flush_async()
-            raise
-        await c.flush_async()
-        return result
+        loop = _AgentLoop(agent, c, _session_for(c, session), hooks or RunHooks(), emit,
+                          take_over)
+        async with Attempt(c, resumes=resumed, owner=owner):  # claim first, flush last
+            return await loop.run(_input_items(input))
 
 
 _LAST_KINDS = frozenset({"final_output", "interruption"})

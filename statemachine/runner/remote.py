@@ -5,7 +5,6 @@ restarts."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from typing import Literal, Protocol
@@ -16,7 +15,7 @@ from statemachine.controller import RunController
 from statemachine.errors import ControlError, ToolInDoubt
 from statemachine.payloads import JSON
 from statemachine.runner.agents import FunctionTool
-from statemachine.runner.loop import maybe_await
+from statemachine.runner.attempt import interrupted, maybe_await
 from statemachine.values import Execute, Phase, ToolCall
 
 # ------------------------------------------------------------ the remote executor
@@ -175,11 +174,7 @@ class RemoteToolExecutor:
             except BaseException:
                 # cancelled, timed out, or the result was refused: the call ended without
                 # a recorded result, so this controller answers as a reloaded one would
-                if call_id in c.in_flight:
-                    # never replaces the error in flight (a run already refusing
-                    # everything, e.g. after an unknown append, refuses this too)
-                    with contextlib.suppress(ControlError):
-                        c.tool_interrupted(call_id)
+                interrupted(c, call_id)
                 raise
         else:
             result = decision.result

@@ -2,8 +2,13 @@
 `FakeRemote`, counters), the log checker (`check_log`), explorable worlds (`ScriptWorld`
 checks every step against an `Oracle` computed from its `Script`, and that the run can
 finish), the exhaustive
-explorer and the Hypothesis kit, and the contract suites every store and Session backend
-runs (`statemachine.testing.contracts`). Install with the ``testing`` extra."""
+explorer and the Hypothesis kit (`random_run` and `RandomRun`: random reachable runs), and
+the contract suites every store and Session backend runs (`statemachine.testing.contracts`).
+Install with the ``testing`` extra."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from statemachine.testing.explore import ExploreReport, explore, world_state_machine
 from statemachine.testing.fakes import (
@@ -37,6 +42,9 @@ from statemachine.testing.worlds import (
     World,
 )
 
+if TYPE_CHECKING:
+    from statemachine.testing.random_runs import RandomRun, random_run
+
 __all__ = [
     "FAULTS",
     "SCRIPT_FAULTS",
@@ -54,6 +62,7 @@ __all__ = [
     "Outcome",
     "PermanentPostError",
     "PostOutcome",
+    "RandomRun",
     "ReferenceWorld",
     "RemoteWorld",
     "Script",
@@ -67,6 +76,17 @@ __all__ = [
     "check_log",
     "counted_tool",
     "explore",
+    "random_run",
     "settled",
     "world_state_machine",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # the random runs are drawn by Hypothesis: imported when first asked for, so the rest
+    # of the kit (the CLI's demo and explorer use it) works without Hypothesis installed
+    if name in ("RandomRun", "random_run"):
+        from statemachine.testing import random_runs
+
+        return getattr(random_runs, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

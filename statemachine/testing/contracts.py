@@ -48,11 +48,10 @@ from statemachine.payloads import JSON
 from statemachine.runner.publish import publish, settle
 from statemachine.sessions import Session
 from statemachine.stores import AsyncEventStore, EventStore, RunHead, Snapshot, SnapshotStore
+from statemachine.testing.random_runs import random_run
 from statemachine.values import (
     Acknowledge,
-    Action,
     Append,
-    Phase,
     RecoveryPolicy,
     Step,
     ToolCall,
@@ -108,109 +107,6 @@ def _assert_refused(c: RunController, error: type[E], command: Callable[..., Any
     assert _observed(c) == before, "a refused command changed the run"
     assert type(info.value) is error, f"expected {error.__name__}, got {info.value!r}"
     return info.value
-
-
-def _drive(data: st.DataObject, store: EventStore, run_id: str) -> RunController:
-    """A random reachable run bound to ``store``: every move the controller allows
-    (model calls that fail or propose 0 to 3 calls, approvals, rejections, handoffs, tools
-    left in flight, in-doubt resolutions, writes that land, do not land, or land and
-    report failure, reconciliation, final output, abandon), with reloads from the store
-    in between."""
-    c = RunController.start(
-        run_id=run_id, session_id=data.draw(st.sampled_from(["s", None]), label="session"),
-        policy=data.draw(st.sampled_from([RecoveryPolicy.RECONCILE] * 3
-                                         + [RecoveryPolicy.FAIL_CLOSED]), label="policy"),
-        max_turns=data.draw(st.sampled_from([None, 3]), label="max_turns"), store=store)
-    session: list[JSON] = []
-    batch: list[JSON] = []
-    made = 0
-
-    def write() -> None:
-        outcome = data.draw(st.sampled_from(["ok", "ok", "no-commit", "commit-then-raise"]),
-                            label="write")
-        if outcome != "no-commit":
-            session.extend(batch)
-        if outcome == "ok":
-            c.publication_committed()
-        else:
-            c.publication_failed(OSError("injected"))
-
-    for _ in range(data.draw(st.integers(0, 30), label="steps")):
-        action = c.next_action()
-        roll = data.draw(st.integers(0, 99), label="roll")
-        if action is Action.NOT_RESUMABLE:
-            break
-        if roll < 1:
-            c.abandon("driver")
-        elif roll < 10:  # a restart: what was in flight is now in doubt
-            c = RunController.load(store, run_id)
-        elif action is Action.RESOLVE_IN_DOUBT:
-            c.resolve_in_doubt(c.in_doubt()[0], "resolved")
-        elif action is Action.RECONCILE:
-            assert c.envelope is not None
-            decision = c.reconcile(session[-c.envelope.read_limit:], c.session_id,
-                                   take_over=True)
-            if isinstance(decision, Append):
-                batch = list(decision.items)
-                write()
-        elif action is Action.CALL_MODEL:
-            if c.step is not Step.AWAITING_MODEL:
-                if c.max_turns is not None and c.turns >= c.max_turns:
-                    c.abandon("max_turns")
-                    continue
-                c.begin_model_call()
-            if roll < 15:
-                c.model_failed(TimeoutError())
-                continue
-            calls = []
-            for _ in range(data.draw(st.integers(0, 3), label="calls")):
-                made += 1
-                calls.append(ToolCall(
-                    f"c{made}", "tool", {"n": made},
-                    needs_approval=data.draw(st.booleans(), label="approval"),
-                    idempotent=data.draw(st.booleans(), label="idempotent")))
-            c.model_responded(calls, output=None if calls else "answer")
-        elif action is Action.AWAIT_DECISIONS:
-            call_id = data.draw(st.sampled_from(c.pending_approvals), label="decide")
-            if roll < 60:
-                c.approve(call_id, fingerprint=c.fingerprint(call_id))
-            elif roll < 90:
-                c.reject(call_id, "declined")
-            else:
-                c.handoff("other")
-        elif action is Action.RUN_TOOLS:
-            if c.step is Step.INTERRUPTION:
-                c.resume()
-                continue
-            runnable = [*c.runnable_call_ids(), *c.in_flight]
-            call_id = data.draw(st.sampled_from(runnable), label="tool")
-            if call_id not in c.in_flight:
-                c.begin_tool(call_id)
-                if roll < 20:
-                    continue  # left in flight: a reload now puts it in doubt
-            c.guardrail_evaluated("tool_out", {"ok": True}, stage="tool_output",
-                                  call_id=call_id)
-            c.tool_completed(call_id, f"result of {call_id}")
-            if roll > 92 and not any(v.phase is Phase.STARTED for v in c.calls):
-                c.accept_final_output(f"result of {call_id}")
-        elif action is Action.PUBLISH:
-            if c.holds_attempt:
-                write()
-                continue
-            ids = list(c.unpublished_call_ids())
-            batch = [{"call_id": i, "output": c.call(i).result} for i in ids]
-            if c.step is Step.FINAL_OUTPUT or not batch:
-                batch.append({"role": "assistant", "n": c.version})
-            c.stage_publication(batch, session[-(len(batch) + 1):], call_ids=ids)
-            write()
-        elif action is Action.FINISH:
-            if c.step is Step.FINALIZING:
-                if roll < 50:
-                    c.guardrail_evaluated("final", {"ok": True}, stage="output")
-                c.accept_final_output("answer", lossless=roll < 90)
-            else:
-                c.complete()
-    return c
 
 
 # ------------------------------------------------------------------ event stores
@@ -285,7 +181,7 @@ class EventStoreContract:
         @given(st.data())
         def check(data: st.DataObject) -> None:
             run_id = f"snap-{uuid.uuid4().hex}"
-            c = _drive(data, store, run_id)
+            c = random_run(data, max_steps=30, run_id=run_id, store=store)
             snapshot, tail = store.load_latest(run_id)
             loaded = RunController.load(store, run_id)
             full = RunController.from_json(c.to_json())

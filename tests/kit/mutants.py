@@ -74,17 +74,17 @@ def started_call_re_executed() -> contextlib.AbstractContextManager[None]:
             record.call = attrs.evolve(record.call, idempotent=True)
         return real(self, call_id)
 
-    real_runnable = loop._Drive._runnable
+    real_runnable = loop._AgentLoop._runnable
 
     def runnable(self: Any) -> list[Any]:
         chosen = real_runnable(self)
         ids = {view.call.call_id for view in chosen}
-        return chosen + [view for view in self.c.calls if view.phase is Phase.STARTED
+        return chosen + [view for view in self.controller.calls if view.phase is Phase.STARTED
                          and not view.in_flight and view.call.call_id not in ids]
 
     return _patched((controller_module.RunController, "begin_tool", begin_tool),
                     (controller_module, "in_doubt", lambda state, in_flight: ()),
-                    (loop._Drive, "_runnable", runnable))
+                    (loop._AgentLoop, "_runnable", runnable))
 
 
 def terminal_marker_dropped_by_json() -> contextlib.AbstractContextManager[None]:
@@ -102,14 +102,14 @@ def terminal_marker_dropped_by_json() -> contextlib.AbstractContextManager[None]
 
 
 def streamed_run_skips_the_envelope() -> contextlib.AbstractContextManager[None]:
-    real = loop._Drive._publish
+    real = loop._AgentLoop._publish
 
     async def publish(self: Any) -> None:
         if getattr(self.emit, "__self__", None) is None:  # run(): the no-op emitter
             await real(self)
             return
         # streamed: write first, arm the envelope afterwards (the seed's bug)
-        c = self.c
+        c = self.controller
         ids = [i for i, r in c.state.calls.items() if r.phase in (Phase.COMPLETED, Phase.REJECTED)]
         items: list[Any] = []
         for call_id in ids:
@@ -125,7 +125,7 @@ def streamed_run_skips_the_envelope() -> contextlib.AbstractContextManager[None]
         c.stage_publication(items, history, call_ids=ids)
         c.publication_committed()
 
-    return _patched((loop._Drive, "_publish", publish))
+    return _patched((loop._AgentLoop, "_publish", publish))
 
 
 MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
@@ -146,16 +146,16 @@ def rejected_guardrail_stops_the_run() -> contextlib.AbstractContextManager[None
     instead of going on with the rejection as the call's output."""
     from statemachine.runner import OutputGuardrailTripwire
 
-    real = loop._Drive._guardrails
+    real = loop._AgentLoop._guardrails
 
     async def guardrails(self: Any, guards: Any, stage: str, call: Any, *args: Any) -> Any:
         verdict = await real(self, guards, stage, call, *args)
         if stage == "tool_input" and verdict.behavior == "reject_content":
-            self.c.abandon("tool guardrail")
+            self.controller.abandon("tool guardrail")
             raise OutputGuardrailTripwire(guards[0].name)
         return verdict
 
-    return _patched((loop._Drive, "_guardrails", guardrails))
+    return _patched((loop._AgentLoop, "_guardrails", guardrails))
 
 
 def session_write_drops_an_item() -> contextlib.AbstractContextManager[None]:
@@ -174,7 +174,7 @@ def session_write_drops_an_item() -> contextlib.AbstractContextManager[None]:
 def failed_tool_retried() -> contextlib.AbstractContextManager[None]:
     """A tool that raised is run once more before its result is recorded: one start, one
     result in the log, two executions."""
-    real = loop._Drive._execute
+    real = loop._AgentLoop._execute
 
     async def execute(self: Any, tool: Any, call: Any, decision: Any, verdict: Any) -> Any:
         output = await real(self, tool, call, decision, verdict)
@@ -182,24 +182,24 @@ def failed_tool_retried() -> contextlib.AbstractContextManager[None]:
             output = await real(self, tool, call, decision, verdict)
         return output
 
-    return _patched((loop._Drive, "_execute", execute))
+    return _patched((loop._AgentLoop, "_execute", execute))
 
 
 def interruption_returned_early() -> contextlib.AbstractContextManager[None]:
     """An attempt that settles an earlier write returns right after, as if it had
     reached an interruption: it raises nothing, and the run stops short."""
-    real = loop._Drive.run
+    real = loop._AgentLoop.run
 
     async def run(self: Any, input_items: Any) -> Any:
-        if self.c.step is Step.UNSETTLED:
+        if self.controller.step is Step.UNSETTLED:
             from statemachine.runner.publish import settle
 
-            self.c.resume()
-            await settle(self.c, self.session, take_over=self.take_over)
-            return loop._result(self.c)
+            self.controller.resume()
+            await settle(self.controller, self.session, take_over=self.take_over)
+            return loop._result(self.controller)
         return await real(self, input_items)
 
-    return _patched((loop._Drive, "run", run))
+    return _patched((loop._AgentLoop, "run", run))
 
 
 ORACLE_MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {

@@ -1,0 +1,80 @@
+"""One attempt on a run: how the reference loop and every adapter begin and end the work
+of one call (`Runner.run`, an adapter's ``run`` or ``settle``, one iteration of a tool
+runner), so that each does it the same way (DESIGN §6.3, §7.7).
+
+An attempt on a run that already exists first records ``claim(owner)`` and makes it
+durable, before any guardrail, hook, model call, tool or write: of attempts that loaded
+the same version of a run bound to a store, exactly one goes on, and the others get
+`ConcurrencyConflict` having done nothing. A run this process started has nothing to
+claim on its first attempt. When the attempt ends, what it buffered goes to the store;
+when it ends with an error, a failing flush never replaces that error (the events stay
+buffered for the next flush or, if the process dies, are lost like a crash before them).
+
+Also here, for what runs inside an attempt: `maybe_await` (a hook, guardrail or tool may
+be sync or async) and `interrupted` (a tool that ended without a result).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any
+
+from statemachine.controller import RunController
+from statemachine.errors import ControlError
+
+
+async def maybe_await(value: Any) -> Any:
+    """``value``, awaited first if it is awaitable (what a sync or async callable gave)."""
+    return await value if inspect.isawaitable(value) else value
+
+
+class Attempt:
+    """The attempts made on one run from here, each an ``async with attempt:`` block
+    around all of its work (entering returns whether it resumes an existing run).
+
+    Entering claims an existing run (``claim(owner)``) and flushes the claim: raises
+    `ConcurrencyConflict` when another attempt claimed the version first, or the
+    controller's refusal, with the block not run. Leaving flushes what the block buffered:
+    its error, when it raised, is what propagates, whatever the flush does; a flush that
+    fails after a block that returned raises. ``flush`` is how to flush (an adapter whose
+    tools run concurrently passes its own, one at a time; default
+    ``controller.flush_async``)."""
+
+    def __init__(self, controller: RunController, *, resumes: bool, owner: str | None = None,
+                 flush: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.controller = controller
+        self.owner = owner
+        self.resumes = resumes
+        """Whether the next attempt resumes a run that exists (and claims it): False only
+        before the first attempt on a run this process started."""
+        self._flush = flush if flush is not None else controller.flush_async
+
+    async def __aenter__(self) -> bool:
+        resumes = self.resumes
+        if resumes:
+            self.controller.claim(self.owner)
+            await self._flush()  # durable before any effect, whatever the durability
+        self.resumes = True  # every later attempt on the run claims it
+        return resumes
+
+    async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                        traceback: TracebackType | None) -> None:
+        if error is None:
+            await self._flush()
+            return
+        with contextlib.suppress(ControlError):  # the attempt's own error wins
+            await self._flush()
+
+
+def interrupted(controller: RunController, call_id: str) -> None:
+    """A tool this controller started ended without a recorded result (cancelled, timed
+    out, or stopped by an error first): the call stays started and the controller stops
+    holding it in flight, so it answers as a reloaded one would (`ToolInDoubt`, or
+    `Execute` again for an idempotent call). Never replaces the error in flight: a run
+    already refusing everything (after an unknown append, say) refuses this too."""
+    if call_id in controller.in_flight:
+        with contextlib.suppress(ControlError):
+            controller.tool_interrupted(call_id)
