@@ -480,7 +480,7 @@ def _worker(dsn: str, schema: str, worker: int, runs: int, buffered: bool,
         store = PostgresEventStore(dsn, schema=schema)
         store.load("warm-up")
 
-        async def drive() -> int:
+        async def run_seeds() -> int:
             events = 0
             for i in range(runs):
                 events += await partial_approval(store, run_id=f"w{worker}-{i}",
@@ -490,7 +490,7 @@ def _worker(dsn: str, schema: str, worker: int, runs: int, buffered: bool,
 
         ready.wait(timeout=120)
         began = time.perf_counter()
-        events = asyncio.run(drive())
+        events = asyncio.run(run_seeds())
         answers.put((events, time.perf_counter() - began))
         store.close()
     except BaseException as error:  # reported to the parent, never swallowed

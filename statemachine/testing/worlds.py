@@ -614,7 +614,7 @@ class Oracle:
                                                        "OutputGuardrailTripwire"
                                                        ) else self.ended
         try:
-            self._drive([fault])
+            self._run_attempt([fault])
         except _Stop as stop:
             return stop.error
         return None
@@ -662,7 +662,10 @@ class Oracle:
             self.ended = "completed"
             raise _Stop(None)
 
-    def _drive(self, fault: list[str]) -> None:
+    def _run_attempt(self, fault: list[str]) -> None:
+        """One attempt, as the script says it goes: settle an unsettled write, write the
+        input, then run the runnable calls, publish and call the model, until it stops
+        (`_Stop`: an interruption, the end, or a fault)."""
         if self.unsettled is not None:
             self._settle(fault)
         if self.input_pending:
