@@ -66,7 +66,7 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     "statemachine/envelope.py": ("tests/test_envelope.py", *_CORE),
     "statemachine/codec.py": _CODEC,
     "statemachine/sizes.py": _CODEC,
-    "statemachine/fastload.py": (*_CODEC, "tests/test_bench.py", "tests/test_stores.py"),
+    "statemachine/fastload.py": (*_CODEC, "tests/test_stores.py"),
     "statemachine/controller.py": ("tests/test_copies.py", "tests/test_limits.py", *_CORE,
                                    "tests/test_durability.py", "tests/test_snapshots.py"),
     "statemachine/stores.py": _STORES,
