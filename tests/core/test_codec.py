@@ -150,3 +150,19 @@ def test_a_log_that_drops_a_nested_field_is_refused() -> None:
     doc["events"][2]["tool_calls"][0]["extra"] = "x"
     with pytest.raises(SchemaError, match="unknown field"):
         RunController.from_json(doc)
+
+
+@pytest.mark.parametrize("ensure_ascii", [True, False])
+def test_a_lone_surrogate_in_a_text_document_is_refused(ensure_ascii: bool) -> None:
+    """A text holding a lone surrogate is not clean (`fastload.clean_parse`), so it goes
+    to the strict decoder, which refuses the string: the fast decoders check no text."""
+    from statemachine import codec, fastload
+
+    doc: Any = RunController.start(run_id="r", session_id="s").to_json()
+    doc["events"][0]["session_id"] = "\ud800"
+    text = json.dumps(doc, separators=(",", ":"), ensure_ascii=ensure_ascii)
+    assert fastload.clean_parse(text) is None
+    with pytest.raises(SchemaError, match="not valid Unicode"):
+        codec.decode_log(text)
+    with pytest.raises(SchemaError, match="not valid Unicode"):
+        RunController.from_json(text)

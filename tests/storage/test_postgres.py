@@ -257,6 +257,11 @@ def test_text_postgresql_cannot_hold_is_a_storage_error(store: PostgresEventStor
 # ------------------------------------------------------------------ verified snapshots
 
 
+async def _latest_async(dsn: str, schema: str) -> Any:
+    async with AsyncPostgresEventStore(dsn, schema=schema) as store:
+        return await store.load_latest("run-1")
+
+
 def test_a_damaged_snapshot_is_ignored_with_a_warning(
         store: PostgresEventStore, pg_dsn: str, pg_schema: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -282,6 +287,8 @@ def test_a_damaged_snapshot_is_ignored_with_a_warning(
                 snapshot, log = store.load_latest("run-1")
             assert snapshot is None
             assert log == list(c.events)
+            with pytest.warns(SnapshotIgnored):
+                assert asyncio.run(_latest_async(pg_dsn, pg_schema)) == (None, log)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", SnapshotIgnored)
                 assert RunController.load(store, "run-1").state == c.state
@@ -303,8 +310,10 @@ def test_the_stores_measure_what_they_load_and_a_run_is_sized_by_it(
 
     whole = stores.load_measured(store, "run-1")
     snapshot, tail = stores.load_latest_measured(store, "run-1")
-    assert snapshot is not None and 0 < len(tail.events) < len(c.events)
-    assert whole.events == list(c.events) and whole.size == events_size(whole.events)
+    assert snapshot is not None
+    assert 0 < len(tail.events) < len(c.events)
+    assert whole.events == list(c.events)
+    assert whole.size == events_size(whole.events)
     assert tail.size == events_size(tail.events)
 
     async def measured_async() -> tuple[Any, Any]:
@@ -773,16 +782,20 @@ def test_the_async_store_classifies_a_lost_commit_answer(proxy: _Proxy, pg_dsn: 
                                                          pg_schema: str) -> None:
     class Armed(AsyncPostgresEventStore):
         arm: str | None = None
+        unfenced = False
 
         async def _before_commit(self) -> None:
             if self.arm is not None:
                 self._conn.prepare_threshold = None  # (see _Armed)
                 proxy.mode, self.arm = self.arm, None
+                if self.unfenced:
+                    self._backend = None
 
     events = list(at_interruption().events)
+    later = [ev.HookRan(len(events), "agent_start", None)]
 
     async def go() -> None:
-        async with Armed(proxy.dsn, schema=pg_schema) as store:
+        async with Armed(proxy.dsn, schema=pg_schema, readback_timeout=0.5) as store:
             await store.append("run-1", events[:2], 0)
             attempts = _Counted(pg_dsn, pg_schema)
             store.arm = "drop_reply"
@@ -794,6 +807,13 @@ def test_the_async_store_classifies_a_lost_commit_answer(proxy: _Proxy, pg_dsn: 
             assert attempts() == 1  # events alone: one statement, which never arrived
             assert await store.load("run-1") == events[:4]
             await store.append("run-1", events[4:], 4)
+            assert await store.load("run-1") == events
+            # held, and no fence: one statement not found proves nothing
+            store.arm, store.unfenced = "hold_request", True
+            with pytest.raises(StorageError) as info:
+                await store.append("run-1", later, len(events))
+            assert info.value.outcome == "unknown"
+            proxy.release()
             assert await store.load("run-1") == events
 
     asyncio.run(go())

@@ -240,6 +240,44 @@ def test_session_failures_are_typed(pg_dsn: str, pg_schema: str, tmp_path: Path)
                              ).fetchone() == (1,)
 
 
+def _terminate(dsn: str, pid: int) -> None:
+    """End a server process (from another connection) and wait until it is gone."""
+    with _admin(dsn) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        while admin.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s",
+                            (pid,)).fetchone():
+            time.sleep(0.01)
+
+
+def test_a_session_write_whose_commit_fails_is_unknown(pg_dsn: str, pg_schema: str) -> None:
+    """A write whose COMMIT raised (its connection ended right before it) may have
+    landed: ``"unknown"``, for the sync and the async Session alike; the next call
+    opens a new connection and works."""
+
+    class Killed(PostgresSession):
+        def _before_commit(self) -> None:
+            _terminate(self.dsn, self._conn.info.backend_pid)
+
+    class AsyncKilled(AsyncPostgresSession):
+        async def _before_commit(self) -> None:
+            _terminate(self.dsn, self._conn.info.backend_pid)
+
+    async def go(session: Any) -> None:
+        with pytest.raises(StorageError) as info:
+            await session.add_items([{"n": 1}])
+        assert info.value.outcome == "unknown"
+        assert await session.get_items() == []  # the server rolled it back
+
+    with Killed(pg_dsn, SESSION, schema=pg_schema) as session:
+        asyncio.run(go(session))
+
+    async def go_async() -> None:
+        async with AsyncKilled(pg_dsn, SESSION, schema=pg_schema) as session:
+            await go(session)
+
+    asyncio.run(go_async())
+
+
 # ------------------------------------------------------------------ publication ids
 
 

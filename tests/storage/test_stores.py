@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from statemachine import MemoryEventStore, RunController, Step, StorageError, sqlite
+from statemachine import MemoryEventStore, RunController, SchemaError, Step, StorageError, sqlite
 from statemachine import controller as controller_module
 from statemachine import events as ev
 from statemachine.stores import EventStore, SQLiteEventStore
@@ -159,6 +159,33 @@ def test_a_run_heads_owner_is_its_last_claims(kind: str, tmp_path: Path,
     finally:
         if kind != "memory":
             store.close()
+
+
+@pytest.mark.parametrize("seq", [1, 3])
+def test_clean_rows_whose_bodies_carry_other_seqs_are_refused(tmp_path: Path, seq: int) -> None:
+    """A log is never other than its rows: a body in the store's own compact form (so the
+    rows decode together) that carries another seq than its row is damage, refused."""
+    path = tmp_path / "e.db"
+    store = SQLiteEventStore(path)
+    c = RunController.start(run_id="r", session_id=None, store=store)
+    c.add_input(["a"])
+    c.add_input(["b"])
+    store.close()
+    raw = sqlite3.connect(path)
+    (body,) = raw.execute("SELECT body FROM events WHERE seq = 2").fetchone()
+    forged = body.replace('"seq":2', f'"seq":{seq}', 1)
+    assert forged != body
+    raw.execute("UPDATE events SET body = ? WHERE seq = 2", (forged,))
+    raw.commit()
+    raw.close()
+    reopened = SQLiteEventStore(path)
+    try:
+        with pytest.raises(SchemaError, match="carries seq"):
+            reopened.load("r")
+        with pytest.raises(SchemaError, match="carries seq"):
+            RunController.load(reopened, "r")
+    finally:
+        reopened.close()
 
 
 _LOSE_COMMIT_ANSWER = threading.Event()
