@@ -15,10 +15,11 @@ test *args:
 invariants *args:
     {{python}} -m tests.tools.invariant_index "$@"
 
-# ruff and mypy --strict.
+# ruff, mypy --strict, and the generated sync PostgreSQL code is current.
 lint:
-    {{python}} -m ruff check statemachine tests bench examples mutate
+    {{python}} -m ruff check statemachine tests bench examples mutate tools
     {{python}} -m mypy
+    {{python}} tools/unasync.py --check
 
 # Benchmarks: ratios against floors measured in the same run (`just bench --json`).
 bench *args:
