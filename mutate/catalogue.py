@@ -189,7 +189,7 @@ CATALOGUE: tuple[Mutant, ...] = (
        "turns never counted: max_turns never reached"),
     _m("ST02", "return (hook, self.model_calls)", "return (hook, self.activation)",
        "model hooks keyed per activation: the second model call skips model_start"),
-    _m("ST03", "scope = result.call_id if stage in _TOOL_STAGES else self.activation",
+    _m("ST03", "scope = result.call_id if stage in TOOL_STAGES else self.activation",
        "scope = result.call_id",
        "input/output guardrails keyed once per run instead of per activation"),
     _m("ST04", "self.unpublished_results() > len(call_ids)",
@@ -240,7 +240,7 @@ CATALOGUE: tuple[Mutant, ...] = (
        "def _failed(s: RunState, e: ev.PublicationFailed) -> None:\n"
                "    return None",
        "a failed publication leaves its attempt open"),
-    _m("ST18", "    if s.pending_input and step in _STAGING:",
+    _m("ST18", "    if s.pending_input and step in STAGING_STEPS:",
        "    if s.pending_input and step is Step.RUN_AGAIN:",
        "recorded input published first only from RUN_AGAIN"),
     _m("ST19", "        if step is Step.HANDOFF and s.unpublished_results():\n"

@@ -56,8 +56,6 @@ from statemachine.machine import (
     NEUTRAL_TRIGGERS,
     ROWS,
     SETTLING_TRIGGERS,
-    TERMINAL_STEPS,
-    WORKING_STEPS,
     Refused,
     fire,
     replay,
@@ -89,6 +87,8 @@ from statemachine.stores import (
     takes_session_write,
 )
 from statemachine.values import (
+    TERMINAL_STEPS,
+    WORKING_STEPS,
     Acknowledge,
     Action,
     Append,

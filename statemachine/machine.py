@@ -16,6 +16,9 @@ The declaration is plain data. From it we build
 * `TABLE`, a dict compiled from the same rows, which the controller and the replay
   use: one lookup of (step, trigger), then the guards in order.
 
+The sets of steps, hooks and stages the declaration speaks of live in `values`, beside
+the enums, because the fold speaks of them too.
+
 What must not live here: I/O, the event log, the ledger's bookkeeping (that is the fold
 in `state`), and anything the controller knows that the log does not (which attempt this
 process holds, which calls it has in flight). Guards see only the state and the event,
@@ -42,23 +45,18 @@ from statemachine.envelope import is_read_limit
 from statemachine.errors import InvalidTransition, SchemaError
 from statemachine.payloads import digests
 from statemachine.state import APPLY, RunState
-from statemachine.values import Phase, Step
-
-TERMINAL_STEPS = frozenset({Step.TERMINAL_UNRECOVERABLE, Step.COMPLETED})
-WORKING_STEPS = (
-    Step.RUN_AGAIN,
-    Step.AWAITING_MODEL,
-    Step.INTERRUPTION,
-    Step.TOOLS,
-    Step.FINALIZING,
-    Step.FINAL_OUTPUT,
-    Step.HANDOFF,
+from statemachine.values import (
+    GUARDRAIL_STAGES,
+    HOOKS,
+    LIVE_STEPS,
+    PARTIAL_STAGING_STEPS,
+    TOOL_HOOKS,
+    TOOL_STAGES,
+    WORKING_STEPS,
+    Phase,
+    Step,
 )
-"""The live steps but ``UNSETTLED``: where hooks and guardrails may run."""
-LIVE_STEPS = (*WORKING_STEPS, Step.UNSETTLED)
-STAGING_STEPS = (Step.RUN_AGAIN, Step.INTERRUPTION, Step.TOOLS)
-"""Steps a batch may be staged from under the plain rules; ``FINAL_OUTPUT`` and
-``HANDOFF`` stage too, but their batch must publish every unpublished result."""
+
 SETTLING_TRIGGERS = frozenset(
     {"publication_committed", "publication_failed", "reconcile_append",
      "reconcile_acknowledge", "abandon"}
@@ -69,12 +67,6 @@ NEUTRAL_TRIGGERS = frozenset({"claim"})
 """Triggers that change no step, envelope or ledger (``claim``): every live step accepts
 them, ``UNSETTLED`` included. They are not settling triggers: they settle nothing and get
 no share of the events reserved under ``max_events`` for settling or closing a run."""
-
-HOOKS = frozenset({"agent_start", "agent_end", "model_start", "model_end", "tool_start",
-                   "tool_end"})
-GUARDRAIL_STAGES = frozenset({"input", "output", "tool_input", "tool_output"})
-_TOOL_HOOKS = frozenset(h for h in HOOKS if h.startswith("tool_"))
-_TOOL_STAGES = frozenset(g for g in GUARDRAIL_STAGES if g.startswith("tool_"))
 
 
 # --------------------------------------------------------------------------- guards
@@ -186,7 +178,7 @@ def guardrail_fits_stage(s: RunState, e: Any) -> bool:
     stage = r.stage
     if stage not in GUARDRAIL_STAGES:
         return False
-    if stage in _TOOL_STAGES:  # (a known stage: a tool stage is one named tool_...)
+    if stage in TOOL_STAGES:
         return r.call_id is not None and r.call_id in s.calls
     return r.call_id is None
 
@@ -204,7 +196,7 @@ def hook_fits_scope(s: RunState, e: Any) -> bool:
     hook = e.hook
     if hook not in HOOKS:
         return False
-    if hook in _TOOL_HOOKS:  # (a known hook: a tool hook is one named tool_...)
+    if hook in TOOL_HOOKS:
         return e.call_id is not None and e.call_id in s.calls
     return e.call_id is None
 
@@ -386,7 +378,7 @@ TRANSITIONS: tuple[Transition, ...] = (
     _row("complete", S.FINAL_OUTPUT, S.COMPLETED, "run_has_no_session", "nothing_unpublished"),
     _row("handoff", (S.RUN_AGAIN, S.INTERRUPTION), S.HANDOFF, "no_envelope", "no_call_started"),
     # publication: stage, then commit | fail | reconcile
-    _row("stage_publication", STAGING_STEPS, S.UNSETTLED, *_STAGE_CHECKS),
+    _row("stage_publication", PARTIAL_STAGING_STEPS, S.UNSETTLED, *_STAGE_CHECKS),
     _row("stage_publication", (S.FINAL_OUTPUT, S.HANDOFF), S.UNSETTLED,
          *_STAGE_CHECKS, "batch_publishes_every_result"),
     *(
