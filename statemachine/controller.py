@@ -11,8 +11,7 @@ Every command goes through the same pipeline, and the first failing check wins:
    abandon while unsettled (I2);
 2. the arguments: `SchemaError` unless plain JSON within the limits (detached here);
 3. `ToolInDoubt`, only from ``resume`` and ``begin_tool``;
-4. the machine (`machine.fire` over the compiled table): `InvalidTransition` naming the
-   failed guard;
+4. the machine (`machine.destination`): `InvalidTransition` naming the failed guard;
 5. the store, when one is bound: the event is appended with the expected version, so a
    `ConcurrencyConflict` leaves this controller unchanged;
 6. the fold: the event is applied and appended to ``events``.
@@ -54,10 +53,9 @@ from statemachine.errors import (
 from statemachine.log import run_logger, switch
 from statemachine.machine import (
     NEUTRAL_TRIGGERS,
-    ROWS,
     SETTLING_TRIGGERS,
     Refused,
-    fire,
+    destination,
     replay,
     replay_onto,
 )
@@ -74,7 +72,7 @@ from statemachine.payloads import (
     digests,
     text_problem,
 )
-from statemachine.state import APPLY, RunState, in_doubt, next_action
+from statemachine.state import RunState, in_doubt, next_action
 from statemachine.stores import (
     SNAPSHOT_EVERY,
     AsyncEventStore,
@@ -714,21 +712,11 @@ class RunController:
         size = self._bytes + _EVENT_SIZE[kind](event) + 1  # the comma before it
         if size > self._room:
             self._over_bytes(action, event, size)
-        # `fire`, inlined (the hot path): the first row of the table whose guards all hold
+        try:
+            dest = destination(s, event)
+        except Refused as refused:
+            self._refuse(InvalidTransition, action, refused.reason())
         step = s.step
-        for checks, row_dest in ROWS.get((step, kind), ()):
-            for check in checks:
-                if not check(s, event):
-                    break
-            else:
-                dest = step if row_dest is None else row_dest
-                break
-        else:  # no row lets it fire: `fire` names the failed guards
-            try:
-                fire(s, event.TRIGGER, event)
-            except Refused as refused:
-                self._refuse(InvalidTransition, action, refused.reason())
-            raise AssertionError("fire accepted an event its table refused")  # pragma: no cover
         store = self._store
         if store is not None and self._buffered:
             self._buffer(event)
@@ -757,9 +745,7 @@ class RunController:
             except BaseException:  # interrupted, or untyped: the append may have landed
                 self._unknown = f"{type(event).__name__} at seq {event.seq}, {action}"
                 raise
-        APPLY[kind](s, event)  # `RunState.apply`, inlined
-        s.step = dest
-        s.last_seq = event.seq
+        s.apply(event, dest)
         self._events.append(event)
         self._bytes = size
         if not self._buffered:
@@ -782,7 +768,7 @@ class RunController:
         if size > self._room:
             self._over_bytes(action, event, size)
         try:
-            dest = fire(s, event.TRIGGER, event)
+            dest = destination(s, event)
         except Refused as refused:
             self._refuse(InvalidTransition, action, refused.reason())
         store = self._store

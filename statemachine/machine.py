@@ -13,8 +13,10 @@ The declaration is plain data. From it we build
 
 * a `transitions.Machine` (`build_transitions_machine`), used by the diagrams and by a
   differential test that proves it agrees with the hot path on every event sequence;
-* `TABLE`, a dict compiled from the same rows, which the controller and the replay
-  use: one lookup of (step, trigger), then the guards in order.
+* `TABLE`, a dict compiled from the same rows (and `ROWS`, the same by event class):
+  one lookup of (step, trigger), then the guards in order. `destination` walks it, and
+  it is the one answer to "may this event fire, and where to" that the controller and
+  the replay ask; `RunState.apply` then folds the event in.
 
 The sets of steps, hooks and stages the declaration speaks of live in `values`, beside
 the enums, because the fold speaks of them too.
@@ -44,7 +46,7 @@ from statemachine import events as ev
 from statemachine.envelope import is_read_limit
 from statemachine.errors import InvalidTransition, SchemaError
 from statemachine.payloads import digests
-from statemachine.state import APPLY, RunState
+from statemachine.state import RunState
 from statemachine.values import (
     GUARDRAIL_STAGES,
     HOOKS,
@@ -428,7 +430,7 @@ ROWS: dict[tuple[Step, type[ev.Event]], tuple[tuple[tuple[Guard, ...], Step | No
     for kind in ev.EVENT_TYPES for (step, trigger), rows in TABLE.items()
     if trigger == kind.TRIGGER
 }
-"""`TABLE` by event class, each row's guards without their names: what replay reads."""
+"""`TABLE` by event class, each row's guards without their names: what `destination` reads."""
 
 
 class Refused(Exception):
@@ -458,7 +460,9 @@ def requirement(name: str) -> str:
 
 
 def fire(state: RunState, trigger: str, event: Any) -> Step:
-    """The step ``event`` leads to from ``state``; `Refused` when no row allows it."""
+    """The step ``event`` leads to from ``state``, walking `TABLE` by trigger with each
+    guard's name; `Refused` naming the first failing guard of each row when none allows
+    it. `destination` is the walk the controller and the replay take."""
     step = state.step
     candidates = TABLE.get((step, trigger))
     if candidates is None:
@@ -472,6 +476,22 @@ def fire(state: RunState, trigger: str, event: Any) -> Step:
         else:
             return step if dest is None else dest
     raise Refused(tuple(failed), trigger, step)
+
+
+def destination(state: RunState, event: ev.Event) -> Step:
+    """May ``event`` fire from ``state``, and where to: the step of the first row of
+    `ROWS` whose guards all hold (a row without a destination stays). This is the one
+    such walk: the controller records, commits and replays through it, then folds with
+    `RunState.apply`. `Refused` names the failed guards, as `fire` does."""
+    step = state.step
+    for checks, dest in ROWS.get((step, type(event)), ()):
+        for check in checks:
+            if not check(state, event):
+                break
+        else:
+            return step if dest is None else dest
+    fire(state, event.TRIGGER, event)  # no row lets it fire: `fire` names the failed guards
+    raise AssertionError("fire accepted an event its table refused")  # pragma: no cover
 
 
 def replay(run_id: str, events: Sequence[ev.Event]) -> RunState:
@@ -496,37 +516,20 @@ def replay(run_id: str, events: Sequence[ev.Event]) -> RunState:
 
 def replay_onto(state: RunState, events: Sequence[ev.Event], *, first: int) -> None:
     """Fold ``events`` (the log from seq ``first`` on) into ``state``, checking each."""
-    rows_of = ROWS
-    fold = APPLY
     for position, event in enumerate(events, start=first):
         if event.seq != position:
             raise SchemaError(f"sequence gap: event {position} carries seq {event.seq}",
                               run_id=state.run_id, action="load")
-        kind = type(event)
-        # `fire` and `RunState.apply`, inlined (the loop is hot): the first row whose
-        # guards all hold
-        step = state.step
-        for checks, dest in rows_of.get((step, kind), ()):
-            for check in checks:
-                if not check(state, event):
-                    break
-            else:
-                fold[kind](state, event)
-                state.step = step if dest is None else dest
-                state.last_seq = position
-                break
-        else:  # no row let it fire: `fire` names why
-            if kind is ev.RunStarted:
-                raise InvalidTransition(f"event {position}: RunStarted after the start",
-                                        run_id=state.run_id, step=step, action="load")
-            try:
-                fire(state, kind.TRIGGER, event)
-            except Refused as refused:
-                raise InvalidTransition(
-                    f"event {position} ({kind.__name__}) is forbidden here: "
-                    f"{refused.reason()}", run_id=state.run_id, step=step,
-                    action="load") from None
-            raise AssertionError("fire accepted an event its table refused")  # pragma: no cover
+        try:
+            dest = destination(state, event)
+        except Refused as refused:
+            kind = type(event)
+            reason = (f"event {position}: RunStarted after the start" if kind is ev.RunStarted
+                      else f"event {position} ({kind.__name__}) is forbidden here: "
+                           f"{refused.reason()}")
+            raise InvalidTransition(reason, run_id=state.run_id, step=state.step,
+                                    action="load") from None
+        state.apply(event, dest)
 
 
 def build_transitions_machine(model: Any, initial: Step = Step.RUN_AGAIN) -> Any:

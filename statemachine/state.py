@@ -1,11 +1,10 @@
 """The run's state and the fold: state is a pure function of the event log.
 
-`machine.fire` asks the declaration whether an event may fire (raising `Refused`), and
-`RunState.apply` folds an accepted event in. The controller and the replay make the same
-two steps (their hot loops inline both: the rows of `machine.ROWS`, then the event's
-`APPLY` function and the step), so a log is re-validated exactly as it was recorded.
-``apply`` never fails for an event ``fire`` accepted, which is what lets a refused command
-leave nothing changed.
+`machine.destination` asks the declaration whether an event may fire and where to
+(raising `Refused`), and `RunState.apply` folds an accepted event in. The controller and
+the replay make the same two calls, so a log is re-validated exactly as it was recorded.
+``apply`` never fails for an event ``destination`` accepted, which is what lets a refused
+command leave nothing changed.
 The fold performs no I/O.
 
 Also here: `RunState.snapshot` / `RunState.restore` (the folded state as plain JSON, for
@@ -260,9 +259,8 @@ class RunState:
     # --------------------------------------------------------------- the fold
 
     def apply(self, event: ev.Event, dest: Step) -> None:
-        """Fold an event that `machine.fire` accepted, with the step it returned. This is
-        the one fold: the controller and the replay run it (inlined in their hot loops:
-        ``APPLY[type(event)]``, then the step and the seq)."""
+        """Fold an event that `machine.destination` accepted, with the step it returned.
+        This is the one fold: the controller and the replay run it."""
         APPLY[type(event)](self, event)
         self.step = dest
         self.last_seq = event.seq
