@@ -265,7 +265,7 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("EN02", "for end in range(max(p, n), p + m + 1):", "for end in range(max(p, n), p + m):",
        "the full batch P + B is not compared with the partial writes"),
     _m("EN03", "    if session_id != envelope.session_id:\n"
-               '        return Finding("session_mismatch")\n',
+               "        return Finding(FindingKind.SESSION_MISMATCH)\n",
        "",
        "reconcile accepts another Session's history"),
     _m("EN04", "    for k in range(1, len(b)):", "    for k in range(1, len(b) - 1):",
@@ -284,10 +284,10 @@ CATALOGUE: tuple[Mutant, ...] = (
        "frontier marked whole although it keeps only part of the history"),
     _m("EN09", "return len({seq[end - n:end] for end in ends}) != len(ends)", "return True",
        "replay accepts a recorded read limit larger than the smallest"),
-    _m("EN08", '    if seen == p[-n:]:\n        return Finding("append")\n'
-               '    if seen == (p + b)[-n:]:\n        return Finding("acknowledge")\n',
-       '    if seen == (p + b)[-n:]:\n        return Finding("acknowledge")\n'
-       '    if seen == p[-n:]:\n        return Finding("append")\n',
+    _m("EN08", "    if seen == p[-n:]:\n        return Finding(FindingKind.APPEND)\n"
+               "    if seen == (p + b)[-n:]:\n        return Finding(FindingKind.ACKNOWLEDGE)\n",
+       "    if seen == (p + b)[-n:]:\n        return Finding(FindingKind.ACKNOWLEDGE)\n"
+       "    if seen == p[-n:]:\n        return Finding(FindingKind.APPEND)\n",
        "acknowledge tested before append",
        equivalent="read_limit makes the n-item tails of P and P + B distinct, so at most "
                   "one of the two tests holds"),

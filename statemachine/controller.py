@@ -36,7 +36,7 @@ import attrs
 
 from statemachine import codec
 from statemachine import events as ev
-from statemachine.envelope import Envelope, classify, measure_frontier
+from statemachine.envelope import Envelope, FindingKind, classify, measure_frontier
 from statemachine.errors import (
     ConcurrencyConflict,
     ControlError,
@@ -1372,11 +1372,11 @@ class RunController:
         except (TypeError, ValueError, RecursionError) as exc:
             self._refuse(SchemaError, action,
                          f"a history item has no canonical form ({type(exc).__name__})")
-        if finding.kind == "acknowledge":
+        if finding.kind is FindingKind.ACKNOWLEDGE:
             self._record(action, ev.ReconciledAcknowledge(self._seq, take_over))
             self._attempt = None
             return Acknowledge()
-        if finding.kind == "append":
+        if finding.kind is FindingKind.APPEND:
             if s.attempt_seq is not None and not take_over:
                 self._refuse(
                     ReconcileRejected, action,
