@@ -330,7 +330,7 @@ CATALOGUE: tuple[Mutant, ...] = (
                "                and self.holds_attempt\n",
        '                trigger in ("publication_committed", "publication_failed")\n',
        "a fail-closed unsettled run lets a controller without the attempt commit"),
-    _m("CT04", "                if exc.outcome != \"not_written\":\n"
+    _m("CT04", "                if exc.outcome != Outcome.NOT_WRITTEN:\n"
                "                    self._unknown = f\"{type(event).__name__} at seq "
                "{event.seq}, {action}\"\n",
        "",

@@ -41,6 +41,7 @@ from statemachine.errors import (
     ConcurrencyConflict,
     ControlError,
     InvalidTransition,
+    Outcome,
     PublicationUnsettled,
     ReconcileRejected,
     RunNotFound,
@@ -232,7 +233,7 @@ class RunController:
                 _placed(exc, run_id=where["run_id"], step=None, action="start")
                 raise
             except (sqlite3.Error, OSError) as exc:  # a store that does not type its errors
-                raise _storage_error(exc, "unknown", **where) from exc
+                raise _storage_error(exc, Outcome.UNKNOWN, **where) from exc
         controller = cls(RunState(started), [started], store=store, max_depth=max_depth,
                          max_events=max_events, max_bytes=max_bytes, size=size)
         controller._logged(started, None)
@@ -349,7 +350,7 @@ class RunController:
             _placed(exc, run_id=run_id, step=None, action="load")
             raise
         except (sqlite3.Error, OSError) as exc:  # a store that does not type its errors
-            raise _storage_error(exc, "not_written", run_id=run_id, action="load") from exc
+            raise _storage_error(exc, Outcome.NOT_WRITTEN, run_id=run_id, action="load") from exc
 
     @classmethod
     def _loaded(cls, store: EventStore, run_id: str, *, max_depth: int, max_events: int,
@@ -486,7 +487,7 @@ class RunController:
             _placed(exc, run_id=where["run_id"], step=self._state.step, action="events")
             raise
         except (sqlite3.Error, OSError) as exc:  # a store that does not type its errors
-            raise _storage_error(exc, "not_written", **where) from exc
+            raise _storage_error(exc, Outcome.NOT_WRITTEN, **where) from exc
         if len(prefix) != self._base or any(
                 event.seq != seq for seq, event in enumerate(prefix)):
             raise SchemaError(f"the stored log lacks events before the snapshot this run "
@@ -731,7 +732,7 @@ class RunController:
                 else:
                     store.append(s.run_id, (event,), event.seq, snapshot=snapshot)
             except StorageError as exc:
-                if exc.outcome != "not_written":
+                if exc.outcome != Outcome.NOT_WRITTEN:
                     self._unknown = f"{type(event).__name__} at seq {event.seq}, {action}"
                 _placed(exc, run_id=s.run_id, step=s.step, action=action)
                 raise
@@ -740,7 +741,7 @@ class RunController:
                 raise
             except (sqlite3.Error, OSError) as exc:  # a store that does not type its errors
                 self._unknown = f"{type(event).__name__} at seq {event.seq}, {action}"
-                raise _storage_error(exc, "unknown", run_id=s.run_id, step=s.step,
+                raise _storage_error(exc, Outcome.UNKNOWN, run_id=s.run_id, step=s.step,
                                      action=action) from exc
             except BaseException:  # interrupted, or untyped: the append may have landed
                 self._unknown = f"{type(event).__name__} at seq {event.seq}, {action}"
@@ -849,13 +850,13 @@ class RunController:
             exc.step, exc.action = s.step, action
             raise exc
         if isinstance(exc, StorageError):
-            if exc.outcome != "not_written":
+            if exc.outcome != Outcome.NOT_WRITTEN:
                 self._unknown = f"{where}, {action}"
             _placed(exc, run_id=s.run_id, step=s.step, action=action)
             raise exc
         if isinstance(exc, sqlite3.Error | OSError):
             self._unknown = f"{where}, {action}"
-            raise _storage_error(exc, "unknown", run_id=s.run_id, step=s.step,
+            raise _storage_error(exc, Outcome.UNKNOWN, run_id=s.run_id, step=s.step,
                                  action=action) from exc
         raise exc
 
@@ -866,7 +867,7 @@ class RunController:
         is attempted, a model is called — and before acknowledging a human decision; the
         reference runner does. `ConcurrencyConflict` (another writer moved the log; this
         controller then refuses everything until the run is loaded again) or
-        `StorageError` (after ``"not_written"`` the events stay buffered for a retry).
+        `StorageError` (after `Outcome.NOT_WRITTEN` the events stay buffered for a retry).
         A commit waiting with its Session write (`publication_committed(session_write=)`)
         goes in the same transaction, and is applied only if it lands."""
         if not self.unflushed and self._write is None:
@@ -1288,7 +1289,7 @@ class RunController:
         the items are the effect, so they cannot wait (every command that records is
         refused until then). The event is applied only once the append landed: if it
         raises, nothing of the items was written either, the controller is as it was and
-        its attempt stays open — report ``publication_failed`` after a ``"not_written"``
+        its attempt stays open — report ``publication_failed`` after an `Outcome.NOT_WRITTEN`
         `StorageError`; after a `ConcurrencyConflict` or an unknown outcome load the run
         again (the log shows whether the pair landed)."""
         action = "publication_committed"
@@ -1476,9 +1477,9 @@ def _placed(error: StorageError, *, run_id: str | None, step: Any, action: str) 
     error.args = (error._message(),)
 
 
-def _storage_error(error: BaseException, outcome: str, **where: Any) -> StorageError:
+def _storage_error(error: BaseException, outcome: Outcome, **where: Any) -> StorageError:
     """A `StorageError` for a `sqlite3.Error` or `OSError` a store let through untyped
-    (outcome ``"unknown"`` for an append: the store did not say whether it landed)."""
+    (`Outcome.UNKNOWN` for an append: the store did not say whether it landed)."""
     return StorageError(f"the store raised {type(error).__name__}: {error}", outcome=outcome,
                         **where)
 
