@@ -51,7 +51,6 @@ from statemachine.errors import (
     ToolInDoubt,
     excerpt,
 )
-from statemachine.log import run_logger, switch
 from statemachine.machine import (
     NEUTRAL_TRIGGERS,
     SETTLING_TRIGGERS,
@@ -85,6 +84,7 @@ from statemachine.stores import (
     snapshot_ignored,
     takes_session_write,
 )
+from statemachine.structured_logging import run_logger, switch
 from statemachine.values import (
     TERMINAL_STEPS,
     WORKING_STEPS,

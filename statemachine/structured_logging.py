@@ -1,5 +1,7 @@
 """structlog logging for recorded events, silent unless switched on.
 
+(Structured logging, that is: in this project "the log" is a run's event log.)
+
 One module-level boolean gates every logging call, so a silent core pays one attribute
 read per event. `enable_logging` switches it on; each controller then logs every recorded
 event with its class name as the message and ``seq``, ``from`` and ``to`` (structlog
