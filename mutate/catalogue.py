@@ -27,6 +27,7 @@ _FILES = {
     "EN": "statemachine/envelope.py",
     "CO": "statemachine/codec.py",
     "CT": "statemachine/controller.py",
+    "JO": "statemachine/journal.py",
     "SS": "statemachine/stores.py",
     "SQ": "statemachine/sqlite.py",
     "SE": "statemachine/sessions.py",
@@ -52,6 +53,9 @@ _RUNNER = ("tests/test_one_writer.py", "tests/test_tool_interrupted.py",
 _STORES = ("tests/test_stores.py", "tests/test_storage_faults.py", "tests/test_async_stores.py",
            "tests/test_mutant_kills.py", "tests/test_snapshots.py", "tests/test_claim.py")
 
+_CONTROLLER = ("tests/test_copies.py", "tests/test_limits.py", *_CORE, "tests/test_durability.py",
+               "tests/test_snapshots.py")
+
 SELECTIONS: dict[str, tuple[str, ...]] = {
     "statemachine/machine.py": _CORE,
     "statemachine/state.py": (*_CORE, "tests/test_snapshots.py"),
@@ -59,8 +63,8 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     "statemachine/codec.py": ("tests/test_codec.py", "tests/test_limits.py",
                               "tests/test_keyed_chain.py", "tests/test_decoder_fuzz.py",
                               "tests/test_controller.py", "tests/test_mutant_kills.py"),
-    "statemachine/controller.py": ("tests/test_copies.py", "tests/test_limits.py", *_CORE,
-                                   "tests/test_durability.py", "tests/test_snapshots.py"),
+    "statemachine/controller.py": _CONTROLLER,
+    "statemachine/journal.py": _CONTROLLER,
     "statemachine/stores.py": _STORES,
     "statemachine/sqlite.py": ("tests/test_sessions.py", *_STORES),
     "statemachine/sessions.py": ("tests/test_sessions.py", "tests/test_mutant_kills.py",
@@ -322,26 +326,10 @@ CATALOGUE: tuple[Mutant, ...] = (
        "        # every raw event decoded",
        "a document without a chain passes the keyed check"),
     # ----------------------------------------------------------------- controller
-    _m("CT01", "> RESERVED_EVENTS + 2):", "> RESERVED_EVENTS):",
-       "the hot path skips the room check too close to max_events"),
-    _m("CT02", '_FINISHING = {"begin_tool": 3,', '_FINISHING = {"begin_tool": 1,',
-       "a tool may start with no room left to record its result"),
     _m("CT03", '                trigger in ("publication_committed", "publication_failed")\n'
                "                and self.holds_attempt\n",
        '                trigger in ("publication_committed", "publication_failed")\n',
        "a fail-closed unsettled run lets a controller without the attempt commit"),
-    _m("CT04", "                if exc.outcome != Outcome.NOT_WRITTEN:\n"
-               "                    self._unknown = f\"{type(event).__name__} at seq "
-               "{event.seq}, {action}\"\n",
-       "",
-       "an append of unknown outcome does not stop the controller"),
-    _m("CT05", "        if not self._buffered:\n            self._flushed = event.seq + 1\n", "",
-       "an unbuffered controller forgets what the store holds"),
-    _m("CT06", "                snapshot[SNAPSHOT_SIZE] = self._bytes  # how a load from it "
-               "knows the size\n", "",
-       "snapshots carry no log size",
-       equivalent="a load from a snapshot without the size reads it off the log "
-                  "(_snapshot_size): the same size, one read more"),
     _m("CT07", "                if not record.call.idempotent:\n"
                '                    self._refuse_in_doubt("begin_tool", call_id)\n', "",
        "begin_tool of an in-doubt call is refused by the guard, not ToolInDoubt"),
@@ -381,24 +369,13 @@ CATALOGUE: tuple[Mutant, ...] = (
        "the envelope property hands out the live envelope (forgotten copy)"),
     _m("CT18", "return copy_plain(self._state.model_output)", "return self._state.model_output",
        "model_output hands out the state's own value (forgotten copy)"),
-    _m("CT19", 'if write.publication_id != f"{s.run_id}:{s.attempt_seq}":',
+    _m("CT19", "if write.publication_id != self.publication_id:",
        "if not write.publication_id:",
        "a session_write under another attempt's publication id is accepted"),
-    _m("CT20", "        if room < needed:\n", "        if room < needed - 1:\n",
-       "max_events room check off by one"),
-    _m("CT21", "            if self._buffered:  # buffered events stay behind, refused: reload "
-               "to go on\n                self._conflict = where\n", "",
-       "a buffered controller goes on after its events were refused"),
     _m("CT22", 'f"call {excerpt(call_id)} is not in flight in this controller")\n'
                "        self._in_flight.pop(call_id, None)\n",
        'f"call {excerpt(call_id)} is not in flight in this controller")\n',
        "tool_interrupted keeps the call in flight"),
-    _m("CT23", "if base + len(tail) > max_events:", "if len(tail) > max_events:",
-       "a snapshot load does not count the events before the snapshot"),
-    _m("CT24", "            if replay(self._state.run_id, [*prefix, *self._events]) != "
-               "self._state:",
-       "            if False:",
-       "an edited log before the snapshot is handed out as the run's events"),
     _m("CT25", "        if call_id not in self._in_flight:\n"
                '            self._refuse(InvalidTransition, "tool_completed",',
        "        if False:\n"
@@ -410,11 +387,43 @@ CATALOGUE: tuple[Mutant, ...] = (
        '            self._refuse(InvalidTransition, "resolve_in_doubt",',
        "resolve_in_doubt accepted for a call still running here"),
     _m("CT27", "            self._attempt = None\n            if switch.enabled:\n"
-               "                self._logged(pending.event, before)",
-       "            if switch.enabled:\n                self._logged(pending.event, before)",
+               "                self._logged(commit.event, commit.source)",
+       "            if switch.enabled:\n                self._logged(commit.event, commit.source)",
        "a commit with its Session write leaves the controller's attempt set",
        equivalent="holds_attempt also compares with the state's attempt_seq, which the "
                   "commit clears, and the next stage sets the attempt again"),
+    # -------------------------------------------------------------------- journal
+    _m("JO01", "max_events - RESERVED_EVENTS - max(_FINISHING.values()))",
+       "max_events - RESERVED_EVENTS - 1)",
+       "the hot path skips the room check too close to max_events"),
+    _m("JO02", '_FINISHING = {"begin_tool": 3,', '_FINISHING = {"begin_tool": 1,',
+       "a tool may start with no room left to record its result"),
+    _m("JO04", "                journal.stop(StorageError, _unknown(what))\n"
+               "            _placed(error, **where)\n",
+       "            _placed(error, **where)\n",
+       "an append of unknown outcome does not stop the controller"),
+    _m("JO05", "        if not self.buffered:\n            self.flushed = self.version\n", "",
+       "an unbuffered controller forgets what the store holds"),
+    _m("JO06", "        snapshot[SNAPSHOT_SIZE] = self.size  # how a load from it knows the size\n",
+       "",
+       "snapshots carry no log size",
+       equivalent="a load from a snapshot without the size reads it off the log "
+                  "(_snapshot_size): the same size, one read more"),
+    _m("JO20", "        if room < needed:\n", "        if room < needed - 1:\n",
+       "max_events room check off by one"),
+    _m("JO21", "            if journal is not None and journal.buffered:  # they stay behind, "
+               "refused\n"
+               "                journal.stop(ConcurrencyConflict,\n"
+               "                             f\"this controller's buffered events were refused "
+               "({what}): \"\n"
+               "                             \"another writer moved the log; load the run again "
+               "to go on\")\n", "",
+       "a buffered controller goes on after its events were refused"),
+    _m("JO23", "if base + len(tail.events) > max_events:", "if len(tail.events) > max_events:",
+       "a snapshot load does not count the events before the snapshot"),
+    _m("JO24", "            if replay(state.run_id, [*prefix, *self.events]) != state:",
+       "            if False:",
+       "an edited log before the snapshot is handed out as the run's events"),
     # --------------------------------------------------------------------- stores
     _m("SS01", "            if len(log) != expected_version:\n",
        "            if len(log) > expected_version:\n",

@@ -66,6 +66,10 @@ SNAPSHOT_EVERY = 256
 """How often (in events) a controller hands its store a snapshot."""
 
 Snapshot = dict[str, JSON]
+UNTYPED_BACKEND_ERRORS: tuple[type[Exception], ...] = (sqlite3.Error, OSError)
+"""The backend errors a store may let through untyped: the journal types them as a
+`StorageError` (outcome ``"unknown"`` for an append, ``"not_written"`` for a read), so
+no `sqlite3` error or `OSError` escapes a public call."""
 
 
 @runtime_checkable

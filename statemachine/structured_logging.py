@@ -11,6 +11,7 @@ reserves ``event`` for the message, so the state names travel as keys), bound to
 
 from __future__ import annotations
 
+import functools
 import logging as _stdlib_logging
 import sys
 from typing import Any
@@ -40,6 +41,7 @@ def enable_logging(*, json: bool = False, stream: Any = None) -> None:
         logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
         cache_logger_on_first_use=False,
     )
+    run_logger.cache_clear()  # loggers bound before are bound to the old configuration
     switch.enabled = True
 
 
@@ -47,5 +49,8 @@ def disable_logging() -> None:
     switch.enabled = False
 
 
+@functools.lru_cache(maxsize=256)
 def run_logger(run_id: str) -> Any:
+    """The logger bound to ``run_id``, kept here for the runs logging now rather than on
+    each controller, so an idle run holds no logger."""
     return structlog.get_logger("statemachine").bind(run_id=run_id)
