@@ -29,6 +29,7 @@ _FILES = {
     "SZ": "statemachine/sizes.py",
     "FL": "statemachine/fastload.py",
     "CT": "statemachine/controller.py",
+    "JO": "statemachine/journal.py",
     "SS": "statemachine/stores.py",
     "SD": "statemachine/stored.py",
     "SQ": "statemachine/sqlite.py",
@@ -66,6 +67,10 @@ _STORES = ("tests/storage/test_stores.py", "tests/storage/test_storage_faults.py
            "tests/storage/test_async_stores.py", "tests/storage/test_snapshots.py",
            "tests/core/test_claim.py")
 
+_CONTROLLER = ("tests/core/test_copies.py", *_CORE, "tests/storage/test_storage_faults.py",
+               "tests/storage/test_snapshots.py", "tests/storage/test_durability.py",
+               "tests/core/test_tool_interrupted.py")
+
 SELECTIONS: dict[str, tuple[str, ...]] = {
     "statemachine/machine.py": _CORE,
     "statemachine/state.py": (*_CORE, "tests/storage/test_snapshots.py"),
@@ -73,11 +78,8 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     "statemachine/codec.py": _CODEC,
     "statemachine/sizes.py": _CODEC,
     "statemachine/fastload.py": (*_CODEC, "tests/storage/test_stores.py"),
-    "statemachine/controller.py": ("tests/core/test_copies.py", *_CORE,
-                                   "tests/storage/test_storage_faults.py",
-                                   "tests/storage/test_snapshots.py",
-                                   "tests/storage/test_durability.py",
-                                   "tests/core/test_tool_interrupted.py"),
+    "statemachine/controller.py": _CONTROLLER,
+    "statemachine/journal.py": _CONTROLLER,
     "statemachine/stores.py": _STORES,
     "statemachine/stored.py": _STORES,
     "statemachine/sqlite.py": ("tests/storage/test_sessions.py", *_STORES),
@@ -210,7 +212,7 @@ CATALOGUE: tuple[Mutant, ...] = (
        "turns never counted: max_turns never reached"),
     _m("ST02", "return (hook, self.model_calls)", "return (hook, self.activation)",
        "model hooks keyed per activation: the second model call skips model_start"),
-    _m("ST03", "scope = result.call_id if stage in _TOOL_STAGES else self.activation",
+    _m("ST03", "scope = result.call_id if stage in TOOL_STAGES else self.activation",
        "scope = result.call_id",
        "input/output guardrails keyed once per run instead of per activation"),
     _m("ST04", "self.unpublished_results() > len(call_ids)",
@@ -261,7 +263,7 @@ CATALOGUE: tuple[Mutant, ...] = (
        "def _failed(s: RunState, e: ev.PublicationFailed) -> None:\n"
                "    return None",
        "a failed publication leaves its attempt open"),
-    _m("ST18", "    if s.pending_input and step in _STAGING:",
+    _m("ST18", "    if s.pending_input and step in STAGING_STEPS:",
        "    if s.pending_input and step is Step.RUN_AGAIN:",
        "recorded input published first only from RUN_AGAIN"),
     _m("ST19", "        if step is Step.HANDOFF and s.unpublished_results():\n"
@@ -286,7 +288,7 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("EN02", "for end in range(max(p, n), p + m + 1):", "for end in range(max(p, n), p + m):",
        "the full batch P + B is not compared with the partial writes"),
     _m("EN03", "    if session_id != envelope.session_id:\n"
-               '        return Finding("session_mismatch")\n',
+               "        return Finding(FindingKind.SESSION_MISMATCH)\n",
        "",
        "reconcile accepts another Session's history"),
     _m("EN04", "    for k in range(1, len(b)):", "    for k in range(1, len(b) - 1):",
@@ -305,10 +307,10 @@ CATALOGUE: tuple[Mutant, ...] = (
        "frontier marked whole although it keeps only part of the history"),
     _m("EN09", "return len({seq[end - n:end] for end in ends}) != len(ends)", "return True",
        "replay accepts a recorded read limit larger than the smallest"),
-    _m("EN08", '    if seen == p[-n:]:\n        return Finding("append")\n'
-               '    if seen == (p + b)[-n:]:\n        return Finding("acknowledge")\n',
-       '    if seen == (p + b)[-n:]:\n        return Finding("acknowledge")\n'
-       '    if seen == p[-n:]:\n        return Finding("append")\n',
+    _m("EN08", "    if seen == p[-n:]:\n        return Finding(FindingKind.APPEND)\n"
+               "    if seen == (p + b)[-n:]:\n        return Finding(FindingKind.ACKNOWLEDGE)\n",
+       "    if seen == (p + b)[-n:]:\n        return Finding(FindingKind.ACKNOWLEDGE)\n"
+       "    if seen == p[-n:]:\n        return Finding(FindingKind.APPEND)\n",
        "acknowledge tested before append",
        equivalent="read_limit makes the n-item tails of P and P + B distinct, so at most "
                   "one of the two tests holds"),
@@ -352,26 +354,10 @@ CATALOGUE: tuple[Mutant, ...] = (
        'lines.append(f"    if not isinstance({v}, int): raise _Slow")',
        "the fast decoder takes True for an int field"),
     # ----------------------------------------------------------------- controller
-    _m("CT01", "> RESERVED_EVENTS + 2):", "> RESERVED_EVENTS):",
-       "the hot path skips the room check too close to max_events"),
-    _m("CT02", '_FINISHING = {"begin_tool": 3,', '_FINISHING = {"begin_tool": 1,',
-       "a tool may start with no room left to record its result"),
     _m("CT03", '                trigger in ("publication_committed", "publication_failed")\n'
                "                and self.holds_attempt\n",
        '                trigger in ("publication_committed", "publication_failed")\n',
        "a fail-closed unsettled run lets a controller without the attempt commit"),
-    _m("CT04", "                if exc.outcome != \"not_written\":\n"
-               "                    self._unknown = f\"{type(event).__name__} at seq "
-               "{event.seq}, {action}\"\n",
-       "",
-       "an append of unknown outcome does not stop the controller"),
-    _m("CT05", "        if not self._buffered:\n            self._flushed = event.seq + 1\n", "",
-       "an unbuffered controller forgets what the store holds"),
-    _m("CT06", "                snapshot[SNAPSHOT_SIZE] = self._bytes  # how a load from it "
-               "knows the size\n", "",
-       "snapshots carry no log size",
-       equivalent="a load from a snapshot without the size reads it off the log "
-                  "(_snapshot_size): the same size, one read more"),
     _m("CT07", "                if not record.call.idempotent:\n"
                '                    self._refuse_in_doubt("begin_tool", call_id)\n', "",
        "begin_tool of an in-doubt call is refused by the guard, not ToolInDoubt"),
@@ -411,24 +397,13 @@ CATALOGUE: tuple[Mutant, ...] = (
        "the envelope property hands out the live envelope (forgotten copy)"),
     _m("CT18", "return copy_plain(self._state.model_output)", "return self._state.model_output",
        "model_output hands out the state's own value (forgotten copy)"),
-    _m("CT19", 'if write.publication_id != f"{s.run_id}:{s.attempt_seq}":',
+    _m("CT19", "if write.publication_id != self.publication_id:",
        "if not write.publication_id:",
        "a session_write under another attempt's publication id is accepted"),
-    _m("CT20", "        if room < needed:\n", "        if room < needed - 1:\n",
-       "max_events room check off by one"),
-    _m("CT21", "            if self._buffered:  # buffered events stay behind, refused: reload "
-               "to go on\n                self._conflict = where\n", "",
-       "a buffered controller goes on after its events were refused"),
     _m("CT22", 'f"call {excerpt(call_id)} is not in flight in this controller")\n'
                "        self._in_flight.pop(call_id, None)\n",
        'f"call {excerpt(call_id)} is not in flight in this controller")\n',
        "tool_interrupted keeps the call in flight"),
-    _m("CT23", "if base + len(tail) > max_events:", "if len(tail) > max_events:",
-       "a snapshot load does not count the events before the snapshot"),
-    _m("CT24", "            if replay(self._state.run_id, [*prefix, *self._events]) != "
-               "self._state:",
-       "            if False:",
-       "an edited log before the snapshot is handed out as the run's events"),
     _m("CT25", "        if call_id not in self._in_flight:\n"
                '            self._refuse(InvalidTransition, "tool_completed",',
        "        if False:\n"
@@ -440,11 +415,43 @@ CATALOGUE: tuple[Mutant, ...] = (
        '            self._refuse(InvalidTransition, "resolve_in_doubt",',
        "resolve_in_doubt accepted for a call still running here"),
     _m("CT27", "            self._attempt = None\n            if switch.enabled:\n"
-               "                self._logged(pending.event, before)",
-       "            if switch.enabled:\n                self._logged(pending.event, before)",
+               "                self._logged(commit.event, commit.source)",
+       "            if switch.enabled:\n                self._logged(commit.event, commit.source)",
        "a commit with its Session write leaves the controller's attempt set",
        equivalent="holds_attempt also compares with the state's attempt_seq, which the "
                   "commit clears, and the next stage sets the attempt again"),
+    # -------------------------------------------------------------------- journal
+    _m("JO01", "max_events - RESERVED_EVENTS - max(_FINISHING.values()))",
+       "max_events - RESERVED_EVENTS - 1)",
+       "the hot path skips the room check too close to max_events"),
+    _m("JO02", '_FINISHING = {"begin_tool": 3,', '_FINISHING = {"begin_tool": 1,',
+       "a tool may start with no room left to record its result"),
+    _m("JO04", "                journal.stop(StorageError, _unknown(what))\n"
+               "            _placed(error, **where)\n",
+       "            _placed(error, **where)\n",
+       "an append of unknown outcome does not stop the controller"),
+    _m("JO05", "        if not self.buffered:\n            self.flushed = self.version\n", "",
+       "an unbuffered controller forgets what the store holds"),
+    _m("JO06", "        snapshot[SNAPSHOT_SIZE] = self.size  # how a load from it knows the size\n",
+       "",
+       "snapshots carry no log size",
+       equivalent="a load from a snapshot without the size reads it off the log "
+                  "(_snapshot_size): the same size, one read more"),
+    _m("JO20", "        if room < needed:\n", "        if room < needed - 1:\n",
+       "max_events room check off by one"),
+    _m("JO21", "            if journal is not None and journal.buffered:  # they stay behind, "
+               "refused\n"
+               "                journal.stop(ConcurrencyConflict,\n"
+               "                             f\"this controller's buffered events were refused "
+               "({what}): \"\n"
+               "                             \"another writer moved the log; load the run again "
+               "to go on\")\n", "",
+       "a buffered controller goes on after its events were refused"),
+    _m("JO23", "if base + len(tail.events) > max_events:", "if len(tail.events) > max_events:",
+       "a snapshot load does not count the events before the snapshot"),
+    _m("JO24", "            if replay(state.run_id, [*prefix, *self.events]) != state:",
+       "            if False:",
+       "an edited log before the snapshot is handed out as the run's events"),
     # --------------------------------------------------------------------- stores
     _m("SS01", "            if len(log) != expected_version:\n",
        "            if len(log) > expected_version:\n",

@@ -21,7 +21,6 @@ from statemachine.errors import (
     StorageError,
     ToolInDoubt,
 )
-from statemachine.log import disable_logging, enable_logging
 from statemachine.payloads import register_canonical
 from statemachine.stores import (
     EventStore,
@@ -30,6 +29,7 @@ from statemachine.stores import (
     SnapshotIgnored,
     SQLiteEventStore,
 )
+from statemachine.structured_logging import disable_logging, enable_logging
 from statemachine.values import (
     Acknowledge,
     Action,

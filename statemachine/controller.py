@@ -11,58 +11,52 @@ Every command goes through the same pipeline, and the first failing check wins:
    abandon while unsettled (I2);
 2. the arguments: `SchemaError` unless plain JSON within the limits (detached here);
 3. `ToolInDoubt`, only from ``resume`` and ``begin_tool``;
-4. the machine (`machine.fire` over the compiled table): `InvalidTransition` naming the
-   failed guard;
-5. the store, when one is bound: the event is appended with the expected version, so a
-   `ConcurrencyConflict` leaves this controller unchanged;
-6. the fold: the event is applied and appended to ``events``.
+4. the machine (`machine.destination`): `InvalidTransition` naming the failed guard;
+5. the journal (`journal.Journal`), when a store is bound: the event is appended with the
+   expected version (or buffered until the next flush), so a `ConcurrencyConflict`
+   leaves this controller unchanged;
+6. the fold: the event is applied (`RunState.apply`) and kept in the log.
 
-Two things the controller knows and the log does not, and that are never serialized:
-the publication attempt it holds (stage or an ``Append`` decision, until commit or fail)
-and the calls it has in flight (started here, not yet completed).
+The journal keeps the log, its store, its room under the limits and the state in which
+the run must be loaded again; the controller keeps the doors (`start`, `load`,
+`load_async`, `from_json`), the reads, the gate, validation and the commands, and two
+things the log does not know and that are never serialized: the publication attempt it
+holds (stage or an ``Append`` decision, until commit or fail) and the calls it has in
+flight (started here, not yet completed).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
-import gc
-import inspect
-import sqlite3
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import attrs
 
 from statemachine import codec
 from statemachine import events as ev
-from statemachine.envelope import Envelope, classify, measure_frontier
+from statemachine.envelope import Envelope, FindingKind, classify, measure_frontier
 from statemachine.errors import (
-    ConcurrencyConflict,
     ControlError,
     InvalidTransition,
     PublicationUnsettled,
     ReconcileRejected,
-    RunNotFound,
     RunNotResumable,
     SchemaError,
-    StorageError,
     ToolInDoubt,
     excerpt,
 )
-from statemachine.log import run_logger, switch
-from statemachine.machine import (
-    NEUTRAL_TRIGGERS,
-    ROWS,
-    SETTLING_TRIGGERS,
-    TERMINAL_STEPS,
-    WORKING_STEPS,
-    Refused,
-    fire,
-    replay,
-    replay_onto,
+from statemachine.journal import (
+    RESERVED_EVENTS,
+    RESERVED_TEXT,
+    SNAPSHOT_SIZE,
+    Journal,
+    Limits,
+    PendingCommit,
+    gc_paused,
+    is_async,
+    limits_of,
 )
+from statemachine.machine import NEUTRAL_TRIGGERS, SETTLING_TRIGGERS, Refused, destination, replay
 from statemachine.payloads import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_DEPTH,
@@ -76,22 +70,18 @@ from statemachine.payloads import (
     digests,
     text_problem,
 )
-from statemachine.state import APPLY, RunState, in_doubt, next_action
+from statemachine.state import RunState, in_doubt, next_action
 from statemachine.stores import (
     SNAPSHOT_EVERY,
     AsyncEventStore,
-    Loaded,
     MemoryEventStore,
     SessionWrite,
-    SnapshotStore,
-    indexes_runs,
-    load_latest_measured,
-    load_measured,
-    restored,
-    snapshot_ignored,
     takes_session_write,
 )
+from statemachine.structured_logging import run_logger, switch
 from statemachine.values import (
+    TERMINAL_STEPS,
+    WORKING_STEPS,
     Acknowledge,
     Action,
     Append,
@@ -110,20 +100,10 @@ if TYPE_CHECKING:
 
     from statemachine.stores import EventStore
 
-RESERVED_EVENTS = 4
-"""Events under ``max_events`` kept for fail, reconcile, commit and abandon, so a run at
-its limit can always settle or close."""
+__all__ = ["RESERVED_EVENTS", "RESERVED_TEXT", "SNAPSHOT_SIZE", "RunController"]
+"""(The reserves and the snapshot's size key live with the journal; they are named here
+too, where they were first.)"""
 
-_FINISHING = {"begin_tool": 3, "tool_completed": 2, "resolve_in_doubt": 2}
-"""Extra room a command needs beyond the reserve: a started tool must be able to record
-its result, and a result must be able to be staged, or it would be lost."""
-RESERVED_TEXT = 256
-"""The bytes (UTF-8, as JSON) of an error name or abandon reason that the room reserved
-under ``max_bytes`` holds: a run at its byte limit can always fail, reconcile, commit and
-abandon with a reason or an error name up to this long."""
-
-_RECORDS_NOTHING = frozenset({"tool_interrupted"})
-"""Commands that never record an event, so the log's room does not gate them."""
 _UNSETTLED = Step.UNSETTLED
 _WORKING = frozenset(WORKING_STEPS)
 
@@ -131,46 +111,13 @@ _WORKING = frozenset(WORKING_STEPS)
 class RunController:
     """The control core of one run. Create with `start`, `load` or `from_json`."""
 
-    __slots__ = ("_attempt", "_base", "_buffered", "_bytes", "_conflict", "_events",
-                 "_flushed", "_in_flight", "_log", "_max_bytes", "_max_depth", "_max_events",
-                 "_pending_snapshot", "_room", "_snapshot_at", "_state", "_store",
-                 "_unknown", "_write")
+    __slots__ = ("_attempt", "_in_flight", "_journal", "_state")
 
-    def __init__(self, state: RunState, events: list[ev.Event], *, store: EventStore | None,
-                 max_depth: int, max_events: int, base: int = 0,
-                 max_bytes: int = DEFAULT_MAX_BYTES, size: int | None = None) -> None:
-        self._state = state
-        self._events = events
-        self._base = base  # events before this seq live only in the store (snapshot load)
-        self._store = store
-        self._max_depth = max_depth
-        self._max_events = max_events
+    def __init__(self, journal: Journal) -> None:
+        self._journal = journal
+        self._state = journal.state
         self._attempt: int | None = None
         self._in_flight: dict[str, None] = {}  # a set, in the 64 bytes of an empty dict
-        self._log: Any = None
-        self._unknown: str | None = None
-        """Why an append's outcome is unknown (None: it never was); then every command
-        is refused until the run is loaded again."""
-        self._buffered = store is not None and _is_async(store)
-        """Durability at effect boundaries: events are kept here and appended by
-        `flush` / `flush_async` in one transaction (always so for an async store)."""
-        self._flushed = base + len(events)
-        """How many events the store holds (the version the next flush expects)."""
-        self._pending_snapshot: dict[str, JSON] | None = None
-        self._write: _PendingWrite | None = None
-        """A publication's commit event and its Session write, waiting for the append
-        that writes both in one transaction (`publication_committed(session_write=)`)."""
-        self._snapshot_at = base
-        self._conflict: str | None = None
-        """Why buffered events were refused by the store (another writer moved the log);
-        then every command is refused until the run is loaded again."""
-        self._bytes = codec.log_size(state.run_id, events) if size is None else size
-        """The size of `to_json()` (no chain): what ``max_bytes`` bounds, kept as events
-        are recorded (``base`` > 0 needs ``size``: the events before it are not here)."""
-        self._max_bytes = max_bytes
-        self._room = max_bytes - _byte_reserves(max_events)[0]
-        """The size below which any command may record; above it only the settling ones
-        and abandon may, in the room reserved for them (`_over_bytes`)."""
 
     # ----------------------------------------------------------- creating a run
 
@@ -213,33 +160,16 @@ class RunController:
             raise SchemaError("policy must be a RecoveryPolicy", **where)
         if max_turns is not None and (type(max_turns) is not int or max_turns < 0):
             raise SchemaError("max_turns must be None or an int >= 0", **where)
-        for name, limit in (("max_depth", max_depth), ("max_events", max_events)):
-            if type(limit) is not int or limit < 1:
-                raise SchemaError(f"{name} must be an int >= 1", **where)
+        _check_limit("max_depth", max_depth, where)
+        _check_limit("max_events", max_events, where)
         if max_events <= RESERVED_EVENTS + 1:
             raise SchemaError(f"max_events must exceed {RESERVED_EVENTS + 1}", **where)
         canonical_form(canonical)  # SchemaError when unknown
+        _check_limit("max_bytes", max_bytes, where)
         started = ev.RunStarted(0, run_id, session_id, policy, max_turns, canonical)
-        size = _started_size(started, max_events, max_bytes, where)
-        if store is not None and (buffered or _is_async(store)):
-            controller = cls(RunState(started), [started], store=store, max_depth=max_depth,
-                             max_events=max_events, max_bytes=max_bytes, size=size)
-            controller._buffered, controller._flushed = True, 0
-            controller._logged(started, None)
-            return controller
-        if store is not None:
-            try:
-                store.append(run_id, (started,), 0)
-            except ConcurrencyConflict:
-                raise ConcurrencyConflict("a run with this id already exists in the store",
-                                          **where) from None
-            except StorageError as exc:
-                _placed(exc, run_id=where["run_id"], step=None, action="start")
-                raise
-            except (sqlite3.Error, OSError) as exc:  # a store that does not type its errors
-                raise _storage_error(exc, "unknown", **where) from exc
-        controller = cls(RunState(started), [started], store=store, max_depth=max_depth,
-                         max_events=max_events, max_bytes=max_bytes, size=size)
+        journal = Journal.start(started, store=store, buffered=buffered,
+                                limits=_limits(max_depth, max_events, max_bytes))
+        controller = cls(journal)
         controller._logged(started, None)
         return controller
 
@@ -263,13 +193,13 @@ class RunController:
         state is built; without one a chain is not checked. `InvalidTransition` naming the
         sequence number of the first event the machine forbids. The controller holds no
         attempt and no call in flight."""
-        _check_limit("max_bytes", max_bytes, "load")
-        with _gc_paused():
+        _check_limit("max_bytes", max_bytes, {"action": "load"})
+        with gc_paused():
             decoded = codec.decode_log(data, max_depth=max_depth, max_events=max_events,
                                        max_bytes=max_bytes, key=key)
             state = replay(decoded.run_id, decoded.events)
-            return cls(state, decoded.events, store=None, max_depth=max_depth,
-                       max_events=max_events, max_bytes=max_bytes, size=decoded.size)
+            return cls(Journal(state, decoded.events, store=None, size=decoded.size,
+                               limits=_limits(max_depth, max_events, max_bytes)))
 
     @classmethod
     def load(
@@ -299,13 +229,9 @@ class RunController:
         `StorageError` when the store cannot be read. Loading is also the one way on after
         a command's append had an unknown outcome. ``max_bytes`` as for `start`: a log
         whose `to_json()` is over it is `SchemaError`."""
-        _check_limit("max_bytes", max_bytes, "load")
-        with _gc_paused():
-            loaded = cls._load(store, run_id, max_depth=max_depth, max_events=max_events,
-                               snapshot=snapshot)
-        loaded._bind_max_bytes(max_bytes)
-        loaded._buffered = buffered
-        return loaded
+        _check_limit("max_bytes", max_bytes, {"action": "load"})
+        return cls(Journal.load(store, run_id, snapshot=snapshot, buffered=buffered,
+                                limits=_limits(max_depth, max_events, max_bytes)))
 
     @classmethod
     async def load_async(
@@ -329,80 +255,15 @@ class RunController:
         if type(store) is MemoryEventStore:
             return cls.load(store, run_id, max_depth=max_depth, max_events=max_events,
                             max_bytes=max_bytes, snapshot=snapshot, buffered=buffered)
-        if not _is_async(store):
+        if not is_async(store):
             return await asyncio.to_thread(
                 cls.load, store, run_id,  # type: ignore[arg-type]
                 max_depth=max_depth, max_events=max_events,
                 max_bytes=max_bytes, snapshot=snapshot, buffered=buffered)
-        loop = asyncio.get_running_loop()
-        bridge = _SyncBridge(store, loop)
-        loaded: RunController = await asyncio.to_thread(
-            cls.load, bridge, run_id,
-            max_depth=max_depth, max_events=max_events, max_bytes=max_bytes,
-            snapshot=snapshot)
-        loaded._store = store  # type: ignore[assignment]
-        loaded._buffered = True
-        return loaded
-
-    @classmethod
-    def _load(cls, store: EventStore, run_id: str, *, max_depth: int, max_events: int,
-              snapshot: bool = True) -> RunController:
-        try:
-            return cls._loaded(store, run_id, max_depth=max_depth, max_events=max_events,
-                               snapshot=snapshot)
-        except StorageError as exc:
-            _placed(exc, run_id=run_id, step=None, action="load")
-            raise
-        except (sqlite3.Error, OSError) as exc:  # a store that does not type its errors
-            raise _storage_error(exc, "not_written", run_id=run_id, action="load") from exc
-
-    @classmethod
-    def _loaded(cls, store: EventStore, run_id: str, *, max_depth: int, max_events: int,
-                snapshot: bool) -> RunController:
-        where = {"run_id": run_id, "action": "load"}
-        stored: Mapping[str, Any] | None = None
-        state: RunState | None = None
-        source: Loaded | None = None
-        if snapshot and isinstance(store, SnapshotStore):
-            stored, latest = load_latest_measured(store, run_id)
-            tail = latest.events
-            state = restored(run_id, stored, tail)
-            if state is not None:
-                base = state.last_seq + 1
-                if base + len(tail) > max_events:
-                    raise SchemaError(f"the log has more than max_events={max_events} "
-                                      "events", **where)
-                try:
-                    replay_onto(state, tail, first=base)
-                except ControlError:
-                    pass  # the whole log decides below: it raises too, or the snapshot is bad
-                else:
-                    return cls(state, list(tail), store=store, max_depth=max_depth,
-                               max_events=max_events, base=base,
-                               size=_snapshot_size(store, run_id, stored, base, latest))
-            elif stored is None and tail and tail[0].seq == 0:
-                source = latest  # no snapshot: the tail is the whole log
-        if source is None:
-            source = load_measured(store, run_id)
-        log = list(source.events)
-        if not log:
-            raise RunNotFound("no such run in the store", **where)
-        if len(log) > max_events:
-            raise SchemaError(f"the log has more than max_events={max_events} events",
-                              **where)
-        loaded = cls._replayed(run_id, log, store=store, max_depth=max_depth,
-                               max_events=max_events, size=_measured_size(run_id, source))
-        if stored is not None and state is not None:
-            snapshot_ignored(run_id, "the events after it do not replay onto it")
-        return loaded
-
-    @classmethod
-    def _replayed(cls, run_id: str, events: list[ev.Event], *, store: EventStore | None,
-                  max_depth: int, max_events: int, size: int | None = None
-                  ) -> RunController:
-        state = replay(run_id, events)
-        return cls(state, events, store=store, max_depth=max_depth, max_events=max_events,
-                   size=size)
+        _check_limit("max_bytes", max_bytes, {"action": "load"})
+        return cls(await Journal.load_async(
+            store, run_id, snapshot=snapshot,  # type: ignore[arg-type]
+            limits=_limits(max_depth, max_events, max_bytes)))
 
     def to_json(self, key: bytes | None = None) -> dict[str, JSON]:
         """The run as a plain JSON tree of the current ``schema_version``.
@@ -412,23 +273,14 @@ class RunController:
         ``from_json(..., key=key)`` refuses a document whose events were edited, removed
         or reordered. Without a key, replay rejects only an illegal or malformed log: an
         edited payload that keeps the log legal loads."""
-        return codec.encode_log(self._state.run_id, self._log_events(), key=key)
+        return codec.encode_log(self._state.run_id, self._journal.whole(), key=key)
 
     @property
     def size(self) -> int:
         """The size of `to_json()`: the UTF-8 length of its compact JSON text
         (``json.dumps(doc, separators=(",", ":"), ensure_ascii=False)``), without a
         keyed chain (which adds `codec.CHAIN_BYTES`). ``max_bytes`` bounds it. O(1)."""
-        return self._bytes
-
-    def _bind_max_bytes(self, max_bytes: int) -> None:
-        """Bind a loaded run to ``max_bytes``; `SchemaError` when it is already over."""
-        if self._bytes > max_bytes:
-            raise SchemaError(f"the log is over max_bytes={max_bytes} (its JSON takes "
-                              f"{self._bytes} bytes)", run_id=self._state.run_id,
-                              action="load")
-        self._max_bytes = max_bytes
-        self._room = max_bytes - _byte_reserves(self._max_events)[0]
+        return self._journal.size
 
     # ------------------------------------------------------------------ reading
 
@@ -451,7 +303,7 @@ class RunController:
     @property
     def store(self) -> EventStore | None:
         """The event store this run is bound to (None for a run without one)."""
-        return self._store
+        return self._journal.store
 
     @property
     def max_turns(self) -> int | None:
@@ -466,43 +318,7 @@ class RunController:
     def events(self) -> tuple[ev.Event, ...]:
         """The whole log, as copies (read from the store for a run loaded from a snapshot:
         O(log length); ``version`` is the O(1) way to see whether the log moved)."""
-        return tuple(ev.copied(event) for event in self._log_events())
-
-    def _log_events(self) -> list[ev.Event]:
-        if self._base and self._store is not None:
-            return [*self._prefix(self._store), *self._events]
-        return self._events
-
-    def _prefix(self, store: EventStore) -> list[ev.Event]:
-        """The events before the snapshot this run was loaded from, read from the store:
-        exactly ``_base`` of them, seq 0 on, and leading (with the events after them) to
-        this run's state; else `SchemaError` (or the replay's `InvalidTransition`): never a
-        shorter log, nor one the snapshot did not come from. O(log length), like
-        ``events`` itself."""
-        where = {"run_id": self._state.run_id, "action": "events"}
-        if _is_async(store):
-            raise InvalidTransition(
-                "this run was loaded from a snapshot of an async store, so its whole log "
-                "is not at hand: load it with load_async(..., snapshot=False) to read it",
-                step=self._state.step, **where)
-        try:
-            prefix = store.load(self._state.run_id)[: self._base]
-        except StorageError as exc:
-            _placed(exc, run_id=where["run_id"], step=self._state.step, action="events")
-            raise
-        except (sqlite3.Error, OSError) as exc:  # a store that does not type its errors
-            raise _storage_error(exc, "not_written", **where) from exc
-        if len(prefix) != self._base or any(
-                event.seq != seq for seq, event in enumerate(prefix)):
-            raise SchemaError(f"the stored log lacks events before the snapshot this run "
-                              f"was loaded from (it holds {len(prefix)} of {self._base})",
-                              **where)
-        with _gc_paused():
-            if replay(self._state.run_id, [*prefix, *self._events]) != self._state:
-                raise SchemaError("the stored log before the snapshot this run was loaded "
-                                  "from does not lead to the snapshot's state (it was "
-                                  "changed)", **where)
-        return prefix
+        return tuple(ev.copied(event) for event in self._journal.whole())
 
     @property
     def state(self) -> RunState:
@@ -554,6 +370,15 @@ class RunController:
     def holds_attempt(self) -> bool:
         """Whether this controller opened the open publication attempt."""
         return self._attempt is not None and self._attempt == self._state.attempt_seq
+
+    @property
+    def publication_id(self) -> str | None:
+        """The open publication attempt's id, ``f"{run_id}:{seq}"`` with the seq of the
+        event that opened it (its `PublicationStaged`, or the `ReconciledAppend`); None
+        while no attempt is open. A Session that keeps the writer of its items (the
+        PostgreSQL Session) files the batch under it."""
+        seq = self._state.attempt_seq
+        return None if seq is None else f"{self._state.run_id}:{seq}"
 
     def fingerprint(self, call_id: str) -> str:
         """sha256 hex of the built-in canonical JSON of ``[name, arguments]``."""
@@ -643,7 +468,12 @@ class RunController:
     def version(self) -> int:
         """How many events the log holds (the store's expected version). O(1), unlike
         ``len(events)`` for a run loaded from a snapshot."""
-        return self._seq
+        return self._journal.version
+
+    @property
+    def unflushed(self) -> int:
+        """Events recorded here and not yet in the store (0 unless the run buffers)."""
+        return self._journal.unflushed
 
     # ---------------------------------------------------------------- pipeline
 
@@ -651,19 +481,12 @@ class RunController:
         raise kind(reason, run_id=self._state.run_id, step=self._state.step, action=action)
 
     def _gate(self, action: str, trigger: str) -> None:
-        if self._conflict is not None:
-            self._refuse(ConcurrencyConflict, action,
-                         f"this controller's buffered events were refused ({self._conflict}):"
-                         " another writer moved the log; load the run again to go on")
-        if self._unknown is not None:
-            self._refuse(StorageError, action,
-                         f"an earlier append's outcome is unknown ({self._unknown}); this "
-                         "controller may be behind its log: load the run again from the "
-                         "store (RunController.load) to go on")
+        journal = self._journal
+        if journal.stopped is not None:
+            journal.refuse_stopped(action)
         s = self._state
         step = s.step
-        if step in _WORKING and (self._max_events - self._base - len(self._events)
-                                 > RESERVED_EVENTS + 2):
+        if step in _WORKING and journal.version <= journal.limits.roomy_version:
             return  # the hot path: a live, settled run with room in its log
         if step in TERMINAL_STEPS:
             self._refuse(RunNotResumable, action, f"the run is {step.value} and never resumes")
@@ -684,22 +507,17 @@ class RunController:
                     PublicationUnsettled, action,
                     "a publication envelope is unsettled; reconcile it (or commit, fail or "
                     "abandon) before anything else runs")
-        if trigger in _RECORDS_NOTHING:
-            return  # it needs no room in the log, and refusing it would strand a call
-        room = self._max_events - self._seq
-        needed = 1 if trigger == "abandon" else 2 if trigger in SETTLING_TRIGGERS else (
-            RESERVED_EVENTS + _FINISHING.get(trigger, 1))
-        if room < needed:
-            self._refuse(SchemaError, action,
-                         f"the log is at its limit of max_events={self._max_events}")
+        journal.check_count(action, trigger)
 
     def _detach(self, action: str, what: str, value: JSON) -> JSON:
         try:
-            return detach(value, self._max_depth)
+            return detach(value, self._journal.limits.max_depth)
         except PayloadError as exc:
             self._refuse(SchemaError, action, f"{what} is not plain JSON: {exc}")
 
     def _text(self, action: str, what: str, value: Any, *, optional: bool = False) -> None:
+        if type(value) is str and value.isascii() and len(value) <= MAX_TEXT:
+            return  # the common case (an ASCII str is valid Unicode); the rest is decided below
         if optional and value is None:
             return
         problem = text_problem(value)
@@ -709,172 +527,43 @@ class RunController:
 
     def _record(self, action: str, event: ev.Event) -> Step:
         s = self._state
-        if self._write is not None:  # a commit and its Session write wait for their append
-            self._refuse(InvalidTransition, action,
-                         "a publication's commit and its Session write are waiting for "
-                         "their append: await flush_async() first")
-        kind = type(event)
-        size = self._bytes + _EVENT_SIZE[kind](event) + 1  # the comma before it
-        if size > self._room:
-            self._over_bytes(action, event, size)
-        # `fire`, inlined (the hot path): the first row of the table whose guards all hold
-        step = s.step
-        for checks, row_dest in ROWS.get((step, kind), ()):
-            for check in checks:
-                if not check(s, event):
-                    break
-            else:
-                dest = step if row_dest is None else row_dest
-                break
-        else:  # no row lets it fire: `fire` names the failed guards
-            try:
-                fire(s, event.TRIGGER, event)
-            except Refused as refused:
-                self._refuse(InvalidTransition, action, refused.reason())
-            raise AssertionError("fire accepted an event its table refused")  # pragma: no cover
-        store = self._store
-        if store is not None and self._buffered:
-            self._buffer(event)
-        elif store is not None:
-            snapshot = (s.snapshot() if event.seq % SNAPSHOT_EVERY == 0
-                        and isinstance(store, SnapshotStore) else None)
-            if snapshot is not None:
-                snapshot[SNAPSHOT_SIZE] = self._bytes  # how a load from it knows the size
-            try:
-                if indexes_runs(store):  # it keeps a head per run: tell it the new step
-                    store.append(s.run_id, (event,), event.seq, snapshot=snapshot, step=dest)
-                else:
-                    store.append(s.run_id, (event,), event.seq, snapshot=snapshot)
-            except StorageError as exc:
-                if exc.outcome != "not_written":
-                    self._unknown = f"{type(event).__name__} at seq {event.seq}, {action}"
-                _placed(exc, run_id=s.run_id, step=s.step, action=action)
-                raise
-            except ControlError as exc:
-                exc.step, exc.action = s.step, action
-                raise
-            except (sqlite3.Error, OSError) as exc:  # a store that does not type its errors
-                self._unknown = f"{type(event).__name__} at seq {event.seq}, {action}"
-                raise _storage_error(exc, "unknown", run_id=s.run_id, step=s.step,
-                                     action=action) from exc
-            except BaseException:  # interrupted, or untyped: the append may have landed
-                self._unknown = f"{type(event).__name__} at seq {event.seq}, {action}"
-                raise
-        APPLY[kind](s, event)  # `RunState.apply`, inlined
-        s.step = dest
-        s.last_seq = event.seq
-        self._events.append(event)
-        self._bytes = size
-        if not self._buffered:
-            self._flushed = event.seq + 1
-        if switch.enabled:
-            self._logged(event, step)  # (the step before: nothing above changes it)
-        return dest
-
-    # ------------------------------------------------ durability at effect boundaries
-
-    def _commit_with(self, action: str, write: SessionWrite) -> None:
-        """`_record` for a commit event that carries its Session write: checked now,
-        appended with the write (and any buffered events) in one transaction, and applied
-        only once that append landed (`_flushed_ok`), so a failed append leaves this
-        controller as it was. A sync store appends here; an async one at the next
-        `flush_async`."""
-        s = self._state
-        event = ev.PublicationCommitted(self._seq)
-        size = self._bytes + _EVENT_SIZE[type(event)](event) + 1
-        if size > self._room:
-            self._over_bytes(action, event, size)
+        journal = self._journal
+        if journal.write is not None:  # a commit and its Session write wait for their append
+            journal.refuse_waiting(action)
+        size = journal.room_for(action, event)
         try:
-            dest = fire(s, event.TRIGGER, event)
+            dest = destination(s, event)
         except Refused as refused:
             self._refuse(InvalidTransition, action, refused.reason())
-        store = self._store
-        if self._buffered:
-            self._buffer(event)  # the snapshot a batch starting an interval takes
-        elif event.seq % SNAPSHOT_EVERY == 0 and isinstance(store, SnapshotStore):
-            snapshot = s.snapshot()
-            snapshot[SNAPSHOT_SIZE] = self._bytes
-            self._pending_snapshot = snapshot
-        self._write = _PendingWrite(action, event, dest, size, write)
-        if not _is_async(store):
-            self.flush()
+        before = s.step
+        journal.record(event, dest, size, action)
+        if switch.enabled:
+            self._logged(event, before)
+        return dest
 
-    def _drop_write(self) -> str:
-        """Forget a pending commit whose append failed (nothing of it landed, or its
-        outcome is marked unknown); the action to name in the error."""
-        pending, self._write = self._write, None
-        if pending is None:
-            return "flush"
-        if not self._buffered:
-            self._pending_snapshot = None
-        return pending.action
+    def _commit_with(self, action: str, write: SessionWrite) -> None:
+        """`_record` for a commit event that carries its Session write: checked now, then
+        held by the journal for the append that writes it with the items (a sync store's
+        happens here, an async one's at the next `flush_async`), and applied only once
+        that append landed, so a failed append leaves this controller as it was."""
+        s = self._state
+        journal = self._journal
+        event = ev.PublicationCommitted(self._seq)
+        size = journal.room_for(action, event)
+        try:
+            dest = destination(s, event)
+        except Refused as refused:
+            self._refuse(InvalidTransition, action, refused.reason())
+        self._landed(journal.hold_commit(PendingCommit(action, event, s.step, dest, size,
+                                                       write)))
 
-    def _buffer(self, event: ev.Event) -> None:
-        """Keep ``event`` for the next flush. A batch that starts a snapshot interval
-        takes the snapshot of the state it starts from (the store's expected version)."""
-        store = self._store
-        if (self._flushed == event.seq and event.seq - self._snapshot_at >= SNAPSHOT_EVERY
-                and isinstance(store, SnapshotStore | AsyncEventStore)):
-            snapshot = self._state.snapshot()
-            snapshot[SNAPSHOT_SIZE] = self._bytes
-            self._pending_snapshot = snapshot
-
-    @property
-    def unflushed(self) -> int:
-        """Events recorded here and not yet in the store (0 unless the run buffers)."""
-        return self._base + len(self._events) - self._flushed
-
-    def _batch(self) -> tuple[list[ev.Event], dict[str, Any]]:
-        first = self._flushed - self._base
-        options: dict[str, Any] = {"snapshot": self._pending_snapshot}
-        if indexes_runs(self._store) or _is_async(self._store):
-            options["step"] = self._state.step
-        events = self._events[first:]
-        pending = self._write
-        if pending is not None:  # a commit event with its Session write: one transaction
-            events.append(pending.event)
-            options["step"] = pending.dest
-            options["session_write"] = pending.write
-        return events, options
-
-    def _flushed_ok(self, count: int) -> None:
-        if self._pending_snapshot is not None:
-            self._snapshot_at = self._flushed
-        self._flushed += count
-        self._pending_snapshot = None
-        pending, self._write = self._write, None
-        if pending is not None:  # the commit and its items landed: apply the commit
-            s = self._state
-            before = s.step
-            s.apply(pending.event, pending.dest)
-            self._events.append(pending.event)
-            self._bytes = pending.size
+    def _landed(self, commit: PendingCommit | None) -> None:
+        """A commit with its Session write landed (the journal applied it): this
+        controller's attempt is over."""
+        if commit is not None:
             self._attempt = None
             if switch.enabled:
-                self._logged(pending.event, before)
-
-    def _flush_failed(self, exc: BaseException, batch: list[ev.Event]) -> NoReturn:
-        s = self._state
-        action = self._drop_write()
-        where = f"{len(batch)} event(s) from seq {batch[0].seq}"
-        if isinstance(exc, ConcurrencyConflict):
-            if self._buffered:  # buffered events stay behind, refused: reload to go on
-                self._conflict = where
-            if batch[0].seq == 0:
-                exc = ConcurrencyConflict("a run with this id already exists in the store",
-                                          run_id=s.run_id)
-            exc.step, exc.action = s.step, action
-            raise exc
-        if isinstance(exc, StorageError):
-            if exc.outcome != "not_written":
-                self._unknown = f"{where}, {action}"
-            _placed(exc, run_id=s.run_id, step=s.step, action=action)
-            raise exc
-        if isinstance(exc, sqlite3.Error | OSError):
-            self._unknown = f"{where}, {action}"
-            raise _storage_error(exc, "unknown", run_id=s.run_id, step=s.step,
-                                 action=action) from exc
-        raise exc
+                self._logged(commit.event, commit.source)
 
     def flush(self) -> None:
         """Append the events this controller buffered, as one transaction with the
@@ -883,81 +572,25 @@ class RunController:
         is attempted, a model is called — and before acknowledging a human decision; the
         reference runner does. `ConcurrencyConflict` (another writer moved the log; this
         controller then refuses everything until the run is loaded again) or
-        `StorageError` (after ``"not_written"`` the events stay buffered for a retry).
+        `StorageError` (after `Outcome.NOT_WRITTEN` the events stay buffered for a retry).
         A commit waiting with its Session write (`publication_committed(session_write=)`)
         goes in the same transaction, and is applied only if it lands."""
-        if not self.unflushed and self._write is None:
-            return
-        if self._unknown is not None or self._conflict is not None:
-            self._gate("flush", "flush")
-        store = self._store
-        assert store is not None
-        if _is_async(store):
-            raise InvalidTransition("this run's store is async: await flush_async()",
-                                    run_id=self.run_id, step=self.step, action="flush")
-        batch, options = self._batch()
-        try:
-            store.append(self._state.run_id, batch, self._flushed, **options)
-        except (ControlError, sqlite3.Error, OSError) as exc:
-            self._flush_failed(exc, batch)
-        except BaseException:
-            # interrupted, or an error the store did not type: the append may have landed
-            self._drop_write()
-            self._unknown = f"{len(batch)} event(s) from seq {batch[0].seq}, flush"
-            raise
-        self._flushed_ok(len(batch))
+        self._landed(self._journal.flush())
 
     async def flush_async(self) -> None:
         """`flush` for any store: awaits an async store's append, calls a sync one."""
-        store = self._store
-        if (not self.unflushed and self._write is None) or store is None or not _is_async(
-                store):
-            self.flush()
-            return
-        if self._unknown is not None or self._conflict is not None:
-            self._gate("flush", "flush")
-        batch, options = self._batch()
-        try:
-            await store.append(  # type: ignore[func-returns-value,misc]
-                self._state.run_id, batch, self._flushed, **options)
-        except (ControlError, sqlite3.Error, OSError) as exc:
-            self._flush_failed(exc, batch)
-        except BaseException:
-            # cancelled, or an error the store did not type: the append may have landed
-            self._drop_write()
-            self._unknown = f"{len(batch)} event(s) from seq {batch[0].seq}, flush"
-            raise
-        self._flushed_ok(len(batch))
-
-    def _over_bytes(self, action: str, event: ev.Event, size: int) -> None:
-        """``event`` would take the run past the room for ordinary commands: only the
-        settling commands (keeping room for an abandon) and abandon itself may use the
-        reserve, and nothing may take `to_json(key=...)` over ``max_bytes``."""
-        trigger = event.TRIGGER
-        if trigger == "abandon":
-            limit = self._max_bytes - codec.CHAIN_BYTES
-        elif trigger in SETTLING_TRIGGERS:
-            limit = self._max_bytes - _byte_reserves(self._max_events)[1]
-        else:
-            limit = self._room
-        if size > limit:
-            self._refuse(SchemaError, action,
-                         f"recording it would take the run's JSON to {size} bytes, past "
-                         f"its room under max_bytes={self._max_bytes} (room is kept for "
-                         "settling and abandoning the run)")
+        self._landed(await self._journal.flush_async())
 
     def _logged(self, event: ev.Event, before: Step | None) -> None:
-        if not switch.enabled:
-            return
-        if self._log is None:
-            self._log = run_logger(self._state.run_id)
-        self._log.info(type(event).__name__, seq=event.seq,
-                       **{"from": before.value if before else None,
-                          "to": self._state.step.value})
+        if switch.enabled:
+            run_logger(self._state.run_id).info(
+                type(event).__name__, seq=event.seq,
+                **{"from": before.value if before else None, "to": self._state.step.value})
 
     @property
     def _seq(self) -> int:
-        return self._base + len(self._events)
+        """The seq of the next event."""
+        return self._journal.version
 
     # ----------------------------------------------------------------- the model
 
@@ -965,7 +598,7 @@ class RunController:
         """RUN_AGAIN or HANDOFF → AWAITING_MODEL. Refused naming ``max_turns`` when no
         turn is left, and while a result is unpublished."""
         self._gate("begin_model_call", "begin_model_call")
-        self._record("begin_model_call", ev.ModelCallBegun(self._base + len(self._events)))
+        self._record("begin_model_call", ev.ModelCallBegun(self._seq))
 
     def model_failed(self, error: BaseException | type[BaseException]) -> None:
         """AWAITING_MODEL → RUN_AGAIN; records the error's type name only."""
@@ -1012,12 +645,9 @@ class RunController:
     # ------------------------------------------------------------------ decisions
 
     def _decision_fingerprint(self, action: str, call_id: str, fingerprint: str | None) -> str:
-        if not (type(call_id) is str and call_id.isascii() and len(call_id) <= MAX_TEXT):
-            self._text(action, "call_id", call_id)
+        self._text(action, "call_id", call_id)
         if fingerprint is not None:
-            if not (type(fingerprint) is str and fingerprint.isascii()
-                    and len(fingerprint) <= MAX_TEXT):
-                self._text(action, "fingerprint", fingerprint, optional=True)
+            self._text(action, "fingerprint", fingerprint, optional=True)
             return fingerprint
         record = self._state.calls.get(call_id)
         return record.fingerprint if record is not None else ""
@@ -1027,7 +657,7 @@ class RunController:
         the approval binds to those exact arguments; a mismatch is refused."""
         self._gate("approve", "approve")
         bound = self._decision_fingerprint("approve", call_id, fingerprint)
-        self._record("approve", ev.CallApproved(self._base + len(self._events), call_id, bound))
+        self._record("approve", ev.CallApproved(self._seq, call_id, bound))
 
     def reject(self, call_id: str, message: JSON = None, *,
                fingerprint: str | None = None) -> None:
@@ -1152,29 +782,20 @@ class RunController:
         input/output stages once per (name, stage, activation) (I1)."""
         action = "guardrail_evaluated"
         self._gate(action, action)
-        # the common case (short ASCII text) passes here; anything else goes to `_text`,
-        # which decides with the exact message (an ASCII str is valid Unicode)
-        if not (type(name) is str and name.isascii() and len(name) <= MAX_TEXT):
-            self._text(action, "name", name)
-        if not (type(stage) is str and stage.isascii() and len(stage) <= MAX_TEXT):
-            self._text(action, "stage", stage)
-        if call_id is not None and not (type(call_id) is str and call_id.isascii()
-                                        and len(call_id) <= MAX_TEXT):
-            self._text(action, "call_id", call_id, optional=True)
+        self._text(action, "name", name)
+        self._text(action, "stage", stage)
+        self._text(action, "call_id", call_id, optional=True)
         detached = self._detach(action, "guardrail result", result)
         self._record(action, ev.GuardrailEvaluated(
-            self._base + len(self._events), GuardrailResult(name, stage, call_id, detached)))
+            self._seq, GuardrailResult(name, stage, call_id, detached)))
 
     def hook_ran(self, hook: str, *, call_id: str | None = None) -> None:
         """Record a lifecycle hook: tool hooks once per call, model hooks once per model
         call (record them after ``begin_model_call``), agent hooks once per activation."""
         self._gate("hook_ran", "hook_ran")
-        if not (type(hook) is str and hook.isascii() and len(hook) <= MAX_TEXT):
-            self._text("hook_ran", "hook", hook)  # (the exact message; see guardrail_evaluated)
-        if call_id is not None and not (type(call_id) is str and call_id.isascii()
-                                        and len(call_id) <= MAX_TEXT):
-            self._text("hook_ran", "call_id", call_id, optional=True)
-        self._record("hook_ran", ev.HookRan(self._base + len(self._events), hook, call_id))
+        self._text("hook_ran", "hook", hook)
+        self._text("hook_ran", "call_id", call_id, optional=True)
+        self._record("hook_ran", ev.HookRan(self._seq, hook, call_id))
 
     # ---------------------------------------------------- final output, handoff
 
@@ -1294,18 +915,17 @@ class RunController:
         With ``session_write`` the write has not happened yet: the store writes the
         batch's items together with this commit event, in one transaction (DESIGN §6.7),
         so they land together or not at all. It must hold exactly the staged batch, for
-        the run's Session, under the attempt's publication id (``f"{run_id}:{seq}"``, the
-        seq of the event that opened the attempt: its `PublicationStaged`, or the
-        `ReconciledAppend`), and the store's ``append`` must take ``session_write=`` (the
-        PostgreSQL stores); otherwise `InvalidTransition` (`SchemaError` for a value that
-        is not a `SessionWrite` of plain JSON), nothing recorded or written.
+        the run's Session, under the attempt's `publication_id`, and the store's
+        ``append`` must take ``session_write=`` (the PostgreSQL stores); otherwise
+        `InvalidTransition` (`SchemaError` for a value that is not a `SessionWrite` of
+        plain JSON), nothing recorded or written.
 
         A sync store appends at once, in either durability (events the run buffered go in
         the same transaction). With an async store, ``await flush_async()`` right after:
         the items are the effect, so they cannot wait (every command that records is
         refused until then). The event is applied only once the append landed: if it
         raises, nothing of the items was written either, the controller is as it was and
-        its attempt stays open — report ``publication_failed`` after a ``"not_written"``
+        its attempt stays open — report ``publication_failed`` after an `Outcome.NOT_WRITTEN`
         `StorageError`; after a `ConcurrencyConflict` or an unknown outcome load the run
         again (the log shows whether the pair landed)."""
         action = "publication_committed"
@@ -1323,7 +943,7 @@ class RunController:
         s = self._state
         if type(write) is not SessionWrite:
             self._refuse(SchemaError, action, "session_write must be a SessionWrite")
-        store = self._store
+        store = self._journal.store
         if store is None or not takes_session_write(store):
             self._refuse(InvalidTransition, action,
                          "this run's store cannot write a Session's items with its events "
@@ -1333,7 +953,7 @@ class RunController:
             self._refuse(InvalidTransition, action,
                          f"session_write is for Session {excerpt(str(write.session_id))}, "
                          "not the run's Session")
-        if write.publication_id != f"{s.run_id}:{s.attempt_seq}":
+        if write.publication_id != self.publication_id:
             self._refuse(InvalidTransition, action,
                          "session_write's publication_id is not the open attempt's "
                          f"(run_id:seq, seq {s.attempt_seq})")
@@ -1389,11 +1009,11 @@ class RunController:
         except (TypeError, ValueError, RecursionError) as exc:
             self._refuse(SchemaError, action,
                          f"a history item has no canonical form ({type(exc).__name__})")
-        if finding.kind == "acknowledge":
+        if finding.kind is FindingKind.ACKNOWLEDGE:
             self._record(action, ev.ReconciledAcknowledge(self._seq, take_over))
             self._attempt = None
             return Acknowledge()
-        if finding.kind == "append":
+        if finding.kind is FindingKind.APPEND:
             if s.attempt_seq is not None and not take_over:
                 self._refuse(
                     ReconcileRejected, action,
@@ -1412,129 +1032,16 @@ class RunController:
         return None
 
 
-_EVENT_SIZE = codec.EVENT_SIZE
-SNAPSHOT_SIZE = "log_bytes"
-"""The key under which a snapshot handed to a store records the size of the log before it
-(so a load from the snapshot knows `RunController.size` without reading that log)."""
 
 
-@functools.lru_cache(maxsize=16)
-def _byte_reserves(max_events: int) -> tuple[int, int]:
-    """(room kept for fail, reconcile, commit and abandon; room kept for abandon), each
-    with the keyed chain's bytes: the largest such events (a seq as long as
-    ``max_events``, texts of `RESERVED_TEXT` bytes), and the comma before each."""
-    seq, text = max_events, "x" * RESERVED_TEXT
-    abandon = codec.event_size(ev.Abandoned(seq, text)) + 1
-    reconcile = max(codec.event_size(ev.ReconciledAcknowledge(seq, False)),
-                    codec.event_size(ev.ReconciledAppend(seq, False)))
-    settle = (codec.event_size(ev.PublicationFailed(seq, text)) + reconcile
-              + codec.event_size(ev.PublicationCommitted(seq)) + 3)
-    return codec.CHAIN_BYTES + settle + abandon, codec.CHAIN_BYTES + abandon
+def _limits(max_depth: int, max_events: int, max_bytes: int) -> Limits:
+    """The journal's `Limits` for these bounds, with this module's snapshot cadence."""
+    return limits_of(max_depth, max_events, max_bytes, SNAPSHOT_EVERY)
 
 
-def _check_limit(name: str, value: object, action: str) -> None:
+def _check_limit(name: str, value: object, where: dict[str, Any]) -> None:
     if type(value) is not int or value < 1:
-        raise SchemaError(f"{name} must be an int >= 1", action=action)
-
-
-def _started_size(started: ev.RunStarted, max_events: int, max_bytes: int,
-                  where: dict[str, Any]) -> int:
-    """The size of a run's first document; `SchemaError` unless ``max_bytes`` leaves the
-    reserved room beside it."""
-    if type(max_bytes) is not int or max_bytes < 1:
-        raise SchemaError("max_bytes must be an int >= 1", **where)
-    size = codec.envelope_size(started.run_id) + codec.event_size(started)
-    needed = size + _byte_reserves(max_events)[0]
-    if needed > max_bytes:
-        raise SchemaError(f"max_bytes={max_bytes} is too small: this run needs at least "
-                          f"{needed} (its first event and the room reserved for settling "
-                          "and abandoning it)", **where)
-    return size
-
-
-def _snapshot_size(store: EventStore, run_id: str, stored: Mapping[str, Any] | None,
-                   base: int, tail: Loaded) -> int:
-    """`RunController.size` of a run loaded from a snapshot: the size it recorded for the
-    log before it, plus the tail's events (as the store measured them, if it did). A
-    snapshot without one (an older library's) costs one read of the log before it."""
-    before = None if stored is None else stored.get(SNAPSHOT_SIZE)
-    if type(before) is not int or before < 1:
-        before = codec.log_size(run_id, store.load(run_id)[:base])
-    if tail.size is not None:
-        return before + (tail.size + 1 if tail.events else 0)
-    return before + sum(_EVENT_SIZE[type(event)](event) + 1 for event in tail.events)
-
-
-def _measured_size(run_id: str, loaded: Loaded) -> int | None:
-    """`RunController.size` of a whole log a store decoded and measured (`Loaded.size`);
-    None when it did not: the controller sizes each event."""
-    return None if loaded.size is None else codec.envelope_size(run_id) + loaded.size
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Decoding and replaying a log allocates many objects and no reference cycles; the
-    cyclic collector's full passes over a growing heap would cost a third of a large
-    load. It is switched back on afterwards if it was on."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def _placed(error: StorageError, *, run_id: str | None, step: Any, action: str) -> None:
-    """Make ``error`` (a store's) say which run, step and command it refused."""
-    error.run_id, error.step, error.action = run_id, step, action
-    error.args = (error._message(),)
-
-
-def _storage_error(error: BaseException, outcome: str, **where: Any) -> StorageError:
-    """A `StorageError` for a `sqlite3.Error` or `OSError` a store let through untyped
-    (outcome ``"unknown"`` for an append: the store did not say whether it landed)."""
-    return StorageError(f"the store raised {type(error).__name__}: {error}", outcome=outcome,
-                        **where)
-
-
-class _SyncBridge:
-    """An async store seen from a worker thread as a sync one (for `load_async`): each
-    call runs the store's coroutine on the loop and waits for it. Never used on the
-    loop's own thread."""
-
-    def __init__(self, store: Any, loop: asyncio.AbstractEventLoop) -> None:
-        self._store = store
-        self._loop = loop
-
-    def _wait(self, coroutine: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
-
-    def append(self, *args: Any, **kwargs: Any) -> None:
-        raise AssertionError("loading never appends")
-
-    def load(self, run_id: str) -> list[ev.Event]:
-        return self._wait(self._store.load(run_id))  # type: ignore[no-any-return]
-
-    def load_latest(self, run_id: str) -> tuple[Any, list[ev.Event]]:
-        return self._wait(self._store.load_latest(run_id))  # type: ignore[no-any-return]
-
-
-@attrs.frozen
-class _PendingWrite:
-    """A commit event checked by `publication_committed(session_write=)` and the Session
-    write it carries, until the append that writes both lands."""
-
-    action: str
-    event: ev.Event
-    dest: Step
-    size: int
-    write: SessionWrite
-
-
-def _is_async(store: object) -> bool:
-    """Whether ``store`` appends with a coroutine (an `AsyncEventStore`)."""
-    return bool(inspect.iscoroutinefunction(getattr(store, "append", None)))
+        raise SchemaError(f"{name} must be an int >= 1", **where)
 
 
 def _copy_call(call: ToolCall) -> ToolCall:

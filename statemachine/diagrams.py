@@ -23,9 +23,9 @@ from pathlib import Path
 import attrs
 
 from statemachine import events as ev
-from statemachine.machine import LIVE_STEPS, TERMINAL_STEPS, TRANSITIONS, fire
+from statemachine.machine import TRANSITIONS, fire
 from statemachine.state import RunState
-from statemachine.values import Step
+from statemachine.values import LIVE_STEPS, TERMINAL_STEPS, Step
 
 _INITIAL = "start"
 

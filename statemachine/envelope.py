@@ -5,8 +5,8 @@ records an envelope: digests of P's tail, B itself, and what settling will do. A
 failure the write's outcome is unknown; `classify` compares the Session's current tail H
 with the envelope and says which of the outcomes it sees:
 
-* H ends exactly with P: nothing was written, append B (``"append"``);
-* H ends exactly with P + B: the write committed, acknowledge it (``"acknowledge"``);
+* H ends exactly with P: nothing was written, append B (`FindingKind.APPEND`);
+* H ends exactly with P + B: the write committed, acknowledge it (``ACKNOWLEDGE``);
 * anything else (another session, P + B[:k], a changed tail): reject, keep the envelope.
 
 ``read_limit`` is the smallest n >= len(B) + 1 for which the n-item tails of
@@ -17,6 +17,7 @@ said the history is the whole Session.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -177,20 +178,35 @@ def measure_frontier(
         window = min(given, window * 2)
 
 
+class FindingKind(enum.StrEnum):
+    """What `classify` saw in the Session's tail (a str enum: each member equals its
+    text, so ``finding.kind == "append"`` keeps working)."""
+
+    APPEND = "append"
+    """The tail ends with the pre-write frontier P: nothing was written; append B."""
+    ACKNOWLEDGE = "acknowledge"
+    """The tail ends with P + B: the write committed; acknowledge it."""
+    SESSION_MISMATCH = "session_mismatch"
+    """The history is another Session's."""
+    PARTIAL_WRITE = "partial_write"
+    """The tail ends with P + B[:k] for some 0 < k < len(B): part of the batch landed."""
+    HISTORY_CHANGED = "history_changed"
+    """Neither: another writer, or a rewrite."""
+
+
 @attrs.frozen
 class Finding:
-    """What `classify` saw. ``kind`` is ``append``, ``acknowledge``, ``session_mismatch``,
-    ``partial_write`` or ``history_changed``; ``written`` counts batch items found for a
-    partial write."""
+    """What `classify` saw (``kind``); ``written`` counts batch items found for a partial
+    write."""
 
-    kind: str
+    kind: FindingKind = attrs.field(converter=FindingKind)
     written: int = 0
 
     def explain(self, envelope: Envelope) -> str:
         size = len(envelope.items)
-        if self.kind == "session_mismatch":
+        if self.kind is FindingKind.SESSION_MISMATCH:
             return "the history is from another Session than the envelope's"
-        if self.kind == "partial_write":
+        if self.kind is FindingKind.PARTIAL_WRITE:
             return (f"a partial write: {self.written} of the batch's {size} items are in "
                     "the Session; repair it to the pre-write frontier or abandon the run")
         return ("the Session's tail is neither the pre-write frontier nor the frontier plus "
@@ -206,15 +222,15 @@ def classify(
     """Compare the Session's tail with the envelope (pure; reads only the last
     ``read_limit`` items of ``history``)."""
     if session_id != envelope.session_id:
-        return Finding("session_mismatch")
+        return Finding(FindingKind.SESSION_MISMATCH)
     n = envelope.read_limit
     tail = history[-n:] if len(history) > n else history
     seen = tuple(sha256_hex(form(item)) for item in tail)
     p, b = envelope.frontier, envelope.batch_digests
     if seen == p[-n:]:
-        return Finding("append")
+        return Finding(FindingKind.APPEND)
     if seen == (p + b)[-n:]:
-        return Finding("acknowledge")
+        return Finding(FindingKind.ACKNOWLEDGE)
     # a partial write P + B[:k]: at most one k matches (the tails are distinct at n)
     w = _Windows((*p, *b, *seen))
     size, whole_p = len(seen), len(p) + len(b)
@@ -223,5 +239,5 @@ def classify(
         end = len(p) + k
         if (end >= size and w.hash(end - size, end) == target
                 and (size in (n, end)) and w.seq[end - size:end] == seen):
-            return Finding("partial_write", k)
-    return Finding("history_changed")
+            return Finding(FindingKind.PARTIAL_WRITE, k)
+    return Finding(FindingKind.HISTORY_CHANGED)

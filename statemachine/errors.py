@@ -118,6 +118,9 @@ class Outcome(enum.StrEnum):
     """It may have landed: reload the run to go on."""
 
 
+_OUTCOMES = tuple(member.value for member in Outcome)
+
+
 class StorageError(ControlError):
     """The backend failed (locked, read-only, full, corrupt, deleted, connection lost).
 
@@ -126,8 +129,8 @@ class StorageError(ControlError):
     have landed; the controller refuses every command until the run is loaded again)."""
 
     def __init__(self, reason: str, *, outcome: str = Outcome.UNKNOWN, **where: Any) -> None:
-        if outcome not in ("not_written", "unknown"):
-            raise ValueError("outcome is 'not_written' or 'unknown'")
+        if outcome not in _OUTCOMES:
+            raise ValueError(f"outcome is one of {', '.join(map(repr, _OUTCOMES))}")
         self.outcome = Outcome(outcome)
         super().__init__(reason, **where)
 

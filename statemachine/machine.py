@@ -13,8 +13,13 @@ The declaration is plain data. From it we build
 
 * a `transitions.Machine` (`build_transitions_machine`), used by the diagrams and by a
   differential test that proves it agrees with the hot path on every event sequence;
-* `TABLE`, a dict compiled from the same rows, which the controller and the replay
-  use: one lookup of (step, trigger), then the guards in order.
+* `TABLE`, a dict compiled from the same rows (and `ROWS`, the same by event class):
+  one lookup of (step, trigger), then the guards in order. `destination` walks it, and
+  it is the one answer to "may this event fire, and where to" that the controller and
+  the replay ask; `RunState.apply` then folds the event in.
+
+The sets of steps, hooks and stages the declaration speaks of live in `values`, beside
+the enums, because the fold speaks of them too.
 
 What must not live here: I/O, the event log, the ledger's bookkeeping (that is the fold
 in `state`), and anything the controller knows that the log does not (which attempt this
@@ -41,24 +46,19 @@ from statemachine import events as ev
 from statemachine.envelope import is_read_limit
 from statemachine.errors import InvalidTransition, SchemaError
 from statemachine.payloads import digests
-from statemachine.state import APPLY, RunState
-from statemachine.values import Phase, Step
-
-TERMINAL_STEPS = frozenset({Step.TERMINAL_UNRECOVERABLE, Step.COMPLETED})
-WORKING_STEPS = (
-    Step.RUN_AGAIN,
-    Step.AWAITING_MODEL,
-    Step.INTERRUPTION,
-    Step.TOOLS,
-    Step.FINALIZING,
-    Step.FINAL_OUTPUT,
-    Step.HANDOFF,
+from statemachine.state import RunState
+from statemachine.values import (
+    GUARDRAIL_STAGES,
+    HOOKS,
+    LIVE_STEPS,
+    PARTIAL_STAGING_STEPS,
+    TOOL_HOOKS,
+    TOOL_STAGES,
+    WORKING_STEPS,
+    Phase,
+    Step,
 )
-"""The live steps but ``UNSETTLED``: where hooks and guardrails may run."""
-LIVE_STEPS = (*WORKING_STEPS, Step.UNSETTLED)
-STAGING_STEPS = (Step.RUN_AGAIN, Step.INTERRUPTION, Step.TOOLS)
-"""Steps a batch may be staged from under the plain rules; ``FINAL_OUTPUT`` and
-``HANDOFF`` stage too, but their batch must publish every unpublished result."""
+
 SETTLING_TRIGGERS = frozenset(
     {"publication_committed", "publication_failed", "reconcile_append",
      "reconcile_acknowledge", "abandon"}
@@ -69,12 +69,6 @@ NEUTRAL_TRIGGERS = frozenset({"claim"})
 """Triggers that change no step, envelope or ledger (``claim``): every live step accepts
 them, ``UNSETTLED`` included. They are not settling triggers: they settle nothing and get
 no share of the events reserved under ``max_events`` for settling or closing a run."""
-
-HOOKS = frozenset({"agent_start", "agent_end", "model_start", "model_end", "tool_start",
-                   "tool_end"})
-GUARDRAIL_STAGES = frozenset({"input", "output", "tool_input", "tool_output"})
-_TOOL_HOOKS = frozenset(h for h in HOOKS if h.startswith("tool_"))
-_TOOL_STAGES = frozenset(g for g in GUARDRAIL_STAGES if g.startswith("tool_"))
 
 
 # --------------------------------------------------------------------------- guards
@@ -186,7 +180,7 @@ def guardrail_fits_stage(s: RunState, e: Any) -> bool:
     stage = r.stage
     if stage not in GUARDRAIL_STAGES:
         return False
-    if stage in _TOOL_STAGES:  # (a known stage: a tool stage is one named tool_...)
+    if stage in TOOL_STAGES:
         return r.call_id is not None and r.call_id in s.calls
     return r.call_id is None
 
@@ -204,7 +198,7 @@ def hook_fits_scope(s: RunState, e: Any) -> bool:
     hook = e.hook
     if hook not in HOOKS:
         return False
-    if hook in _TOOL_HOOKS:  # (a known hook: a tool hook is one named tool_...)
+    if hook in TOOL_HOOKS:
         return e.call_id is not None and e.call_id in s.calls
     return e.call_id is None
 
@@ -386,7 +380,7 @@ TRANSITIONS: tuple[Transition, ...] = (
     _row("complete", S.FINAL_OUTPUT, S.COMPLETED, "run_has_no_session", "nothing_unpublished"),
     _row("handoff", (S.RUN_AGAIN, S.INTERRUPTION), S.HANDOFF, "no_envelope", "no_call_started"),
     # publication: stage, then commit | fail | reconcile
-    _row("stage_publication", STAGING_STEPS, S.UNSETTLED, *_STAGE_CHECKS),
+    _row("stage_publication", PARTIAL_STAGING_STEPS, S.UNSETTLED, *_STAGE_CHECKS),
     _row("stage_publication", (S.FINAL_OUTPUT, S.HANDOFF), S.UNSETTLED,
          *_STAGE_CHECKS, "batch_publishes_every_result"),
     *(
@@ -436,7 +430,7 @@ ROWS: dict[tuple[Step, type[ev.Event]], tuple[tuple[tuple[Guard, ...], Step | No
     for kind in ev.EVENT_TYPES for (step, trigger), rows in TABLE.items()
     if trigger == kind.TRIGGER
 }
-"""`TABLE` by event class, each row's guards without their names: what replay reads."""
+"""`TABLE` by event class, each row's guards without their names: what `destination` reads."""
 
 
 class Refused(Exception):
@@ -466,7 +460,9 @@ def requirement(name: str) -> str:
 
 
 def fire(state: RunState, trigger: str, event: Any) -> Step:
-    """The step ``event`` leads to from ``state``; `Refused` when no row allows it."""
+    """The step ``event`` leads to from ``state``, walking `TABLE` by trigger with each
+    guard's name; `Refused` naming the first failing guard of each row when none allows
+    it. `destination` is the walk the controller and the replay take."""
     step = state.step
     candidates = TABLE.get((step, trigger))
     if candidates is None:
@@ -480,6 +476,22 @@ def fire(state: RunState, trigger: str, event: Any) -> Step:
         else:
             return step if dest is None else dest
     raise Refused(tuple(failed), trigger, step)
+
+
+def destination(state: RunState, event: ev.Event) -> Step:
+    """May ``event`` fire from ``state``, and where to: the step of the first row of
+    `ROWS` whose guards all hold (a row without a destination stays). This is the one
+    such walk: the controller records, commits and replays through it, then folds with
+    `RunState.apply`. `Refused` names the failed guards, as `fire` does."""
+    step = state.step
+    for checks, dest in ROWS.get((step, type(event)), ()):
+        for check in checks:
+            if not check(state, event):
+                break
+        else:
+            return step if dest is None else dest
+    fire(state, event.TRIGGER, event)  # no row lets it fire: `fire` names the failed guards
+    raise AssertionError("fire accepted an event its table refused")  # pragma: no cover
 
 
 def replay(run_id: str, events: Sequence[ev.Event]) -> RunState:
@@ -504,37 +516,20 @@ def replay(run_id: str, events: Sequence[ev.Event]) -> RunState:
 
 def replay_onto(state: RunState, events: Sequence[ev.Event], *, first: int) -> None:
     """Fold ``events`` (the log from seq ``first`` on) into ``state``, checking each."""
-    rows_of = ROWS
-    fold = APPLY
     for position, event in enumerate(events, start=first):
         if event.seq != position:
             raise SchemaError(f"sequence gap: event {position} carries seq {event.seq}",
                               run_id=state.run_id, action="load")
-        kind = type(event)
-        # `fire` and `RunState.apply`, inlined (the loop is hot): the first row whose
-        # guards all hold
-        step = state.step
-        for checks, dest in rows_of.get((step, kind), ()):
-            for check in checks:
-                if not check(state, event):
-                    break
-            else:
-                fold[kind](state, event)
-                state.step = step if dest is None else dest
-                state.last_seq = position
-                break
-        else:  # no row let it fire: `fire` names why
-            if kind is ev.RunStarted:
-                raise InvalidTransition(f"event {position}: RunStarted after the start",
-                                        run_id=state.run_id, step=step, action="load")
-            try:
-                fire(state, kind.TRIGGER, event)
-            except Refused as refused:
-                raise InvalidTransition(
-                    f"event {position} ({kind.__name__}) is forbidden here: "
-                    f"{refused.reason()}", run_id=state.run_id, step=step,
-                    action="load") from None
-            raise AssertionError("fire accepted an event its table refused")  # pragma: no cover
+        try:
+            dest = destination(state, event)
+        except Refused as refused:
+            kind = type(event)
+            reason = (f"event {position}: RunStarted after the start" if kind is ev.RunStarted
+                      else f"event {position} ({kind.__name__}) is forbidden here: "
+                           f"{refused.reason()}")
+            raise InvalidTransition(reason, run_id=state.run_id, step=state.step,
+                                    action="load") from None
+        state.apply(event, dest)
 
 
 def build_transitions_machine(model: Any, initial: Step = Step.RUN_AGAIN) -> Any:

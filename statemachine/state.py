@@ -1,11 +1,10 @@
 """The run's state and the fold: state is a pure function of the event log.
 
-`machine.fire` asks the declaration whether an event may fire (raising `Refused`), and
-`RunState.apply` folds an accepted event in. The controller and the replay make the same
-two steps (their hot loops inline both: the rows of `machine.ROWS`, then the event's
-`APPLY` function and the step), so a log is re-validated exactly as it was recorded.
-``apply`` never fails for an event ``fire`` accepted, which is what lets a refused command
-leave nothing changed.
+`machine.destination` asks the declaration whether an event may fire and where to
+(raising `Refused`), and `RunState.apply` folds an accepted event in. The controller and
+the replay make the same two calls, so a log is re-validated exactly as it was recorded.
+``apply`` never fails for an event ``destination`` accepted, which is what lets a refused
+command leave nothing changed.
 The fold performs no I/O.
 
 Also here: `RunState.snapshot` / `RunState.restore` (the folded state as plain JSON, for
@@ -21,21 +20,24 @@ from typing import Any
 from statemachine import events as ev
 from statemachine.envelope import Envelope
 from statemachine.payloads import JSON, CanonicalForm, canonical_form, fingerprint_digest
-from statemachine.values import Action, GuardrailResult, Phase, RecoveryPolicy, Step, ToolCall
+from statemachine.values import (
+    HOOK_SCOPES,
+    STAGING_STEPS,
+    TERMINAL_STEPS,
+    TOOL_STAGES,
+    Action,
+    GuardrailResult,
+    Phase,
+    RecoveryPolicy,
+    Step,
+    ToolCall,
+)
 
 STATE_VERSION = 2
 """The shape of `RunState.snapshot`; a snapshot of another version is ignored (the log is
 replayed instead)."""
 
-_TOOL_STAGES = frozenset({"tool_input", "tool_output"})
-_HOOK_SCOPES = {"tool_start": "tool", "tool_end": "tool", "model_start": "model",
-                "model_end": "model", "agent_start": "agent", "agent_end": "agent"}
-"""What a known hook is once per: a call, a model call or an activation (one dict look-up
-on the hot path; any other name is keyed by its prefix the same way)."""
-_TERMINAL = frozenset({Step.TERMINAL_UNRECOVERABLE, Step.COMPLETED})
 _CALL_MODEL_STEPS = frozenset({Step.RUN_AGAIN, Step.HANDOFF, Step.AWAITING_MODEL})
-_STAGING = frozenset({Step.RUN_AGAIN, Step.INTERRUPTION, Step.TOOLS, Step.HANDOFF,
-                      Step.FINAL_OUTPUT})
 
 
 class CallRecord:
@@ -134,11 +136,11 @@ class RunState:
 
     def guardrail_key(self, result: GuardrailResult) -> tuple[Any, ...]:
         stage = result.stage
-        scope = result.call_id if stage in _TOOL_STAGES else self.activation
+        scope = result.call_id if stage in TOOL_STAGES else self.activation
         return (result.name, stage, scope)
 
     def hook_key(self, hook: str, call_id: str | None) -> tuple[Any, ...]:
-        scope = _HOOK_SCOPES.get(hook)
+        scope = HOOK_SCOPES.get(hook)  # (one dict look-up on the hot path)
         if scope is None:  # not a known hook (a guard may still ask): by its prefix
             scope = ("tool" if hook.startswith("tool_") else
                      "model" if hook.startswith("model_") else "agent")
@@ -257,9 +259,8 @@ class RunState:
     # --------------------------------------------------------------- the fold
 
     def apply(self, event: ev.Event, dest: Step) -> None:
-        """Fold an event that `machine.fire` accepted, with the step it returned. This is
-        the one fold: the controller and the replay run it (inlined in their hot loops:
-        ``APPLY[type(event)]``, then the step and the seq)."""
+        """Fold an event that `machine.destination` accepted, with the step it returned.
+        This is the one fold: the controller and the replay run it."""
         APPLY[type(event)](self, event)
         self.step = dest
         self.last_seq = event.seq
@@ -443,16 +444,16 @@ def next_action(s: RunState, *, holds_attempt: bool, in_flight: Collection[str])
     step = s.step
     # DESIGN lists RESOLVE_IN_DOUBT first; a terminal run (abandoned while a call ran)
     # refuses resolve_in_doubt, so it answers NOT_RESUMABLE instead (fail closed).
-    if step not in _TERMINAL and in_doubt(s, in_flight):
+    if step not in TERMINAL_STEPS and in_doubt(s, in_flight):
         return Action.RESOLVE_IN_DOUBT
     if step is Step.UNSETTLED and holds_attempt:
         return Action.PUBLISH
-    if step in _TERMINAL or (step is Step.UNSETTLED and s.envelope is not None
+    if step in TERMINAL_STEPS or (step is Step.UNSETTLED and s.envelope is not None
                              and s.envelope.fail_closed):
         return Action.NOT_RESUMABLE
     if step is Step.UNSETTLED:
         return Action.RECONCILE
-    if s.pending_input and step in _STAGING:
+    if s.pending_input and step in STAGING_STEPS:
         return Action.PUBLISH  # recorded input goes to the Session before anything else
     counts = s.counts
     if step in _CALL_MODEL_STEPS:

@@ -41,6 +41,7 @@ them with `load_measured` and `load_latest_measured` here.
 from __future__ import annotations
 
 import inspect
+import sqlite3
 import threading
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol, TypeGuard, runtime_checkable
@@ -67,10 +68,25 @@ from statemachine.stored import (
 from statemachine.values import Step
 
 __all__ = [
-    "SNAPSHOT_EVERY", "AsyncEventStore", "AsyncSQLiteEventStore", "EventStore",
-    "IndexedStore", "Loaded", "MemoryEventStore", "RunHead", "SQLiteEventStore",
-    "SessionWrite", "Snapshot", "SnapshotIgnored", "SnapshotStore", "indexes_runs",
-    "load_latest_measured", "load_measured", "restored", "snapshot_ignored",
+    "SNAPSHOT_EVERY",
+    "UNTYPED_BACKEND_ERRORS",
+    "AsyncEventStore",
+    "AsyncSQLiteEventStore",
+    "EventStore",
+    "IndexedStore",
+    "Loaded",
+    "MemoryEventStore",
+    "RunHead",
+    "SQLiteEventStore",
+    "SessionWrite",
+    "Snapshot",
+    "SnapshotIgnored",
+    "SnapshotStore",
+    "indexes_runs",
+    "load_latest_measured",
+    "load_measured",
+    "restored",
+    "snapshot_ignored",
     "takes_session_write",
 ]
 
@@ -78,6 +94,10 @@ SNAPSHOT_EVERY = 256
 """How often (in events) a controller hands its store a snapshot."""
 
 Snapshot = dict[str, JSON]
+UNTYPED_BACKEND_ERRORS: tuple[type[Exception], ...] = (sqlite3.Error, OSError)
+"""The backend errors a store may let through untyped: the journal types them as a
+`StorageError` (outcome ``"unknown"`` for an append, ``"not_written"`` for a read), so
+no `sqlite3` error or `OSError` escapes a public call."""
 
 
 @runtime_checkable

@@ -1,5 +1,6 @@
 """The vocabulary of the public contract: the enums (`Step`, `Phase`, `RecoveryPolicy`,
-`Action`) and the small frozen values (tool calls, guardrail results, ledger views, and
+`Action`), the sets of steps, hooks and guardrail stages the machine and the fold both
+speak of, and the small frozen values (tool calls, guardrail results, ledger views, and
 the decisions the core hands back: `Execute`, `Resend`, `Append`, `Acknowledge`)."""
 
 from __future__ import annotations
@@ -43,6 +44,40 @@ class Step(_Fast):
     """Fail-closed: this run can never resume."""
     COMPLETED = "completed"
     """The final output is published."""
+
+
+TERMINAL_STEPS = frozenset({Step.TERMINAL_UNRECOVERABLE, Step.COMPLETED})
+"""The steps with no way out: a run in one records nothing again."""
+WORKING_STEPS = (
+    Step.RUN_AGAIN,
+    Step.AWAITING_MODEL,
+    Step.INTERRUPTION,
+    Step.TOOLS,
+    Step.FINALIZING,
+    Step.FINAL_OUTPUT,
+    Step.HANDOFF,
+)
+"""The live steps but ``UNSETTLED``: where hooks and guardrails may run."""
+LIVE_STEPS = (*WORKING_STEPS, Step.UNSETTLED)
+"""Every step but the terminal ones: where ``abandon`` may end a run."""
+PARTIAL_STAGING_STEPS = (Step.RUN_AGAIN, Step.INTERRUPTION, Step.TOOLS)
+"""The steps a batch may be staged from while leaving results unpublished (the plain
+rules of staging)."""
+STAGING_STEPS = frozenset({*PARTIAL_STAGING_STEPS, Step.FINAL_OUTPUT, Step.HANDOFF})
+"""Every step a batch may be staged from: the `PARTIAL_STAGING_STEPS`, and
+``FINAL_OUTPUT`` and ``HANDOFF``, whose batch must publish every unpublished result."""
+
+HOOK_SCOPES = {"agent_start": "agent", "agent_end": "agent", "model_start": "model",
+               "model_end": "model", "tool_start": "tool", "tool_end": "tool"}
+"""The lifecycle hooks, each with what it runs once per: an activation (``agent``), a
+model call (``model``) or a call (``tool``)."""
+HOOKS = frozenset(HOOK_SCOPES)
+TOOL_HOOKS = frozenset(hook for hook, scope in HOOK_SCOPES.items() if scope == "tool")
+"""The hooks that name their call (``call_id``); the others name none."""
+GUARDRAIL_STAGES = frozenset({"input", "output", "tool_input", "tool_output"})
+TOOL_STAGES = frozenset({"tool_input", "tool_output"})
+"""The guardrail stages that name their call, once per call; the others name none and
+run once per activation."""
 
 
 class Phase(_Fast):

@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from statemachine import log
+from statemachine import structured_logging as log
 from statemachine.cli.common import UserError, shown
 from statemachine.controller import RunController
 from statemachine.errors import ControlError, PublicationUnsettled, RunNotResumable

@@ -128,7 +128,8 @@ async def _write(controller: RunController, session: Session, items: list[JSON])
     the store writes the items with the commit event, in one transaction (DESIGN §6.7). A
     Session that keeps publication ids (``publication_items``) is told the id."""
     await controller.flush_async()  # an effect boundary: the staged envelope is durable
-    publication_id = f"{controller.run_id}:{controller.state.attempt_seq}"
+    publication_id = controller.publication_id
+    assert publication_id is not None  # this controller holds the open attempt
     store = controller.store
     shares = getattr(session, "shares_transaction_with", None)
     # (a store whose append does not name session_write=, e.g. a subclass wrapping it

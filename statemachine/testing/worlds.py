@@ -20,7 +20,6 @@ import attrs
 from statemachine import events as ev
 from statemachine.controller import RunController
 from statemachine.errors import ControlError, RunNotResumable
-from statemachine.machine import TERMINAL_STEPS
 from statemachine.payloads import JSON
 from statemachine.runner import (
     ALLOW,
@@ -43,7 +42,7 @@ from statemachine.testing.fakes import (
     counted_tool,
 )
 from statemachine.testing.invariants import check_log, fail, settled
-from statemachine.values import Phase, RecoveryPolicy, Step, ToolCall
+from statemachine.values import TERMINAL_STEPS, Phase, RecoveryPolicy, Step, ToolCall
 
 Action = tuple[str, ...]
 

@@ -134,7 +134,7 @@ LIVE: dict[str, Callable[[], RunController]] = {
 
 
 def test_the_live_cases_cover_every_live_step() -> None:
-    from statemachine.machine import LIVE_STEPS
+    from statemachine.values import LIVE_STEPS
 
     assert {make().step for make in LIVE.values()} == set(LIVE_STEPS)
 

@@ -15,11 +15,9 @@ from statemachine import events as ev
 from statemachine.envelope import measure_frontier
 from statemachine.machine import (
     GUARDS,
-    LIVE_STEPS,
     NEUTRAL_TRIGGERS,
     SETTLING_TRIGGERS,
     TABLE,
-    TERMINAL_STEPS,
     TRANSITIONS,
     TRIGGERS,
     GuardAdapter,
@@ -29,7 +27,14 @@ from statemachine.machine import (
 )
 from statemachine.payloads import digests
 from statemachine.state import RunState
-from statemachine.values import GuardrailResult, RecoveryPolicy, Step, ToolCall
+from statemachine.values import (
+    LIVE_STEPS,
+    TERMINAL_STEPS,
+    GuardrailResult,
+    RecoveryPolicy,
+    Step,
+    ToolCall,
+)
 
 
 def test_every_guard_is_declared_and_documented() -> None:

@@ -45,8 +45,8 @@ from statemachine import (
     ToolCall,
     ToolInDoubt,
 )
-from statemachine.controller import _is_async
 from statemachine.events import CallApproved, Event, InputAdded, ToolStarted
+from statemachine.journal import is_async as _is_async
 from statemachine.machine import replay
 from statemachine.payloads import JSON
 from statemachine.runner import (
@@ -95,7 +95,7 @@ class SkipsFlushBeforeTools(TickingController):
     __slots__ = ()
 
     async def flush_async(self) -> None:
-        if self.unflushed and isinstance(self._events[-1], ToolStarted):
+        if self.unflushed and isinstance(self._journal.events[-1], ToolStarted):
             return
         await super().flush_async()
 

@@ -79,7 +79,8 @@ def test_committed_diagrams_match_the_declaration(tmp_path: Path) -> None:
 
 
 def test_the_overview_folds_self_loops_and_guards_away() -> None:
-    from statemachine.machine import LIVE_STEPS, TRANSITIONS
+    from statemachine.machine import TRANSITIONS
+    from statemachine.values import LIVE_STEPS
 
     edges = diagrams_module.overview_edges()
     pairs = [(e.source, e.dest) for e in edges]

@@ -1,5 +1,7 @@
 """structlog logging for recorded events, silent unless switched on.
 
+(Structured logging, that is: in this project "the log" is a run's event log.)
+
 One module-level boolean gates every logging call, so a silent core pays one attribute
 read per event. `enable_logging` switches it on; each controller then logs every recorded
 event with its class name as the message and ``seq``, ``from`` and ``to`` (structlog
@@ -9,6 +11,7 @@ reserves ``event`` for the message, so the state names travel as keys), bound to
 
 from __future__ import annotations
 
+import functools
 import logging as _stdlib_logging
 import sys
 from typing import Any
@@ -38,6 +41,7 @@ def enable_logging(*, json: bool = False, stream: Any = None) -> None:
         logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
         cache_logger_on_first_use=False,
     )
+    run_logger.cache_clear()  # loggers bound before are bound to the old configuration
     switch.enabled = True
 
 
@@ -45,5 +49,8 @@ def disable_logging() -> None:
     switch.enabled = False
 
 
+@functools.lru_cache(maxsize=256)
 def run_logger(run_id: str) -> Any:
+    """The logger bound to ``run_id``, kept here for the runs logging now rather than on
+    each controller, so an idle run holds no logger."""
     return structlog.get_logger("statemachine").bind(run_id=run_id)
