@@ -53,7 +53,8 @@ _CORE = ("tests/core/test_controller.py", "tests/core/test_invariants.py",
          "tests/core/test_bad_input.py", "tests/core/test_payloads.py",
          "tests/core/test_partial_approval.py", "tests/core/test_codec.py",
          "tests/core/test_limits.py", "tests/core/test_machine.py",
-         "tests/core/test_forged_logs.py", "tests/kit/test_worlds.py")
+         "tests/core/test_forged_logs.py")
+_WORLDS = "tests/kit/test_worlds.py"  # the slowest of a core selection: always last
 _RUNNER = ("tests/runner/test_one_writer.py", "tests/runner/test_runner_promises.py",
            "tests/core/test_tool_interrupted.py", "tests/runner/test_streaming.py",
            "tests/runner/test_partial_approval.py", "tests/runner/test_crash_hooks.py",
@@ -68,13 +69,13 @@ _STORES = ("tests/storage/test_stores.py", "tests/storage/test_storage_faults.py
            "tests/core/test_claim.py")
 
 _CONTROLLER = ("tests/core/test_copies.py", *_CORE, "tests/storage/test_storage_faults.py",
-               "tests/storage/test_snapshots.py", "tests/storage/test_durability.py",
-               "tests/core/test_tool_interrupted.py")
+               "tests/storage/test_snapshots.py", "tests/core/test_tool_interrupted.py",
+               _WORLDS, "tests/storage/test_durability.py")
 
 SELECTIONS: dict[str, tuple[str, ...]] = {
-    "statemachine/machine.py": _CORE,
-    "statemachine/state.py": (*_CORE, "tests/storage/test_snapshots.py"),
-    "statemachine/envelope.py": ("tests/core/test_envelope.py", *_CORE),
+    "statemachine/machine.py": (*_CORE, _WORLDS),
+    "statemachine/state.py": (*_CORE, "tests/storage/test_snapshots.py", _WORLDS),
+    "statemachine/envelope.py": ("tests/core/test_envelope.py", *_CORE, _WORLDS),
     "statemachine/codec.py": _CODEC,
     "statemachine/sizes.py": _CODEC,
     "statemachine/fastload.py": (*_CODEC, "tests/storage/test_stores.py"),
