@@ -44,13 +44,7 @@ from statemachine.payloads import (
     text_problem,
     utf8_len,
 )
-
-# CHAIN_BYTES, EVENT_SIZE and event_size live in `sizes`; exported here too (`as`) until
-# the controller reads them there
-from statemachine.sizes import CHAIN_BYTES as CHAIN_BYTES  # noqa: PLC0414
-from statemachine.sizes import EVENT_SIZE as EVENT_SIZE  # noqa: PLC0414
-from statemachine.sizes import document_size
-from statemachine.sizes import event_size as event_size  # noqa: PLC0414
+from statemachine.sizes import CHAIN_BYTES, EVENT_SIZE, document_size
 from statemachine.values import GuardrailResult, RecoveryPolicy, Step, ToolCall
 
 if TYPE_CHECKING:

@@ -279,7 +279,7 @@ class RunController:
     def size(self) -> int:
         """The size of `to_json()`: the UTF-8 length of its compact JSON text
         (``json.dumps(doc, separators=(",", ":"), ensure_ascii=False)``), without a
-        keyed chain (which adds `codec.CHAIN_BYTES`). ``max_bytes`` bounds it. O(1)."""
+        keyed chain (which adds `sizes.CHAIN_BYTES`). ``max_bytes`` bounds it. O(1)."""
         return self._journal.size
 
     # ------------------------------------------------------------------ reading

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from statemachine import ControlError, MemoryEventStore, RunController, SchemaError, codec
+from statemachine import ControlError, MemoryEventStore, RunController, SchemaError, sizes
 from statemachine.payloads import canonical_json
 from tests.helpers import B, P, at_interruption, failed, run_charge
 
@@ -176,4 +176,4 @@ def test_a_run_loaded_from_a_snapshot_signs_its_whole_log(
     assert RunController.from_json(signed, key=KEY).state == c.state
     added = len(json.dumps(signed, separators=(",", ":"))) - len(
         json.dumps(c.to_json(), separators=(",", ":")))
-    assert added == codec.CHAIN_BYTES
+    assert added == sizes.CHAIN_BYTES

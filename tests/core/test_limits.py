@@ -28,6 +28,7 @@ from statemachine import (
     Step,
     ToolCall,
     codec,
+    sizes,
 )
 from statemachine import events as ev
 from statemachine import payloads as pl
@@ -85,7 +86,7 @@ EVENTS: list[ev.Event] = [
 
 @pytest.mark.parametrize("event", EVENTS, ids=lambda e: type(e).__name__)
 def test_event_size_is_the_length_of_its_compact_json(event: ev.Event) -> None:
-    assert codec.event_size(event) == measured(codec.encode_event(event))
+    assert sizes.event_size(event) == measured(codec.encode_event(event))
 
 
 def test_every_event_type_is_measured() -> None:
@@ -97,7 +98,7 @@ def test_every_event_type_is_measured() -> None:
                   ev.InDoubtResolved(1, "c", {"a": {}}), ev.RunCompleted(10),
                   ev.PublicationCommitted(100), ev.ResultPosted(1, WEIRD),
                   ev.ModelFailed(1, "TimeoutError")):
-        assert codec.event_size(event) == measured(codec.encode_event(event))
+        assert sizes.event_size(event) == measured(codec.encode_event(event))
 
 
 def test_a_payload_deeper_than_the_encoder_goes_is_measured_exactly() -> None:
@@ -116,7 +117,7 @@ def test_size_is_the_compact_json_length_of_any_reachable_run(data: st.DataObjec
     doc = c.to_json()
     assert c.size == measured(doc)
     assert RunController.from_json(doc).size == c.size
-    assert measured(c.to_json(key=KEY)) == c.size + codec.CHAIN_BYTES
+    assert measured(c.to_json(key=KEY)) == c.size + sizes.CHAIN_BYTES
 
 
 # ------------------------------------------------------- dict and text, to the byte
@@ -322,7 +323,7 @@ def test_every_log_written_under_a_small_max_bytes_loads_under_it(
             break
     c = d.c
     assert "max_bytes" in refused  # the only refusal a driven run meets is the limit
-    assert c.size <= limit - codec.CHAIN_BYTES
+    assert c.size <= limit - sizes.CHAIN_BYTES
     _loads_under(c, limit)
     if c.step not in (Step.COMPLETED, Step.TERMINAL_UNRECOVERABLE):
         c.abandon("out of room")  # always fits: its room is reserved
