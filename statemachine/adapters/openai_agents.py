@@ -646,11 +646,7 @@ class AgentRun:
         """Settle an unsettled write now (claiming the run first), without calling the
         SDK: reconcile and write the batch if nothing of it landed. `ReconcileRejected`
         when the Session cannot be matched (nothing recorded; repair it and call again)."""
-        c = self.controller
-        async with self._attempt:
-            c.resume()
-            while c.step is Step.UNSETTLED:
-                await settle(c, self._inner_session, take_over=self.take_over)
+        await self._attempt.settle(self._inner_session, take_over=self.take_over)
 
     def _options(self, hooks: RunHooks[Any] | None, run_config: RunConfig | None,
                  context: Any, max_turns: int | None) -> dict[str, Any]:

@@ -468,11 +468,7 @@ class LedgerRun:
         """Settle an unsettled write now (claiming the run first), without calling
         pydantic-ai. `ReconcileRejected` when the history cannot be matched (nothing
         recorded; repair it and call again)."""
-        c = self.controller
-        async with self._attempt:
-            c.resume()
-            while c.step is Step.UNSETTLED:
-                await settle(c, self._history, take_over=self.take_over)
+        await self._attempt.settle(self._history, take_over=self.take_over)
 
     async def _finish_from_ledger(self, messages: list[ModelMessage]) -> LedgerRunResult:
         c = self.controller

@@ -10,7 +10,8 @@ claim on its first attempt. When the attempt ends, what it buffered goes to the 
 when it ends with an error, a failing flush never replaces that error (the events stay
 buffered for the next flush or, if the process dies, are lost like a crash before them).
 
-Also here, for what runs inside an attempt: `maybe_await` (a hook, guardrail or tool may
+`Attempt.settle` is the attempt an adapter makes to settle a run and nothing else. Also
+here, for what runs inside an attempt: `maybe_await` (a hook, guardrail or tool may
 be sync or async) and `interrupted` (a tool that ended without a result).
 """
 
@@ -24,6 +25,9 @@ from typing import Any
 
 from statemachine.controller import RunController
 from statemachine.errors import ControlError
+from statemachine.runner.publish import settle
+from statemachine.sessions import Session
+from statemachine.values import Step
 
 
 async def maybe_await(value: Any) -> Any:
@@ -67,6 +71,17 @@ class Attempt:
             return
         with contextlib.suppress(ControlError):  # the attempt's own error wins
             await self._flush()
+
+    async def settle(self, session: Session, *, take_over: bool = False) -> None:
+        """An attempt that only settles the run: claimed, through the gate (``resume()``),
+        then its unsettled write settled against ``session`` (`publish.settle`: reconcile,
+        and write the batch if nothing of it landed), without a model call or a tool.
+        `ReconcileRejected` when ``session`` cannot be matched (nothing recorded)."""
+        c = self.controller
+        async with self:
+            c.resume()
+            while c.step is Step.UNSETTLED:
+                await settle(c, session, take_over=take_over)
 
 
 def interrupted(controller: RunController, call_id: str) -> None:
