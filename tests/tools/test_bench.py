@@ -474,6 +474,8 @@ def _damage(bodies: list[Any], seqs: list[Any], how: str, i: int, cut: int) -> b
         joined = bodies[i] + "," + bodies[i + 1]
         commas = [k for k, ch in enumerate(joined) if ch == ","]
         at = commas[cut % len(commas)]
+        if at == len(bodies[i]):  # the cut is the rows' own boundary: nothing is damaged
+            return False
         bodies[i:i + 2] = [joined[:at], joined[at + 1:]]
     elif how == "duplicate":
         bodies[i] = bodies[i].replace('"seq":', '"seq":0,"seq":', 1)
