@@ -101,8 +101,8 @@ if TYPE_CHECKING:
     from statemachine.stores import EventStore
 
 __all__ = ["RESERVED_EVENTS", "RESERVED_TEXT", "SNAPSHOT_SIZE", "RunController"]
-"""(The reserves and the snapshot's size key live with the journal; they are named here
-too, where they were first.)"""
+"""The reserves and the snapshot's size key live in `journal`; code that imports them
+from here still can."""
 
 _UNSETTLED = Step.UNSETTLED
 _WORKING = frozenset(WORKING_STEPS)
