@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import functools
 import gc
 import inspect
@@ -171,6 +172,17 @@ class Journal:
         self.size = codec.log_size(state.run_id, events) if size is None else size
         """The size of `to_json()` (no chain): what ``max_bytes`` bounds, kept as events
         are recorded (``base`` > 0 needs ``size``: the events before it are not here)."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Journal:
+        """A deep copy that shares the recorded events and the limits: they are never
+        changed (every read hands out copies), so walking them would only cost."""
+        for shared in (*self.events, self.limits):
+            memo.setdefault(id(shared), shared)
+        twin = Journal.__new__(Journal)
+        memo[id(self)] = twin
+        for name in Journal.__slots__:
+            setattr(twin, name, copy.deepcopy(getattr(self, name), memo))
+        return twin
 
     # ------------------------------------------------------------ starting, loading
 
