@@ -368,9 +368,9 @@ CATALOGUE: tuple[Mutant, ...] = (
        "            if record.phase in (Phase.COMPLETED, Phase.PUBLISHED):\n"
        "                return Resend(",
        "a published call is re-sent"),
-    _m("CT10", 'self._record("tool_completed", ev.ToolCompleted(self._seq, call_id, detached))\n'
+    _m("CT10", 'ev.ToolCompleted(self._journal.version, call_id, detached))\n'
                "        self._in_flight.pop(call_id, None)\n",
-       'self._record("tool_completed", ev.ToolCompleted(self._seq, call_id, detached))\n',
+       'ev.ToolCompleted(self._journal.version, call_id, detached))\n',
        "a completed call stays in flight"),
     _m("CT11", "if s.step is Step.INTERRUPTION and s.counts[Phase.APPROVED]:",
        "if s.step is Step.INTERRUPTION:",
@@ -427,9 +427,9 @@ CATALOGUE: tuple[Mutant, ...] = (
        "the hot path skips the room check too close to max_events"),
     _m("JO02", '_FINISHING = {"begin_tool": 3,', '_FINISHING = {"begin_tool": 1,',
        "a tool may start with no room left to record its result"),
-    _m("JO04", "                journal.stop(StorageError, _unknown(what))\n"
-               "            _placed(error, **where)\n",
-       "            _placed(error, **where)\n",
+    _m("JO04", "            if (journal is not None and isinstance(error, StorageError)\n"
+               "                    and error.outcome != Outcome.NOT_WRITTEN):\n"
+               "                journal.stop(StorageError, _unknown(what))\n", "",
        "an append of unknown outcome does not stop the controller"),
     _m("JO05", "        if not self.buffered:\n            self.flushed = self.version\n", "",
        "an unbuffered controller forgets what the store holds"),

@@ -101,8 +101,8 @@ if TYPE_CHECKING:
     from statemachine.stores import EventStore
 
 __all__ = ["RESERVED_EVENTS", "RESERVED_TEXT", "SNAPSHOT_SIZE", "RunController"]
-"""(The reserves and the snapshot's size key live with the journal; they are named here
-too, where they were first.)"""
+"""The reserves and the snapshot's size key live in `journal`; code that imports them
+from here still can."""
 
 _UNSETTLED = Step.UNSETTLED
 _WORKING = frozenset(WORKING_STEPS)
@@ -548,7 +548,7 @@ class RunController:
         that append landed, so a failed append leaves this controller as it was."""
         s = self._state
         journal = self._journal
-        event = ev.PublicationCommitted(self._seq)
+        event = ev.PublicationCommitted(self._journal.version)
         size = journal.room_for(action, event)
         try:
             dest = destination(s, event)
@@ -587,23 +587,18 @@ class RunController:
                 type(event).__name__, seq=event.seq,
                 **{"from": before.value if before else None, "to": self._state.step.value})
 
-    @property
-    def _seq(self) -> int:
-        """The seq of the next event."""
-        return self._journal.version
-
     # ----------------------------------------------------------------- the model
 
     def begin_model_call(self) -> None:
         """RUN_AGAIN or HANDOFF → AWAITING_MODEL. Refused naming ``max_turns`` when no
         turn is left, and while a result is unpublished."""
         self._gate("begin_model_call", "begin_model_call")
-        self._record("begin_model_call", ev.ModelCallBegun(self._seq))
+        self._record("begin_model_call", ev.ModelCallBegun(self._journal.version))
 
     def model_failed(self, error: BaseException | type[BaseException]) -> None:
         """AWAITING_MODEL → RUN_AGAIN; records the error's type name only."""
         self._gate("model_failed", "model_failed")
-        self._record("model_failed", ev.ModelFailed(self._seq, _error_name(error)))
+        self._record("model_failed", ev.ModelFailed(self._journal.version, _error_name(error)))
 
     def model_responded(self, tool_calls: Sequence[ToolCall] = (), output: JSON = None) -> None:
         """AWAITING_MODEL → INTERRUPTION (a call needs approval), TOOLS (calls, none
@@ -612,7 +607,7 @@ class RunController:
         self._gate(action, action)
         calls = self._tool_calls(action, tool_calls)
         detached = self._detach(action, "output", output)
-        self._record(action, ev.ModelResponded(self._seq, calls, detached))
+        self._record(action, ev.ModelResponded(self._journal.version, calls, detached))
         ledger = self._state.calls
         for call in calls:  # a live run fingerprints now, so decisions stay cheap
             ledger[call.call_id].digest()
@@ -640,7 +635,7 @@ class RunController:
         if type(items) is not list:
             self._refuse(SchemaError, "add_input", "items must be a list")
         detached = tuple(self._detach("add_input", "an input item", item) for item in items)
-        self._record("add_input", ev.InputAdded(self._seq, detached))
+        self._record("add_input", ev.InputAdded(self._journal.version, detached))
 
     # ------------------------------------------------------------------ decisions
 
@@ -657,7 +652,7 @@ class RunController:
         the approval binds to those exact arguments; a mismatch is refused."""
         self._gate("approve", "approve")
         bound = self._decision_fingerprint("approve", call_id, fingerprint)
-        self._record("approve", ev.CallApproved(self._seq, call_id, bound))
+        self._record("approve", ev.CallApproved(self._journal.version, call_id, bound))
 
     def reject(self, call_id: str, message: JSON = None, *,
                fingerprint: str | None = None) -> None:
@@ -666,7 +661,7 @@ class RunController:
         self._gate("reject", "reject")
         bound = self._decision_fingerprint("reject", call_id, fingerprint)
         detached = self._detach("reject", "message", message)
-        self._record("reject", ev.CallRejected(self._seq, call_id, bound, detached))
+        self._record("reject", ev.CallRejected(self._journal.version, call_id, bound, detached))
 
     def claim(self, owner: str | None = None) -> None:
         """The first command of every attempt on an existing run: records `RunClaimed`
@@ -683,7 +678,7 @@ class RunController:
         action = "claim"
         self._gate(action, action)
         self._text(action, "owner", owner, optional=True)  # str (valid Unicode) or None
-        self._record(action, ev.RunClaimed(self._seq, owner))
+        self._record(action, ev.RunClaimed(self._journal.version, owner))
 
     def resume(self) -> Action:
         """The gate of every resumed attempt; returns `next_action`.
@@ -700,7 +695,7 @@ class RunController:
         if doubtful:
             self._refuse_in_doubt("resume", doubtful[0])
         if s.step is Step.INTERRUPTION and s.counts[Phase.APPROVED]:
-            self._record("resume", ev.Resumed(self._seq))
+            self._record("resume", ev.Resumed(self._journal.version))
         return self.next_action()
 
     def _refuse_in_doubt(self, action: str, call_id: str) -> NoReturn:
@@ -731,7 +726,7 @@ class RunController:
                     self._refuse_in_doubt("begin_tool", call_id)
         # the copy handed out is made before anything is recorded
         handed = None if record is None else _copy_call(record.call)
-        self._record("begin_tool", ev.ToolStarted(self._seq, call_id))
+        self._record("begin_tool", ev.ToolStarted(self._journal.version, call_id))
         self._in_flight[call_id] = None
         assert handed is not None  # a call unknown to the ledger was refused above
         return Execute(call_id, handed)
@@ -745,7 +740,7 @@ class RunController:
             self._refuse(InvalidTransition, "tool_completed",
                          f"call {excerpt(call_id)} is not in flight in this controller (a call "
                          "started elsewhere leaves doubt only through resolve_in_doubt)")
-        self._record("tool_completed", ev.ToolCompleted(self._seq, call_id, detached))
+        self._record("tool_completed", ev.ToolCompleted(self._journal.version, call_id, detached))
         self._in_flight.pop(call_id, None)
 
     def tool_interrupted(self, call_id: str) -> None:
@@ -772,7 +767,8 @@ class RunController:
             self._refuse(InvalidTransition, "resolve_in_doubt",
                          f"call {excerpt(call_id)} is in flight in this controller; report "
                          "tool_completed")
-        self._record("resolve_in_doubt", ev.InDoubtResolved(self._seq, call_id, detached))
+        self._record("resolve_in_doubt",
+                     ev.InDoubtResolved(self._journal.version, call_id, detached))
 
     # ------------------------------------------------------- guardrails and hooks
 
@@ -787,7 +783,7 @@ class RunController:
         self._text(action, "call_id", call_id, optional=True)
         detached = self._detach(action, "guardrail result", result)
         self._record(action, ev.GuardrailEvaluated(
-            self._seq, GuardrailResult(name, stage, call_id, detached)))
+            self._journal.version, GuardrailResult(name, stage, call_id, detached)))
 
     def hook_ran(self, hook: str, *, call_id: str | None = None) -> None:
         """Record a lifecycle hook: tool hooks once per call, model hooks once per model
@@ -795,7 +791,7 @@ class RunController:
         self._gate("hook_ran", "hook_ran")
         self._text("hook_ran", "hook", hook)
         self._text("hook_ran", "call_id", call_id, optional=True)
-        self._record("hook_ran", ev.HookRan(self._seq, hook, call_id))
+        self._record("hook_ran", ev.HookRan(self._journal.version, hook, call_id))
 
     # ---------------------------------------------------- final output, handoff
 
@@ -808,25 +804,25 @@ class RunController:
         detached = self._detach(action, "output", output)
         if type(lossless) is not bool:
             self._refuse(SchemaError, action, "lossless must be a bool")
-        self._record(action, ev.FinalOutputAccepted(self._seq, detached, lossless))
+        self._record(action, ev.FinalOutputAccepted(self._journal.version, detached, lossless))
 
     def complete(self) -> None:
         """FINAL_OUTPUT → COMPLETED, for a run without a Session with nothing unpublished."""
         self._gate("complete", "complete")
-        self._record("complete", ev.RunCompleted(self._seq))
+        self._record("complete", ev.RunCompleted(self._journal.version))
 
     def handoff(self, target: str) -> None:
         """RUN_AGAIN or INTERRUPTION → HANDOFF: a new activation; every call not yet
         started is skipped, and the next batch must publish every unpublished result."""
         self._gate("handoff", "handoff")
         self._text("handoff", "target", target)
-        self._record("handoff", ev.HandedOff(self._seq, target))
+        self._record("handoff", ev.HandedOff(self._journal.version, target))
 
     def abandon(self, reason: str) -> None:
         """Any live step → TERMINAL_UNRECOVERABLE, for good."""
         self._gate("abandon", "abandon")
         self._text("abandon", "reason", reason)
-        self._record("abandon", ev.Abandoned(self._seq, reason))
+        self._record("abandon", ev.Abandoned(self._journal.version, reason))
         self._in_flight.clear()
         self._attempt = None
 
@@ -838,14 +834,14 @@ class RunController:
         action = "receive_tool_calls"
         self._gate(action, action)
         calls = self._tool_calls(action, tool_calls)
-        self._record(action, ev.ToolCallsReceived(self._seq, calls))
+        self._record(action, ev.ToolCallsReceived(self._journal.version, calls))
 
     def result_posted(self, call_id: str) -> None:
         """The call's cached result is now in the remote history: it is published, and
         ``begin_tool`` will neither re-send nor re-run it."""
         self._gate("result_posted", "result_posted")
         self._text("result_posted", "call_id", call_id)
-        self._record("result_posted", ev.ResultPosted(self._seq, call_id))
+        self._record("result_posted", ev.ResultPosted(self._journal.version, call_id))
 
     def result_post_failed(self, call_id: str, error: BaseException | type[BaseException]
                            ) -> None:
@@ -854,7 +850,7 @@ class RunController:
         self._gate("result_post_failed", "result_post_failed")
         self._text("result_post_failed", "call_id", call_id)
         self._record("result_post_failed",
-                     ev.ResultPostFailed(self._seq, call_id, _error_name(error)))
+                     ev.ResultPostFailed(self._journal.version, call_id, _error_name(error)))
 
     # --------------------------------------------------------------- publication
 
@@ -898,8 +894,8 @@ class RunController:
                 f"apart; read at least {len(history) + 1} items, or pass the whole Session "
                 "with whole=True")
         event = ev.PublicationStaged(
-            self._seq, s.session_id, batch, listed, frontier.read_limit, frontier.digests,
-            frontier.whole, batch_digests, s.continuation_after(listed))
+            self._journal.version, s.session_id, batch, listed, frontier.read_limit,
+            frontier.digests, frontier.whole, batch_digests, s.continuation_after(listed))
         self._record(action, event)
         self._attempt = event.seq
 
@@ -934,7 +930,7 @@ class RunController:
         if session_write is not None:
             self._commit_with(action, self._session_write(action, session_write))
             return
-        self._record(action, ev.PublicationCommitted(self._seq))
+        self._record(action, ev.PublicationCommitted(self._journal.version))
         self._attempt = None
 
     def _session_write(self, action: str, write: SessionWrite) -> SessionWrite:
@@ -979,7 +975,8 @@ class RunController:
         timed out and may still land: its attempt stays open."""
         self._gate("publication_failed", "publication_failed")
         self._own_attempt("publication_failed")
-        self._record("publication_failed", ev.PublicationFailed(self._seq, _error_name(error)))
+        self._record("publication_failed",
+                     ev.PublicationFailed(self._journal.version, _error_name(error)))
         self._attempt = None
 
     def reconcile(self, history: Sequence[JSON], session_id: str | None, *,
@@ -1010,7 +1007,7 @@ class RunController:
             self._refuse(SchemaError, action,
                          f"a history item has no canonical form ({type(exc).__name__})")
         if finding.kind is FindingKind.ACKNOWLEDGE:
-            self._record(action, ev.ReconciledAcknowledge(self._seq, take_over))
+            self._record(action, ev.ReconciledAcknowledge(self._journal.version, take_over))
             self._attempt = None
             return Acknowledge()
         if finding.kind is FindingKind.APPEND:
@@ -1022,7 +1019,7 @@ class RunController:
                     "no write of this batch can still land. The completed tool must not be "
                     "re-run")
             items = tuple(copy_plain(item) for item in envelope.items)
-            event = ev.ReconciledAppend(self._seq, take_over)
+            event = ev.ReconciledAppend(self._journal.version, take_over)
             self._record(action, event)
             self._attempt = event.seq
             return Append(items)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import functools
 import gc
 import inspect
@@ -171,6 +172,17 @@ class Journal:
         self.size = codec.log_size(state.run_id, events) if size is None else size
         """The size of `to_json()` (no chain): what ``max_bytes`` bounds, kept as events
         are recorded (``base`` > 0 needs ``size``: the events before it are not here)."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Journal:
+        """A deep copy that shares the recorded events and the limits: they are never
+        changed (every read hands out copies), so walking them would only cost."""
+        for shared in (*self.events, self.limits):
+            memo.setdefault(id(shared), shared)
+        twin = Journal.__new__(Journal)
+        memo[id(self)] = twin
+        for name in Journal.__slots__:
+            setattr(twin, name, copy.deepcopy(getattr(self, name), memo))
+        return twin
 
     # ------------------------------------------------------------ starting, loading
 
@@ -353,27 +365,24 @@ class Journal:
         flush, then folded into the state and kept. A failed append leaves the journal as
         it was (stopped, when the append may have landed)."""
         store = self.store
-        if store is not None:
-            if self.buffered:
-                self._buffer(event)
-            else:
-                self._append(store, event, dest, action)
-        self.state.apply(event, dest)
+        state = self.state
+        if store is not None and self.buffered:
+            self._buffer(event)
+        elif store is not None:
+            snapshot = (self._snapshot() if event.seq % self.limits.snapshot_every == 0
+                        and isinstance(store, SnapshotStore) else None)
+            with _StoreCall(self, action, (event,)):
+                if indexes_runs(store):  # it keeps a head per run: tell it the new step
+                    store.append(state.run_id, (event,), event.seq, snapshot=snapshot,
+                                 step=dest)
+                else:
+                    store.append(state.run_id, (event,), event.seq, snapshot=snapshot)
+        state.apply(event, dest)
         self.events.append(event)
         self.version = event.seq + 1
         self.size = size
         if not self.buffered:
             self.flushed = self.version
-
-    def _append(self, store: EventStore, event: ev.Event, dest: Step, action: str) -> None:
-        state = self.state
-        snapshot = (self._snapshot() if event.seq % self.limits.snapshot_every == 0
-                    and isinstance(store, SnapshotStore) else None)
-        with _StoreCall(self, action, (event,)):
-            if indexes_runs(store):  # it keeps a head per run: tell it the new step
-                store.append(state.run_id, (event,), event.seq, snapshot=snapshot, step=dest)
-            else:
-                store.append(state.run_id, (event,), event.seq, snapshot=snapshot)
 
     def _buffer(self, event: ev.Event) -> None:
         """Keep ``event`` for the next flush. A batch that starts a snapshot interval
