@@ -62,30 +62,36 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapp
 from typing import Any, cast
 
 import attrs
-from agents import (
-    Agent,
-    FunctionTool,
-    GuardrailFunctionOutput,
-    InputGuardrail,
-    ItemHelpers,
-    Model,
-    ModelResponse,
-    OutputGuardrail,
-    RunConfig,
-    RunHooks,
-    Runner,
-    RunResult,
-    RunResultStreaming,
-    RunState,
-    ToolApprovalItem,
-    ToolGuardrailFunctionOutput,
-    ToolInputGuardrail,
-    ToolOutputGuardrail,
-)
-from agents.lifecycle import AgentHooksBase, RunHooksBase
-from agents.memory import Session as SDKSession
-from agents.tool_context import ToolContext
-from agents.tool_guardrails import ToolInputGuardrailData, ToolOutputGuardrailData
+
+from statemachine.adapters import missing_extra
+
+try:
+    from agents import (
+        Agent,
+        FunctionTool,
+        GuardrailFunctionOutput,
+        InputGuardrail,
+        ItemHelpers,
+        Model,
+        ModelResponse,
+        OutputGuardrail,
+        RunConfig,
+        RunHooks,
+        Runner,
+        RunResult,
+        RunResultStreaming,
+        RunState,
+        ToolApprovalItem,
+        ToolGuardrailFunctionOutput,
+        ToolInputGuardrail,
+        ToolOutputGuardrail,
+    )
+    from agents.lifecycle import AgentHooksBase, RunHooksBase
+    from agents.memory import Session as SDKSession
+    from agents.tool_context import ToolContext
+    from agents.tool_guardrails import ToolInputGuardrailData, ToolOutputGuardrailData
+except ModuleNotFoundError as error:  # pragma: no cover - the extra is installed in CI
+    raise missing_extra(__name__, "openai-agents", error) from error
 
 from statemachine.adapters._calls import Walk, lossless, plain, run_call
 from statemachine.controller import RunController
