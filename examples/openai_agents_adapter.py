@@ -6,7 +6,8 @@ the tool charges once, and the Session write of its output commits but raises (t
 acknowledgement is lost). The adapter surfaces that error and refuses new input while
 the write is unsettled. A second process opens the run from the SQLite store with the
 SDK state saved at the interruption: it reconciles (the batch is already there), never
-re-runs the charge, and the SDK finishes the run.
+re-runs the charge, and the SDK finishes the run. Asked again (a retried request), the
+completed run answers from its ledger: no model call, no charge.
 
 Run it: ``python examples/openai_agents_adapter.py`` (needs
 ``pip install 'agent-statemachine[openai-agents]'``; it starts both processes itself, in a
@@ -87,6 +88,11 @@ async def second_process(folder: Path) -> None:
           f"charged {len(charges)} time(s); {len(outputs)} output(s) in the Session")
     assert charges == ["7"]
     assert len(outputs) == 1
+    again = await run.run(run_config=CONFIG)  # the client retries: the recorded answer
+    print(f"second process, asked again: {again.final_output!r} "
+          f"(replayed from the ledger: {again.replayed})")
+    assert again.replayed
+    assert (folder / "charges.txt").read_text().split() == ["7"]
 
 
 def main() -> None:

@@ -41,6 +41,8 @@ _FILES = {
     "PU": "statemachine/runner/publish.py",
     "RE": "statemachine/runner/remote.py",
     "AG": "statemachine/runner/agents.py",
+    "OA": "statemachine/adapters/openai_agents.py",
+    "AC": "statemachine/adapters/_calls.py",
 }
 
 
@@ -72,6 +74,44 @@ _CONTROLLER = ("tests/core/test_copies.py", *_CORE, "tests/storage/test_storage_
                "tests/storage/test_snapshots.py", "tests/core/test_tool_interrupted.py",
                _WORLDS, "tests/storage/test_durability.py")
 
+_OPENAI_AGENTS = (*(f"tests/adapters/test_openai_agents.py::{test}" for test in (
+    "test_row02_mcp_servers_are_refused_at_open",
+    "test_row01_an_agent_tool_whose_agent_may_need_approval_is_refused_at_open",
+    "test_row09_a_run_opened_on_another_session_is_refused_before_any_effect",
+    "test_row03_a_call_a_tool_input_guardrail_rejects_never_runs_and_the_run_goes_on[run]",
+    "test_row04_a_tripped_output_guardrail_never_accepts_the_output[run]",
+    "test_row05_a_call_to_a_tool_the_agent_does_not_have[raise_error]",
+    "test_row05_a_call_to_a_tool_the_agent_does_not_have[return_error_to_model]",
+    "test_row07_a_decision_taken_on_the_sdk_state_is_honoured[same-state-approve]",
+    "test_row07_a_decision_taken_on_the_sdk_state_is_honoured[saved-state-reject]",
+    "test_row08_a_resent_result_is_the_text_the_sdk_sent_in_one_process",
+    "test_row19_a_redacting_tool_output_guardrail_keeps_the_raw_output_out_of_the_store",
+    "test_row10_a_handoff_is_carried_and_a_restart_goes_on_with_the_agent_handed_to",
+    "test_row22_a_completed_run_answers_a_retried_request_from_its_ledger[run]",
+    "test_row01_an_agent_used_as_a_tool_runs_whole_as_its_calls_body[run]",
+    "test_row01_an_agent_tool_runs_on_the_callers_run_config",
+    "test_row18_a_result_over_max_bytes_is_the_calls_failure_the_model_sees[over-the-log]",
+    "test_row18_a_result_over_max_bytes_is_the_calls_failure_the_model_sees[over-its-batch]",
+    "test_a_turn_resumed_without_its_sdk_state_replays_its_recorded_response",
+    "test_a_state_saved_at_an_earlier_turn_never_leads_the_sdk_back_into_it",
+    "test_run_options_the_adapter_cannot_carry_are_refused_before_the_attempt"
+    "[handoff_input_filter]",
+    "test_run_options_the_adapter_cannot_carry_are_refused_before_the_attempt"
+    "[pre_approval_guardrails]",
+    "test_a_standing_approval_is_honoured_for_its_call_and_refused_for_later_ones",
+    "test_a_timed_out_tool_is_in_doubt_before_the_sdks_timeout_text_is_written",
+    "test_an_attempt_left_writing_is_refused_naming_take_over_then_taken_over",
+    "test_a_completed_call_is_resent_never_run_again",
+    "test_hooks_and_guardrails_are_recorded_once",
+    "test_arguments_other_than_the_approved_ones_never_run",
+    "test_an_interrupted_tool_is_in_doubt_and_never_run_again[run]",
+    "test_row18_a_call_the_run_has_no_room_for_is_refused_before_its_body",
+    "test_differential[terminal-output-commit-then-raise-run]",
+    "test_differential[approval-while-unsettled-partial-write-run_streamed]",
+)), "tests/adapters/test_extras.py")
+"""The openai-agents adapter's guard: its differential rows and the tests that run in
+one process, fastest first (the kill -9 rows and the whole matrix run in `just test`)."""
+
 SELECTIONS: dict[str, tuple[str, ...]] = {
     "statemachine/machine.py": (*_CORE, _WORLDS),
     "statemachine/state.py": (*_CORE, "tests/storage/test_snapshots.py", _WORLDS),
@@ -96,6 +136,8 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     "statemachine/runner/remote.py": ("tests/runner/test_remote.py",
                                       "tests/runner/test_runner_promises.py"),
     "statemachine/runner/agents.py": _RUNNER,
+    "statemachine/adapters/openai_agents.py": _OPENAI_AGENTS,
+    "statemachine/adapters/_calls.py": ("tests/adapters/test_calls.py", *_OPENAI_AGENTS),
 }
 
 CATALOGUE: tuple[Mutant, ...] = (
@@ -655,4 +697,84 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("AG04", "            if tool.name == name:\n                return tool\n",
        "            if tool.name.startswith(name):\n                return tool\n",
        "a tool looked up by prefix"),
+    # ---------------------------------------------------- adapters/openai_agents
+    _m("OA01", "        if each.mcp_servers:\n",
+       "        if each.mcp_servers and False:\n",
+       "MCP servers are not refused at open: their tools run outside the ledger"),
+    _m("OA02", "    if session.session_id != controller.session_id:\n"
+               "        raise ReconcileRejected(",
+       "    if False:\n        raise ReconcileRejected(",
+       "a run opened on another Session runs its approved tool before anything refuses it"),
+    _m("OA03", "                c.begin_tool(call_id)\n"
+               "                c.tool_completed(call_id, item.get(\"output\"))\n",
+       "                pass\n",
+       "a call the SDK answered itself (a guardrail's rejection) stays approved and unrun: "
+       "the next model call is refused and the run is stuck"),
+    _m("OA04", "        self._run._final = (output,)  # accepted when written, once its "
+               "guardrails passed\n",
+       "        self._run._final = (output,)\n        self._run._accept_final_output()\n",
+       "the final output is accepted before its output guardrails' verdict"),
+    _m("OA05", "        if (isinstance(error, OutputGuardrailTripwireTriggered)",
+       "        if (False and isinstance(error, OutputGuardrailTripwireTriggered)",
+       "a tripped output guardrail does not end the run"),
+    _m("OA06", "        if unknown and self._config_now.tool_not_found_behavior == "
+               "\"raise_error\":",
+       "        if False:",
+       "a response naming a tool the agent does not have is recorded: every retry is stuck"),
+    _m("OA07", "            self._take_sdk_decisions(self._state)\n",
+       "            pass\n",
+       "a decision taken on the SDK state is dropped: the run pauses again"),
+    _m("OA08", "    return _shown(item[\"output\"])\n", "    return _shown(output)\n",
+       "a result is recorded in its JSON form, not as the text the SDK sent: a resent "
+       "result differs"),
+    _m("OA09", "            final = _sent_error(tool, tool_call, behavior[\"message\"])",
+       "            final = _sent(tool, tool_call, data.output)",
+       "the raw output a redacting guardrail replaced is what the ledger keeps"),
+    _m("OA10", "keep=not guarded)", "keep=True)",
+       "a tool with output guardrails has its raw result recorded before they run"),
+    _m("OA11", "            self.controller.handoff(agent.name)\n", "            pass\n",
+       "a handoff is not recorded: the ledger never shows the agent it reached"),
+    _m("OA12", "        if c.step is Step.COMPLETED:\n            output = recorded_output(",
+       "        if False:\n            output = recorded_output(",
+       "a completed run asked again is refused instead of answering from its ledger"),
+    _m("OA13", "            ctx.run_config = self._user_config\n", "            pass\n",
+       "an agent tool's nested run goes through the outer run's ledger and is refused inside"),
+    _m("OA14", "            self._replaying = True  # the recorded response, not a new model "
+               "call\n",
+       "            self._replaying = False\n",
+       "a turn resumed without its SDK state asks the model again instead of replaying"),
+    _m("OA15", "                 and _written_call(item) not in run._written]",
+       "                 ]",
+       "a replayed response writes its calls to the Session a second time"),
+    _m("OA16", "        if self._state is not None and not self._in_turn(self._state):",
+       "        if False:",
+       "a state saved at an earlier turn leads the SDK back into a turn the run has left"),
+    _m("OA17", "        if not batch or not run._final_checked():",
+       "        if not batch:",
+       "a final answer whose output guardrail failed before its verdict is written"),
+    _m("OA18", "            if isinstance(tool, FunctionTool) and tool.needs_approval is not "
+               "False:",
+       "            if False:",
+       "an agent tool whose nested agent needs approvals is accepted"),
+    _m("OA19", "    if execution is not None and execution.pre_approval_tool_input_guardrails:",
+       "    if False:",
+       "pre-approval tool input guardrails are accepted"),
+    _m("OA20", "        if call_id not in c.in_flight:\n            return verdict  # a resent",
+       "        if False:\n            return verdict  # a resent",
+       "a resent result's output guardrail records the call's result a second time"),
+    # ---------------------------------------------------------- adapters/_calls
+    _m("AC01", "    if needed <= left:\n", "    if True:\n",
+       "a result that fits its record but not its batch is kept: its batch cannot be staged"),
+    _m("AC02", "    if started + failure > room(c):", "    if False:",
+       "a call the run has no room for runs, and its result is refused after the body"),
+    _m("AC03", "    if \"may still be writing\" not in refused.reason:\n        return refused",
+       "    if True:\n        return refused",
+       "the refusal of an attempt that may still be writing does not name take_over"),
+    _m("AC04", "        if not _same_json(list(new_input), last):", "        if False:",
+       "a completed run answers any new input with its old output"),
+    _m("AC05", "    if view.phase is Phase.AWAITING:\n        raise InvalidTransition(",
+       "    if False:\n        raise InvalidTransition(",
+       "a call started without a recorded decision is refused unnamed, by the step's guard"),
+    _m("AC06", "    return output if kept else recorded\n", "    return output\n",
+       "the model is sent a result the ledger did not keep"),
 )

@@ -1,18 +1,54 @@
 """What every adapter shares: `plain`, an SDK's value as the plain JSON the ledger keeps
 (each adapter naming its policy for what is not JSON); `begin_call`, what an adapter does
 before a tool body runs (ask the ledger, DESIGN §2.4); and, for the async adapters, the
-whole of one call (`run_call`)."""
+whole of one call (`run_call`). And the rules of issue 23 that hold in every adapter:
+
+* a result is recorded only if the run has room for it under ``max_bytes``: before the
+  body the call is refused when even its failure could not be recorded (`begin_call`),
+  and after it a result too large to keep is recorded as the call's failure, the text the
+  model is sent instead (`record_result`) — never left in doubt by the library's limit;
+* what a tool output guardrail let through is what the ledger keeps: `run_call` with
+  ``keep=False`` leaves the result to be recorded after the guardrail (`record_result`);
+* an attempt refused because a dead attempt may still be writing names the adapter's
+  ``take_over=True`` (`naming_take_over`, `settle_unsettled`);
+* a run that already completed answers a retried request with its recorded output
+  (`recorded_output`), calling no model and running no tool;
+* an SDK feature an adapter cannot carry is refused with `UnsupportedFeature`.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+from statemachine import events as ev
+from statemachine import sizes
 from statemachine.controller import RunController
-from statemachine.errors import InvalidTransition
+from statemachine.errors import (
+    ControlError,
+    InvalidTransition,
+    ReconcileRejected,
+    RunNotResumable,
+    SchemaError,
+)
 from statemachine.payloads import JSON, canonical_json
+from statemachine.runner.publish import settle
+from statemachine.sessions import Session
 from statemachine.values import Phase, Resend, Step
+
+
+class UnsupportedFeature(ControlError, ValueError):
+    """An SDK feature this adapter cannot carry safely, refused before anything was
+    recorded or run: when the run is opened, or (an option given to one attempt) before
+    that attempt does anything. ``feature`` names it."""
+
+    def __init__(self, reason: str, *, feature: str, **where: Any) -> None:
+        self.feature = feature
+        super().__init__(reason, **where)
+
+    def _extra(self) -> dict[str, Any]:
+        return {"feature": self.feature}
 
 # ------------------------------------------------------------------ plain JSON forms
 
@@ -69,13 +105,18 @@ def lossless(value: Any, plain_form: JSON) -> bool:
 # --------------------------------------------------------------------- tool calls
 
 
-def begin_call(c: RunController, call_id: str, arguments: JSON) -> tuple[bool, JSON]:
+def begin_call(c: RunController, call_id: str, arguments: JSON, *,
+               staged: int = 0) -> tuple[bool, JSON]:
     """``(True, result)`` when the call must not run: its recorded result (published
     before, or a `Resend` of a result recorded but not yet published). ``(False, None)``
     when its start is recorded and the body runs now, once the start is made durable
     (the caller flushes: an effect boundary). Raises `InvalidTransition` for a call the
     ledger never saw or one asked to run with other arguments than the recorded ones
-    (which its approval binds), and `ToolInDoubt` for a started, unfinished call."""
+    (which its approval binds) or one still awaiting a decision, `ToolInDoubt` for a
+    started, unfinished call, and
+    `SchemaError` (nothing recorded, the body never runs) when the run has no room left
+    to record and publish even the call's failure (`ensure_room`; ``staged``: the bytes
+    its batch takes beside its result)."""
     view = c.call(call_id)
     if view.phase is Phase.PUBLISHED:
         return True, view.result
@@ -84,8 +125,15 @@ def begin_call(c: RunController, call_id: str, arguments: JSON) -> tuple[bool, J
             f"call {call_id!r} was asked to run with arguments other than the recorded "
             "ones (which its approval binds); it did not run",
             run_id=c.run_id, step=c.step, action="begin_tool")
+    if view.phase is Phase.AWAITING:
+        raise InvalidTransition(
+            f"call {call_id!r} awaits a decision the ledger has not recorded (a decision "
+            "the SDK keeps for later calls is not one); it did not run",
+            run_id=c.run_id, step=c.step, action="begin_tool")
     if c.step is Step.INTERRUPTION:
         c.resume()  # calls needing no approval run while others await a decision
+    if view.phase is not Phase.COMPLETED:
+        ensure_room(c, call_id, staged=staged)
     decision = c.begin_tool(call_id)
     if isinstance(decision, Resend):
         return True, decision.result
@@ -104,26 +152,164 @@ def _same_json(asked: JSON, recorded: JSON) -> bool:
 async def run_call(c: RunController, call_id: str, arguments: JSON, *,
                    flush: Callable[[], Awaitable[None]], body: Callable[[], Awaitable[Any]],
                    as_json: Callable[[Any], JSON],
-                   answers: tuple[type[BaseException], ...] = ()) -> Any:
+                   answers: tuple[type[BaseException], ...] = (),
+                   answer: Callable[[BaseException], JSON] | None = None,
+                   keep: bool = True, staged: int = 0) -> Any:
     """One tool call through the ledger: its recorded result when it must not run
     (`begin_call`); else its start made durable (``flush``: an effect boundary), the
-    body once, and its result recorded (``as_json`` makes it JSON). An exception of a type
-    in ``answers`` is the tool's own answer ("retry", "failed"): recorded as its result
-    and raised on. Anything else the body raises (cancelled, timed out, failed before a
+    body once, and its result recorded (``as_json`` makes it JSON) by `record_result`: a
+    result the run has no room for is recorded as the call's failure, and that text is
+    returned instead (what the model must be sent). With ``keep=False`` nothing is
+    recorded after the body: the call stays in flight and the caller records what a
+    guardrail let through (`record_result`) or reports ``tool_interrupted``. ``staged``
+    is what the call's batch takes beside its result (`record_result`).
+
+    An exception of a type in ``answers`` is the tool's own answer: recorded as its
+    result (``answer(error)``, by default ``{"error": type name, "message": str}``) and
+    raised on. Anything else the body raises (cancelled, timed out, killed before a
     result) leaves the call started, and this controller answers as a reloaded one would
     (`ToolInDoubt`)."""
-    done, cached = begin_call(c, call_id, arguments)
+    done, cached = begin_call(c, call_id, arguments, staged=staged)
     if done:  # published before, or recorded: its cached result, never a rerun
         return cached
     await flush()
     try:
         output = await body()
-    except answers as answer:
-        c.tool_completed(call_id, {"error": type(answer).__name__, "message": str(answer)})
+    except answers as error:
+        record_result(c, call_id, answer(error) if answer is not None else
+                      {"error": type(error).__name__, "message": str(error)}, staged=staged)
         raise
     except BaseException:
         if call_id in c.in_flight:
             c.tool_interrupted(call_id)
         raise
-    c.tool_completed(call_id, as_json(output))
-    return output
+    if not keep:
+        return output
+    kept, recorded = record_result(c, call_id, as_json(output), staged=staged)
+    return output if kept else recorded
+
+
+# ------------------------------------------------- results and the room under max_bytes
+
+STAGED_BYTES = 1024
+"""What staging a batch adds beside its items (the envelope's digests and frontier, an
+item's keys): room kept for it, so a result that was recorded can also be published."""
+
+
+def room(c: RunController) -> int:
+    """The bytes an ordinary command may still add to the run's JSON under its
+    ``max_bytes`` (the room kept for settling and abandoning excluded)."""
+    # (the run's journal keeps this limit privately; a public reading belongs there)
+    limit: int = c._journal.limits.room
+    return limit - c.size
+
+
+def _needed(c: RunController, call_id: str, output: JSON, staged: int) -> int:
+    """The bytes recording ``output`` takes, with room to publish it: its record, and its
+    copy in the staged batch beside the ``staged`` bytes of the batch's other items."""
+    completed = sizes.event_size(ev.ToolCompleted(c.version, call_id, output)) + 1
+    return completed + (completed + staged + STAGED_BYTES)
+
+
+def not_kept(reason: str) -> str:
+    """The failure text recorded (and sent to the model) for a result the run did not
+    keep."""
+    return f"The tool ran, but its result was not kept: {reason}."
+
+
+def _too_large(size: int, left: int) -> str:
+    return not_kept(f"recording and publishing it takes {size} bytes, and this run may "
+                    f"record only {left} more under max_bytes")
+
+
+def ensure_room(c: RunController, call_id: str, *, staged: int = 0) -> None:
+    """`SchemaError` (nothing recorded) when the run could not record the call's start
+    and then publish even its failure (``staged``: the bytes its batch takes beside the
+    result): refused before the body, so the library's own limit never leaves a call in
+    doubt."""
+    started = sizes.event_size(ev.ToolStarted(c.version, call_id)) + 1
+    failure = _needed(c, call_id, _too_large(10**18, 10**18), staged)
+    if started + failure > room(c):
+        raise SchemaError(
+            f"call {call_id!r} was not started: the run has no room left under max_bytes "
+            "to record and publish its result; abandon the run (or start it again with a "
+            "larger max_bytes)", run_id=c.run_id, step=c.step, action="begin_tool")
+
+
+def record_result(c: RunController, call_id: str, output: JSON, *,
+                  staged: int = 0) -> tuple[bool, JSON]:
+    """Record ``output`` as the result of a call this controller holds in flight, when
+    the run has room to record it and publish it (``staged``: the bytes its batch takes
+    beside it); otherwise record the call's failure (`not_kept`: why; the text the model
+    is sent instead). Returns ``(kept, recorded)``."""
+    try:
+        needed = _needed(c, call_id, output, staged)
+    except (TypeError, ValueError, RecursionError):  # not plain JSON: tool_completed says
+        needed = 0
+    left = room(c)
+    if needed <= left:
+        try:
+            c.tool_completed(call_id, output)
+        except SchemaError as refused:  # too deep, not plain JSON: the call fails
+            failure = not_kept(refused.reason)
+        else:
+            return True, output
+    else:
+        failure = _too_large(needed, left)
+    c.tool_completed(call_id, failure)
+    return False, failure
+
+
+# ---------------------------------------------------------------- settling, completed runs
+
+
+def naming_take_over(refused: ReconcileRejected, how: str) -> ReconcileRejected:
+    """``refused`` told how to take over in this adapter (``how``: e.g.
+    ``"AgentRun.open(..., take_over=True)"``) when it is the refusal of an attempt that may
+    still be writing; any other refusal as it is."""
+    if "may still be writing" not in refused.reason:
+        return refused
+    return ReconcileRejected(
+        f"{refused.reason}. The attempt that staged this write is not this one: once the "
+        f"process that ran it is gone (killed, exited) and no request it sent can still "
+        f"land, open the run with {how}", run_id=refused.run_id, step=refused.step,
+        action=refused.action)
+
+
+async def settle_unsettled(c: RunController, session: Session, *, take_over: bool,
+                           how: str) -> None:
+    """Settle the run's unsettled write (reconcile, and write the batch if nothing of it
+    landed) until it is settled; a refusal because an earlier attempt may still be
+    writing says how to take over (`naming_take_over`)."""
+    while c.step is Step.UNSETTLED:
+        try:
+            await settle(c, session, take_over=take_over)
+        except ReconcileRejected as refused:
+            told = naming_take_over(refused, how)
+            if told is refused:
+                raise
+            raise told from None
+
+
+def recorded_output(c: RunController, new_input: Sequence[JSON]) -> JSON:
+    """The recorded final output of a run that already completed, for an attempt that
+    repeats it: with no new input, or the input the run last received (a retried
+    request). Other input is refused with `RunNotResumable` (nothing recorded): a
+    completed run takes no new input; start a new run."""
+    if new_input:
+        inputs = [event.items for event in c.events if isinstance(event, ev.InputAdded)]
+        last = list(inputs[-1]) if inputs else []
+        if not _same_json(list(new_input), last):
+            raise RunNotResumable(
+                "the run completed and takes no new input; its recorded output answers "
+                "only a repeat of its last request: start a new run for this input",
+                run_id=c.run_id, step=c.step, action="run")
+    return c.final_output
+
+
+def abandoned_reason(c: RunController) -> str | None:
+    """Why a terminal run was abandoned (its last ``abandon`` reason), or None."""
+    for event in reversed(c.events):
+        if isinstance(event, ev.Abandoned):
+            return event.reason
+    return None

@@ -66,15 +66,20 @@ from collections.abc import (
 )
 from typing import Any, TypeVar, cast
 
-from anthropic import AsyncAnthropic
-from anthropic.lib.environments import DispatchedToolCall, SessionToolRunner
-from anthropic.lib.tools import (
-    BetaAsyncStreamingToolRunner,
-    BetaAsyncToolRunner,
-    BetaStreamingToolRunner,
-    BetaToolRunner,
-    ToolError,
-)
+from statemachine.adapters import missing_extra
+
+try:
+    from anthropic import AsyncAnthropic
+    from anthropic.lib.environments import DispatchedToolCall, SessionToolRunner
+    from anthropic.lib.tools import (
+        BetaAsyncStreamingToolRunner,
+        BetaAsyncToolRunner,
+        BetaStreamingToolRunner,
+        BetaToolRunner,
+        ToolError,
+    )
+except ModuleNotFoundError as error:  # pragma: no cover - the extra is installed in CI
+    raise missing_extra(__name__, "anthropic", error) from error
 
 from statemachine.adapters._calls import Walk, begin_call, plain
 from statemachine.controller import RunController

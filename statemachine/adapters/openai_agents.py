@@ -7,47 +7,64 @@ Theory of operation
 -------------------
 `AgentRun` is one run of an SDK `Agent`, bound to a `RunController` (and through it to an
 event store). Every attempt still runs on the SDK's ``Runner.run`` / ``Runner.run_streamed``,
-handed a copy of the agent whose seams are wrapped. Each wrapper asks the controller
-first and reports after, exactly as the reference runner does (`statemachine.runner.loop`):
+handed copies of the agent and of every agent its handoffs reach, whose seams are wrapped.
+Each wrapper asks the controller first and reports after, exactly as the reference runner
+does (`statemachine.runner.loop`):
 
 ==========================  ===================================================================
 SDK seam                    what the wrapper records
 ==========================  ===================================================================
 ``Model.get_response`` /    ``begin_model_call`` (durable before the request) →
-``stream_response``         ``model_responded(calls, output)`` or ``model_failed``
-``FunctionTool`` invoke     ``begin_tool(call id)``: `Execute` → durable start, the body,
-                            ``tool_completed`` (or ``tool_interrupted`` if it ends without a
-                            result); `Resend` → the cached result, the body never runs again;
-                            a started, unfinished call → `ToolInDoubt`, never re-run
-``Session.add_items``       a staged publication: stage → write → commit / fail (``publish``)
-``RunHooks`` / agent hooks  skipped when the log shows them run, else run then ``hook_ran``;
-                            ``on_agent_end`` also records ``accept_final_output``
+``stream_response``         ``model_responded(calls, output items)`` or ``model_failed`` (also
+                            for a response naming a tool the agent does not have, which the
+                            SDK refuses)
+``FunctionTool`` invoke     ``begin_tool(call id)``: `Execute` → durable start, the body, and
+                            the result as the SDK sends it (after the tool's output
+                            guardrails: what they let through); `Resend` → the cached result,
+                            the body never runs again; a started, unfinished call →
+                            `ToolInDoubt`, never re-run
+a handoff                   its call is a ledger call (its ``on_handoff`` runs once); the next
+                            model call of the new agent records ``handoff(agent name)``
+``Session.add_items``       a staged publication: stage → write → commit / fail (``publish``);
+                            a call the SDK answered itself (a guardrail's rejection, an unknown
+                            tool's error) is recorded with that answer first, and the final
+                            output is accepted here, once its output guardrails passed
+``RunHooks`` / agent hooks  skipped when the log shows them run, else run then ``hook_ran``
 guardrails (agent, tool)    the recorded verdict when the log has one, else run then
-                            ``guardrail_evaluated``
+                            ``guardrail_evaluated``; a tripped output guardrail abandons the run
 ==========================  ===================================================================
 
 Before the SDK is called at all, an attempt on an existing run records ``claim`` (of two
 processes that loaded the same version one goes on, the other gets `ConcurrencyConflict`
 having done nothing), passes the gate (``resume()``: `RunNotResumable`, `ToolInDoubt`),
-and settles an unsettled write (``settle``: reconcile, then write the batch only if
-nothing of it landed). Decisions and new input go through `AgentRun` and are refused
-with `PublicationUnsettled` while a write is unsettled.
+settles an unsettled write (reconcile, then write the batch only if nothing of it landed),
+and records the decisions the SDK state it was given holds (``state.approve(item)``).
+Decisions and new input are refused with `PublicationUnsettled` while a write is
+unsettled. A run that already completed answers a repeat of its request from the ledger
+(``replayed``), calling no model and running no tool.
 
 The ledger is the truth; the SDK's `RunState` is only a way back into an interrupted
 turn. Before an SDK state resumes, the ledger's decisions replace its own; a call the
-ledger shows published is answered from the cache and its output is never written twice;
-a run that the ledger shows settled into ``COMPLETED`` is answered from the ledger and
-the SDK is not called again.
+ledger shows published is answered from the cache and its output is never written twice.
+A turn stopped after its model response (paused for decisions, tools running, or the
+final answer being checked or written) and resumed without an SDK state replays the
+recorded response to the SDK instead of calling the model again: the SDK pauses again
+for the calls still awaiting a decision, runs the approved ones once (a completed one
+answered from the cache), and checks and writes the final answer.
 
-What it does not cover (refused or documented, never silently unsafe): tools other than
-``FunctionTool`` and handoffs are refused when the run is opened; standing decisions
-(``always_approve`` / ``always_reject``) are not offered, and a call the SDK starts without
-a decision the ledger holds is refused before its body runs; a run stopped inside a turn
-resumes only with the SDK state saved at its last interruption (`SDKStateRequired`
-otherwise); a compaction-aware Session is written as a plain Session (the wrapper does not
-expose compaction, which would rewrite the history a write was staged against); input
-guardrails are recorded once per activation, so new input given to an existing run is
-checked again but its verdict is not recorded.
+What is refused when the run is opened (`UnsupportedFeature`, nothing recorded): MCP
+servers and every tool but ``FunctionTool`` (hosted, computer, shell tools), an agent used
+as a tool whose agent has tools needing approval, handoff input filters and nested handoff
+history. Standing decisions (``always_approve`` / ``always_reject``) are not offered: a
+call the SDK starts without a decision the ledger holds is refused before its body runs.
+A turn stopped with a rejection not yet written, or given new input mid-turn, resumes
+only with the SDK state saved at its interruption (`SDKStateRequired` otherwise). An
+agent a handoff reaches runs its own input guardrails when a restart resumes with it
+(the SDK runs only the first agent's). A handoff's ``on_handoff`` hooks run with its
+call, at most once (a crash between the call's record and its hooks skips them). A
+compaction-aware Session is written as a plain Session; input guardrails are recorded
+once per activation, so new input given to an existing run is checked again but its
+verdict is not recorded.
 """
 
 from __future__ import annotations
@@ -55,49 +72,81 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import inspect
 import json
 import math
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, cast
 
 import attrs
-from agents import (
-    Agent,
-    FunctionTool,
-    GuardrailFunctionOutput,
-    InputGuardrail,
-    ItemHelpers,
-    Model,
-    ModelResponse,
-    OutputGuardrail,
-    RunConfig,
-    RunHooks,
-    Runner,
-    RunResult,
-    RunResultStreaming,
-    RunState,
-    ToolApprovalItem,
-    ToolGuardrailFunctionOutput,
-    ToolInputGuardrail,
-    ToolOutputGuardrail,
-)
-from agents.lifecycle import AgentHooksBase, RunHooksBase
-from agents.memory import Session as SDKSession
-from agents.tool_context import ToolContext
-from agents.tool_guardrails import ToolInputGuardrailData, ToolOutputGuardrailData
 
-from statemachine.adapters._calls import Walk, lossless, plain, run_call
+from statemachine.adapters import missing_extra
+
+try:
+    from agents import (
+        Agent,
+        FunctionTool,
+        GuardrailFunctionOutput,
+        Handoff,
+        InputGuardrail,
+        ItemHelpers,
+        Model,
+        ModelResponse,
+        OutputGuardrail,
+        OutputGuardrailTripwireTriggered,
+        RunConfig,
+        RunHooks,
+        Runner,
+        RunResult,
+        RunResultStreaming,
+        RunState,
+        ToolApprovalItem,
+        ToolGuardrailFunctionOutput,
+        ToolInputGuardrail,
+        ToolOutputGuardrail,
+        Usage,
+        handoff,
+    )
+    from agents.exceptions import ModelBehaviorError
+    from agents.lifecycle import AgentHooksBase, RunHooksBase
+    from agents.memory import Session as SDKSession
+    from agents.run_internal.items import function_tool_error_output
+    from agents.tool import default_tool_error_function
+    from agents.tool_context import ToolContext
+    from agents.tool_guardrails import ToolInputGuardrailData, ToolOutputGuardrailData
+    from openai.types.responses import Response, ResponseCompletedEvent, ResponseOutputItem
+    from pydantic import TypeAdapter
+except ModuleNotFoundError as error:  # pragma: no cover - the extra is installed in CI
+    raise missing_extra(__name__, "openai-agents", error) from error
+
+from statemachine.adapters._calls import (
+    UnsupportedFeature,
+    Walk,
+    abandoned_reason,
+    lossless,
+    naming_take_over,
+    plain,
+    record_result,
+    recorded_output,
+    run_call,
+    settle_unsettled,
+)
 from statemachine.controller import RunController
 from statemachine.errors import (
     ControlError,
     InvalidTransition,
     PublicationUnsettled,
+    ReconcileRejected,
     RunNotFound,
+    RunNotResumable,
+    ToolInDoubt,
 )
-from statemachine.payloads import JSON, fingerprint_of
-from statemachine.runner.attempt import Attempt, maybe_await
-from statemachine.runner.publish import one_writer, publish, settle
+from statemachine.events import HandedOff, PublicationStaged
+from statemachine.payloads import JSON, fingerprint_of, json_size
+from statemachine.runner.attempt import Attempt, interrupted, maybe_await
+from statemachine.runner.publish import one_writer, publish
 from statemachine.stores import AsyncEventStore, EventStore
 from statemachine.values import Action, Phase, RecoveryPolicy, Step, ToolCall
 
@@ -108,17 +157,21 @@ __all__ = [
     "LedgerSession",
     "ModelStreamIncomplete",
     "SDKStateRequired",
+    "UnsupportedFeature",
 ]
 
 _MID_TURN = frozenset({Step.INTERRUPTION, Step.TOOLS, Step.FINALIZING, Step.FINAL_OUTPUT})
-"""Steps inside one SDK turn: only the SDK's `RunState` leads back into them."""
+"""Steps inside one SDK turn: the SDK's `RunState`, or a replay of the recorded model
+response, leads back into them."""
+_TAKE_OVER = "AgentRun.open(..., take_over=True)"
+_OUTPUT_ITEM: TypeAdapter[Any] = TypeAdapter(ResponseOutputItem)
 
 
 class SDKStateRequired(ControlError):
-    """The run stopped inside a turn (step ``INTERRUPTION``, ``TOOLS``, ``FINALIZING`` or
-    ``FINAL_OUTPUT``) and no SDK `RunState` was given to resume it from. The SDK keeps no
-    durable record of a turn in progress, so nothing can lead it back there: pass the
-    state saved at the run's last interruption (``state=``), or abandon the run."""
+    """The run stopped inside a turn that its recorded model response cannot lead back
+    into (a rejection not yet written, or new input given mid-turn), and no SDK
+    `RunState` was given to resume it from: only the SDK's state saved at that
+    interruption leads back there. Pass it (``state=``), or abandon the run."""
 
 
 class ModelStreamIncomplete(Exception):
@@ -163,8 +216,48 @@ def _arguments(raw: str | None) -> JSON:
         return raw
 
 
+def _shown(value: Any) -> JSON:
+    """``value`` as the ledger keeps it: `plain`, with what the SDK shows the model for
+    what is not JSON (`_as_shown`)."""
+    return plain(value, fallback=_as_shown)
+
+
 def _items(items: Sequence[Any]) -> list[JSON]:
-    return [plain(item, fallback=_as_shown) for item in items]
+    return [_shown(item) for item in items]
+
+
+def _output_items(output: Sequence[Any]) -> list[JSON]:
+    """A model response's output items as the ledger keeps them (enough to rebuild the
+    response exactly: `_response_of`)."""
+    dumped = []
+    for item in output:
+        dump = getattr(item, "model_dump", None)
+        dumped.append(_shown(dump(mode="json", exclude_unset=True) if callable(dump) else item))
+    return dumped
+
+
+def _sent(tool: FunctionTool, tool_call: Any, output: Any) -> JSON:
+    """What the SDK sends the model for ``output`` of ``tool`` (the ``output`` of its
+    ``function_call_output`` item): the result the ledger records, so a resent result is
+    byte-identical to the one the SDK sent. Falls back to the plain JSON form when the
+    SDK's conversion refuses the value (the SDK then sends its own error instead)."""
+    if tool_call is None:
+        return _shown(output)
+    try:
+        item = ItemHelpers.tool_call_output_item(
+            tool_call, output, output_json_schema=tool.output_json_schema,
+            output_type_adapter=getattr(tool, "_output_type_adapter", None))
+    except Exception:
+        return _shown(output)
+    return _shown(item["output"])
+
+
+def _sent_error(tool: FunctionTool, tool_call: Any, message: str) -> JSON:
+    """What the SDK sends for an answer it generated (a guardrail's rejection)."""
+    if tool_call is None:
+        return message
+    return _shown(function_tool_error_output(tool_call, message,
+                                             output_json_schema=tool.output_json_schema))
 
 
 # ------------------------------------------------------------------------ results
@@ -180,7 +273,9 @@ class AgentRunResult:
     decision; ``interruptions`` holds the SDK's approval items for them when an SDK state
     is held). ``state`` is the SDK `RunState` to save (``state.to_string()``) for resuming
     in another process; ``sdk_result`` the SDK's own result of this attempt (None when
-    the SDK was not called)."""
+    the SDK was not called). ``replayed`` is True when the run had completed before this
+    attempt: ``final_output`` is its recorded output, no model was called and no tool
+    ran."""
 
     final_output: Any
     step: Step
@@ -188,6 +283,7 @@ class AgentRunResult:
     interruptions: tuple[ToolApprovalItem, ...]
     state: RunState[Any] | None
     sdk_result: RunResult | RunResultStreaming | None
+    replayed: bool = False
 
 
 # ----------------------------------------------------------------- the Session
@@ -200,7 +296,8 @@ class LedgerSession:
     Session's tail), makes it durable, writes it, and reports the outcome: a write that
     raised is reported failed and its error propagates; a cancelled write may still land
     and is not reported (the run stays ``UNSETTLED`` until it is reconciled). A result the
-    ledger shows published is dropped from the batch: it is never written twice. Reads pass
+    ledger shows published, or a call the run already wrote (a replayed response asks the
+    SDK to write it again), is dropped from the batch: it is never written twice. Reads pass
     through; ``pop_item`` and ``clear_session`` are refused while a write is unsettled (they
     would move the frontier the envelope recorded)."""
 
@@ -216,18 +313,25 @@ class LedgerSession:
     async def add_items(self, items: list[Any]) -> None:
         run = self._run
         c = run.controller
-        batch = [item for item in _items(items) if not _already_published(c, item)]
-        if not batch:
-            return
+        batch = [item for item in _items(items) if not _already_published(c, item)
+                 and _written_call(item) not in run._written]
+        if not batch or not run._final_checked():
+            return  # (a final answer whose checks did not all pass is never written)
+        run._answer_unrun(batch)
+        run._accept_final_output()
         ids = dict.fromkeys(_call_id(item) for item in batch)
         owed = set(c.unpublished_call_ids())
         call_ids = [call_id for call_id in ids if call_id in owed]
+        version = c.version
         try:
             async with run._flush_lock:  # publish flushes the staged envelope itself
                 await publish(c, self.inner, batch, call_ids=call_ids)
         except BaseException as error:
             run._write_error = error
             raise
+        finally:
+            if c.version > version:  # staged: written now, or by the reconcile that settles it
+                run._written.update(_written_calls(batch))
 
     async def pop_item(self) -> Any:
         self._refuse_unsettled("pop_item")
@@ -241,8 +345,8 @@ class LedgerSession:
         c = self._run.controller
         if c.step is Step.UNSETTLED:
             raise PublicationUnsettled(
-                "a write to this Session is unsettled: settle the run before changing the "
-                "Session", run_id=c.run_id, step=c.step, action=action)
+                "a write of this run is unsettled: its frontier must not move until it is "
+                "reconciled", run_id=c.run_id, step=c.step, action=action)
 
 
 def _call_id(item: JSON) -> str | None:
@@ -251,6 +355,17 @@ def _call_id(item: JSON) -> str | None:
         if isinstance(call_id, str):
             return call_id
     return None
+
+
+def _written_call(item: JSON) -> str | None:
+    """The call id of a ``function_call`` item (the model's request, written once)."""
+    if isinstance(item, dict) and item.get("type") == "function_call":
+        return _call_id(item)
+    return None
+
+
+def _written_calls(items: Sequence[JSON]) -> set[str]:
+    return {call_id for call_id in map(_written_call, items) if call_id is not None}
 
 
 def _already_published(c: RunController, item: JSON) -> bool:
@@ -266,17 +381,26 @@ def _already_published(c: RunController, item: JSON) -> bool:
 
 
 class _LedgerModel(Model):
-    """The agent's model, asked only after the controller allowed the call."""
+    """An agent's model (or the run's), asked only after the controller allowed the
+    call. ``inner`` is a `Model`, or a name resolved with the attempt's model provider."""
 
-    def __init__(self, run: AgentRun, inner: Model) -> None:
+    def __init__(self, run: AgentRun, inner: Model | str | None) -> None:
         self._run = run
         self.inner = inner
 
+    def _model(self) -> Model:
+        if isinstance(self.inner, Model):
+            return self.inner
+        return self._run._model_named(self.inner)
+
     async def get_response(self, *args: Any, **kwargs: Any) -> ModelResponse:
         run = self._run
+        replayed = run._replay()
+        if replayed is not None:
+            return replayed
         await run._begin_model_call()
         try:
-            response = await self.inner.get_response(*args, **kwargs)
+            response = await self._model().get_response(*args, **kwargs)
         except BaseException as error:
             run._model_failed(error)
             raise
@@ -285,10 +409,14 @@ class _LedgerModel(Model):
 
     async def stream_response(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         run = self._run
+        replayed = run._replay()
+        if replayed is not None:
+            yield _completed_event(replayed)
+            return
         await run._begin_model_call()
         responded = False
         try:
-            async for event in self.inner.stream_response(*args, **kwargs):
+            async for event in self._model().stream_response(*args, **kwargs):
                 if not responded and getattr(event, "type", None) == "response.completed":
                     completed: Any = event
                     await run._model_responded(list(completed.response.output))
@@ -302,53 +430,77 @@ class _LedgerModel(Model):
             run._model_failed(ModelStreamIncomplete)
 
     def get_retry_advice(self, request: Any) -> Any:
-        return self.inner.get_retry_advice(request)
+        return self._model().get_retry_advice(request)
 
     async def close(self) -> None:
-        await self.inner.close()
+        await self._model().close()
 
     async def _cleanup_on_run_end(self, owner: object) -> None:
-        await self.inner._cleanup_on_run_end(owner)
+        await self._model()._cleanup_on_run_end(owner)
+
+
+def _response_of(items: Sequence[JSON]) -> ModelResponse:
+    """The recorded model response, rebuilt (its items exactly; no usage: it costs
+    nothing again)."""
+    return ModelResponse(output=[_OUTPUT_ITEM.validate_python(item) for item in items],
+                         usage=Usage(), response_id=None)
+
+
+def _completed_event(response: ModelResponse) -> ResponseCompletedEvent:
+    return ResponseCompletedEvent(
+        type="response.completed", sequence_number=0,
+        response=Response(id="replayed", created_at=0, model="replayed", object="response",
+                          output=list(response.output), tool_choice="none", tools=[],
+                          top_p=None, parallel_tool_calls=False, status="completed"))
 
 
 # -------------------------------------------------------------------- the hooks
 
 
 class _LedgerHooks(RunHooks[Any]):
-    """The run's hooks (``hooks=``) and the agent's own (``agent.hooks``), each run at
+    """The run's hooks (``hooks=``) and each agent's own (``agent.hooks``), each run at
     most once per scope: skipped when the log shows it ran, else run and recorded
     (exactly once when no crash falls between running one and recording it)."""
 
-    def __init__(self, run: AgentRun, hooks: RunHooks[Any] | None, agent_hooks: Any) -> None:
+    def __init__(self, run: AgentRun, hooks: RunHooks[Any] | None) -> None:
         self._run = run
         self._hooks = hooks
-        self._agent_hooks = agent_hooks
+
+    def _methods(self, run_name: str, agent_name: str, agent: Any
+                 ) -> list[Callable[..., Awaitable[None]]]:
+        agent_hooks = self._run._original_of(agent).hooks
+        return [method for method in (_overridden(self._hooks, run_name, RunHooksBase),
+                                      _overridden(agent_hooks, agent_name, AgentHooksBase))
+                if method is not None]
 
     async def _once(self, hook: str, call_id: str | None, run_name: str, agent_name: str,
-                    *args: Any) -> None:
-        methods = [method for method in (_overridden(self._hooks, run_name, RunHooksBase),
-                                         _overridden(self._agent_hooks, agent_name,
-                                                     AgentHooksBase))
-                   if method is not None]
+                    context: Any, agent: Any, *args: Any) -> None:
+        methods = self._methods(run_name, agent_name, agent)
         if not methods:
             return  # nothing of the user's runs here: nothing to record
         c = self._run.controller
         if c.hook_done(hook, call_id=call_id):
             return
         for method in methods:
-            await method(*args)
+            await method(context, agent, *args)
         c.hook_ran(hook, call_id=call_id)
 
     async def on_agent_start(self, context: Any, agent: Any) -> None:
+        self._run._activate(agent)
         await self._once("agent_start", None, "on_agent_start", "on_start", context, agent)
 
     async def on_agent_end(self, context: Any, agent: Any, output: Any) -> None:
+        self._run._final = (output,)  # accepted when written, once its guardrails passed
         await self._once("agent_end", None, "on_agent_end", "on_end", context, agent, output)
-        self._run._accept_final_output(output)
 
     async def on_llm_start(self, context: Any, agent: Any, system_prompt: str | None,
                            input_items: list[Any]) -> None:
-        self._run._context = context  # what callable approval policies are asked with
+        run = self._run
+        run._context = context  # what callable approval policies are asked with
+        run._current = agent
+        run._activate(agent)
+        if run._replaying:
+            return  # the recorded response is replayed: its model call began long ago
         await self._once("model_start", None, "on_llm_start", "on_llm_start", context, agent,
                          system_prompt, input_items)
 
@@ -365,6 +517,17 @@ class _LedgerHooks(RunHooks[Any]):
         call_id = getattr(context, "tool_call_id", None)
         await self._once("tool_end", call_id, "on_tool_end", "on_tool_end", context, agent,
                          tool, result)
+
+    async def on_handoff(self, context: Any, from_agent: Any, to_agent: Any) -> None:
+        run = self._run
+        if not run._handoffs_ran:
+            return  # its handoff call was answered from the ledger: its hooks ran then
+        run._handoffs_ran -= 1
+        if self._hooks is not None:
+            await self._hooks.on_handoff(context, from_agent, to_agent)
+        source_hooks = run._original_of(from_agent).hooks
+        if source_hooks is not None:
+            await source_hooks.on_handoff(context, to_agent, from_agent)
 
 
 def _overridden(hooks: Any, name: str, base: type) -> Callable[..., Awaitable[None]] | None:
@@ -390,15 +553,17 @@ def _agent_guardrail(run: AgentRun, guardrail: Any, stage: str) -> Any:
         recorded = c.recorded_guardrail(name, stage=stage)
         if recorded is not None and not (stage == "input" and run._fresh_input):
             result: Any = recorded.result
-            return GuardrailFunctionOutput(output_info=result["output_info"],
-                                           tripwire_triggered=result["tripwire_triggered"])
-        output = await maybe_await(guardrail.guardrail_function(context, agent, value))
-        if recorded is None:
-            c.guardrail_evaluated(name, {"tripwire_triggered": bool(output.tripwire_triggered),
-                                         "output_info": plain(output.output_info,
-                                                              fallback=_as_shown)},
-                                  stage=stage)
-        return output  # type: ignore[no-any-return]
+            output = GuardrailFunctionOutput(output_info=result["output_info"],
+                                             tripwire_triggered=result["tripwire_triggered"])
+        else:
+            output = await maybe_await(guardrail.guardrail_function(context, agent, value))
+            if recorded is None:
+                c.guardrail_evaluated(name, {
+                    "tripwire_triggered": bool(output.tripwire_triggered),
+                    "output_info": _shown(output.output_info)}, stage=stage)
+        if stage == "output" and output.tripwire_triggered:
+            run._tripped = name  # the final output is never accepted
+        return output
 
     if stage == "input":
         return InputGuardrail(guardrail_function=check, name=name,
@@ -406,32 +571,76 @@ def _agent_guardrail(run: AgentRun, guardrail: Any, stage: str) -> Any:
     return OutputGuardrail(guardrail_function=check, name=name)
 
 
-def _tool_guardrail(run: AgentRun, guardrail: Any, stage: str) -> Any:
-    """A tool input or output guardrail that runs once per call."""
+def _verdict(recorded: Any) -> ToolGuardrailFunctionOutput:
+    result: Any = recorded.result
+    return ToolGuardrailFunctionOutput(output_info=result["output_info"],
+                                       behavior=result["behavior"])
+
+
+def _tool_input_guardrail(run: AgentRun, guardrail: Any) -> ToolInputGuardrail[Any]:
+    """A tool input guardrail that runs once per call. A call it rejects never runs: the
+    SDK sends the rejection, which the ledger records as the call's result when it is
+    written (`AgentRun._answer_unrun`)."""
     name = guardrail.get_name()
 
     async def check(data: ToolInputGuardrailData) -> ToolGuardrailFunctionOutput:
         c = run.controller
         call_id = data.context.tool_call_id
-        recorded = c.recorded_guardrail(name, stage=stage, call_id=call_id)
+        recorded = c.recorded_guardrail(name, stage="tool_input", call_id=call_id)
         if recorded is not None:
-            result: Any = recorded.result
-            return ToolGuardrailFunctionOutput(output_info=result["output_info"],
-                                               behavior=result["behavior"])
+            return _verdict(recorded)
         output = await maybe_await(guardrail.guardrail_function(data))
-        c.guardrail_evaluated(name, {"behavior": plain(dict(output.behavior), fallback=_as_shown),
-                                     "output_info": plain(output.output_info,
-                                                          fallback=_as_shown)},
-                              stage=stage, call_id=call_id)
+        c.guardrail_evaluated(name, {"behavior": _shown(dict(output.behavior)),
+                                     "output_info": _shown(output.output_info)},
+                              stage="tool_input", call_id=call_id)
         return output  # type: ignore[no-any-return]
 
-    if stage == "tool_input":
-        return ToolInputGuardrail(guardrail_function=check, name=name)
+    return ToolInputGuardrail(guardrail_function=check, name=name)
 
-    async def check_output(data: ToolOutputGuardrailData) -> ToolGuardrailFunctionOutput:
-        return await check(data)
 
-    return ToolOutputGuardrail(guardrail_function=check_output, name=name)
+def _tool_output_guardrail(run: AgentRun, tool: FunctionTool, guardrail: Any, last: bool
+                           ) -> ToolOutputGuardrail[Any]:
+    """A tool output guardrail that runs once per call. The call's result is recorded
+    here, not when its body returned: what the SDK will send after the guardrail that
+    decides it (the first to reject, or the last to allow), so the raw output of a tool
+    whose output a guardrail replaced is never persisted."""
+    name = guardrail.get_name()
+
+    async def check(data: ToolOutputGuardrailData) -> ToolGuardrailFunctionOutput:
+        c = run.controller
+        context = data.context
+        call_id = context.tool_call_id
+        recorded = c.recorded_guardrail(name, stage="tool_output", call_id=call_id)
+        if recorded is not None:
+            verdict = _verdict(recorded)
+        else:
+            verdict = await maybe_await(guardrail.guardrail_function(data))
+            c.guardrail_evaluated(name, {"behavior": _shown(dict(verdict.behavior)),
+                                         "output_info": _shown(verdict.output_info)},
+                                  stage="tool_output", call_id=call_id)
+        if call_id not in c.in_flight:
+            return verdict  # a resent result: recorded when it was first decided
+        behavior: Any = verdict.behavior
+        kind = behavior["type"]
+        tool_call = context.tool_call
+        if kind == "reject_content":
+            final = _sent_error(tool, tool_call, behavior["message"])
+        elif kind == "raise_exception":
+            final = (f"The tool ran, but its output was withheld: the tool output "
+                     f"guardrail {name!r} tripped.")
+        elif last:
+            final = _sent(tool, tool_call, data.output)
+        else:
+            return verdict  # the next guardrail decides
+        kept, recorded_result = record_result(c, call_id, final, staged=run._staged())
+        if not kept and kind != "raise_exception":
+            # the run could not keep what the SDK would send: the model is sent the
+            # failure the ledger recorded instead
+            return ToolGuardrailFunctionOutput.reject_content(
+                str(recorded_result), output_info=verdict.output_info)
+        return verdict
+
+    return ToolOutputGuardrail(guardrail_function=check, name=name)
 
 
 # --------------------------------------------------------------------- the tools
@@ -439,17 +648,122 @@ def _tool_guardrail(run: AgentRun, guardrail: Any, stage: str) -> Any:
 
 def _ledgered_tool(run: AgentRun, tool: FunctionTool) -> FunctionTool:
     wrapped = copy.copy(tool)
-    inner = wrapped.on_invoke_tool
+    inner = tool.on_invoke_tool
+    guarded = bool(tool.tool_output_guardrails)
 
     async def invoke(ctx: ToolContext[Any], input: str) -> Any:
-        return await run._invoke_tool(inner, ctx, input)
+        return await run._invoke_tool(tool, inner, ctx, input, keep=not guarded)
+
+    original = tool.needs_approval
+
+    async def needs_approval(context: Any, arguments: Any, call_id: str) -> bool:
+        # the ledger's decision once it holds the call (a replayed response is not asked
+        # for approval again); the tool's own setting for a call it does not hold
+        phase = run.controller.phase(call_id)
+        if phase is None:
+            if isinstance(original, bool):
+                return original
+            return bool(await maybe_await(original(context, arguments, call_id)))
+        return phase in (Phase.AWAITING, Phase.REJECTED)
 
     wrapped.on_invoke_tool = invoke
-    wrapped.tool_input_guardrails = [_tool_guardrail(run, g, "tool_input")
+    wrapped.needs_approval = needs_approval
+    wrapped.tool_input_guardrails = [_tool_input_guardrail(run, g)
                                      for g in tool.tool_input_guardrails or []] or None
-    wrapped.tool_output_guardrails = [_tool_guardrail(run, g, "tool_output")
-                                      for g in tool.tool_output_guardrails or []] or None
+    guardrails = tool.tool_output_guardrails or []
+    wrapped.tool_output_guardrails = [
+        _tool_output_guardrail(run, tool, g, last=i == len(guardrails) - 1)
+        for i, g in enumerate(guardrails)] or None
     return wrapped
+
+
+def _handoffs(agent: Agent[Any]) -> list[Handoff[Any, Any]]:
+    """``agent``'s handoffs, each as a `Handoff` (an agent given directly becomes the
+    SDK's default handoff to it)."""
+    return [h if isinstance(h, Handoff) else handoff(h) for h in agent.handoffs]
+
+
+def _target(h: Handoff[Any, Any]) -> Agent[Any] | None:
+    ref = h._agent_ref
+    target = ref() if ref is not None else None
+    return target if isinstance(target, Agent) else None
+
+
+def _agents(agent: Agent[Any]) -> list[Agent[Any]]:
+    """``agent`` and every agent its handoffs reach, in order, each once."""
+    found: dict[int, Agent[Any]] = {}
+    todo = [agent]
+    while todo:
+        current = todo.pop(0)
+        if id(current) in found:
+            continue
+        found[id(current)] = current
+        todo.extend(target for target in map(_target, _handoffs(current))
+                    if target is not None)
+    return list(found.values())
+
+
+def _refuse(feature: str, reason: str) -> UnsupportedFeature:
+    return UnsupportedFeature(f"{reason}; the openai-agents adapter does not carry "
+                              f"{feature}", feature=feature, action="open")
+
+
+def _check_supported(agent: Agent[Any]) -> None:
+    """Refuse what the adapter cannot make safe, before anything is recorded or runs."""
+    for each in _agents(agent):
+        if each.mcp_servers:
+            raise _refuse("MCP servers", f"agent {each.name!r} has MCP servers (their tools "
+                          "would run outside the ledger)")
+        others = sorted({type(t).__name__ for t in each.tools if not isinstance(t, FunctionTool)})
+        if others:
+            raise _refuse(f"{', '.join(others)} tools", f"agent {each.name!r} has tools that "
+                          "are not FunctionTools")
+        for tool in each.tools:
+            nested = getattr(tool, "_agent_instance", None)
+            if getattr(tool, "_is_agent_tool", False) and isinstance(nested, Agent):
+                _check_agent_tool(tool.name, nested)
+        for h in _handoffs(each):
+            if _target(h) is None:
+                raise _refuse("handoffs without their agent", f"agent {each.name!r} has a "
+                              f"handoff {h.tool_name!r} not built with handoff(agent)")
+            if h.input_filter is not None or h.nest_handoff_history:
+                raise _refuse("handoff input filters", f"agent {each.name!r} has a handoff "
+                              f"{h.tool_name!r} that rewrites the next agent's input")
+
+
+def _check_agent_tool(name: str, agent: Agent[Any]) -> None:
+    """An agent used as a tool runs, whole, as that call's body (its model calls and
+    tools inside it, at most once with it); a nested call needing approval would pause
+    the outer run on a call the ledger does not know."""
+    for each in _agents(agent):
+        for tool in each.tools:
+            if isinstance(tool, FunctionTool) and tool.needs_approval is not False:
+                raise _refuse("agent tools whose agent needs approvals",
+                              f"the agent tool {name!r} runs agent {each.name!r}, whose tool "
+                              f"{tool.name!r} may need approval")
+            nested = getattr(tool, "_agent_instance", None)
+            if getattr(tool, "_is_agent_tool", False) and isinstance(nested, Agent):
+                _check_agent_tool(name, nested)
+
+
+def _check_config(config: RunConfig) -> None:
+    """Refuse the run options the adapter cannot carry (before the attempt does
+    anything)."""
+    if config.handoff_input_filter is not None or config.nest_handoff_history:
+        raise _refuse("handoff input filters", "the run config rewrites the input of the "
+                      "agent a handoff reaches")
+    execution = config.tool_execution
+    if execution is not None and execution.pre_approval_tool_input_guardrails:
+        raise _refuse("pre-approval tool input guardrails", "the run config runs tool input "
+                      "guardrails before the approval")
+
+
+def _check_session(controller: RunController, session: SDKSession) -> None:
+    if session.session_id != controller.session_id:
+        raise ReconcileRejected(
+            f"the Session {session.session_id!r} is not the run's Session "
+            f"{controller.session_id!r}; nothing was run or written",
+            run_id=controller.run_id, step=controller.step, action="open")
 
 
 # ----------------------------------------------------------------------- the run
@@ -459,6 +773,7 @@ def _ledgered_tool(run: AgentRun, tool: FunctionTool) -> FunctionTool:
 class _Call:
     """What the SDK is asked to run in one attempt."""
 
+    agent: Agent[Any]
     input: list[Any] | RunState[Any]
 
 
@@ -466,23 +781,24 @@ class AgentRun:
     """One run of an openai-agents `Agent`, bound to a `RunController`.
 
     Open it with `AgentRun.open` (loads the run from ``store`` when it exists, else starts
-    it), then drive it with `run` or `run_streamed`, decide with `approve` / `reject`, and
-    repair with `settle`. Every public call may raise the controller's refusals:
-    `RunNotResumable`, `ToolInDoubt`, `PublicationUnsettled`, `ReconcileRejected`,
-    `ConcurrencyConflict`, `InvalidTransition`, and `SDKStateRequired`."""
+    it), then drive it with `run` or `run_streamed`, decide with `approve` / `reject` (or
+    through the SDK state it returned: ``result.state.approve(item)``), and repair with
+    `settle`. Every public call may raise the controller's refusals: `RunNotResumable`,
+    `ToolInDoubt`, `PublicationUnsettled`, `ReconcileRejected`, `ConcurrencyConflict`,
+    `InvalidTransition`, `SDKStateRequired` and `UnsupportedFeature`."""
 
     def __init__(self, agent: Agent[Any], controller: RunController, session: SDKSession,
                  *, existing: bool, owner: str | None, take_over: bool,
                  idempotent: Collection[str]) -> None:
         _check_supported(agent)
+        _check_session(controller, session)
         self.controller = controller
         self.take_over = take_over
+        """Whether a write that an earlier attempt left open may be taken over: True only
+        when no write of that attempt can still land (its process is gone)."""
         self.session = LedgerSession(self, session)
         self._inner_session = session
         self._idempotent = frozenset(idempotent)
-        self._original = agent
-        self._tools = {tool.name: tool for tool in agent.tools
-                       if isinstance(tool, FunctionTool)}
         self._state: RunState[Any] | None = None
         self._context: Any = None
         self._write_error: BaseException | None = None
@@ -491,14 +807,44 @@ class AgentRun:
         self._fresh_input = False
         """This attempt brought input after the activation's input guardrails were recorded:
         they check it again (the log keeps one verdict per activation: the first)."""
-        self._agent = agent.clone(
-            tools=[_ledgered_tool(self, tool) for tool in self._tools.values()],
-            input_guardrails=[_agent_guardrail(self, g, "input")
-                              for g in agent.input_guardrails],
-            output_guardrails=[_agent_guardrail(self, g, "output")
-                               for g in agent.output_guardrails],
-            hooks=None,
-        )
+        self._final: tuple[Any] | None = None
+        """The final output the SDK reached (``on_agent_end``), accepted when written."""
+        self._tripped: str | None = None
+        """The output guardrail that tripped in this attempt: its output is never accepted."""
+        self._replaying = False
+        self._handoffs_ran = 0
+        self._config_now = RunConfig()
+        self._user_config: RunConfig | None = None
+        self._models: dict[str | None, Model] = {}
+        originals = _agents(agent)
+        self._wrapped: dict[int, Agent[Any]] = {
+            id(each): each.clone(
+                model=_LedgerModel(self, each.model),
+                tools=[_ledgered_tool(self, t) if isinstance(t, FunctionTool) else t
+                       for t in each.tools],
+                input_guardrails=[_agent_guardrail(self, g, "input")
+                                  for g in each.input_guardrails],
+                output_guardrails=[_agent_guardrail(self, g, "output")
+                                   for g in each.output_guardrails],
+                hooks=None)
+            for each in originals}
+        self._originals: dict[int, Agent[Any]] = {
+            id(self._wrapped[id(each)]): each for each in originals}
+        self._by_name = {each.name: self._wrapped[id(each)] for each in reversed(originals)}
+        for each in originals:  # the copies hand off to the copies
+            self._wrapped[id(each)].handoffs = [self._ledgered_handoff(h)
+                                                for h in _handoffs(each)]
+        self._agent = self._wrapped[id(agent)]
+        self._current = self._agent
+        self._active = agent.name
+        """The agent the ledger shows active: the target of its last handoff."""
+        self._written: set[str] = set()
+        """The calls whose ``function_call`` item the run has written (staged)."""
+        for event in controller.events if existing else ():
+            if isinstance(event, HandedOff):
+                self._active = event.target
+            elif isinstance(event, PublicationStaged):
+                self._written.update(_written_calls(event.items))
 
     # ------------------------------------------------------------------ opening
 
@@ -513,7 +859,10 @@ class AgentRun:
         under ``policy``). ``idempotent`` names the tools that may run again after a crash
         inside them; every other tool's unfinished call is in doubt. ``owner`` is recorded
         by every claim. ``take_over=True`` only when no earlier write of this run can
-        still land (its writer is gone)."""
+        still land (its writer is gone). An agent the adapter cannot carry is refused
+        (`UnsupportedFeature`), and a run opened on a Session that is not its own
+        (`ReconcileRejected`), before anything is recorded."""
+        _check_supported(agent)
         controller: RunController | None = None
         if store is not None:
             with contextlib.suppress(RunNotFound):
@@ -556,6 +905,11 @@ class AgentRun:
         """The agent the SDK runs: a copy of yours with every seam wrapped."""
         return self._agent
 
+    def _original_of(self, agent: Any) -> Agent[Any]:
+        """The user's agent behind one of the copies the SDK runs (``agent`` itself when it
+        is none of them)."""
+        return cast("Agent[Any]", self._originals.get(id(agent), agent))
+
     # ---------------------------------------------------------------- decisions
 
     async def approve(self, item: ToolApprovalItem | str) -> None:
@@ -588,6 +942,29 @@ class AgentRun:
                                     action="approve")
         return call_id, fingerprint_of(item.name or "", _arguments(item.arguments))
 
+    def _take_sdk_decisions(self, state: RunState[Any]) -> None:
+        """Record the decisions taken on the SDK state (``state.approve(item)``) for calls
+        the ledger still shows awaiting one, bound to the arguments each item shows: the
+        SDK's API is honoured, never dropped."""
+        c = self.controller
+        context = state._context
+        if context is None or c.step is not Step.INTERRUPTION:
+            return
+        for item in state.get_interruptions():
+            call_id = item.call_id
+            if call_id is None or c.phase(call_id) is not Phase.AWAITING:
+                continue
+            name = item.tool_name or item.name or ""
+            status = context.get_approval_status(name, call_id, existing_pending=item)
+            if status is None:
+                continue
+            _, fingerprint = self._decision(item)
+            if status:
+                c.approve(call_id, fingerprint=fingerprint)
+            else:
+                c.reject(call_id, context.get_rejection_message(
+                    name, call_id, existing_pending=item), fingerprint=fingerprint)
+
     def _sync_decisions(self) -> None:
         """Give the held SDK state the ledger's decisions (the ledger wins)."""
         state = self._state
@@ -617,15 +994,21 @@ class AgentRun:
         """One attempt: claim (an existing run), gate, settle, then ``Runner.run`` to the
         next stop. ``input`` is new input (refused while a write is unsettled); ``state``
         is the SDK state saved at the last interruption (needed only to resume a turn in
-        another process). The original error of a failed write propagates (I6)."""
+        another process). The original error of a failed write propagates (I6). A run
+        that already completed returns its recorded result (``replayed``)."""
+        options = self._options(hooks, run_config, context, max_turns)
+        new_items = _new_items(input)
+        finished = self._finished(new_items)
+        if finished is not None:
+            return finished
         async with self._attempt as resumes:
-            call = await self._prologue(input, state, new_run=not resumes)
-            if isinstance(call, AgentRunResult):
-                return call
             try:
-                result = await Runner.run(self._agent, call.input, **self._options(
-                    hooks, run_config, context, max_turns))
+                call = await self._prologue(new_items, state, new_run=not resumes)
+                if isinstance(call, AgentRunResult):
+                    return call
+                result = await Runner.run(call.agent, call.input, **options)
             except BaseException as error:
+                self._failed(error)
                 refusal = _refusal(error)
                 if refusal is error:
                     raise
@@ -646,13 +1029,19 @@ class AgentRun:
         """Settle an unsettled write now (claiming the run first), without calling the
         SDK: reconcile and write the batch if nothing of it landed. `ReconcileRejected`
         when the Session cannot be matched (nothing recorded; repair it and call again)."""
-        await self._attempt.settle(self._inner_session, take_over=self.take_over)
+        try:
+            await self._attempt.settle(self._inner_session, take_over=self.take_over)
+        except ReconcileRejected as refused:
+            told = naming_take_over(refused, _TAKE_OVER)
+            if told is refused:
+                raise
+            raise told from None
 
     def _options(self, hooks: RunHooks[Any] | None, run_config: RunConfig | None,
                  context: Any, max_turns: int | None) -> dict[str, Any]:
         options: dict[str, Any] = {
             "session": self.session,
-            "hooks": _LedgerHooks(self, hooks, self._original.hooks),
+            "hooks": _LedgerHooks(self, hooks),
             "run_config": self._config(run_config),
             "context": context,
         }
@@ -662,64 +1051,149 @@ class AgentRun:
 
     def _config(self, run_config: RunConfig | None) -> RunConfig:
         config = copy.copy(run_config) if run_config is not None else RunConfig()
-        model = config.model if config.model is not None else self._original.model
-        if not isinstance(model, Model):
-            provider = config.model_provider
-            model = provider.get_model(model if isinstance(model, str) else None)
-        config.model = _LedgerModel(self, model)
+        _check_config(config)
+        self._user_config = run_config
+        self._config_now = config
+        self._models = {}
+        if config.model is not None:  # the run's model overrides every agent's (the SDK)
+            config.model = _LedgerModel(self, config.model)
         config.input_guardrails = [_agent_guardrail(self, g, "input")
                                    for g in config.input_guardrails or []] or None
         config.output_guardrails = [_agent_guardrail(self, g, "output")
                                     for g in config.output_guardrails or []] or None
         return config
 
-    async def _prologue(self, input: str | list[Any] | None,
+    def _model_named(self, name: str | None) -> Model:
+        """An agent's model given by name, resolved as the SDK does (the attempt's model
+        provider), once per attempt."""
+        model = self._models.get(name)
+        if model is None:
+            model = self._models[name] = self._config_now.model_provider.get_model(name)
+        return model
+
+    async def _prologue(self, new_items: list[JSON],
                         state: RunState[Any] | str | Mapping[str, Any] | None, *,
                         new_run: bool) -> AgentRunResult | _Call:
         """An attempt's work before the SDK is called, after its claim: what to run."""
         c = self.controller
         c.resume()  # the gate: RunNotResumable or ToolInDoubt before any work
         self._write_error = None
+        self._final = None
+        self._tripped = None
+        self._replaying = False
+        self._handoffs_ran = 0
         if state is not None:
             self._state = await self._hydrate(state)
+        if self._state is not None and not self._in_turn(self._state):
+            self._state = None  # saved at an earlier turn: the ledger has moved past it
         if new_run:
             await one_writer(c, self._inner_session)
-        new_items = _items(ItemHelpers.input_to_new_input_list(input)) if input else []
         if new_items:
             c.add_input(new_items)  # PublicationUnsettled while a write is unsettled
         self._fresh_input = bool(new_items) and not new_run
-        while c.step is Step.UNSETTLED:
-            await settle(c, self._inner_session, take_over=self.take_over)
+        await settle_unsettled(c, self._inner_session, take_over=self.take_over,
+                               how=_TAKE_OVER)
         await self._flush()
+        # input recorded by an attempt that stopped before writing it goes to the SDK now
+        # (its write publishes it, before anything else)
+        new_items = list(c.unpublished_input)
         if c.step is Step.COMPLETED:  # the settled batch published the final output
             return self._result(None)
+        if self._state is not None:
+            self._take_sdk_decisions(self._state)
+            await self._flush()  # decisions are durable before anything acts on them
         action = c.resume()  # an interruption whose approved calls may run enters TOOLS
         if action is Action.AWAIT_DECISIONS and not new_items:
             return self._result(None)
         if c.step in _MID_TURN:
-            if self._state is None:
+            if self._state is not None:
+                self._sync_decisions()
+                if new_items:
+                    self._state.add_input(new_items)
+                return _Call(self._agent, self._state)
+            if new_items or not self._replayable():
                 raise SDKStateRequired(
-                    "the run stopped inside a turn and no SDK RunState was given: pass the "
-                    "state saved at its last interruption (state=), or abandon the run",
-                    run_id=c.run_id, step=c.step, action="run")
-            self._sync_decisions()
-            if new_items:
-                self._state.add_input(new_items)
-            return _Call(self._state)
-        # RUN_AGAIN / AWAITING_MODEL: the Session holds the whole conversation, so a fresh
-        # SDK run continues from it; only the new input is handed over
-        self._state = None
-        return _Call(new_items)
+                    "the run stopped inside a turn that its recorded response cannot lead "
+                    "back into (new input, or a rejection not yet written) and no SDK "
+                    "RunState was given: pass the state saved at its last interruption "
+                    "(state=), or abandon the run", run_id=c.run_id, step=c.step,
+                    action="run")
+            self._replaying = True  # the recorded response, not a new model call
+        else:
+            self._state = None
+        # the Session holds the whole conversation, so a fresh SDK run continues from it,
+        # with the agent the ledger shows active; only the new input is handed over
+        return _Call(self._by_name.get(self._active, self._agent), new_items)
+
+    def _finished(self, new_items: list[JSON]) -> AgentRunResult | None:
+        """A run that already completed answers a retried request with its recorded
+        output, running nothing and recording nothing; an abandoned one is refused,
+        saying why."""
+        c = self.controller
+        if c.step is Step.COMPLETED:
+            output = recorded_output(c, new_items)
+            return AgentRunResult(output, c.step, (), (), None, None, replayed=True)
+        if c.step is Step.TERMINAL_UNRECOVERABLE:
+            raise RunNotResumable(f"the run was abandoned ({abandoned_reason(c)}) and never "
+                                  "resumes", run_id=c.run_id, step=c.step, action="run")
+        return None
+
+    def _replayable(self) -> bool:
+        """Whether the recorded model response of the turn leads the SDK back into it:
+        replayed, the SDK pauses again for the calls awaiting a decision, runs the
+        approved ones (or is answered from the cache), and checks and writes a final
+        answer; only a rejection not yet written needs the SDK's state."""
+        c = self.controller
+        items = c.model_output
+        if not isinstance(items, list):
+            return False
+        return all(c.phase(call_id) is not Phase.REJECTED
+                   for call_id in map(_written_call, items) if call_id is not None)
+
+    def _in_turn(self, state: RunState[Any]) -> bool:
+        """Whether an SDK state was saved in the turn the ledger is in: its last model
+        response proposed the calls of the ledger's last response. A state saved at an
+        earlier interruption must not lead the SDK back into a turn the run has left."""
+        responses = getattr(state, "_model_responses", None)
+        items = self.controller.model_output
+        if not responses or not isinstance(items, list):
+            return True  # nothing to tell them apart by: the state is the only way back
+        theirs = [getattr(item, "call_id", None) for item in responses[-1].output
+                  if getattr(item, "type", None) == "function_call"]
+        return theirs == [_written_call(item) for item in items
+                          if _written_call(item) is not None]
+
+    def _replay(self) -> ModelResponse | None:
+        """The recorded response, once, when this attempt replays its turn."""
+        if not self._replaying:
+            return None
+        self._replaying = False
+        items = self.controller.model_output
+        assert isinstance(items, list)
+        return _response_of(items)
 
     async def _hydrate(self, state: RunState[Any] | str | Mapping[str, Any]) -> RunState[Any]:
-        """The SDK state, bound to this run's wrapped agent."""
+        """The SDK state, bound to this run's wrapped agents."""
         if isinstance(state, RunState):
-            if state._current_agent is self._agent:
+            if id(state._current_agent) in self._originals:
                 return state
             return await RunState.from_json(self._agent, state.to_json())
         if isinstance(state, str):
             return await RunState.from_string(self._agent, state)
         return await RunState.from_json(self._agent, dict(state))
+
+    def _failed(self, error: BaseException) -> None:
+        """The attempt is ending with ``error`` (its `Attempt` flushes what it recorded):
+        a call whose result was never recorded is left in doubt, and a tripped output
+        guardrail ends the run. Never replaces the error in flight."""
+        c = self.controller
+        for call_id in c.in_flight:
+            interrupted(c, call_id)
+        if (isinstance(error, OutputGuardrailTripwireTriggered)
+                and c.step in (Step.FINALIZING, Step.TOOLS)):
+            with contextlib.suppress(ControlError):
+                c.abandon(f"the output guardrail {self._tripped or 'of the agent'!r} "
+                          "tripped: its final output was never accepted")
 
     async def _epilogue(self, result: RunResult | RunResultStreaming) -> AgentRunResult:
         c = self.controller
@@ -760,6 +1234,13 @@ class AgentRun:
         async with self._flush_lock:
             await self.controller.flush_async()
 
+    def _activate(self, agent: Any) -> None:
+        """Record the handoff to ``agent`` when it is not the agent the ledger shows
+        active: the first model call of the agent a handoff reached starts its activation."""
+        if id(agent) in self._originals and agent.name != self._active:
+            self.controller.handoff(agent.name)
+            self._active = agent.name
+
     async def _begin_model_call(self) -> None:
         c = self.controller
         if c.step is not Step.AWAITING_MODEL:  # a crash may have come after the record
@@ -772,23 +1253,33 @@ class AgentRun:
             c.model_failed(error)
 
     async def _model_responded(self, output: Sequence[Any]) -> None:
+        c = self.controller
+        agent = self._original_of(self._current)
+        tools = {t.name: t for t in agent.tools if isinstance(t, FunctionTool)}
+        handoffs = {h.tool_name for h in _handoffs(agent)}
         calls: list[ToolCall] = []
+        unknown = False
         for item in output:
             if getattr(item, "type", None) != "function_call":
                 continue
             name = item.name
-            tool = self._tools.get(name)
+            tool = tools.get(name)
+            unknown = unknown or (tool is None and name not in handoffs)
             calls.append(ToolCall(item.call_id, name, _arguments(item.arguments),
                                   needs_approval=await self._needs_approval(tool, item),
                                   idempotent=name in self._idempotent))
-        text: JSON = None if calls else _message_text(output)
-        self.controller.model_responded(calls, output=text)
+        if unknown and self._config_now.tool_not_found_behavior == "raise_error":
+            # the SDK refuses a response naming a tool the agent does not have: for the
+            # ledger it is a failed model call, and the next attempt asks the model again
+            c.model_failed(ModelBehaviorError)
+            return
+        c.model_responded(calls, output=_output_items(output))
 
     async def _needs_approval(self, tool: FunctionTool | None, item: Any) -> bool:
         """What the SDK will decide for this call (its own evaluation, so the ledger
         pauses exactly where the SDK pauses)."""
         if tool is None:
-            return False  # the SDK fails the run on an unknown tool; nothing runs
+            return False  # a handoff, or an unknown tool the SDK answers itself
         setting = tool.needs_approval
         if isinstance(setting, bool):
             return setting
@@ -803,17 +1294,129 @@ class AgentRun:
                                                         item.call_id)
         return verdict.outcome == "require_approval"
 
-    def _accept_final_output(self, output: Any) -> None:
+    def _answer_unrun(self, batch: Sequence[JSON]) -> None:
+        """Before a batch is staged: a call the SDK answered without running its body (a
+        tool input guardrail's rejection, an unknown tool's error, a handoff it ignored)
+        is recorded with the answer it sent; a call in doubt whose answer the SDK made up
+        (a timed-out or cancelled body turned into text) is refused (`ToolInDoubt`)."""
         c = self.controller
-        if c.step in (Step.FINALIZING, Step.TOOLS):
-            shown = plain(output, fallback=_as_shown)
+        for item in batch:
+            call_id = _call_id(item)
+            if call_id is None or not isinstance(item, dict) or (
+                    item.get("type") != "function_call_output"):
+                continue
+            phase = c.phase(call_id)
+            if phase is Phase.APPROVED:
+                if c.step is Step.INTERRUPTION:
+                    c.resume()
+                c.begin_tool(call_id)
+                c.tool_completed(call_id, item.get("output"))
+            elif phase is Phase.AWAITING and c.step is Step.INTERRUPTION:
+                c.reject(call_id, item.get("output"))
+            elif phase is Phase.STARTED and call_id not in c.in_flight:
+                raise ToolInDoubt(
+                    f"call {call_id!r} ended without a result (cancelled or timed out) and "
+                    "the SDK answered it; it is in doubt and never re-run: record its "
+                    "outcome with resolve_in_doubt, or abandon the run", call_id=call_id,
+                    run_id=c.run_id, step=c.step, action="publish")
+
+    def _staged(self) -> int:
+        """What a call's batch takes beside its result: the calls of the response, written
+        with their results (room `record_result` keeps for publishing)."""
+        items = self.controller.model_output
+        if not isinstance(items, list):
+            return 0
+        return json_size([item for item in items if isinstance(item, dict)
+                          and item.get("type") == "function_call"])
+
+    def _final_checked(self) -> bool:
+        """False while the final output the SDK reached has an output guardrail without
+        a passing verdict (one tripped, or failed before its verdict): the SDK would write
+        that answer anyway; the adapter does not, and the run stays where it is (a
+        tripped one ends it)."""
+        if self._final is None:
+            return True
+        c = self.controller
+        guardrails = [*self._original_of(self._current).output_guardrails,
+                      *(self._user_config.output_guardrails or []
+                        if self._user_config is not None else [])]
+        for guardrail in guardrails:
+            recorded = c.recorded_guardrail(guardrail.get_name(), stage="output")
+            result: Any = None if recorded is None else recorded.result
+            if result is None or result["tripwire_triggered"]:
+                return False
+        return True
+
+    def _accept_final_output(self) -> None:
+        """Accept the final output the SDK reached, when it is written (after its output
+        guardrails passed: never before their verdict, §2.1)."""
+        c = self.controller
+        final, self._final = self._final, None
+        if final is not None and self._tripped is None and c.step in (Step.FINALIZING,
+                                                                       Step.TOOLS):
+            output = final[0]
+            shown = _shown(output)
             c.accept_final_output(shown, lossless=lossless(output, shown))
 
-    async def _invoke_tool(self, inner: Callable[[ToolContext[Any], str], Awaitable[Any]],
-                           ctx: ToolContext[Any], input: str) -> Any:
+    async def _invoke_tool(self, tool: FunctionTool,
+                           inner: Callable[[ToolContext[Any], str], Awaitable[Any]],
+                           ctx: ToolContext[Any], input: str, *, keep: bool) -> Any:
+        if getattr(tool, "_is_agent_tool", False):
+            # the nested run is this call's body: it runs with the run config the caller
+            # gave (as it would on the SDK alone), never through this run's ledger
+            ctx = copy.copy(ctx)
+            ctx.run_config = self._user_config
+        tool_call = ctx.tool_call
         return await run_call(self.controller, ctx.tool_call_id, _arguments(input),
                               flush=self._flush, body=lambda: inner(ctx, input),
-                              as_json=lambda output: plain(output, fallback=_as_shown))
+                              as_json=lambda output: _sent(tool, tool_call, output),
+                              answers=(Exception,),
+                              answer=lambda error: default_tool_error_function(
+                                  ctx, cast("Exception", error)),
+                              keep=keep, staged=self._staged())
+
+    def _ledgered_handoff(self, h: Handoff[Any, Any]) -> Handoff[Any, Any]:
+        """``h`` to the wrapped copy of its agent; its call goes through the ledger, so
+        its ``on_handoff`` runs at most once."""
+        target = self._wrapped[id(_target(h))]
+        inner = h.on_invoke_handoff
+
+        async def invoke(context: Any, input_json: str) -> Agent[Any]:
+            await self._invoke_handoff(h, inner, context, input_json, target)
+            return target
+
+        wrapped = dataclasses.replace(h, on_invoke_handoff=invoke)
+        wrapped._agent_ref = weakref.ref(target)
+        return wrapped
+
+    async def _invoke_handoff(self, h: Handoff[Any, Any], inner: Any, context: Any,
+                              input_json: str, target: Agent[Any]) -> None:
+        c = self.controller
+        # the SDK executes the first handoff call of the response: the ledger's last
+        # unpublished call of that name
+        call_id = next((view.call.call_id for view in reversed(c.calls)
+                        if view.call.name == h.tool_name and view.phase in (
+                            Phase.APPROVED, Phase.STARTED, Phase.COMPLETED)), None)
+        if call_id is None:
+            raise InvalidTransition(f"the SDK handed off through {h.tool_name!r}, which no "
+                                    "call of the ledger names", run_id=c.run_id,
+                                    step=c.step, action="handoff")
+        ran = False
+
+        async def body() -> Any:
+            nonlocal ran
+            ran = True
+            return await inner(context, input_json)
+
+        await run_call(c, call_id, _arguments(input_json), flush=self._flush, body=body,
+                       as_json=lambda _: h.get_transfer_message(target),
+                       staged=self._staged())
+        self._handoffs_ran += ran
+
+
+def _new_items(input: str | list[Any] | None) -> list[JSON]:
+    """An attempt's new input as the ledger records it."""
+    return _items(ItemHelpers.input_to_new_input_list(input)) if input else []
 
 
 def _refusal(error: BaseException) -> BaseException:
@@ -827,28 +1430,6 @@ def _refusal(error: BaseException) -> BaseException:
             return cause
         cause, seen = cause.__cause__, seen + 1
     return error
-
-
-def _message_text(output: Sequence[Any]) -> JSON:
-    texts: list[str] = []
-    for item in output:
-        if getattr(item, "type", None) == "message":
-            for part in getattr(item, "content", ()) or ():
-                text = getattr(part, "text", None)
-                if isinstance(text, str):
-                    texts.append(text)
-    return "".join(texts)
-
-
-def _check_supported(agent: Agent[Any]) -> None:
-    """Refuse what the adapter cannot make safe, before anything runs."""
-    others = [type(tool).__name__ for tool in agent.tools if not isinstance(tool, FunctionTool)]
-    if others:
-        raise ValueError(f"the openai-agents adapter runs FunctionTools only; agent "
-                         f"{agent.name!r} has {', '.join(sorted(set(others)))}")
-    if agent.handoffs:
-        raise ValueError(f"the openai-agents adapter does not support handoffs yet; agent "
-                         f"{agent.name!r} has {len(agent.handoffs)}")
 
 
 # ------------------------------------------------------------------- streaming
@@ -897,25 +1478,33 @@ class AgentRunStreaming:
     async def _stream(self) -> AsyncIterator[Any]:
         run = self._run
         try:
+            new_items = _new_items(self._input)
+            self._result = run._finished(new_items)
+            if self._result is not None:
+                return
             async with run._attempt as resumes:
-                call = await run._prologue(self._input, self._state, new_run=not resumes)
-                if isinstance(call, AgentRunResult):
-                    self._result = call
-                    return
-                streamed = Runner.run_streamed(run.agent, call.input, **self._options)
-                self.sdk_result = streamed
-                events = streamed.stream_events()
                 try:
-                    async for event in events:
-                        yield event
-                except GeneratorExit:
-                    streamed.cancel()  # the consumer stopped: stop the run at once
+                    call = await run._prologue(new_items, self._state, new_run=not resumes)
+                    if isinstance(call, AgentRunResult):
+                        self._result = call
+                        return
+                    streamed = Runner.run_streamed(call.agent, call.input, **self._options)
+                    self.sdk_result = streamed
+                    events = streamed.stream_events()
+                    try:
+                        async for event in events:
+                            yield event
+                    except GeneratorExit:
+                        streamed.cancel()  # the consumer stopped: stop the run at once
+                        raise
+                    finally:
+                        if not streamed.is_complete:
+                            streamed.cancel()
+                        await events.aclose()  # type: ignore[attr-defined]
+                    self._result = await run._epilogue(streamed)
+                except BaseException as error:
+                    run._failed(error)
                     raise
-                finally:
-                    if not streamed.is_complete:
-                        streamed.cancel()
-                    await events.aclose()  # type: ignore[attr-defined]
-                self._result = await run._epilogue(streamed)
         except GeneratorExit:
             raise
         except BaseException as error:

@@ -68,21 +68,33 @@ from dataclasses import dataclass
 from typing import Any
 
 import attrs
-import pydantic_core
-from pydantic_ai import Agent, DeferredToolRequests, DeferredToolResults, ToolApproved, ToolDenied
-from pydantic_ai.capabilities import AbstractCapability
-from pydantic_ai.conversation import Conversation
-from pydantic_ai.conversation_store import ConversationStore
-from pydantic_ai.exceptions import ModelRetry, ToolFailedError, ToolRetryError
-from pydantic_ai.messages import (
-    ModelMessage,
-    ModelMessagesTypeAdapter,
-    ModelRequest,
-    ModelResponse,
-    TextPart,
-    ToolCallPart,
-)
-from pydantic_ai.run import AgentRunResult
+
+from statemachine.adapters import missing_extra
+
+try:
+    import pydantic_core
+    from pydantic_ai import (
+        Agent,
+        DeferredToolRequests,
+        DeferredToolResults,
+        ToolApproved,
+        ToolDenied,
+    )
+    from pydantic_ai.capabilities import AbstractCapability
+    from pydantic_ai.conversation import Conversation
+    from pydantic_ai.conversation_store import ConversationStore
+    from pydantic_ai.exceptions import ModelRetry, ToolFailedError, ToolRetryError
+    from pydantic_ai.messages import (
+        ModelMessage,
+        ModelMessagesTypeAdapter,
+        ModelRequest,
+        ModelResponse,
+        TextPart,
+        ToolCallPart,
+    )
+    from pydantic_ai.run import AgentRunResult
+except ModuleNotFoundError as error:  # pragma: no cover - the extra is installed in CI
+    raise missing_extra(__name__, "pydantic-ai", error) from error
 
 from statemachine.adapters._calls import Walk, lossless, plain, run_call
 from statemachine.controller import RunController

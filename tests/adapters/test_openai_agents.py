@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,19 +36,24 @@ except ImportError:  # pragma: no cover - CI installs the extra
 from agents import (
     Agent,
     GuardrailFunctionOutput,
+    OutputGuardrailTripwireTriggered,
     RunConfig,
     RunHooks,
     Runner,
     SQLiteSession,
     ToolGuardrailFunctionOutput,
     function_tool,
+    handoff,
     output_guardrail,
     set_tracing_disabled,
     tool_input_guardrail,
     tool_output_guardrail,
 )
-from agents.exceptions import UserError
+from agents.exceptions import ModelBehaviorError, UserError
+from agents.mcp import MCPServer
 from agents.testing import ScriptedModel, assistant_message, function_call
+from mcp.types import CallToolResult, TextContent
+from mcp.types import Tool as MCPTool
 
 from statemachine import (
     ConcurrencyConflict,
@@ -59,12 +65,21 @@ from statemachine import (
     RecoveryPolicy,
     RunController,
     RunNotResumable,
+    SchemaError,
     Step,
     ToolInDoubt,
 )
-from statemachine.adapters.openai_agents import AgentRun, AgentRunResult, SDKStateRequired
+from statemachine.adapters.openai_agents import (
+    AgentRun,
+    AgentRunResult,
+    SDKStateRequired,
+    UnsupportedFeature,
+)
+from statemachine.events import HandedOff
 from statemachine.stores import AsyncSQLiteEventStore, SQLiteEventStore
 from statemachine.testing import FlakySession, InjectedWriteError
+from tests.drivers.effects import Effects
+from tests.drivers.openai_agents_driver import Receipt
 
 set_tracing_disabled(True)
 CONFIG = RunConfig(tracing_disabled=True)
@@ -606,16 +621,39 @@ def test_arguments_other_than_the_approved_ones_never_run() -> None:
     asyncio.run(go())
 
 
-def test_a_turn_without_its_sdk_state_fails_closed() -> None:
+def test_a_turn_resumed_without_its_sdk_state_replays_its_recorded_response() -> None:
+    """A new process without the SDK state saved at the interruption: the recorded model
+    response is replayed (the model is not asked again), the approved call runs once, the
+    SDK pauses again for the calls still awaiting a decision, and nothing is written
+    twice. A rejection not yet written is the one thing only the SDK state carries."""
+
     async def go() -> None:
         world = World(APPROVAL, "atomic-no-commit")
         run = await open_run(world)
         await run.run("charge me 7", hooks=world.hooks, run_config=CONFIG)
         await run.approve("c1")
         fresh = await open_run(world)
+        paused = await fresh.run(hooks=world.hooks, run_config=CONFIG)
+        assert paused.step is Step.INTERRUPTION
+        assert [call.call_id for call in paused.pending] == ["c2", "c3"]
+        assert {item.call_id for item in paused.interruptions} == {"c2", "c3"}
+        assert world.effects["tool charge"] == 1
+        assert len(world.model.calls) == 1  # replayed, not asked again
+        for kind in ("function_call", "function_call_output"):
+            assert await world.count(kind, "c1") == 1
+        assert await world.count("function_call", "c2") == 1
+
+        await fresh.approve("c2")
+        await fresh.reject("c3", "no logging")
+        again = await open_run(world)
         with pytest.raises(SDKStateRequired):
-            await fresh.run(run_config=CONFIG)
-        assert world.effects["tool charge"] == 0
+            await again.run(run_config=CONFIG)
+        assert paused.state is not None
+        done = await again.run(state=paused.state.to_string(), run_config=CONFIG)
+        assert done.final_output == "charged and notified"
+        assert (world.effects["tool charge"], world.effects["tool notify"],
+                world.effects["tool log"]) == (1, 1, 0)
+        assert await world.dangling() == []
 
     asyncio.run(go())
 
@@ -645,6 +683,10 @@ def test_hooks_and_guardrails_are_recorded_once() -> None:
 # ----------------------------------------------------------------- processes
 
 
+SESSION_ID_DRIVER = "oa-session"
+"""The Session of the driver's run (tests/drivers/openai_agents_driver.py)."""
+
+
 def _driver(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "tests.drivers.openai_agents_driver", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
@@ -665,9 +707,11 @@ def test_kill_9_inside_a_tool_then_resume_in_a_new_process(tmp_path: Path,
     assert crashed.returncode == -9, crashed.stderr
     tool = "tool charge" if paused else "tool pay"
     assert _effects(tmp_path).count(f"crash {tool}") == 1
-    resumed = _driver("resume", str(tmp_path), "resumer")
-    assert json.loads(resumed.stdout) == {"name": "resumer", "outcome": "error",
-                                          "error": "ToolInDoubt", "step": "tools"}
+    resumed = json.loads(_driver("resume", str(tmp_path), "resumer").stdout)
+    assert resumed.pop("message").endswith("Record its outcome with resolve_in_doubt, or "
+                                           "abandon the run")
+    assert resumed == {"name": "resumer", "outcome": "error", "error": "ToolInDoubt",
+                       "step": "tools"}
     assert not [line for line in _effects(tmp_path) if line.startswith("resumer")]
     assert [line for line in _effects(tmp_path) if line.endswith(tool)] == [f"crash {tool}"]
 
@@ -692,3 +736,966 @@ def test_two_processes_resume_one_paused_run_and_one_proceeds(tmp_path: Path) ->
     assert not [line for line in effects if line.startswith(losers[0])]  # nothing ran
     assert [line for line in effects if line.endswith("tool charge")] == [
         f"{winners[0]} tool charge"]
+
+
+# ----------------------------------------- issue 23: the SDK's ordinary features, side by side
+#
+# Each row runs one scenario on the SDK alone (what openai-agents 0.24 does, as observed)
+# and through the adapter; every paying tool, MCP tool and model call appends a line to an
+# fsynced file (tests/drivers/effects.py), so what ran is counted outside the process.
+
+PAID = "tool pay"
+
+
+def _paying(effects: Effects, name: str = "pay", **options: Any) -> Any:
+    def pay(x: int) -> str:
+        effects(f"tool {name}")
+        return f"paid {x}"
+
+    return function_tool(pay, name_override=name, **options)
+
+
+def _model(effects: Effects, *responses: Any) -> ScriptedModel:
+    """A scripted model whose every answer is counted (``model``)."""
+
+    class Counted(ScriptedModel):
+        async def get_response(self, *args: Any, **kwargs: Any) -> Any:
+            effects("model")
+            return await super().get_response(*args, **kwargs)
+
+        async def stream_response(self, *args: Any, **kwargs: Any) -> Any:
+            effects("model")
+            async for event in super().stream_response(*args, **kwargs):
+                yield event
+
+    return Counted(list(responses))
+
+
+async def _sdk_run(agent: Agent[Any], input: Any, session: Any, mode: str = "run",
+                   **options: Any) -> Any:
+    if mode == "run":
+        return await Runner.run(agent, input, session=session, run_config=CONFIG, **options)
+    streamed = Runner.run_streamed(agent, input, session=session, run_config=CONFIG,
+                                   **options)
+    async for _ in streamed.stream_events():
+        pass
+    return streamed
+
+
+async def _attempt(run: AgentRun, input: Any = None, mode: str = "run",
+                   **options: Any) -> AgentRunResult:
+    options.setdefault("run_config", CONFIG)
+    if mode == "run":
+        return await run.run(input, **options)
+    streamed = run.run_streamed(input, **options)
+    async for _ in streamed.stream_events():
+        pass
+    return streamed.result
+
+
+def _count(effects: Effects) -> Counter[str]:
+    """What ran in the world named ``effects.name`` (the file is shared)."""
+    lines = (line.split(" ", 1) for line in effects.lines())
+    return Counter(what for name, what in lines if name == effects.name)
+
+
+def _outputs(items: list[Any]) -> dict[str, Any]:
+    return {i["call_id"]: i["output"] for i in items if i.get("type") == "function_call_output"}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_row01_an_agent_used_as_a_tool_runs_whole_as_its_calls_body(tmp_path: Path,
+                                                                   mode: str) -> None:
+    """Row 1: ``inner.as_tool(...)``. The SDK alone runs the nested agent (its model, its
+    paying tool) and sends its answer; through the adapter the nested run is the outer
+    call's body, run once with it, and the model is sent the same answer (before: the
+    nested model call was refused inside and the run "completed" on error text)."""
+
+    def world(name: str) -> tuple[Agent[Any], Effects]:
+        effects = Effects(tmp_path, name)
+        inner = Agent("inner", model=_model(effects, [function_call("pay", {"x": 5},
+                                                                    call_id="n1")],
+                                            [assistant_message("inner paid 5")]),
+                      tools=[_paying(effects)])
+        outer = Agent("outer", model=_model(effects, [function_call("ask_inner", {
+            "input": "pay 5"}, call_id="o1")], [assistant_message("done")]),
+            tools=[inner.as_tool("ask_inner", "asks the inner agent")])
+        return outer, effects
+
+    async def go() -> None:
+        outer, alone = world("alone")
+        session = SQLiteSession("alone", ":memory:")
+        result = await _sdk_run(outer, "go", session, mode)
+        assert result.final_output == "done"
+        sdk_items = await session.get_items()
+        assert _outputs(sdk_items) == {"o1": "inner paid 5"}
+        assert _count(alone) == Counter({PAID: 1, "model": 4})
+
+        outer, through = world("adapter")
+        store = MemoryEventStore()
+        session = SQLiteSession("adapted", ":memory:")
+        run = await AgentRun.open(outer, run_id="row1", session=session, store=store)
+        done = await _attempt(run, "go", mode)
+        assert (done.step, done.final_output) == (Step.COMPLETED, "done")
+        assert _outputs(await session.get_items()) == _outputs(sdk_items)
+        assert _count(through) == Counter({PAID: 1, "model": 4})
+        ledger = RunController.load(store, "row1")
+        assert [(v.call.call_id, v.phase, v.starts, v.result) for v in ledger.calls] == [
+            ("o1", Phase.PUBLISHED, 1, "inner paid 5")]  # the nested call is its body
+
+    asyncio.run(go())
+
+
+def test_row01_an_agent_tool_whose_agent_may_need_approval_is_refused_at_open() -> None:
+    """A nested call needing approval would pause the outer run on a call its ledger
+    does not know: refused when the run is opened, before anything is recorded."""
+    inner = Agent("inner", tools=[function_tool(lambda: "x", name_override="gated",
+                                                needs_approval=True)])
+    outer = Agent("outer", tools=[inner.as_tool("ask_inner", "asks")])
+    store = MemoryEventStore()
+    with pytest.raises(UnsupportedFeature, match="ask_inner") as refused:
+        asyncio.run(AgentRun.open(outer, run_id="r", session=SQLiteSession("s", ":memory:"),
+                                  store=store))
+    assert refused.value.feature == "agent tools whose agent needs approvals"
+    assert not store.list_runs()
+
+
+class _FakeMCPServer(MCPServer):
+    """An MCP server in the process: one tool, ``lookup``, whose every call is counted."""
+
+    def __init__(self, effects: Effects) -> None:
+        super().__init__()
+        self.effects = effects
+
+    @property
+    def name(self) -> str:
+        return "fake"
+
+    async def connect(self) -> None:
+        return None
+
+    async def cleanup(self) -> None:
+        return None
+
+    async def list_tools(self, run_context: Any = None, agent: Any = None) -> list[Any]:
+        return [MCPTool(name="lookup", input_schema={"type": "object", "properties": {}})]
+
+    async def call_tool(self, tool_name: str, arguments: Any, meta: Any = None) -> Any:
+        self.effects(f"mcp {tool_name}")
+        return CallToolResult(content=[TextContent(type="text", text="found")])
+
+    async def list_prompts(self) -> Any:
+        raise NotImplementedError
+
+    async def get_prompt(self, name: str, arguments: Any = None) -> Any:
+        raise NotImplementedError
+
+
+def test_row02_mcp_servers_are_refused_at_open(tmp_path: Path) -> None:
+    """Row 2: the SDK alone calls the MCP tool; through the adapter it would run outside
+    the ledger (before: approved with 0 starts, then InvalidTransition, then
+    SDKStateRequired forever), so an agent with MCP servers is refused at open, with
+    nothing recorded and nothing called."""
+
+    def agent(effects: Effects) -> Agent[Any]:
+        return Agent("a", model=_model(effects, [function_call("lookup", {}, call_id="m1")],
+                                       [assistant_message("done")]),
+                     mcp_servers=[_FakeMCPServer(effects)])
+
+    alone = Effects(tmp_path, "alone")
+    result = asyncio.run(_sdk_run(agent(alone), "go", SQLiteSession("s", ":memory:")))
+    assert result.final_output == "done"
+    assert _count(alone) == Counter({"mcp lookup": 1, "model": 2})
+
+    through = Effects(tmp_path, "adapter")
+    store = MemoryEventStore()
+    with pytest.raises(UnsupportedFeature, match="MCP servers") as refused:
+        asyncio.run(AgentRun.open(agent(through), run_id="row2", store=store,
+                                  session=SQLiteSession("s", ":memory:")))
+    assert refused.value.feature == "MCP servers"
+    assert not store.list_runs()
+    assert _count(through) == Counter()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_row03_a_call_a_tool_input_guardrail_rejects_never_runs_and_the_run_goes_on(
+        tmp_path: Path, mode: str) -> None:
+    """Row 3: the SDK alone skips the body, tells the model the rejection, and completes;
+    so does the adapter, which records the call with the text the model was sent (before:
+    approved with 0 starts, the next model call refused, the run stuck)."""
+
+    def agent(effects: Effects) -> Agent[Any]:
+        @tool_input_guardrail
+        def no_payments(data: Any) -> ToolGuardrailFunctionOutput:
+            effects("guardrail no_payments")
+            return ToolGuardrailFunctionOutput.reject_content("payments are closed today")
+
+        return Agent("a", model=_model(effects, [function_call("pay", {"x": 7},
+                                                               call_id="c1")],
+                                       [assistant_message("sorry, payments are closed")]),
+                     tools=[_paying(effects, tool_input_guardrails=[no_payments])])
+
+    async def go() -> None:
+        alone = Effects(tmp_path, "alone")
+        session = SQLiteSession("s", ":memory:")
+        result = await _sdk_run(agent(alone), "pay 7", session, mode)
+        assert result.final_output == "sorry, payments are closed"
+        sdk_items = await session.get_items()
+        assert _count(alone) == Counter({"guardrail no_payments": 1, "model": 2})
+
+        through = Effects(tmp_path, "adapter")
+        store = MemoryEventStore()
+        session = SQLiteSession("s", ":memory:")
+        run = await AgentRun.open(agent(through), run_id="row3", session=session,
+                                  store=store)
+        done = await _attempt(run, "pay 7", mode)
+        assert (done.step, done.final_output) == (Step.COMPLETED, "sorry, payments are closed")
+        assert await session.get_items() == sdk_items
+        assert _count(through) == _count(alone)  # no body ran
+        view = RunController.load(store, "row3").call("c1")
+        assert (view.phase, view.result) == (Phase.PUBLISHED, "payments are closed today")
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_row04_a_tripped_output_guardrail_never_accepts_the_output(tmp_path: Path,
+                                                                  mode: str) -> None:
+    """Row 4: the SDK alone raises the tripwire and writes nothing of the blocked answer.
+    Through the adapter the same error; the ledger never accepted the blocked text (before:
+    accepted before the verdict, against §2.1) and the run is over: a retry is refused
+    naming the guardrail, having called nothing (before: SDKStateRequired forever)."""
+
+    def agent(effects: Effects) -> Agent[Any]:
+        @output_guardrail
+        def no_secrets(context: Any, agent: Any, output: Any) -> GuardrailFunctionOutput:
+            effects("guardrail no_secrets")
+            return GuardrailFunctionOutput(output_info=None, tripwire_triggered=True)
+
+        return Agent("a", model=_model(effects, [assistant_message("the secret is 42")]),
+                     output_guardrails=[no_secrets])
+
+    async def go() -> None:
+        alone = Effects(tmp_path, "alone")
+        session = SQLiteSession("s", ":memory:")
+        with pytest.raises(OutputGuardrailTripwireTriggered):
+            await _sdk_run(agent(alone), "tell me", session, mode)
+        assert await session.get_items() == [{"content": "tell me", "role": "user"}]
+
+        through = Effects(tmp_path, "adapter")
+        store = MemoryEventStore()
+        session = SQLiteSession("s", ":memory:")
+        the_agent = agent(through)
+        run = await AgentRun.open(the_agent, run_id="row4", session=session, store=store)
+        with pytest.raises(OutputGuardrailTripwireTriggered):
+            await _attempt(run, "tell me", mode)
+        assert await session.get_items() == [{"content": "tell me", "role": "user"}]
+        log = RunController.load(store, "row4")
+        assert not any(type(e).__name__ == "FinalOutputAccepted" for e in log.events)
+        assert log.step is Step.TERMINAL_UNRECOVERABLE
+        again = await AgentRun.open(the_agent, run_id="row4", session=session, store=store)
+        with pytest.raises(RunNotResumable, match="no_secrets"):
+            await _attempt(again, None, mode)
+        assert _count(through) == _count(alone) == Counter({"guardrail no_secrets": 1,
+                                                            "model": 1})
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("behavior", ["raise_error", "return_error_to_model"])
+def test_row05_a_call_to_a_tool_the_agent_does_not_have(tmp_path: Path,
+                                                        behavior: str) -> None:
+    """Row 5: the model names a tool the agent does not have. The SDK alone raises
+    ModelBehaviorError (``tool_not_found_behavior="raise_error"``) and completes when run
+    again, or sends the model an error and completes; so does the adapter (before: every
+    retry SDKStateRequired)."""
+    config = RunConfig(tracing_disabled=True, tool_not_found_behavior=behavior)  # type: ignore[arg-type]
+
+    def agent(effects: Effects) -> Agent[Any]:
+        return Agent("a", model=_model(effects, [function_call("refund", {}, call_id="u1")],
+                                       [assistant_message("done")]),
+                     tools=[_paying(effects)])
+
+    async def attempts(attempt: Callable[[Any], Awaitable[Any]]) -> list[str]:
+        seen = []
+        for input in ("pay 7", None):  # a retry continues from what the Session holds
+            try:
+                seen.append(f"output {(await attempt(input)).final_output}")
+                break
+            except ModelBehaviorError:
+                seen.append("ModelBehaviorError")
+        return seen
+
+    async def go() -> None:
+        alone = Effects(tmp_path, "alone")
+        the_agent, session = agent(alone), SQLiteSession("s", ":memory:")
+        sdk_seen = await attempts(lambda i: Runner.run(the_agent, i or [], session=session,
+                                                       run_config=config))
+        sdk_items = await session.get_items()
+
+        through = Effects(tmp_path, "adapter")
+        store, session = MemoryEventStore(), SQLiteSession("s", ":memory:")
+        run = await AgentRun.open(agent(through), run_id="row5", session=session,
+                                  store=store)
+        seen = await attempts(lambda i: run.run(i, run_config=config))
+        assert seen == sdk_seen == (["ModelBehaviorError", "output done"]
+                                    if behavior == "raise_error" else ["output done"])
+        assert run.controller.step is Step.COMPLETED
+        assert _count(through) == _count(alone)
+        assert await session.get_items() == sdk_items
+
+    asyncio.run(go())
+
+
+def _gated(effects: Effects) -> Agent[Any]:
+    """``pay`` needs approval; the model asks for it, then answers."""
+    return Agent("billing", model=_model(effects, [function_call("pay", {"x": 7},
+                                                                 call_id="c1")],
+                                         [assistant_message("paid")]),
+                 tools=[_paying(effects, needs_approval=True)])
+
+
+@pytest.mark.parametrize("decision", ["approve", "reject"])
+@pytest.mark.parametrize("where", ["same-state", "saved-state"])
+def test_row07_a_decision_taken_on_the_sdk_state_is_honoured(tmp_path: Path, decision: str,
+                                                             where: str) -> None:
+    """Row 7: ``result.state.approve(item)`` (or ``reject``), the SDK's own API. The SDK
+    alone resumes the state and runs (or skips) the tool; the adapter records the decision
+    the state holds, durable before the tool runs, and does the same (before: the
+    decision was dropped and the run paused again). The state may be the one the adapter
+    returned, or its saved text resumed by a new process."""
+
+    async def decide(state: Any, item: Any) -> None:
+        if decision == "approve":
+            state.approve(item)
+        else:
+            state.reject(item, rejection_message="not today")
+
+    async def go() -> None:
+        alone = Effects(tmp_path, "alone")
+        agent, session = _gated(alone), SQLiteSession("s", ":memory:")
+        paused = await Runner.run(agent, "pay 7", session=session, run_config=CONFIG)
+        state = paused.to_state()
+        await decide(state, paused.interruptions[0])
+        sdk = await Runner.run(agent, state, session=session, run_config=CONFIG)
+        sdk_items = await session.get_items()
+
+        through = Effects(tmp_path, "adapter")
+        agent, store = _gated(through), SQLiteEventStore(tmp_path / "events.db")
+        session = SQLiteSession("s", ":memory:")
+        run = await AgentRun.open(agent, run_id="row7", session=session, store=store)
+        paused_run = await run.run("pay 7", run_config=CONFIG)
+        assert paused_run.state is not None
+        await decide(paused_run.state, paused_run.interruptions[0])
+        if where == "saved-state":
+            saved = paused_run.state.to_string()
+            run = await AgentRun.open(agent, run_id="row7", session=session, store=store)
+            done = await run.run(state=saved, run_config=CONFIG)
+        else:
+            done = await run.run(state=paused_run.state, run_config=CONFIG)
+        assert (done.step, done.final_output) == (Step.COMPLETED, sdk.final_output)
+        assert await session.get_items() == sdk_items
+        assert _count(through) == _count(alone)
+        assert _count(through)[PAID] == (decision == "approve")
+        kind = "CallApproved" if decision == "approve" else "CallRejected"
+        assert kind in [type(e).__name__ for e in RunController.load(store, "row7").events]
+
+    asyncio.run(go())
+
+
+def test_row09_a_run_opened_on_another_session_is_refused_before_any_effect(
+        tmp_path: Path) -> None:
+    """Row 9: the SDK alone resumes a paused run's state on any Session and runs the
+    approved tool there. Opening the adapter's run with a Session that is not its own is
+    refused before anything runs (before: the approved body ran, then ReconcileRejected)."""
+
+    async def go() -> None:
+        alone = Effects(tmp_path, "alone")
+        agent = _gated(alone)
+        paused = await Runner.run(agent, "pay 7", session=SQLiteSession("s", ":memory:"),
+                                  run_config=CONFIG)
+        state = paused.to_state()
+        state.approve(paused.interruptions[0])
+        await Runner.run(agent, state, session=SQLiteSession("other", ":memory:"),
+                         run_config=CONFIG)
+        assert _count(alone)[PAID] == 1
+
+        through = Effects(tmp_path, "adapter")
+        agent, store = _gated(through), MemoryEventStore()
+        run = await AgentRun.open(agent, run_id="row9", session=SQLiteSession(
+            "s", ":memory:"), store=store)
+        paused_run = await run.run("pay 7", run_config=CONFIG)
+        await run.approve(paused_run.interruptions[0])
+        assert paused_run.state is not None
+        saved, version = paused_run.state.to_string(), run.controller.version
+        with pytest.raises(ReconcileRejected, match="'other' is not the run's Session"):
+            await AgentRun.open(agent, run_id="row9", store=store,
+                                session=SQLiteSession("other", ":memory:"))
+        assert RunController.load(store, "row9").version == version  # nothing recorded
+        assert _count(through)[PAID] == 0
+        assert saved
+
+    asyncio.run(go())
+
+
+def _handoff_world(effects: Effects, *, fail_first: bool = False) -> Agent[Any]:
+    """``triage`` hands off to ``billing``, whose model asks for ``pay`` then answers;
+    with ``fail_first`` billing's first model call fails (after the handoff was written)."""
+
+    class Failing(ScriptedModel):
+        failed = False
+
+        async def get_response(self, *args: Any, **kwargs: Any) -> Any:
+            effects("model billing")
+            if fail_first and not Failing.failed:
+                Failing.failed = True
+                raise ConnectionError("the model is unreachable")
+            return await super().get_response(*args, **kwargs)
+
+    billing = Agent("billing", model=Failing([[function_call("pay", {"x": 7}, call_id="p1")],
+                                              [assistant_message("paid 7")]]),
+                    tools=[_paying(effects)])
+
+    class Triage(ScriptedModel):
+        async def get_response(self, *args: Any, **kwargs: Any) -> Any:
+            effects("model triage")
+            return await super().get_response(*args, **kwargs)
+
+    return Agent("triage", model=Triage([[function_call("transfer_to_billing", {},
+                                                        call_id="h1")]]),
+                 handoffs=[handoff(billing, on_handoff=lambda ctx: effects("on_handoff"))])
+
+
+def test_row10_a_handoff_is_carried_and_a_restart_goes_on_with_the_agent_handed_to(
+        tmp_path: Path) -> None:
+    """Row 10: the SDK alone hands off from triage to billing, which pays and answers.
+    Through the adapter the same run, the same Session items, each effect once, the
+    handoff recorded (before: refused at open). When billing's first model call fails, a
+    new process goes on with billing (the ledger's active agent), never asking triage
+    again and never running the handoff's callback again."""
+
+    async def go() -> None:
+        alone = Effects(tmp_path, "alone")
+        session = SQLiteSession("s", ":memory:")
+        result = await Runner.run(_handoff_world(alone), "pay 7", session=session,
+                                  run_config=CONFIG)
+        assert (result.final_output, result.last_agent.name) == ("paid 7", "billing")
+        sdk_items = await session.get_items()
+
+        through = Effects(tmp_path, "adapter")
+        store, session = MemoryEventStore(), SQLiteSession("s", ":memory:")
+        run = await AgentRun.open(_handoff_world(through), run_id="row10", session=session,
+                                  store=store)
+        done = await run.run("pay 7", run_config=CONFIG)
+        assert (done.step, done.final_output) == (Step.COMPLETED, "paid 7")
+        assert await session.get_items() == sdk_items
+        assert _count(through) == _count(alone) == Counter({
+            "model triage": 1, "on_handoff": 1, "model billing": 2, PAID: 1})
+        log = RunController.load(store, "row10")
+        assert [e.target for e in log.events if isinstance(e, HandedOff)] == ["billing"]
+
+        failing = Effects(tmp_path, "failing")
+        store, session = MemoryEventStore(), SQLiteSession("s", ":memory:")
+        run = await AgentRun.open(_handoff_world(failing, fail_first=True), run_id="row10",
+                                  session=session, store=store)
+        with pytest.raises(ConnectionError):
+            await run.run("pay 7", run_config=CONFIG)
+        again = await AgentRun.open(_handoff_world(failing), run_id="row10",
+                                    session=session, store=store)
+        done = await again.run(run_config=CONFIG)
+        assert done.final_output == "paid 7"
+        assert await session.get_items() == sdk_items
+        assert _count(failing) == Counter({"model triage": 1, "on_handoff": 1,
+                                           "model billing": 3, PAID: 1})
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("size", [200_000, 60_000], ids=["over-the-log", "over-its-batch"])
+def test_row18_a_result_over_max_bytes_is_the_calls_failure_the_model_sees(
+        tmp_path: Path, size: int) -> None:
+    """Row 18: a result larger than the run may record, or than it may record and then
+    publish with its batch. The SDK alone sends it. The adapter records the call as
+    failed, with a text that says so, and sends the model that text; the run completes and
+    nothing is in doubt (before: SchemaError after the body, then the call in doubt by the
+    library's own limit)."""
+    big = "x" * size
+
+    def agent(effects: Effects) -> Agent[Any]:
+        @function_tool
+        def export() -> str:
+            effects("tool export")
+            return big
+
+        return Agent("a", model=_model(effects, [function_call("export", {}, call_id="e1")],
+                                       [assistant_message("exported")]), tools=[export])
+
+    async def go() -> None:
+        alone = Effects(tmp_path, "alone")
+        session = SQLiteSession("s", ":memory:")
+        await Runner.run(agent(alone), "export", session=session, run_config=CONFIG)
+        assert _outputs(await session.get_items()) == {"e1": big}
+
+        through = Effects(tmp_path, "adapter")
+        store, session = MemoryEventStore(), SQLiteSession("s", ":memory:")
+        c = RunController.start(run_id="row18", session_id="s", store=store,
+                                max_bytes=100_000)
+        run = AgentRun.from_controller(agent(through), c, session)
+        done = await run.run("export", run_config=CONFIG)
+        assert (done.step, done.final_output) == (Step.COMPLETED, "exported")
+        sent = _outputs(await session.get_items())["e1"]
+        assert sent.startswith("The tool ran, but its result was not kept")
+        assert "max_bytes" in sent
+        view = RunController.load(store, "row18").call("e1")
+        assert (view.phase, view.result, view.starts) == (Phase.PUBLISHED, sent, 1)
+        assert _count(through) == _count(alone)
+
+    asyncio.run(go())
+
+
+def test_row18_a_call_the_run_has_no_room_for_is_refused_before_its_body(
+        tmp_path: Path) -> None:
+    """When the run could not record even the call's failure, the body never runs and
+    the call is not started (not in doubt): the run can be abandoned cleanly."""
+
+    async def go() -> None:
+        padding = "p" * 5_000
+        for max_bytes in range(13_000, 12_000, -5):  # the largest run that refuses it
+            through = Effects(tmp_path, f"max_bytes={max_bytes}")
+            store, session = MemoryEventStore(), SQLiteSession("s", ":memory:")
+            agent = Agent("a", model=_model(through, [function_call(
+                "pay", {"x": 7, "note": padding}, call_id="c1")]), tools=[_paying(through)])
+            c = RunController.start(run_id="r", session_id="s", store=store,
+                                    max_bytes=max_bytes)
+            try:
+                await AgentRun.from_controller(agent, c, session).run("pay", run_config=CONFIG)
+            except SchemaError as refused:
+                if "was not started" in str(refused):
+                    break
+            except Exception:  # a run with room goes on (and finds no answer)
+                pass
+        else:
+            raise AssertionError("no max_bytes refused the call before its body")
+        assert c.phase("c1") is Phase.APPROVED  # never started: not in doubt
+        assert _count(through) == Counter({"model": 1})  # the body never ran
+        c.abandon("no room")
+
+    asyncio.run(go())
+
+
+def test_row19_a_redacting_tool_output_guardrail_keeps_the_raw_output_out_of_the_store(
+        tmp_path: Path) -> None:
+    """Row 19: the tool's output carries a card number and its output guardrail replaces
+    it. The SDK alone sends the redacted text; so does the adapter, and its event store
+    (the SQLite file) holds the redacted text and never the card number (before: the raw
+    output was recorded before the guardrail ran)."""
+    card = "4111 1111 1111 1111"
+
+    def agent(effects: Effects) -> Agent[Any]:
+        @tool_output_guardrail
+        def redact(data: Any) -> ToolGuardrailFunctionOutput:
+            return ToolGuardrailFunctionOutput.reject_content("card on file: [redacted]")
+
+        @function_tool(tool_output_guardrails=[redact])
+        def card_on_file() -> str:
+            effects("tool card_on_file")
+            return f"card on file: {card}"
+
+        return Agent("a", model=_model(effects, [function_call("card_on_file", {},
+                                                               call_id="k1")],
+                                       [assistant_message("done")]), tools=[card_on_file])
+
+    async def go() -> None:
+        alone = Effects(tmp_path, "alone")
+        session = SQLiteSession("s", ":memory:")
+        await Runner.run(agent(alone), "card?", session=session, run_config=CONFIG)
+        sdk_items = await session.get_items()
+        assert _outputs(sdk_items) == {"k1": "card on file: [redacted]"}
+
+        through = Effects(tmp_path, "adapter")
+        path = tmp_path / "events.db"
+        store, session = SQLiteEventStore(path), SQLiteSession("s", ":memory:")
+        run = await AgentRun.open(agent(through), run_id="row19", session=session,
+                                  store=store)
+        done = await run.run("card?", run_config=CONFIG)
+        assert done.step is Step.COMPLETED
+        assert await session.get_items() == sdk_items
+        assert RunController.load(store, "row19").call("k1").result == (
+            "card on file: [redacted]")
+        store.close()
+        stored = b"".join(p.read_bytes() for p in tmp_path.glob("events.db*"))
+        assert b"[redacted]" in stored
+        assert card.encode() not in stored
+        assert _count(through) == _count(alone)
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_row22_a_completed_run_answers_a_retried_request_from_its_ledger(
+        tmp_path: Path, mode: str) -> None:
+    """Row 22: a request retried after it completed. The SDK alone runs it again (the
+    model is asked again, the paying tool pays again); the adapter returns the recorded
+    output and says so (``replayed``), with no model call and no tool (before:
+    RunNotResumable). Other input is refused: a completed run takes none."""
+
+    def agent(effects: Effects) -> Agent[Any]:
+        return Agent("a", model=_model(effects, [function_call("pay", {"x": 7},
+                                                               call_id="c1")],
+                                       [assistant_message("paid")],
+                                       [function_call("pay", {"x": 7}, call_id="c2")],
+                                       [assistant_message("paid")]),
+                     tools=[_paying(effects)])
+
+    async def go() -> None:
+        alone = Effects(tmp_path, "alone")
+        the_agent, session = agent(alone), SQLiteSession("s", ":memory:")
+        for _ in range(2):
+            await _sdk_run(the_agent, "pay 7", session, mode)
+        assert _count(alone) == Counter({PAID: 2, "model": 4})
+
+        through = Effects(tmp_path, "adapter")
+        the_agent, store = agent(through), MemoryEventStore()
+        session = SQLiteSession("s", ":memory:")
+        run = await AgentRun.open(the_agent, run_id="row22", session=session, store=store)
+        first = await _attempt(run, "pay 7", mode)
+        assert (first.final_output, first.replayed) == ("paid", False)
+        items, version = await session.get_items(), run.controller.version
+        for again in (run, await AgentRun.open(the_agent, run_id="row22", session=session,
+                                               store=store)):
+            for input in ("pay 7", None):
+                retried = await _attempt(again, input, mode)
+                assert (retried.step, retried.final_output, retried.replayed,
+                        retried.sdk_result) == (Step.COMPLETED, "paid", True, None)
+            with pytest.raises(RunNotResumable, match="takes no new input"):
+                await _attempt(again, "pay 8", mode)
+        assert _count(through) == Counter({PAID: 1, "model": 2})
+        assert await session.get_items() == items
+        assert RunController.load(store, "row22").version == version  # nothing recorded
+
+    asyncio.run(go())
+
+
+def _named(folder: Path, name: str) -> list[str]:
+    return [line.split(" ", 1)[1] for line in _effects(folder) if line.split(" ", 1)[0] == name]
+
+
+@pytest.mark.parametrize("where", ["guardrail", "agent_end"])
+def test_row06_kill_9_between_the_final_answer_and_its_write(tmp_path: Path,
+                                                            where: str) -> None:
+    """Row 6: kill -9 inside the output guardrail or ``on_agent_end``, after the model's
+    final answer and before it is written. The SDK alone, restarted, asks the model again
+    (a second answer); through the adapter the restart replays the recorded answer (no
+    model call), finishes the checks, and writes it once (before: SDKStateRequired on
+    every restart, the answer never published)."""
+    alone, through = tmp_path / "alone", tmp_path / "adapter"
+    for folder, kind in ((alone, "final-sdk"), (through, "final")):
+        folder.mkdir()
+        assert _driver(kind, str(folder), where).returncode == -9
+        assert _named(folder, "crash").count("model call") == 1
+
+    restarted = _driver("resume-sdk", str(alone), "restart")
+    assert json.loads(restarted.stdout)["outcome"] == "completed"
+    assert _named(alone, "restart").count("model call") == 1  # asked again: a new answer
+
+    for _ in range(2):  # a second restart finds the run completed
+        resumed = json.loads(_driver("resume", str(through), "restart").stdout)
+        assert (resumed["outcome"], resumed["final_output"]) == ("completed",
+                                                                 "the answer is 42"), resumed
+    assert "model call" not in _named(through, "restart")
+    # the check the kill fell in (run, never recorded) runs again once; nothing else does
+    crashed, restart = _named(through, "crash"), _named(through, "restart")
+    assert crashed.count("guardrail checked") == (where == "guardrail")
+    assert restart.count("guardrail checked") == 1
+    assert crashed.count("hook agent_end") + restart.count("hook agent_end") == 1 + (
+        where == "agent_end")
+    session: list[Any] = asyncio.run(SQLiteSession(SESSION_ID_DRIVER, through / "session.db")
+                                     .get_items())
+    answers = [item for item in session if item.get("role") == "assistant"]
+    assert [a["content"][0]["text"] for a in answers] == ["the answer is 42"]
+
+
+def test_row08_a_pydantic_result_is_resent_as_the_text_the_sdk_sent(tmp_path: Path) -> None:
+    """Row 8: a tool returning a pydantic model, killed after the tool (in its end hook)
+    and before the write. Resumed from the store and the saved SDK state, its cached
+    result is resent byte-identical to what the SDK alone sends (``str(model)``), and the
+    tool never runs again (before: re-sent as its ``model_dump`` dict)."""
+
+    async def sdk_alone() -> str:
+        (tmp_path / "alone").mkdir()
+        effects = Effects(tmp_path / "alone", "alone")
+
+        @function_tool
+        def receipt(x: int) -> Any:
+            effects("tool receipt")
+            return Receipt(amount=x, note="ok")
+
+        session = SQLiteSession("s", ":memory:")
+        await Runner.run(Agent("a", model=ScriptedModel([
+            [function_call("receipt", {"x": 7}, call_id="c1")], [assistant_message("ok")]]),
+            tools=[receipt]), "receipt", session=session, run_config=CONFIG)
+        output: str = _outputs(await session.get_items())["c1"]
+        return output
+
+    sent = asyncio.run(sdk_alone())
+    assert sent == "amount=7 note='ok'"
+    assert _driver("pause-receipt", str(tmp_path)).returncode == 0
+    assert _driver("crash-after-tool", str(tmp_path)).returncode == -9
+    resumed = json.loads(_driver("resume", str(tmp_path), "resumer").stdout)
+    assert resumed["outcome"] == "completed", resumed
+    session = asyncio.run(SQLiteSession(SESSION_ID_DRIVER, tmp_path / "session.db")
+                          .get_items())
+    assert _outputs(session) == {"c1": sent}
+    assert [line for line in _effects(tmp_path) if line.endswith("tool receipt")] == [
+        "crash tool receipt"]
+
+
+def test_row20_kill_9_during_a_write_names_take_over(tmp_path: Path) -> None:
+    """Row 20: kill -9 inside a Session write. A restart is refused ("an attempt may
+    still be writing") with a message naming ``AgentRun.open(..., take_over=True)``; the
+    adapter takes it: opened with ``take_over=True`` the run writes the batch and
+    completes, the tool having run once."""
+    assert _driver("crash-write", str(tmp_path)).returncode == -9
+    refused = json.loads(_driver("resume", str(tmp_path), "first").stdout)
+    assert (refused["error"], refused["step"]) == ("ReconcileRejected", "unsettled")
+    assert "may still be writing" in refused["message"]
+    assert "AgentRun.open(..., take_over=True)" in refused["message"]
+    taken = json.loads(_driver("resume", str(tmp_path), "second", "take-over").stdout)
+    assert (taken["outcome"], taken["final_output"]) == ("completed", "done"), taken
+    assert [line for line in _effects(tmp_path) if line.endswith("tool pay")] == [
+        "crash tool pay"]
+    session = asyncio.run(SQLiteSession(SESSION_ID_DRIVER, tmp_path / "session.db")
+                          .get_items())
+    assert _outputs(session) == {"p1": "paid 7"}
+
+
+def test_row08_a_resent_result_is_the_text_the_sdk_sent_in_one_process() -> None:
+    """Row 8 without a kill: the tool's end hook raised after its result was recorded; a
+    new attempt resends the cached result exactly as the SDK first sent it."""
+
+    class FailingEndHook(RunHooks[Any]):
+        failed = False
+
+        async def on_tool_end(self, context: Any, agent: Any, tool: Any, result: Any) -> None:
+            if not FailingEndHook.failed:
+                FailingEndHook.failed = True
+                raise RuntimeError("the end hook failed")
+
+    ran: list[int] = []
+
+    @function_tool(needs_approval=True)
+    def receipt(x: int) -> Receipt:
+        ran.append(x)
+        return Receipt(amount=x, note="ok")
+
+    async def go() -> None:
+        model = ScriptedModel([[function_call("receipt", {"x": 7}, call_id="c1")],
+                               [assistant_message("done")]])
+        agent = Agent("a", model=model, tools=[receipt])
+        session, store = SQLiteSession("s", ":memory:"), MemoryEventStore()
+        run = await AgentRun.open(agent, run_id="row8", session=session, store=store)
+        paused = await run.run("receipt", run_config=CONFIG)
+        assert paused.state is not None
+        saved = paused.state.to_string()
+        await run.approve("c1")
+        with pytest.raises(UserError, match="end hook failed"):
+            await run.run(hooks=FailingEndHook(), run_config=CONFIG)
+        again = await AgentRun.open(agent, run_id="row8", session=session, store=store)
+        done = await again.run(state=saved, run_config=CONFIG)
+        assert done.step is Step.COMPLETED
+        assert _outputs(await session.get_items()) == {"c1": str(Receipt(amount=7,
+                                                                         note="ok"))}
+        assert ran == [7]
+
+    asyncio.run(go())
+
+
+def test_a_timed_out_tool_is_in_doubt_before_the_sdks_timeout_text_is_written() -> None:
+    """The SDK turns a tool that outlived its ``timeout`` into a timeout message for
+    the model; through the adapter its body was cancelled mid-effect, so the call is in
+    doubt: the attempt stops with ToolInDoubt before that text is written, and the call
+    never runs again."""
+    ran: list[str] = []
+
+    @function_tool(timeout=0.05)
+    async def slow_charge() -> str:
+        ran.append("slow_charge")
+        await asyncio.sleep(10)
+        return "charged"
+
+    async def go() -> None:
+        model = ScriptedModel([[function_call("slow_charge", {}, call_id="t1")],
+                               [assistant_message("timed out")]])
+        agent = Agent("a", model=model, tools=[slow_charge])
+        session, store = SQLiteSession("s", ":memory:"), MemoryEventStore()
+        run = await AgentRun.open(agent, run_id="timeout", session=session, store=store)
+        with pytest.raises(ToolInDoubt):
+            await run.run("charge", run_config=CONFIG)
+        assert run.controller.phase("t1") is Phase.STARTED
+        assert _outputs(await session.get_items()) == {}
+        again = await AgentRun.open(agent, run_id="timeout", session=session, store=store)
+        with pytest.raises(ToolInDoubt):
+            await again.run(run_config=CONFIG)
+        assert ran == ["slow_charge"]
+
+    asyncio.run(go())
+
+
+def test_a_standing_approval_is_honoured_for_its_call_and_refused_for_later_ones() -> None:
+    """``state.approve(item, always_approve=True)``: the call it was given for runs; a
+    later call of that tool, which the SDK would start without asking, is refused before
+    its body runs (the ledger holds no decision for it)."""
+    ran: list[int] = []
+
+    @function_tool(needs_approval=True)
+    def charge(x: int) -> str:
+        ran.append(x)
+        return f"charged {x}"
+
+    async def go() -> None:
+        model = ScriptedModel([[function_call("charge", {"x": 1}, call_id="a1")],
+                               [function_call("charge", {"x": 2}, call_id="a2")],
+                               [assistant_message("done")]])
+        agent = Agent("a", model=model, tools=[charge])
+        run = await AgentRun.open(agent, run_id="standing",
+                                  session=SQLiteSession("s", ":memory:"),
+                                  store=MemoryEventStore())
+        paused = await run.run("charge twice", run_config=CONFIG)
+        assert paused.state is not None
+        paused.state.approve(paused.interruptions[0], always_approve=True)
+        with pytest.raises(InvalidTransition, match="a2"):
+            await run.run(state=paused.state, run_config=CONFIG)
+        assert ran == [1]
+        assert run.controller.phase("a2") is Phase.AWAITING
+
+    asyncio.run(go())
+
+
+def test_a_state_saved_at_an_earlier_turn_never_leads_the_sdk_back_into_it() -> None:
+    """The state saved at the interruption, given again after the run has moved on (its
+    final answer reached, an output guardrail failing before its verdict, which the SDK
+    alone would write unchecked and the adapter does not): the ledger is past that turn,
+    so the state is not used and the recorded final answer is replayed instead, checked
+    and written once; no tool runs again and the model is not asked again."""
+
+    class Flaky:
+        failed = False
+
+    @output_guardrail
+    def flaky(context: Any, agent: Any, output: Any) -> GuardrailFunctionOutput:
+        if not Flaky.failed:
+            Flaky.failed = True
+            raise ConnectionError("the checker is unreachable")
+        return GuardrailFunctionOutput(output_info=None, tripwire_triggered=False)
+
+    async def go() -> None:
+        world = World(TERMINAL, "atomic-no-commit")
+        model = ScriptedModel([[function_call("charge", {"x": 7}, call_id="c1")],
+                               [assistant_message("charged")]])
+        agent = world.agent.clone(model=model, tool_use_behavior="run_llm_again",
+                                  output_guardrails=[flaky])
+        run = await AgentRun.open(agent, run_id=RUN_ID, session=world.session,
+                                  store=world.store)
+        paused = await run.run("charge me 7", run_config=CONFIG)
+        assert paused.state is not None
+        saved = paused.state.to_string()
+        await run.approve("c1")
+        with pytest.raises(ConnectionError):
+            await run.run(run_config=CONFIG)
+        assert run.controller.step is Step.FINALIZING
+        assert [i for i in await world.items() if i.get("role") == "assistant"] == []
+        again = await AgentRun.open(agent, run_id=RUN_ID, session=world.session,
+                                    store=world.store)
+        done = await again.run(state=saved, run_config=CONFIG)
+        assert (done.step, done.final_output) == (Step.COMPLETED, "charged")
+        assert world.effects["tool charge"] == 1
+        assert len(model.calls) == 2
+        assert await world.count("function_call_output", "c1") == 1
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("option", ["handoff_input_filter", "pre_approval_guardrails"])
+def test_run_options_the_adapter_cannot_carry_are_refused_before_the_attempt(
+        option: str) -> None:
+    from agents.run_config import ToolExecutionConfig
+
+    config = (RunConfig(handoff_input_filter=lambda data: data) if option ==
+              "handoff_input_filter" else RunConfig(tool_execution=ToolExecutionConfig(
+                  pre_approval_tool_input_guardrails=True)))
+
+    async def go() -> None:
+        world = World(STREAMED, "atomic-no-commit")
+        run = await open_run(world)
+        with pytest.raises(UnsupportedFeature):
+            await run.run("pay 7", run_config=config)
+        assert run.controller.version == 1  # nothing recorded but the run's start
+        assert not world.model.calls
+
+    asyncio.run(go())
+
+
+def test_an_attempt_left_writing_is_refused_naming_take_over_then_taken_over() -> None:
+    """A cancelled write (it might still land): another process's attempt on the run is
+    refused "an attempt may still be writing", told to open the run with
+    ``take_over=True``; opened so, it settles the write and completes."""
+
+    class CancelledBeforeWriting(SQLiteSession):
+        writes = 0
+
+        async def add_items(self, items: list[Any]) -> None:
+            CancelledBeforeWriting.writes += 1
+            if CancelledBeforeWriting.writes == 2:  # pay's result: it never lands
+                raise asyncio.CancelledError
+            await super().add_items(items)
+
+    async def go() -> None:
+        world = World(STREAMED, "cancellation")
+        world.inner = world.session = CancelledBeforeWriting(SESSION_ID, ":memory:")
+        run = await open_run(world)
+        with pytest.raises(asyncio.CancelledError):
+            await run.run("pay 7", hooks=world.hooks, run_config=CONFIG)
+        other = await open_run(world)
+        with pytest.raises(ReconcileRejected, match=r"AgentRun\.open\(\.\.\., take_over=True\)"):
+            await other.run(run_config=CONFIG)
+        taken = await AgentRun.open(world.agent, run_id=RUN_ID, session=world.session,
+                                    store=world.store, take_over=True)
+        done = await taken.run(run_config=CONFIG)
+        assert (done.step, done.final_output) == (Step.COMPLETED, "paid")
+        assert world.effects["tool pay"] == 1
+        assert await world.count("function_call_output", "c1") == 1
+
+    asyncio.run(go())
+
+
+def test_row01_an_agent_tool_runs_on_the_callers_run_config(tmp_path: Path) -> None:
+    """Row 1 with the run's model given in ``RunConfig(model=...)``: the SDK runs the
+    nested agent on that config too, so through the adapter the nested run gets the
+    caller's config, never the run's ledgered one (which would refuse its model call)."""
+
+    def world(name: str) -> tuple[Agent[Any], Effects, RunConfig]:
+        effects = Effects(tmp_path, name)
+        shared = _model(effects, [function_call("ask_inner", {"input": "pay 5"},
+                                                call_id="o1")],
+                        [function_call("pay", {"x": 5}, call_id="n1")],
+                        [assistant_message("inner paid 5")], [assistant_message("done")])
+        inner = Agent("inner", tools=[_paying(effects)])
+        outer = Agent("outer", tools=[inner.as_tool("ask_inner", "asks the inner agent")])
+        return outer, effects, RunConfig(model=shared, tracing_disabled=True)
+
+    async def go() -> None:
+        outer, alone, config = world("alone")
+        session = SQLiteSession("s", ":memory:")
+        await Runner.run(outer, "go", session=session, run_config=config)
+        sdk_items = await session.get_items()
+        outer, through, config = world("adapter")
+        session = SQLiteSession("s", ":memory:")
+        run = await AgentRun.open(outer, run_id="row1", session=session,
+                                  store=MemoryEventStore())
+        done = await run.run("go", run_config=config)
+        assert (done.step, done.final_output) == (Step.COMPLETED, "done")
+        assert _outputs(await session.get_items()) == _outputs(sdk_items) == {
+            "o1": "inner paid 5"}
+        assert _count(through) == _count(alone) == Counter({PAID: 1, "model": 4})
+
+    asyncio.run(go())

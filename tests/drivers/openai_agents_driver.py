@@ -11,16 +11,27 @@ DIR/state.json).
   its body, after its effect;
 * ``crash-fresh DIR``: start a run whose model asks for ``pay(x=7)`` (no approval); ``pay``
   kills its own process inside its body;
-* ``resume DIR NAME``: open the run and run it to its next stop (with the saved state when
-  there is one);
+* ``resume DIR NAME [take-over]``: open the run (with ``take_over=True`` when asked) and
+  run it to its next stop (with the saved state when there is one);
+* ``pause-receipt DIR``: like ``pause``, for ``receipt(x=7)``, whose result is a pydantic
+  model; ``crash-after-tool DIR``: resume it; the process kills itself in the tool's end
+  hook, after the result is recorded and before it is written;
+* ``final DIR WHERE`` / ``final-sdk DIR WHERE`` (WHERE: ``guardrail`` or ``agent_end``):
+  start a run (through the adapter, or on the SDK alone) whose model answers at once; the
+  process kills itself inside the output guardrail or the ``on_agent_end`` hook, after its
+  effect and before the answer is written; ``resume-sdk DIR NAME``: the SDK alone's
+  restart (a new ``Runner.run`` on the Session);
+* ``crash-write DIR``: start a run whose model asks for ``pay(x=7)``; the process kills
+  itself inside the Session write of pay's result, before anything of it is written;
 * ``race DIR NAME``: like ``resume``, but only after loading the run and waiting until two
   racers have loaded it (so both hold the same version);
 * ``overhead DIR``: measure the adapter against the SDK alone, side by side in one run, and
   print one JSON line (see `overhead`).
 
 Every tool body, hook, guardrail and model call appends ``NAME what`` to DIR/effects.txt
-(O_APPEND) before it returns. ``resume`` and ``race`` print one JSON line:
-``{"name", "outcome": "completed" | "interruption" | "error", "error", "step"}``.
+(O_APPEND, fsynced) before it returns. ``resume`` and ``race`` print one JSON line:
+``{"name", "outcome": "completed" | "interruption" | "error", "error", "message", "step",
+"final_output"}``.
 """
 
 from __future__ import annotations
@@ -34,13 +45,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pydantic
 from agents import (
     Agent,
+    GuardrailFunctionOutput,
     RunConfig,
     RunHooks,
+    Runner,
     SQLiteSession,
     ToolGuardrailFunctionOutput,
     function_tool,
+    output_guardrail,
     set_tracing_disabled,
     tool_input_guardrail,
 )
@@ -56,15 +71,29 @@ CONFIG = RunConfig(tracing_disabled=True)
 set_tracing_disabled(True)
 
 
+class Receipt(pydantic.BaseModel):
+    amount: int
+    note: str
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 class Hooks(RunHooks[Any]):
-    def __init__(self, effect: Effects) -> None:
+    """Every hook counted; ``kill_in`` names the hooks that then kill the process."""
+
+    def __init__(self, effect: Effects, kill_in: tuple[str, ...] = ()) -> None:
         self.effect = effect
+        self.kill_in = kill_in
 
     async def on_agent_start(self, context: Any, agent: Any) -> None:
         self.effect("hook agent_start")
 
     async def on_agent_end(self, context: Any, agent: Any, output: Any) -> None:
         self.effect("hook agent_end")
+        if "agent_end" in self.kill_in:
+            _die()
 
     async def on_llm_start(self, context: Any, agent: Any, system_prompt: Any,
                            input_items: Any) -> None:
@@ -75,6 +104,36 @@ class Hooks(RunHooks[Any]):
 
     async def on_tool_end(self, context: Any, agent: Any, tool: Any, result: Any) -> None:
         self.effect(f"hook tool_end {tool.name}")
+        if "tool_end" in self.kill_in:
+            _die()
+
+
+class CountedModel(ScriptedModel):
+    """The scripted model, each call counted (``model call``)."""
+
+    def __init__(self, effect: Effects, responses: list[Any]) -> None:
+        super().__init__(responses)
+        self.effect = effect
+
+    async def get_response(self, *args: Any, **kwargs: Any) -> Any:
+        self.effect("model call")
+        return await super().get_response(*args, **kwargs)
+
+
+class KillingSession(SQLiteSession):
+    """The run's Session, killing the process inside its ``kill_on``-th write, before
+    anything of it is written."""
+
+    def __init__(self, session_id: str, path: Path, kill_on: int) -> None:
+        super().__init__(session_id, path)
+        self.kill_on = kill_on
+        self.writes = 0
+
+    async def add_items(self, items: list[Any]) -> None:
+        self.writes += 1
+        if self.writes == self.kill_on:
+            _die()
+        await super().add_items(items)
 
 
 def agent(effect: Effects, *, responses: list[Any], crash: bool) -> Agent[Any]:
@@ -97,14 +156,37 @@ def agent(effect: Effects, *, responses: list[Any], crash: bool) -> Agent[Any]:
             os.kill(os.getpid(), signal.SIGKILL)
         return f"paid {x}"
 
-    return Agent("billing", model=ScriptedModel(responses), tools=[charge, pay])
+    @function_tool(needs_approval=True)
+    def receipt(x: int) -> Receipt:
+        effect("tool receipt")
+        return Receipt(amount=x, note="ok")
+
+    return Agent("billing", model=CountedModel(effect, responses),
+                 tools=[charge, pay, receipt])
+
+
+def final_agent(effect: Effects, *, kill_in: tuple[str, ...] = ()) -> Agent[Any]:
+    """The model answers at once; an output guardrail checks the answer."""
+
+    @output_guardrail
+    def checked(context: Any, agent: Any, output: Any) -> GuardrailFunctionOutput:
+        effect("guardrail checked")
+        if "guardrail" in kill_in:
+            _die()
+        return GuardrailFunctionOutput(output_info=None, tripwire_triggered=False)
+
+    return Agent("oracle", model=CountedModel(effect, [[assistant_message("the answer is 42")],
+                                                       [assistant_message("another")]]),
+                 output_guardrails=[checked])
 
 
 async def _open(folder: Path, effect: Effects, *, responses: list[Any],
-                crash: bool = False) -> AgentRun:
-    return await AgentRun.open(agent(effect, responses=responses, crash=crash), run_id=RUN_ID,
-                               session=SQLiteSession(SESSION_ID, folder / "session.db"),
-                               store=SQLiteEventStore(folder / "events.db"), owner=effect.name)
+                crash: bool = False, the_agent: Agent[Any] | None = None,
+                session: SQLiteSession | None = None, take_over: bool = False) -> AgentRun:
+    return await AgentRun.open(
+        the_agent or agent(effect, responses=responses, crash=crash), run_id=RUN_ID,
+        session=session or SQLiteSession(SESSION_ID, folder / "session.db"),
+        store=SQLiteEventStore(folder / "events.db"), owner=effect.name, take_over=take_over)
 
 
 def _state(folder: Path) -> str | None:
@@ -112,9 +194,9 @@ def _state(folder: Path) -> str | None:
     return path.read_text() if path.exists() else None
 
 
-async def pause(folder: Path) -> None:
+async def pause(folder: Path, tool: str = "charge") -> None:
     effect = Effects(folder, "pause")
-    run = await _open(folder, effect, responses=[[function_call("charge", {"x": 7},
+    run = await _open(folder, effect, responses=[[function_call(tool, {"x": 7},
                                                                 call_id="c1")]])
     paused = await run.run("charge me 7", hooks=Hooks(effect), run_config=CONFIG)
     assert paused.step is Step.INTERRUPTION
@@ -133,9 +215,52 @@ async def crash(folder: Path, fresh: bool) -> None:
     raise AssertionError("the tool should have killed this process")
 
 
-async def resume(folder: Path, name: str, *, barrier: bool) -> dict[str, Any]:
+async def crash_after_tool(folder: Path) -> None:
+    effect = Effects(folder, "crash")
+    run = await _open(folder, effect, responses=[])
+    await run.run(state=_state(folder), hooks=Hooks(effect, kill_in=("tool_end",)),
+                  run_config=CONFIG)
+    raise AssertionError("the end hook should have killed this process")
+
+
+async def final(folder: Path, where: str, *, sdk: bool) -> None:
+    effect = Effects(folder, "crash")
+    the_agent = final_agent(effect, kill_in=(where,))
+    hooks = Hooks(effect, kill_in=(where,))
+    session = SQLiteSession(SESSION_ID, folder / "session.db")
+    if sdk:
+        await Runner.run(the_agent, "what is the answer?", session=session, hooks=hooks,
+                         run_config=CONFIG)
+    else:
+        run = await _open(folder, effect, responses=[], the_agent=the_agent, session=session)
+        await run.run("what is the answer?", hooks=hooks, run_config=CONFIG)
+    raise AssertionError(f"the {where} should have killed this process")
+
+
+async def resume_sdk(folder: Path, name: str) -> dict[str, Any]:
     effect = Effects(folder, name)
-    run = await _open(folder, effect, responses=[[assistant_message("done")]])
+    session = SQLiteSession(SESSION_ID, folder / "session.db")
+    result = await Runner.run(final_agent(effect), [], session=session, hooks=Hooks(effect),
+                              run_config=CONFIG)
+    return {"name": name, "outcome": "completed", "final_output": result.final_output}
+
+
+async def crash_write(folder: Path) -> None:
+    effect = Effects(folder, "crash")
+    session = KillingSession(SESSION_ID, folder / "session.db", kill_on=2)
+    run = await _open(folder, effect, session=session,
+                      responses=[[function_call("pay", {"x": 7}, call_id="p1")]])
+    await run.run("pay 7", hooks=Hooks(effect), run_config=CONFIG)
+    raise AssertionError("the Session write should have killed this process")
+
+
+async def resume(folder: Path, name: str, *, barrier: bool,
+                 take_over: bool = False) -> dict[str, Any]:
+    effect = Effects(folder, name)
+    final_run = (folder / "final").exists()
+    run = await _open(folder, effect, responses=[[assistant_message("done")]],
+                      the_agent=final_agent(effect) if final_run else None,
+                      take_over=take_over)
     if barrier:
         (folder / f"ready-{name}").write_text("")
         deadline = time.monotonic() + 30
@@ -147,7 +272,7 @@ async def resume(folder: Path, name: str, *, barrier: bool) -> dict[str, Any]:
         result = await run.run(state=_state(folder), hooks=Hooks(effect), run_config=CONFIG)
     except Exception as error:
         return {"name": name, "outcome": "error", "error": type(error).__name__,
-                "step": run.controller.step.value}
+                "message": str(error), "step": run.controller.step.value}
     return {"name": name, "outcome": result.step.value, "error": None,
             "step": result.step.value, "final_output": result.final_output}
 
@@ -250,12 +375,24 @@ def main(argv: list[str]) -> None:
     name = argv[2] if len(argv) > 2 else command
     if command == "pause":
         asyncio.run(pause(folder))
+    elif command == "pause-receipt":
+        asyncio.run(pause(folder, "receipt"))
     elif command in ("crash", "crash-fresh"):
         asyncio.run(crash(folder, fresh=command == "crash-fresh"))
+    elif command == "crash-after-tool":
+        asyncio.run(crash_after_tool(folder))
+    elif command in ("final", "final-sdk"):
+        (folder / "final").write_text("")
+        asyncio.run(final(folder, argv[2], sdk=command == "final-sdk"))
+    elif command == "resume-sdk":
+        print(json.dumps(asyncio.run(resume_sdk(folder, name))))
+    elif command == "crash-write":
+        asyncio.run(crash_write(folder))
     elif command == "overhead":
         print(json.dumps(asyncio.run(overhead(folder))))
     elif command in ("resume", "race"):
-        print(json.dumps(asyncio.run(resume(folder, name, barrier=command == "race"))))
+        print(json.dumps(asyncio.run(resume(folder, name, barrier=command == "race",
+                                            take_over=argv[3:] == ["take-over"]))))
     else:
         raise SystemExit(f"unknown command {command!r}")
 
