@@ -617,6 +617,8 @@ class LedgerRun:
             await one_writer(c, self._history)
         await self._settle()
         messages = await self._messages(message_history)
+        if c.step in (Step.TOOLS, Step.INTERRUPTION):
+            messages = await self._write_proposals(messages)
         if c.step is Step.COMPLETED:  # the settled batch published the final output
             return self._result(None, messages, None)
         if c.step is Step.INTERRUPTION and c.pending_approvals:
@@ -705,6 +707,25 @@ class LedgerRun:
             self.controller.claim(self.owner)
             await self._flush()
         self._existing = True
+
+    async def _write_proposals(self, messages: list[ModelMessage]) -> list[ModelMessage]:
+        """``messages`` with the calls the ledger holds and they lack: the model's response
+        proposing them was recorded and the process stopped before it was written (a
+        store appending per event). Written now, rebuilt from the ledger (its tool calls,
+        in order; any text beside them is lost), before anything acts on them."""
+        c = self.controller
+        known = {part.tool_call_id for message in messages
+                 if isinstance(message, ModelResponse) for part in message.parts
+                 if isinstance(part, ToolCallPart)}
+        missing = [view.call for view in c.calls if view.call.call_id not in known]
+        if not missing:
+            return messages
+        response = ModelResponse(parts=[ToolCallPart(call.name, call.arguments,
+                                                     tool_call_id=call.call_id)
+                                        for call in missing])
+        self._published = len(messages)
+        await self._publish([response])
+        return [*messages, response]
 
     async def _finish_from_ledger(self, messages: list[ModelMessage]) -> LedgerRunResult:
         c = self.controller

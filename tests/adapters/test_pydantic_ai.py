@@ -647,6 +647,58 @@ def test_a_failed_write_after_mixed_calls_is_recovered_by_the_next_attempt(
     run_async(go())
 
 
+class LosesTheReadAfterAWrite(MemorySession):
+    """A history whose first read after its first write fails: the read a write stages
+    from, so the process stops with the model's response recorded and not written."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(session_id)
+        self.writes = 0
+        self.failed = False
+
+    async def add_items(self, items: list[Any]) -> None:
+        self.writes += 1
+        await super().add_items(items)
+
+    async def get_items(self, limit: int | None = None) -> list[Any]:
+        if self.writes == 1 and not self.failed:
+            self.failed = True
+            raise ConnectionError("lost the connection")
+        return await super().get_items(limit)
+
+
+def test_a_response_recorded_and_not_written_is_written_from_the_ledger() -> None:
+    """With a store that appends each event, the process can stop between the model's
+    response (recorded) and its write: the next attempt writes the response's calls from
+    the ledger before anything acts on them, and the run goes on without asking the
+    model again."""
+
+    async def go() -> None:
+        ran: Counter[str] = Counter()
+        asked: list[list[ModelMessage]] = []
+        store = MemoryEventStore()
+        history = LosesTheReadAfterAWrite("h")
+        run = await LedgerRun.open(approval_agent(ran, asked=asked), run_id="lost",
+                                   history=history, store=store)
+        with pytest.raises(ConnectionError):
+            await run.run("charge me 7")
+        assert kinds(await history.get_items()) == PAUSE[:1]  # the prompt only
+        assert ran == Counter()
+        run = await LedgerRun.open(approval_agent(ran, asked=asked), run_id="lost",
+                                   history=history, store=store)
+        paused = await run.run()
+        assert paused.step is Step.INTERRUPTION
+        assert kinds(await history.get_items()) == PAUSE
+        await run.approve("c1")
+        done = await run.run()
+        assert done.step is Step.COMPLETED
+        assert ran == Counter({"lookup 1": 1, "charge 7": 1})
+        assert len(asked) == 2  # the calls, then the answer: never asked again
+        assert kinds(await history.get_items()) == FINISHED
+
+    run_async(go())
+
+
 def test_kill_9_during_or_after_a_write_pydantic_ai_alone_charges_again(
         tmp_path: Path) -> None:
     assert _driver("alone-mixed-pause", str(tmp_path)).returncode == 0
