@@ -86,7 +86,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -125,7 +124,7 @@ from pydantic_ai.messages import (
 )
 from pydantic_ai.run import AgentRunResult
 
-from statemachine.adapters._calls import begin_call
+from statemachine.adapters._calls import Walk, begin_call, lossless, plain
 from statemachine.controller import RunController
 from statemachine.errors import (
     ControlError,
@@ -136,6 +135,7 @@ from statemachine.errors import (
     SchemaError,
 )
 from statemachine.payloads import DEFAULT_MAX_BYTES, JSON, json_size
+from statemachine.runner.attempt import Attempt, interrupted
 from statemachine.runner.publish import one_writer, publish, settle
 from statemachine.sessions import MemorySession, Session
 from statemachine.stores import AsyncEventStore, EventStore
@@ -200,33 +200,24 @@ class UnsupportedCapability(ControlError, ValueError):
 # ------------------------------------------------------------------ plain JSON forms
 
 
-def _plain(value: Any) -> JSON:
-    """``value`` as plain JSON, as pydantic-ai serializes what it sends (bytes as
-    base64); what has no JSON form becomes its ``str``."""
-    return _finite(tool_return_ta.dump_python(value, mode="json", by_alias=True,
-                                              fallback=str))
+def _finite(value: Any, walk: Walk | None) -> JSON:
+    """The `plain` fallback for pydantic's JSON form (whose values are plain but for
+    these): a non-finite float (JSON has none) and a value nested too deep to walk as
+    their text; an int too long to print as it is, for the controller to refuse."""
+    return value if walk is not None and type(value) is int else str(value)
 
 
-def _finite(value: Any, depth: int = 0) -> JSON:
-    if depth > 100:
-        return str(value)
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, list):
-        return [_finite(item, depth + 1) for item in value]
-    if isinstance(value, dict):
-        return {str(key): _finite(item, depth + 1) for key, item in value.items()}
-    return value
-
-
-def _is_plain(value: Any) -> bool:
-    return type(value) in (str, int, float, bool, type(None), list, dict) and _plain(
-        value) == value
+def _sent(value: Any) -> JSON:
+    """``value`` as plain JSON, as pydantic-ai serializes what it sends the model
+    (``tool_return_ta``: bytes as base64; what it cannot serialize as its text), then
+    `_finite`."""
+    return plain(tool_return_ta.dump_python(value, mode="json", by_alias=True, fallback=str),
+                 fallback=_finite)
 
 
 def _messages_json(messages: Sequence[ModelMessage]) -> list[JSON]:
     dumped = ModelMessagesTypeAdapter.dump_python(list(messages), mode="json")
-    return [_finite(item) for item in dumped]
+    return [plain(item, fallback=_finite) for item in dumped]
 
 
 def _messages(items: Sequence[JSON]) -> list[ModelMessage]:
@@ -234,7 +225,7 @@ def _messages(items: Sequence[JSON]) -> list[ModelMessage]:
 
 
 def _arguments(call: ToolCallPart) -> JSON:
-    return _plain(call.args_as_dict())
+    return _sent(call.args_as_dict())
 
 
 # ------------------------------------------------------------- a tool's recorded result
@@ -254,13 +245,14 @@ def _result_form(value: Any) -> JSON:
     read back as an answer or a `ToolReturn` is recorded inside a `ToolReturn`, so it
     reads back as itself. Raises what pydantic-ai's serializer raises."""
     if isinstance(value, ToolReturn):
-        return _finite(tool_return_ta.dump_python(value, mode="json", by_alias=True))
-    request = ModelRequest(parts=[ToolReturnPart("", value, tool_call_id="")])
-    form = ModelMessagesTypeAdapter.dump_python([request], mode="json")[0]["parts"][0][
-        "content"]
-    if isinstance(form, dict) and form.get("kind") in (_FAILED, _RETRY, _RETURN):
-        return _result_form(ToolReturn(return_value=value))
-    return _finite(form)
+        form = tool_return_ta.dump_python(value, mode="json", by_alias=True)
+    else:
+        request = ModelRequest(parts=[ToolReturnPart("", value, tool_call_id="")])
+        form = ModelMessagesTypeAdapter.dump_python([request], mode="json")[0]["parts"][0][
+            "content"]
+        if isinstance(form, dict) and form.get("kind") in (_FAILED, _RETRY, _RETURN):
+            return _result_form(ToolReturn(return_value=value))
+    return plain(form, fallback=_finite)
 
 
 def _answer(kind: str, message: str) -> JSON:
@@ -432,7 +424,6 @@ class LedgerRun:
                  max_result_bytes: int | None = None) -> None:
         self.agent = agent
         self.controller = controller
-        self.owner = owner
         self.take_over = take_over
         """True only when no earlier write of this run can still land (its writer is
         gone): an unsettled write is then written again if nothing of it landed."""
@@ -444,12 +435,12 @@ class LedgerRun:
         for): a bigger one is recorded as a failure the model is told of."""
         self._history: Session = history if history is not None else _PrivateHistory()
         self._idempotent = frozenset(idempotent)
-        self._existing = existing
         self._published = 0
         """How many of the messages pydantic-ai holds in this attempt are written."""
         self._driving = False
         """True while `run` drives pydantic-ai: the capability refuses any other run."""
         self._flush_lock = asyncio.Lock()
+        self._attempt = Attempt(controller, resumes=existing, owner=owner, flush=self._flush)
         self.capability = LedgerCapability(self)
 
     @classmethod
@@ -496,6 +487,11 @@ class LedgerRun:
                    take_over=take_over, idempotent=idempotent, max_bytes=max_bytes,
                    max_result_bytes=max_result_bytes)
 
+    @property
+    def owner(self) -> str | None:
+        """Who claims the run: recorded by every claim (``RunClaimed(owner)``)."""
+        return self._attempt.owner
+
     # ---------------------------------------------------------------- decisions
 
     async def approve(self, call_id: str) -> None:
@@ -516,10 +512,8 @@ class LedgerRun:
         call that started and never reported (established outside the run: did the
         charge go through?). The next attempt answers the call with it; the tool never
         runs again. Claims the run first; `InvalidTransition` for a call not in doubt."""
-        c = self.controller
-        await self._claim()
-        c.resolve_in_doubt(call_id, _result_form(output))
-        await self._flush()
+        async with self._attempt:
+            self.controller.resolve_in_doubt(call_id, _result_form(output))
 
     def _record_decisions(self, results: DeferredToolResults) -> None:
         """Record ``deferred_tool_results``' approvals as the ledger's decisions, all or
@@ -603,8 +597,17 @@ class LedgerRun:
             # a request retried after it completed: its recorded answer, nothing re-run
             return self._result(None, await self._messages(message_history), None,
                                 recorded=True)
-        new_run = not self._existing
-        await self._claim()
+        async with self._attempt as resumes:
+            return await self._run_attempt(user_prompt, message_history,
+                                           deferred_tool_results, new_run=not resumes,
+                                           options=options)
+
+    async def _run_attempt(self, user_prompt: str | None,
+                           message_history: Sequence[ModelMessage] | None,
+                           deferred_tool_results: DeferredToolResults | None, *,
+                           new_run: bool, options: dict[str, Any]) -> LedgerRunResult:
+        """The work of `run`'s attempt, once the run is claimed."""
+        c = self.controller
         c.resume()  # the gate: RunNotResumable or ToolInDoubt before any work
         if user_prompt is not None and c.step is Step.UNSETTLED:
             raise PublicationUnsettled(
@@ -658,10 +661,6 @@ class LedgerRun:
             result = await self.agent.run(user_prompt, message_history=sent,
                                           deferred_tool_results=deferred,
                                           capabilities=capabilities, **options)
-        except BaseException:
-            with contextlib.suppress(ControlError):  # the run's own error wins
-                await self._flush()
-            raise
         finally:
             self._driving = False
         return await self._epilogue(result)
@@ -671,11 +670,9 @@ class LedgerRun:
         pydantic-ai. `ReconcileRejected` when the history cannot be matched (nothing
         recorded; repair it and call again). ``take_over`` (default: the run's) as for
         `open`."""
-        c = self.controller
-        await self._claim()
-        c.resume()
-        await self._settle(self.take_over if take_over is None else take_over)
-        await self._flush()
+        async with self._attempt:
+            self.controller.resume()
+            await self._settle(take_over)
 
     async def _settle(self, take_over: bool | None = None) -> None:
         c = self.controller
@@ -700,14 +697,6 @@ class LedgerRun:
             return _messages(await self._history.get_items())
         return list(given or ())
 
-    async def _claim(self) -> None:
-        if self._existing:
-            # the first command of every attempt on an existing run, before any effect:
-            # of attempts that loaded the same version exactly one goes on (§6.3)
-            self.controller.claim(self.owner)
-            await self._flush()
-        self._existing = True
-
     async def _write_proposals(self, messages: list[ModelMessage]) -> list[ModelMessage]:
         """``messages`` with the calls the ledger holds and they lack: the model's response
         proposing them was recorded and the process stopped before it was written (a
@@ -717,8 +706,12 @@ class LedgerRun:
         known = {part.tool_call_id for message in messages
                  if isinstance(message, ModelResponse) for part in message.parts
                  if isinstance(part, ToolCallPart)}
-        missing = [view.call for view in c.calls if view.call.call_id not in known]
-        if not missing:
+        # the turn's calls are the unpublished ones; the messages must lead up to them
+        # (every earlier call there) and hold none of them
+        missing = [view.call for view in c.calls if view.phase is not Phase.PUBLISHED]
+        earlier = [view.call.call_id for view in c.calls if view.phase is Phase.PUBLISHED]
+        if (not messages or not missing or any(call.call_id in known for call in missing)
+                or not known.issuperset(earlier)):
             return messages
         response = ModelResponse(parts=[ToolCallPart(call.name, call.arguments,
                                                      tool_call_id=call.call_id)
@@ -759,7 +752,8 @@ class LedgerRun:
                     "the run paused for external tool calls, which are not supported",
                     run_id=c.run_id, step=c.step, action="run")
         elif c.step in (Step.FINALIZING, Step.TOOLS):
-            c.accept_final_output(_plain(output), lossless=_is_plain(output))
+            sent = _sent(output)
+            c.accept_final_output(sent, lossless=lossless(output, sent))
         await self._publish(messages[self._published:])
         if c.step is Step.FINAL_OUTPUT and c.session_id is None:
             c.complete()
@@ -825,7 +819,7 @@ class LedgerRun:
                         c.resume()
                     if c.step is Step.TOOLS:
                         c.begin_tool(call_id)
-                        c.tool_completed(call_id, _plain(getattr(part, "content", None)))
+                        c.tool_completed(call_id, _sent(getattr(part, "content", None)))
 
     async def _before_model_call(self, messages: list[ModelMessage]) -> None:
         c = self.controller
@@ -928,7 +922,7 @@ class LedgerRun:
         except ToolFailedError as failed:  # the tool's answer: a failure the model sees
             form, raised = _answer(_FAILED, str(failed)), failed
         except (CallDeferred, ApprovalRequired):  # deferred itself: ended without a result
-            c.tool_interrupted(call_id)
+            interrupted(c, call_id)
             raise
         except Exception as error:
             # the body ended with an error: recorded as a failure the model is told of on
@@ -936,8 +930,7 @@ class LedgerRun:
             form = _answer(_FAILED, _bounded(f"{type(error).__name__}: {error}"))
             raised = error
         except BaseException:  # cancelled or interrupted: the call stays started
-            if call_id in c.in_flight:
-                c.tool_interrupted(call_id)
+            interrupted(c, call_id)
             raise
         else:
             try:
@@ -969,9 +962,7 @@ class LedgerRun:
         except SchemaError:
             raise
         except BaseException:
-            if call_id in c.in_flight:
-                with contextlib.suppress(ControlError):
-                    c.tool_interrupted(call_id)
+            interrupted(c, call_id)
             raise
 
 

@@ -1,5 +1,5 @@
 """The pydantic-ai adapter killed with SIGKILL between its records and their flush
-(tests/test_adapter_pydantic_ai_durability.py): `tests.durability_driver`'s boundaries,
+(tests/adapters/test_pydantic_ai_durability.py): `tests.drivers.durability_driver`'s boundaries,
 through `LedgerRun` instead of the reference runner.
 
 The run ``pa-durable`` goes through `LedgerRun` on a SQLite store, in one of three modes:
@@ -17,7 +17,7 @@ DIR/violations.txt unless it holds the record that allows the effect
 (`durability_driver.Checker`); each effect then appends an fsynced line to
 DIR/effects.txt (``model``, ``tool pay``, ``tool lookup``). The process counts its durable
 boundaries (``record``, ``flush-before`` / ``flush-after``, ``effect``,
-``session-before`` / ``session-after``, ``acked``: see `tests.durability_driver`) and
+``session-before`` / ``session-after``, ``acked``: see `tests.drivers.durability_driver`) and
 SIGKILLs itself at the chosen one. Every restart opens the run with ``take_over=True``:
 the process before it is dead, so no write of it can still land.
 """
@@ -36,8 +36,8 @@ from statemachine import ConcurrencyConflict, RunController, Step, ToolInDoubt
 from statemachine.adapters.pydantic_ai import LedgerRun
 from statemachine.events import Event
 from statemachine.stores import SQLiteEventStore
-from tests.crash_driver import Effects, Ticks, append_line
-from tests.durability_driver import (
+from tests.drivers.crash_driver import Effects, Ticks, append_line
+from tests.drivers.durability_driver import (
     ACKS,
     Checker,
     SkipsFlushBeforeTools,

@@ -1,6 +1,6 @@
 """The pydantic-ai adapter at its effect boundaries (DESIGN §6.7, §7.4), as
-tests/test_durability.py checks the reference runner: `LedgerRun` over a SQLite store per
-event, buffered, and async (`tests.pydantic_ai_durability_driver`).
+tests/storage/test_durability.py checks the reference runner: `LedgerRun` over a SQLite store per
+event, buffered, and async (`tests.drivers.pydantic_ai_durability_driver`).
 
 1. Before each effect (the model call, a tool body, a history write) the effect reads the
    durable log through a separate connection and finds the record that allows it: the
@@ -16,7 +16,7 @@ event, buffered, and async (`tests.pydantic_ai_durability_driver`).
    the restarted run pay again.
 
 Under CI a missing ``pydantic_ai`` package fails this module instead of skipping it.
-``CRASH_DIR`` as for tests/test_crash_hooks.py.
+``CRASH_DIR`` as for tests/runner/test_crash_hooks.py.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from statemachine.machine import replay
 from statemachine.sessions import SQLiteSession
 from statemachine.testing import check_log
 from statemachine.values import Phase
-from tests import durability_driver as seen
-from tests import pydantic_ai_durability_driver as driver
+from tests.drivers import durability_driver as seen
+from tests.drivers import pydantic_ai_durability_driver as driver
 
 MAX_KILLS = 4
 SEED = int(os.environ.get("DURABILITY_SEED", "0"))
