@@ -47,7 +47,7 @@ from pydantic_ai import (
     ToolFailed,
     ToolReturn,
 )
-from pydantic_ai.capabilities import AbstractCapability
+from pydantic_ai.capabilities import AbstractCapability, ProcessHistory
 from pydantic_ai.conversation_store import InMemoryConversationStore
 from pydantic_ai.messages import (
     ModelMessage,
@@ -76,6 +76,7 @@ from statemachine.adapters.pydantic_ai import (
     HistoryMismatch,
     HistoryRequired,
     LedgerRun,
+    UnsupportedCapability,
     UnsupportedDeferral,
     UnsupportedRun,
 )
@@ -603,6 +604,7 @@ def _store(folder: Path) -> Any:
 # ------------------------- a failed write after approved and approval-free calls
 
 
+@pytest.mark.invariant("I1", "I3", "I6")
 @pytest.mark.parametrize("outcome", ["atomic", "commit_then_raise", "partial", "cancel"])
 @pytest.mark.parametrize("write", [4, 5], ids=["charge-result", "final-answer"])
 def test_a_failed_write_after_mixed_calls_is_recovered_by_the_next_attempt(
@@ -667,6 +669,7 @@ class LosesTheReadAfterAWrite(MemorySession):
         return await super().get_items(limit)
 
 
+@pytest.mark.invariant("I1")
 def test_a_response_recorded_and_not_written_is_written_from_the_ledger() -> None:
     """With a store that appends each event, the process can stop between the model's
     response (recorded) and its write: the next attempt writes the response's calls from
@@ -711,6 +714,7 @@ def test_kill_9_during_or_after_a_write_pydantic_ai_alone_charges_again(
         "again model": 1})
 
 
+@pytest.mark.invariant("I1", "I3", "I7")
 @pytest.mark.parametrize("when", ["during", "after"])
 def test_kill_9_during_or_after_a_write_after_mixed_calls(tmp_path: Path, when: str) -> None:
     """The process dies inside the write of charge's result to the SQLite history: before
@@ -786,6 +790,7 @@ def _seen(messages: list[ModelMessage], call_id: str) -> list[Any]:
     return seen
 
 
+@pytest.mark.invariant("I12")
 @pytest.mark.parametrize("kind", list(RESULTS))
 def test_a_result_that_is_not_json_is_resent_exactly_as_pydantic_ai_sent_it(kind: str) -> None:
     """receipt returns something that is not a JSON value; charge, in the same response,
@@ -925,6 +930,34 @@ async def _iterate(driven: Any) -> None:
     async with driven as nodes:
         async for _ in nodes:
             pass
+
+
+def test_a_history_processor_is_refused_when_the_run_is_opened_or_given_one() -> None:
+    """A history processor (``ProcessHistory``) rewrites the messages pydantic-ai holds,
+    those already written included: refused before anything is recorded."""
+
+    def keep_last(messages: list[ModelMessage]) -> list[ModelMessage]:
+        return messages[-1:]
+
+    async def go() -> None:
+        ran: Counter[str] = Counter()
+        store = MemoryEventStore()
+        agent = billing(scripted([[call("lookup", "c2", i=1)]]), ran)
+        agent_with: Agent[None, Any] = Agent(scripted([]),
+                                             capabilities=[ProcessHistory(keep_last)])
+        with pytest.raises(UnsupportedCapability, match="ProcessHistory"):
+            await LedgerRun.open(agent_with, run_id="hp", history=MemorySession("h"),
+                                 store=store)
+        assert store.list_runs() == ()
+        run = await LedgerRun.open(agent, run_id="hp", history=MemorySession("h"),
+                                   store=store)
+        events = run.controller.events
+        with pytest.raises(UnsupportedCapability):
+            await run.run("look", capabilities=[ProcessHistory(keep_last)])
+        assert (ran, run.controller.events) == (Counter(), events)
+        assert (await run.run("look")).step is Step.COMPLETED
+
+    run_async(go())
 
 
 # ---------------------------------------------------- a history that is not the run's
@@ -1108,6 +1141,7 @@ def test_a_redacting_tool_output_hook_the_ledger_keeps_only_what_the_model_saw(
 # ------------------------------------------------------------ a completed run, again
 
 
+@pytest.mark.invariant("I1")
 def test_running_a_completed_run_again_returns_its_recorded_result() -> None:
     """A request retried after it completed (the caller did not see the answer): pydantic-
     ai alone runs it again; the ledger answers with the recorded result, calling neither
