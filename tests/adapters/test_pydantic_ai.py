@@ -1010,15 +1010,16 @@ def _export_agent(ran: Counter[str], asked: list[list[ModelMessage]],
 
 def test_a_result_over_the_runs_limit_is_recorded_as_failed_and_the_model_is_told(
         tmp_path: Path) -> None:
-    """A result the run's log has no room for (under ``max_bytes``) is not recorded: the
-    call is recorded as failed, the model is told why, and the run goes on; nothing is
-    left in doubt. pydantic-ai alone sends the result."""
-    turns = [[call("export", "c1", n=500_000)]]
+    """A result the run's log has no room for under ``max_bytes`` (it is recorded, then
+    written with the messages: it must fit twice) is not recorded: the call is recorded as
+    failed, the model is told why, and the run goes on; nothing is left in doubt.
+    pydantic-ai alone sends the result."""
+    turns = [[call("export", "c1", n=250_000)]]
 
     async def go() -> None:
         asked_alone: list[list[ModelMessage]] = []
         alone = await _export_agent(Counter(), asked_alone, turns).run("export")
-        assert "card-4111-500000" in alone.output
+        assert "card-4111-250000" in alone.output
 
         ran: Counter[str] = Counter()
         asked: list[list[ModelMessage]] = []
@@ -1028,7 +1029,7 @@ def test_a_result_over_the_runs_limit_is_recorded_as_failed_and_the_model_is_tol
                                    store=store, max_bytes=MAX_BYTES)
         done = await run.run("export")
         assert done.step is Step.COMPLETED
-        assert ran == Counter({"export 500000": 1})
+        assert ran == Counter({"export 250000": 1})
         (told,) = [part for part in asked[-1][-1].parts if part.part_kind == "tool-return"]
         assert told.outcome == "failed"
         assert "not recorded or sent" in told.model_response_str()
