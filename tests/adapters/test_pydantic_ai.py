@@ -604,7 +604,6 @@ def _store(folder: Path) -> Any:
 # ------------------------- a failed write after approved and approval-free calls
 
 
-@pytest.mark.invariant("I1", "I3", "I6")
 @pytest.mark.parametrize("outcome", ["atomic", "commit_then_raise", "partial", "cancel"])
 @pytest.mark.parametrize("write", [4, 5], ids=["charge-result", "final-answer"])
 def test_a_failed_write_after_mixed_calls_is_recovered_by_the_next_attempt(
@@ -669,7 +668,6 @@ class LosesTheReadAfterAWrite(MemorySession):
         return await super().get_items(limit)
 
 
-@pytest.mark.invariant("I1")
 def test_a_response_recorded_and_not_written_is_written_from_the_ledger() -> None:
     """With a store that appends each event, the process can stop between the model's
     response (recorded) and its write: the next attempt writes the response's calls from
@@ -714,7 +712,6 @@ def test_kill_9_during_or_after_a_write_pydantic_ai_alone_charges_again(
         "again model": 1})
 
 
-@pytest.mark.invariant("I1", "I3", "I7")
 @pytest.mark.parametrize("when", ["during", "after"])
 def test_kill_9_during_or_after_a_write_after_mixed_calls(tmp_path: Path, when: str) -> None:
     """The process dies inside the write of charge's result to the SQLite history: before
@@ -790,7 +787,6 @@ def _seen(messages: list[ModelMessage], call_id: str) -> list[Any]:
     return seen
 
 
-@pytest.mark.invariant("I12")
 @pytest.mark.parametrize("kind", list(RESULTS))
 def test_a_result_that_is_not_json_is_resent_exactly_as_pydantic_ai_sent_it(kind: str) -> None:
     """receipt returns something that is not a JSON value; charge, in the same response,
@@ -1142,7 +1138,6 @@ def test_a_redacting_tool_output_hook_the_ledger_keeps_only_what_the_model_saw(
 # ------------------------------------------------------------ a completed run, again
 
 
-@pytest.mark.invariant("I1")
 def test_running_a_completed_run_again_returns_its_recorded_result() -> None:
     """A request retried after it completed (the caller did not see the answer): pydantic-
     ai alone runs it again; the ledger answers with the recorded result, calling neither
