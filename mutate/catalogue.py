@@ -703,7 +703,7 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("PD15", "        await self._flush()  # an effect boundary: the start is durable before "
                "the body\n", "",
        "a tool body runs before its start is durable"),
-    _m("PD16", "await settle(c, self._history, take_over=take_over)",
+    _m("PD16", "await settle(c, self._history, take_over=self.take_over)",
        "await settle(c, self._history, take_over=False)",
        "take_over=True is not passed on to the reconcile"),
 )

@@ -86,7 +86,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -618,7 +618,10 @@ class LedgerRun:
         await self._flush()  # decisions are durable before anything acts on them
         if new_run:
             await one_writer(c, self._history)
-        await self._settle()
+        with _naming_take_over(self.take_over):
+            while c.step is Step.UNSETTLED:
+                await settle(c, self._history, take_over=self.take_over)
+        await self._flush()
         messages = await self._messages(message_history)
         if c.step in (Step.TOOLS, Step.INTERRUPTION):
             messages = await self._write_proposals(messages)
@@ -670,26 +673,9 @@ class LedgerRun:
         pydantic-ai. `ReconcileRejected` when the history cannot be matched (nothing
         recorded; repair it and call again). ``take_over`` (default: the run's) as for
         `open`."""
-        async with self._attempt:
-            self.controller.resume()
-            await self._settle(take_over)
-
-    async def _settle(self, take_over: bool | None = None) -> None:
-        c = self.controller
         take_over = self.take_over if take_over is None else take_over
-        while c.step is Step.UNSETTLED:
-            try:
-                await settle(c, self._history, take_over=take_over)
-            except ReconcileRejected as refused:
-                if take_over or "may still be writing" not in refused.reason:
-                    raise
-                raise ReconcileRejected(
-                    f"{refused.reason}. Once the process that was writing is gone (it was "
-                    "killed, or its request has ended), open the run with "
-                    "LedgerRun.open(..., take_over=True), or call "
-                    "settle(take_over=True)", run_id=refused.run_id, step=refused.step,
-                    action=refused.action) from refused
-        await self._flush()
+        with _naming_take_over(take_over):
+            await self._attempt.settle(self._history, take_over=take_over)
 
     async def _messages(self, given: Sequence[ModelMessage] | None) -> list[ModelMessage]:
         """The run's messages: read from its history, else the ones the caller gave."""
@@ -981,6 +967,22 @@ def _unanswered(messages: Sequence[ModelMessage]) -> list[str]:
             else:
                 answered.add(call_id)
     return unanswered
+
+
+@contextlib.contextmanager
+def _naming_take_over(take_over: bool) -> Iterator[None]:
+    """A refusal to reconcile because an attempt may still be writing says how a
+    pydantic-ai user passes ``take_over=True``."""
+    try:
+        yield
+    except ReconcileRejected as refused:
+        if take_over or "may still be writing" not in refused.reason:
+            raise
+        raise ReconcileRejected(
+            f"{refused.reason}. Once the process that was writing is gone (it was killed, "
+            "or its request has ended), open the run with LedgerRun.open(..., "
+            "take_over=True), or call settle(take_over=True)", run_id=refused.run_id,
+            step=refused.step, action=refused.action) from refused
 
 
 def _same_history(c: RunController, history: Session | None) -> None:
