@@ -6,7 +6,8 @@ charge goes through and the process is killed (SIGKILL) before the tool returns.
 process opens the run from the SQLite store: the charge is in doubt, so the run refuses
 to go on (pydantic-ai alone would run the tool again and charge twice). The operator
 checks the payment system, records what happened (``resolve_in_doubt``), and the run
-finishes with the recorded outcome; the tool never runs again.
+finishes with the recorded outcome; the tool never runs again. A retry of the same
+request afterwards gets the recorded answer (``recorded=True``): no model call, no tool.
 
 Run it: ``python examples/pydantic_ai_adapter.py`` (needs
 ``pip install 'agent-statemachine[pydantic-ai]'``; it starts both processes itself, in a
@@ -89,7 +90,9 @@ async def second_process(folder: Path) -> None:
     stored = await SQLiteSession("conversation-1", folder / "history.db").get_items()
     print(f"second process: {result.step.value}: {result.output!r}; charged "
           f"{len(charges)} time(s); {len(stored)} message(s) in the history")
-    assert charges == ["7"]
+    retried = await (await open_run(folder)).run("charge me 7")  # the caller retries
+    print(f"a retry of the request: {retried.output!r} (recorded: {retried.recorded})")
+    assert charges == (folder / "charges.txt").read_text().split() == ["7"]
 
 
 def main() -> None:

@@ -43,6 +43,7 @@ _FILES = {
     "AG": "statemachine/runner/agents.py",
     "OA": "statemachine/adapters/openai_agents.py",
     "AC": "statemachine/adapters/_calls.py",
+    "PD": "statemachine/adapters/pydantic_ai.py",
 }
 
 
@@ -138,6 +139,10 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     "statemachine/runner/agents.py": _RUNNER,
     "statemachine/adapters/openai_agents.py": _OPENAI_AGENTS,
     "statemachine/adapters/_calls.py": ("tests/adapters/test_calls.py", *_OPENAI_AGENTS),
+    "statemachine/adapters/pydantic_ai.py": (
+        "tests/adapters/test_pydantic_ai_durability.py::"
+        "test_each_effect_finds_the_durable_record_that_allows_it",
+        "tests/adapters/test_pydantic_ai.py"),
 }
 
 CATALOGUE: tuple[Mutant, ...] = (
@@ -777,4 +782,50 @@ CATALOGUE: tuple[Mutant, ...] = (
        "a call started without a recorded decision is refused unnamed, by the step's guard"),
     _m("AC06", "    return output if kept else recorded\n", "    return output\n",
        "the model is sent a result the ledger did not keep"),
+    # ---------------------------------------------------------- adapters/pydantic_ai
+    _m("PD01", "sent = repair_messages(messages, repair_last_response=False)",
+       "sent = list(messages)",
+       "the history handed to pydantic-ai unmerged: after a paused turn the written count "
+       "is one too high"),
+    _m("PD02", 'return CapabilityOrdering(position="outermost")',
+       'return CapabilityOrdering(position="innermost")',
+       "the ledger records a tool's result before an outer capability rewrites it"),
+    _m("PD03", "        if not self.run._driving:\n", "        if False:\n",
+       "run_stream / iter with the capability run tools no one publishes"),
+    _m("PD04", "            _same_history(controller, history)\n", "            pass\n",
+       "a run opened with another history"),
+    _m("PD05", "            return _rebuilt(cached)\n", "            return cached\n",
+       "a resent result is its JSON form, not what pydantic-ai sent"),
+    _m("PD06", "if kind in _ANSWERS and isinstance(message, str) and len(form) == 2:",
+       "if False:",
+       "a resent ModelRetry / ToolFailed becomes a plain result"),
+    _m("PD07", '            form = _answer(_FAILED, _bounded(f"{type(error).__name__}: {error}"))\n'
+               "            raised = error\n",
+       "            interrupted(c, call_id)\n            raise\n",
+       "a tool that raised is left in doubt instead of recorded as failed"),
+    _m("PD08", "        limit = self._room(FAILURE_ROOM * others) // 2\n",
+       "        limit = self._room(FAILURE_ROOM * others)\n",
+       "a result that fits once but not twice (recorded, then written) is recorded"),
+    _m("PD09", "            if runnable:\n                self._room_for(runnable)\n",
+       "            pass\n",
+       "a turn's calls start with no room left to record their failures"),
+    _m("PD10", "            messages = await self._write_proposals(messages)\n",
+       "            pass\n",
+       "a response recorded and not written is never written"),
+    _m("PD11", "if c.step is Step.COMPLETED and deferred_tool_results is None:",
+       "if False:",
+       "a completed run run again is refused instead of answering"),
+    _m("PD12", 'if take_over or "may still be writing" not in refused.reason:',
+       "if True:",
+       "the foreign-attempt refusal does not say to open with take_over=True"),
+    _m("PD13", "form.get(\"kind\") in (_FAILED, _RETRY, _RETURN):", "False:",
+       "a result that looks like a recorded answer is resent as that answer"),
+    _m("PD14", "        _refuse_rewriters(agent.root_capability, run_id)\n", "",
+       "an agent with a history processor is opened"),
+    _m("PD15", "        await self._flush()  # an effect boundary: the start is durable before "
+               "the body\n", "",
+       "a tool body runs before its start is durable"),
+    _m("PD16", "await settle(c, self._history, take_over=self.take_over)",
+       "await settle(c, self._history, take_over=False)",
+       "take_over=True is not passed on to the reconcile"),
 )

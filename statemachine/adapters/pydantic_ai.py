@@ -23,11 +23,12 @@ pydantic-ai hook               what the capability records
                                response with tool calls is published before any of them runs
 ``wrap_tool_execute``          ``begin_tool(call id)``: `Execute` → durable start, the body,
                                ``tool_completed`` (``tool_interrupted`` if it ends without a
-                               result); `Resend` → the cached result, the body never runs
+                               result); `Resend` → the recorded result, the body never runs
                                again; a started, unfinished call → `ToolInDoubt`, never re-run
 ``handle_deferred_tool_calls``  approval-gated calls (``requires_approval=True``) are answered
                                from the ledger's decisions; an undecided one pauses the run
                                (its output is `DeferredToolRequests`)
+``before_run``                 refuses a pydantic-ai run that `LedgerRun.run` did not start
 =============================  ================================================================
 
 The messages are the conversation. With a ``history`` (any Session of
@@ -35,7 +36,10 @@ The messages are the conversation. With a ``history`` (any Session of
 pydantic-ai `ConversationStore`) every message is written there exactly once, each write a
 staged publication reconciled after a failure, and each attempt reads the run's messages
 back from it. Without one the run keeps a private history for its own bookkeeping and the
-caller carries the messages (``message_history=``), as with pydantic-ai alone.
+caller carries the messages (``message_history=``), as with pydantic-ai alone. pydantic-ai
+merges the consecutive requests of a history it is given (a paused turn's results and the
+ones its resume adds are two): each attempt hands it the history in that merged form
+(``repair_messages``, its own first step), so what was written is counted in its terms.
 
 Before pydantic-ai is called, an attempt on an existing run records ``claim`` (of two
 processes that loaded the same version one goes on, the other gets `ConcurrencyConflict`
@@ -46,24 +50,43 @@ and new input are refused with `PublicationUnsettled` while a write is unsettled
 in-doubt call leaves doubt only through the operator: `LedgerRun.resolve_in_doubt` records
 the outcome the operator established, and the next attempt answers the call from it.
 
-What it does not cover (refused or documented, never silently unsafe): external tools
-(``DeferredToolResults.calls``, tools of kind ``external``) and approvals that change a
-call's arguments (``ToolApproved(override_args=...)``: an approval binds the recorded
-arguments) are refused; a tool body that defers itself (``CallDeferred`` or
-``ApprovalRequired`` raised inside it) or raises is treated as ended without a result, so
-its call is in doubt; ``ModelRetry`` / ``ToolFailed`` raised by a tool are its recorded
-answer (the model's next call has a new id); capabilities that rewrite the stored history
-(compaction, history processors) are not supported with a ``history``; runs go through
-``agent.run`` (the capability also guards ``run_stream`` / ``iter``, but only `LedgerRun`
-publishes the messages); pydantic-ai's own lifecycle hooks are capabilities and are not
-recorded.
+What a tool's result becomes: the ledger records what pydantic-ai writes to the history
+for it, in pydantic-ai's own JSON form (bytes as base64, a pydantic model as its JSON, a
+file or a ``ToolReturn`` as their JSON forms), after every other capability has rewritten
+it (the ledger's capability is the outermost: a redacting hook's output is what is kept,
+never the raw one); a resent result is rebuilt from that form, so the model is sent
+exactly what it was sent the first time. A tool's answers are recorded as its result:
+``ModelRetry`` and ``ToolFailed`` as themselves, and an ordinary exception raised by its
+body as a failure the model is told of (``ToolFailed`` with the exception's type and
+text) -- pydantic-ai raises that exception out of ``agent.run``, and the run's next
+attempt tells the model, never running the body again. Only a body that ends without an
+answer (cancelled, killed, or deferring itself with ``CallDeferred`` /
+``ApprovalRequired``) leaves its call in doubt. A result the run's log has no room for
+under ``max_bytes`` (or over ``max_result_bytes``, when set) is not recorded: the call is
+recorded as failed, and the model told why. Before a response's calls run, a run whose
+log has no room left for each of them to end in a recorded failure is refused
+(`SchemaError`), none of them started: no call is ever left in doubt by the log's limit.
+
+A completed run is not run again: every later attempt returns its recorded result
+(``recorded=True``), calling neither the model nor a tool.
+
+What it does not cover (refused, never silently unsafe): a pydantic-ai run that
+`LedgerRun` did not start (``agent.run_stream``, ``agent.iter``,
+``agent.run_stream_events``, or ``agent.run`` handed the capability) is refused when it
+starts (`UnsupportedRun`); history processors (``ProcessHistory``), which rewrite
+messages already written, are refused when the run is opened or given them
+(`UnsupportedCapability`); a history that is not the run's is refused when the run is
+opened (`HistoryMismatch`); external tools (``DeferredToolResults.calls``, tools of kind
+``external``) and approvals that change a call's arguments (``ToolApproved(override_args=
+...)``: an approval binds the recorded arguments) are refused (`UnsupportedDeferral`);
+pydantic-ai's own lifecycle hooks are capabilities and are not recorded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,18 +95,26 @@ import attrs
 from statemachine.adapters import missing_extra
 
 try:
-    import pydantic_core
+    import pydantic
     from pydantic_ai import (
         Agent,
         DeferredToolRequests,
         DeferredToolResults,
         ToolApproved,
         ToolDenied,
+        ToolReturn,
     )
-    from pydantic_ai.capabilities import AbstractCapability
+    from pydantic_ai.capabilities import AbstractCapability, CapabilityOrdering, ProcessHistory
     from pydantic_ai.conversation import Conversation
     from pydantic_ai.conversation_store import ConversationStore
-    from pydantic_ai.exceptions import ModelRetry, ToolFailedError, ToolRetryError
+    from pydantic_ai.exceptions import (
+        ApprovalRequired,
+        CallDeferred,
+        ModelRetry,
+        ToolFailed,
+        ToolFailedError,
+        ToolRetryError,
+    )
     from pydantic_ai.messages import (
         ModelMessage,
         ModelMessagesTypeAdapter,
@@ -91,16 +122,26 @@ try:
         ModelResponse,
         TextPart,
         ToolCallPart,
+        ToolReturnPart,
+        repair_messages,
+        tool_return_ta,
     )
     from pydantic_ai.run import AgentRunResult
 except ModuleNotFoundError as error:  # pragma: no cover - the extra is installed in CI
     raise missing_extra(__name__, "pydantic-ai", error) from error
 
-from statemachine.adapters._calls import Walk, lossless, plain, run_call
+from statemachine.adapters._calls import Walk, begin_call, lossless, plain
 from statemachine.controller import RunController
-from statemachine.errors import ControlError, InvalidTransition, PublicationUnsettled, RunNotFound
-from statemachine.payloads import JSON
-from statemachine.runner.attempt import Attempt
+from statemachine.errors import (
+    ControlError,
+    InvalidTransition,
+    PublicationUnsettled,
+    ReconcileRejected,
+    RunNotFound,
+    SchemaError,
+)
+from statemachine.payloads import DEFAULT_MAX_BYTES, JSON, json_size
+from statemachine.runner.attempt import Attempt, interrupted
 from statemachine.runner.publish import one_writer, publish, settle
 from statemachine.sessions import MemorySession, Session
 from statemachine.stores import AsyncEventStore, EventStore
@@ -108,15 +149,27 @@ from statemachine.values import Phase, RecoveryPolicy, Step, ToolCall
 
 __all__ = [
     "ConversationStoreHistory",
+    "HistoryMismatch",
     "HistoryRequired",
     "LedgerCapability",
     "LedgerRun",
     "LedgerRunResult",
+    "UnsupportedCapability",
     "UnsupportedDeferral",
+    "UnsupportedRun",
 ]
 
 _MID_TURN = frozenset({Step.INTERRUPTION, Step.TOOLS, Step.FINALIZING, Step.FINAL_OUTPUT})
 """Steps inside one turn: only the run's messages lead pydantic-ai back into them."""
+ROOM_KEPT = 16 * 1024
+"""Bytes of the log kept beside the tool results a turn records: the messages around them
+in the write that publishes them, and the room the core keeps for settling the run."""
+MAX_FAILURE_BYTES = 2048
+"""The most bytes (as JSON) of a recorded failure's text: what a failed call's record
+and its publication may take is known before its body runs."""
+FAILURE_ROOM = 2 * MAX_FAILURE_BYTES + 1024
+"""The room one call's failure takes in the log: its record, and its part in the write
+that publishes it."""
 
 
 class HistoryRequired(ControlError):
@@ -125,26 +178,47 @@ class HistoryRequired(ControlError):
     had at its last stop (``result.messages``), or abandon the run."""
 
 
+class HistoryMismatch(ReconcileRejected):
+    """The history the run was opened with is not the run's: another Session, none for a
+    run that writes to one, or one for a run started without. Refused when the run is
+    opened, before anything is recorded; open it with its own history."""
+
+
 class UnsupportedDeferral(ControlError, ValueError):
     """A deferral the ledger cannot make safe: an external tool's result, or an approval
     that changes the call's arguments. Nothing was recorded."""
+
+
+class UnsupportedRun(ControlError):
+    """A pydantic-ai run that `LedgerRun` did not start was handed the run's capability
+    (``agent.run_stream``, ``agent.iter``, ``agent.run_stream_events``, or ``agent.run``
+    with ``capabilities=[run.capability]``): it would run tools with no one to write the
+    messages or accept the answer. Refused when that run starts, before the model or a
+    tool is called; drive the run with `LedgerRun.run`."""
+
+
+class UnsupportedCapability(ControlError, ValueError):
+    """A capability the ledger cannot carry: a history processor (``ProcessHistory``)
+    rewrites messages the run has already written. Refused when the run is opened (the
+    agent's) or given it (``capabilities=``), before anything is recorded."""
 
 
 # ------------------------------------------------------------------ plain JSON forms
 
 
 def _finite(value: Any, walk: Walk | None) -> JSON:
-    """The `plain` fallback for pydantic's JSON form (``to_jsonable_python``, whose values
-    are plain but for these): a non-finite float (JSON has none) and a value nested too
-    deep to walk as their text; an int too long to print as it is, for the controller to
-    refuse."""
+    """The `plain` fallback for pydantic's JSON form (whose values are plain but for
+    these): a non-finite float (JSON has none) and a value nested too deep to walk as
+    their text; an int too long to print as it is, for the controller to refuse."""
     return value if walk is not None and type(value) is int else str(value)
 
 
 def _sent(value: Any) -> JSON:
-    """``value`` as plain JSON, as pydantic-ai would send it to the model: pydantic's JSON
-    form (what it cannot serialize as its text), then `_finite`."""
-    return plain(pydantic_core.to_jsonable_python(value, fallback=str), fallback=_finite)
+    """``value`` as plain JSON, as pydantic-ai serializes what it sends the model
+    (``tool_return_ta``: bytes as base64; what it cannot serialize as its text), then
+    `_finite`."""
+    return plain(tool_return_ta.dump_python(value, mode="json", by_alias=True, fallback=str),
+                 fallback=_finite)
 
 
 def _messages_json(messages: Sequence[ModelMessage]) -> list[JSON]:
@@ -160,6 +234,62 @@ def _arguments(call: ToolCallPart) -> JSON:
     return _sent(call.args_as_dict())
 
 
+# ------------------------------------------------------------- a tool's recorded result
+
+_FAILED = "tool-failed"
+_RETRY = "model-retry"
+_RETURN = "tool-return"
+_ANSWERS = {_FAILED: ToolFailed, _RETRY: ModelRetry}
+"""The recorded forms of a tool's answers (pydantic-ai's own serialized forms of
+``ToolFailed`` and ``ModelRetry``): ``{"kind": ..., "message": ...}``."""
+_TOOL_RETURN = pydantic.TypeAdapter(ToolReturn)
+
+
+def _result_form(value: Any) -> JSON:
+    """What the history keeps of a tool's result: pydantic-ai's JSON form of the content
+    of the part that carries it, or of the `ToolReturn` it is. A result whose form would
+    read back as an answer or a `ToolReturn` is recorded inside a `ToolReturn`, so it
+    reads back as itself. Raises what pydantic-ai's serializer raises."""
+    if isinstance(value, ToolReturn):
+        form = tool_return_ta.dump_python(value, mode="json", by_alias=True)
+    else:
+        request = ModelRequest(parts=[ToolReturnPart("", value, tool_call_id="")])
+        form = ModelMessagesTypeAdapter.dump_python([request], mode="json")[0]["parts"][0][
+            "content"]
+        if isinstance(form, dict) and form.get("kind") in (_FAILED, _RETRY, _RETURN):
+            return _result_form(ToolReturn(return_value=value))
+    return plain(form, fallback=_finite)
+
+
+def _answer(kind: str, message: str) -> JSON:
+    return {"kind": kind, "message": message}
+
+
+def _bounded(text: str) -> str:
+    """``text`` cut to at most `MAX_FAILURE_BYTES` as JSON."""
+    while json_size(text) > MAX_FAILURE_BYTES:
+        text = text[: len(text) * 3 // 4]
+    return text
+
+
+def _rebuilt(form: JSON) -> Any:
+    """A recorded result handed back to pydantic-ai (the body does not run again): what
+    pydantic-ai reads back from the history for it, so the model is sent what it was
+    sent the first time; a recorded answer is raised again."""
+    if isinstance(form, dict):
+        kind, message = form.get("kind"), form.get("message")
+        if kind in _ANSWERS and isinstance(message, str) and len(form) == 2:
+            raise _ANSWERS[kind](message)
+        if kind == _RETURN:
+            return _TOOL_RETURN.validate_python(form)
+    part = {"part_kind": "tool-return", "tool_name": "", "tool_call_id": "", "content": form}
+    (request,) = ModelMessagesTypeAdapter.validate_python([{"kind": "request",
+                                                            "parts": [part]}])
+    (returned,) = request.parts
+    assert isinstance(returned, ToolReturnPart)
+    return returned.content
+
+
 # ------------------------------------------------------------------------ results
 
 
@@ -173,7 +303,9 @@ class LedgerRunResult:
     ``requests`` the `DeferredToolRequests` pydantic-ai paused with, when it ran).
     ``messages`` are the run's messages (what to pass back as ``message_history`` for a
     run without a ``history``); ``sdk_result`` is pydantic-ai's own result of this
-    attempt (None when pydantic-ai was not called)."""
+    attempt (None when pydantic-ai was not called). ``recorded`` is True when the run had
+    completed before this attempt: ``output`` is its recorded result, and neither the
+    model nor a tool was called (a prompt given was not sent)."""
 
     output: Any
     step: Step
@@ -181,6 +313,7 @@ class LedgerRunResult:
     requests: DeferredToolRequests | None
     messages: tuple[ModelMessage, ...]
     sdk_result: AgentRunResult[Any] | None
+    recorded: bool = False
 
 
 # ------------------------------------------------------------------ the histories
@@ -239,6 +372,21 @@ class LedgerCapability(AbstractCapability[Any]):
 
     run: LedgerRun
 
+    def get_ordering(self) -> CapabilityOrdering:
+        # the outermost layer: a tool's result is recorded after every other capability
+        # rewrote it (what the model is sent), a response as pydantic-ai acts on it
+        return CapabilityOrdering(position="outermost")
+
+    async def before_run(self, ctx: Any) -> None:
+        if not self.run._driving:
+            c = self.run.controller
+            raise UnsupportedRun(
+                "this pydantic-ai run was not started by LedgerRun.run (agent.run_stream, "
+                "agent.iter, agent.run_stream_events and agent.run handed the capability "
+                "are not supported: nothing would write the run's messages or accept its "
+                "answer); drive the run with LedgerRun.run", run_id=c.run_id, step=c.step,
+                action="run")
+
     async def wrap_model_request(self, ctx: Any, *, request_context: Any,
                                  handler: Any) -> ModelResponse:
         run = self.run
@@ -272,19 +420,31 @@ class LedgerRun:
     ``deferred_tool_results`` to `run`), repair with `settle` and `resolve_in_doubt`.
     Every public call may raise the controller's refusals: `RunNotResumable`,
     `ToolInDoubt`, `PublicationUnsettled`, `ReconcileRejected`, `ConcurrencyConflict`,
-    `InvalidTransition`, and `HistoryRequired`, `UnsupportedDeferral`."""
+    `InvalidTransition`, `SchemaError`, and `HistoryRequired`, `HistoryMismatch`,
+    `UnsupportedDeferral`, `UnsupportedCapability`, `UnsupportedRun`."""
 
     def __init__(self, agent: Agent[Any, Any], controller: RunController,
                  history: Session | None, *, existing: bool, owner: str | None,
-                 take_over: bool, idempotent: Collection[str]) -> None:
+                 take_over: bool, idempotent: Collection[str],
+                 max_bytes: int = DEFAULT_MAX_BYTES,
+                 max_result_bytes: int | None = None) -> None:
         self.agent = agent
         self.controller = controller
         self.take_over = take_over
+        """True only when no earlier write of this run can still land (its writer is
+        gone): an unsettled write is then written again if nothing of it landed."""
         self.history = history
+        self.max_bytes = max_bytes
+        """The bound on the run's log the controller was loaded with (`RunController`)."""
+        self.max_result_bytes = max_result_bytes
+        """The most bytes (as JSON) one tool result may take (None: what the log has room
+        for): a bigger one is recorded as a failure the model is told of."""
         self._history: Session = history if history is not None else _PrivateHistory()
         self._idempotent = frozenset(idempotent)
         self._published = 0
         """How many of the messages pydantic-ai holds in this attempt are written."""
+        self._driving = False
+        """True while `run` drives pydantic-ai: the capability refuses any other run."""
         self._flush_lock = asyncio.Lock()
         self._attempt = Attempt(controller, resumes=existing, owner=owner, flush=self._flush)
         self.capability = LedgerCapability(self)
@@ -295,27 +455,43 @@ class LedgerRun:
                    store: EventStore | AsyncEventStore | None = None,
                    policy: RecoveryPolicy = RecoveryPolicy.RECONCILE,
                    owner: str | None = None, take_over: bool = False,
-                   idempotent: Collection[str] = (), buffered: bool = False) -> LedgerRun:
+                   idempotent: Collection[str] = (), buffered: bool = False,
+                   max_bytes: int = DEFAULT_MAX_BYTES,
+                   max_result_bytes: int | None = None) -> LedgerRun:
         """The run ``run_id``: loaded from ``store`` when the store holds it (another
         process may have started it), else started (bound to ``store``, writing its
         messages to ``history``, under ``policy``). ``idempotent`` names the tools that may
         run again after a crash inside them; every other tool's unfinished call is in
         doubt. ``owner`` is recorded by every claim. ``take_over=True`` only when no
-        earlier write of this run can still land (its writer is gone)."""
+        earlier write of this run can still land (its writer is gone): after a process
+        died inside a write, the restart that knows it is dead passes it.
+        ``max_bytes`` bounds the run's log (`RunController.start`); ``max_result_bytes``
+        bounds one tool result (by default, what the log has room for).
+
+        Refused before anything is recorded: a run the store holds opened with a history
+        that is not its own (`HistoryMismatch`), and an agent with a history processor
+        (`UnsupportedCapability`)."""
+        _refuse_rewriters(agent.root_capability, run_id)
         controller: RunController | None = None
         if store is not None:
             with contextlib.suppress(RunNotFound):
                 if isinstance(store, AsyncEventStore):
-                    controller = await RunController.load_async(store, run_id)
+                    controller = await RunController.load_async(store, run_id,
+                                                                max_bytes=max_bytes)
                 else:
-                    controller = RunController.load(store, run_id, buffered=buffered)
+                    controller = RunController.load(store, run_id, buffered=buffered,
+                                                    max_bytes=max_bytes)
         existing = controller is not None
         if controller is None:
             controller = RunController.start(
                 run_id=run_id, session_id=None if history is None else history.session_id,
-                policy=policy, store=store, buffered=buffered)  # type: ignore[arg-type]
+                policy=policy, store=store, buffered=buffered,  # type: ignore[arg-type]
+                max_bytes=max_bytes)
+        else:
+            _same_history(controller, history)
         return cls(agent, controller, history, existing=existing, owner=owner,
-                   take_over=take_over, idempotent=idempotent)
+                   take_over=take_over, idempotent=idempotent, max_bytes=max_bytes,
+                   max_result_bytes=max_result_bytes)
 
     @property
     def owner(self) -> str | None:
@@ -343,7 +519,7 @@ class LedgerRun:
         charge go through?). The next attempt answers the call with it; the tool never
         runs again. Claims the run first; `InvalidTransition` for a call not in doubt."""
         async with self._attempt:
-            self.controller.resolve_in_doubt(call_id, _sent(output))
+            self.controller.resolve_in_doubt(call_id, _result_form(output))
 
     def _record_decisions(self, results: DeferredToolResults) -> None:
         """Record ``deferred_tool_results``' approvals as the ledger's decisions, all or
@@ -414,10 +590,19 @@ class LedgerRun:
         then ``agent.run`` to the next stop (``options`` go to ``agent.run``). With a
         ``history`` the run's messages are read from it (``message_history`` must be
         omitted); without one, pass the messages of the run's last stop to resume it.
-        The original error of a failed write propagates (I6)."""
+        A completed run answers with its recorded result (``recorded=True``), calling
+        neither the model nor a tool. The original error of a failed write propagates
+        (I6)."""
+        c = self.controller
         if self.history is not None and message_history is not None:
             raise ValueError("this run reads its messages from its history: omit "
                              "message_history")
+        for capability in options.get("capabilities") or ():
+            _refuse_rewriters(capability, c.run_id)
+        if c.step is Step.COMPLETED and deferred_tool_results is None:
+            # a request retried after it completed: its recorded answer, nothing re-run
+            return self._result(None, await self._messages(message_history), None,
+                                recorded=True)
         async with self._attempt as resumes:
             return await self._run_attempt(user_prompt, message_history,
                                            deferred_tool_results, new_run=not resumes,
@@ -439,11 +624,13 @@ class LedgerRun:
         await self._flush()  # decisions are durable before anything acts on them
         if new_run:
             await one_writer(c, self._history)
-        while c.step is Step.UNSETTLED:
-            await settle(c, self._history, take_over=self.take_over)
+        with _naming_take_over(self.take_over):
+            while c.step is Step.UNSETTLED:
+                await settle(c, self._history, take_over=self.take_over)
         await self._flush()
-        messages = (_messages(await self._history.get_items()) if self.history is not None
-                    else list(message_history or ()))
+        messages = await self._messages(message_history)
+        if c.step in (Step.TOOLS, Step.INTERRUPTION):
+            messages = await self._write_proposals(messages)
         if c.step is Step.COMPLETED:  # the settled batch published the final output
             return self._result(None, messages, None)
         if c.step is Step.INTERRUPTION and c.pending_approvals:
@@ -465,22 +652,65 @@ class LedgerRun:
                 "the run stopped inside a turn and no messages lead back into it: pass "
                 "message_history (the messages of its last stop), or abandon the run",
                 run_id=c.run_id, step=c.step, action="run")
-        self._published = len(messages)
+        runnable = len(c.runnable_call_ids())
+        if runnable:
+            self._room_for(runnable)  # before any of them runs
+        # pydantic-ai's own first step on a history (consecutive requests merged, as a
+        # paused turn's results and its resumed ones are): done here, so the messages it
+        # holds begin with exactly these, and what is written is counted in its terms
+        sent = repair_messages(messages, repair_last_response=False)
+        self._published = len(sent)
         deferred = None
-        if messages and isinstance(messages[-1], ModelRequest):
+        if sent and isinstance(sent[-1], ModelRequest):
             # a paused turn: pydantic-ai reads the decisions from deferred_tool_results
-            deferred = self._ledger_decisions(_unanswered(messages))
+            deferred = self._ledger_decisions(_unanswered(sent))
         capabilities = [*(options.pop("capabilities", None) or ()), self.capability]
-        result = await self.agent.run(user_prompt, message_history=messages,
-                                      deferred_tool_results=deferred,
-                                      capabilities=capabilities, **options)
+        self._driving = True
+        try:
+            result = await self.agent.run(user_prompt, message_history=sent,
+                                          deferred_tool_results=deferred,
+                                          capabilities=capabilities, **options)
+        finally:
+            self._driving = False
         return await self._epilogue(result)
 
-    async def settle(self) -> None:
+    async def settle(self, *, take_over: bool | None = None) -> None:
         """Settle an unsettled write now (claiming the run first), without calling
         pydantic-ai. `ReconcileRejected` when the history cannot be matched (nothing
-        recorded; repair it and call again)."""
-        await self._attempt.settle(self._history, take_over=self.take_over)
+        recorded; repair it and call again). ``take_over`` (default: the run's) as for
+        `open`."""
+        take_over = self.take_over if take_over is None else take_over
+        with _naming_take_over(take_over):
+            await self._attempt.settle(self._history, take_over=take_over)
+
+    async def _messages(self, given: Sequence[ModelMessage] | None) -> list[ModelMessage]:
+        """The run's messages: read from its history, else the ones the caller gave."""
+        if self.history is not None:
+            return _messages(await self._history.get_items())
+        return list(given or ())
+
+    async def _write_proposals(self, messages: list[ModelMessage]) -> list[ModelMessage]:
+        """``messages`` with the calls the ledger holds and they lack: the model's response
+        proposing them was recorded and the process stopped before it was written (a
+        store appending per event). Written now, rebuilt from the ledger (its tool calls,
+        in order; any text beside them is lost), before anything acts on them."""
+        c = self.controller
+        known = {part.tool_call_id for message in messages
+                 if isinstance(message, ModelResponse) for part in message.parts
+                 if isinstance(part, ToolCallPart)}
+        # the turn's calls are the unpublished ones; the messages must lead up to them
+        # (every earlier call there) and hold none of them
+        missing = [view.call for view in c.calls if view.phase is not Phase.PUBLISHED]
+        earlier = [view.call.call_id for view in c.calls if view.phase is Phase.PUBLISHED]
+        if (not messages or not missing or any(call.call_id in known for call in missing)
+                or not known.issuperset(earlier)):
+            return messages
+        response = ModelResponse(parts=[ToolCallPart(call.name, call.arguments,
+                                                     tool_call_id=call.call_id)
+                                        for call in missing])
+        self._published = len(messages)
+        await self._publish([response])
+        return [*messages, response]
 
     async def _finish_from_ledger(self, messages: list[ModelMessage]) -> LedgerRunResult:
         c = self.controller
@@ -530,13 +760,15 @@ class LedgerRun:
         return self._result(result, messages, requests)
 
     def _result(self, result: AgentRunResult[Any] | None, messages: Sequence[ModelMessage],
-                requests: DeferredToolRequests | None) -> LedgerRunResult:
+                requests: DeferredToolRequests | None, *,
+                recorded: bool = False) -> LedgerRunResult:
         c = self.controller
         pending = tuple(c.call(call_id).call for call_id in c.pending_approvals)
         output: Any = None
         if c.step is Step.COMPLETED:
             output = result.output if result is not None else c.final_output
-        return LedgerRunResult(output, c.step, pending, requests, tuple(messages), result)
+        return LedgerRunResult(output, c.step, pending, requests, tuple(messages), result,
+                               recorded)
 
     # ------------------------------------------------------ what the hooks record
 
@@ -624,14 +856,106 @@ class LedgerRun:
             # the calls are in the history before any of them runs: a resumed attempt
             # finds them there
             await self._publish([response])
+            runnable = sum(not call.needs_approval for call in calls)
+            if runnable:
+                self._room_for(runnable)
+
+    def _room_for(self, calls: int) -> None:
+        """`SchemaError` (nothing recorded, no call started) when the log has no room
+        left under ``max_bytes`` for ``calls`` calls to end in a recorded failure: after
+        its body runs, a call can always be recorded, never left in doubt by the log's
+        own limit."""
+        c = self.controller
+        if self._room(FAILURE_ROOM * calls) < 0:
+            raise SchemaError(
+                f"{calls} call(s) were not started: the run's log ({c.size} bytes) has no "
+                f"room left under max_bytes={self.max_bytes} to record their results; "
+                "abandon the run, or open runs with a larger max_bytes",
+                run_id=c.run_id, step=c.step, action="begin_tool")
+
+    def _room(self, kept: int) -> int:
+        """Bytes of the log left once ``kept`` are set aside: beside `ROOM_KEPT` and the
+        results recorded and not yet written (the write that publishes them carries them
+        again)."""
+        c = self.controller
+        owed = sum(json_size(c.call(call_id).result) for call_id in c.unpublished_call_ids())
+        return self.max_bytes - c.size - owed - ROOM_KEPT - kept
+
+    def _result_problem(self, size: int) -> str | None:
+        """Why a result of ``size`` bytes is not recorded (None: it is): it must fit
+        twice (its record, and the write that publishes it) in the room left beside the
+        failures the other running calls may need."""
+        others = len(self.controller.in_flight) - 1
+        limit = self._room(FAILURE_ROOM * others) // 2
+        if self.max_result_bytes is not None:
+            limit = min(limit, self.max_result_bytes)
+        if size <= limit:
+            return None
+        cap = ("" if self.max_result_bytes is None
+               else f", max_result_bytes={self.max_result_bytes}")
+        return (f"the tool's result was not recorded or sent: it takes {size} bytes as "
+                f"JSON, more than the {max(limit, 0)} this run can record for it "
+                f"(max_bytes={self.max_bytes}{cap})")
 
     async def _execute(self, call: ToolCallPart, args: Any, handler: Any) -> Any:
-        # "retry" and "failed" are the tool's answer, recorded as its result: the model's
-        # next call has a new id, and this one never runs again; cancelled, killed,
-        # deferred itself or raised: the call stays started (ToolInDoubt on a resume)
-        return await run_call(self.controller, call.tool_call_id, _arguments(call),
-                              flush=self._flush, body=lambda: handler(args), as_json=_sent,
-                              answers=(ModelRetry, ToolRetryError, ToolFailedError))
+        c = self.controller
+        call_id = call.tool_call_id
+        done, cached = begin_call(c, call_id, _arguments(call))
+        if done:  # published before, or recorded: its recorded result, never a rerun
+            return _rebuilt(cached)
+        await self._flush()  # an effect boundary: the start is durable before the body
+        raised: Exception | None = None
+        try:
+            output = await handler(args)
+        except ToolRetryError as retry:  # the tool's answer: the model is asked again
+            content = retry.tool_retry.content
+            form = _answer(_RETRY, content if isinstance(content, str) else str(retry))
+            raised = retry
+        except ToolFailedError as failed:  # the tool's answer: a failure the model sees
+            form, raised = _answer(_FAILED, str(failed)), failed
+        except (CallDeferred, ApprovalRequired):  # deferred itself: ended without a result
+            interrupted(c, call_id)
+            raise
+        except Exception as error:
+            # the body ended with an error: recorded as a failure the model is told of on
+            # the next attempt; pydantic-ai raises the error on, as it does alone
+            form = _answer(_FAILED, _bounded(f"{type(error).__name__}: {error}"))
+            raised = error
+        except BaseException:  # cancelled or interrupted: the call stays started
+            interrupted(c, call_id)
+            raise
+        else:
+            try:
+                form = _result_form(output)
+            except Exception as error:  # what pydantic-ai could not serialize either
+                text = _bounded(f"the tool's result could not be recorded: "
+                                f"{type(error).__name__}: {error}")
+                form, raised = _answer(_FAILED, text), ToolFailed(text)
+        problem = self._result_problem(json_size(form))
+        if problem is None:
+            try:
+                self._recorded(call_id, form)
+            except SchemaError as refused:  # nested deeper than the ledger keeps, say
+                problem = f"the tool's result could not be recorded: {refused.reason}"
+            else:
+                if raised is not None:
+                    raise raised
+                return output
+        problem = _bounded(problem)
+        self._recorded(call_id, _answer(_FAILED, problem))
+        raise ToolFailed(problem)  # the model is told what the ledger recorded
+
+    def _recorded(self, call_id: str, form: JSON) -> None:
+        """Record ``form`` as the call's result. A refusal of a store (the call's record
+        did not land) leaves the call started, and no longer running here: in doubt."""
+        c = self.controller
+        try:
+            c.tool_completed(call_id, form)
+        except SchemaError:
+            raise
+        except BaseException:
+            interrupted(c, call_id)
+            raise
 
 
 def _unanswered(messages: Sequence[ModelMessage]) -> list[str]:
@@ -649,3 +973,48 @@ def _unanswered(messages: Sequence[ModelMessage]) -> list[str]:
             else:
                 answered.add(call_id)
     return unanswered
+
+
+@contextlib.contextmanager
+def _naming_take_over(take_over: bool) -> Iterator[None]:
+    """A refusal to reconcile because an attempt may still be writing says how a
+    pydantic-ai user passes ``take_over=True``."""
+    try:
+        yield
+    except ReconcileRejected as refused:
+        if take_over or "may still be writing" not in refused.reason:
+            raise
+        raise ReconcileRejected(
+            f"{refused.reason}. Once the process that was writing is gone (it was killed, "
+            "or its request has ended), open the run with LedgerRun.open(..., "
+            "take_over=True), or call settle(take_over=True)", run_id=refused.run_id,
+            step=refused.step, action=refused.action) from refused
+
+
+def _same_history(c: RunController, history: Session | None) -> None:
+    """`HistoryMismatch` unless ``history`` is the history the run writes to."""
+    given = None if history is None else history.session_id
+    if given == c.session_id:
+        return
+    if c.session_id is None:
+        reason = (f"the run was started without a history (the caller carries its messages), "
+                  f"and was opened with history {given!r}: open it without one, passing "
+                  "message_history to run()")
+    elif given is None:
+        reason = (f"the run writes its messages to history {c.session_id!r} and was opened "
+                  "without a history: open it with that history")
+    else:
+        reason = (f"the history {given!r} is not the run's history {c.session_id!r}: open "
+                  "the run with its own history; nothing was recorded")
+    raise HistoryMismatch(reason, run_id=c.run_id, step=c.step, action="open")
+
+
+def _refuse_rewriters(capability: AbstractCapability[Any], run_id: str) -> None:
+    """`UnsupportedCapability` when ``capability`` is or holds a history processor."""
+    found: list[AbstractCapability[Any]] = []
+    capability.apply(lambda leaf: found.append(leaf) if isinstance(leaf, ProcessHistory)
+                     else None)
+    if found:
+        raise UnsupportedCapability(
+            "a history processor (ProcessHistory) rewrites messages the run has already "
+            "written; it is not supported", run_id=run_id, action="open")

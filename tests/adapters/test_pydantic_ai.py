@@ -14,15 +14,19 @@ Under CI a missing ``pydantic_ai`` package fails this module instead of skipping
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pydantic
 import pytest
 
 try:
@@ -33,7 +37,17 @@ except ImportError:  # pragma: no cover - CI installs the extra
     pytest.skip("pydantic-ai is not installed (pip install -e '.[pydantic-ai]')",
                 allow_module_level=True)
 
-from pydantic_ai import Agent, DeferredToolRequests, DeferredToolResults, ModelRetry, ToolApproved
+from pydantic_ai import (
+    Agent,
+    BinaryContent,
+    DeferredToolRequests,
+    DeferredToolResults,
+    ModelRetry,
+    ToolApproved,
+    ToolFailed,
+    ToolReturn,
+)
+from pydantic_ai.capabilities import AbstractCapability, ProcessHistory
 from pydantic_ai.conversation_store import InMemoryConversationStore
 from pydantic_ai.messages import (
     ModelMessage,
@@ -41,8 +55,9 @@ from pydantic_ai.messages import (
     ModelResponse,
     TextPart,
     ToolCallPart,
+    ToolReturnPart,
 )
-from pydantic_ai.models.function import AgentInfo, FunctionModel
+from pydantic_ai.models.function import AgentInfo, DeltaToolCall, FunctionModel
 from pydantic_ai.models.test import TestModel
 
 from statemachine import (
@@ -51,16 +66,21 @@ from statemachine import (
     Phase,
     PublicationUnsettled,
     RunController,
+    SchemaError,
+    SQLiteEventStore,
     Step,
     ToolInDoubt,
 )
 from statemachine.adapters.pydantic_ai import (
     ConversationStoreHistory,
+    HistoryMismatch,
     HistoryRequired,
     LedgerRun,
+    UnsupportedCapability,
     UnsupportedDeferral,
+    UnsupportedRun,
 )
-from statemachine.sessions import MemorySession
+from statemachine.sessions import MemorySession, SQLiteSession
 from statemachine.testing import FlakySession, InjectedWriteError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,19 +90,33 @@ OPERATOR = "charged 7 (confirmed by the operator)"
 # ---------------------------------------------------------------------------- world
 
 
-def scripted(turns: list[list[ToolCallPart]], final: str = "done") -> FunctionModel:
+def scripted(turns: list[list[ToolCallPart]], final: str = "done", *,
+             asked: list[list[ModelMessage]] | None = None) -> FunctionModel:
     """A model that answers its n-th request with ``turns[n]`` (tool calls) and, once they
-    are used up, with the text ``final`` followed by the last tool result it was sent."""
+    are used up, with the text ``final`` followed by the last tool result it was sent.
+    Every request's messages are appended to ``asked`` (when given): what the model saw,
+    and how often it was called. It streams the same answers (``run_stream``)."""
 
     def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
-        asked = sum(1 for message in messages if isinstance(message, ModelResponse))
-        if asked < len(turns):
-            return ModelResponse(parts=list(turns[asked]))
+        if asked is not None:
+            asked.append(list(messages))
+        turn = sum(1 for message in messages if isinstance(message, ModelResponse))
+        if turn < len(turns):
+            return ModelResponse(parts=list(turns[turn]))
         results = [str(part.content) for part in messages[-1].parts
                    if part.part_kind == "tool-return"]
         return ModelResponse(parts=[TextPart(" | ".join([final, *results]))])
 
-    return FunctionModel(respond)
+    async def stream(messages: list[ModelMessage], info: AgentInfo) -> Any:
+        response = respond(messages, info)
+        for index, part in enumerate(response.parts):
+            if isinstance(part, TextPart):
+                yield part.content
+            elif isinstance(part, ToolCallPart):
+                yield {index: DeltaToolCall(part.tool_name, part.args_as_json_str(),
+                                            tool_call_id=part.tool_call_id)}
+
+    return FunctionModel(respond, stream_function=stream)
 
 
 def call(name: str, call_id: str, **arguments: Any) -> ToolCallPart:
@@ -129,8 +163,13 @@ lookup (c2) ran."""
 FINISHED = [*PAUSE, ("request", [("tool-return", "c1")]), ("response", [("text", None)])]
 
 
-def approval_agent(ran: Counter[str]) -> Agent[None, Any]:
-    return billing(scripted([[call("charge", "c1", x=7), call("lookup", "c2", i=1)]]), ran)
+MIXED = [[call("charge", "c1", x=7), call("lookup", "c2", i=1)]]
+"""One response, an approval-gated call (charge) and one needing no approval (lookup)."""
+
+
+def approval_agent(ran: Counter[str], *,
+                   asked: list[list[ModelMessage]] | None = None) -> Agent[None, Any]:
+    return billing(scripted(MIXED, asked=asked), ran)
 
 
 def run_async(coroutine: Any) -> Any:
@@ -255,7 +294,7 @@ def test_calls_pydantic_ai_answers_without_running_them_never_run_later() -> Non
         c = run.controller
         phases = {view.call.call_id: view.phase for view in c.calls}
         assert phases == dict.fromkeys(("c6", "c7", "c8", "c9"), Phase.PUBLISHED)
-        assert c.call("c6").result == {"error": "ToolRetryError", "message": "try again"}
+        assert c.call("c6").result == {"kind": "model-retry", "message": "try again"}
 
     run_async(go())
 
@@ -545,9 +584,10 @@ def test_kill_9_inside_a_tool_then_resume_fails_closed_and_the_operator_resolves
     assert _effects(tmp_path) == [f"crash {tool}"]
     for name in ("first", "second"):
         resumed = _driver("resume", str(tmp_path), name)
-        assert json.loads(resumed.stdout) == {"name": name, "outcome": "error",
-                                              "error": "ToolInDoubt", "step": "tools",
-                                              "output": None}, resumed.stderr
+        answer = json.loads(resumed.stdout)
+        assert "resolve_in_doubt" in answer.pop("message"), resumed.stderr
+        assert answer == {"name": name, "outcome": "error", "error": "ToolInDoubt",
+                          "step": "tools", "output": None}, resumed.stderr
     resolved = _driver("resolve", str(tmp_path), "operator")
     answer = json.loads(resolved.stdout)
     assert answer["outcome"] == "completed", resolved.stderr
@@ -558,6 +598,581 @@ def test_kill_9_inside_a_tool_then_resume_fails_closed_and_the_operator_resolves
 
 
 def _store(folder: Path) -> Any:
-    from statemachine import SQLiteEventStore
-
     return SQLiteEventStore(folder / "events.db")
+
+
+# ------------------------- a failed write after approved and approval-free calls
+
+
+@pytest.mark.parametrize("outcome", ["atomic", "commit_then_raise", "partial", "cancel"])
+@pytest.mark.parametrize("write", [4, 5], ids=["charge-result", "final-answer"])
+def test_a_failed_write_after_mixed_calls_is_recovered_by_the_next_attempt(
+        write: int, outcome: str) -> None:
+    """charge (approved) and lookup (no approval) come in one response. pydantic-ai merges
+    the two requests that answer them (lookup's at the pause, charge's on the resume) into
+    one when it is given the history back: the adapter counts what it wrote in
+    pydantic-ai's own terms, so the first attempt after the failure completes."""
+
+    async def go() -> None:
+        # pydantic-ai alone: the caller saves the messages after each run; the save after
+        # the resume fails, and the retry from the saved pause charges again
+        alone: Counter[str] = Counter()
+        agent = approval_agent(alone)
+        saved = (await agent.run("charge me 7")).all_messages()
+        approved = DeferredToolResults(approvals={"c1": True})
+        await agent.run(message_history=saved, deferred_tool_results=approved)
+        retried = await agent.run(message_history=saved, deferred_tool_results=approved)
+        assert retried.output == "done | charged 7 | found 1"
+        assert alone == Counter({"lookup 1": 1, "charge 7": 2})
+
+        ran: Counter[str] = Counter()
+        asked: list[list[ModelMessage]] = []
+        inner = MemorySession("h")
+        # the 4th write is charge's result (before the last model call), the 5th the answer
+        history = FlakySession(inner, fail_on=write, outcome=outcome)  # type: ignore[arg-type]
+        run = await LedgerRun.open(approval_agent(ran, asked=asked), run_id="m",
+                                   history=history, store=MemoryEventStore())
+        assert (await run.run("charge me 7")).step is Step.INTERRUPTION
+        await run.approve("c1")
+        with pytest.raises(asyncio.CancelledError if outcome == "cancel"
+                           else InjectedWriteError):
+            await run.run()
+        before = len(asked)
+        done = await run.run()  # the first attempt after the failure finishes the run
+        assert done.step is Step.COMPLETED
+        assert done.output == retried.output
+        assert len(asked) - before == (1 if write == 4 else 0)  # the answer is asked once
+        assert ran == Counter({"lookup 1": 1, "charge 7": 1})
+        assert kinds(await inner.get_items()) == FINISHED
+
+    run_async(go())
+
+
+class LosesTheReadAfterAWrite(MemorySession):
+    """A history whose first read after its first write fails: the read a write stages
+    from, so the process stops with the model's response recorded and not written."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(session_id)
+        self.writes = 0
+        self.failed = False
+
+    async def add_items(self, items: list[Any]) -> None:
+        self.writes += 1
+        await super().add_items(items)
+
+    async def get_items(self, limit: int | None = None) -> list[Any]:
+        if self.writes == 1 and not self.failed:
+            self.failed = True
+            raise ConnectionError("lost the connection")
+        return await super().get_items(limit)
+
+
+def test_a_response_recorded_and_not_written_is_written_from_the_ledger() -> None:
+    """With a store that appends each event, the process can stop between the model's
+    response (recorded) and its write: the next attempt writes the response's calls from
+    the ledger before anything acts on them, and the run goes on without asking the
+    model again."""
+
+    async def go() -> None:
+        ran: Counter[str] = Counter()
+        asked: list[list[ModelMessage]] = []
+        store = MemoryEventStore()
+        history = LosesTheReadAfterAWrite("h")
+        run = await LedgerRun.open(approval_agent(ran, asked=asked), run_id="lost",
+                                   history=history, store=store)
+        with pytest.raises(ConnectionError):
+            await run.run("charge me 7")
+        assert kinds(await history.get_items()) == PAUSE[:1]  # the prompt only
+        assert ran == Counter()
+        run = await LedgerRun.open(approval_agent(ran, asked=asked), run_id="lost",
+                                   history=history, store=store)
+        paused = await run.run()
+        assert paused.step is Step.INTERRUPTION
+        assert kinds(await history.get_items()) == PAUSE
+        await run.approve("c1")
+        done = await run.run()
+        assert done.step is Step.COMPLETED
+        assert ran == Counter({"lookup 1": 1, "charge 7": 1})
+        assert len(asked) == 2  # the calls, then the answer: never asked again
+        assert kinds(await history.get_items()) == FINISHED
+
+    run_async(go())
+
+
+def test_kill_9_during_or_after_a_write_pydantic_ai_alone_charges_again(
+        tmp_path: Path) -> None:
+    assert _driver("alone-mixed-pause", str(tmp_path)).returncode == 0
+    assert _driver("alone-mixed-kill", str(tmp_path)).returncode == -9  # before the save
+    resumed = _driver("alone-mixed-resume", str(tmp_path), "again")
+    assert json.loads(resumed.stdout)["output"] == "done: charged 7", resumed.stderr
+    assert Counter(_effects(tmp_path)) == Counter({
+        "alone-mixed-pause tool lookup": 1, "alone-mixed-kill tool charge": 1,
+        "again tool charge": 1, "alone-mixed-pause model": 1, "alone-mixed-kill model": 1,
+        "again model": 1})
+
+
+@pytest.mark.parametrize("when", ["during", "after"])
+def test_kill_9_during_or_after_a_write_after_mixed_calls(tmp_path: Path, when: str) -> None:
+    """The process dies inside the write of charge's result to the SQLite history: before
+    its COMMIT (nothing landed) or right after it. The restart settles the write and
+    finishes in one attempt; after a kill during the write the first restart is refused
+    until it says the dead writer is gone (``take_over=True``), and says so."""
+    assert _driver("mixed-pause", str(tmp_path)).returncode == 0
+    killed = _driver("mixed-kill", str(tmp_path), when)
+    assert killed.returncode == -9, killed.stderr
+    if when == "during":
+        refused = json.loads(_driver("mixed-resume", str(tmp_path), "first").stdout)
+        assert refused["error"] == "ReconcileRejected"
+        assert "an attempt may still be writing" in refused["message"]
+        assert "LedgerRun.open(..., take_over=True)" in refused["message"]
+        resumed = _driver("mixed-resume", str(tmp_path), "second", "take-over")
+    else:
+        resumed = _driver("mixed-resume", str(tmp_path), "second")
+    answer = json.loads(resumed.stdout)
+    assert answer["outcome"] == "completed", (answer, resumed.stderr)
+    assert answer["output"] == "done: charged 7"
+    assert Counter(_effects(tmp_path)) == Counter({
+        "mixed-pause tool lookup": 1, "mixed-kill tool charge": 1,
+        "mixed-pause model": 1, "second model": 1})  # the answer is asked once
+    reloaded = RunController.load(_store(tmp_path), "pa-run")
+    assert reloaded.step is Step.COMPLETED
+
+
+# --------------------------------------- results pydantic-ai sends in its own form
+
+
+class Receipt(pydantic.BaseModel):
+    when: datetime.datetime
+    amount: int
+
+
+RESULTS: dict[str, Callable[[], Any]] = {
+    "bytes": lambda: b"\xff\x00 receipt",
+    "pydantic-model": lambda: Receipt(when=datetime.datetime(2024, 1, 1, 9, 30), amount=7),
+    "binary-content": lambda: BinaryContent(b"\x89PNG\r\n", media_type="image/png"),
+    "tool-return": lambda: ToolReturn(return_value={"ok": True}, content=["see the receipt"],
+                                      metadata={"receipt": 1}),
+    "looks-like-an-answer": lambda: {"kind": "tool-failed", "message": "not a failure"},
+    "model-retry": lambda: _raise(ModelRetry("ask for the receipt again")),
+    "tool-failed": lambda: _raise(ToolFailed("no receipt for this order")),
+}
+"""What ``receipt`` returns (or raises: its answers, recorded like a result)."""
+
+
+def _raise(error: Exception) -> Any:
+    raise error
+
+
+def _seen(messages: list[ModelMessage], call_id: str) -> list[Any]:
+    """What the model was sent about ``call_id`` in its last request: the parts answering
+    it (and the user content a `ToolReturn` adds) in pydantic-ai's JSON form, their text
+    for the model and the media of their files; without the fields that differ from run
+    to run, and the digests of files the content holds (pydantic-ai writes them for raw
+    bytes, not for the same content read back from a history)."""
+    request = messages[-1]
+    dumped = ModelMessagesTypeAdapter.dump_python([request], mode="json")[0]["parts"]
+    volatile = {"timestamp", "run_id", "conversation_id", "content_file_digests"}
+    seen = []
+    for part, form in zip(request.parts, dumped, strict=True):
+        if getattr(part, "tool_call_id", None) not in (call_id, None):
+            continue
+        if part.part_kind == "system-prompt":
+            continue
+        text = part.model_response_str() if isinstance(part, ToolReturnPart) else None
+        files = ([(file.kind, getattr(file, "media_type", None), getattr(file, "is_image", None))
+                  for file in part.files] if isinstance(part, ToolReturnPart) else None)
+        seen.append(({key: value for key, value in form.items() if key not in volatile},
+                     text, files))
+    return seen
+
+
+@pytest.mark.parametrize("kind", list(RESULTS))
+def test_a_result_that_is_not_json_is_resent_exactly_as_pydantic_ai_sent_it(kind: str) -> None:
+    """receipt returns something that is not a JSON value; charge, in the same response,
+    is cancelled inside its body, so receipt's result is recorded and not yet written.
+    After the operator resolves charge, the retry resends receipt's result from the
+    ledger: the model is sent exactly what pydantic-ai alone sent it."""
+    turns = [[call("receipt", "c2"), call("charge", "c1", x=7)]]
+
+    def agent(ran: Counter[str], asked: list[list[ModelMessage]],
+              hang: asyncio.Event | None) -> Agent[None, Any]:
+        the_agent: Agent[None, Any] = Agent(scripted(turns, asked=asked))
+
+        @the_agent.tool_plain(sequential=True)
+        def receipt() -> Any:
+            ran["receipt"] += 1
+            return RESULTS[kind]()
+
+        @the_agent.tool_plain(sequential=True)
+        async def charge(x: int) -> str:
+            ran[f"charge {x}"] += 1
+            if hang is not None:
+                hang.set()
+                await asyncio.Event().wait()
+            return OPERATOR
+
+        return the_agent
+
+    async def go() -> None:
+        asked_alone: list[list[ModelMessage]] = []
+        await agent(Counter(), asked_alone, None).run("go")
+        sent = _seen(asked_alone[-1], "c2")
+
+        ran: Counter[str] = Counter()
+        asked: list[list[ModelMessage]] = []
+        hang = asyncio.Event()
+        history = MemorySession("h")
+        run = await LedgerRun.open(agent(ran, asked, hang), run_id="nj", history=history,
+                                   store=MemoryEventStore())
+        await _cancel_inside_charge(lambda: run.run("go"), hang)
+        assert run.controller.phase("c2") is Phase.COMPLETED
+        await run.resolve_in_doubt("c1", OPERATOR)
+        done = await within(run.run())
+        assert done.step is Step.COMPLETED
+        assert ran == Counter({"receipt": 1, "charge 7": 1})
+        assert _seen(asked[-1], "c2") == sent
+        stored = _messages_of(await history.get_items())
+        assert _seen(stored[:3], "c2") == sent  # the history holds what the model was sent
+
+    run_async(go())
+
+
+def _messages_of(items: list[Any]) -> list[ModelMessage]:
+    return ModelMessagesTypeAdapter.validate_python(items)
+
+
+def test_a_tool_that_raises_is_a_failure_the_model_is_told_of_never_in_doubt() -> None:
+    """An ordinary exception from a tool body: pydantic-ai raises it out of ``agent.run``,
+    and a retry runs the body again. Through the ledger it is raised out of `LedgerRun.run`
+    too, and the call is recorded as failed (not in doubt: the body ended); the next
+    attempt tells the model, never running the body again."""
+    turns = [[call("charge", "c1", x=7)]]
+
+    def agent(ran: Counter[str], asked: list[list[ModelMessage]]) -> Agent[None, Any]:
+        the_agent: Agent[None, Any] = Agent(scripted(turns, asked=asked))
+
+        @the_agent.tool_plain
+        def charge(x: int) -> str:
+            ran[f"charge {x}"] += 1
+            raise ValueError("card declined")
+
+        return the_agent
+
+    async def go() -> None:
+        alone: Counter[str] = Counter()
+        for _ in range(2):
+            with pytest.raises(ValueError, match="card declined"):
+                await agent(alone, []).run("charge me 7")
+        assert alone == Counter({"charge 7": 2})
+
+        ran: Counter[str] = Counter()
+        asked: list[list[ModelMessage]] = []
+        run = await LedgerRun.open(agent(ran, asked), run_id="raises",
+                                   history=MemorySession("h"), store=MemoryEventStore())
+        with pytest.raises(ValueError, match="card declined"):
+            await run.run("charge me 7")
+        assert run.controller.phase("c1") is Phase.COMPLETED
+        assert run.controller.in_doubt() == ()
+        done = await run.run()
+        assert done.step is Step.COMPLETED
+        assert ran == Counter({"charge 7": 1})
+        (told,) = [part for part in asked[-1][-1].parts if part.part_kind == "tool-return"]
+        assert told.outcome == "failed"
+        assert told.model_response_str() == '{"error":"ValueError: card declined"}'
+
+    run_async(go())
+
+
+# ------------------------------------------------------------------ streaming
+
+
+def test_run_stream_with_the_capability_is_refused_before_any_effect() -> None:
+    """pydantic-ai's other ways to drive a run (``run_stream``, ``iter``, and ``run`` given
+    the capability by hand) would run the tools with no one to write the messages or
+    accept the answer: refused when that run starts, before the model or a tool."""
+
+    async def go() -> None:
+        alone: Counter[str] = Counter()
+        agent = billing(scripted([[call("lookup", "c2", i=1)]]), alone)
+        async with agent.run_stream("look") as streamed:
+            assert await streamed.get_output() == "done | found 1"
+        assert alone == Counter({"lookup 1": 1})
+
+        ran: Counter[str] = Counter()
+        asked: list[list[ModelMessage]] = []
+        agent = billing(scripted([[call("lookup", "c2", i=1)]], asked=asked), ran)
+        run = await LedgerRun.open(agent, run_id="st", history=MemorySession("h"),
+                                   store=MemoryEventStore())
+        events = run.controller.events
+        with pytest.raises(UnsupportedRun) as refused:
+            async with agent.run_stream("look", capabilities=[run.capability]) as streamed:
+                await streamed.get_output()
+        assert "run_stream" in str(refused.value)
+        with pytest.raises(UnsupportedRun):
+            await _iterate(agent.iter("look", capabilities=[run.capability]))
+        with pytest.raises(UnsupportedRun):
+            await agent.run("look", capabilities=[run.capability])
+        assert (ran, asked, run.controller.events) == (Counter(), [], events)
+        done = await run.run("look")  # the run itself is untouched
+        assert done.step is Step.COMPLETED
+        assert done.output == "done | found 1"
+        assert ran == Counter({"lookup 1": 1})
+
+    run_async(go())
+
+
+async def _iterate(driven: Any) -> None:
+    async with driven as nodes:
+        async for _ in nodes:
+            pass
+
+
+def test_a_history_processor_is_refused_when_the_run_is_opened_or_given_one() -> None:
+    """A history processor (``ProcessHistory``) rewrites the messages pydantic-ai holds,
+    those already written included: refused before anything is recorded."""
+
+    def keep_last(messages: list[ModelMessage]) -> list[ModelMessage]:
+        return messages[-1:]
+
+    async def go() -> None:
+        ran: Counter[str] = Counter()
+        store = MemoryEventStore()
+        agent = billing(scripted([[call("lookup", "c2", i=1)]]), ran)
+        agent_with: Agent[None, Any] = Agent(scripted([]),
+                                             capabilities=[ProcessHistory(keep_last)])
+        with pytest.raises(UnsupportedCapability, match="ProcessHistory"):
+            await LedgerRun.open(agent_with, run_id="hp", history=MemorySession("h"),
+                                 store=store)
+        assert store.list_runs() == ()
+        run = await LedgerRun.open(agent, run_id="hp", history=MemorySession("h"),
+                                   store=store)
+        events = run.controller.events
+        with pytest.raises(UnsupportedCapability):
+            await run.run("look", capabilities=[ProcessHistory(keep_last)])
+        assert (ran, run.controller.events) == (Counter(), events)
+        assert (await run.run("look")).step is Step.COMPLETED
+
+    run_async(go())
+
+
+# ---------------------------------------------------- a history that is not the run's
+
+
+def test_a_history_that_is_not_the_runs_is_refused_at_open_naming_it() -> None:
+    async def go() -> None:
+        ran: Counter[str] = Counter()
+        store = MemoryEventStore()
+        run = await LedgerRun.open(approval_agent(ran), run_id="w",
+                                   history=MemorySession("orders-7"), store=store)
+        await run.run("charge me 7")
+        await run.approve("c1")
+        log = store.load("w")
+        for wrong, named in ((MemorySession("orders-8"), ("orders-8", "orders-7")),
+                             (None, ("orders-7",))):
+            with pytest.raises(HistoryMismatch) as refused:
+                await LedgerRun.open(approval_agent(ran), run_id="w", history=wrong,
+                                     store=store)
+            for name in named:
+                assert repr(name) in str(refused.value)
+        assert store.load("w") == log  # nothing recorded: no claim, no step taken
+        assert ran == Counter({"lookup 1": 1})
+
+        private = await LedgerRun.open(approval_agent(ran), run_id="p", store=store)
+        await private.run("charge me 7")
+        with pytest.raises(HistoryMismatch, match="without a history"):
+            await LedgerRun.open(approval_agent(ran), run_id="p",
+                                 history=MemorySession("orders-9"), store=store)
+
+    run_async(go())
+
+
+# ------------------------------------------------------------ results over max_bytes
+
+MAX_BYTES = 400_000
+
+
+def _export_agent(ran: Counter[str], asked: list[list[ModelMessage]],
+                  turns: list[list[ToolCallPart]]) -> Agent[None, Any]:
+    agent: Agent[None, Any] = Agent(scripted(turns, asked=asked))
+
+    @agent.tool_plain
+    def export(n: int) -> str:
+        ran[f"export {n}"] += 1
+        return f"card-4111-{n} " + "x" * n
+
+    return agent
+
+
+def test_a_result_over_the_runs_limit_is_recorded_as_failed_and_the_model_is_told(
+        tmp_path: Path) -> None:
+    """A result the run's log has no room for under ``max_bytes`` (it is recorded, then
+    written with the messages: it must fit twice) is not recorded: the call is recorded as
+    failed, the model is told why, and the run goes on; nothing is left in doubt.
+    pydantic-ai alone sends the result."""
+    turns = [[call("export", "c1", n=250_000)]]
+
+    async def go() -> None:
+        asked_alone: list[list[ModelMessage]] = []
+        alone = await _export_agent(Counter(), asked_alone, turns).run("export")
+        assert "card-4111-250000" in alone.output
+
+        ran: Counter[str] = Counter()
+        asked: list[list[ModelMessage]] = []
+        store = SQLiteEventStore(tmp_path / "events.db")
+        run = await LedgerRun.open(_export_agent(ran, asked, turns), run_id="big",
+                                   history=SQLiteSession("h", tmp_path / "history.db"),
+                                   store=store, max_bytes=MAX_BYTES)
+        done = await run.run("export")
+        assert done.step is Step.COMPLETED
+        assert ran == Counter({"export 250000": 1})
+        (told,) = [part for part in asked[-1][-1].parts if part.part_kind == "tool-return"]
+        assert told.outcome == "failed"
+        assert "not recorded or sent" in told.model_response_str()
+        assert "card-4111" not in done.output
+        store.close()
+        reloaded = RunController.load(SQLiteEventStore(tmp_path / "events.db"), "big",
+                                      max_bytes=MAX_BYTES)
+        assert reloaded.step is Step.COMPLETED
+        assert reloaded.in_doubt() == ()
+        for path in tmp_path.iterdir():  # the result itself was never persisted
+            assert b"card-4111" not in path.read_bytes(), path.name
+
+    run_async(go())
+
+
+def test_a_run_with_no_room_left_for_results_is_refused_before_the_bodies_run() -> None:
+    """Before a response's calls run, the log must have room for each to end in a recorded
+    failure; when it has not, none of them starts and none is in doubt: refused again on
+    the next attempt."""
+    turns = [[call("export", "c1", n=10), call("export", "c2", n=20)]]
+
+    async def go() -> None:
+        ran: Counter[str] = Counter()
+        run = await LedgerRun.open(_export_agent(ran, [], turns), run_id="room",
+                                   history=MemorySession("h"), store=MemoryEventStore(),
+                                   max_bytes=20_000)
+        for prompt in ("export", None):
+            with pytest.raises(SchemaError, match="max_bytes=20000") as refused:
+                await run.run(prompt)
+            assert "2 call(s) were not started" in str(refused.value)
+            assert ran == Counter()
+            c = run.controller
+            assert c.in_doubt() == ()
+            assert (c.phase("c1"), c.phase("c2")) == (Phase.APPROVED, Phase.APPROVED)
+
+    run_async(go())
+
+
+# ------------------------------------------------------- a redacting tool output hook
+
+
+def _redact(value: Any) -> Any:
+    return re.sub(r"\d{4} \d{4} \d{4} (\d{4})", r"**** **** **** \1", str(value))
+
+
+@dataclass
+class RedactsAround(AbstractCapability[Any]):
+    """Redacts a tool's result around the tool's execution (``wrap_tool_execute``)."""
+
+    async def wrap_tool_execute(self, ctx: Any, *, call: Any, tool_def: Any, args: Any,
+                                handler: Any) -> Any:
+        return _redact(await handler(args))
+
+
+@dataclass
+class RedactsAfter(AbstractCapability[Any]):
+    """Redacts a tool's result in the hook after it (``after_tool_execute``)."""
+
+    async def after_tool_execute(self, ctx: Any, *, call: Any, tool_def: Any, args: Any,
+                                 result: Any) -> Any:
+        return _redact(result)
+
+
+CARD = "4111 1111 1111 1234"
+
+
+@pytest.mark.parametrize("where", ["wrap-on-the-agent", "wrap-on-the-run", "after-hook"])
+def test_a_redacting_tool_output_hook_the_ledger_keeps_only_what_the_model_saw(
+        tmp_path: Path, where: str) -> None:
+    """pydantic-ai has no tool output guardrail; its nearest equivalent is a capability
+    that rewrites a tool's result. The ledger records what the model is sent, so the card
+    number is nowhere in the event store or the history."""
+    redactor: AbstractCapability[Any] = RedactsAfter() if where == "after-hook" else (
+        RedactsAround())
+
+    def agent(ran: Counter[str], asked: list[list[ModelMessage]]) -> Agent[None, Any]:
+        on_agent = [redactor] if where != "wrap-on-the-run" else []
+        the_agent: Agent[None, Any] = Agent(scripted([[call("card", "c1")]], asked=asked),
+                                            capabilities=on_agent)
+
+        @the_agent.tool_plain
+        def card() -> str:
+            ran["card"] += 1
+            return f"card {CARD}"
+
+        return the_agent
+
+    on_run = [redactor] if where == "wrap-on-the-run" else []
+
+    async def go() -> None:
+        alone = await agent(Counter(), []).run("card", capabilities=on_run)
+        assert alone.output == "done | card **** **** **** 1234"
+
+        ran: Counter[str] = Counter()
+        store = SQLiteEventStore(tmp_path / "events.db")
+        history = SQLiteSession("h", tmp_path / "history.db")
+        run = await LedgerRun.open(agent(ran, []), run_id="red", history=history,
+                                   store=store)
+        done = await run.run("card", capabilities=on_run)
+        assert done.output == alone.output
+        assert run.controller.call("c1").result == "card **** **** **** 1234"
+        store.close()
+        history.close()
+        for path in tmp_path.iterdir():
+            assert CARD.encode() not in path.read_bytes(), path.name
+
+    run_async(go())
+
+
+# ------------------------------------------------------------ a completed run, again
+
+
+def test_running_a_completed_run_again_returns_its_recorded_result() -> None:
+    """A request retried after it completed (the caller did not see the answer): pydantic-
+    ai alone runs it again; the ledger answers with the recorded result, calling neither
+    the model nor a tool, and says so."""
+    turns = [[call("lookup", "c1", i=1)]]
+
+    async def go() -> None:
+        alone: Counter[str] = Counter()
+        agent = billing(scripted(turns), alone)
+        for _ in range(2):
+            await agent.run("look")
+        assert alone == Counter({"lookup 1": 2})
+
+        ran: Counter[str] = Counter()
+        asked: list[list[ModelMessage]] = []
+        store = MemoryEventStore()
+        history = MemorySession("h")
+        first = await LedgerRun.open(billing(scripted(turns, asked=asked), ran),
+                                     run_id="again", history=history, store=store)
+        done = await first.run("look")
+        assert (done.output, done.recorded) == ("done | found 1", False)
+        log = store.load("again")
+        for attempt in range(3):
+            run = first if attempt == 0 else await LedgerRun.open(
+                billing(scripted(turns, asked=asked), ran), run_id="again",
+                history=history, store=store)
+            again = await run.run("look" if attempt < 2 else None)
+            assert again.step is Step.COMPLETED
+            assert again.recorded is True
+            assert again.output == "done | found 1"
+            assert kinds(ModelMessagesTypeAdapter.dump_python(list(again.messages),
+                                                              mode="json")) == kinds(
+                await history.get_items())
+        assert len(asked) == 2  # the two model calls of the first attempt, no more
+        assert ran == Counter({"lookup 1": 1})
+        assert store.load("again") == log  # nothing recorded
+
+    run_async(go())

@@ -19,6 +19,21 @@ user persists between runs).
   ``charge`` on pydantic-ai alone: pause and save the messages; resume with the approval
   and die inside the tool; resume again from the saved messages with the approval.
 
+Mixed calls: the model asks for ``charge(x=7)`` (approval) and ``lookup(i=1)`` (none) in
+one response, then answers with charge's result.
+
+* ``mixed-pause DIR``: start the run (lookup runs, charge waits) and approve charge;
+* ``mixed-kill DIR WHEN``: resume; the process SIGKILLs itself inside the history's
+  first write (charge's result): ``during`` (before its COMMIT) or ``after`` it;
+* ``mixed-resume DIR NAME [take-over]``: open the run (``take_over=True`` when asked) and
+  run it to its next stop;
+* ``alone-mixed-pause DIR``, ``alone-mixed-kill DIR``, ``alone-mixed-resume DIR NAME``:
+  pydantic-ai alone: pause and save the messages; resume with the approval and die after
+  the run, before its messages are saved; resume again from the saved messages.
+
+The mixed model appends ``NAME model`` to DIR/effects.txt at each request. Errors are
+printed with their ``message``.
+
 Every tool body appends ``NAME tool <name>`` to DIR/effects.txt (O_APPEND, fsync) before
 it can be killed. ``resume``, ``resolve`` and ``alone-resume`` print one JSON line:
 ``{"name", "outcome": <step> | "error", "error", "step", "output"}``.
@@ -119,7 +134,7 @@ def _outcome(name: str, run: LedgerRun, result: Any = None,
     step = run.controller.step.value
     if error is not None:
         return {"name": name, "outcome": "error", "error": type(error).__name__, "step": step,
-                "output": None}
+                "output": None, "message": str(error)}
     return {"name": name, "outcome": result.step.value, "error": None, "step": step,
             "output": result.output}
 
@@ -163,6 +178,89 @@ async def alone(folder: Path, command: str, name: str) -> dict[str, Any] | None:
             "output": result.output}
 
 
+# ------------------------------------------------------------------ mixed calls
+
+
+def mixed_model(effect: Effects) -> FunctionModel:
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        effect("model")
+        answered = {part.tool_call_id: part.content for message in messages
+                    for part in message.parts if part.part_kind == "tool-return"}
+        if "c1" in answered:
+            return ModelResponse(parts=[TextPart(f"done: {answered['c1']}")])
+        return ModelResponse(parts=[ToolCallPart("charge", {"x": 7}, tool_call_id="c1"),
+                                    ToolCallPart("lookup", {"i": 1}, tool_call_id="c2")])
+
+    return FunctionModel(respond)
+
+
+def mixed_agent(effect: Effects) -> Agent[None, Any]:
+    agent: Agent[None, Any] = Agent(mixed_model(effect),
+                                    output_type=[str, DeferredToolRequests])
+
+    @agent.tool_plain(requires_approval=True)
+    def charge(x: int) -> str:
+        effect("tool charge")
+        return f"charged {x}"
+
+    @agent.tool_plain
+    def lookup(i: int) -> str:
+        effect("tool lookup")
+        return f"found {i}"
+
+    return agent
+
+
+class DiesInWrite(SQLiteSession):
+    """The run's SQLite history, whose first write kills the process before or after
+    its COMMIT."""
+
+    def __init__(self, session_id: str, path: Path, when: str) -> None:
+        super().__init__(session_id, path)
+        self.when = when
+
+    def _before_commit(self) -> None:
+        if self.when == "during":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _after_commit(self) -> None:
+        if self.when == "after":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+async def mixed(folder: Path, command: str, name: str, extra: list[str]) -> dict[str, Any]:
+    effect = Effects(folder, name)
+    history: SQLiteSession = (DiesInWrite(HISTORY_ID, folder / "history.db", extra[0])
+                              if command == "mixed-kill"
+                              else SQLiteSession(HISTORY_ID, folder / "history.db"))
+    run = await LedgerRun.open(mixed_agent(effect), run_id=RUN_ID, history=history,
+                               store=SQLiteEventStore(folder / "events.db"), owner=name,
+                               take_over="take-over" in extra)
+    try:
+        result = await run.run("charge me 7" if command == "mixed-pause" else None)
+        if command == "mixed-pause":
+            assert [call.call_id for call in result.pending] == ["c1"], result
+            await run.approve("c1")
+    except Exception as error:
+        return _outcome(name, run, error=error)
+    return _outcome(name, run, result)
+
+
+async def alone_mixed(folder: Path, command: str, name: str) -> dict[str, Any] | None:
+    agent = mixed_agent(Effects(folder, name))
+    if command == "alone-mixed-pause":
+        paused = await agent.run("charge me 7")
+        assert isinstance(paused.output, DeferredToolRequests)
+        _save(folder, paused.all_messages())
+        return None
+    approved = DeferredToolResults(approvals={"c1": True})
+    result = await agent.run(message_history=_load(folder), deferred_tool_results=approved)
+    if command == "alone-mixed-kill":
+        os.kill(os.getpid(), signal.SIGKILL)  # the answer came; its messages are not saved
+    return {"name": name, "outcome": "completed", "error": None, "step": None,
+            "output": result.output}
+
+
 def main(argv: list[str]) -> None:
     command, folder = argv[0], Path(argv[1])
     name = argv[2] if len(argv) > 2 else command
@@ -172,6 +270,13 @@ def main(argv: list[str]) -> None:
         asyncio.run(crash(folder, fresh=command == "crash-fresh"))
     elif command in ("resume", "resolve"):
         print(json.dumps(asyncio.run(resume(folder, name, resolve=command == "resolve"))))
+    elif command.startswith("mixed-"):
+        name = command if command != "mixed-resume" else name
+        print(json.dumps(asyncio.run(mixed(folder, command, name, argv[2:]))))
+    elif command.startswith("alone-mixed-"):
+        answer = asyncio.run(alone_mixed(folder, command, name))
+        if answer is not None:
+            print(json.dumps(answer))
     elif command.startswith("alone-"):
         answer = asyncio.run(alone(folder, command, name))
         if answer is not None:
