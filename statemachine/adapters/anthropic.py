@@ -237,8 +237,11 @@ def _receive(c: RunController, call_id: str, name: str, arguments: JSON,
     """Enter a call the ledger has not seen (it needs no approval on the client: a call the
     server gates is released to the runner only once it is allowed)."""
     if c.phase(call_id) is None:
-        c.receive_tool_calls([ToolCall(call_id, name, arguments,
-                                       idempotent=name in idempotent)])
+        call = ToolCall(call_id, name, arguments, idempotent=name in idempotent)
+        if c.step is Step.AWAITING_MODEL:  # an earlier process died recording an answer
+            c.model_responded(tool_calls=[call])
+        else:
+            c.receive_tool_calls([call])
 
 
 def _refuse_in_doubt(c: RunController, action: str) -> None:
@@ -264,10 +267,11 @@ _LARGEST_SIZE = 10**18
 
 
 def _record(c: RunController, call_id: str, result: Any,
-            failure: Callable[[str], JSON]) -> JSON:
-    """Record ``result`` (as the SDK would send it) as the call's output and return what
-    to send. A result the log cannot hold is recorded as ``failure(why)``, an error result
-    the model sees: a call is never left in doubt by the library's own limits."""
+            failure: Callable[[str], JSON]) -> tuple[JSON, bool]:
+    """Record ``result`` (as the SDK would send it) as the call's output; returns what to
+    send, and whether that is a failure recorded in its place: a result the log cannot
+    hold is recorded as ``failure(why)``, an error result the model sees, so a call is
+    never left in doubt by the library's own limits."""
     try:
         sent = _sendable(result)
     except (TypeError, ValueError, RecursionError) as error:
@@ -275,11 +279,11 @@ def _record(c: RunController, call_id: str, result: Any,
     else:
         try:
             c.tool_completed(call_id, sent)
-            return sent
+            return sent, False
         except SchemaError:  # over max_bytes or max_depth: nothing was recorded
             sent = failure(_TOO_LARGE.format(size=len(canonical_json(sent))))
     c.tool_completed(call_id, sent)
-    return sent
+    return sent, True
 
 
 def _room_for(c: RunController, call_id: str, failure: Callable[[str], JSON]) -> None:
@@ -383,20 +387,30 @@ def _digests(messages: Iterable[Any]) -> list[JSON]:
 
 def _finished(c: RunController, output: JSON) -> bool:
     """Record ``output`` as the run's final output and complete it, when nothing is left
-    to run or post (True); otherwise record nothing (False)."""
-    if c.step is Step.COMPLETED:
-        return True
+    to run or post (True); otherwise record nothing (False). Each step goes on from where
+    an earlier process that died recording the end left it."""
     if c.in_flight or c.in_doubt() or c.unpublished_call_ids():
-        return False
+        return c.step is Step.COMPLETED
     if c.step is Step.RUN_AGAIN:
         # no call was asked for: the model's answer is the whole conversation
         c.begin_model_call()
+    if c.step is Step.AWAITING_MODEL:
         c.model_responded(output=output)
-    elif c.step is not Step.TOOLS:
-        return False
-    c.accept_final_output(output)
-    c.complete()
-    return True
+    if c.step in (Step.TOOLS, Step.FINALIZING):
+        c.accept_final_output(output)
+    if c.step is Step.FINAL_OUTPUT:
+        c.complete()
+    return c.step is Step.COMPLETED
+
+
+def _end_recorded(c: RunController) -> bool:
+    """Whether the run's end is recorded: completed, or (an earlier process died while it
+    recorded the end) its final answer recorded, the run then completed here."""
+    if c.step is Step.FINALIZING:
+        c.accept_final_output(c.model_output)
+    if c.step is Step.FINAL_OUTPUT:
+        c.complete()
+    return c.step is Step.COMPLETED
 
 
 def _replayed(c: RunController, what: str) -> None:
@@ -556,6 +570,10 @@ class LedgerSessionToolRunner(SessionToolRunner):
             _replayed(c, "iterate")
             return
         async with self._attempt:  # an existing run is claimed first, before any effect
+            if _end_recorded(c):  # an earlier process died recording the end: finish it
+                self.replayed = True
+                _replayed(c, "iterate")
+                return
             try:
                 c.resume()  # the gate: RunNotResumable, or ToolInDoubt for a call in doubt
                 self._ended = None
@@ -592,14 +610,12 @@ class LedgerSessionToolRunner(SessionToolRunner):
             await c.flush_async()  # an effect boundary: the start is durable first
             result_event, recorded = await super()._call_tool(
                 cast(Any, _SendableTool(tool)), ev, input_)
-            event = _record(c, call_id, result_event, failure)
+            event, failed = _record(c, call_id, result_event, failure)
             await c.flush_async()  # the result is durable before it is posted
         except BaseException:
             interrupted(c, call_id)
             raise
-        if event != _sendable(result_event):
-            recorded = _field(event, "content")  # recorded as failed: that is what is sent
-        return event, recorded
+        return event, _field(event, "content") if failed else recorded
 
     async def _send_result(self, tool_result: Any, tool_use_id: str,
                            conversation_id: str | None) -> bool:
@@ -713,15 +729,18 @@ class MessageToolLedger:
         ``messages`` are its own (or a start of them); None when the run goes on.
         `RunNotResumable` for a completed run asked anything else (nothing is sent)."""
         c = self.controller
-        self.replayed = c.step is Step.COMPLETED
-        if not self.replayed:
+        self.replayed = False
+        if not _end_recorded(c):
             return None
         record = c.final_output
         if not isinstance(record, dict) or not isinstance(record.get("request"), list):
             raise RunNotResumable("the run is completed, and not by a messages conversation "
                                   "of this adapter; nothing was sent", run_id=c.run_id,
                                   step=c.step, action="create")
-        asked = _digests(messages)
+        try:
+            asked = _digests(messages)
+        except (TypeError, ValueError, RecursionError):
+            asked = []  # not a history the SDK could send: not the recorded one
         if stream or not asked or asked != record["request"][:len(asked)]:
             why = ("a streamed request gets no recorded reply: ask without stream=True"
                    if stream and asked else
@@ -732,6 +751,7 @@ class MessageToolLedger:
                 f"request is not one of its own; {why}. Nothing was sent",
                 run_id=c.run_id, step=c.step, action="create")
         _replayed(c, "create")
+        self.replayed = True
         reply = record["reply"]
         kind = _REPLIES.get(str(record.get("kind")))
         return reply if kind is None else kind.model_validate(reply)
@@ -740,15 +760,19 @@ class MessageToolLedger:
         self.check_history(messages)
         _refuse_in_doubt(self.controller, "create")
 
-    def _after_reply(self, messages: Sequence[Any], reply: Any) -> None:
+    def _after_reply(self, messages: Sequence[Any], reply: Any) -> bool:
         """The request was answered: the results it carried are posted, and a final reply
-        ends the conversation (recorded, the run completed, made durable)."""
+        ends the conversation: recorded, the run completed (True; the caller flushes)."""
         c = self.controller
         self._posted(messages)
-        if _final(reply) and _finished(c, {"kind": _kind(reply),
-                                           "reply": _sendable(reply),
-                                           "request": _digests(messages)}):
-            self.replayed = False
+        if not _final(reply):
+            return False
+        try:
+            record: JSON = {"kind": _kind(reply), "reply": _sendable(reply),
+                            "request": _digests(messages)}
+        except (TypeError, ValueError, RecursionError):
+            return False  # a reply or history this adapter cannot record: the run goes on
+        return _finished(c, record)
 
     def create(self, resource: Any, /, **params: Any) -> Any:
         """``resource.create(**params)`` (``client.messages`` or ``client.beta.messages``)
@@ -757,26 +781,26 @@ class MessageToolLedger:
         request gets its recorded final reply, nothing sent (``replayed``)."""
         messages = list(params.get("messages") or ())
         recorded = self._recorded(messages, stream=bool(params.get("stream")))
+        self.controller.flush()  # an effect boundary (or the recorded end made durable)
         if recorded is not None:
             return recorded
         self._before_request(messages)
-        self.controller.flush()  # an effect boundary
         reply = resource.create(**params)
-        self._after_reply(messages, reply)
-        self.controller.flush()  # the end of the conversation is durable (if it ended)
+        if self._after_reply(messages, reply):
+            self.controller.flush()  # the end of the conversation is durable
         return reply
 
     async def acreate(self, resource: Any, /, **params: Any) -> Any:
         """`create` for an async client."""
         messages = list(params.get("messages") or ())
         recorded = self._recorded(messages, stream=bool(params.get("stream")))
+        await self.controller.flush_async()
         if recorded is not None:
             return recorded
         self._before_request(messages)
-        await self.controller.flush_async()
         reply = await resource.create(**params)
-        self._after_reply(messages, reply)
-        await self.controller.flush_async()
+        if self._after_reply(messages, reply):
+            await self.controller.flush_async()
         return reply
 
     # -------------------------------------------------------------------- tools
@@ -869,7 +893,7 @@ class MessageToolLedger:
         try:
             c.flush()  # an effect boundary: the start is durable first
             block = execute(use)
-            return _record(c, call_id, block, self._failure_for(call_id))
+            return _record(c, call_id, block, self._failure_for(call_id))[0]
         except BaseException:
             interrupted(c, call_id)
             raise
@@ -882,7 +906,7 @@ class MessageToolLedger:
         try:
             await c.flush_async()
             block = await execute(use)
-            return _record(c, call_id, block, self._failure_for(call_id))
+            return _record(c, call_id, block, self._failure_for(call_id))[0]
         except BaseException:
             interrupted(c, call_id)
             raise
@@ -916,14 +940,15 @@ class MessageToolLedger:
                 return refuse_toolset(tool_use)
 
             async def steps_async() -> AsyncGenerator[Any, None]:
-                if self._runner_recorded(runner):
+                recorded = self._runner_recorded(runner)
+                await c.flush_async()
+                if recorded:
                     return
                 async with contextlib.aclosing(cast(AsyncGenerator[Any, None],
                                                     steps())) as items:
                     async for item in items:
                         self._posted(runner._sent_messages)  # the request was sent
                         yield item
-                await c.flush_async()  # the results it posted
                 if not runner._closed:
                     self._after_reply(runner._sent_messages, await runner._get_last_message())
                 await c.flush_async()
@@ -937,7 +962,9 @@ class MessageToolLedger:
                 return self._run_one(tool_use, lambda use: original(tool, use))
 
             def steps_sync() -> Generator[Any, None, None]:
-                if self._runner_recorded(runner):
+                recorded = self._runner_recorded(runner)
+                c.flush()
+                if recorded:
                     return
                 for item in cast(Generator[Any, None, None], steps()):
                     self._posted(runner._sent_messages)  # the request was sent
