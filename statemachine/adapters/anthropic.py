@@ -98,6 +98,7 @@ from typing import Any, TypeVar, cast
 import pydantic
 from anthropic import AsyncAnthropic
 from anthropic._utils._json import openapi_dumps
+from anthropic.lib._parse._response import parse_beta_response
 from anthropic.lib.environments import DispatchedToolCall, SessionToolRunner
 from anthropic.lib.tools import (
     BetaAsyncStreamingToolRunner,
@@ -135,6 +136,7 @@ __all__ = [
     "MessageToolLedger",
     "ResultNotPosted",
     "UnansweredToolUse",
+    "UnsupportedFeature",
 ]
 
 _Runner = TypeVar("_Runner", BetaToolRunner[Any], BetaStreamingToolRunner[Any],
@@ -146,6 +148,19 @@ class UnansweredToolUse(ControlError):
     user message answers. Nothing was sent: the API would refuse the history, and a result
     made up for a call that may have run would hide what happened. Answer the call (from
     `MessageToolLedger.run_tools`, or `resolve_in_doubt` for a call in doubt) first."""
+
+
+class UnsupportedFeature(ControlError, ValueError):
+    """An SDK feature this adapter cannot carry safely, refused before anything was
+    recorded or run (when a runner is attached, or before the call that uses it).
+    ``feature`` names it."""
+
+    def __init__(self, reason: str, *, feature: str, **where: Any) -> None:
+        self.feature = feature
+        super().__init__(reason, **where)
+
+    def _extra(self) -> dict[str, Any]:
+        return {"feature": self.feature}
 
 
 class ResultNotPosted(Exception):
@@ -724,10 +739,11 @@ class MessageToolLedger:
                 if c.phase(call_id) is Phase.COMPLETED:
                     c.result_posted(call_id)
 
-    def _recorded(self, messages: Sequence[Any], *, stream: bool = False) -> Any:
-        """Before a request: the recorded final reply when the conversation completed and
-        ``messages`` are its own (or a start of them); None when the run goes on.
-        `RunNotResumable` for a completed run asked anything else (nothing is sent)."""
+    def _recorded(self, messages: Sequence[Any], *, stream: bool = False) -> JSON:
+        """Before a request: the record of the final reply (``{"kind", "reply",
+        "request"}``) when the conversation completed and ``messages`` are its own (or a
+        start of them); None when the run goes on. `RunNotResumable` for a completed run
+        asked anything else (nothing is sent)."""
         c = self.controller
         self.replayed = False
         if not _end_recorded(c):
@@ -752,9 +768,7 @@ class MessageToolLedger:
                 run_id=c.run_id, step=c.step, action="create")
         _replayed(c, "create")
         self.replayed = True
-        reply = record["reply"]
-        kind = _REPLIES.get(str(record.get("kind")))
-        return reply if kind is None else kind.model_validate(reply)
+        return record
 
     def _before_request(self, messages: Sequence[Any]) -> None:
         self.check_history(messages)
@@ -783,7 +797,7 @@ class MessageToolLedger:
         recorded = self._recorded(messages, stream=bool(params.get("stream")))
         self.controller.flush()  # an effect boundary (or the recorded end made durable)
         if recorded is not None:
-            return recorded
+            return _reply(recorded)
         self._before_request(messages)
         reply = resource.create(**params)
         if self._after_reply(messages, reply):
@@ -796,7 +810,7 @@ class MessageToolLedger:
         recorded = self._recorded(messages, stream=bool(params.get("stream")))
         await self.controller.flush_async()
         if recorded is not None:
-            return recorded
+            return _reply(recorded)
         self._before_request(messages)
         reply = await resource.create(**params)
         if self._after_reply(messages, reply):
@@ -921,15 +935,27 @@ class MessageToolLedger:
         request carried are posted, and the final reply completes the run. A runner of a
         completed conversation sends nothing and ends with its recorded final reply
         (``replayed``). A toolset member call is refused (`InvalidTransition`) before it
-        runs. Returns ``runner``; attach it before iterating it."""
+        runs. Returns ``runner``; attach it before iterating it.
+
+        `UnsupportedFeature` (``feature="toolsets"``, nothing attached) for a runner given
+        toolsets (``BetaRunnableToolset``: a toolset member's calls are the toolset's to
+        run, not the ledger's); a toolset added later is refused when its member is
+        called, before it runs."""
         original = runner._run_tool
         steps = runner._steps
         c = self.controller
+        if runner._toolsets_by_family:
+            raise UnsupportedFeature(
+                f"toolsets ({', '.join(sorted(runner._toolsets_by_family))}) are not "
+                "ledgered by this adapter: their members would run outside the ledger; "
+                "give the runner function tools", feature="toolsets", run_id=c.run_id,
+                step=c.step, action="attach")
 
         def refuse_toolset(tool_use: Any) -> Any:
-            raise InvalidTransition(
+            raise UnsupportedFeature(
                 f"toolset member {_field(tool_use, 'name')!r} is not ledgered by this "
-                "adapter; it did not run", run_id=c.run_id, step=c.step, action="begin_tool")
+                "adapter; it did not run", feature="toolsets", run_id=c.run_id, step=c.step,
+                action="begin_tool")
 
         if isinstance(runner, BetaAsyncToolRunner | BetaAsyncStreamingToolRunner):
             async def run_async(tool: Any, tool_use: Any) -> Any:
@@ -987,5 +1013,15 @@ class MessageToolLedger:
         if recorded is None:
             _refuse_in_doubt(self.controller, "create")
             return False
-        runner._last_message = recorded
+        # parsed as the runner's thread parses a reply (its output_format, if any)
+        runner._last_message = parse_beta_response(
+            output_format=runner._thread._state.output_format,
+            response=BetaMessage.model_validate(cast(dict[str, Any], recorded)["reply"]))
         return True
+
+
+def _reply(record: JSON) -> Any:
+    """A recorded final reply as the SDK type it was (its JSON for any other)."""
+    assert isinstance(record, dict)
+    kind = _REPLIES.get(str(record.get("kind")))
+    return record["reply"] if kind is None else kind.model_validate(record["reply"])

@@ -62,6 +62,7 @@ from statemachine.adapters.anthropic import (
     LedgerSessionToolRunner,
     MessageToolLedger,
     UnansweredToolUse,
+    UnsupportedFeature,
 )
 from statemachine.cli.main import main as cli_main
 from statemachine.cli.main import verdict
@@ -1069,3 +1070,73 @@ def test_a_log_without_room_for_a_result_refuses_the_call_before_its_body(
     assert effects.lines() == []
     assert c.phase("tu_1") in (None, Phase.APPROVED)
     assert c.in_doubt() == ()
+
+
+# features refused or carried
+
+
+def test_a_runner_with_a_toolset_is_refused_when_attached(tmp_path: Path) -> None:
+    """A toolset's members would run outside the ledger: `attach` refuses the runner
+    (`UnsupportedFeature`), before any request or tool."""
+    from anthropic.lib.tools import BetaRunnableToolset
+
+    class Browser(BetaRunnableToolset):
+        toolset_name = "browser"
+
+        def call(self, context: Any, name: str, input: Any) -> str:
+            raise AssertionError("a member ran")
+
+        def to_dict(self) -> Any:
+            return {"type": "browser_toolset_20260801"}
+
+    model = Model()
+    runner = model.client().beta.messages.tool_runner(
+        model="claude-test", max_tokens=64, tools=[Browser()],
+        messages=[{"role": "user", "content": "pay"}])
+    ledger = MessageToolLedger.open("t", store=MemoryEventStore())
+    with pytest.raises(UnsupportedFeature, match="toolsets") as refused:
+        ledger.attach(runner)
+    assert refused.value.feature == "toolsets"
+    assert model.requests == []
+    assert ledger.controller.version == 1  # nothing recorded but the run's start
+
+
+class Verdict(pydantic.BaseModel):
+    paid: bool
+    receipt: str
+
+
+def test_a_replayed_structured_reply_is_parsed_as_the_runner_parses_it(
+        tmp_path: Path) -> None:
+    """A tool runner with ``output_format``: its final reply's ``parsed_output`` is the
+    format's model, and so is the recorded reply's when the conversation runs again."""
+    effects = Effects(tmp_path, "p")
+    answer = '{"paid": true, "receipt": "r-7"}'
+
+    def handle(request: httpx2.Request) -> httpx2.Response:
+        last = json.loads(request.content)["messages"][-1]["content"]
+        done = isinstance(last, list) and last[0].get("type") == "tool_result"
+        content = ([{"type": "text", "text": answer}] if done else
+                   [{"type": "tool_use", "id": "tu_1", "name": "charge", "input": {"x": 7}}])
+        return httpx2.Response(200, json={
+            "id": "msg", "type": "message", "role": "assistant", "model": "claude-test",
+            "content": content, "stop_reason": "end_turn" if done else "tool_use",
+            "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1}})
+
+    client = Anthropic(api_key="test-key", max_retries=0, http_client=httpx2.Client(
+        transport=httpx2.MockTransport(handle)))
+    store = MemoryEventStore()
+
+    def once() -> Any:
+        ledger = MessageToolLedger.open("s", store=store)
+        return ledger.attach(client.beta.messages.tool_runner(
+            model="claude-test", max_tokens=64, tools=[sync_charge(effects)],
+            output_format=Verdict,
+            messages=[{"role": "user", "content": "pay 7"}])).until_done(), ledger
+
+    first, _ = once()
+    again, ledger = once()
+    assert ledger.replayed
+    assert first.parsed_output == again.parsed_output == Verdict(paid=True, receipt="r-7")
+    assert type(again) is type(first)
+    assert effects.lines() == ["p charge 7"]
