@@ -72,6 +72,7 @@ from tests.drivers.anthropic_driver import (
     FakeSession,
     PostFault,
     client_for,
+    fork,
     tool_use,
 )
 from tests.drivers.effects import Effects
@@ -283,13 +284,12 @@ def test_kill_9_between_the_tool_and_its_post_then_restart(tmp_path: Path,
                                                            through: str) -> None:
     prefix = "sdk-" if through == "sdk-alone" else ""
     extra = ["buffered"] if through == "adapter-buffered" else []
-    crashed = _driver(f"{prefix}crash-post", str(tmp_path), "first", *extra)
-    assert crashed.returncode == -9, crashed.stderr
+    # (each process forked from this one: the kill and the restart are real, without an
+    # interpreter start-up each; the next test runs the driver as its own program)
+    assert fork(f"{prefix}crash-post", str(tmp_path), "first", *extra) is None  # killed
     assert Effects(tmp_path, "").lines() == ["first charge 7"]
-    resumed = _driver(f"{prefix}resume", str(tmp_path), "second", *extra)
-    assert resumed.returncode == 0, resumed.stderr
-    assert json.loads(resumed.stdout) == {"name": "second", "outcome": "done",
-                                          "error": None, "posted": [True]}
+    assert fork(f"{prefix}resume", str(tmp_path), "second", *extra) == {
+        "name": "second", "outcome": "done", "error": None, "posted": [True]}
     remote = json.loads((tmp_path / "remote.json").read_text())["events"]
     [landed] = [e for e in remote if e.get("custom_tool_use_id") == "tu_1"]
     if through == "sdk-alone":
@@ -671,12 +671,10 @@ def test_run_tools_answers_a_result_holding_datetimes(tmp_path: Path) -> None:
 
 
 def _messages_driver(command: str, folder: Path, name: str, via: str) -> dict[str, Any]:
-    done = _driver(command, str(folder), name, via)
-    if "crash" in command:
-        assert done.returncode == -9, done.stderr
-        return {}
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)  # type: ignore[no-any-return]
+    """One driver command in a forked child (killed by itself: ``{}``)."""
+    answer = fork(command, str(folder), name, via)
+    assert (answer is None) == ("crash" in command), answer
+    return answer or {}
 
 
 def _requests(folder: Path) -> list[str]:
@@ -726,16 +724,14 @@ def test_a_resolution_recorded_from_outside_is_sent_as_a_tool_result(
 
 def test_a_resolution_recorded_from_outside_is_posted_by_the_session_runner(
         tmp_path: Path) -> None:
-    crashed = _driver("crash-tool", str(tmp_path), "first")
-    assert crashed.returncode == -9, crashed.stderr
+    assert fork("crash-tool", str(tmp_path), "first") is None  # killed inside the tool
     store = SQLiteEventStore(tmp_path / "events.db")
     operator = RunController.load(store, f"anthropic-session:{SESSION_ID}")
     operator.claim("operator")
     operator.resolve_in_doubt("tu_1", "charged 7 (by hand)")
     store.close()
-    resumed = _driver("resume", str(tmp_path), "second")
-    assert json.loads(resumed.stdout) == {"name": "second", "outcome": "done",
-                                          "error": None, "posted": [True]}
+    assert fork("resume", str(tmp_path), "second") == {
+        "name": "second", "outcome": "done", "error": None, "posted": [True]}
     remote = json.loads((tmp_path / "remote.json").read_text())["events"]
     [landed] = [e for e in remote if e.get("custom_tool_use_id") == "tu_1"]
     assert landed["type"] == "user.custom_tool_result"
@@ -1140,3 +1136,44 @@ def test_a_replayed_structured_reply_is_parsed_as_the_runner_parses_it(
     assert first.parsed_output == again.parsed_output == Verdict(paid=True, receipt="r-7")
     assert type(again) is type(first)
     assert effects.lines() == ["p charge 7"]
+
+
+@pytest.mark.parametrize(("died_in", "tools"), [("complete", True), ("complete", False),
+                                                ("accept_final_output", False),
+                                                ("model_responded", False)])
+def test_a_conversation_whose_end_was_half_recorded_is_finished_from_its_record(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, died_in: str, tools: bool) -> None:
+    """The process died while it recorded the conversation's end (between its records, as
+    a kill between two appends leaves it): the next attempt finishes the record and
+    answers with the recorded reply, sending nothing, when the reply is in the log; it asks
+    the model again only when it is not (died before the answer was recorded)."""
+    effects = Effects(tmp_path, "p")
+    store = SQLiteEventStore(tmp_path / "events.db")
+    model = Model()
+    first: list[Any] = ([{"role": "user", "content": "pay 7"}] if tools else
+                        [{"role": "user", "content": [{"type": "tool_result",
+                                                        "tool_use_id": "x",
+                                                        "content": "hello"}]}])
+
+    class Died(Exception):
+        pass
+
+    def die(*args: Any, **kwargs: Any) -> None:
+        raise Died
+
+    with monkeypatch.context() as patched:
+        patched.setattr(RunController, died_in, die)
+        with pytest.raises(Died):
+            _conversation(model.client(), MessageToolLedger.open(
+                "m", [sync_charge(effects)], store=store), [sync_charge(effects)],
+                list(first))
+    requests = len(model.requests)
+    ledger = MessageToolLedger.open("m", [sync_charge(effects)],
+                                    store=SQLiteEventStore(tmp_path / "events.db"))
+    final = _conversation(model.client(), ledger, [sync_charge(effects)], list(first))
+    asked_again = died_in == "model_responded"
+    assert ledger.replayed is not asked_again
+    assert len(model.requests) == requests + asked_again
+    assert final.content[0].text == ("charged 7 (run 1)" if tools else "hello")
+    assert effects.lines() == (["p charge 7"] if tools else [])
+    assert RunController.load(store, "m").step is Step.COMPLETED

@@ -33,6 +33,8 @@ fsynced line per request to DIR/requests.txt:
   retrying the request would; prints ``{"name", "outcome", "error", "final",
   "replayed"}``;
 * ``sdk-messages-...``: the same on the SDK alone.
+
+`fork` runs one command in a child forked from the calling process instead.
 """
 
 from __future__ import annotations
@@ -350,7 +352,8 @@ def _messages(folder: Path, name: str, via: str, *, ledger: bool, crash_tool: bo
             "replayed": None if opened is None else opened.replayed}
 
 
-def main(argv: list[str]) -> int:
+async def _answer(argv: list[str]) -> dict[str, Any]:
+    """What one command of `main` does, as the JSON answer it prints."""
     command, folder = argv[0], Path(argv[1])
     name = argv[2] if len(argv) > 2 else command
     if "messages-" in command:
@@ -359,9 +362,8 @@ def main(argv: list[str]) -> int:
             "messages-crash-request": {"crash_request": True},
             "messages-resume": {},
         }[command.removeprefix("sdk-")]
-        print(json.dumps(_messages(folder, name, argv[3], ledger=not command.startswith(
-            "sdk-"), **messages)))
-        return 0
+        return _messages(folder, name, argv[3], ledger=not command.startswith("sdk-"),
+                         **messages)
     buffered = argv[3:] == ["buffered"]
     options = {
         "crash-post": {"ledger": True, "crash_post": True},
@@ -370,8 +372,25 @@ def main(argv: list[str]) -> int:
         "sdk-crash-post": {"ledger": False, "crash_post": True},
         "sdk-resume": {"ledger": False},
     }[command]
-    answer = asyncio.run(_drive(folder, name, buffered=buffered, **options))
-    print(json.dumps(answer))
+    return await _drive(folder, name, buffered=buffered, **options)
+
+
+def fork(*argv: str) -> dict[str, Any] | None:
+    """`main`'s command in a child forked from this process (no interpreter start-up, the
+    SDK's models already built): its answer, or None when the process was killed."""
+    from tests.drivers.durability_driver import run_forked
+
+    async def body(ticks: Any) -> dict[str, Any]:
+        return await _answer(list(argv))
+
+    answer = run_forked(Path(argv[1]), body, None)
+    if answer is not None:
+        answer.pop("ticks")
+    return answer
+
+
+def main(argv: list[str]) -> int:
+    print(json.dumps(asyncio.run(_answer(argv))))
     return 0
 
 
