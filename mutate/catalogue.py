@@ -702,7 +702,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("AN12", "                for item in cast(Generator[Any, None, None], steps()):\n"
                "                    self._posted(runner._sent_messages)  # the request was sent\n",
        "                for item in cast(Generator[Any, None, None], steps()):\n",
-       "an attached sync runner never records its results posted: its run never completes"),
+       "an attached sync runner records the results its requests carried as posted only "
+       "when it ends"),
     _m("AN13", "cast(Any, _SendableTool(tool)), ev, input_)", "tool, ev, input_)",
        "the session runner gets a tool's pydantic return value, which it fails on"),
     _m("AN14", "if runner._toolsets_by_family:", "if False:",

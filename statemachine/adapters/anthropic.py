@@ -64,16 +64,21 @@ body is the call's result, an error result the model sees, as the SDK makes it; 
 process crash, or a `BaseException` (cancellation), between its start and its result
 leaves the call in doubt.
 
-What it does not cover (refused or documented, never silently unsafe): toolset members in
-a messages tool runner (``toolset_name`` calls) are refused by `attach` before they run;
-decisions (tool confirmations) and new input reach a managed session through the server's
-own events, not through this adapter, so there is no adapter call to refuse while a write
-is unsettled, and a per-call result post never makes a run ``UNSETTLED`` (§2.4: an unposted
-result blocks no other call). A tool the wrapped runner does not own is left to its owner,
-as the SDK does, and is not entered in the ledger. The SDK has no tool output guardrail
-(no redacting step between a tool and its result): what a tool returns is what the ledger
-keeps and the model sees. ``create(stream=True)`` is carried for its tool results, but the
-streamed final reply is not seen, so it does not complete the run.
+What it does not cover (refused or documented, never silently unsafe): decisions (tool
+confirmations) and new input reach a managed session through the server's own events, not
+through this adapter, so there is no adapter call to refuse while a write is unsettled,
+and a per-call result post never makes a run ``UNSETTLED`` (§2.4: an unposted result
+blocks no other call), so no restart is ever refused as "an attempt may still be writing"
+and there is nothing to take over (``take_over``): a post or a request that a killed
+process left on its way is re-sent from the ledger. A tool the wrapped runner does not own
+is left to its owner, as the SDK does, and is not entered in the ledger. The SDK has no
+tool output guardrail (no redacting step between a tool and its result): what a tool
+returns is what the ledger keeps and the model sees (redact inside the tool). Toolsets
+(``BetaRunnableToolset``) in a messages tool runner are refused when it is attached
+(`UnsupportedFeature`). ``create(stream=True)`` is carried for its tool results, but the
+streamed final reply is not seen, so it does not complete the run. The SDK's
+``EnvironmentWorker`` builds the SDK's own session runner, outside the ledger: drive the
+session with `LedgerSessionToolRunner` instead.
 """
 
 from __future__ import annotations
@@ -105,10 +110,9 @@ from anthropic.lib.tools import (
     BetaAsyncToolRunner,
     BetaStreamingToolRunner,
     BetaToolRunner,
-    ToolError,
 )
 from anthropic.lib.tools._beta_session_runner import _build_result_event, _to_session_content
-from anthropic.lib.tools._tool_dispatch import run_runnable_tool
+from anthropic.lib.tools._tool_dispatch import run_runnable_tool, tool_error_content
 from anthropic.types import Message, ParsedMessage
 from anthropic.types.beta import BetaMessage
 from anthropic.types.beta.parsed_beta_message import ParsedBetaMessage
@@ -841,9 +845,9 @@ class MessageToolLedger:
         return _tool_result(call_id, _content_of(output), error)
 
     def _failure(self, call_id: str, tool_use: Any, error: Exception) -> dict[str, JSON]:
-        if isinstance(error, ToolError):
-            return self._result(call_id, tool_use, error.content, True)
-        return self._result(call_id, tool_use, f"{type(error).__name__}: {error}", True)
+        # the error result the SDK's tool runner sends: a ToolError's own content, else
+        # its text of the exception
+        return self._result(call_id, tool_use, tool_error_content(error), True)
 
     def _missing_tool(self, call_id: str, tool_use: Any) -> dict[str, JSON]:
         return self._result(call_id, tool_use,

@@ -1177,3 +1177,61 @@ def test_a_conversation_whose_end_was_half_recorded_is_finished_from_its_record(
     assert final.content[0].text == ("charged 7 (run 1)" if tools else "hello")
     assert effects.lines() == (["p charge 7"] if tools else [])
     assert RunController.load(store, "m").step is Step.COMPLETED
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+def test_an_attached_runner_records_a_result_posted_once_a_request_carried_it(
+        tmp_path: Path, sync: bool) -> None:
+    """Each reply the runner yields came back to a request: the results that request
+    carried are recorded as posted by then, not only when the runner ends."""
+    effects = Effects(tmp_path, "p")
+    model = Model()
+    ledger = MessageToolLedger.open("t", store=MemoryEventStore())
+    seen = []
+    params: dict[str, Any] = {"model": "claude-test", "max_tokens": 64,
+                              "messages": [{"role": "user", "content": "pay 7"}]}
+    if sync:
+        for message in ledger.attach(model.client().beta.messages.tool_runner(
+                tools=[sync_charge(effects)], **params)):
+            seen.append((message.stop_reason, ledger.controller.phase("tu_1")))
+    else:
+        async def go() -> None:
+            async for message in ledger.attach(model.async_client().beta.messages.tool_runner(
+                    tools=[counted_charge(effects)], **params)):
+                seen.append((message.stop_reason, ledger.controller.phase("tu_1")))
+
+        asyncio.run(go())
+    assert seen == [("tool_use", None), ("end_turn", Phase.PUBLISHED)]
+    assert ledger.controller.step is Step.COMPLETED
+
+
+def test_an_exception_raised_by_a_tool_is_the_error_result_the_sdk_sends(
+        tmp_path: Path) -> None:
+    """An ordinary exception from a tool body is the call's result: the SDK's own error
+    result (what its tool runner sends), the same through `run_tools` and through an
+    attached runner; recorded, so a retried turn sends it again without a second run."""
+    effects = Effects(tmp_path, "p")
+
+    @beta_tool
+    def charge(x: int) -> str:
+        """Charge the customer x dollars."""
+        effects(f"charge {x}")
+        raise ValueError("card declined")
+
+    sent = {}
+    for via in ("sdk-runner", "runner", "run_tools"):
+        model = Model()
+        client = model.client()
+        ledger = MessageToolLedger.open(via, [charge], store=MemoryEventStore())
+        first: list[Any] = [{"role": "user", "content": "pay 7"}]
+        if via == "run_tools":
+            _conversation(client, ledger, [charge], first)
+        else:
+            made = client.beta.messages.tool_runner(model="claude-test", max_tokens=64,
+                                                    tools=[charge], messages=first)
+            (made if via == "sdk-runner" else ledger.attach(made)).until_done()
+        [sent[via]] = model.requests[1][-1]["content"]
+    assert sent["runner"] == sent["run_tools"] == sent["sdk-runner"]
+    assert sent["runner"]["is_error"] is True
+    assert "card declined" in str(sent["runner"]["content"])
+    assert len(effects.lines()) == 3  # once per world
