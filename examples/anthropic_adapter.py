@@ -5,7 +5,9 @@ result is rejected and the event stream drops; after the reconnect, the SDK's ow
 runner would run ``charge`` again. `LedgerSessionToolRunner` re-posts the recorded result
 instead: the customer is charged once. Then a plain ``messages.create`` loop whose request
 carrying the tool result fails is retried: `MessageToolLedger` answers the retried turn
-from its cache, and a history with an unanswered ``tool_use`` is refused before sending.
+from its cache, and a history with an unanswered ``tool_use`` is refused before sending;
+the conversation's final reply completes the run, and the same request made again gets
+that recorded reply without any request.
 
 Every request goes through the SDK's HTTP layer into a local mock transport; nothing
 touches the network. The ledger lives in a SQLite event store in a fresh temporary
@@ -153,6 +155,14 @@ def messages_loop(store: SQLiteEventStore) -> None:
         print(f"  attempt {attempt}: {final.content[0].text!r}")
         break
     print(f"  refund ran {len(refunds)} time(s) over {len(requests)} request(s)")
+    assert refunds == [3]
+    # the conversation ended with that reply, and the run with it: the same request again
+    # (a user retrying it) gets the recorded reply, with no request and no refund
+    retried = MessageToolLedger.open("chat-1", [refund], store=store)
+    again = retried.create(client.messages, messages=history[:1], **params)
+    print(f"  the same request again: {again.content[0].text!r} (replayed="
+          f"{retried.replayed}); still {len(requests)} request(s), {len(refunds)} refund")
+    assert retried.replayed
     assert refunds == [3]
 
 

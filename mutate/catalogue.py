@@ -44,6 +44,7 @@ _FILES = {
     "OA": "statemachine/adapters/openai_agents.py",
     "AC": "statemachine/adapters/_calls.py",
     "PD": "statemachine/adapters/pydantic_ai.py",
+    "AN": "statemachine/adapters/anthropic.py",
 }
 
 
@@ -143,6 +144,7 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
         "tests/adapters/test_pydantic_ai_durability.py::"
         "test_each_effect_finds_the_durable_record_that_allows_it",
         "tests/adapters/test_pydantic_ai.py"),
+    "statemachine/adapters/anthropic.py": ("tests/adapters/test_anthropic.py",),
 }
 
 CATALOGUE: tuple[Mutant, ...] = (
@@ -828,4 +830,61 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("PD16", "await settle(c, self._history, take_over=self.take_over)",
        "await settle(c, self._history, take_over=False)",
        "take_over=True is not passed on to the reconcile"),
+    # ------------------------------------------------------- adapters/anthropic
+    _m("AN01", '        self.check_history(messages)\n'
+               '        _refuse_in_doubt(self.controller, "create")\n',
+       "        self.check_history(messages)\n",
+       "create sends a request while a call is in doubt (after a crash inside a tool)"),
+    _m("AN02", "            sent = failure(_TOO_LARGE.format(size=len(canonical_json(sent))))",
+       "            raise",
+       "a result over max_bytes leaves its call in doubt instead of recorded as failed"),
+    _m("AN03", "if c.size + needed > c._journal.limits.room:",
+       "if c.size > c._journal.limits.room:",
+       "the room check before a body forgets the start and the error it must hold"),
+    _m("AN04", "return cast(JSON, json.loads(openapi_dumps(value)))",
+       "return cast(JSON, value)",
+       "a result is recorded as the tool returned it, not as the SDK sends it"),
+    _m("AN05", "    return _tool_result(call_id, recorded if _blocks(recorded) else "
+               "_content_of(recorded),",
+       "    return recorded\n    return _tool_result(call_id, recorded if _blocks(recorded) "
+       "else _content_of(recorded),",
+       "an operator's resolution is sent as it is, not as a tool_result block"),
+    _m("AN06", "    return cast(JSON, _build_result_event(event, blocks, False))",
+       "    return recorded",
+       "an operator's resolution is posted as it is, not as a result event"),
+    _m("AN07", '    return (_field(reply, "type") == "message" and _field(reply, "role") == '
+               '"assistant"\n'
+               "            and _field(reply, \"stop_reason\") not in _NOT_FINAL\n"
+               "            and not _tool_uses(_field(reply, \"content\")))",
+       '    return _field(reply, "type") == "message"',
+       "a reply asking for tools ends the conversation"),
+    _m("AN08", 'if stream or not asked or asked != record["request"][:len(asked)]:',
+       'if stream or not asked or asked[:1] != record["request"][:1]:',
+       "a completed conversation answers any request that starts like it (a new turn too)"),
+    _m("AN09", 'if _field(event, "type") in _SESSION_ENDS:',
+       'if _field(event, "type") == "session.deleted":',
+       "a terminated session is not seen as ended: its run never completes"),
+    _m("AN10", "        _replayed(c, \"create\")\n        self.replayed = True\n",
+       "        _replayed(c, \"create\")\n",
+       "a recorded reply is returned without saying so"),
+    _m("AN11", "        c.accept_final_output(c.model_output)\n"
+               "    if c.step is Step.FINAL_OUTPUT:\n        c.complete()\n",
+       "        c.accept_final_output(c.model_output)\n",
+       "a run whose process died between its final output and its completion never "
+       "completes"),
+    _m("AN12", "                for item in cast(Generator[Any, None, None], steps()):\n"
+               "                    self._posted(runner._sent_messages)  # the request was sent\n",
+       "                for item in cast(Generator[Any, None, None], steps()):\n",
+       "an attached sync runner records the results its requests carried as posted only "
+       "when it ends"),
+    _m("AN13", "cast(Any, _SendableTool(tool)), ev, input_)", "tool, ev, input_)",
+       "the session runner gets a tool's pydantic return value, which it fails on"),
+    _m("AN14", "if runner._toolsets_by_family:", "if False:",
+       "a runner with toolsets is attached, their members outside the ledger"),
+    _m("AN15", "if existing and controller.step is not Step.COMPLETED:", "if existing:",
+       "opening a completed conversation claims it, which is refused"),
+    _m("AN16", "        if self.replayed:  # a session that ended: nothing to claim, open, "
+               "run or post\n",
+       "        if False:\n",
+       "a completed session is claimed again, which is refused"),
 )

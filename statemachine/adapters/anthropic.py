@@ -1,7 +1,7 @@
 """The Anthropic SDK (PyPI ``anthropic``) with the control core's tool ledger underneath
-(DESIGN §2.4, §6.8). Install with ``pip install 'agent-statemachine[anthropic]'`` (tested
-on anthropic 2.10.x; the extra pins ``>=2.10,<2.11`` because the session runner is wrapped
-at seams the SDK does not promise to keep).
+(DESIGN §2.4, §6.8, §7.4). Install with ``pip install 'agent-statemachine[anthropic]'``
+(tested on anthropic 2.10.x; the extra pins ``>=2.10,<2.11`` because the runners are
+wrapped at seams the SDK does not promise to keep).
 
 Two ways the SDK runs tools on the client, two wrappers, one ledger (a `RunController`
 without a Session, usually bound to an event store so it survives process restarts):
@@ -12,7 +12,7 @@ Managed sessions — `LedgerSessionToolRunner`
     managed-agents session and posts each result back. Its history pass after every
     stream reconnect re-dispatches each call whose result the server does not hold, and
     in 2.10 a re-dispatch runs the tool again: a tool whose result post failed runs twice
-    after a reconnect. `LedgerSessionToolRunner` is that runner with three seams wrapped:
+    after a reconnect. `LedgerSessionToolRunner` is that runner with four seams wrapped:
 
     ========================  ============================================================
     SDK seam                  what the wrapper does
@@ -20,11 +20,16 @@ Managed sessions — `LedgerSessionToolRunner`
     running one tool          ``begin_tool(tool_use id)``: `Execute` → the start is durable
                               first, the SDK runs the tool, ``tool_completed`` records the
                               result event before anything is posted; `Resend` → the cached
-                              result event, the tool never runs again; a started, unfinished
+                              result event (an operator's ``resolve_in_doubt`` output made
+                              into one), the tool never runs again; a started, unfinished
                               call → `ToolInDoubt`, and the runner stops (fails closed)
     posting a result          a post that ends without landing → ``result_post_failed``
     a result the server holds the server's history or stream shows the result (or a post
                               landed) → ``result_posted``: never re-sent again
+    the live event stream     ``session.status_terminated`` / ``session.deleted`` (what
+                              the SDK stops on): once every call is posted the run is
+                              completed; iterating a completed run opens nothing
+                              (``replayed``)
     ========================  ============================================================
 
     Every iteration on an existing run first records ``claim`` and passes the gate
@@ -36,30 +41,59 @@ Messages — `MessageToolLedger`
     keyed by the ``tool_use`` id, and returns the user message of their ``tool_result``
     blocks, so a retried turn answers a finished call from the cache instead of running it
     again; ``ledger.create(client.messages, ...)`` refuses a history that holds a
-    ``tool_use`` without its ``tool_result`` (`UnansweredToolUse`) before anything is sent,
-    and marks the results a successful request carried as posted. ``ledger.attach(runner)``
-    puts the same ledger under a ``client.beta.messages.tool_runner(...)`` runner (sync or
-    async, streamed or not): each tool call it makes is ledgered by its ``tool_use`` id.
+    ``tool_use`` without its ``tool_result`` (`UnansweredToolUse`), and any request while a
+    call is in doubt (`ToolInDoubt`), before anything is sent, and marks the results a
+    successful request carried as posted. ``ledger.attach(runner)`` puts the same ledger
+    under a ``client.beta.messages.tool_runner(...)`` runner (sync or async, streamed or
+    not): each tool call it makes is ledgered by its ``tool_use`` id.
 
-What it does not cover (refused or documented, never silently unsafe): toolset members in
-a messages tool runner (``toolset_name`` calls) are refused by `attach` before they run;
-decisions (tool confirmations) and new input reach a managed session through the server's
-own events, not through this adapter, so there is no adapter call to refuse while a write
-is unsettled, and a per-call result post never makes a run ``UNSETTLED`` (§2.4: an unposted
-result blocks no other call). A tool the wrapped runner does not own is left to its owner,
-as the SDK does, and is not entered in the ledger.
+    A run is one conversation up to its final reply (one without ``tool_use`` that ends the
+    turn): that reply is recorded and the run completed. Running the conversation again (a
+    request whose messages are the recorded conversation's, or a start of them) returns the
+    recorded reply without any request or tool run, and says so (``ledger.replayed``); a
+    request that goes past the recorded conversation (a new user turn after its end) is
+    refused (`RunNotResumable`): it belongs to a new run.
+
+Results: a tool's return value is recorded as the SDK sends it (its own request encoder's
+JSON: a pydantic model, a datetime, a tuple), so a result re-sent from the cache is
+byte-identical to the first one. A result the run's log cannot hold (over ``max_bytes``,
+nested deeper than ``max_depth``, or not JSON at all) is recorded as a failed call, an
+error result the model sees; when the log has no room left even for that error, the call
+is refused before its body runs (`SchemaError`). An ordinary exception raised by a tool
+body is the call's result, an error result the model sees, as the SDK makes it; only a
+process crash, or a `BaseException` (cancellation), between its start and its result
+leaves the call in doubt.
+
+What it does not cover (refused or documented, never silently unsafe): decisions (tool
+confirmations) and new input reach a managed session through the server's own events, not
+through this adapter, so there is no adapter call to refuse while a write is unsettled,
+and a per-call result post never makes a run ``UNSETTLED`` (§2.4: an unposted result
+blocks no other call), so no restart is ever refused as "an attempt may still be writing"
+and there is nothing to take over (``take_over``): a post or a request that a killed
+process left on its way is re-sent from the ledger. A tool the wrapped runner does not own
+is left to its owner, as the SDK does, and is not entered in the ledger. The SDK has no
+tool output guardrail (no redacting step between a tool and its result): what a tool
+returns is what the ledger keeps and the model sees (redact inside the tool). Toolsets
+(``BetaRunnableToolset``) in a messages tool runner are refused when it is attached
+(`UnsupportedFeature`). ``create(stream=True)`` is carried for its tool results, but the
+streamed final reply is not seen, so it does not complete the run. The SDK's
+``EnvironmentWorker`` builds the SDK's own session runner, outside the ledger: drive the
+session with `LedgerSessionToolRunner` instead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 import json
 from collections.abc import (
     AsyncGenerator,
+    AsyncIterator,
     Awaitable,
     Callable,
     Collection,
+    Generator,
     Iterable,
     Mapping,
     Sequence,
@@ -69,31 +103,49 @@ from typing import Any, TypeVar, cast
 from statemachine.adapters import missing_extra
 
 try:
+    import pydantic
     from anthropic import AsyncAnthropic
+    from anthropic._utils._json import openapi_dumps
+    from anthropic.lib._parse._response import parse_beta_response
     from anthropic.lib.environments import DispatchedToolCall, SessionToolRunner
     from anthropic.lib.tools import (
         BetaAsyncStreamingToolRunner,
         BetaAsyncToolRunner,
         BetaStreamingToolRunner,
         BetaToolRunner,
-        ToolError,
     )
+    from anthropic.lib.tools._beta_session_runner import _build_result_event, _to_session_content
+    from anthropic.lib.tools._tool_dispatch import run_runnable_tool, tool_error_content
+    from anthropic.types import Message, ParsedMessage
+    from anthropic.types.beta import BetaMessage
+    from anthropic.types.beta.parsed_beta_message import ParsedBetaMessage
 except ModuleNotFoundError as error:  # pragma: no cover - the extra is installed in CI
     raise missing_extra(__name__, "anthropic", error) from error
 
+from statemachine import events as ev
+from statemachine import sizes
 from statemachine.adapters._calls import Walk, begin_call, plain
 from statemachine.controller import RunController
-from statemachine.errors import ControlError, InvalidTransition, RunNotFound, ToolInDoubt
-from statemachine.payloads import JSON
+from statemachine.errors import (
+    ControlError,
+    InvalidTransition,
+    RunNotFound,
+    RunNotResumable,
+    SchemaError,
+    ToolInDoubt,
+)
+from statemachine.payloads import JSON, canonical_json
 from statemachine.runner.attempt import Attempt, interrupted, maybe_await
 from statemachine.stores import AsyncEventStore, EventStore
-from statemachine.values import Phase, ToolCall
+from statemachine.structured_logging import run_logger, switch
+from statemachine.values import Phase, Step, ToolCall
 
 __all__ = [
     "LedgerSessionToolRunner",
     "MessageToolLedger",
     "ResultNotPosted",
     "UnansweredToolUse",
+    "UnsupportedFeature",
 ]
 
 _Runner = TypeVar("_Runner", BetaToolRunner[Any], BetaStreamingToolRunner[Any],
@@ -105,6 +157,19 @@ class UnansweredToolUse(ControlError):
     user message answers. Nothing was sent: the API would refuse the history, and a result
     made up for a call that may have run would hide what happened. Answer the call (from
     `MessageToolLedger.run_tools`, or `resolve_in_doubt` for a call in doubt) first."""
+
+
+class UnsupportedFeature(ControlError, ValueError):
+    """An SDK feature this adapter cannot carry safely, refused before anything was
+    recorded or run (when a runner is attached, or before the call that uses it).
+    ``feature`` names it."""
+
+    def __init__(self, reason: str, *, feature: str, **where: Any) -> None:
+        self.feature = feature
+        super().__init__(reason, **where)
+
+    def _extra(self) -> dict[str, Any]:
+        return {"feature": self.feature}
 
 
 class ResultNotPosted(Exception):
@@ -136,6 +201,38 @@ def _as_is(value: Any, walk: Walk | None) -> JSON:
     return value
 
 
+def _sendable(value: Any) -> JSON:
+    """``value`` exactly as the SDK sends it: the JSON its request encoder writes (a tuple
+    as a list, a datetime as its ISO text, a pydantic model as its request dump), read
+    back. `TypeError`, `ValueError` or `RecursionError` for a value the encoder refuses,
+    as the SDK's request would."""
+    return cast(JSON, json.loads(openapi_dumps(value)))
+
+
+def _blocks(value: Any) -> bool:
+    """A list of content blocks (each a mapping with a ``type``)."""
+    return isinstance(value, list | tuple) and all(
+        isinstance(block, Mapping) and isinstance(block.get("type"), str) for block in value)
+
+
+def _content_of(value: Any) -> JSON:
+    """A value the adapter turns into ``tool_result`` content itself (a return value of
+    `run_tools`' tools, an operator's resolution): text as it is, a list of content
+    blocks as plain JSON, anything else as its JSON text (as the SDK's encoder reads it),
+    or its ``str()`` when it has none."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    blocks = plain(value, fallback=_as_is)
+    if isinstance(blocks, list):
+        return blocks
+    try:
+        return json.dumps(_sendable(blocks))
+    except (TypeError, ValueError, RecursionError):
+        return str(value)
+
+
 def _open_sync(run_id: str, store: EventStore | None, buffered: bool
                ) -> tuple[RunController, bool]:
     buffered = buffered and store is not None
@@ -164,8 +261,187 @@ def _receive(c: RunController, call_id: str, name: str, arguments: JSON,
     """Enter a call the ledger has not seen (it needs no approval on the client: a call the
     server gates is released to the runner only once it is allowed)."""
     if c.phase(call_id) is None:
-        c.receive_tool_calls([ToolCall(call_id, name, arguments,
-                                       idempotent=name in idempotent)])
+        call = ToolCall(call_id, name, arguments, idempotent=name in idempotent)
+        if c.step is Step.AWAITING_MODEL:  # an earlier process died recording an answer
+            c.model_responded(tool_calls=[call])
+        else:
+            c.receive_tool_calls([call])
+
+
+def _refuse_in_doubt(c: RunController, action: str) -> None:
+    """`ToolInDoubt` while any call of the run is in doubt: nothing of this attempt may
+    run or be sent until an operator records its outcome."""
+    doubt = c.in_doubt()
+    if doubt:
+        raise ToolInDoubt(
+            f"call {doubt[0]!r} was started and never completed; it is not re-run, and "
+            "nothing is sent until its outcome is recorded (resolve_in_doubt) or the run "
+            "is abandoned", call_id=doubt[0], run_id=c.run_id, step=c.step, action=action)
+
+
+# ------------------------------------------------------------------ results
+
+
+_UNSENDABLE = ("the tool ran, but its result cannot be sent as JSON ({error}); it was not "
+               "recorded")
+_TOO_LARGE = ("the tool ran, but its result ({size} bytes as JSON) is more than the run's "
+              "log may hold (max_bytes, max_depth); it was not recorded")
+_LARGEST_SIZE = 10**18
+"""A size no result reaches: the error result it names is the longest one (`_room_for`)."""
+
+
+def _record(c: RunController, call_id: str, result: Any,
+            failure: Callable[[str], JSON]) -> tuple[JSON, bool]:
+    """Record ``result`` (as the SDK would send it) as the call's output; returns what to
+    send, and whether that is a failure recorded in its place: a result the log cannot
+    hold is recorded as ``failure(why)``, an error result the model sees, so a call is
+    never left in doubt by the library's own limits."""
+    try:
+        sent = _sendable(result)
+    except (TypeError, ValueError, RecursionError) as error:
+        sent = failure(_UNSENDABLE.format(error=type(error).__name__))
+    else:
+        try:
+            c.tool_completed(call_id, sent)
+            return sent, False
+        except SchemaError:  # over max_bytes or max_depth: nothing was recorded
+            sent = failure(_TOO_LARGE.format(size=len(canonical_json(sent))))
+    c.tool_completed(call_id, sent)
+    return sent, True
+
+
+def _room_for(c: RunController, call_id: str, failure: Callable[[str], JSON]) -> None:
+    """Before a call's body runs: `SchemaError` (nothing recorded, the body never runs)
+    unless the run's log has room under ``max_bytes`` for the call's start and the longest
+    error result `_record` could need, so a result that does not fit can always be
+    recorded as failed."""
+    if call_id not in c.runnable_call_ids():
+        return  # answered from the ledger, or refused by begin_call
+    seq = c.version
+    error = failure(_TOO_LARGE.format(size=_LARGEST_SIZE))
+    needed = (sizes.event_size(ev.ToolStarted(seq, call_id))
+              + sizes.event_size(ev.ToolCompleted(seq + 1, call_id, error))
+              + 2)  # the commas before them
+    # the room an ordinary command may fill (the controller has no public reading of it)
+    if c.size + needed > c._journal.limits.room:
+        raise SchemaError(
+            f"the run's log has no room under its max_bytes for call {call_id!r} and its "
+            "result; the call did not run (start a new run for more calls)",
+            run_id=c.run_id, step=c.step, action="begin_tool")
+
+
+def _tool_result(call_id: str, content: JSON, error: bool) -> dict[str, JSON]:
+    block: dict[str, JSON] = {"type": "tool_result", "tool_use_id": call_id,
+                              "content": content}
+    if error:
+        block["is_error"] = True
+    return block
+
+
+def _as_tool_result(call_id: str, recorded: JSON) -> JSON:
+    """A recorded output as the call's ``tool_result`` block: a block recorded by this
+    adapter as it is; anything else (an operator's ``resolve_in_doubt`` output: text or
+    JSON) made into one, so a run settled from outside goes on."""
+    if isinstance(recorded, dict) and recorded.get("type") == "tool_result" and recorded.get(
+            "tool_use_id") == call_id:
+        return recorded
+    return _tool_result(call_id, recorded if _blocks(recorded) else _content_of(recorded),
+                        False)
+
+
+def _session_content(value: Any) -> Any:
+    """A tool's return value as the session runner can post it: text and lists of content
+    blocks as they are (pydantic blocks dumped); anything else (a pydantic model, a dict, a
+    number), which the SDK's session runner fails on after the tool ran, as its JSON text."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list | tuple) and value and all(
+            isinstance(item, Mapping | pydantic.BaseModel) for item in value):
+        listed = [dict(item) if isinstance(item, Mapping) else _sendable(item)
+                  for item in value]
+        if _blocks(listed):
+            return listed
+    return _content_of(value)
+
+
+def _as_result_event(event: Any, recorded: JSON) -> JSON:
+    """A recorded output as the call's result event: an event recorded by this adapter as
+    it is; anything else (an operator's ``resolve_in_doubt`` output) made into the event
+    the SDK would post for that content."""
+    if isinstance(recorded, dict) and recorded.get("type") in (
+            "user.custom_tool_result", "user.tool_result") and event.id in (
+            recorded.get("custom_tool_use_id"), recorded.get("tool_use_id")):
+        return recorded
+    content = recorded if _blocks(recorded) else _content_of(recorded)
+    blocks, _ = _to_session_content(cast(Any, content))
+    return cast(JSON, _build_result_event(event, blocks, False))
+
+
+# ------------------------------------------------------------ the conversation's end
+
+
+_REPLIES: dict[str, type[pydantic.BaseModel]] = {
+    kind.__name__: kind for kind in (ParsedMessage, Message, ParsedBetaMessage, BetaMessage)}
+"""The SDK's reply types a recorded final reply is rebuilt as, the more specific first."""
+
+
+def _kind(reply: Any) -> str | None:
+    """The name of ``reply``'s SDK type in `_REPLIES` (a generic ``ParsedBetaMessage[T]``
+    is a ``ParsedBetaMessage``); None for anything else, which is replayed as JSON."""
+    return next((name for name, kind in _REPLIES.items() if isinstance(reply, kind)), None)
+_NOT_FINAL = frozenset({"tool_use", "pause_turn", "compaction"})
+"""Stop reasons after which the conversation goes on (the SDK's tool runner sends the next
+request after each)."""
+
+
+def _final(reply: Any) -> bool:
+    """A reply that ends the conversation: an assistant message without ``tool_use`` whose
+    stop reason is not one the SDK's tool runner continues after."""
+    return (_field(reply, "type") == "message" and _field(reply, "role") == "assistant"
+            and _field(reply, "stop_reason") not in _NOT_FINAL
+            and not _tool_uses(_field(reply, "content")))
+
+
+def _digests(messages: Iterable[Any]) -> list[JSON]:
+    """One digest per message, of its JSON as the SDK sends it: what tells a request of
+    the recorded conversation (or a start of it) from any other."""
+    return [hashlib.sha256(canonical_json(_sendable(message))).hexdigest()[:32]
+            for message in messages]
+
+
+def _finished(c: RunController, output: JSON) -> bool:
+    """Record ``output`` as the run's final output and complete it, when nothing is left
+    to run or post (True); otherwise record nothing (False). Each step goes on from where
+    an earlier process that died recording the end left it."""
+    if c.in_flight or c.in_doubt() or c.unpublished_call_ids():
+        return c.step is Step.COMPLETED
+    if c.step is Step.RUN_AGAIN:
+        # no call was asked for: the model's answer is the whole conversation
+        c.begin_model_call()
+    if c.step is Step.AWAITING_MODEL:
+        c.model_responded(output=output)
+    if c.step in (Step.TOOLS, Step.FINALIZING):
+        c.accept_final_output(output)
+    if c.step is Step.FINAL_OUTPUT:
+        c.complete()
+    return c.step is Step.COMPLETED
+
+
+def _end_recorded(c: RunController) -> bool:
+    """Whether the run's end is recorded: completed, or (an earlier process died while it
+    recorded the end) its final answer recorded, the run then completed here."""
+    if c.step is Step.FINALIZING:
+        c.accept_final_output(c.model_output)
+    if c.step is Step.FINAL_OUTPUT:
+        c.complete()
+    return c.step is Step.COMPLETED
+
+
+def _replayed(c: RunController, what: str) -> None:
+    if switch.enabled:
+        run_logger(c.run_id).info("replayed", action=what,
+                                  note="the run completed earlier: its recorded result, "
+                                       "nothing sent, no tool run")
 
 
 # ------------------------------------------------------------- managed sessions
@@ -184,18 +460,68 @@ class _Answered(set[str]):
         self._on_add(item)
 
 
+_SESSION_ENDS = frozenset({"session.status_terminated", "session.deleted"})
+
+
+class _WatchedEvents:
+    """The session's events resource, whose live streams report each event they deliver
+    (the runner learns from them that the session ended)."""
+
+    def __init__(self, events: Any, on_event: Callable[[Any], None]) -> None:
+        self._events = events
+        self._on_event = on_event
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._events, name)
+
+    async def stream(self, *args: Any, **kwargs: Any) -> _WatchedStream:
+        return _WatchedStream(await self._events.stream(*args, **kwargs), self._on_event)
+
+
+class _WatchedStream:
+    def __init__(self, stream: Any, on_event: Callable[[Any], None]) -> None:
+        self._stream = stream
+        self._on_event = on_event
+
+    async def __aenter__(self) -> _WatchedStream:
+        await self._stream.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> Any:
+        return await self._stream.__aexit__(*exc)
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        async for event in self._stream:
+            self._on_event(event)
+            yield event
+
+
+class _SendableTool:
+    """A tool whose return value the session runner can post (`_session_content`); it
+    runs as the SDK runs the tool it wraps."""
+
+    def __init__(self, tool: Any) -> None:
+        self._tool = tool
+        self.name = tool.name
+
+    async def call(self, input_: dict[str, object]) -> Any:
+        return _session_content(await run_runnable_tool(self._tool, input_))
+
+
 class LedgerSessionToolRunner(SessionToolRunner):
     """The SDK's managed-session tool runner with the ledger under its tool calls: a result
     is recorded before it is posted; after a reconnect a recorded result is re-posted,
     never recomputed; a started, unfinished call is in doubt and stops the runner with
     `ToolInDoubt` (fails closed); with a store all of this holds across process restarts.
+    Once the session has ended (the event the SDK stops on) and every result is posted,
+    the run is completed; iterating a completed run yields nothing, opens no stream, runs
+    no tool, and sets ``replayed``.
 
     Open it with `open` (loads the run from ``store`` when it exists, else starts it) and
     iterate it like the SDK's runner (``async for call in runner``, or ``until_done()``).
     Every iteration may raise the controller's refusals as themselves (never inside an
     exception group): `ToolInDoubt`, `RunNotResumable`, `ConcurrencyConflict`,
-    `StorageError`, `SchemaError` (a result that is not plain JSON: the tool ran, and its
-    call is left in doubt)."""
+    `StorageError`, `SchemaError` (no room in the log for a call: it did not run)."""
 
     def __init__(self, client: AsyncAnthropic, session_id: str, *,
                  tools: Sequence[Any], controller: RunController, existing: bool = True,
@@ -203,8 +529,12 @@ class LedgerSessionToolRunner(SessionToolRunner):
                  **options: Any) -> None:
         super().__init__(client, session_id, tools=tools, **options)
         self.controller = controller
+        self.replayed = False
+        """True when the last iteration found the run completed: nothing was opened,
+        run or posted."""
         self._idempotent = frozenset(idempotent)
         self._attempt = Attempt(controller, resumes=existing, owner=owner)
+        self._ended: str | None = None
 
     @classmethod
     async def open(cls, client: AsyncAnthropic, session_id: str, *, tools: Sequence[Any],
@@ -239,20 +569,45 @@ class LedgerSessionToolRunner(SessionToolRunner):
     def _answered(self, value: Iterable[str]) -> None:
         self.__dict__["_ledger_answered"] = _Answered(value, self._acknowledge)
 
+    # ... and its events resource, whose streams tell the session's end
+    @property
+    def _events(self) -> Any:
+        return self.__dict__["_ledger_events"]
+
+    @_events.setter
+    def _events(self, value: Any) -> None:
+        self.__dict__["_ledger_events"] = _WatchedEvents(value, self._note)
+
+    def _note(self, event: Any) -> None:
+        if _field(event, "type") in _SESSION_ENDS:
+            self._ended = _field(event, "type")
+
     def _acknowledge(self, call_id: str) -> None:
         c = self.controller
         if c.phase(call_id) is Phase.COMPLETED:
             c.result_posted(call_id)
 
     async def __aiter__(self) -> AsyncGenerator[DispatchedToolCall, None]:
+        c = self.controller
+        self.replayed = c.step is Step.COMPLETED
+        if self.replayed:  # a session that ended: nothing to claim, open, run or post
+            _replayed(c, "iterate")
+            return
         async with self._attempt:  # an existing run is claimed first, before any effect
+            if _end_recorded(c):  # an earlier process died recording the end: finish it
+                self.replayed = True
+                _replayed(c, "iterate")
+                return
             try:
-                self.controller.resume()  # the gate: RunNotResumable, or ToolInDoubt
+                c.resume()  # the gate: RunNotResumable, or ToolInDoubt for a call in doubt
+                self._ended = None
                 # closing this iterator closes the SDK's in the same task (anyio needs it)
                 sdk_calls = cast(AsyncGenerator[DispatchedToolCall, None], super().__aiter__())
                 async with contextlib.aclosing(sdk_calls) as calls:
                     async for call in calls:
                         yield call
+                if self._ended is not None:
+                    _finished(c, {"session_id": self.session_id, "ended": self._ended})
             except BaseExceptionGroup as group:
                 refusal = _refusal_in(group)
                 if refusal is not None:
@@ -266,18 +621,25 @@ class LedgerSessionToolRunner(SessionToolRunner):
         call_id: str = ev.id
         arguments = plain(input_, fallback=_as_is)
         _receive(c, call_id, ev.name, arguments, self._idempotent)
+
+        def failure(why: str) -> JSON:
+            return cast(JSON, _build_result_event(ev, [{"type": "text", "text": why}], True))
+
+        _room_for(c, call_id, failure)
         done, result = begin_call(c, call_id, arguments)  # ToolInDoubt: started, unfinished
         if done:  # posted before, or it ran: the cached result, never a second run
-            return result, _field(result, "content")
+            event = _as_result_event(ev, result)
+            return event, _field(event, "content")
         try:
             await c.flush_async()  # an effect boundary: the start is durable first
-            result_event, recorded = await super()._call_tool(tool, ev, input_)
-            c.tool_completed(call_id, plain(result_event, fallback=_as_is))
+            result_event, recorded = await super()._call_tool(
+                cast(Any, _SendableTool(tool)), ev, input_)
+            event, failed = _record(c, call_id, result_event, failure)
             await c.flush_async()  # the result is durable before it is posted
         except BaseException:
             interrupted(c, call_id)
             raise
-        return result_event, recorded
+        return event, _field(event, "content") if failed else recorded
 
     async def _send_result(self, tool_result: Any, tool_use_id: str,
                            conversation_id: str | None) -> bool:
@@ -317,22 +679,6 @@ def _result_ids(message: Any) -> set[str]:
             if _field(block, "type") == "tool_result"}
 
 
-def _content_of(value: Any) -> JSON:
-    """A tool's return value as ``tool_result`` content: text as it is, a list of content
-    blocks as plain JSON, anything else as its JSON text."""
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    blocks = plain(value, fallback=_as_is)
-    if isinstance(blocks, list):
-        return blocks
-    try:
-        return json.dumps(blocks)
-    except (TypeError, ValueError):
-        return str(value)
-
-
 class MessageToolLedger:
     """The tool ledger around a client-side messages loop, keyed by ``tool_use`` id.
 
@@ -342,13 +688,19 @@ class MessageToolLedger:
     recorded right after), a finished call is answered from the cache and never runs again,
     a started, unfinished call raises `ToolInDoubt` before any call of the reply runs.
     `create` / `acreate` send a request only if every ``tool_use`` in its history is
-    answered (`UnansweredToolUse` otherwise), and record the results it carried as posted.
+    answered (`UnansweredToolUse` otherwise) and no call is in doubt (`ToolInDoubt`), and
+    record the results it carried as posted; the final reply completes the run, and a
+    request of a completed conversation is answered with its recorded final reply
+    (``replayed``), nothing sent.
     """
 
     def __init__(self, controller: RunController, tools: Sequence[Any] = (), *,
                  idempotent: Collection[str] = ()) -> None:
         self.controller = controller
         self.tools: dict[str, Any] = {str(tool.name): tool for tool in tools}
+        self.replayed = False
+        """True when the last `create` (or attached runner) found the conversation
+        completed and returned its recorded final reply: nothing was sent or run."""
         self._idempotent = frozenset(idempotent)
 
     @classmethod
@@ -356,11 +708,12 @@ class MessageToolLedger:
              idempotent: Collection[str] = (), owner: str | None = None,
              buffered: bool = False) -> MessageToolLedger:
         """The ledger of run ``run_id``: loaded from ``store`` when it holds it (and claimed
-        by ``owner``: of two processes that loaded the same version one goes on), else
-        started. ``buffered=True``: events are appended at effect boundaries only (before
-        a tool runs, before a request is sent)."""
+        by ``owner``: of two processes that loaded the same version one goes on; a
+        completed run is not claimed, it only answers from its record), else started.
+        ``buffered=True``: events are appended at effect boundaries only (before a tool
+        runs, before a request is sent, when the conversation ends)."""
         controller, existing = _open_sync(run_id, store, buffered)
-        if existing:
+        if existing and controller.step is not Step.COMPLETED:
             controller.claim(owner)
             controller.flush()
         return cls(controller, tools, idempotent=idempotent)
@@ -395,23 +748,82 @@ class MessageToolLedger:
                 if c.phase(call_id) is Phase.COMPLETED:
                     c.result_posted(call_id)
 
+    def _recorded(self, messages: Sequence[Any], *, stream: bool = False) -> JSON:
+        """Before a request: the record of the final reply (``{"kind", "reply",
+        "request"}``) when the conversation completed and ``messages`` are its own (or a
+        start of them); None when the run goes on. `RunNotResumable` for a completed run
+        asked anything else (nothing is sent)."""
+        c = self.controller
+        self.replayed = False
+        if not _end_recorded(c):
+            return None
+        record = c.final_output
+        if not isinstance(record, dict) or not isinstance(record.get("request"), list):
+            raise RunNotResumable("the run is completed, and not by a messages conversation "
+                                  "of this adapter; nothing was sent", run_id=c.run_id,
+                                  step=c.step, action="create")
+        try:
+            asked = _digests(messages)
+        except (TypeError, ValueError, RecursionError):
+            asked = []  # not a history the SDK could send: not the recorded one
+        if stream or not asked or asked != record["request"][:len(asked)]:
+            why = ("a streamed request gets no recorded reply: ask without stream=True"
+                   if stream and asked else
+                   "a new user turn after its end, or another conversation, is a new run: "
+                   "open the ledger with a new run_id")
+            raise RunNotResumable(
+                f"this run's conversation ended with its recorded final reply, and this "
+                f"request is not one of its own; {why}. Nothing was sent",
+                run_id=c.run_id, step=c.step, action="create")
+        _replayed(c, "create")
+        self.replayed = True
+        return record
+
+    def _before_request(self, messages: Sequence[Any]) -> None:
+        self.check_history(messages)
+        _refuse_in_doubt(self.controller, "create")
+
+    def _after_reply(self, messages: Sequence[Any], reply: Any) -> bool:
+        """The request was answered: the results it carried are posted, and a final reply
+        ends the conversation: recorded, the run completed (True; the caller flushes)."""
+        c = self.controller
+        self._posted(messages)
+        if not _final(reply):
+            return False
+        try:
+            record: JSON = {"kind": _kind(reply), "reply": _sendable(reply),
+                            "request": _digests(messages)}
+        except (TypeError, ValueError, RecursionError):
+            return False  # a reply or history this adapter cannot record: the run goes on
+        return _finished(c, record)
+
     def create(self, resource: Any, /, **params: Any) -> Any:
         """``resource.create(**params)`` (``client.messages`` or ``client.beta.messages``)
-        after `check_history`; the results the request carried are then posted."""
+        after `check_history` and the in-doubt gate; the results the request carried are
+        then posted, and a final reply completes the run. A completed conversation's own
+        request gets its recorded final reply, nothing sent (``replayed``)."""
         messages = list(params.get("messages") or ())
-        self.check_history(messages)
-        self.controller.flush()  # an effect boundary
+        recorded = self._recorded(messages, stream=bool(params.get("stream")))
+        self.controller.flush()  # an effect boundary (or the recorded end made durable)
+        if recorded is not None:
+            return _reply(recorded)
+        self._before_request(messages)
         reply = resource.create(**params)
-        self._posted(messages)
+        if self._after_reply(messages, reply):
+            self.controller.flush()  # the end of the conversation is durable
         return reply
 
     async def acreate(self, resource: Any, /, **params: Any) -> Any:
         """`create` for an async client."""
         messages = list(params.get("messages") or ())
-        self.check_history(messages)
+        recorded = self._recorded(messages, stream=bool(params.get("stream")))
         await self.controller.flush_async()
+        if recorded is not None:
+            return _reply(recorded)
+        self._before_request(messages)
         reply = await resource.create(**params)
-        self._posted(messages)
+        if self._after_reply(messages, reply):
+            await self.controller.flush_async()
         return reply
 
     # -------------------------------------------------------------------- tools
@@ -427,36 +839,20 @@ class MessageToolLedger:
                                     run_id=c.run_id, step=c.step, action="begin_tool")
         arguments = plain(_field(tool_use, "input"), fallback=_as_is)
         _receive(c, call_id, name, arguments, self._idempotent)
+        _room_for(c, call_id, self._failure_for(call_id))
         done, result = begin_call(c, call_id, arguments)
-        return call_id, result if done else None
+        return call_id, _as_tool_result(call_id, result) if done else None
 
-    def _gate(self, tool_uses: Sequence[Any]) -> None:
-        """Before any call of a reply runs: refuse if any call of the run is in doubt."""
-        c = self.controller
-        doubt = set(c.in_doubt())
-        for block in tool_uses:
-            call_id = _field(block, "id")
-            if call_id in doubt:
-                raise ToolInDoubt(
-                    f"call {call_id!r} was started and never completed; it is not re-run. "
-                    "Record its outcome with resolve_in_doubt, or abandon the run",
-                    call_id=call_id, run_id=c.run_id, step=c.step, action="run_tools")
-
-    def _finish(self, call_id: str, block: Any) -> Any:
-        self.controller.tool_completed(call_id, plain(block, fallback=_as_is))
-        return block
+    def _failure_for(self, call_id: str) -> Callable[[str], JSON]:
+        return lambda why: _tool_result(call_id, why, True)
 
     def _result(self, call_id: str, tool_use: Any, output: Any, error: bool) -> dict[str, JSON]:
-        block: dict[str, JSON] = {"type": "tool_result", "tool_use_id": call_id,
-                                  "content": _content_of(output)}
-        if error:
-            block["is_error"] = True
-        return block
+        return _tool_result(call_id, _content_of(output), error)
 
     def _failure(self, call_id: str, tool_use: Any, error: Exception) -> dict[str, JSON]:
-        if isinstance(error, ToolError):
-            return self._result(call_id, tool_use, error.content, True)
-        return self._result(call_id, tool_use, f"{type(error).__name__}: {error}", True)
+        # the error result the SDK's tool runner sends: a ToolError's own content, else
+        # its text of the exception
+        return self._result(call_id, tool_use, tool_error_content(error), True)
 
     def _missing_tool(self, call_id: str, tool_use: Any) -> dict[str, JSON]:
         return self._result(call_id, tool_use,
@@ -469,7 +865,7 @@ class MessageToolLedger:
         uses = _tool_uses(_field(reply, "content") if not isinstance(reply, list) else reply)
         if not uses:
             return None
-        self._gate(uses)
+        _refuse_in_doubt(self.controller, "run_tools")
         asynchronous = sorted({str(_field(use, "name")) for use in uses
                                if inspect.iscoroutinefunction(getattr(
                                    self.tools.get(str(_field(use, "name"))), "call", None))})
@@ -486,7 +882,7 @@ class MessageToolLedger:
         uses = _tool_uses(_field(reply, "content") if not isinstance(reply, list) else reply)
         if not uses:
             return None
-        self._gate(uses)
+        _refuse_in_doubt(self.controller, "run_tools")
         blocks: list[JSON] = []
         for use in uses:
             blocks.append(await self._arun_one(use, self._call_async))
@@ -520,7 +916,7 @@ class MessageToolLedger:
         try:
             c.flush()  # an effect boundary: the start is durable first
             block = execute(use)
-            return self._finish(call_id, block)
+            return _record(c, call_id, block, self._failure_for(call_id))[0]
         except BaseException:
             interrupted(c, call_id)
             raise
@@ -533,7 +929,7 @@ class MessageToolLedger:
         try:
             await c.flush_async()
             block = await execute(use)
-            return self._finish(call_id, block)
+            return _record(c, call_id, block, self._failure_for(call_id))[0]
         except BaseException:
             interrupted(c, call_id)
             raise
@@ -544,32 +940,97 @@ class MessageToolLedger:
         """Put the ledger under a ``client.beta.messages.tool_runner(...)`` runner (sync or
         async, streamed or not, eager or not): each of its tool calls is ledgered by its
         ``tool_use`` id (a finished call is answered from the cache, a call in doubt raises
-        `ToolInDoubt` out of the runner before its turn's results are sent). A toolset
-        member call is refused (`InvalidTransition`) before it runs. Returns ``runner``."""
+        `ToolInDoubt` out of the runner before its first request), the results each
+        request carried are posted, and the final reply completes the run. A runner of a
+        completed conversation sends nothing and ends with its recorded final reply
+        (``replayed``). A toolset member call is refused (`InvalidTransition`) before it
+        runs. Returns ``runner``; attach it before iterating it.
+
+        `UnsupportedFeature` (``feature="toolsets"``, nothing attached) for a runner given
+        toolsets (``BetaRunnableToolset``: a toolset member's calls are the toolset's to
+        run, not the ledger's); a toolset added later is refused when its member is
+        called, before it runs."""
         original = runner._run_tool
+        steps = runner._steps
         c = self.controller
+        if runner._toolsets_by_family:
+            raise UnsupportedFeature(
+                f"toolsets ({', '.join(sorted(runner._toolsets_by_family))}) are not "
+                "ledgered by this adapter: their members would run outside the ledger; "
+                "give the runner function tools", feature="toolsets", run_id=c.run_id,
+                step=c.step, action="attach")
 
         def refuse_toolset(tool_use: Any) -> Any:
-            raise InvalidTransition(
+            raise UnsupportedFeature(
                 f"toolset member {_field(tool_use, 'name')!r} is not ledgered by this "
-                "adapter; it did not run", run_id=c.run_id, step=c.step, action="begin_tool")
+                "adapter; it did not run", feature="toolsets", run_id=c.run_id, step=c.step,
+                action="begin_tool")
 
         if isinstance(runner, BetaAsyncToolRunner | BetaAsyncStreamingToolRunner):
             async def run_async(tool: Any, tool_use: Any) -> Any:
-                self._gate([tool_use])
+                _refuse_in_doubt(c, "run_tools")
                 return await self._arun_one(tool_use, lambda use: original(tool, use))
 
             async def refuse_async(tool_use: Any) -> Any:
                 return refuse_toolset(tool_use)
 
+            async def steps_async() -> AsyncGenerator[Any, None]:
+                recorded = self._runner_recorded(runner)
+                await c.flush_async()
+                if recorded:
+                    return
+                async with contextlib.aclosing(cast(AsyncGenerator[Any, None],
+                                                    steps())) as items:
+                    async for item in items:
+                        self._posted(runner._sent_messages)  # the request was sent
+                        yield item
+                if not runner._closed:
+                    self._after_reply(runner._sent_messages, await runner._get_last_message())
+                await c.flush_async()
+
             runner._run_tool = run_async  # type: ignore[method-assign]
             runner._run_toolset_member = refuse_async  # type: ignore[method-assign]
+            runner._steps = steps_async  # type: ignore[method-assign]
         else:
             def run_sync(tool: Any, tool_use: Any) -> Any:
-                self._gate([tool_use])
+                _refuse_in_doubt(c, "run_tools")
                 return self._run_one(tool_use, lambda use: original(tool, use))
+
+            def steps_sync() -> Generator[Any, None, None]:
+                recorded = self._runner_recorded(runner)
+                c.flush()
+                if recorded:
+                    return
+                for item in cast(Generator[Any, None, None], steps()):
+                    self._posted(runner._sent_messages)  # the request was sent
+                    yield item
+                if not runner._closed:
+                    self._after_reply(runner._sent_messages, runner._get_last_message())
+                c.flush()
 
             runner._run_tool = run_sync  # type: ignore[method-assign]
             runner._run_toolset_member = refuse_toolset  # type: ignore[method-assign]
+            runner._steps = steps_sync  # type: ignore[method-assign]
         return runner
 
+    def _runner_recorded(self, runner: Any) -> bool:
+        """Before an attached runner's first request: the gate (`ToolInDoubt`), or its
+        recorded final reply as the runner's last message when the conversation completed
+        (True: the runner sends nothing)."""
+        messages = list(runner._thread.messages)
+        recorded = self._recorded(messages)
+        if recorded is None:
+            _refuse_in_doubt(self.controller, "create")
+            return False
+        # parsed as the runner's thread parses a reply (its output_format, if any)
+        runner._last_message = parse_beta_response(
+            output_format=runner._thread._state.output_format,
+            response=BetaMessage.model_validate(cast(dict[str, Any], recorded)["reply"]))
+        return True
+
+
+def _reply(record: JSON) -> Any:
+    """A recorded final reply as the SDK type it was (its JSON for any other)."""
+    assert isinstance(record, dict)
+    kind = _REPLIES.get(str(record.get("kind")))
+    return record["reply"] if kind is None else kind.model_validate(record["reply"])

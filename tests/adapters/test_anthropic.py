@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import os
 import subprocess
@@ -40,6 +41,7 @@ except ImportError:  # pragma: no cover - CI installs the extra
                 allow_module_level=True)
 
 import httpx2
+import pydantic
 from anthropic import Anthropic, AsyncAnthropic, InternalServerError
 from anthropic.lib.environments import SessionToolRunner
 from anthropic.lib.tools import beta_async_tool, beta_tool
@@ -49,7 +51,10 @@ from statemachine import (
     MemoryEventStore,
     Phase,
     RunController,
+    RunNotResumable,
+    SchemaError,
     SQLiteEventStore,
+    Step,
     ToolCall,
     ToolInDoubt,
 )
@@ -57,13 +62,17 @@ from statemachine.adapters.anthropic import (
     LedgerSessionToolRunner,
     MessageToolLedger,
     UnansweredToolUse,
+    UnsupportedFeature,
 )
+from statemachine.cli.main import main as cli_main
+from statemachine.cli.main import verdict
 from statemachine.stores import AsyncSQLiteEventStore
 from tests.drivers.anthropic_driver import (
     SESSION_ID,
     FakeSession,
     PostFault,
     client_for,
+    fork,
     tool_use,
 )
 from tests.drivers.effects import Effects
@@ -275,13 +284,12 @@ def test_kill_9_between_the_tool_and_its_post_then_restart(tmp_path: Path,
                                                            through: str) -> None:
     prefix = "sdk-" if through == "sdk-alone" else ""
     extra = ["buffered"] if through == "adapter-buffered" else []
-    crashed = _driver(f"{prefix}crash-post", str(tmp_path), "first", *extra)
-    assert crashed.returncode == -9, crashed.stderr
+    # (each process forked from this one: the kill and the restart are real, without an
+    # interpreter start-up each; the next test runs the driver as its own program)
+    assert fork(f"{prefix}crash-post", str(tmp_path), "first", *extra) is None  # killed
     assert Effects(tmp_path, "").lines() == ["first charge 7"]
-    resumed = _driver(f"{prefix}resume", str(tmp_path), "second", *extra)
-    assert resumed.returncode == 0, resumed.stderr
-    assert json.loads(resumed.stdout) == {"name": "second", "outcome": "done",
-                                          "error": None, "posted": [True]}
+    assert fork(f"{prefix}resume", str(tmp_path), "second", *extra) == {
+        "name": "second", "outcome": "done", "error": None, "posted": [True]}
     remote = json.loads((tmp_path / "remote.json").read_text())["events"]
     [landed] = [e for e in remote if e.get("custom_tool_use_id") == "tu_1"]
     if through == "sdk-alone":
@@ -525,3 +533,705 @@ def test_an_async_tool_runner_and_arun_tools_use_the_same_ledger(tmp_path: Path)
     assert effects.lines() == ["p charge 7"]
     assert final.content[0].text == "charged 7 (run 1)"
     assert answer["content"][0]["content"] == "charged 7 (run 1)"
+
+
+# ------------------------------------------------ what the SDK lets users do (issue 23)
+
+
+class Receipt(pydantic.BaseModel):
+    amount: int
+    at: datetime.datetime
+    note: str = ""
+
+
+STAMPED = datetime.datetime(2026, 1, 1, 12, 0)
+
+
+class Model(FakeModel):
+    """`FakeModel` that also keeps each request's raw body."""
+
+    def __init__(self, fail: list[bool] | None = None) -> None:
+        super().__init__(fail)
+        self.bodies: list[bytes] = []
+
+    def handle(self, request: httpx2.Request) -> httpx2.Response:
+        self.bodies.append(request.content)
+        return super().handle(request)
+
+    def async_client(self) -> AsyncAnthropic:
+        return AsyncAnthropic(api_key="test-key", max_retries=0,
+                              http_client=httpx2.AsyncClient(
+                                  transport=httpx2.MockTransport(self.handle)))
+
+
+def receipt_tool(effects: Effects) -> Any:
+    @beta_tool  # type: ignore[type-var]  # (the SDK's types want text)
+    def charge(x: int) -> Receipt:
+        """Charge the customer x dollars."""
+        effects(f"charge {x}")
+        return Receipt(amount=x, at=STAMPED)
+
+    return charge
+
+
+def test_a_pydantic_result_with_a_datetime_is_sent_byte_for_byte_as_the_sdk_sends_it(
+        tmp_path: Path) -> None:
+    """``beta.messages.tool_runner`` with a tool returning a pydantic model holding a
+    datetime: the SDK alone sends it (as its own encoder writes it). Through the ledger the
+    request carrying it is byte-identical, and so is the retried turn's, answered from the
+    ledger (the tool ran once)."""
+    bodies = {}
+    for through in ("sdk-alone", "ledger"):
+        effects = Effects(tmp_path, through)
+        model = Model(fail=[False, True])  # the request carrying the result fails once
+        client = model.client()
+        ledger = MessageToolLedger.open(through, store=MemoryEventStore())
+
+        def runner(ledger: MessageToolLedger = ledger, client: Anthropic = client,
+                   effects: Effects = effects, through: str = through) -> Any:
+            made = client.beta.messages.tool_runner(
+                model="claude-test", max_tokens=64, tools=[receipt_tool(effects)],
+                messages=[{"role": "user", "content": "pay 7"}])
+            return made if through == "sdk-alone" else ledger.attach(made)
+
+        with pytest.raises(InternalServerError):
+            runner().until_done()
+        runner().until_done()
+        bodies[through] = model.bodies
+        runs = [line for line in effects.lines() if line.startswith(through)]
+        assert len(runs) == (2 if through == "sdk-alone" else 1)
+    sent = json.loads(bodies["sdk-alone"][1])["messages"][-1]["content"][0]["content"]
+    assert sent == [["amount", 7], ["at", "2026-01-01T12:00:00"], ["note", ""]]
+    assert bodies["ledger"][1] == bodies["sdk-alone"][1]
+    assert bodies["ledger"][3] == bodies["sdk-alone"][3]  # the resend: the same bytes
+
+
+@pytest.mark.parametrize("through", ["sdk-alone", "adapter"])
+def test_a_pydantic_result_in_a_managed_session_is_posted_once(tmp_path: Path,
+                                                               through: str) -> None:
+    """The SDK's session runner alone fails on a tool returning a pydantic model (after the
+    tool ran, nothing posted); through the adapter the result is posted as the model's JSON
+    text, and re-posted after a failed post and a reconnect without a second run."""
+    effects = Effects(tmp_path, "p")
+
+    @beta_async_tool  # type: ignore[type-var]
+    async def charge(x: int) -> Receipt:
+        """Charge the customer x dollars."""
+        effects(f"charge {x}")
+        return Receipt(amount=x, at=STAMPED)
+
+    server = FakeSession([tool_use("tu_1", "charge", {"x": 7})],
+                         faults=[PostFault("reject", then_drop_stream=True)])
+
+    async def go() -> list[tuple[str, bool, list[str]]]:
+        if through == "sdk-alone":
+            return await drive(SessionToolRunner(client_for(server), SESSION_ID,
+                                                 tools=[charge], max_idle=None))
+        runner = await LedgerSessionToolRunner.open(client_for(server), SESSION_ID,
+                                                    tools=[charge], max_idle=None)
+        return await drive(runner)
+
+    if through == "sdk-alone":
+        with pytest.raises(BaseExceptionGroup) as raised:
+            asyncio.run(go())
+        assert raised.group_contains(AttributeError)
+        assert effects.lines() == ["p charge 7"]
+        assert server.posts == []
+        return
+    text = '{"amount": 7, "at": "2026-01-01T12:00:00", "note": ""}'
+    assert asyncio.run(go()) == [("tu_1", False, [text]), ("tu_1", True, [text])]
+    assert effects.lines() == ["p charge 7"]
+    assert [texts(e) for e in server.results("tu_1")] == [[text]]
+
+
+def test_run_tools_answers_a_result_holding_datetimes(tmp_path: Path) -> None:
+    effects = Effects(tmp_path, "p")
+
+    @beta_tool
+    def charge(x: int) -> Any:
+        """Charge the customer x dollars."""
+        effects(f"charge {x}")
+        return {"amount": x, "at": STAMPED}
+
+    model = FakeModel()
+    client = model.client()
+    ledger = MessageToolLedger.open("m", [charge], store=MemoryEventStore())
+    reply = ledger.create(client.messages, model="claude-test", max_tokens=64,
+                          messages=[{"role": "user", "content": "pay 7"}])
+    answer = ledger.run_tools(reply)
+    assert answer is not None
+    assert answer["content"] == [{"type": "tool_result", "tool_use_id": "tu_1",
+                                  "content": '{"amount": 7, "at": "2026-01-01T12:00:00"}'}]
+    assert ledger.run_tools(reply) == answer
+    assert effects.lines() == ["p charge 7"]
+
+
+# a loop killed inside its tool, or while the request carrying its result is sent; a
+# restarted process runs the loop again from its first message
+
+
+def _messages_driver(command: str, folder: Path, name: str, via: str) -> dict[str, Any]:
+    """One driver command in a forked child (killed by itself: ``{}``)."""
+    answer = fork(command, str(folder), name, via)
+    assert (answer is None) == ("crash" in command), answer
+    return answer or {}
+
+
+def _requests(folder: Path) -> list[str]:
+    path = folder / "requests.txt"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+@pytest.mark.parametrize("via", ["create", "runner"])
+@pytest.mark.parametrize("through", ["sdk-alone", "ledger"])
+def test_after_a_crash_inside_a_tool_nothing_is_sent(tmp_path: Path, through: str,
+                                                     via: str) -> None:
+    """kill -9 inside ``charge``; the restarted loop. The SDK alone sends the first request
+    again and charges again; through the ledger the restart is refused with `ToolInDoubt`
+    before any request."""
+    prefix = "sdk-" if through == "sdk-alone" else ""
+    _messages_driver(f"{prefix}messages-crash-tool", tmp_path, "first", via)
+    assert _requests(tmp_path) == ["first request"]
+    resumed = _messages_driver(f"{prefix}messages-resume", tmp_path, "second", via)
+    if through == "sdk-alone":
+        assert resumed["outcome"] == "done"
+        assert Effects(tmp_path, "").lines() == ["first charge 7", "second charge 7"]
+        return
+    assert (resumed["outcome"], resumed["error"]) == ("error", "ToolInDoubt")
+    assert _requests(tmp_path) == ["first request"]
+    assert Effects(tmp_path, "").lines() == ["first charge 7"]
+
+
+@pytest.mark.parametrize("via", ["create", "runner"])
+@pytest.mark.parametrize("output", ["charged 7 (by hand)", {"charged": 7, "by": "hand"}])
+def test_a_resolution_recorded_from_outside_is_sent_as_a_tool_result(
+        tmp_path: Path, output: Any, via: str) -> None:
+    """kill -9 inside ``charge``; an operator records the outcome (plain text or JSON,
+    `resolve_in_doubt`); the restarted loop sends it as the call's tool_result and ends
+    (the model echoes it), and the tool never runs again."""
+    _messages_driver("messages-crash-tool", tmp_path, "first", via)
+    store = SQLiteEventStore(tmp_path / "events.db")
+    operator = RunController.load(store, "messages")
+    operator.claim("operator")
+    operator.resolve_in_doubt("tu_1", output)
+    store.close()
+    resumed = _messages_driver("messages-resume", tmp_path, "second", via)
+    assert resumed["outcome"] == "done", resumed
+    assert resumed["final"] == (output if isinstance(output, str) else json.dumps(output))
+    assert Effects(tmp_path, "").lines() == ["first charge 7"]
+    assert _requests(tmp_path) == ["first request", "second request", "second request"]
+
+
+def test_a_resolution_recorded_from_outside_is_posted_by_the_session_runner(
+        tmp_path: Path) -> None:
+    assert fork("crash-tool", str(tmp_path), "first") is None  # killed inside the tool
+    store = SQLiteEventStore(tmp_path / "events.db")
+    operator = RunController.load(store, f"anthropic-session:{SESSION_ID}")
+    operator.claim("operator")
+    operator.resolve_in_doubt("tu_1", "charged 7 (by hand)")
+    store.close()
+    assert fork("resume", str(tmp_path), "second") == {
+        "name": "second", "outcome": "done", "error": None, "posted": [True]}
+    remote = json.loads((tmp_path / "remote.json").read_text())["events"]
+    [landed] = [e for e in remote if e.get("custom_tool_use_id") == "tu_1"]
+    assert landed["type"] == "user.custom_tool_result"
+    assert texts(landed) == ["charged 7 (by hand)"]
+    assert Effects(tmp_path, "").lines() == ["first charge 7"]
+
+
+@pytest.mark.parametrize("via", ["create", "runner"])
+def test_kill_9_while_the_result_is_sent_then_restart_goes_on(tmp_path: Path,
+                                                               via: str) -> None:
+    """kill -9 while the request carrying the result is on its way: a result is a per-call
+    publication (no Session envelope), so the restart is never refused as "an attempt may
+    still be writing": it re-sends the recorded result and ends; a third process gets the
+    recorded answer without any request."""
+    _messages_driver("messages-crash-request", tmp_path, "first", via)
+    resumed = _messages_driver("messages-resume", tmp_path, "second", via)
+    assert (resumed["outcome"], resumed["final"], resumed["replayed"]) == (
+        "done", "charged 7", False)
+    assert Effects(tmp_path, "").lines() == ["first charge 7"]
+    again = _messages_driver("messages-resume", tmp_path, "third", via)
+    assert (again["outcome"], again["final"], again["replayed"]) == ("done", "charged 7",
+                                                                     True)
+    assert _requests(tmp_path) == ["first request", "second request", "second request"]
+    assert Effects(tmp_path, "").lines() == ["first charge 7"]
+
+
+# a conversation that ended
+
+
+def _verdict_and_listing(path: Path, run_id: str, capsys: pytest.CaptureFixture[str]
+                         ) -> tuple[str, list[str], list[str]]:
+    store = SQLiteEventStore(path)
+    said = verdict(RunController.load(store, run_id))
+    store.close()
+    capsys.readouterr()
+    listed = {}
+    for step in ("completed", "tools"):
+        assert cli_main(["list", "--store", str(path), "--step", step, "--json"]) == 0
+        listed[step] = [run["run_id"] for run in json.loads(capsys.readouterr().out)]
+    return said, listed["completed"], listed["tools"]
+
+
+def test_a_finished_messages_conversation_says_it_ended(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A create loop, the SDK's tool runner (sync and async), and a conversation without
+    any tool call: each ends COMPLETED, `inspect` says so and ``list --step`` tells it from
+    a conversation left in TOOLS (one whose final reply never came)."""
+    path = tmp_path / "events.db"
+    store = SQLiteEventStore(path)
+    effects = Effects(tmp_path, "p")
+    tools = [sync_charge(effects)]
+    model = Model()
+    client = model.client()
+    _loop(client, MessageToolLedger.open("loop", tools, store=store), tools,
+          [{"role": "user", "content": "pay 7"}])
+    ledger = MessageToolLedger.open("runner", store=store)
+    ledger.attach(client.beta.messages.tool_runner(
+        model="claude-test", max_tokens=64, tools=tools,
+        messages=[{"role": "user", "content": "pay 7"}])).until_done()
+    async_ledger = MessageToolLedger.open("async", store=store)
+
+    async def go() -> None:
+        await async_ledger.attach(model.async_client().beta.messages.tool_runner(
+            model="claude-test", max_tokens=64, tools=[counted_charge(effects)],
+            messages=[{"role": "user", "content": "pay 7"}])).until_done()
+
+    asyncio.run(go())
+    MessageToolLedger.open("no-tools", store=store).create(
+        client.messages, model="claude-test", max_tokens=64,
+        messages=[{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x",
+                                                 "content": "hello"}]}])
+    stuck = MessageToolLedger.open("stuck", tools, store=store)
+    stuck.run_tools(client.messages.create(model="claude-test", max_tokens=64,
+                                           messages=[{"role": "user", "content": "pay"}]))
+    for run_id in ("loop", "runner", "async", "no-tools"):
+        said, completed, in_tools = _verdict_and_listing(path, run_id, capsys)
+        assert said == "The run is completed: there is nothing to resume.", run_id
+        assert run_id in completed
+        assert run_id not in in_tools
+    assert "stuck" in in_tools
+    assert "stuck" not in completed
+    store.close()
+
+
+def test_a_finished_managed_session_says_it_ended(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    effects = Effects(tmp_path, "p")
+    path = tmp_path / "events.db"
+    server = FakeSession([tool_use("tu_1", "charge", {"x": 7})])
+
+    async def go() -> None:
+        runner = await LedgerSessionToolRunner.open(
+            client_for(server), SESSION_ID, tools=[counted_charge(effects)],
+            store=SQLiteEventStore(path), run_id="session", max_idle=None)
+        await drive(runner)
+
+    asyncio.run(go())
+    said, completed, in_tools = _verdict_and_listing(path, "session", capsys)
+    assert said == "The run is completed: there is nothing to resume."
+    assert completed == ["session"]
+    assert in_tools == []
+
+
+# running a completed conversation again
+
+
+def _conversation(client: Anthropic, ledger: MessageToolLedger | None, tools: list[Any],
+                  messages: list[Any]) -> Any:
+    """A messages loop that runs until a reply asks for no tool."""
+    params: dict[str, Any] = {"model": "claude-test", "max_tokens": 64,
+                              "tools": [tool.to_dict() for tool in tools]}
+
+    def send() -> Any:
+        if ledger is None:
+            return client.messages.create(messages=messages, **params)
+        return ledger.create(client.messages, messages=messages, **params)
+
+    reply = send()
+    while reply.stop_reason == "tool_use":
+        messages.append({"role": "assistant", "content": reply.content})
+        messages.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": block.id,
+             "content": tools[0].call(block.input)}
+            for block in reply.content if block.type == "tool_use"]}
+            if ledger is None else ledger.run_tools(reply))
+        reply = send()
+    return reply
+
+
+@pytest.mark.parametrize("via", ["create", "runner", "async-runner"])
+@pytest.mark.parametrize("through", ["sdk-alone", "ledger"])
+def test_running_a_completed_conversation_again_returns_its_recorded_result(
+        tmp_path: Path, through: str, via: str) -> None:
+    """A user retries a request that completed: the SDK alone asks the model again and
+    charges again; through the ledger the recorded final reply comes back without any
+    request or tool run, and the ledger says so (``replayed``)."""
+    effects = Effects(tmp_path, "p")
+    store = SQLiteEventStore(tmp_path / "events.db")
+    model = Model()
+
+    def once() -> tuple[str, bool | None]:
+        ledger = None if through == "sdk-alone" else MessageToolLedger.open(
+            "m", [sync_charge(effects)], store=store)
+        first: list[Any] = [{"role": "user", "content": "pay 7"}]
+        params: dict[str, Any] = {"model": "claude-test", "max_tokens": 64}
+        if via == "create":
+            final = _conversation(model.client(), ledger, [sync_charge(effects)], first)
+        elif via == "runner":
+            made = model.client().beta.messages.tool_runner(
+                tools=[sync_charge(effects)], messages=first, **params)
+            final = (made if ledger is None else ledger.attach(made)).until_done()
+        else:
+            async def go() -> Any:
+                made = model.async_client().beta.messages.tool_runner(
+                    tools=[counted_charge(effects)], messages=first, **params)
+                return await (made if ledger is None else ledger.attach(made)).until_done()
+            final = asyncio.run(go())
+        return final.content[0].text, None if ledger is None else ledger.replayed
+
+    assert once() == ("charged 7 (run 1)", None if through == "sdk-alone" else False)
+    requests = len(model.requests)
+    assert requests == 2
+    again = once()
+    if through == "sdk-alone":
+        assert again == ("charged 7 (run 2)", None)
+        assert len(model.requests) == 4
+        assert effects.lines() == ["p charge 7", "p charge 7"]
+        return
+    assert again == ("charged 7 (run 1)", True)
+    assert len(model.requests) == requests  # no request
+    assert effects.lines() == ["p charge 7"]  # no tool
+    assert RunController.load(store, "m").step is Step.COMPLETED
+
+
+def test_a_completed_conversation_refuses_a_request_that_is_not_its_own(
+        tmp_path: Path) -> None:
+    """A create on a completed run whose messages go past the recorded conversation (a new
+    user turn after its end) is refused before anything is sent: it needs a new run."""
+    model = Model()
+    client = model.client()
+    store = MemoryEventStore()
+    tools = [sync_charge(Effects(tmp_path, "p"))]
+    history: list[Any] = [{"role": "user", "content": "pay 7"}]
+    final = _loop(client, MessageToolLedger.open("m", tools, store=store), tools, history)
+    history += [{"role": "assistant", "content": final.content},
+                {"role": "user", "content": "and 8 more"}]
+    ledger = MessageToolLedger.open("m", tools, store=store)
+    with pytest.raises(RunNotResumable, match="new run"):
+        ledger.create(client.messages, model="claude-test", max_tokens=64, messages=history)
+    assert len(model.requests) == 2
+
+
+def test_running_a_completed_managed_session_again_opens_nothing(tmp_path: Path) -> None:
+    effects = Effects(tmp_path, "p")
+    store = SQLiteEventStore(tmp_path / "events.db")
+    server = FakeSession([tool_use("tu_1", "charge", {"x": 7})])
+
+    async def go() -> tuple[list[tuple[str, bool, list[str]]], bool]:
+        runner = await LedgerSessionToolRunner.open(
+            client_for(server), SESSION_ID, tools=[counted_charge(effects)], store=store,
+            run_id="r", max_idle=None)
+        return await drive(runner), runner.replayed
+
+    assert asyncio.run(go()) == ([("tu_1", True, ["charged 7 (run 1)"])], False)
+    opened = server.stream_opens
+    assert asyncio.run(go()) == ([], True)
+    assert server.stream_opens == opened
+    assert effects.lines() == ["p charge 7"]
+    assert len(server.posts) == 1
+
+
+# results over max_bytes
+
+
+def _small(run_id: str, max_bytes: int = 4000) -> RunController:
+    return RunController.start(run_id=run_id, session_id=None, store=MemoryEventStore(),
+                               max_bytes=max_bytes)
+
+
+@pytest.mark.parametrize("via", ["run_tools", "runner"])
+@pytest.mark.parametrize("through", ["sdk-alone", "ledger"])
+def test_a_result_over_max_bytes_is_an_error_the_model_sees(tmp_path: Path, through: str,
+                                                            via: str) -> None:
+    """A tool's result too large for the run's log: the SDK alone sends it; through the
+    ledger the call is recorded as failed and the model sees an error result, never a call
+    left in doubt by the library's own limit."""
+    effects = Effects(tmp_path, "p")
+
+    @beta_tool
+    def charge(x: int) -> str:
+        """Charge the customer x dollars."""
+        effects(f"charge {x}")
+        return "receipt " * 1000
+
+    model = Model()
+    client = model.client()
+    ledger = MessageToolLedger(_small(through), [charge])
+    params: dict[str, Any] = {"model": "claude-test", "max_tokens": 64}
+    first: list[Any] = [{"role": "user", "content": "pay 7"}]
+    if via == "runner":
+        made = client.beta.messages.tool_runner(tools=[charge], messages=first, **params)
+        (made if through == "sdk-alone" else ledger.attach(made)).until_done()
+    else:
+        reply = client.messages.create(messages=first, **params)
+        answer = ({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "tu_1", "content": charge.call({"x": 7})}]}
+                  if through == "sdk-alone" else ledger.run_tools(reply))
+        request: list[Any] = [*first, {"role": "assistant", "content": reply.content},
+                              answer]
+        if through == "sdk-alone":
+            client.messages.create(messages=request, **params)
+        else:
+            ledger.create(client.messages, messages=request, **params)
+    [sent] = model.requests[1][-1]["content"]
+    assert effects.lines() == ["p charge 7"]
+    if through == "sdk-alone":
+        assert sent["content"] == "receipt " * 1000
+        return
+    assert sent["is_error"] is True
+    assert "max_bytes" in str(sent["content"])
+    assert ledger.controller.call("tu_1").phase is Phase.PUBLISHED
+    assert ledger.controller.in_doubt() == ()
+
+
+def test_a_result_over_max_bytes_in_a_managed_session_is_an_error_the_model_sees(
+        tmp_path: Path) -> None:
+    effects = Effects(tmp_path, "p")
+
+    @beta_async_tool
+    async def charge(x: int) -> str:
+        """Charge the customer x dollars."""
+        effects(f"charge {x}")
+        return "receipt " * 1000
+
+    server = FakeSession([tool_use("tu_1", "charge", {"x": 7})])
+    c = _small("r")
+
+    async def go() -> None:
+        await drive(LedgerSessionToolRunner(client_for(server), SESSION_ID, tools=[charge],
+                                            controller=c, existing=False, max_idle=None))
+
+    asyncio.run(go())
+    [landed] = server.results("tu_1")
+    assert landed["is_error"] is True
+    assert "max_bytes" in texts(landed)[0]
+    assert effects.lines() == ["p charge 7"]
+    assert c.call("tu_1").phase is Phase.PUBLISHED
+
+
+@pytest.mark.parametrize("via", ["run_tools", "runner", "session"])
+def test_a_log_without_room_for_a_result_refuses_the_call_before_its_body(
+        tmp_path: Path, via: str) -> None:
+    """The log's room under max_bytes cannot hold even an error result: the call is
+    refused before its body runs (`SchemaError`), and it is not left started."""
+    effects = Effects(tmp_path, "p")
+    c = _small("full", max_bytes=2600)
+    c.receive_tool_calls([ToolCall("filler", "charge", {"x": "x" * 1100})])
+
+    @beta_tool
+    def charge(x: int) -> str:
+        """Charge the customer x dollars."""
+        effects(f"charge {x}")
+        return "ok"
+
+    @beta_async_tool(name="charge")
+    async def acharge(x: int) -> str:
+        """Charge the customer x dollars."""
+        effects(f"charge {x}")
+        return "ok"
+
+    model = Model()
+    client = model.client()
+    ledger = MessageToolLedger(c, [charge])
+
+    def attempt() -> None:
+        if via == "run_tools":
+            ledger.run_tools(client.messages.create(
+                model="claude-test", max_tokens=64, messages=[{"role": "user",
+                                                               "content": "pay"}]))
+        elif via == "runner":
+            ledger.attach(client.beta.messages.tool_runner(
+                model="claude-test", max_tokens=64, tools=[charge],
+                messages=[{"role": "user", "content": "pay"}])).until_done()
+        else:
+            server = FakeSession([tool_use("tu_1", "charge", {"x": 7})])
+            asyncio.run(drive(LedgerSessionToolRunner(
+                client_for(server), SESSION_ID, tools=[acharge], controller=c,
+                existing=False, max_idle=None)))
+
+    with pytest.raises(SchemaError, match="max_bytes"):
+        attempt()
+    assert effects.lines() == []
+    assert c.phase("tu_1") in (None, Phase.APPROVED)
+    assert c.in_doubt() == ()
+
+
+# features refused or carried
+
+
+def test_a_runner_with_a_toolset_is_refused_when_attached(tmp_path: Path) -> None:
+    """A toolset's members would run outside the ledger: `attach` refuses the runner
+    (`UnsupportedFeature`), before any request or tool."""
+    from anthropic.lib.tools import BetaRunnableToolset
+
+    class Browser(BetaRunnableToolset):
+        toolset_name = "browser"
+
+        def call(self, context: Any, name: str, input: Any) -> str:
+            raise AssertionError("a member ran")
+
+        def to_dict(self) -> Any:
+            return {"type": "browser_toolset_20260801"}
+
+    model = Model()
+    runner = model.client().beta.messages.tool_runner(
+        model="claude-test", max_tokens=64, tools=[Browser()],
+        messages=[{"role": "user", "content": "pay"}])
+    ledger = MessageToolLedger.open("t", store=MemoryEventStore())
+    with pytest.raises(UnsupportedFeature, match="toolsets") as refused:
+        ledger.attach(runner)
+    assert refused.value.feature == "toolsets"
+    assert model.requests == []
+    assert ledger.controller.version == 1  # nothing recorded but the run's start
+
+
+class Verdict(pydantic.BaseModel):
+    paid: bool
+    receipt: str
+
+
+def test_a_replayed_structured_reply_is_parsed_as_the_runner_parses_it(
+        tmp_path: Path) -> None:
+    """A tool runner with ``output_format``: its final reply's ``parsed_output`` is the
+    format's model, and so is the recorded reply's when the conversation runs again."""
+    effects = Effects(tmp_path, "p")
+    answer = '{"paid": true, "receipt": "r-7"}'
+
+    def handle(request: httpx2.Request) -> httpx2.Response:
+        last = json.loads(request.content)["messages"][-1]["content"]
+        done = isinstance(last, list) and last[0].get("type") == "tool_result"
+        content = ([{"type": "text", "text": answer}] if done else
+                   [{"type": "tool_use", "id": "tu_1", "name": "charge", "input": {"x": 7}}])
+        return httpx2.Response(200, json={
+            "id": "msg", "type": "message", "role": "assistant", "model": "claude-test",
+            "content": content, "stop_reason": "end_turn" if done else "tool_use",
+            "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1}})
+
+    client = Anthropic(api_key="test-key", max_retries=0, http_client=httpx2.Client(
+        transport=httpx2.MockTransport(handle)))
+    store = MemoryEventStore()
+
+    def once() -> Any:
+        ledger = MessageToolLedger.open("s", store=store)
+        return ledger.attach(client.beta.messages.tool_runner(
+            model="claude-test", max_tokens=64, tools=[sync_charge(effects)],
+            output_format=Verdict,
+            messages=[{"role": "user", "content": "pay 7"}])).until_done(), ledger
+
+    first, _ = once()
+    again, ledger = once()
+    assert ledger.replayed
+    assert first.parsed_output == again.parsed_output == Verdict(paid=True, receipt="r-7")
+    assert type(again) is type(first)
+    assert effects.lines() == ["p charge 7"]
+
+
+@pytest.mark.parametrize(("died_in", "tools"), [("complete", True), ("complete", False),
+                                                ("accept_final_output", False),
+                                                ("model_responded", False)])
+def test_a_conversation_whose_end_was_half_recorded_is_finished_from_its_record(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, died_in: str, tools: bool) -> None:
+    """The process died while it recorded the conversation's end (between its records, as
+    a kill between two appends leaves it): the next attempt finishes the record and
+    answers with the recorded reply, sending nothing, when the reply is in the log; it asks
+    the model again only when it is not (died before the answer was recorded)."""
+    effects = Effects(tmp_path, "p")
+    store = SQLiteEventStore(tmp_path / "events.db")
+    model = Model()
+    first: list[Any] = ([{"role": "user", "content": "pay 7"}] if tools else
+                        [{"role": "user", "content": [{"type": "tool_result",
+                                                        "tool_use_id": "x",
+                                                        "content": "hello"}]}])
+
+    class Died(Exception):
+        pass
+
+    def die(*args: Any, **kwargs: Any) -> None:
+        raise Died
+
+    with monkeypatch.context() as patched:
+        patched.setattr(RunController, died_in, die)
+        with pytest.raises(Died):
+            _conversation(model.client(), MessageToolLedger.open(
+                "m", [sync_charge(effects)], store=store), [sync_charge(effects)],
+                list(first))
+    requests = len(model.requests)
+    ledger = MessageToolLedger.open("m", [sync_charge(effects)],
+                                    store=SQLiteEventStore(tmp_path / "events.db"))
+    final = _conversation(model.client(), ledger, [sync_charge(effects)], list(first))
+    asked_again = died_in == "model_responded"
+    assert ledger.replayed is not asked_again
+    assert len(model.requests) == requests + asked_again
+    assert final.content[0].text == ("charged 7 (run 1)" if tools else "hello")
+    assert effects.lines() == (["p charge 7"] if tools else [])
+    assert RunController.load(store, "m").step is Step.COMPLETED
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+def test_an_attached_runner_records_a_result_posted_once_a_request_carried_it(
+        tmp_path: Path, sync: bool) -> None:
+    """Each reply the runner yields came back to a request: the results that request
+    carried are recorded as posted by then, not only when the runner ends."""
+    effects = Effects(tmp_path, "p")
+    model = Model()
+    ledger = MessageToolLedger.open("t", store=MemoryEventStore())
+    seen = []
+    params: dict[str, Any] = {"model": "claude-test", "max_tokens": 64,
+                              "messages": [{"role": "user", "content": "pay 7"}]}
+    if sync:
+        for message in ledger.attach(model.client().beta.messages.tool_runner(
+                tools=[sync_charge(effects)], **params)):
+            seen.append((message.stop_reason, ledger.controller.phase("tu_1")))
+    else:
+        async def go() -> None:
+            async for message in ledger.attach(model.async_client().beta.messages.tool_runner(
+                    tools=[counted_charge(effects)], **params)):
+                seen.append((message.stop_reason, ledger.controller.phase("tu_1")))
+
+        asyncio.run(go())
+    assert seen == [("tool_use", None), ("end_turn", Phase.PUBLISHED)]
+    assert ledger.controller.step is Step.COMPLETED
+
+
+def test_an_exception_raised_by_a_tool_is_the_error_result_the_sdk_sends(
+        tmp_path: Path) -> None:
+    """An ordinary exception from a tool body is the call's result: the SDK's own error
+    result (what its tool runner sends), the same through `run_tools` and through an
+    attached runner; recorded, so a retried turn sends it again without a second run."""
+    effects = Effects(tmp_path, "p")
+
+    @beta_tool
+    def charge(x: int) -> str:
+        """Charge the customer x dollars."""
+        effects(f"charge {x}")
+        raise ValueError("card declined")
+
+    sent = {}
+    for via in ("sdk-runner", "runner", "run_tools"):
+        model = Model()
+        client = model.client()
+        ledger = MessageToolLedger.open(via, [charge], store=MemoryEventStore())
+        first: list[Any] = [{"role": "user", "content": "pay 7"}]
+        if via == "run_tools":
+            _conversation(client, ledger, [charge], first)
+        else:
+            made = client.beta.messages.tool_runner(model="claude-test", max_tokens=64,
+                                                    tools=[charge], messages=first)
+            (made if via == "sdk-runner" else ledger.attach(made)).until_done()
+        [sent[via]] = model.requests[1][-1]["content"]
+    assert sent["runner"] == sent["run_tools"] == sent["sdk-runner"]
+    assert sent["runner"]["is_error"] is True
+    assert "card declined" in str(sent["runner"]["content"])
+    assert len(effects.lines()) == 3  # once per world

@@ -20,6 +20,21 @@ appended to DIR/effects.txt with O_APPEND + fsync):
   JSON line ``{"name", "outcome": "done" | "error", "error", "posted"}``;
 * ``sdk-crash-post DIR`` / ``sdk-resume DIR NAME``: the same two steps on the SDK's runner
   alone (no ledger), to show what the adapter prevents.
+
+The messages commands run a ``messages.create`` loop (``VIA`` = ``create``, through
+`MessageToolLedger.run_tools` / ``create``) or the SDK's ``beta.messages.tool_runner``
+(``VIA`` = ``runner``, through ``ledger.attach``) against `ScriptedModel`, which appends one
+fsynced line per request to DIR/requests.txt:
+
+* ``messages-crash-tool DIR NAME VIA``: ``charge`` kills its own process after its effect;
+* ``messages-crash-request DIR NAME VIA``: the process kills itself when the request
+  carrying the tool's result reaches the transport;
+* ``messages-resume DIR NAME VIA``: the loop again from its first message, as a user
+  retrying the request would; prints ``{"name", "outcome", "error", "final",
+  "replayed"}``;
+* ``sdk-messages-...``: the same on the SDK alone.
+
+`fork` runs one command in a child forked from the calling process instead.
 """
 
 from __future__ import annotations
@@ -34,11 +49,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx2
-from anthropic import AsyncAnthropic
+from anthropic import Anthropic, AsyncAnthropic
 from anthropic.lib.environments import SessionToolRunner
 from anthropic.lib.tools import _beta_session_runner as session_runner
-from anthropic.lib.tools import beta_async_tool
+from anthropic.lib.tools import beta_async_tool, beta_tool
 
+from tests.drivers.crash_driver import append_line
 from tests.drivers.effects import Effects
 
 SESSION_ID = "sesn_fake"
@@ -242,9 +258,112 @@ async def _drive(folder: Path, name: str, *, ledger: bool, crash_tool: bool = Fa
     return {"name": name, "outcome": "done", "error": None, "posted": posted}
 
 
-def main(argv: list[str]) -> int:
+# ------------------------------------------------------------- a messages loop
+
+MESSAGES_RUN = "messages"
+REQUESTS = "requests.txt"
+
+
+class ScriptedModel:
+    """``POST /v1/messages``: asks for ``charge(x=7)`` (id ``tu_1``) until the last user
+    message carries a tool_result, then answers (``end_turn``) with that result's content
+    as text (JSON text when it is not a str). Each request appends ``NAME request`` to
+    DIR/requests.txt (fsynced); ``crash_on_result`` kills the process when a request
+    carrying a tool_result reaches the transport, before any answer."""
+
+    def __init__(self, folder: Path, name: str, *, crash_on_result: bool = False) -> None:
+        self.path = folder / REQUESTS
+        self.name = name
+        self.crash_on_result = crash_on_result
+
+    def handle(self, request: httpx2.Request) -> httpx2.Response:
+        messages = json.loads(request.content)["messages"]
+        last = messages[-1]["content"]
+        results = [b for b in last if b.get("type") == "tool_result"] if isinstance(
+            last, list) else []
+        if results and self.crash_on_result:
+            os.kill(os.getpid(), signal.SIGKILL)
+        append_line(self.path, f"{self.name} request")
+        if results:
+            content = results[0]["content"]
+            text = content if isinstance(content, str) else json.dumps(content)
+            blocks: list[dict[str, Any]] = [{"type": "text", "text": text}]
+        else:
+            blocks = [{"type": "tool_use", "id": "tu_1", "name": "charge",
+                       "input": {"x": 7}}]
+        return httpx2.Response(200, json={
+            "id": "msg", "type": "message", "role": "assistant", "model": "claude-test",
+            "content": blocks, "stop_reason": "end_turn" if results else "tool_use",
+            "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1}})
+
+
+def sync_charge_tool(effect: Effects, *, crash: bool = False) -> Any:
+    @beta_tool
+    def charge(x: int) -> str:
+        """Charge the customer x dollars."""
+        effect(f"charge {x}")
+        if crash:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return f"charged {x}"
+
+    return charge
+
+
+def _messages(folder: Path, name: str, via: str, *, ledger: bool, crash_tool: bool = False,
+              crash_request: bool = False) -> dict[str, Any]:
+    from statemachine import SQLiteEventStore
+    from statemachine.adapters.anthropic import MessageToolLedger
+
+    model = ScriptedModel(folder, name, crash_on_result=crash_request)
+    client = Anthropic(api_key="test-key", max_retries=0, http_client=httpx2.Client(
+        transport=httpx2.MockTransport(model.handle)))
+    tool = sync_charge_tool(Effects(folder, name), crash=crash_tool)
+    history: list[Any] = [{"role": "user", "content": "pay 7"}]
+    params: dict[str, Any] = {"model": "claude-test", "max_tokens": 64}
+    opened = MessageToolLedger.open(
+        MESSAGES_RUN, [tool], store=SQLiteEventStore(folder / "events.db"),
+        owner=name) if ledger else None
+    answer: dict[str, Any] = {"name": name, "outcome": "done", "error": None}
+    try:
+        if via == "runner":
+            runner = client.beta.messages.tool_runner(tools=[tool], messages=history,
+                                                      **params)
+            final = (runner if opened is None else opened.attach(runner)).until_done()
+        else:
+            params["tools"] = [tool.to_dict()]
+            final = (client.messages.create(messages=history, **params) if opened is None
+                     else opened.create(client.messages, messages=history, **params))
+            while final.stop_reason == "tool_use":
+                history.append({"role": "assistant", "content": final.content})
+                if opened is None:
+                    results: Any = {"role": "user", "content": [
+                        {"type": "tool_result", "tool_use_id": block.id,
+                         "content": tool.call(block.input)}
+                        for block in final.content if block.type == "tool_use"]}
+                    history.append(results)
+                    final = client.messages.create(messages=history, **params)
+                else:
+                    history.append(opened.run_tools(final))
+                    final = opened.create(client.messages, messages=history, **params)
+    except Exception as error:  # the outcome is what the test reads
+        return {**answer, "outcome": "error", "error": type(error).__name__,
+                "message": str(error)}
+    return {**answer, "final": final.content[0].text,
+            "replayed": None if opened is None else opened.replayed}
+
+
+async def _answer(argv: list[str]) -> dict[str, Any]:
+    """What one command of `main` does, as the JSON answer it prints."""
     command, folder = argv[0], Path(argv[1])
     name = argv[2] if len(argv) > 2 else command
+    if "messages-" in command:
+        messages = {
+            "messages-crash-tool": {"crash_tool": True},
+            "messages-crash-request": {"crash_request": True},
+            "messages-resume": {},
+        }[command.removeprefix("sdk-")]
+        return _messages(folder, name, argv[3], ledger=not command.startswith("sdk-"),
+                         **messages)
     buffered = argv[3:] == ["buffered"]
     options = {
         "crash-post": {"ledger": True, "crash_post": True},
@@ -253,8 +372,25 @@ def main(argv: list[str]) -> int:
         "sdk-crash-post": {"ledger": False, "crash_post": True},
         "sdk-resume": {"ledger": False},
     }[command]
-    answer = asyncio.run(_drive(folder, name, buffered=buffered, **options))
-    print(json.dumps(answer))
+    return await _drive(folder, name, buffered=buffered, **options)
+
+
+def fork(*argv: str) -> dict[str, Any] | None:
+    """`main`'s command in a child forked from this process (no interpreter start-up, the
+    SDK's models already built): its answer, or None when the process was killed."""
+    from tests.drivers.durability_driver import run_forked
+
+    async def body(ticks: Any) -> dict[str, Any]:
+        return await _answer(list(argv))
+
+    answer = run_forked(Path(argv[1]), body, None)
+    if answer is not None:
+        answer.pop("ticks")
+    return answer
+
+
+def main(argv: list[str]) -> int:
+    print(json.dumps(asyncio.run(_answer(argv))))
     return 0
 
 
