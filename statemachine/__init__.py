@@ -22,6 +22,7 @@ from statemachine.errors import (
     ToolInDoubt,
 )
 from statemachine.payloads import register_canonical
+from statemachine.sessions import MemorySession, Session, SQLiteSession
 from statemachine.stores import (
     EventStore,
     MemoryEventStore,
@@ -57,6 +58,7 @@ __all__ = [
     "GuardrailResult",
     "InvalidTransition",
     "MemoryEventStore",
+    "MemorySession",
     "Outcome",
     "Phase",
     "PublicationUnsettled",
@@ -67,7 +69,9 @@ __all__ = [
     "RunNotFound",
     "RunNotResumable",
     "SQLiteEventStore",
+    "SQLiteSession",
     "SchemaError",
+    "Session",
     "SessionWrite",
     "SnapshotIgnored",
     "Step",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,3 +25,27 @@ def test_every_example_is_listed_in_the_readme() -> None:
     readme = (EXAMPLES.parent / "README.md").read_text()
     for example in EXAMPLES.glob("*.py"):
         assert f"examples/{example.name}" in readme, example.name
+
+
+def _readme_imports() -> list[str]:
+    """Every ``from statemachine... import ...`` statement of the README's Python blocks
+    (issue 23, row 21: a snippet that does not import sends the user astray)."""
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    found = []
+    for block in re.findall(r"```python\n(.*?)```", readme, flags=re.S):
+        for statement in re.findall(r"^(from statemachine[\w.]* import (?:\([^)]*\)|.*))$",
+                                    block, flags=re.M):
+            found.append(statement.split("#", 1)[0].rstrip())
+    return found
+
+
+def test_the_readme_finds_its_imports() -> None:
+    assert any("SQLiteSession" in s for s in _readme_imports())
+
+
+@pytest.mark.parametrize("statement", _readme_imports())
+def test_every_readme_import_resolves(statement: str) -> None:
+    namespace: dict[str, object] = {}
+    exec(statement, namespace)  # the README's own import lines
+    names = re.sub(r"[()\s]", "", statement.split(" import ", 1)[1]).split(",")
+    assert all(name in namespace for name in names if name)
