@@ -61,8 +61,9 @@ nested deeper than ``max_depth``, or not JSON at all) is recorded as a failed ca
 error result the model sees; when the log has no room left even for that error, the call
 is refused before its body runs (`SchemaError`). An ordinary exception raised by a tool
 body is the call's result, an error result the model sees, as the SDK makes it; only a
-process crash, or a `BaseException` (cancellation), between its start and its result
-leaves the call in doubt.
+process crash, a `BaseException` (cancellation), or the session runner's timeout
+(``TOOL_TIMEOUT``, which cancels the body: its effect may have happened) between its start
+and its result leaves the call in doubt.
 
 What it does not cover (refused or documented, never silently unsafe): decisions (tool
 confirmations) and new input reach a managed session through the server's own events, not
@@ -122,9 +123,7 @@ try:
 except ModuleNotFoundError as error:  # pragma: no cover - the extra is installed in CI
     raise missing_extra(__name__, "anthropic", error) from error
 
-from statemachine import events as ev
-from statemachine import sizes
-from statemachine.adapters._calls import Walk, begin_call, plain
+from statemachine.adapters._calls import UnsupportedFeature, Walk, begin_call, plain
 from statemachine.controller import RunController
 from statemachine.errors import (
     ControlError,
@@ -157,19 +156,6 @@ class UnansweredToolUse(ControlError):
     user message answers. Nothing was sent: the API would refuse the history, and a result
     made up for a call that may have run would hide what happened. Answer the call (from
     `MessageToolLedger.run_tools`, or `resolve_in_doubt` for a call in doubt) first."""
-
-
-class UnsupportedFeature(ControlError, ValueError):
-    """An SDK feature this adapter cannot carry safely, refused before anything was
-    recorded or run (when a runner is attached, or before the call that uses it).
-    ``feature`` names it."""
-
-    def __init__(self, reason: str, *, feature: str, **where: Any) -> None:
-        self.feature = feature
-        super().__init__(reason, **where)
-
-    def _extra(self) -> dict[str, Any]:
-        return {"feature": self.feature}
 
 
 class ResultNotPosted(Exception):
@@ -308,26 +294,6 @@ def _record(c: RunController, call_id: str, result: Any,
             sent = failure(_TOO_LARGE.format(size=len(canonical_json(sent))))
     c.tool_completed(call_id, sent)
     return sent, True
-
-
-def _room_for(c: RunController, call_id: str, failure: Callable[[str], JSON]) -> None:
-    """Before a call's body runs: `SchemaError` (nothing recorded, the body never runs)
-    unless the run's log has room under ``max_bytes`` for the call's start and the longest
-    error result `_record` could need, so a result that does not fit can always be
-    recorded as failed."""
-    if call_id not in c.runnable_call_ids():
-        return  # answered from the ledger, or refused by begin_call
-    seq = c.version
-    error = failure(_TOO_LARGE.format(size=_LARGEST_SIZE))
-    needed = (sizes.event_size(ev.ToolStarted(seq, call_id))
-              + sizes.event_size(ev.ToolCompleted(seq + 1, call_id, error))
-              + 2)  # the commas before them
-    # the room an ordinary command may fill (the controller has no public reading of it)
-    if c.size + needed > c._journal.limits.room:
-        raise SchemaError(
-            f"the run's log has no room under its max_bytes for call {call_id!r} and its "
-            "result; the call did not run (start a new run for more calls)",
-            run_id=c.run_id, step=c.step, action="begin_tool")
 
 
 def _tool_result(call_id: str, content: JSON, error: bool) -> dict[str, JSON]:
@@ -498,14 +464,23 @@ class _WatchedStream:
 
 class _SendableTool:
     """A tool whose return value the session runner can post (`_session_content`); it
-    runs as the SDK runs the tool it wraps."""
+    runs as the SDK runs the tool it wraps. ``answered`` says whether the body ended with
+    an answer (a value, or an ordinary exception it raised): a body the runner's timeout
+    cancelled has none, and may still be running its effect."""
 
     def __init__(self, tool: Any) -> None:
         self._tool = tool
         self.name = tool.name
+        self.answered = False
 
     async def call(self, input_: dict[str, object]) -> Any:
-        return _session_content(await run_runnable_tool(self._tool, input_))
+        try:
+            value = await run_runnable_tool(self._tool, input_)
+        except Exception:
+            self.answered = True
+            raise
+        self.answered = True
+        return _session_content(value)
 
 
 class LedgerSessionToolRunner(SessionToolRunner):
@@ -625,15 +600,21 @@ class LedgerSessionToolRunner(SessionToolRunner):
         def failure(why: str) -> JSON:
             return cast(JSON, _build_result_event(ev, [{"type": "text", "text": why}], True))
 
-        _room_for(c, call_id, failure)
         done, result = begin_call(c, call_id, arguments)  # ToolInDoubt: started, unfinished
         if done:  # posted before, or it ran: the cached result, never a second run
             event = _as_result_event(ev, result)
             return event, _field(event, "content")
         try:
             await c.flush_async()  # an effect boundary: the start is durable first
-            result_event, recorded = await super()._call_tool(
-                cast(Any, _SendableTool(tool)), ev, input_)
+            sendable = _SendableTool(tool)
+            result_event, recorded = await super()._call_tool(cast(Any, sendable), ev,
+                                                              input_)
+            if not sendable.answered and call_id not in self._idempotent:
+                # the runner's timeout (TOOL_TIMEOUT) cancelled the body, whose effect may
+                # have happened or may still happen (a sync tool's thread runs on): its
+                # "timed out" text is no answer, so the call is in doubt, never re-run
+                interrupted(c, call_id)
+                begin_call(c, call_id, arguments)  # ToolInDoubt, as a reloaded run says
             event, failed = _record(c, call_id, result_event, failure)
             await c.flush_async()  # the result is durable before it is posted
         except BaseException:
@@ -839,7 +820,6 @@ class MessageToolLedger:
                                     run_id=c.run_id, step=c.step, action="begin_tool")
         arguments = plain(_field(tool_use, "input"), fallback=_as_is)
         _receive(c, call_id, name, arguments, self._idempotent)
-        _room_for(c, call_id, self._failure_for(call_id))
         done, result = begin_call(c, call_id, arguments)
         return call_id, _as_tool_result(call_id, result) if done else None
 
@@ -943,8 +923,7 @@ class MessageToolLedger:
         `ToolInDoubt` out of the runner before its first request), the results each
         request carried are posted, and the final reply completes the run. A runner of a
         completed conversation sends nothing and ends with its recorded final reply
-        (``replayed``). A toolset member call is refused (`InvalidTransition`) before it
-        runs. Returns ``runner``; attach it before iterating it.
+        (``replayed``). Returns ``runner``; attach it before iterating it.
 
         `UnsupportedFeature` (``feature="toolsets"``, nothing attached) for a runner given
         toolsets (``BetaRunnableToolset``: a toolset member's calls are the toolset's to

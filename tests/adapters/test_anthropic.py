@@ -270,6 +270,56 @@ def test_a_tool_interrupted_by_a_base_exception_is_left_in_doubt(tmp_path: Path)
     assert server.posts == []
 
 
+@pytest.mark.parametrize("through", ["sdk-alone", "adapter"])
+def test_a_tool_the_runner_timed_out_is_in_doubt_never_answered(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, through: str) -> None:
+    """The session runner bounds each tool by ``TOOL_TIMEOUT`` and posts "timed out" for a
+    body it cancelled; the SDK alone then goes on as if the call had an answer, though
+    its effect may have happened. Through the ledger a body that ended with no answer is
+    in doubt: nothing is posted, the restarted runner raises `ToolInDoubt` and never runs
+    the tool again (the rule of all three adapters: only a body's own exception is an
+    answer)."""
+    import anthropic.lib.tools._beta_session_runner as sdk_runner
+
+    monkeypatch.setattr(sdk_runner, "TOOL_TIMEOUT", 0.05)
+    store = MemoryEventStore()
+    effects = Effects(tmp_path, "p")
+
+    @beta_async_tool
+    async def charge(x: int) -> str:
+        """Charge."""
+        effects(f"charge {x}")
+        await asyncio.sleep(30)  # the payment provider answers too late
+        return f"charged {x}"
+
+    server = FakeSession([tool_use("tu_1", "charge", {"x": 7})])
+
+    async def go(tools: list[Any]) -> None:
+        if through == "sdk-alone":
+            runner: Any = SessionToolRunner(client_for(server), SESSION_ID, tools=tools,
+                                            max_idle=None)
+        else:
+            runner = await LedgerSessionToolRunner.open(client_for(server), SESSION_ID,
+                                                        tools=tools, store=store,
+                                                        run_id="r", max_idle=None)
+        await drive(runner)
+
+    if through == "sdk-alone":
+        asyncio.run(go([charge]))
+        assert [texts(e) for e in server.results("tu_1")] == [["tool 'charge' timed out"]]
+        return
+    with pytest.raises((ToolInDoubt, BaseExceptionGroup)) as raised:
+        asyncio.run(go([charge]))
+    if isinstance(raised.value, BaseExceptionGroup):
+        assert raised.group_contains(ToolInDoubt)
+    assert server.posts == []
+    with pytest.raises(ToolInDoubt):
+        asyncio.run(go([counted_charge(effects)]))
+    assert effects.lines() == ["p charge 7"]
+    assert server.posts == []
+    assert RunController.load(store, "r").in_doubt() == ("tu_1",)
+
+
 # ---------------------------------------------------------------------- processes
 
 
