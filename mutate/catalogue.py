@@ -62,19 +62,21 @@ _WORLDS = "tests/kit/test_worlds.py"  # the slowest of a core selection: always 
 _RUNNER = ("tests/runner/test_one_writer.py", "tests/runner/test_runner_promises.py",
            "tests/core/test_tool_interrupted.py", "tests/runner/test_streaming.py",
            "tests/runner/test_partial_approval.py", "tests/runner/test_crash_hooks.py",
-           "tests/core/test_claim.py", "tests/storage/test_durability.py")
+           "tests/core/test_claim.py", "tests/storage/test_durability.py",
+           "tests/runner/test_fencing.py")
 _CODEC = ("tests/core/test_codec.py", "tests/core/test_limits.py",
           "tests/core/test_keyed_chain.py", "tests/core/test_decoding.py",
           "tests/core/test_controller.py")
 _POSTGRES = ("tests/storage/test_postgres_session.py", "tests/storage/test_postgres.py",
-             "tests/storage/test_async_stores.py")
+             "tests/storage/test_async_stores.py",
+             "tests/runner/test_fencing.py::test_the_fence_on_postgresql_reads_the_run_head")
 _STORES = ("tests/storage/test_stores.py", "tests/storage/test_storage_faults.py",
            "tests/storage/test_async_stores.py", "tests/storage/test_snapshots.py",
-           "tests/core/test_claim.py")
+           "tests/core/test_claim.py", "tests/runner/test_fencing.py")
 
 _CONTROLLER = ("tests/core/test_copies.py", *_CORE, "tests/storage/test_storage_faults.py",
                "tests/storage/test_snapshots.py", "tests/core/test_tool_interrupted.py",
-               _WORLDS, "tests/storage/test_durability.py")
+               _WORLDS, "tests/storage/test_durability.py", "tests/runner/test_fencing.py")
 
 _OPENAI_AGENTS = (*(f"tests/adapters/test_openai_agents.py::{test}" for test in (
     "test_row02_mcp_servers_are_refused_at_open",
@@ -100,7 +102,16 @@ _OPENAI_AGENTS = (*(f"tests/adapters/test_openai_agents.py::{test}" for test in 
     "[handoff_input_filter]",
     "test_run_options_the_adapter_cannot_carry_are_refused_before_the_attempt"
     "[pre_approval_guardrails]",
-    "test_a_standing_approval_is_honoured_for_its_call_and_refused_for_later_ones",
+    "test_a_standing_decision_on_the_sdk_state_is_refused_naming_it[always_approve]",
+    "test_a_tripped_guardrail_ends_the_run_naming_it[tool_input]",
+    "test_a_tripped_guardrail_ends_the_run_naming_it[tool_output]",
+    "test_a_tripped_guardrail_ends_the_run_naming_it[input]",
+    "test_a_disabled_tool_is_unknown_to_the_ledger_as_to_the_sdk[False]",
+    "test_a_disabled_tool_is_unknown_to_the_ledger_as_to_the_sdk[callable]",
+    "test_a_superseded_attempt_runs_no_hook_guardrail_or_tool_after_the_model_call"
+    "[final-buffered]",
+    "test_a_superseded_attempt_runs_no_hook_guardrail_or_tool_after_the_model_call"
+    "[tool-buffered]",
     "test_a_timed_out_tool_is_in_doubt_before_the_sdks_timeout_text_is_written",
     "test_an_attempt_left_writing_is_refused_naming_take_over_then_taken_over",
     "test_a_completed_call_is_resent_never_run_again",
@@ -502,6 +513,10 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("JO24", "            if replay(state.run_id, [*prefix, *self.events]) != state:",
        "            if False:",
        "an edited log before the snapshot is handed out as the run's events"),
+    _m("JO25", "        if found != self.flushed:\n", "        if False:\n",
+       "the fence passes an attempt another attempt superseded"),
+    _m("JO26", "            self.stop(ConcurrencyConflict, reason)\n", "",
+       "a fenced controller goes on recording as if it still held the run"),
     # --------------------------------------------------------------------- stores
     _m("SS01", "            if len(log) != expected_version:\n",
        "            if len(log) > expected_version:\n",
@@ -569,6 +584,9 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("SQ15", '"ORDER BY id DESC LIMIT 1", (self.session_id,)).fetchone()',
        '"ORDER BY id LIMIT 1", (self.session_id,)).fetchone()',
        "SQLiteSession.pop_item removes the oldest item"),
+    _m("SQ16", "return 0 if row is None or row[0] is None else int(row[0]) + 1",
+       "return 0 if row is None or row[0] is None else int(row[0])",
+       "the SQLite store's version is one short: every fence refuses its own run"),
     # ------------------------------------------------------------------- postgres
     _m("PG01", '"WHERE run_id = %(run)s AND version = %(expected)s RETURNING run_id) ")',
        '"WHERE run_id = %(run)s RETURNING run_id) ")',
@@ -589,6 +607,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        "a Session write whose COMMIT raised is reported as not written"),
     _m("PA03", "return None, await self.load_measured(run_id)", "return None, tail",
        "an ignored snapshot's store hands back no events instead of the whole log"),
+    _m("PA04", "return int(rows[0][0]) if rows else 0", "return 0",
+       "the PostgreSQL store's version is always 0: a superseded attempt is never fenced"),
     # ---------------------------------------------------------------- runner/loop
     _m("LP01", "            await call()\n            c.hook_ran(hook, call_id=call_id)",
        "            c.hook_ran(hook, call_id=call_id)\n            await call()",
@@ -628,6 +648,10 @@ CATALOGUE: tuple[Mutant, ...] = (
                   "INTERRUPTION, and no final output is ever accepted before INTERRUPTION "
                   "(accepting one leads only to FINAL_OUTPUT, then COMPLETED or a terminal "
                   "step), so final_output is None there either way"),
+    _m("LP15", "            await c.fence_async()  # a superseded attempt runs no hook (I1)\n",
+       "", "a superseded attempt runs its hooks (on_llm_end after another's claim)"),
+    _m("LP16", "        await c.fence_async()  # a superseded attempt runs no guardrail (I1)\n",
+       "", "a superseded attempt runs its guardrails"),
     # ------------------------------------------------------------- runner/attempt
     _m("AT01", "            self.controller.claim(self.owner)\n", "",
        "a resumed attempt does not claim the run (§6.3)"),
@@ -721,8 +745,8 @@ CATALOGUE: tuple[Mutant, ...] = (
                "guardrails passed\n",
        "        self._run._final = (output,)\n        self._run._accept_final_output()\n",
        "the final output is accepted before its output guardrails' verdict"),
-    _m("OA05", "        if (isinstance(error, OutputGuardrailTripwireTriggered)",
-       "        if (False and isinstance(error, OutputGuardrailTripwireTriggered)",
+    _m("OA05", "    if isinstance(error, OutputGuardrailTripwireTriggered):",
+       "    if False:",
        "a tripped output guardrail does not end the run"),
     _m("OA06", "        if unknown and self._config_now.tool_not_found_behavior == "
                "\"raise_error\":",
@@ -769,6 +793,23 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("OA20", "        if call_id not in c.in_flight:\n            return verdict  # a resent",
        "        if False:\n            return verdict  # a resent",
        "a resent result's output guardrail records the call's result a second time"),
+    _m("OA21", "    if isinstance(error, tool_tripwires):",
+       "    if False:",
+       "a tool guardrail's tripwire leaves the run live: its recorded verdict trips on every "
+       "retry"),
+    _m("OA22", "    if isinstance(error, InputGuardrailTripwireTriggered):",
+       "    if False:",
+       "a tripped input guardrail leaves the run live, stuck on its recorded verdict"),
+    _m("OA23", "                 and await _enabled(t.is_enabled, self._context, agent)}",
+       "                 }",
+       "a disabled tool counted as known: its call is recorded and every retry is stuck"),
+    _m("OA24", "            if standing is not None:", "            if False:",
+       "a standing decision on the SDK state is taken: later calls start with no decision"),
+    _m("OA25", "                self._state = None\n                raise standing",
+       "                raise standing",
+       "the refused SDK state is kept and used by the next attempt"),
+    _m("OA26", "        await self._run._fence()  # a superseded attempt runs no hook (I1)\n",
+       "", "a superseded attempt runs the SDK's hooks"),
     # ---------------------------------------------------------- adapters/_calls
     _m("AC01", "    if needed <= left:\n", "    if True:\n",
        "a result that fits its record but not its batch is kept: its batch cannot be staged"),
@@ -781,7 +822,9 @@ CATALOGUE: tuple[Mutant, ...] = (
        "a completed run answers any new input with its old output"),
     _m("AC05", "    if view.phase is Phase.AWAITING:\n        raise InvalidTransition(",
        "    if False:\n        raise InvalidTransition(",
-       "a call started without a recorded decision is refused unnamed, by the step's guard"),
+       "a call started without a recorded decision is refused unnamed, by the step's guard",
+       equivalent="begin_tool's own guard refuses the same call before its body; only the "
+       "refusal's wording (which decision is missing) is lost"),
     _m("AC06", "    return output if kept else recorded\n", "    return output\n",
        "the model is sent a result the ledger did not keep"),
     # ---------------------------------------------------------- adapters/pydantic_ai
@@ -838,9 +881,6 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("AN02", "            sent = failure(_TOO_LARGE.format(size=len(canonical_json(sent))))",
        "            raise",
        "a result over max_bytes leaves its call in doubt instead of recorded as failed"),
-    _m("AN03", "if c.size + needed > c._journal.limits.room:",
-       "if c.size > c._journal.limits.room:",
-       "the room check before a body forgets the start and the error it must hold"),
     _m("AN04", "return cast(JSON, json.loads(openapi_dumps(value)))",
        "return cast(JSON, value)",
        "a result is recorded as the tool returned it, not as the SDK sends it"),
@@ -877,7 +917,7 @@ CATALOGUE: tuple[Mutant, ...] = (
        "                for item in cast(Generator[Any, None, None], steps()):\n",
        "an attached sync runner records the results its requests carried as posted only "
        "when it ends"),
-    _m("AN13", "cast(Any, _SendableTool(tool)), ev, input_)", "tool, ev, input_)",
+    _m("AN13", "        return _session_content(value)\n", "        return value\n",
        "the session runner gets a tool's pydantic return value, which it fails on"),
     _m("AN14", "if runner._toolsets_by_family:", "if False:",
        "a runner with toolsets is attached, their members outside the ledger"),
@@ -887,4 +927,7 @@ CATALOGUE: tuple[Mutant, ...] = (
                "run or post\n",
        "        if False:\n",
        "a completed session is claimed again, which is refused"),
+    _m("AN17", "            if not sendable.answered and call_id not in self._idempotent:",
+       "            if False:",
+       "a body the session runner's timeout cancelled is answered with its timed-out text"),
 )

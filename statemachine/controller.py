@@ -581,6 +581,19 @@ class RunController:
         """`flush` for any store: awaits an async store's append, calls a sync one."""
         self._landed(await self._journal.flush_async())
 
+    def fence(self) -> None:
+        """Check that this attempt still holds the run, before an effect that no append
+        of its own precedes (a hook, a guardrail; DESIGN §7.2): one read of how many
+        events the store holds, no write and no fsync. `ConcurrencyConflict` when another
+        attempt appended since this controller last flushed (it claimed the run, so this
+        attempt was superseded): the effect must not run, and this controller then
+        refuses everything until the run is loaded again. A no-op without a store."""
+        self._journal.fence()
+
+    async def fence_async(self) -> None:
+        """`fence` for any store: awaits an async store's read, calls a sync one."""
+        await self._journal.fence_async()
+
     def _logged(self, event: ev.Event, before: Step | None) -> None:
         if switch.enabled:
             run_logger(self._state.run_id).info(

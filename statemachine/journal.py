@@ -483,6 +483,43 @@ class Journal:
             self.size = commit.size
         return commit
 
+    # ------------------------------------------------------------------ fencing
+
+    def fence(self) -> None:
+        """`RunController.fence`: refused when the store's log has moved past what this
+        journal flushed (another attempt appended: it superseded this one)."""
+        store = self.store
+        if store is None:
+            return
+        if is_async(store):
+            self._refuse(InvalidTransition, "fence",
+                         "this run's store is async: await fence_async()")
+        with _StoreCall(self, "fence", None):
+            found = _stored_version(store, self.state.run_id)
+        self._fenced(found)
+
+    async def fence_async(self) -> None:
+        """`fence` for any store: awaits an async store's read, calls a sync one."""
+        store = self.store
+        if store is None or not is_async(store):
+            self.fence()
+            return
+        with _StoreCall(self, "fence", None):
+            reader = getattr(store, "version", None)
+            found = int(await reader(self.state.run_id) if reader is not None
+                        else len(await store.load(self.state.run_id)))  # type: ignore[misc]
+        self._fenced(found)
+
+    def _fenced(self, found: int) -> None:
+        if self.stopped is not None:
+            self.refuse_stopped("fence")
+        if found != self.flushed:
+            reason = (f"another attempt moved the log (this one flushed {self.flushed} "
+                      f"events, the store holds {found}): this attempt was superseded; "
+                      "load the run again to go on")
+            self.stop(ConcurrencyConflict, reason)
+            self._refuse(ConcurrencyConflict, "fence", reason)
+
     # -------------------------------------------------------- stopping and refusing
 
     def drop_commit(self) -> None:
@@ -580,6 +617,16 @@ class _StoreCall:
             journal.stop(StorageError, _unknown(what))
         if isinstance(error, UNTYPED_BACKEND_ERRORS):
             raise _untyped(error, Outcome.UNKNOWN, where) from error
+
+
+def _stored_version(store: EventStore, run_id: str) -> int:
+    """How many events ``store`` holds for ``run_id``: its ``version(run_id)`` (one
+    indexed read; every store of this library has it), else the length of its log (a
+    store of your own without one: correct, and O(log length))."""
+    reader = getattr(store, "version", None)
+    if reader is not None:
+        return int(reader(run_id))
+    return len(store.load(run_id))
 
 
 def _unknown(what: str) -> str:

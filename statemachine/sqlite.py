@@ -640,6 +640,16 @@ class SQLiteEventStore:
                 heads.append(RunHead(run_id, version, known, session, owner))
         return tuple(heads)
 
+    def version(self, run_id: str) -> int:
+        """How many events the run's log holds (0 for a run not in the store): one
+        indexed read, what `RunController.fence` asks before an effect."""
+        def query(conn: sqlite3.Connection) -> int:
+            row = conn.execute("SELECT MAX(seq) FROM events WHERE run_id = ?",
+                               (run_id,)).fetchone()
+            return 0 if row is None or row[0] is None else int(row[0]) + 1
+
+        return self._read(query, doing="read the run's version")  # type: ignore[no-any-return]
+
     def run_ids(self, limit: int | None = None) -> list[str]:
         """The ids of the runs the store holds, sorted (the first ``limit`` of them)."""
         def query(conn: sqlite3.Connection) -> list[str]:
@@ -775,6 +785,10 @@ class AsyncSQLiteEventStore:
     async def list_runs(self, session_id: str | None = None,
                         steps: Collection[Step] | None = None) -> tuple[RunHead, ...]:
         return await self._call(self.sync.list_runs, session_id, steps)
+
+    async def version(self, run_id: str) -> int:
+        """As `SQLiteEventStore.version`."""
+        return await self._call(self.sync.version, run_id)
 
     async def close(self) -> None:
         await self._call(self.sync.close)

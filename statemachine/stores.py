@@ -316,6 +316,11 @@ class MemoryEventStore:
         with self._lock:
             return list(self._logs.get(run_id, ()))
 
+    def version(self, run_id: str) -> int:
+        """How many events the run's log holds (0 for a run not in the store)."""
+        with self._lock:
+            return len(self._logs.get(run_id, ()))
+
     def load_latest(self, run_id: str) -> tuple[Snapshot | None, list[Event]]:
         with self._lock:
             log = self._logs.get(run_id, [])

@@ -489,6 +489,7 @@ class _LedgerHooks(RunHooks[Any]):
         c = self._run.controller
         if c.hook_done(hook, call_id=call_id):
             return
+        await self._run._fence()  # a superseded attempt runs no hook (I1)
         for method in methods:
             await method(context, agent, *args)
         c.hook_ran(hook, call_id=call_id)
@@ -564,6 +565,7 @@ def _agent_guardrail(run: AgentRun, guardrail: Any, stage: str) -> Any:
             output = GuardrailFunctionOutput(output_info=result["output_info"],
                                              tripwire_triggered=result["tripwire_triggered"])
         else:
+            await run._fence()  # a superseded attempt runs no guardrail (I1)
             output = await maybe_await(guardrail.guardrail_function(context, agent, value))
             if recorded is None:
                 c.guardrail_evaluated(name, {
@@ -597,6 +599,7 @@ def _tool_input_guardrail(run: AgentRun, guardrail: Any) -> ToolInputGuardrail[A
         recorded = c.recorded_guardrail(name, stage="tool_input", call_id=call_id)
         if recorded is not None:
             return _verdict(recorded)
+        await run._fence()
         output = await maybe_await(guardrail.guardrail_function(data))
         c.guardrail_evaluated(name, {"behavior": _shown(dict(output.behavior)),
                                      "output_info": _shown(output.output_info)},
@@ -622,6 +625,7 @@ def _tool_output_guardrail(run: AgentRun, tool: FunctionTool, guardrail: Any, la
         if recorded is not None:
             verdict = _verdict(recorded)
         else:
+            await run._fence()
             verdict = await maybe_await(guardrail.guardrail_function(data))
             c.guardrail_evaluated(name, {"behavior": _shown(dict(verdict.behavior)),
                                          "output_info": _shown(verdict.output_info)},
@@ -1287,6 +1291,13 @@ class AgentRun:
         async with self._flush_lock:
             await self.controller.flush_async()
 
+    async def _fence(self) -> None:
+        """`RunController.fence_async` before an effect no append of this attempt
+        precedes (a hook, a guardrail, the model call): never while one of the concurrent
+        tools' flushes is on its way, which would look like another writer's append."""
+        async with self._flush_lock:
+            await self.controller.fence_async()
+
     def _activate(self, agent: Any) -> None:
         """Record the handoff to ``agent`` when it is not the agent the ledger shows
         active: the first model call of the agent a handoff reached starts its activation."""
@@ -1299,6 +1310,7 @@ class AgentRun:
         if c.step is not Step.AWAITING_MODEL:  # a crash may have come after the record
             c.begin_model_call()  # refused while a write is unsettled (I2)
         await self._flush()  # an effect boundary: the model call is durable first
+        await self._fence()  # ... and this attempt still holds the run
 
     def _model_failed(self, error: BaseException | type[BaseException]) -> None:
         c = self.controller

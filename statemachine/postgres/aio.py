@@ -408,6 +408,12 @@ class AsyncPostgresEventStore(_AsyncClient):
                 heads.append(RunHead(run_id, version, known, session, owner))
         return tuple(heads)
 
+    async def version(self, run_id: str) -> int:
+        """How many events the run's log holds (0 for a run not in the store): one read
+        of its head row, what `RunController.fence` asks before an effect."""
+        rows = await self._read(one(self._sql.version, (run_id,)), doing=LOAD, run_id=run_id)
+        return int(rows[0][0]) if rows else 0
+
     async def run_ids(self, limit: int | None = None) -> list[str]:
         """The ids of the runs the store holds, sorted (the first ``limit`` of them)."""
         sql = self._sql.run_ids + ("" if limit is None else f" LIMIT {int(limit)}")

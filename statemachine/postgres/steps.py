@@ -205,6 +205,7 @@ class Sql:
         self.keep_fold = (f"UPDATE {runs} SET step = %s WHERE run_id = %s AND step IS NULL "
                           "AND version = %s")
         self.run_ids = f"SELECT run_id FROM {runs} WHERE version > 0 ORDER BY run_id"
+        self.version = f"SELECT version FROM {runs} WHERE run_id = %s"
         self.probe_first = (f"INSERT INTO {runs} (run_id, version) VALUES (%s, 0) "
                             "ON CONFLICT (run_id) DO NOTHING")
         self.probe_later = f"SELECT 1 FROM {runs} WHERE run_id = %s FOR SHARE"

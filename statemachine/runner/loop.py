@@ -150,6 +150,7 @@ class _AgentLoop:
                     call_id: str | None = None) -> None:
         c = self.controller
         if not c.hook_done(hook, call_id=call_id):
+            await c.fence_async()  # a superseded attempt runs no hook (I1)
             await call()
             c.hook_ran(hook, call_id=call_id)
 
@@ -164,6 +165,7 @@ class _AgentLoop:
         await self._hook("model_start", lambda: self.hooks.on_llm_start(agent))
         history = await self.session.get_items()
         await c.flush_async()  # an effect boundary: the model call is durable first
+        await c.fence_async()  # ... and this attempt still holds the run
         try:
             response = await agent.model.respond(history, agent)
         except Exception as error:
@@ -186,6 +188,7 @@ class _AgentLoop:
         recorded = c.recorded_guardrail(name, stage=stage, call_id=call_id)
         if recorded is not None:
             return Verdict(recorded.result["behavior"], recorded.result["message"])
+        await c.fence_async()  # a superseded attempt runs no guardrail (I1)
         outcome: Verdict = await maybe_await(check())
         c.guardrail_evaluated(name, outcome.as_json(), stage=stage, call_id=call_id)
         return outcome
@@ -247,6 +250,7 @@ class _AgentLoop:
             return verdict.message
         await self._hook("tool_start", partial(self.hooks.on_tool_start, agent, call),
                          call.call_id)
+        await self.controller.fence_async()  # the start hook may have waited: still ours
         try:
             output: JSON = await maybe_await(tool.function(**decision.call.arguments))
         except Exception as error:  # a tool's failure is its output

@@ -82,7 +82,7 @@ from statemachine.adapters.openai_agents import (
     SDKStateRequired,
     UnsupportedFeature,
 )
-from statemachine.events import HandedOff
+from statemachine.events import HandedOff, RunClaimed
 from statemachine.stores import AsyncSQLiteEventStore, SQLiteEventStore
 from statemachine.testing import FlakySession, InjectedWriteError
 from tests.drivers.effects import Effects
@@ -1041,6 +1041,59 @@ def _tripping(effects: Effects, where: str) -> Agent[Any]:
 TRIPWIRES = {"tool_input": ToolInputGuardrailTripwireTriggered,
              "tool_output": ToolOutputGuardrailTripwireTriggered,
              "input": InputGuardrailTripwireTriggered}
+
+
+class EndHooks(Hooks):
+    async def on_llm_end(self, context: Any, agent: Any, response: Any) -> None:
+        self.effects["hook llm_end"] += 1
+
+
+@pytest.mark.invariant("I1")
+@pytest.mark.parametrize("buffered", [False, True], ids=["per-event", "buffered"])
+@pytest.mark.parametrize("answer", ["final", "tool"])
+def test_a_superseded_attempt_runs_no_hook_guardrail_or_tool_after_the_model_call(
+        tmp_path: Path, buffered: bool, answer: str) -> None:
+    """Another process claims the run while this attempt waits on the model (DESIGN §7.2,
+    fencing): from then on this attempt runs no hook (``on_llm_end``, ``on_agent_end``,
+    ``on_tool_start``), no guardrail and no tool, and stops with `ConcurrencyConflict`
+    (before: the hooks and guardrails ran and only the next append was refused)."""
+    path = tmp_path / "events.db"
+    counts: Counter[str] = Counter()
+
+    @output_guardrail
+    def final_check(context: Any, agent: Any, output: Any) -> GuardrailFunctionOutput:
+        counts["guardrail final_check"] += 1
+        return GuardrailFunctionOutput(output_info=None, tripwire_triggered=False)
+
+    @function_tool
+    def pay(x: int) -> str:
+        counts["tool pay"] += 1
+        return f"paid {x}"
+
+    first = (assistant_message("the answer") if answer == "final"
+             else function_call("pay", {"x": 7}, call_id="c1"))
+
+    class Superseded(ScriptedModel):
+        async def get_response(self, *args: Any, **kwargs: Any) -> Any:
+            counts["model"] += 1
+            RunController.load(SQLiteEventStore(path), "fenced").claim("rival")
+            return await super().get_response(*args, **kwargs)
+
+    agent = Agent("a", model=Superseded([[first], [assistant_message("done")]]),
+                  tools=[pay], output_guardrails=[final_check])
+
+    async def go() -> None:
+        run = await AgentRun.open(agent, run_id="fenced", store=SQLiteEventStore(path),
+                                  session=SQLiteSession("s", ":memory:"),
+                                  buffered=buffered)
+        with pytest.raises(ConcurrencyConflict):
+            await run.run("hi", run_config=CONFIG, hooks=EndHooks(counts))
+
+    asyncio.run(go())
+    assert counts == Counter({"hook agent_start": 1, "hook llm_start": 1, "model": 1})
+    last = RunController.load(SQLiteEventStore(path), "fenced").events[-1]
+    assert isinstance(last, RunClaimed)
+    assert last.owner == "rival"
 
 
 @pytest.mark.parametrize("where", sorted(TRIPWIRES))
