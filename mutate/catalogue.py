@@ -653,8 +653,12 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("LP16", "        await c.fence_async()  # a superseded attempt runs no guardrail (I1)\n",
        "", "a superseded attempt runs its guardrails"),
     # ------------------------------------------------------------- runner/attempt
-    _m("AT01", "            self.controller.claim(self.owner)\n", "",
+    _m("AT01", "            c.claim(self.owner)\n", "",
        "a resumed attempt does not claim the run (§6.3)"),
+    _m("AT03", "            if self._gated and c.in_doubt():", "            if False:",
+       "a refused resume of a stuck run records a claim every time"),
+    _m("AT04", "        self._gated = False\n        try:", "        try:",
+       "an operator's resolution of a call in doubt is refused before its claim"),
     _m("AT02", "        with contextlib.suppress(ControlError):  # the attempt's own error "
                "wins\n            await self._flush()\n", "",
        "a failed attempt drops its buffered events"),

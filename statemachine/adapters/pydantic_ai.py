@@ -518,7 +518,7 @@ class LedgerRun:
         call that started and never reported (established outside the run: did the
         charge go through?). The next attempt answers the call with it; the tool never
         runs again. Claims the run first; `InvalidTransition` for a call not in doubt."""
-        async with self._attempt:
+        async with self._attempt.deciding():
             self.controller.resolve_in_doubt(call_id, _result_form(output))
 
     def _record_decisions(self, results: DeferredToolResults) -> None:

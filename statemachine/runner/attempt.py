@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import TracebackType
 from typing import Any
 
@@ -41,11 +41,12 @@ class Attempt:
 
     Entering claims an existing run (``claim(owner)``) and flushes the claim: raises
     `ConcurrencyConflict` when another attempt claimed the version first, or the
-    controller's refusal, with the block not run. Leaving flushes what the block buffered:
-    its error, when it raised, is what propagates, whatever the flush does; a flush that
-    fails after a block that returned raises. ``flush`` is how to flush (an adapter whose
-    tools run concurrently passes its own, one at a time; default
-    ``controller.flush_async``)."""
+    controller's refusal, with the block not run. A run the gate would refuse anyway (a
+    call in doubt: `ToolInDoubt`) is refused before the claim, recording nothing.
+    Leaving flushes what the block buffered: its error, when it raised, is what
+    propagates, whatever the flush does; a flush that fails after a block that returned
+    raises. ``flush`` is how to flush (an adapter whose tools run concurrently passes its
+    own, one at a time; default ``controller.flush_async``)."""
 
     def __init__(self, controller: RunController, *, resumes: bool, owner: str | None = None,
                  flush: Callable[[], Awaitable[None]] | None = None) -> None:
@@ -55,11 +56,15 @@ class Attempt:
         """Whether the next attempt resumes a run that exists (and claims it): False only
         before the first attempt on a run this process started."""
         self._flush = flush if flush is not None else controller.flush_async
+        self._gated = True
 
     async def __aenter__(self) -> bool:
         resumes = self.resumes
         if resumes:
-            self.controller.claim(self.owner)
+            c = self.controller
+            if self._gated and c.in_doubt():  # the gate refuses it (ToolInDoubt): before
+                c.resume()  # the claim, so a stuck run gains no claim per refused attempt
+            c.claim(self.owner)
             await self._flush()  # durable before any effect, whatever the durability
         self.resumes = True  # every later attempt on the run claims it
         return resumes
@@ -71,6 +76,19 @@ class Attempt:
             return
         with contextlib.suppress(ControlError):  # the attempt's own error wins
             await self._flush()
+
+    @contextlib.asynccontextmanager
+    async def deciding(self) -> AsyncIterator[bool]:
+        """An attempt that records an outcome and runs nothing (an operator's
+        ``resolve_in_doubt``): claimed even while a call is in doubt, since recording its
+        outcome is how a stuck run goes on."""
+        self._gated = False
+        try:
+            async with self as resumes:
+                self._gated = True
+                yield resumes
+        finally:
+            self._gated = True
 
     async def settle(self, session: Session, *, take_over: bool = False) -> None:
         """An attempt that only settles the run: claimed, through the gate (``resume()``),

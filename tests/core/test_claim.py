@@ -39,6 +39,8 @@ from statemachine import (
     SchemaError,
     SQLiteEventStore,
     Step,
+    ToolCall,
+    ToolInDoubt,
 )
 from statemachine import events as ev
 from statemachine.controller import RESERVED_EVENTS
@@ -593,3 +595,36 @@ def test_racing_worker_processes_exactly_one_goes_on_and_the_others_run_nothing(
           f"committed; spread of the claims' start, median "
           f"{spreads[len(spreads) // 2] * 1000:.1f} ms, max {spreads[-1] * 1000:.1f} ms; "
           f"{seconds:.1f} s")
+
+
+@pytest.mark.parametrize("buffered", [False, True], ids=["per-event", "buffered"])
+def test_a_refused_resume_of_a_stuck_run_records_nothing(tmp_path: Path,
+                                                          buffered: bool) -> None:
+    """A run with a call in doubt: every resume is refused (`ToolInDoubt`) and the log
+    does not grow (before: each refused attempt appended a `RunClaimed`; one fleet run
+    reached 7,838 events, 7,811 of them claims)."""
+    from statemachine.runner import Agent
+    from statemachine.testing import ScriptedModel
+
+    store = SQLiteEventStore(tmp_path / "events.db")
+    c = RunController.start(run_id="stuck", session_id=None, store=store)
+    c.begin_model_call()
+    c.model_responded([ToolCall("c1", "charge", {"x": 7})])
+    c.begin_tool("c1")  # ... and the process died inside the tool
+    size = len(store.load("stuck"))
+    agent = Agent("a", ScriptedModel([]))
+    for _ in range(5):
+        with pytest.raises(ToolInDoubt):
+            asyncio.run(Runner.run(agent, store=store, run_id="stuck", buffered=buffered))
+    assert len(store.load("stuck")) == size
+    # an attempt that only records the operator's outcome claims it, and it goes on
+    from statemachine.runner.attempt import Attempt
+
+    async def resolve() -> None:
+        loaded = RunController.load(store, "stuck", buffered=buffered)
+        async with Attempt(loaded, resumes=True, owner="operator").deciding():
+            loaded.resolve_in_doubt("c1", "charged 7")
+
+    asyncio.run(resolve())
+    after = store.load("stuck")
+    assert [type(e).__name__ for e in after[size:]] == ["RunClaimed", "InDoubtResolved"]

@@ -19,7 +19,7 @@ from statemachine.runner import Agent, ModelResponse, Runner
 from statemachine.runner.agents import OutputGuardrail, Verdict
 from statemachine.sessions import MemorySession
 from statemachine.stores import AsyncSQLiteEventStore
-from statemachine.testing import Counters, CountingHooks, counted_tool
+from statemachine.testing import Counters, CountingHooks, ScriptedModel, counted_tool
 
 RUN = "fenced"
 JSON = Any
@@ -99,6 +99,35 @@ def test_a_superseded_attempt_runs_no_effect_after_the_model_call(
     assert isinstance(last, ev.RunClaimed)
     assert last.owner == "rival"
 
+
+
+@pytest.mark.invariant("I1")
+@pytest.mark.parametrize("buffered", [False, True], ids=["per-event", "buffered"])
+def test_a_rival_claim_during_a_hook_stops_the_guardrails_after_it(
+        tmp_path: Path, buffered: bool) -> None:
+    """Superseded while ``on_llm_end`` runs (the hook itself passed its fence): the
+    output guardrail after it and ``on_agent_end`` do not run."""
+    counters = Counters()
+    checked: list[JSON] = []
+    store, rival = _stores(tmp_path, "sqlite")
+
+    class RivalInTheHook(CountingHooks):
+        async def on_llm_end(self, agent: Agent, response: ModelResponse) -> None:
+            await super().on_llm_end(agent, response)
+            rival()
+
+    def check(output: Any) -> Verdict:
+        checked.append(output)
+        return Verdict()
+
+    agent = Agent("a", ScriptedModel([ModelResponse(output="the answer")]),
+                  output_guardrails=(OutputGuardrail("final_check", check),))
+    with pytest.raises(ConcurrencyConflict):
+        asyncio.run(Runner.run(agent, "hi", session=MemorySession("s"), store=store,
+                               run_id=RUN, hooks=RivalInTheHook(counters),
+                               buffered=buffered))
+    assert dict(counters.hooks) == {"agent_start": 1, "model_start": 1, "model_end": 1}
+    assert not checked
 
 
 def test_a_fence_on_a_run_nobody_else_touched_passes_and_reads_only(tmp_path: Path) -> None:
