@@ -66,8 +66,8 @@ _RUNNER = ("tests/runner/test_one_writer.py", "tests/runner/test_runner_promises
 _CODEC = ("tests/core/test_codec.py", "tests/core/test_limits.py",
           "tests/core/test_keyed_chain.py", "tests/core/test_decoding.py",
           "tests/core/test_controller.py")
-_POSTGRES = ("tests/storage/test_postgres_session.py", "tests/storage/test_postgres.py",
-             "tests/storage/test_async_stores.py")
+_POSTGRES = ("tests/storage/test_nul.py", "tests/storage/test_postgres_session.py",
+             "tests/storage/test_postgres.py", "tests/storage/test_async_stores.py")
 _STORES = ("tests/storage/test_stores.py", "tests/storage/test_storage_faults.py",
            "tests/storage/test_async_stores.py", "tests/storage/test_snapshots.py",
            "tests/core/test_claim.py")
@@ -120,12 +120,14 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     "statemachine/envelope.py": ("tests/core/test_envelope.py", *_CORE, _WORLDS),
     "statemachine/codec.py": _CODEC,
     "statemachine/sizes.py": _CODEC,
-    "statemachine/fastload.py": (*_CODEC, "tests/storage/test_stores.py"),
+    "statemachine/fastload.py": (*_CODEC, "tests/storage/test_stores.py",
+                                 "tests/core/test_bad_input.py", "tests/storage/test_nul.py"),
     "statemachine/controller.py": _CONTROLLER,
     "statemachine/journal.py": _CONTROLLER,
     "statemachine/stores.py": _STORES,
     "statemachine/stored.py": _STORES,
-    "statemachine/sqlite.py": ("tests/storage/test_sessions.py", *_STORES),
+    "statemachine/sqlite.py": ("tests/storage/test_sessions.py", *_STORES,
+                               "tests/storage/test_nul.py"),
     "statemachine/sessions.py": ("tests/storage/test_sessions.py",
                                  "tests/runner/test_partial_approval.py"),
     "statemachine/postgres/steps.py": _POSTGRES,
@@ -395,9 +397,16 @@ CATALOGUE: tuple[Mutant, ...] = (
        "        # every raw event decoded",
        "a document without a chain passes the keyed check"),
     # ------------------------------------------------------------------ fastload
-    _m("FL01", "    if not encodable(compact):\n        return None\n    return tree, compact",
-       "    return tree, compact",
+    _m("FL01", "    if not encodable(compact) or _NUL in compact:\n        return None\n"
+               "    return tree, compact",
+       "    if _NUL in compact:\n        return None\n    return tree, compact",
        "a text holding a lone surrogate counts as clean: its string skips the text check"),
+    _m("FL04", "    if not encodable(compact) or _NUL in compact:\n        return None\n"
+               "    return tree, compact",
+       "    if not encodable(compact):\n        return None\n    return tree, compact",
+       "a text holding a NUL counts as clean: a NUL run id or tool name is decoded"),
+    _m("FL05", "or not encodable(compact) or _NUL in compact:", "or not encodable(compact):",
+       "a stored batch holding a NUL in a text field is decoded on the fast path"),
     _m("FL02", "        if event.seq != position:\n            return None\n", "",
        "a batch of stored rows whose bodies carry other seqs than their rows is accepted"),
     _m("FL03", 'lines.append(f"    if type({v}) is not int: raise _Slow")',
@@ -470,6 +479,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        "a commit with its Session write leaves the controller's attempt set",
        equivalent="holds_attempt also compares with the state's attempt_seq, which the "
                   "commit clears, and the next stage sets the attempt again"),
+    _m("CT28", 'and "\\x00" not in value):', "and True):",
+       "an ASCII text field holding a NUL passes the controller's fast check"),
     # -------------------------------------------------------------------- journal
     _m("JO01", "max_events - RESERVED_EVENTS - max(_FINISHING.values()))",
        "max_events - RESERVED_EVENTS - 1)",
@@ -569,6 +580,9 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("SQ15", '"ORDER BY id DESC LIMIT 1", (self.session_id,)).fetchone()',
        '"ORDER BY id LIMIT 1", (self.session_id,)).fetchone()',
        "SQLiteSession.pop_item removes the oldest item"),
+    _m("SQ16", "        if type(session_id) is str and (problem := text_problem(session_id)) "
+               "is not None:", "        if False:",
+       "SQLiteSession takes a session id with a NUL, which PostgreSQL refuses"),
     # ------------------------------------------------------------------- postgres
     _m("PG01", '"WHERE run_id = %(run)s AND version = %(expected)s RETURNING run_id) ")',
        '"WHERE run_id = %(run)s RETURNING run_id) ")',
@@ -582,6 +596,12 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("PG04", '"session_id = %s ORDER BY id DESC LIMIT %s) AS tail ORDER BY id")',
        '"session_id = %s ORDER BY id DESC LIMIT %s) AS tail")',
        "PostgresSession's tail comes back in no defined order"),
+    _m("PG05", "        raise ConfigurationError(f\"schema must be a plain SQL identifier",
+       "        raise ValueError(f\"schema must be a plain SQL identifier",
+       "a bad schema= name is an untyped ValueError"),
+    _m("PG06", "        if (problem := text_problem(session_id)) is not None:  # PostgreSQL",
+       "        if False and (problem := text_problem(session_id)) is not None:  # PostgreSQL",
+       "a PostgreSQL Session takes a session id with a NUL and fails on every call"),
     _m("PA01", "decided = fenced or not one_statement(prepared)", "decided = True",
        "a lost one-statement append that could not be fenced is guessed not written"),
     _m("PA02", "raise failure(error, doing=doing, outcome=Outcome.UNKNOWN, **where) from error",

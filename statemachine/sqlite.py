@@ -34,7 +34,7 @@ from statemachine import codec
 from statemachine import events as ev
 from statemachine.errors import ControlError, Outcome, SchemaError, StorageError
 from statemachine.events import Event
-from statemachine.payloads import JSON, detach
+from statemachine.payloads import JSON, detach, text_problem
 from statemachine.stored import (
     Loaded,
     Rows,
@@ -800,6 +800,9 @@ class SQLiteSession:
 
     def __init__(self, session_id: str, path: str | os.PathLike[str], *,
                  timeout: float = 30.0) -> None:
+        if type(session_id) is str and (problem := text_problem(session_id)) is not None:
+            # refused as PostgreSQL refuses it, so a run moves between stores unchanged
+            raise SchemaError(f"session_id {problem}", action="open the Session")
         self.session_id = session_id
         self.path = os.fspath(path)
         self._timeout = timeout

@@ -28,9 +28,16 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from statemachine import codec
-from statemachine.errors import ConcurrencyConflict, Outcome, SchemaError, StorageError
+from statemachine.errors import (
+    ConcurrencyConflict,
+    ConfigurationError,
+    Outcome,
+    SchemaError,
+    StorageError,
+    excerpt,
+)
 from statemachine.events import Event
-from statemachine.payloads import JSON, detach
+from statemachine.payloads import JSON, detach, text_problem
 from statemachine.stored import (
     Loaded,
     claimed_owner,
@@ -104,8 +111,8 @@ _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 
 def _quoted(name: str) -> str:
     if type(name) is not str or _IDENTIFIER.fullmatch(name) is None:
-        raise ValueError("schema must be a plain SQL identifier (letters, digits, _; "
-                         "at most 63)")
+        raise ConfigurationError(f"schema must be a plain SQL identifier (letters, digits, "
+                                 f"_; at most 63), not {excerpt(name)}")
     return f'"{name}"'
 
 
@@ -700,6 +707,8 @@ class SessionMethods(Base):
     def __init__(self, dsn: str, session_id: str, *, schema: str = "statemachine") -> None:
         if type(session_id) is not str:
             raise TypeError("session_id must be a str")
+        if (problem := text_problem(session_id)) is not None:  # PostgreSQL refuses a NUL
+            raise SchemaError(f"session_id {problem}", action="open the Session")
         super().__init__(dsn, schema=schema)
         self.session_id = session_id
 
