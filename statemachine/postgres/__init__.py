@@ -41,7 +41,10 @@ reading the batch back. The write of that pair is never ambiguous.
 A log is read with its head in one statement and checked: a gap, a damaged row, or a log
 shorter or longer than its head says is a `SchemaError`, never a silently shorter log.
 
-Failures are typed: no psycopg error escapes a public call. An error the server answered
+Failures are typed: no psycopg error escapes a public call, and none carries the DSN's
+password: libpq quotes a DSN it cannot parse, so every spelling of the password (as
+written, percent-decoded, unquoted) is redacted from a message, and such an error is not
+chained as the cause a traceback would print. An error the server answered
 while the connection stays up is `StorageError` with ``outcome="not_written"`` (the
 transaction rolled back), and so is every failure before a COMMIT was sent; a lost
 version race is `ConcurrencyConflict`. A connection lost while the COMMIT (or the

@@ -33,7 +33,6 @@ from statemachine.postgres.steps import (
     backend_of,
     closed,
     ensure_schema,
-    failure,
     fence_steps,
     head_step,
     heads_query,
@@ -135,7 +134,8 @@ class _AsyncClient(Base):
         try:
             conn = await psycopg.AsyncConnection.connect(self.dsn, **self._options())
         except psycopg.Error as error:
-            raise failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN, **where) from error
+            raise self._failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN,
+                                **where) from self._cause(error)
         try:
             if not self._ready:
                 await self._transaction(conn, ensure_schema(self._sql, readonly=self.readonly))
@@ -146,8 +146,8 @@ class _AsyncClient(Base):
             with contextlib.suppress(Exception):
                 await conn.close()
             if isinstance(error, BACKEND_ERRORS):
-                raise failure(error, doing=self._opening, outcome=Outcome.NOT_WRITTEN,
-                              **where) from error
+                raise self._failure(error, doing=self._opening, outcome=Outcome.NOT_WRITTEN,
+                                    **where) from error
             raise
         self._conn = conn
         return conn
@@ -191,8 +191,8 @@ class _AsyncClient(Base):
                 return await run_statements(conn, op)
             except BACKEND_ERRORS as error:
                 await self._settle()
-                raise failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN,
-                              **where) from error
+                raise self._failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN,
+                                    **where) from error
             except BaseException:
                 await self._settle()
                 raise
@@ -208,8 +208,8 @@ class _AsyncClient(Base):
                 await self._before_commit()
             except BACKEND_ERRORS as error:
                 await self._settle()
-                raise failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN,
-                              **where) from error
+                raise self._failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN,
+                                    **where) from error
             except BaseException:
                 await self._settle()
                 raise
@@ -217,7 +217,8 @@ class _AsyncClient(Base):
                 await conn.execute("COMMIT")
             except psycopg.Error as error:
                 await self._drop()
-                raise failure(error, doing=doing, outcome=Outcome.UNKNOWN, **where) from error
+                raise self._failure(error, doing=doing, outcome=Outcome.UNKNOWN,
+                                    **where) from error
             except BaseException:  # interrupted or cancelled while committing: never reused
                 await self._drop()
                 raise
@@ -273,8 +274,8 @@ class AsyncPostgresEventStore(_AsyncClient):
                 raise lost_race(run_id, expected_version, expected_version + 1) from None
             except BACKEND_ERRORS as error:  # before COMMIT: the transaction did not commit
                 await self._settle()
-                raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
-                              **where) from error
+                raise self._failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                                    **where) from error
             except BaseException:
                 await self._settle()
                 raise
@@ -294,8 +295,8 @@ class AsyncPostgresEventStore(_AsyncClient):
         try:
             await self._before_commit()
         except BACKEND_ERRORS as error:  # nothing was sent
-            raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
-                          **where) from error
+            raise self._failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                                **where) from error
         try:
             cursor = await conn.execute(self._sql.append[a.expected == 0, a.count == 1],
                                         a.params)
@@ -304,13 +305,13 @@ class AsyncPostgresEventStore(_AsyncClient):
             raise lost_race(a.run_id, a.expected, a.expected + 1) from None
         except psycopg.Error as error:
             if answered(conn):
-                raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
-                              **where) from error
+                raise self._failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                                    **where) from error
             await self._classify(error, a)
             return
         except UnicodeEncodeError as error:  # refused while encoding: nothing was sent
-            raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
-                          **where) from error
+            raise self._failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                                **where) from error
         except BaseException:  # interrupted or cancelled in flight: never reused
             await self._drop()
             raise
@@ -320,8 +321,8 @@ class AsyncPostgresEventStore(_AsyncClient):
                 row = await cursor.fetchone()
             except BACKEND_ERRORS as error:
                 await self._settle()
-                raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
-                              **where) from error
+                raise self._failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                                    **where) from error
             raise lost_race(a.run_id, a.expected, 0 if row is None else row[0])
 
     async def _classify(self, error: psycopg.Error, prepared: PreparedAppend) -> None:
@@ -334,13 +335,13 @@ class AsyncPostgresEventStore(_AsyncClient):
         try:
             fenced, landed = await self._landed(prepared, backend)
         except Exception as probe_error:
-            raise failure(error, doing=APPEND, outcome=Outcome.UNKNOWN,
-                          **where) from probe_error
+            raise self._failure(error, doing=APPEND, outcome=Outcome.UNKNOWN,
+                                **where) from self._cause(probe_error)
         if landed:
             return
         decided = fenced or not one_statement(prepared)
-        raise failure(error, doing=APPEND,
-                      outcome=Outcome.NOT_WRITTEN if decided else Outcome.UNKNOWN,
+        raise self._failure(error, doing=APPEND,
+                            outcome=Outcome.NOT_WRITTEN if decided else Outcome.UNKNOWN,
                       **where) from error
 
     async def _landed(self, prepared: PreparedAppend, backend: Backend | None

@@ -22,6 +22,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import unquote
 
 import attrs
 import psycopg
@@ -73,9 +74,51 @@ _AFTER = {
 _SHOWN = 300
 
 
-def _reason(error: BaseException) -> str:
+REDACTED = "[password]"
+"""What a message shows in place of a DSN's password."""
+
+
+def dsn_secrets(dsn: str) -> tuple[str, ...]:
+    """Every spelling of the password ``dsn`` carries that libpq might echo back (when it
+    refuses to parse the DSN, it quotes the offending token, or the whole URI): as
+    written, percent-decoded (a URI's), unquoted (a ``key=value`` string's), and as libpq
+    parsed it. Read generously, without libpq, so that a DSN libpq cannot parse still
+    yields its password: redacting too much only hides a bit of a host name. Longest
+    first, so that a spelling inside another is replaced after it."""
+    found: set[str] = set()
+    scheme = re.match(r"\s*postgres(?:ql)?://", dsn, re.IGNORECASE)
+    if scheme is not None:
+        rest = dsn[scheme.end():]
+        if "@" in rest:  # user:password@host: everything up to the last "@" may be it
+            userinfo = rest[:rest.rindex("@")]
+            if ":" in userinfo:
+                found.add(userinfo[userinfo.index(":") + 1:])
+        found.update(m.group(1) for m in re.finditer(r"[?&]password=([^&#]*)", rest))
+    for m in re.finditer(r"(?<![A-Za-z_])password\s*=\s*('(?:[^'\\]|\\.)*'?|\S+)", dsn):
+        value = m.group(1)
+        found.add(value)
+        if value.startswith("'"):
+            found.add(re.sub(r"\\(.)", r"\1", value[1:-1] if value.endswith("'")
+                             and len(value) > 1 else value[1:]))
+    found.update([unquote(secret) for secret in found])
+    with contextlib.suppress(psycopg.Error):
+        found.add(str(conninfo_to_dict(dsn).get("password") or ""))
+    found.discard("")
+    return tuple(sorted(found, key=len, reverse=True))
+
+
+def redact(text: str, secrets: Sequence[str]) -> str:
+    """``text`` with every one of ``secrets`` replaced by `REDACTED`."""
+    for secret in secrets:
+        text = text.replace(secret, REDACTED)
+    return text
+
+
+def _reason(error: BaseException, secrets: Sequence[str] = ()) -> str:
     """PostgreSQL's (or libpq's) own words for ``error``: its class, SQLSTATE and primary
-    message, never its DETAIL (which may quote row values, so payloads)."""
+    message, never its DETAIL (which may quote row values, so payloads), and never a
+    password of ``secrets`` (redacted before the message is cut, so that no part of one
+    survives the cut)."""
     name = type(error).__name__
     if isinstance(error, psycopg.Error):
         sqlstate = error.sqlstate
@@ -84,16 +127,18 @@ def _reason(error: BaseException) -> str:
         name = f"{name} {sqlstate}" if sqlstate else name
     else:
         text = (str(error).strip().splitlines() or [""])[0]
+    text = redact(text, secrets)
     text = "".join(c if c.isprintable() else " " for c in text[:_SHOWN])
     return f"{name}: {text}" if text else name
 
 
-def failure(error: BaseException, *, doing: str, outcome: Outcome, **where: Any
-            ) -> StorageError:
+def failure(error: BaseException, *, doing: str, outcome: Outcome,
+            secrets: Sequence[str] = (), **where: Any) -> StorageError:
     """The `StorageError` for a backend error met while ``doing`` something: PostgreSQL's
-    own words (`_reason`) and what happened to the write (``outcome``)."""
-    return StorageError(f"cannot {doing}: PostgreSQL {_reason(error)}; {_AFTER[outcome]}",
-                        outcome=outcome, **where)
+    own words (`_reason`, without a password of ``secrets``) and what happened to the
+    write (``outcome``)."""
+    return StorageError(f"cannot {doing}: PostgreSQL {_reason(error, secrets)}; "
+                        f"{_AFTER[outcome]}", outcome=outcome, **where)
 
 
 def closed(doing: str, noun: str, **where: Any) -> StorageError:
@@ -561,6 +606,7 @@ class Base:
         if not readback_timeout > 0:
             raise ValueError("readback_timeout must be > 0 (seconds)")
         self.dsn = dsn
+        self._secrets = dsn_secrets(dsn)
         self.schema = schema
         self.readonly = readonly
         self.readback_timeout = readback_timeout
@@ -571,6 +617,17 @@ class Base:
         self._closed = False
         self._pid = os.getpid()
         _LIVE.add(self)
+
+    def _failure(self, error: BaseException, *, doing: str, outcome: Outcome, **where: Any
+                 ) -> StorageError:
+        """`failure`, never quoting this DSN's password."""
+        return failure(error, doing=doing, outcome=outcome, secrets=self._secrets, **where)
+
+    def _cause(self, error: BaseException) -> BaseException | None:
+        """``error``, to chain a `StorageError` to; None when its text quotes the DSN's
+        password (libpq refusing to parse the DSN), so no traceback ever prints it."""
+        text = str(error)
+        return None if any(secret in text for secret in self._secrets) else error
 
     def _options(self) -> dict[str, Any]:
         options: dict[str, Any] = {"autocommit": True,

@@ -32,7 +32,6 @@ from statemachine.postgres.steps import (
     backend_of,
     closed,
     ensure_schema,
-    failure,
     fence_steps,
     head_step,
     heads_query,
@@ -134,7 +133,8 @@ class _Client(Base):
         try:
             conn = psycopg.connect(self.dsn, **self._options())
         except psycopg.Error as error:
-            raise failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN, **where) from error
+            raise self._failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN,
+                                **where) from self._cause(error)
         try:
             if not self._ready:
                 self._transaction(conn, ensure_schema(self._sql, readonly=self.readonly))
@@ -145,8 +145,8 @@ class _Client(Base):
             with contextlib.suppress(Exception):
                 conn.close()
             if isinstance(error, BACKEND_ERRORS):
-                raise failure(error, doing=self._opening, outcome=Outcome.NOT_WRITTEN,
-                              **where) from error
+                raise self._failure(error, doing=self._opening, outcome=Outcome.NOT_WRITTEN,
+                                    **where) from error
             raise
         self._conn = conn
         return conn
@@ -190,8 +190,8 @@ class _Client(Base):
                 return run_statements(conn, op)
             except BACKEND_ERRORS as error:
                 self._settle()
-                raise failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN,
-                              **where) from error
+                raise self._failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN,
+                                    **where) from error
             except BaseException:
                 self._settle()
                 raise
@@ -207,8 +207,8 @@ class _Client(Base):
                 self._before_commit()
             except BACKEND_ERRORS as error:
                 self._settle()
-                raise failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN,
-                              **where) from error
+                raise self._failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN,
+                                    **where) from error
             except BaseException:
                 self._settle()
                 raise
@@ -216,7 +216,8 @@ class _Client(Base):
                 conn.execute("COMMIT")
             except psycopg.Error as error:
                 self._drop()
-                raise failure(error, doing=doing, outcome=Outcome.UNKNOWN, **where) from error
+                raise self._failure(error, doing=doing, outcome=Outcome.UNKNOWN,
+                                    **where) from error
             except BaseException:  # interrupted or cancelled while committing: never reused
                 self._drop()
                 raise
@@ -272,8 +273,8 @@ class PostgresEventStore(_Client):
                 raise lost_race(run_id, expected_version, expected_version + 1) from None
             except BACKEND_ERRORS as error:  # before COMMIT: the transaction did not commit
                 self._settle()
-                raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
-                              **where) from error
+                raise self._failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                                    **where) from error
             except BaseException:
                 self._settle()
                 raise
@@ -293,8 +294,8 @@ class PostgresEventStore(_Client):
         try:
             self._before_commit()
         except BACKEND_ERRORS as error:  # nothing was sent
-            raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
-                          **where) from error
+            raise self._failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                                **where) from error
         try:
             cursor = conn.execute(self._sql.append[a.expected == 0, a.count == 1],
                                   a.params)
@@ -303,13 +304,13 @@ class PostgresEventStore(_Client):
             raise lost_race(a.run_id, a.expected, a.expected + 1) from None
         except psycopg.Error as error:
             if answered(conn):
-                raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
-                              **where) from error
+                raise self._failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                                    **where) from error
             self._classify(error, a)
             return
         except UnicodeEncodeError as error:  # refused while encoding: nothing was sent
-            raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
-                          **where) from error
+            raise self._failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                                **where) from error
         except BaseException:  # interrupted or cancelled in flight: never reused
             self._drop()
             raise
@@ -319,8 +320,8 @@ class PostgresEventStore(_Client):
                 row = cursor.fetchone()
             except BACKEND_ERRORS as error:
                 self._settle()
-                raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
-                              **where) from error
+                raise self._failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                                    **where) from error
             raise lost_race(a.run_id, a.expected, 0 if row is None else row[0])
 
     def _classify(self, error: psycopg.Error, prepared: PreparedAppend) -> None:
@@ -333,13 +334,13 @@ class PostgresEventStore(_Client):
         try:
             fenced, landed = self._landed(prepared, backend)
         except Exception as probe_error:
-            raise failure(error, doing=APPEND, outcome=Outcome.UNKNOWN,
-                          **where) from probe_error
+            raise self._failure(error, doing=APPEND, outcome=Outcome.UNKNOWN,
+                                **where) from self._cause(probe_error)
         if landed:
             return
         decided = fenced or not one_statement(prepared)
-        raise failure(error, doing=APPEND,
-                      outcome=Outcome.NOT_WRITTEN if decided else Outcome.UNKNOWN,
+        raise self._failure(error, doing=APPEND,
+                            outcome=Outcome.NOT_WRITTEN if decided else Outcome.UNKNOWN,
                       **where) from error
 
     def _landed(self, prepared: PreparedAppend, backend: Backend | None
