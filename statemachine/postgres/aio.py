@@ -22,6 +22,7 @@ from statemachine.postgres.steps import (
     BACKEND_ERRORS,
     LIST,
     LOAD,
+    LOCK_TIMEOUT,
     PIPELINE,
     Backend,
     Base,
@@ -103,9 +104,10 @@ class _AsyncClient(Base):
     the Session share."""
 
     def __init__(self, dsn: str, *, schema: str = "statemachine", readonly: bool = False,
-                 readback_timeout: float = 10.0) -> None:
+                 readback_timeout: float = 10.0,
+                 lock_timeout: float | None = LOCK_TIMEOUT) -> None:
         super().__init__(dsn, schema=schema, readonly=readonly,
-                         readback_timeout=readback_timeout)
+                         readback_timeout=readback_timeout, lock_timeout=lock_timeout)
         self._lock = asyncio.Lock()
 
     async def __aenter__(self) -> Self:
@@ -242,6 +244,10 @@ class AsyncPostgresEventStore(_AsyncClient):
     folds unfolded heads without keeping them, a database without the tables is a
     `StorageError`). ``readback_timeout``: how long (seconds) the read-back after a lost
     COMMIT may wait for a lock or a connection before answering ``"unknown"``.
+    ``lock_timeout`` (seconds, `LOCK_TIMEOUT` unless told; None: PostgreSQL's own
+    setting, by default no limit): how long a statement waits for a lock another session
+    holds, such as the run's head row another append's transaction holds; past it the
+    command fails with `StorageError` ``"not_written"``.
     """
 
     # ---------------------------------------------------------------- writing
@@ -432,4 +438,4 @@ class AsyncPostgresEventStore(_AsyncClient):
 
 class AsyncPostgresSession(SessionMethods, _AsyncClient):
     """A Session on PostgreSQL through psycopg's ``AsyncConnection``: see `SessionMethods`
-    (``dsn``, ``session_id``, ``schema``)."""
+    (``dsn``, ``session_id``, ``schema``, ``lock_timeout``)."""

@@ -590,6 +590,14 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_detach_all)
 
 
+LOCK_TIMEOUT = 5.0
+"""How long (seconds) a statement waits for a lock another session holds (PostgreSQL's
+``lock_timeout``) before it fails: an append waits for a run's head row while another
+session's transaction holds it, which an append holds for milliseconds. Past it the
+statement is cancelled and the command fails with `StorageError` ``"not_written"``
+(the transaction rolled back), instead of waiting as long as the other session likes."""
+
+
 class Base:
     """What the sync and the async objects (stores and Sessions) share: their
     configuration, the connection options, and letting go of a connection a forked child
@@ -600,11 +608,16 @@ class Base:
     _opening = "open the event store"
 
     def __init__(self, dsn: str, *, schema: str = "statemachine", readonly: bool = False,
-                 readback_timeout: float = 10.0) -> None:
+                 readback_timeout: float = 10.0,
+                 lock_timeout: float | None = LOCK_TIMEOUT) -> None:
         if type(dsn) is not str:
             raise TypeError("dsn must be a str (a libpq connection string or URI)")
         if not readback_timeout > 0:
             raise ValueError("readback_timeout must be > 0 (seconds)")
+        if lock_timeout is not None and (type(lock_timeout) not in (int, float)
+                                         or not 0 < lock_timeout < 2**31 / 1000):
+            raise ConfigurationError("lock_timeout must be None or a number of seconds > 0")
+        self.lock_timeout = lock_timeout
         self.dsn = dsn
         self._secrets = dsn_secrets(dsn)
         self.schema = schema
@@ -632,8 +645,13 @@ class Base:
     def _options(self) -> dict[str, Any]:
         options: dict[str, Any] = {"autocommit": True,
                                    "fallback_application_name": "agent-statemachine"}
+        settings = []
+        if self.lock_timeout is not None:  # ms: PostgreSQL's unit; 0 would mean "for ever"
+            settings.append(f"-c lock_timeout={max(1, math.ceil(self.lock_timeout * 1000))}")
         if self.readonly:
-            options["options"] = "-c default_transaction_read_only=on"
+            settings.append("-c default_transaction_read_only=on")
+        if settings:
+            options["options"] = " ".join(settings)
         return options
 
     def _probe_options(self) -> dict[str, Any]:
@@ -761,12 +779,13 @@ class SessionMethods(Base):
     _read: Callable[..., Any]
     _write: Callable[..., Any]
 
-    def __init__(self, dsn: str, session_id: str, *, schema: str = "statemachine") -> None:
+    def __init__(self, dsn: str, session_id: str, *, schema: str = "statemachine",
+                 lock_timeout: float | None = LOCK_TIMEOUT) -> None:
         if type(session_id) is not str:
             raise TypeError("session_id must be a str")
         if (problem := text_problem(session_id)) is not None:  # PostgreSQL refuses a NUL
             raise SchemaError(f"session_id {problem}", action="open the Session")
-        super().__init__(dsn, schema=schema)
+        super().__init__(dsn, schema=schema, lock_timeout=lock_timeout)
         self.session_id = session_id
 
     def shares_transaction_with(self, store: object) -> bool:

@@ -21,6 +21,7 @@ from statemachine.postgres.steps import (
     BACKEND_ERRORS,
     LIST,
     LOAD,
+    LOCK_TIMEOUT,
     PIPELINE,
     Backend,
     Base,
@@ -102,9 +103,10 @@ class _Client(Base):
     the Session share."""
 
     def __init__(self, dsn: str, *, schema: str = "statemachine", readonly: bool = False,
-                 readback_timeout: float = 10.0) -> None:
+                 readback_timeout: float = 10.0,
+                 lock_timeout: float | None = LOCK_TIMEOUT) -> None:
         super().__init__(dsn, schema=schema, readonly=readonly,
-                         readback_timeout=readback_timeout)
+                         readback_timeout=readback_timeout, lock_timeout=lock_timeout)
         self._lock = threading.Lock()
 
     def __enter__(self) -> Self:
@@ -241,6 +243,10 @@ class PostgresEventStore(_Client):
     folds unfolded heads without keeping them, a database without the tables is a
     `StorageError`). ``readback_timeout``: how long (seconds) the read-back after a lost
     COMMIT may wait for a lock or a connection before answering ``"unknown"``.
+    ``lock_timeout`` (seconds, `LOCK_TIMEOUT` unless told; None: PostgreSQL's own
+    setting, by default no limit): how long a statement waits for a lock another session
+    holds, such as the run's head row another append's transaction holds; past it the
+    command fails with `StorageError` ``"not_written"``.
     """
 
     # ---------------------------------------------------------------- writing
@@ -431,4 +437,4 @@ class PostgresEventStore(_Client):
 
 class PostgresSession(SessionMethods, _Client):
     """A Session on PostgreSQL through psycopg's ``Connection``: see `SessionMethods`
-    (``dsn``, ``session_id``, ``schema``)."""
+    (``dsn``, ``session_id``, ``schema``, ``lock_timeout``)."""
