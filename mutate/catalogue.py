@@ -602,6 +602,12 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("SQ16", "        if type(session_id) is str and (problem := text_problem(session_id)) "
                "is not None:", "        if False:",
        "SQLiteSession takes a session id with a NUL, which PostgreSQL refuses"),
+    _m("SQ22", "        return await self._off_loop(self._get_items, limit)",
+       "        return self._get_items(limit)",
+       "SQLiteSession.get_items reads on the event loop, which stops while it waits"),
+    _m("SQ23", "        await self._off_loop(self._add_items, bodies)",
+       "        self._add_items(bodies)",
+       "SQLiteSession.add_items writes on the event loop, which stops for its fsync"),
     # ------------------------------------------------------------------- postgres
     _m("PG01", '"WHERE run_id = %(run)s AND version = %(expected)s RETURNING run_id) ")',
        '"WHERE run_id = %(run)s RETURNING run_id) ")',

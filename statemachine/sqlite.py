@@ -860,6 +860,12 @@ class SQLiteSession:
     ``"unknown"`` when its COMMIT raised (it may have landed). A write's error reaches
     the runner as the write's error, like any Session's: ``publish`` reports it with
     ``publication_failed`` and re-raises it (I6). ``timeout`` is SQLite's busy timeout.
+
+    Every call runs on a worker thread of the Session's own, never on the event loop
+    (which would otherwise stop for each fsync, and for as long as another connection
+    holds the file's lock), one call at a time and in the order they were made: a read
+    after a write sees it. A call cancelled while it runs is finished on that thread (a
+    write lands whole or not at all, as ever), and the calls made after it wait for it.
     """
 
     def __init__(self, session_id: str, path: str | os.PathLike[str], *,
@@ -871,6 +877,8 @@ class SQLiteSession:
         self.path = os.fspath(path)
         self._timeout = timeout
         self._lock = threading.Lock()
+        self._worker = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="statemachine-sqlite-session")
         with storage_errors(self.path, doing="open the Session"):
             self._conn = connect(self.path, timeout=timeout)
             try:
@@ -886,6 +894,11 @@ class SQLiteSession:
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+        self._worker.shutdown(wait=False)
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._worker, fn, *args)
 
     def _failed(self, error: BaseException, doing: str, outcome: Outcome) -> StorageError:
         if in_transaction(self._conn):  # a failed ROLLBACK: closing rolls back
@@ -896,6 +909,21 @@ class SQLiteSession:
         return failure(error, self.path, outcome=outcome, doing=doing)
 
     async def get_items(self, limit: int | None = None) -> list[JSON]:
+        return await self._off_loop(self._get_items, limit)
+
+    async def add_items(self, items: list[JSON]) -> None:
+        # detached here, on the caller's side: a value that is not plain JSON is refused
+        # before anything runs, and the caller's items are never read from the thread
+        bodies = [(self.session_id, dumps(detach(item))) for item in items]
+        await self._off_loop(self._add_items, bodies)
+
+    async def pop_item(self) -> JSON | None:
+        return await self._off_loop(self._pop_item)
+
+    async def clear_session(self) -> None:
+        await self._off_loop(self._clear_session)
+
+    def _get_items(self, limit: int | None) -> list[JSON]:
         doing = "read the Session"
         with self._lock, storage_errors(self.path, doing=doing):
             if limit is None:
@@ -916,8 +944,7 @@ class SQLiteSession:
             raise StorageError(f"cannot {doing}: {shown(self.path)} holds a damaged "
                                "item (not JSON)", outcome=Outcome.NOT_WRITTEN) from None
 
-    async def add_items(self, items: list[JSON]) -> None:
-        bodies = [(self.session_id, dumps(detach(item))) for item in items]
+    def _add_items(self, bodies: list[tuple[str, str]]) -> None:
         doing = "write to the Session"
         with self._lock:
             try:
@@ -937,7 +964,7 @@ class SQLiteSession:
     def _after_commit(self) -> None:
         """A seam for fault injection (tests kill the process here)."""
 
-    async def pop_item(self) -> JSON | None:
+    def _pop_item(self) -> JSON | None:
         doing = "pop an item from the Session"
         with self._lock:
             try:
@@ -954,7 +981,7 @@ class SQLiteSession:
                 raise self._failed(error, doing, Outcome.NOT_WRITTEN) from error
         return item
 
-    async def clear_session(self) -> None:
+    def _clear_session(self) -> None:
         doing = "clear the Session"
         with self._lock:
             try:
