@@ -10,6 +10,7 @@ from statemachine.controller import RunController
 from statemachine.envelope import Envelope
 from statemachine.errors import (
     ConcurrencyConflict,
+    ConfigurationError,
     ControlError,
     InvalidTransition,
     Outcome,
@@ -51,6 +52,7 @@ __all__ = [
     "Append",
     "CallView",
     "ConcurrencyConflict",
+    "ConfigurationError",
     "ControlError",
     "Envelope",
     "EventStore",

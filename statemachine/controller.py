@@ -516,7 +516,8 @@ class RunController:
             self._refuse(SchemaError, action, f"{what} is not plain JSON: {exc}")
 
     def _text(self, action: str, what: str, value: Any, *, optional: bool = False) -> None:
-        if type(value) is str and value.isascii() and len(value) <= MAX_TEXT:
+        if (type(value) is str and value.isascii() and len(value) <= MAX_TEXT
+                and "\x00" not in value):
             return  # the common case (an ASCII str is valid Unicode); the rest is decided below
         if optional and value is None:
             return

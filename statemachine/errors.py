@@ -138,6 +138,12 @@ class StorageError(ControlError):
         return {"outcome": self.outcome}
 
 
+class ConfigurationError(ControlError, ValueError):
+    """A store or Session was handed a setting it cannot use (a PostgreSQL ``schema=``
+    that is not a plain SQL identifier); nothing was opened. It is also a `ValueError`,
+    which the refusal was before it had a type."""
+
+
 class RunNotFound(ControlError):
     """The store holds no run with this id."""
 

@@ -4,7 +4,7 @@ Loading is mostly decoding text this library wrote. A text that is the compact J
 what it parses to, up to a space after a comma or a colon (so what ``json.dumps`` writes
 with its default separators too), holds no duplicate key and no NaN or infinity (see
 `clean_parse`); if that text is also valid Unicode throughout, every value in it is
-plain JSON of an exact type with valid text and printable ints. Such a "clean" tree is
+plain JSON of an exact type with valid text (no NUL) and printable ints. Such a "clean" tree is
 the parser's own, so nothing else holds it and its payloads need no copy: only their
 depth is checked. Its events are decoded by one generated function per class
 (`FAST_DECODE`: exact types, text lengths, enums, key sets); a store's rows that are all
@@ -62,6 +62,12 @@ def _squeezed(text: str) -> str:
     return text.replace(", ", ",").replace(": ", ":")
 
 
+_NUL = "\\u0000"
+"""How a NUL reads in compact JSON. A text holding one is not clean: the fast decoders do
+not look for it, and the strict path refuses it in a text field (`text_problem`) and
+keeps it in a payload."""
+
+
 def clean_parse(text: str) -> tuple[Any, str] | None:
     """(the parsed tree, its compact text) when ``text`` is clean (see the module), else
     None: then `codec.parse` decides, strictly.
@@ -88,7 +94,7 @@ def clean_parse(text: str) -> tuple[Any, str] | None:
                 text.isascii() and not compact.isascii()
                 and _squeezed(_ascii_compact(tree)) == squeezed):
             return None
-    if not encodable(compact):
+    if not encodable(compact) or _NUL in compact:
         return None
     return tree, compact
 
@@ -216,7 +222,7 @@ def decode_stored_batch(bodies: list[str], first: int) -> tuple[list[ev.Event], 
         compact = compact_json(trees)
     except (StopIteration, ValueError, TypeError, RecursionError):
         return None
-    if compact[1:-1] != ",".join(bodies) or not encodable(compact):
+    if compact[1:-1] != ",".join(bodies) or not encodable(compact) or _NUL in compact:
         return None
     fast = FAST_DECODE
     decoded: list[ev.Event] = []

@@ -76,11 +76,17 @@ def _int_ok(value: int) -> bool:
 
 def text_problem(value: object) -> str | None:
     """Why ``value`` is not an acceptable text field (an id, a name, a reason), or None:
-    not a str, longer than `MAX_TEXT`, or not valid Unicode."""
+    not a str, longer than `MAX_TEXT`, holding a NUL, or not valid Unicode. A NUL is
+    refused because PostgreSQL's ``text`` cannot hold one: a run whose id SQLite took
+    would fail there, so it is refused on every store, before anything is recorded. (A
+    payload's strings may hold NUL: they are stored as JSON text, where it is
+    ``\\u0000``.)"""
     if type(value) is not str:
         return f"must be a str, not {type_name(value)}"
     if len(value) > MAX_TEXT:
         return f"is longer than {MAX_TEXT} characters"
+    if "\x00" in value:
+        return "holds a NUL character"
     if not encodable(value):
         return "is not valid Unicode (a lone surrogate)"
     return None

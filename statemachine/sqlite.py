@@ -34,7 +34,7 @@ from statemachine import codec
 from statemachine import events as ev
 from statemachine.errors import ControlError, Outcome, SchemaError, StorageError
 from statemachine.events import Event
-from statemachine.payloads import JSON, detach
+from statemachine.payloads import JSON, detach, text_problem
 from statemachine.stored import (
     Loaded,
     Rows,
@@ -241,12 +241,18 @@ _RUNS_TABLE = """CREATE TABLE runs (
     run_id     TEXT    PRIMARY KEY,
     step       TEXT,
     session_id TEXT,
-    owner      TEXT
+    owner      TEXT,
+    version    INTEGER
 )"""
 """One head per run. ``step`` NULL: unfolded; `SQLiteEventStore.list_runs` folds the
-run's log and fills it in (with the Session as the log has it). The head's version
-is not stored: it is read off the log's UNIQUE (run_id, seq) index, so an append that
-moves neither the step nor the owner writes no head row (and costs no extra page)."""
+run's log and fills it in (with the Session as the log has it). ``version``: how many
+events the run's log holds, moved by every append in its transaction, so a load checks
+the log against it: the last rows lost past the newest snapshot are a shorter legal
+log, which only the head tells from a run that stopped there. NULL: not known (a head
+an older version wrote); not checked until the next append here sets it."""
+_HEAD_VERSION = "ALTER TABLE runs ADD COLUMN version INTEGER"
+_FILL_VERSIONS = ("UPDATE runs SET version = (SELECT MAX(seq) + 1 FROM events "
+                  "WHERE events.run_id = runs.run_id)")
 _RUNS_INDEXES = ("CREATE INDEX runs_by_session ON runs (session_id, step)",
                  "CREATE INDEX runs_unfolded ON runs (run_id) WHERE step IS NULL")
 _HAS_RUNS = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'runs'"
@@ -283,10 +289,13 @@ class SQLiteEventStore:
     is ignored with a `SnapshotIgnored` warning and the whole log is read. A snapshot that
     passes vouches for the log up to its version: if event 0 or event version - 1 is
     missing, the log was truncated (or has a gap) and loading is a `SchemaError`, not a
-    replay of what is left. Two checks would cost O(log length) and are left to a whole
-    read (``load``, a controller's ``events``, which raise `SchemaError`): a gap strictly
-    inside the snapshot's prefix; and a truncation at the end past the newest snapshot
-    leaves a shorter legal log that no check tells from a run that stopped there.
+    replay of what is left. Every load also checks the log against its run's head, whose
+    ``version`` each append moves in its transaction: rows lost at the end, past the
+    newest snapshot, leave a shorter legal log that only the head tells from a run that
+    stopped there, so it is a `SchemaError`, and an append refuses to write on top of it.
+    One check would cost O(log length) and is left to a whole read (``load``, a
+    controller's ``events``, which raise `SchemaError`): a gap strictly inside the
+    snapshot's prefix.
 
     ``readonly=True`` opens an existing store that can never be written through this
     object, nor any file created or changed by reading it: each read is its own SQLite
@@ -306,8 +315,11 @@ class SQLiteEventStore:
     such run (snapshot plus tail) once and keeps the result. A run an older writer logs
     later gets its row on the next append here. A database made before snapshots had a
     digest gets the column, and its undigested snapshots are dropped (the next ones are
-    written with one). Processes writing to one database should all run a version that
-    keeps the heads and the digests.
+    written with one); one whose heads have no version gets it, set to each log's length
+    as it stands (read-only, such a head is not checked). Processes writing to one
+    database should all run a version that keeps the heads, their versions and the
+    digests: an older writer's appends leave the head's version behind its log, which a
+    load then refuses as damaged (fail closed).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, timeout: float = 30.0,
@@ -319,7 +331,7 @@ class SQLiteEventStore:
         self._conn: Any = None
         self._identity: FileIdentity | None = None
         self._closed = False
-        self._has_runs = self._has_digests = True
+        self._has_runs = self._has_digests = self._has_versions = True
         if readonly:
             self._open_readonly()
             return
@@ -330,6 +342,7 @@ class SQLiteEventStore:
                     self._conn.executescript(_SCHEMA)
                     self._ensure_runs()
                     self._ensure_digests()
+                    self._ensure_versions()
                 if not _in_memory(self.path):
                     self._identity = FileIdentity(self.path)
             except BaseException:
@@ -356,6 +369,7 @@ class SQLiteEventStore:
                 for (run_id,) in logged:
                     conn.execute("INSERT INTO runs (run_id, session_id, owner) "
                                  "VALUES (?, ?, ?)", (run_id, *self._read_head(conn, run_id)))
+                conn.execute(_FILL_VERSIONS)
         except CommitFailed as failed:
             raise failed.__cause__ from None  # type: ignore[misc]
 
@@ -374,6 +388,21 @@ class SQLiteEventStore:
         except CommitFailed as failed:
             raise failed.__cause__ from None  # type: ignore[misc]
 
+    def _ensure_versions(self) -> None:
+        """Give the ``runs`` table of an older database its ``version`` column, each head
+        set to its log's length now (the log is trusted as it stands, once)."""
+        conn = self._conn
+        if _has_version(conn):
+            return
+        try:
+            with write_transaction(conn):
+                if _has_version(conn):
+                    return  # another process added it first
+                conn.execute(_HEAD_VERSION)
+                conn.execute(_FILL_VERSIONS)
+        except CommitFailed as failed:
+            raise failed.__cause__ from None  # type: ignore[misc]
+
     def _open_readonly(self) -> None:
         name = shown(self.path)
         if not os.path.lexists(self.path):
@@ -383,7 +412,8 @@ class SQLiteEventStore:
                                outcome=Outcome.NOT_WRITTEN)
         with storage_errors(self.path, doing="open the event store"):
             self._identity = FileIdentity(self.path)
-            tables, columns, digest = self._read(_describe, doing="open the event store")
+            tables, columns, digest, versions = self._read(_describe,
+                                                           doing="open the event store")
         if "events" not in tables or not {"run_id", "seq", "body"} <= columns:
             what = ("an empty file" if os.path.getsize(self.path) == 0
                     else "a SQLite database")
@@ -392,6 +422,7 @@ class SQLiteEventStore:
                                outcome=Outcome.NOT_WRITTEN)
         self._has_runs = "runs" in tables
         self._has_digests = "snapshots" in tables and digest
+        self._has_versions = versions
 
     def _read_head(self, conn: sqlite3.Connection, run_id: str) -> tuple[str | None,
                                                                         str | None]:
@@ -502,9 +533,13 @@ class SQLiteEventStore:
             try:
                 conn = self._live()
                 with write_transaction(conn):
-                    (last,) = conn.execute(
-                        "SELECT MAX(seq) FROM events WHERE run_id = ?", (run_id,)).fetchone()
+                    last, head = conn.execute(
+                        "SELECT (SELECT MAX(seq) FROM events WHERE run_id = ?), "
+                        "(SELECT version FROM runs WHERE run_id = ?)",
+                        (run_id, run_id)).fetchone()
                     version = 0 if last is None else last + 1
+                    # never on top of lost rows: the log must be as long as its head says
+                    _checked(run_id, head, version, Loaded([]), "append")
                     if version != expected_version:
                         raise conflict(run_id, expected_version, version)
                     conn.executemany(
@@ -571,25 +606,25 @@ class SQLiteEventStore:
 
     def _keep_head(self, conn: sqlite3.Connection, run_id: str, events: Sequence[Event],
                    expected_version: int, step: Step | None) -> None:
-        """Move the run's head in the append's transaction (written only if it moves)."""
+        """Move the run's head (its version, and its step and owner) in the append's
+        transaction."""
         claimed, owner = claimed_owner(events)
         value = None if step is None else step.value
+        version = expected_version + len(events)
         if expected_version == 0:
-            conn.execute("INSERT OR REPLACE INTO runs (run_id, step, session_id, owner) "
-                         "VALUES (?, ?, ?, ?)",
-                         (run_id, value, started_session(events), owner))
+            conn.execute("INSERT OR REPLACE INTO runs (run_id, step, session_id, owner, "
+                         "version) VALUES (?, ?, ?, ?, ?)",
+                         (run_id, value, started_session(events), owner, version))
             return
-        row = conn.execute("SELECT step, owner FROM runs WHERE run_id = ?",
-                           (run_id,)).fetchone()
+        row = conn.execute("SELECT owner FROM runs WHERE run_id = ?", (run_id,)).fetchone()
         if row is None:  # a run an older writer logged without a head
             session, logged_owner = self._read_head(conn, run_id)
-            conn.execute("INSERT INTO runs (run_id, session_id, owner) VALUES (?, ?, ?)",
-                         (run_id, session, owner if claimed else logged_owner))
+            conn.execute("INSERT INTO runs (run_id, session_id, owner, version) "
+                         "VALUES (?, ?, ?, ?)",
+                         (run_id, session, owner if claimed else logged_owner, version))
             return  # unfolded: its Session was read off a log this store did not write
-        head = (value, owner if claimed else row[1])
-        if head != row:
-            conn.execute("UPDATE runs SET step = ?, owner = ? WHERE run_id = ?",
-                         (*head, run_id))
+        conn.execute("UPDATE runs SET step = ?, owner = ?, version = ? WHERE run_id = ?",
+                     (value, owner if claimed else row[0], version, run_id))
 
     # ------------------------------------------------------------------ reading
 
@@ -687,11 +722,22 @@ class SQLiteEventStore:
     def load_measured(self, run_id: str) -> Loaded:
         """`load`, with the size of the events when they were decoded together (clean
         rows, the common case): see `stores.load_measured`."""
-        def query(conn: sqlite3.Connection) -> Rows:
-            return conn.execute("SELECT seq, body FROM events WHERE run_id = ? ORDER BY seq",
-                                (run_id,)).fetchall()
+        def query(conn: sqlite3.Connection) -> tuple[Any, Rows]:
+            with read_transaction(conn):
+                head = self._head_version(conn, run_id)
+                return head, conn.execute(
+                    "SELECT seq, body FROM events WHERE run_id = ? ORDER BY seq",
+                    (run_id,)).fetchall()
 
-        return decode_rows(run_id, self._read(query, doing="load a run", run_id=run_id), 0)
+        head, rows = self._read(query, doing="load a run", run_id=run_id)
+        return _checked(run_id, head, 0, decode_rows(run_id, rows, 0))
+
+    def _head_version(self, conn: sqlite3.Connection, run_id: str) -> Any:
+        """The run's head's version (None: no head, or one that does not know it)."""
+        if not self._has_versions:
+            return None
+        row = conn.execute("SELECT version FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        return None if row is None else row[0]
 
     def load_latest(self, run_id: str) -> tuple[Snapshot | None, list[Event]]:
         snapshot, tail = self.load_latest_measured(run_id)
@@ -699,8 +745,10 @@ class SQLiteEventStore:
 
     def load_latest_measured(self, run_id: str) -> tuple[Snapshot | None, Loaded]:
         """`load_latest`, with the size of the tail as `load_measured` measures it."""
-        def query(conn: sqlite3.Connection) -> tuple[Snapshot | None, str | None, int, Rows]:
+        def query(conn: sqlite3.Connection
+                  ) -> tuple[Snapshot | None, str | None, int, Any, Rows]:
             with read_transaction(conn):
+                head = self._head_version(conn, run_id)
                 found = conn.execute(
                     "SELECT version, body, digest FROM snapshots WHERE run_id = ?",
                     (run_id,)).fetchone() if self._has_digests else None
@@ -720,22 +768,38 @@ class SQLiteEventStore:
                 rows = conn.execute(
                     "SELECT seq, body FROM events WHERE run_id = ? AND seq >= ? ORDER BY seq",
                     (run_id, version)).fetchall()
-            return snapshot, problem, version, rows
+            return snapshot, problem, version, head, rows
 
-        snapshot, problem, version, rows = self._read(query, doing="load a run",
-                                                      run_id=run_id)
+        snapshot, problem, version, head, rows = self._read(query, doing="load a run",
+                                                            run_id=run_id)
         if problem is not None:
             snapshot_ignored(run_id, problem)
-        return snapshot, decode_rows(run_id, rows, version)
+        return snapshot, _checked(run_id, head, version, decode_rows(run_id, rows, version))
 
 
-def _describe(conn: sqlite3.Connection) -> tuple[set[str], set[str], bool]:
-    """The tables of a database, the columns of its ``events`` table, and whether its
-    snapshots have a digest."""
+def _describe(conn: sqlite3.Connection) -> tuple[set[str], set[str], bool, bool]:
+    """The tables of a database, the columns of its ``events`` table, whether its
+    snapshots have a digest and whether its heads have a version."""
     tables = {row[0] for row in conn.execute(
         "SELECT name FROM sqlite_master WHERE type = 'table'")}
     columns = {row[1] for row in conn.execute("PRAGMA table_info(events)")}
-    return tables, columns, _has_digest(conn)
+    return tables, columns, _has_digest(conn), _has_version(conn)
+
+
+def _has_version(conn: sqlite3.Connection) -> bool:
+    return any(row[1] == "version" for row in conn.execute("PRAGMA table_info(runs)"))
+
+
+def _checked(run_id: str, head: Any, first: int, loaded: Loaded, action: str = "load"
+             ) -> Loaded:
+    """``loaded`` (the log from seq ``first`` on), checked against its head's version
+    (None: no head, or one that does not know it). A log shorter or longer than its head
+    says lost rows or was written past this store: `SchemaError`, never a shorter log."""
+    if head is not None and head != first + len(loaded.events):
+        raise SchemaError(f"the stored log holds {first + len(loaded.events)} events but "
+                          f"its head says {head}: the store is damaged", run_id=run_id,
+                          action=action)
+    return loaded
 
 
 def _in_memory(path: str) -> bool:
@@ -810,14 +874,25 @@ class SQLiteSession:
     ``"unknown"`` when its COMMIT raised (it may have landed). A write's error reaches
     the runner as the write's error, like any Session's: ``publish`` reports it with
     ``publication_failed`` and re-raises it (I6). ``timeout`` is SQLite's busy timeout.
+
+    Every call runs on a worker thread of the Session's own, never on the event loop
+    (which would otherwise stop for each fsync, and for as long as another connection
+    holds the file's lock), one call at a time and in the order they were made: a read
+    after a write sees it. A call cancelled while it runs is finished on that thread (a
+    write lands whole or not at all, as ever), and the calls made after it wait for it.
     """
 
     def __init__(self, session_id: str, path: str | os.PathLike[str], *,
                  timeout: float = 30.0) -> None:
+        if type(session_id) is str and (problem := text_problem(session_id)) is not None:
+            # refused as PostgreSQL refuses it, so a run moves between stores unchanged
+            raise SchemaError(f"session_id {problem}", action="open the Session")
         self.session_id = session_id
         self.path = os.fspath(path)
         self._timeout = timeout
         self._lock = threading.Lock()
+        self._worker = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="statemachine-sqlite-session")
         with storage_errors(self.path, doing="open the Session"):
             self._conn = connect(self.path, timeout=timeout)
             try:
@@ -833,6 +908,11 @@ class SQLiteSession:
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+        self._worker.shutdown(wait=False)
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._worker, fn, *args)
 
     def _failed(self, error: BaseException, doing: str, outcome: Outcome) -> StorageError:
         if in_transaction(self._conn):  # a failed ROLLBACK: closing rolls back
@@ -843,6 +923,21 @@ class SQLiteSession:
         return failure(error, self.path, outcome=outcome, doing=doing)
 
     async def get_items(self, limit: int | None = None) -> list[JSON]:
+        return await self._off_loop(self._get_items, limit)
+
+    async def add_items(self, items: list[JSON]) -> None:
+        # detached here, on the caller's side: a value that is not plain JSON is refused
+        # before anything runs, and the caller's items are never read from the thread
+        bodies = [(self.session_id, dumps(detach(item))) for item in items]
+        await self._off_loop(self._add_items, bodies)
+
+    async def pop_item(self) -> JSON | None:
+        return await self._off_loop(self._pop_item)
+
+    async def clear_session(self) -> None:
+        await self._off_loop(self._clear_session)
+
+    def _get_items(self, limit: int | None) -> list[JSON]:
         doing = "read the Session"
         with self._lock, storage_errors(self.path, doing=doing):
             if limit is None:
@@ -863,8 +958,7 @@ class SQLiteSession:
             raise StorageError(f"cannot {doing}: {shown(self.path)} holds a damaged "
                                "item (not JSON)", outcome=Outcome.NOT_WRITTEN) from None
 
-    async def add_items(self, items: list[JSON]) -> None:
-        bodies = [(self.session_id, dumps(detach(item))) for item in items]
+    def _add_items(self, bodies: list[tuple[str, str]]) -> None:
         doing = "write to the Session"
         with self._lock:
             try:
@@ -884,7 +978,7 @@ class SQLiteSession:
     def _after_commit(self) -> None:
         """A seam for fault injection (tests kill the process here)."""
 
-    async def pop_item(self) -> JSON | None:
+    def _pop_item(self) -> JSON | None:
         doing = "pop an item from the Session"
         with self._lock:
             try:
@@ -901,7 +995,7 @@ class SQLiteSession:
                 raise self._failed(error, doing, Outcome.NOT_WRITTEN) from error
         return item
 
-    async def clear_session(self) -> None:
+    def _clear_session(self) -> None:
         doing = "clear the Session"
         with self._lock:
             try:

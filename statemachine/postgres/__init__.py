@@ -41,7 +41,10 @@ reading the batch back. The write of that pair is never ambiguous.
 A log is read with its head in one statement and checked: a gap, a damaged row, or a log
 shorter or longer than its head says is a `SchemaError`, never a silently shorter log.
 
-Failures are typed: no psycopg error escapes a public call. An error the server answered
+Failures are typed: no psycopg error escapes a public call, and none carries the DSN's
+password: libpq quotes a DSN it cannot parse, so every spelling of the password (as
+written, percent-decoded, unquoted) is redacted from a message, and such an error is not
+chained as the cause a traceback would print. An error the server answered
 while the connection stays up is `StorageError` with ``outcome="not_written"`` (the
 transaction rolled back), and so is every failure before a COMMIT was sent; a lost
 version race is `ConcurrencyConflict`. A connection lost while the COMMIT (or the
@@ -58,8 +61,11 @@ may not signal the process, when it would not end in time, when the read-back re
 another server (its address or port differ), before PostgreSQL 14, and behind a pooler or a
 proxy that answers for the server (seen at connect: the process the client was told of
 is not the one it talks to). A read-back that cannot decide is ``"unknown"``. Nothing is
-ever retried. A broken connection is replaced on the next call, so after a server restart
-the command that met it fails and the next one works.
+ever retried. No statement waits for ever for a lock another session holds (the run's
+head row, held by another append's transaction): each connection sets ``lock_timeout``
+(`LOCK_TIMEOUT`, 5 s, unless the store or Session is told otherwise), past which the
+command fails with ``"not_written"``. A broken connection is replaced on the next call,
+so after a server restart the command that met it fails and the next one works.
 
 One connection per store object, in autocommit mode (a read is one statement, so one
 snapshot; an append of events alone is one statement that is its own transaction: one
@@ -79,11 +85,11 @@ typed failures, and the Session methods.
 from __future__ import annotations
 
 from statemachine.postgres.aio import AsyncPostgresEventStore, AsyncPostgresSession
-from statemachine.postgres.steps import SCHEMA_VERSION, prepare
+from statemachine.postgres.steps import LOCK_TIMEOUT, SCHEMA_VERSION, prepare
 from statemachine.postgres.sync import PostgresEventStore, PostgresSession
 from statemachine.stores import AsyncEventStore, SessionWrite
 
-__all__ = ["SCHEMA_VERSION", "AsyncEventStore", "AsyncPostgresEventStore",
+__all__ = ["LOCK_TIMEOUT", "SCHEMA_VERSION", "AsyncEventStore", "AsyncPostgresEventStore",
            "AsyncPostgresSession", "PostgresEventStore", "PostgresSession", "SessionWrite"]
 
 _prepare = prepare

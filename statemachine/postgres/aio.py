@@ -22,6 +22,7 @@ from statemachine.postgres.steps import (
     BACKEND_ERRORS,
     LIST,
     LOAD,
+    LOCK_TIMEOUT,
     PIPELINE,
     Backend,
     Base,
@@ -33,7 +34,6 @@ from statemachine.postgres.steps import (
     backend_of,
     closed,
     ensure_schema,
-    failure,
     fence_steps,
     head_step,
     heads_query,
@@ -104,9 +104,10 @@ class _AsyncClient(Base):
     the Session share."""
 
     def __init__(self, dsn: str, *, schema: str = "statemachine", readonly: bool = False,
-                 readback_timeout: float = 10.0) -> None:
+                 readback_timeout: float = 10.0,
+                 lock_timeout: float | None = LOCK_TIMEOUT) -> None:
         super().__init__(dsn, schema=schema, readonly=readonly,
-                         readback_timeout=readback_timeout)
+                         readback_timeout=readback_timeout, lock_timeout=lock_timeout)
         self._lock = asyncio.Lock()
 
     async def __aenter__(self) -> Self:
@@ -135,7 +136,8 @@ class _AsyncClient(Base):
         try:
             conn = await psycopg.AsyncConnection.connect(self.dsn, **self._options())
         except psycopg.Error as error:
-            raise failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN, **where) from error
+            raise self._failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN,
+                                **where) from self._cause(error)
         try:
             if not self._ready:
                 await self._transaction(conn, ensure_schema(self._sql, readonly=self.readonly))
@@ -146,8 +148,8 @@ class _AsyncClient(Base):
             with contextlib.suppress(Exception):
                 await conn.close()
             if isinstance(error, BACKEND_ERRORS):
-                raise failure(error, doing=self._opening, outcome=Outcome.NOT_WRITTEN,
-                              **where) from error
+                raise self._failure(error, doing=self._opening, outcome=Outcome.NOT_WRITTEN,
+                                    **where) from error
             raise
         self._conn = conn
         return conn
@@ -191,8 +193,8 @@ class _AsyncClient(Base):
                 return await run_statements(conn, op)
             except BACKEND_ERRORS as error:
                 await self._settle()
-                raise failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN,
-                              **where) from error
+                raise self._failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN,
+                                    **where) from error
             except BaseException:
                 await self._settle()
                 raise
@@ -208,8 +210,8 @@ class _AsyncClient(Base):
                 await self._before_commit()
             except BACKEND_ERRORS as error:
                 await self._settle()
-                raise failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN,
-                              **where) from error
+                raise self._failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN,
+                                    **where) from error
             except BaseException:
                 await self._settle()
                 raise
@@ -217,7 +219,8 @@ class _AsyncClient(Base):
                 await conn.execute("COMMIT")
             except psycopg.Error as error:
                 await self._drop()
-                raise failure(error, doing=doing, outcome=Outcome.UNKNOWN, **where) from error
+                raise self._failure(error, doing=doing, outcome=Outcome.UNKNOWN,
+                                    **where) from error
             except BaseException:  # interrupted or cancelled while committing: never reused
                 await self._drop()
                 raise
@@ -241,6 +244,10 @@ class AsyncPostgresEventStore(_AsyncClient):
     folds unfolded heads without keeping them, a database without the tables is a
     `StorageError`). ``readback_timeout``: how long (seconds) the read-back after a lost
     COMMIT may wait for a lock or a connection before answering ``"unknown"``.
+    ``lock_timeout`` (seconds, `LOCK_TIMEOUT` unless told; None: PostgreSQL's own
+    setting, by default no limit): how long a statement waits for a lock another session
+    holds, such as the run's head row another append's transaction holds; past it the
+    command fails with `StorageError` ``"not_written"``.
     """
 
     # ---------------------------------------------------------------- writing
@@ -273,8 +280,8 @@ class AsyncPostgresEventStore(_AsyncClient):
                 raise lost_race(run_id, expected_version, expected_version + 1) from None
             except BACKEND_ERRORS as error:  # before COMMIT: the transaction did not commit
                 await self._settle()
-                raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
-                              **where) from error
+                raise self._failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                                    **where) from error
             except BaseException:
                 await self._settle()
                 raise
@@ -294,8 +301,8 @@ class AsyncPostgresEventStore(_AsyncClient):
         try:
             await self._before_commit()
         except BACKEND_ERRORS as error:  # nothing was sent
-            raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
-                          **where) from error
+            raise self._failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                                **where) from error
         try:
             cursor = await conn.execute(self._sql.append[a.expected == 0, a.count == 1],
                                         a.params)
@@ -304,13 +311,13 @@ class AsyncPostgresEventStore(_AsyncClient):
             raise lost_race(a.run_id, a.expected, a.expected + 1) from None
         except psycopg.Error as error:
             if answered(conn):
-                raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
-                              **where) from error
+                raise self._failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                                    **where) from error
             await self._classify(error, a)
             return
         except UnicodeEncodeError as error:  # refused while encoding: nothing was sent
-            raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
-                          **where) from error
+            raise self._failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                                **where) from error
         except BaseException:  # interrupted or cancelled in flight: never reused
             await self._drop()
             raise
@@ -320,8 +327,8 @@ class AsyncPostgresEventStore(_AsyncClient):
                 row = await cursor.fetchone()
             except BACKEND_ERRORS as error:
                 await self._settle()
-                raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
-                              **where) from error
+                raise self._failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                                    **where) from error
             raise lost_race(a.run_id, a.expected, 0 if row is None else row[0])
 
     async def _classify(self, error: psycopg.Error, prepared: PreparedAppend) -> None:
@@ -334,13 +341,13 @@ class AsyncPostgresEventStore(_AsyncClient):
         try:
             fenced, landed = await self._landed(prepared, backend)
         except Exception as probe_error:
-            raise failure(error, doing=APPEND, outcome=Outcome.UNKNOWN,
-                          **where) from probe_error
+            raise self._failure(error, doing=APPEND, outcome=Outcome.UNKNOWN,
+                                **where) from self._cause(probe_error)
         if landed:
             return
         decided = fenced or not one_statement(prepared)
-        raise failure(error, doing=APPEND,
-                      outcome=Outcome.NOT_WRITTEN if decided else Outcome.UNKNOWN,
+        raise self._failure(error, doing=APPEND,
+                            outcome=Outcome.NOT_WRITTEN if decided else Outcome.UNKNOWN,
                       **where) from error
 
     async def _landed(self, prepared: PreparedAppend, backend: Backend | None
@@ -437,4 +444,4 @@ class AsyncPostgresEventStore(_AsyncClient):
 
 class AsyncPostgresSession(SessionMethods, _AsyncClient):
     """A Session on PostgreSQL through psycopg's ``AsyncConnection``: see `SessionMethods`
-    (``dsn``, ``session_id``, ``schema``)."""
+    (``dsn``, ``session_id``, ``schema``, ``lock_timeout``)."""

@@ -22,15 +22,23 @@ import uuid
 import weakref
 from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import unquote
 
 import attrs
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from statemachine import codec
-from statemachine.errors import ConcurrencyConflict, Outcome, SchemaError, StorageError
+from statemachine.errors import (
+    ConcurrencyConflict,
+    ConfigurationError,
+    Outcome,
+    SchemaError,
+    StorageError,
+    excerpt,
+)
 from statemachine.events import Event
-from statemachine.payloads import JSON, detach
+from statemachine.payloads import JSON, detach, text_problem
 from statemachine.stored import (
     Loaded,
     claimed_owner,
@@ -66,9 +74,51 @@ _AFTER = {
 _SHOWN = 300
 
 
-def _reason(error: BaseException) -> str:
+REDACTED = "[password]"
+"""What a message shows in place of a DSN's password."""
+
+
+def dsn_secrets(dsn: str) -> tuple[str, ...]:
+    """Every spelling of the password ``dsn`` carries that libpq might echo back (when it
+    refuses to parse the DSN, it quotes the offending token, or the whole URI): as
+    written, percent-decoded (a URI's), unquoted (a ``key=value`` string's), and as libpq
+    parsed it. Read generously, without libpq, so that a DSN libpq cannot parse still
+    yields its password: redacting too much only hides a bit of a host name. Longest
+    first, so that a spelling inside another is replaced after it."""
+    found: set[str] = set()
+    scheme = re.match(r"\s*postgres(?:ql)?://", dsn, re.IGNORECASE)
+    if scheme is not None:
+        rest = dsn[scheme.end():]
+        if "@" in rest:  # user:password@host: everything up to the last "@" may be it
+            userinfo = rest[:rest.rindex("@")]
+            if ":" in userinfo:
+                found.add(userinfo[userinfo.index(":") + 1:])
+        found.update(m.group(1) for m in re.finditer(r"[?&]password=([^&#]*)", rest))
+    for m in re.finditer(r"(?<![A-Za-z_])password\s*=\s*('(?:[^'\\]|\\.)*'?|\S+)", dsn):
+        value = m.group(1)
+        found.add(value)
+        if value.startswith("'"):
+            found.add(re.sub(r"\\(.)", r"\1", value[1:-1] if value.endswith("'")
+                             and len(value) > 1 else value[1:]))
+    found.update([unquote(secret) for secret in found])
+    with contextlib.suppress(psycopg.Error):
+        found.add(str(conninfo_to_dict(dsn).get("password") or ""))
+    found.discard("")
+    return tuple(sorted(found, key=len, reverse=True))
+
+
+def redact(text: str, secrets: Sequence[str]) -> str:
+    """``text`` with every one of ``secrets`` replaced by `REDACTED`."""
+    for secret in secrets:
+        text = text.replace(secret, REDACTED)
+    return text
+
+
+def _reason(error: BaseException, secrets: Sequence[str] = ()) -> str:
     """PostgreSQL's (or libpq's) own words for ``error``: its class, SQLSTATE and primary
-    message, never its DETAIL (which may quote row values, so payloads)."""
+    message, never its DETAIL (which may quote row values, so payloads), and never a
+    password of ``secrets`` (redacted before the message is cut, so that no part of one
+    survives the cut)."""
     name = type(error).__name__
     if isinstance(error, psycopg.Error):
         sqlstate = error.sqlstate
@@ -77,16 +127,18 @@ def _reason(error: BaseException) -> str:
         name = f"{name} {sqlstate}" if sqlstate else name
     else:
         text = (str(error).strip().splitlines() or [""])[0]
+    text = redact(text, secrets)
     text = "".join(c if c.isprintable() else " " for c in text[:_SHOWN])
     return f"{name}: {text}" if text else name
 
 
-def failure(error: BaseException, *, doing: str, outcome: Outcome, **where: Any
-            ) -> StorageError:
+def failure(error: BaseException, *, doing: str, outcome: Outcome,
+            secrets: Sequence[str] = (), **where: Any) -> StorageError:
     """The `StorageError` for a backend error met while ``doing`` something: PostgreSQL's
-    own words (`_reason`) and what happened to the write (``outcome``)."""
-    return StorageError(f"cannot {doing}: PostgreSQL {_reason(error)}; {_AFTER[outcome]}",
-                        outcome=outcome, **where)
+    own words (`_reason`, without a password of ``secrets``) and what happened to the
+    write (``outcome``)."""
+    return StorageError(f"cannot {doing}: PostgreSQL {_reason(error, secrets)}; "
+                        f"{_AFTER[outcome]}", outcome=outcome, **where)
 
 
 def closed(doing: str, noun: str, **where: Any) -> StorageError:
@@ -104,8 +156,8 @@ _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 
 def _quoted(name: str) -> str:
     if type(name) is not str or _IDENTIFIER.fullmatch(name) is None:
-        raise ValueError("schema must be a plain SQL identifier (letters, digits, _; "
-                         "at most 63)")
+        raise ConfigurationError(f"schema must be a plain SQL identifier (letters, digits, "
+                                 f"_; at most 63), not {excerpt(name)}")
     return f'"{name}"'
 
 
@@ -539,6 +591,14 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_detach_all)
 
 
+LOCK_TIMEOUT = 5.0
+"""How long (seconds) a statement waits for a lock another session holds (PostgreSQL's
+``lock_timeout``) before it fails: an append waits for a run's head row while another
+session's transaction holds it, which an append holds for milliseconds. Past it the
+statement is cancelled and the command fails with `StorageError` ``"not_written"``
+(the transaction rolled back), instead of waiting as long as the other session likes."""
+
+
 class Base:
     """What the sync and the async objects (stores and Sessions) share: their
     configuration, the connection options, and letting go of a connection a forked child
@@ -549,12 +609,18 @@ class Base:
     _opening = "open the event store"
 
     def __init__(self, dsn: str, *, schema: str = "statemachine", readonly: bool = False,
-                 readback_timeout: float = 10.0) -> None:
+                 readback_timeout: float = 10.0,
+                 lock_timeout: float | None = LOCK_TIMEOUT) -> None:
         if type(dsn) is not str:
             raise TypeError("dsn must be a str (a libpq connection string or URI)")
         if not readback_timeout > 0:
             raise ValueError("readback_timeout must be > 0 (seconds)")
+        if lock_timeout is not None and (type(lock_timeout) not in (int, float)
+                                         or not 0 < lock_timeout < 2**31 / 1000):
+            raise ConfigurationError("lock_timeout must be None or a number of seconds > 0")
+        self.lock_timeout = lock_timeout
         self.dsn = dsn
+        self._secrets = dsn_secrets(dsn)
         self.schema = schema
         self.readonly = readonly
         self.readback_timeout = readback_timeout
@@ -566,11 +632,27 @@ class Base:
         self._pid = os.getpid()
         _LIVE.add(self)
 
+    def _failure(self, error: BaseException, *, doing: str, outcome: Outcome, **where: Any
+                 ) -> StorageError:
+        """`failure`, never quoting this DSN's password."""
+        return failure(error, doing=doing, outcome=outcome, secrets=self._secrets, **where)
+
+    def _cause(self, error: BaseException) -> BaseException | None:
+        """``error``, to chain a `StorageError` to; None when its text quotes the DSN's
+        password (libpq refusing to parse the DSN), so no traceback ever prints it."""
+        text = str(error)
+        return None if any(secret in text for secret in self._secrets) else error
+
     def _options(self) -> dict[str, Any]:
         options: dict[str, Any] = {"autocommit": True,
                                    "fallback_application_name": "agent-statemachine"}
+        settings = []
+        if self.lock_timeout is not None:  # ms: PostgreSQL's unit; 0 would mean "for ever"
+            settings.append(f"-c lock_timeout={max(1, math.ceil(self.lock_timeout * 1000))}")
         if self.readonly:
-            options["options"] = "-c default_transaction_read_only=on"
+            settings.append("-c default_transaction_read_only=on")
+        if settings:
+            options["options"] = " ".join(settings)
         return options
 
     def _probe_options(self) -> dict[str, Any]:
@@ -698,10 +780,13 @@ class SessionMethods(Base):
     _read: Callable[..., Any]
     _write: Callable[..., Any]
 
-    def __init__(self, dsn: str, session_id: str, *, schema: str = "statemachine") -> None:
+    def __init__(self, dsn: str, session_id: str, *, schema: str = "statemachine",
+                 lock_timeout: float | None = LOCK_TIMEOUT) -> None:
         if type(session_id) is not str:
             raise TypeError("session_id must be a str")
-        super().__init__(dsn, schema=schema)
+        if (problem := text_problem(session_id)) is not None:  # PostgreSQL refuses a NUL
+            raise SchemaError(f"session_id {problem}", action="open the Session")
+        super().__init__(dsn, schema=schema, lock_timeout=lock_timeout)
         self.session_id = session_id
 
     def shares_transaction_with(self, store: object) -> bool:

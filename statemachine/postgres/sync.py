@@ -21,6 +21,7 @@ from statemachine.postgres.steps import (
     BACKEND_ERRORS,
     LIST,
     LOAD,
+    LOCK_TIMEOUT,
     PIPELINE,
     Backend,
     Base,
@@ -32,7 +33,6 @@ from statemachine.postgres.steps import (
     backend_of,
     closed,
     ensure_schema,
-    failure,
     fence_steps,
     head_step,
     heads_query,
@@ -103,9 +103,10 @@ class _Client(Base):
     the Session share."""
 
     def __init__(self, dsn: str, *, schema: str = "statemachine", readonly: bool = False,
-                 readback_timeout: float = 10.0) -> None:
+                 readback_timeout: float = 10.0,
+                 lock_timeout: float | None = LOCK_TIMEOUT) -> None:
         super().__init__(dsn, schema=schema, readonly=readonly,
-                         readback_timeout=readback_timeout)
+                         readback_timeout=readback_timeout, lock_timeout=lock_timeout)
         self._lock = threading.Lock()
 
     def __enter__(self) -> Self:
@@ -134,7 +135,8 @@ class _Client(Base):
         try:
             conn = psycopg.connect(self.dsn, **self._options())
         except psycopg.Error as error:
-            raise failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN, **where) from error
+            raise self._failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN,
+                                **where) from self._cause(error)
         try:
             if not self._ready:
                 self._transaction(conn, ensure_schema(self._sql, readonly=self.readonly))
@@ -145,8 +147,8 @@ class _Client(Base):
             with contextlib.suppress(Exception):
                 conn.close()
             if isinstance(error, BACKEND_ERRORS):
-                raise failure(error, doing=self._opening, outcome=Outcome.NOT_WRITTEN,
-                              **where) from error
+                raise self._failure(error, doing=self._opening, outcome=Outcome.NOT_WRITTEN,
+                                    **where) from error
             raise
         self._conn = conn
         return conn
@@ -190,8 +192,8 @@ class _Client(Base):
                 return run_statements(conn, op)
             except BACKEND_ERRORS as error:
                 self._settle()
-                raise failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN,
-                              **where) from error
+                raise self._failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN,
+                                    **where) from error
             except BaseException:
                 self._settle()
                 raise
@@ -207,8 +209,8 @@ class _Client(Base):
                 self._before_commit()
             except BACKEND_ERRORS as error:
                 self._settle()
-                raise failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN,
-                              **where) from error
+                raise self._failure(error, doing=doing, outcome=Outcome.NOT_WRITTEN,
+                                    **where) from error
             except BaseException:
                 self._settle()
                 raise
@@ -216,7 +218,8 @@ class _Client(Base):
                 conn.execute("COMMIT")
             except psycopg.Error as error:
                 self._drop()
-                raise failure(error, doing=doing, outcome=Outcome.UNKNOWN, **where) from error
+                raise self._failure(error, doing=doing, outcome=Outcome.UNKNOWN,
+                                    **where) from error
             except BaseException:  # interrupted or cancelled while committing: never reused
                 self._drop()
                 raise
@@ -240,6 +243,10 @@ class PostgresEventStore(_Client):
     folds unfolded heads without keeping them, a database without the tables is a
     `StorageError`). ``readback_timeout``: how long (seconds) the read-back after a lost
     COMMIT may wait for a lock or a connection before answering ``"unknown"``.
+    ``lock_timeout`` (seconds, `LOCK_TIMEOUT` unless told; None: PostgreSQL's own
+    setting, by default no limit): how long a statement waits for a lock another session
+    holds, such as the run's head row another append's transaction holds; past it the
+    command fails with `StorageError` ``"not_written"``.
     """
 
     # ---------------------------------------------------------------- writing
@@ -272,8 +279,8 @@ class PostgresEventStore(_Client):
                 raise lost_race(run_id, expected_version, expected_version + 1) from None
             except BACKEND_ERRORS as error:  # before COMMIT: the transaction did not commit
                 self._settle()
-                raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
-                              **where) from error
+                raise self._failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                                    **where) from error
             except BaseException:
                 self._settle()
                 raise
@@ -293,8 +300,8 @@ class PostgresEventStore(_Client):
         try:
             self._before_commit()
         except BACKEND_ERRORS as error:  # nothing was sent
-            raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
-                          **where) from error
+            raise self._failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                                **where) from error
         try:
             cursor = conn.execute(self._sql.append[a.expected == 0, a.count == 1],
                                   a.params)
@@ -303,13 +310,13 @@ class PostgresEventStore(_Client):
             raise lost_race(a.run_id, a.expected, a.expected + 1) from None
         except psycopg.Error as error:
             if answered(conn):
-                raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
-                              **where) from error
+                raise self._failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                                    **where) from error
             self._classify(error, a)
             return
         except UnicodeEncodeError as error:  # refused while encoding: nothing was sent
-            raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
-                          **where) from error
+            raise self._failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                                **where) from error
         except BaseException:  # interrupted or cancelled in flight: never reused
             self._drop()
             raise
@@ -319,8 +326,8 @@ class PostgresEventStore(_Client):
                 row = cursor.fetchone()
             except BACKEND_ERRORS as error:
                 self._settle()
-                raise failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
-                              **where) from error
+                raise self._failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                                    **where) from error
             raise lost_race(a.run_id, a.expected, 0 if row is None else row[0])
 
     def _classify(self, error: psycopg.Error, prepared: PreparedAppend) -> None:
@@ -333,13 +340,13 @@ class PostgresEventStore(_Client):
         try:
             fenced, landed = self._landed(prepared, backend)
         except Exception as probe_error:
-            raise failure(error, doing=APPEND, outcome=Outcome.UNKNOWN,
-                          **where) from probe_error
+            raise self._failure(error, doing=APPEND, outcome=Outcome.UNKNOWN,
+                                **where) from self._cause(probe_error)
         if landed:
             return
         decided = fenced or not one_statement(prepared)
-        raise failure(error, doing=APPEND,
-                      outcome=Outcome.NOT_WRITTEN if decided else Outcome.UNKNOWN,
+        raise self._failure(error, doing=APPEND,
+                            outcome=Outcome.NOT_WRITTEN if decided else Outcome.UNKNOWN,
                       **where) from error
 
     def _landed(self, prepared: PreparedAppend, backend: Backend | None
@@ -436,4 +443,4 @@ class PostgresEventStore(_Client):
 
 class PostgresSession(SessionMethods, _Client):
     """A Session on PostgreSQL through psycopg's ``Connection``: see `SessionMethods`
-    (``dsn``, ``session_id``, ``schema``)."""
+    (``dsn``, ``session_id``, ``schema``, ``lock_timeout``)."""

@@ -18,6 +18,8 @@ from tests.helpers import assert_refused
 SURROGATE = "bad\ud800name"
 HUGE = 10**5000
 LONG = "x" * (MAX_TEXT + 1)
+NUL = "bad\x00name"  # ASCII, so it must not slip through an ASCII fast path
+PAYLOADS = ("argument value", "output", "reject message", "input item")
 
 
 def _interruption() -> RunController:
@@ -47,15 +49,17 @@ def _needs_model_call(name: str) -> bool:
     return name in ("tool name", "call id", "argument value", "output")
 
 
-@pytest.mark.parametrize("bad", [SURROGATE, HUGE, LONG], ids=["surrogate", "huge-int", "long"])
+@pytest.mark.parametrize("bad", [SURROGATE, HUGE, LONG, NUL],
+                         ids=["surrogate", "huge-int", "long", "nul"])
 @pytest.mark.parametrize("command", list(BAD_COMMANDS))
 def test_bad_text_or_int_is_refused_before_recording(command: str, bad: Any) -> None:
+    if bad is NUL and command in PAYLOADS:
+        pytest.skip("a payload's string may hold a NUL: tests/storage/test_nul.py")
     if bad is HUGE and command in ("approve id", "handoff target", "abandon reason",
                                    "hook name", "guardrail name", "guardrail stage",
                                    "tool name", "call id"):
         pytest.skip("a text field: an int there is a plain type error, tested elsewhere")
-    if bad is LONG and command in ("argument value", "output", "reject message",
-                                   "input item"):
+    if bad is LONG and command in PAYLOADS:
         pytest.skip("payload strings are bounded by max_bytes, not by MAX_TEXT")
     c = _interruption()
     if _needs_model_call(command):
@@ -68,6 +72,7 @@ def test_bad_text_or_int_is_refused_before_recording(command: str, bad: Any) -> 
         c.begin_model_call()
     error = assert_refused(c, SchemaError, BAD_COMMANDS[command], c, bad)
     assert "\ud800" not in str(error)
+    assert "\x00" not in str(error)
     assert "xxxxxxxxxx" not in str(error)
     # the run is not stuck: it still round-trips and takes good commands
     again = RunController.from_json(json.dumps(c.to_json()))
@@ -75,11 +80,17 @@ def test_bad_text_or_int_is_refused_before_recording(command: str, bad: Any) -> 
     c.abandon("done")
 
 
+@pytest.mark.parametrize("bad", [SURROGATE, NUL], ids=["surrogate", "nul"])
 @pytest.mark.parametrize("field", ["run_id", "session_id", "canonical"])
-def test_start_refuses_bad_text(field: str) -> None:
-    options: dict[str, Any] = {"run_id": "r", "session_id": "s", field: SURROGATE}
+def test_start_refuses_bad_text(field: str, bad: str) -> None:
+    options: dict[str, Any] = {"run_id": "r", "session_id": "s", field: bad}
     with pytest.raises(SchemaError):
         RunController.start(**options)
+
+
+def test_a_nul_owner_is_refused_before_recording() -> None:
+    c = RunController.start(run_id="r", session_id="s")
+    assert_refused(c, SchemaError, c.claim, NUL)
 
 
 def test_queries_refuse_wrong_types_with_a_typed_error() -> None:
@@ -113,8 +124,11 @@ def _doc_with(path: list[Any], value: Any) -> dict[str, Any]:
     (["events", 2, "tool_calls", 0, "arguments", "amount"], (7,)),
     (["events", 2, "tool_calls", 0, "arguments"], {1: "non-str key"}),
     (["events", 2, "tool_calls", 0, "name"], LONG),
+    (["events", 2, "tool_calls", 0, "name"], NUL),
+    (["events", 0, "session_id"], NUL),
+    (["run_id"], NUL),
 ], ids=["surrogate-name", "surrogate-id", "huge-int", "surrogate-started", "surrogate-run",
-        "tuple", "int-key", "long-name"])
+        "tuple", "int-key", "long-name", "nul-name", "nul-session", "nul-run"])
 def test_from_json_dict_and_text_agree(where: list[Any], value: Any) -> None:
     doc = _doc_with(where, value)
     with pytest.raises(SchemaError):

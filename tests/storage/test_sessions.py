@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -131,3 +133,91 @@ def test_a_non_positive_limit_reads_no_items(kind: str, tmp_path: Path) -> None:
     assert asyncio.run(session.get_items(limit=-1)) == []
     if isinstance(session, SQLiteSession):
         session.close()
+
+
+class _Gated:
+    """A SQLiteSession's connection whose statements wait until the test opens the gate:
+    a statement made slow by the test, deterministically, whatever the machine's speed."""
+
+    def __init__(self, conn: sqlite3.Connection, gate: threading.Event) -> None:
+        self._conn = conn
+        self._gate = gate
+
+    def execute(self, *args: Any) -> Any:
+        self._wait()
+        return self._conn.execute(*args)
+
+    def executemany(self, *args: Any) -> Any:
+        self._wait()
+        return self._conn.executemany(*args)
+
+    def _wait(self) -> None:
+        # on the event loop (the old behaviour) nothing can open the gate: give up after
+        # a while, and the test fails on the order of events, not on a clock
+        self._gate.wait(timeout=10)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+CALLS: dict[str, Callable[[SQLiteSession], Awaitable[Any]]] = {
+         "get_items": lambda s: s.get_items(), "get_items(limit)": lambda s: s.get_items(1),
+         "add_items": lambda s: s.add_items([{"n": 2}, {"n": 3}]),
+         "pop_item": lambda s: s.pop_item(), "clear_session": lambda s: s.clear_session()}
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+def test_sqlite_session_calls_never_block_the_event_loop(tmp_path: Path, call: str) -> None:
+    """A heartbeat keeps ticking while a SQLiteSession call waits on its database: the
+    call runs on the Session's own thread, and only the heartbeat, on the loop, lets it
+    go on. Had the call run on the loop, the heartbeat could not tick until it ended."""
+    async def go() -> None:
+        session = SQLiteSession(SESSION, tmp_path / "session.db")
+        await session.add_items([{"n": 1}])
+        gate = threading.Event()
+        session._conn = _Gated(session._conn, gate)  # type: ignore[assignment]
+        ticks = 0
+
+        async def heartbeat() -> bool:
+            nonlocal ticks
+            for _ in range(5):
+                await asyncio.sleep(0)
+                ticks += 1
+            finished: bool = pending.done()
+            gate.set()
+            return finished
+
+        pending = asyncio.ensure_future(CALLS[call](session))
+        finished_before_the_gate = await heartbeat()
+        await pending
+        assert ticks == 5
+        assert not finished_before_the_gate  # it waited on its thread, the loop ran on
+        session.close()
+
+    asyncio.run(go())
+
+
+def test_a_cancelled_sqlite_session_write_finishes_whole_before_the_next_call(
+        tmp_path: Path) -> None:
+    """Cancelling a caller does not cut a write short (it runs to its end on the Session's
+    thread, all of it or none), and the next call waits for it: a read right after a
+    cancelled add_items sees the whole batch, never half of it."""
+    async def go() -> None:
+        session = SQLiteSession(SESSION, tmp_path / "session.db")
+        gate = threading.Event()
+        real = session._conn
+        session._conn = _Gated(real, gate)  # type: ignore[assignment]
+        write = asyncio.ensure_future(session.add_items([{"n": 1}, {"n": 2}]))
+        await asyncio.sleep(0)
+        write.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await write
+        read = asyncio.ensure_future(session.get_items())
+        await asyncio.sleep(0)
+        assert not read.done()  # queued behind the write
+        gate.set()
+        assert await read == [{"n": 1}, {"n": 2}]
+        session._conn = real
+        session.close()
+
+    asyncio.run(go())

@@ -8,12 +8,13 @@ Then a seeded random corruption loop over a SQLite store file holding runs with
 snapshots: bytes flipped in event and snapshot bodies and in the file's pages, rows
 deleted, seq and version values changed, digests and snapshots replaced. Every load is
 the exact run, or a typed error, or (for an edit the log itself cannot reveal: a legal
-event where another stood, the last events gone past the newest snapshot) exactly the log
-the store holds; never a log with a gap, never one shorter than a snapshot vouched for.
+event where another stood) exactly the log the store holds; never a log with a gap, never
+one shorter than its head or a snapshot vouched for.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import hashlib
@@ -44,7 +45,7 @@ from statemachine import (
 from statemachine import controller as controller_module
 from statemachine import events as ev
 from statemachine.state import STATE_VERSION, RunState
-from statemachine.stores import Snapshot, SnapshotIgnored, restored
+from statemachine.stores import AsyncSQLiteEventStore, Snapshot, SnapshotIgnored, restored
 from tests.helpers import SESSION, B, P, at_interruption, run_charge
 
 RUN = "run-1"
@@ -289,6 +290,75 @@ def test_a_truncated_log_under_a_verified_snapshot_is_refused(tmp_path: Path) ->
     for readonly in (False, True):
         with pytest.raises(SchemaError, match="truncated"):
             RunController.load(SQLiteEventStore(path, readonly=readonly), RUN)
+
+
+def _loads(store: Any) -> list[Any]:
+    """Every way a run is read from a sync SQLite store."""
+    return [lambda: store.load(RUN), lambda: store.load_latest(RUN),
+            lambda: store.load_measured(RUN), lambda: store.load_latest_measured(RUN),
+            lambda: RunController.load(store, RUN),
+            lambda: RunController.load(store, RUN, snapshot=False)]
+
+
+@pytest.mark.invariant("I10")
+@pytest.mark.parametrize("lost", [1, 5])
+def test_the_last_events_lost_past_the_newest_snapshot_are_refused(tmp_path: Path,
+                                                                   lost: int) -> None:
+    """The last rows of a 38-event log deleted, past its snapshot at 32: what is left is a
+    legal log, and only the run's head (version 38) tells it from a run that stopped
+    there. Every load path refuses it (sync, async, read-only, with and without the
+    snapshot), and nothing is ever written on top of it: neither by a controller loaded
+    before the rows were lost nor by an append at the shorter log's version."""
+    path = tmp_path / "events.db"
+    c, _ = _store_file(path)
+    assert c.version == 38
+    before = RunController.load(SQLiteEventStore(path), RUN)
+    left = c.version - lost
+    with _raw(path) as raw:
+        raw.execute("DELETE FROM events WHERE run_id = ? AND seq >= ?", (RUN, left))
+    for readonly in (False, True):
+        store = SQLiteEventStore(path, readonly=readonly)
+        for load in _loads(store):
+            with pytest.raises(SchemaError, match=f"holds {left} events but its head says 38"):
+                load()
+        store.close()
+
+    async def async_loads() -> None:
+        store = AsyncSQLiteEventStore(path)
+        try:
+            for load in (lambda: store.load(RUN), lambda: store.load_latest(RUN),
+                         lambda: RunController.load_async(store, RUN)):
+                with pytest.raises(SchemaError, match="head says 38"):
+                    await load()
+        finally:
+            await store.close()
+
+    asyncio.run(async_loads())
+    store = SQLiteEventStore(path)
+    with pytest.raises(SchemaError, match="head says 38"):
+        before.add_input(["on top"])
+    with pytest.raises(SchemaError, match="head says 38"):
+        store.append(RUN, c.events[left:left + 1], left)
+    store.close()
+    assert len(_stored_log(path) or []) == left  # nothing was written on top
+
+
+def test_a_head_an_older_version_wrote_gets_its_version_when_opened(tmp_path: Path) -> None:
+    """A database whose heads have no version: read-only, nothing is checked (and nothing
+    changed); opened for writing, each head gets its log's length, checked from then on."""
+    path = tmp_path / "events.db"
+    c, other = _store_file(path)
+    with _raw(path) as raw:
+        raw.execute("ALTER TABLE runs DROP COLUMN version")
+    assert RunController.load(SQLiteEventStore(path, readonly=True), RUN).events == c.events
+    heads = {h.run_id: h.version for h in SQLiteEventStore(path).list_runs()}
+    assert heads == {RUN: c.version, "run-2": other.version}
+    with _raw(path) as raw:
+        assert raw.execute("SELECT run_id, version FROM runs ORDER BY run_id").fetchall() == [
+            (RUN, c.version), ("run-2", other.version)]
+        raw.execute("DELETE FROM events WHERE run_id = ? AND seq = ?", (RUN, c.version - 1))
+    with pytest.raises(SchemaError, match="head says 38"):
+        RunController.load(SQLiteEventStore(path), RUN)
 
 
 @pytest.mark.invariant("I10")
@@ -540,6 +610,7 @@ def test_random_corruptions_load_exactly_or_fail_typed(tmp_path: Path) -> None:
         assert full.events == events, where
         assert loaded.state == full.state, where
         shorter = len(events) < len(original.events)
+        assert kind != "delete-tail", where  # the head's version tells a lost tail
         outcomes[kind]["legal shorter log" if shorter else "legal edit"] += 1
     SHOWN.update(outcomes)
     print("\ncorruptions:", CORRUPTIONS)
