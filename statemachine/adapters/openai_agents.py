@@ -31,7 +31,7 @@ a handoff                   its call is a ledger call (its ``on_handoff`` runs o
                             output is accepted here, once its output guardrails passed
 ``RunHooks`` / agent hooks  skipped when the log shows them run, else run then ``hook_ran``
 guardrails (agent, tool)    the recorded verdict when the log has one, else run then
-                            ``guardrail_evaluated``; a tripped guardrail abandons the run
+                            ``guardrail_evaluated``; a tripped output guardrail abandons the run
 ==========================  ===================================================================
 
 Before the SDK is called at all, an attempt on an existing run records ``claim`` (of two
@@ -55,11 +55,8 @@ answered from the cache), and checks and writes the final answer.
 What is refused when the run is opened (`UnsupportedFeature`, nothing recorded): MCP
 servers and every tool but ``FunctionTool`` (hosted, computer, shell tools), an agent used
 as a tool whose agent has tools needing approval, handoff input filters and nested handoff
-history. Standing decisions taken on the SDK state (``always_approve`` / ``always_reject``)
-are refused when an attempt is given that state, before anything is recorded; a call the
-SDK starts without a decision the ledger holds is refused before its body runs. A tripped
-guardrail (the agent's input or output guardrail, a tool's input or output guardrail) is
-raised as on the SDK alone and ends the run, abandoned with a reason naming it.
+history. Standing decisions (``always_approve`` / ``always_reject``) are not offered: a
+call the SDK starts without a decision the ledger holds is refused before its body runs.
 A turn stopped with a rejection not yet written, or given new input mid-turn, resumes
 only with the SDK state saved at its interruption (`SDKStateRequired` otherwise). An
 agent a handoff reaches runs its own input guardrails when a restart resumes with it
@@ -94,7 +91,6 @@ try:
         GuardrailFunctionOutput,
         Handoff,
         InputGuardrail,
-        InputGuardrailTripwireTriggered,
         ItemHelpers,
         Model,
         ModelResponse,
@@ -113,11 +109,7 @@ try:
         Usage,
         handoff,
     )
-    from agents.exceptions import (
-        ModelBehaviorError,
-        ToolInputGuardrailTripwireTriggered,
-        ToolOutputGuardrailTripwireTriggered,
-    )
+    from agents.exceptions import ModelBehaviorError
     from agents.lifecycle import AgentHooksBase, RunHooksBase
     from agents.memory import Session as SDKSession
     from agents.run_internal.items import function_tool_error_output
@@ -711,47 +703,9 @@ def _agents(agent: Agent[Any]) -> list[Agent[Any]]:
     return list(found.values())
 
 
-def _refuse(feature: str, reason: str, *, action: str = "open") -> UnsupportedFeature:
+def _refuse(feature: str, reason: str) -> UnsupportedFeature:
     return UnsupportedFeature(f"{reason}; the openai-agents adapter does not carry "
-                              f"{feature}", feature=feature, action=action)
-
-
-async def _enabled(setting: Any, context: Any, agent: Agent[Any]) -> bool:
-    """A tool's or handoff's ``is_enabled`` for this turn, evaluated as the SDK does."""
-    if isinstance(setting, bool):
-        return setting
-    return bool(await maybe_await(setting(context, agent)))
-
-
-def _standing(state: RunState[Any]) -> UnsupportedFeature | None:
-    """The refusal of a standing decision taken on the SDK state (``approve(item,
-    always_approve=True)``, ``reject(item, always_reject=True)``), which would let the SDK
-    start later calls the ledger holds no decision for; None when it holds none."""
-    approvals = getattr(state._context, "_approvals", None) or {}
-    standing = sorted(name for name, record in approvals.items()
-                      if record.approved is True or record.rejected is True)
-    if not standing:
-        return None
-    return _refuse("standing decisions (always_approve / always_reject)",
-                   f"the SDK state holds a standing decision for {', '.join(standing)}: "
-                   "the ledger binds each decision to one call (approve or reject each "
-                   "call, with AgentRun.approve / reject or state.approve(item))",
-                   action="run")
-
-
-def _tripped(error: BaseException, output_guardrail: str | None) -> str | None:
-    """The abandon reason for an attempt ending with a guardrail's tripwire, else None."""
-    if isinstance(error, OutputGuardrailTripwireTriggered):
-        return (f"the output guardrail {output_guardrail or 'of the agent'!r} tripped: its "
-                "final output was never accepted")
-    if isinstance(error, InputGuardrailTripwireTriggered):
-        name = error.guardrail_result.guardrail.get_name()
-        return f"the input guardrail {name!r} tripped: the run's input was refused"
-    tool_tripwires = (ToolInputGuardrailTripwireTriggered, ToolOutputGuardrailTripwireTriggered)
-    if isinstance(error, tool_tripwires):
-        stage = "input" if isinstance(error, ToolInputGuardrailTripwireTriggered) else "output"
-        return f"the tool {stage} guardrail {error.guardrail.get_name()!r} tripped"
-    return None
+                              f"{feature}", feature=feature, action="open")
 
 
 def _check_supported(agent: Agent[Any]) -> None:
@@ -1130,11 +1084,6 @@ class AgentRun:
         self._handoffs_ran = 0
         if state is not None:
             self._state = await self._hydrate(state)
-        if self._state is not None:  # given, or held (the state a result handed out)
-            standing = _standing(self._state)
-            if standing is not None:  # refused before anything is recorded, and not kept
-                self._state = None
-                raise standing
         if self._state is not None and not self._in_turn(self._state):
             self._state = None  # saved at an earlier turn: the ledger has moved past it
         if new_run:
@@ -1235,18 +1184,16 @@ class AgentRun:
 
     def _failed(self, error: BaseException) -> None:
         """The attempt is ending with ``error`` (its `Attempt` flushes what it recorded):
-        a call whose result was never recorded is left in doubt, and a tripped guardrail
-        (the agent's input or output guardrail, a tool's input or output guardrail) ends
-        the run, abandoned with a reason naming it: its recorded verdict would trip again
-        on every retry, so the run could never go on. Never replaces the error in
-        flight."""
+        a call whose result was never recorded is left in doubt, and a tripped output
+        guardrail ends the run. Never replaces the error in flight."""
         c = self.controller
         for call_id in c.in_flight:
             interrupted(c, call_id)
-        tripped = _tripped(error, self._tripped)
-        if tripped is not None and c.step is not Step.UNSETTLED:  # a write settles first
-            with contextlib.suppress(ControlError):  # (a finished run refuses: kept)
-                c.abandon(tripped)
+        if (isinstance(error, OutputGuardrailTripwireTriggered)
+                and c.step in (Step.FINALIZING, Step.TOOLS)):
+            with contextlib.suppress(ControlError):
+                c.abandon(f"the output guardrail {self._tripped or 'of the agent'!r} "
+                          "tripped: its final output was never accepted")
 
     async def _epilogue(self, result: RunResult | RunResultStreaming) -> AgentRunResult:
         c = self.controller
@@ -1308,12 +1255,8 @@ class AgentRun:
     async def _model_responded(self, output: Sequence[Any]) -> None:
         c = self.controller
         agent = self._original_of(self._current)
-        # the tools and handoffs the SDK offers this turn: a disabled one (``is_enabled``)
-        # is unknown to it, so a call naming it is answered as the SDK answers one
-        tools = {t.name: t for t in agent.tools if isinstance(t, FunctionTool)
-                 and await _enabled(t.is_enabled, self._context, agent)}
-        handoffs = {h.tool_name for h in _handoffs(agent)
-                    if await _enabled(h.is_enabled, self._context, agent)}
+        tools = {t.name: t for t in agent.tools if isinstance(t, FunctionTool)}
+        handoffs = {h.tool_name for h in _handoffs(agent)}
         calls: list[ToolCall] = []
         unknown = False
         for item in output:
