@@ -19,8 +19,9 @@ pydantic-ai hook               what the capability records
 ``wrap_model_request``        publishes the messages the run added since the last write (a
                                staged publication: the tool results), then
                                ``begin_model_call`` (durable before the request), then
-                               ``model_responded(calls, output)`` or ``model_failed``; a
-                               response with tool calls is published before any of them runs
+                               ``model_responded(calls)`` or ``model_failed``; a response
+                               with tool calls is published before any of them runs; a
+                               final answer is recorded once pydantic-ai's checks pass
 ``wrap_tool_execute``          ``begin_tool(call id)``: `Execute` → durable start, the body,
                                ``tool_completed`` (``tool_interrupted`` if it ends without a
                                result); `Resend` → the recorded result, the body never runs
@@ -60,15 +61,25 @@ exactly what it was sent the first time. A tool's answers are recorded as its re
 body as a failure the model is told of (``ToolFailed`` with the exception's type and
 text) -- pydantic-ai raises that exception out of ``agent.run``, and the run's next
 attempt tells the model, never running the body again. Only a body that ends without an
-answer (cancelled, killed, or deferring itself with ``CallDeferred`` /
-``ApprovalRequired``) leaves its call in doubt. A result the run's log has no room for
-under ``max_bytes`` (or over ``max_result_bytes``, when set) is not recorded: the call is
-recorded as failed, and the model told why. Before a response's calls run, a run whose
-log has no room left for each of them to end in a recorded failure is refused
-(`SchemaError`), none of them started: no call is ever left in doubt by the log's limit.
+answer (cancelled, killed, timed out by the tool's ``timeout=``, or deferring itself with
+``CallDeferred`` / ``ApprovalRequired``) leaves its call in doubt. A result the run's
+log has no room for under ``max_bytes`` (or over ``max_result_bytes``, when set) is not
+recorded: the call is recorded as failed, and the model told why. Before a response's
+calls run, a run whose log has no room left for each of them to end in a recorded failure
+is refused (`SchemaError`), none of them started: no call is ever left in doubt by the
+log's limit.
 
-A completed run is not run again: every later attempt returns its recorded result
-(``recorded=True``), calling neither the model nor a tool.
+A final output is recorded (``model_responded``, then ``accept_final_output``) only once
+pydantic-ai's checks of it pass: its output validators and output tools. A refused one
+ends the model call as failed, goes to the history with pydantic-ai's retry prompt, and
+the model is asked again. A crash between the recorded answer and its acceptance is
+finished by handing the recorded answer back to pydantic-ai in place of the model call
+(no model call), so its checks run on it and pydantic-ai writes its messages; one they
+refuse is never accepted (`RecordedOutputRefused`).
+
+A completed run is not run again: an attempt with no prompt or the prompt it last ran
+returns its recorded result (``recorded=True``), calling neither the model nor a tool;
+another prompt is refused (`RunNotResumable`).
 
 What it does not cover (refused, never silently unsafe): a pydantic-ai run that
 `LedgerRun` did not start (``agent.run_stream``, ``agent.iter``,
@@ -76,10 +87,12 @@ What it does not cover (refused, never silently unsafe): a pydantic-ai run that
 starts (`UnsupportedRun`); history processors (``ProcessHistory``), which rewrite
 messages already written, are refused when the run is opened or given them
 (`UnsupportedCapability`); a history that is not the run's is refused when the run is
-opened (`HistoryMismatch`); external tools (``DeferredToolResults.calls``, tools of kind
-``external``) and approvals that change a call's arguments (``ToolApproved(override_args=
-...)``: an approval binds the recorded arguments) are refused (`UnsupportedDeferral`);
-pydantic-ai's own lifecycle hooks are capabilities and are not recorded.
+opened (`HistoryMismatch`); external tools (an ``ExternalToolset`` the agent has, at
+open, or given to `LedgerRun.run`; a tool of kind ``external`` offered to the model,
+before the model is called; ``DeferredToolResults.calls``) and approvals that change a
+call's arguments (``ToolApproved(override_args=...)``: an approval binds the recorded
+arguments) are refused (`UnsupportedDeferral`); pydantic-ai's own lifecycle hooks are
+capabilities and are not recorded.
 """
 
 from __future__ import annotations
