@@ -58,6 +58,10 @@ _CORE = ("tests/core/test_controller.py", "tests/core/test_invariants.py",
          "tests/core/test_partial_approval.py", "tests/core/test_codec.py",
          "tests/core/test_limits.py", "tests/core/test_machine.py",
          "tests/core/test_forged_logs.py")
+_PD22_COMMENT = ("                    # (not isinstance(store, AsyncEventStore): a runtime "
+                 "protocol checks\n                    # names only, and a sync store has the "
+                 "same names)\n                    controller = await RunController.")
+"""The lines between PD22's two changes (the sync-or-async dispatch and the buffering)."""
 _WORLDS = "tests/kit/test_worlds.py"  # the slowest of a core selection: always last
 _RUNNER = ("tests/runner/test_one_writer.py", "tests/runner/test_runner_promises.py",
            "tests/core/test_tool_interrupted.py", "tests/runner/test_streaming.py",
@@ -817,8 +821,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("PD11", "if c.step is Step.COMPLETED and deferred_tool_results is None:",
        "if False:",
        "a completed run run again is refused instead of answering"),
-    _m("PD12", "            told = naming_take_over(refused, _TAKE_OVER)\n",
-       "            told = refused\n",
+    _m("PD12", '_TAKE_OVER = "LedgerRun.open(..., take_over=True), or call settle(take_over=True)"',
+       '_TAKE_OVER = "take_over=True"',
        "the foreign-attempt refusal does not say to open with take_over=True"),
     _m("PD13", "form.get(\"kind\") in (_FAILED, _RETRY, _RETURN):", "False:",
        "a result that looks like a recorded answer is resent as that answer"),
@@ -842,8 +846,10 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("PD21", "            self._candidate = outputs[0] if outputs else text\n",
        "            c.model_responded((), output=outputs[0] if outputs else text)\n",
        "a final output is recorded before its checks ran"),
-    _m("PD22", "load_async(store, run_id,\n" + " " * 64 + "buffered=buffered,\n",
-       "load_async(store, run_id,\n",
+    _m("PD22", "                if is_async(store):\n" + _PD22_COMMENT
+               + "load_async(store, run_id,\n" + " " * 64 + "buffered=buffered,\n",
+       "                if isinstance(store, AsyncEventStore):\n" + _PD22_COMMENT
+               + "load_async(store, run_id,\n",
        "a buffered run is reopened unbuffered"),
     _m("PD23", "        _refuse_external(run.controller, request_context.model_request_parameters\n"
                "                         .function_tools, \"model_request\")",
