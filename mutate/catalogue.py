@@ -58,6 +58,10 @@ _CORE = ("tests/core/test_controller.py", "tests/core/test_invariants.py",
          "tests/core/test_partial_approval.py", "tests/core/test_codec.py",
          "tests/core/test_limits.py", "tests/core/test_machine.py",
          "tests/core/test_forged_logs.py")
+_PD22_COMMENT = ("                    # (not isinstance(store, AsyncEventStore): a runtime "
+                 "protocol checks\n                    # names only, and a sync store has the "
+                 "same names)\n                    controller = await RunController.")
+"""The lines between PD22's two changes (the sync-or-async dispatch and the buffering)."""
 _WORLDS = "tests/kit/test_worlds.py"  # the slowest of a core selection: always last
 _RUNNER = ("tests/runner/test_one_writer.py", "tests/runner/test_runner_promises.py",
            "tests/core/test_tool_interrupted.py", "tests/runner/test_streaming.py",
@@ -926,8 +930,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("PD08", "        limit = self._room(FAILURE_ROOM * others) // 2\n",
        "        limit = self._room(FAILURE_ROOM * others)\n",
        "a result that fits once but not twice (recorded, then written) is recorded"),
-    _m("PD09", "            if runnable:\n                self._room_for(runnable)\n",
-       "            pass\n",
+    _m("PD09", "        if runnable:\n            self._room_for(runnable)\n",
+       "        pass\n",
        "a turn's calls start with no room left to record their failures"),
     _m("PD10", "            messages = await self._write_proposals(messages)\n",
        "            pass\n",
@@ -935,8 +939,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("PD11", "if c.step is Step.COMPLETED and deferred_tool_results is None:",
        "if False:",
        "a completed run run again is refused instead of answering"),
-    _m("PD12", 'if take_over or "may still be writing" not in refused.reason:',
-       "if True:",
+    _m("PD12", '_TAKE_OVER = "LedgerRun.open(..., take_over=True), or call settle(take_over=True)"',
+       '_TAKE_OVER = "take_over=True"',
        "the foreign-attempt refusal does not say to open with take_over=True"),
     _m("PD13", "form.get(\"kind\") in (_FAILED, _RETRY, _RETURN):", "False:",
        "a result that looks like a recorded answer is resent as that answer"),
@@ -945,9 +949,33 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("PD15", "        await self._flush()  # an effect boundary: the start is durable before "
                "the body\n", "",
        "a tool body runs before its start is durable"),
-    _m("PD16", "await settle(c, self._history, take_over=self.take_over)",
-       "await settle(c, self._history, take_over=False)",
+    _m("PD16", "await settle_unsettled(c, self._history, take_over=self.take_over, how=_TAKE_OVER)",
+       "await settle_unsettled(c, self._history, take_over=False, how=_TAKE_OVER)",
        "take_over=True is not passed on to the reconcile"),
+    _m("PD17", "            if _timed_out(retry):\n", "            if False:\n",
+       "a timed-out body is recorded as a retry, and the model pays it again"),
+    _m("PD18", "        _refuse_external_toolsets(agent.toolsets, run_id)\n", "",
+       "an agent with external tools is opened"),
+    _m("PD19", "            recorded_output(c, new, last_input=_last_prompt(c))\n", "",
+       "a completed run answers a new prompt with its old answer"),
+    _m("PD20", "            self._replay = _recorded_response(c.model_output)\n",
+       "            pass\n",
+       "a recorded answer is not handed back to its checks after a crash"),
+    _m("PD21", "            self._candidate = outputs[0] if outputs else text\n",
+       "            c.model_responded((), output=outputs[0] if outputs else text)\n",
+       "a final output is recorded before its checks ran"),
+    _m("PD22", "                if is_async(store):\n" + _PD22_COMMENT
+               + "load_async(store, run_id,\n" + " " * 64 + "buffered=buffered,\n",
+       "                if isinstance(store, AsyncEventStore):\n" + _PD22_COMMENT
+               + "load_async(store, run_id,\n",
+       "a buffered run is reopened unbuffered"),
+    _m("PD23", "        _refuse_external(run.controller, request_context.model_request_parameters\n"
+               "                         .function_tools, \"model_request\")",
+       "        (run.controller, request_context.model_request_parameters\n"
+               "                         .function_tools, \"model_request\")",
+       "a request offering a tool prepared as external pays the model"),
+    _m("PD24", "        if self._replays > 1:\n", "        if False:\n",
+       "a recorded answer its checks refuse is handed back forever"),
     # ------------------------------------------------------- adapters/anthropic
     _m("AN01", '        self.check_history(messages)\n'
                '        _refuse_in_doubt(self.controller, "create")\n',

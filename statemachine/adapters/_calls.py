@@ -291,14 +291,17 @@ async def settle_unsettled(c: RunController, session: Session, *, take_over: boo
             raise told from None
 
 
-def recorded_output(c: RunController, new_input: Sequence[JSON]) -> JSON:
+def recorded_output(c: RunController, new_input: Sequence[JSON], *,
+                    last_input: Sequence[JSON] | None = None) -> JSON:
     """The recorded final output of a run that already completed, for an attempt that
     repeats it: with no new input, or the input the run last received (a retried
-    request). Other input is refused with `RunNotResumable` (nothing recorded): a
-    completed run takes no new input; start a new run."""
+    request; ``last_input`` when the adapter keeps it elsewhere than ``add_input``).
+    Other input is refused with `RunNotResumable` (nothing recorded): a completed run
+    takes no new input; start a new run."""
     if new_input:
         inputs = [event.items for event in c.events if isinstance(event, ev.InputAdded)]
-        last = list(inputs[-1]) if inputs else []
+        last = (list(last_input) if last_input is not None
+                else list(inputs[-1]) if inputs else [])
         if not _same_json(list(new_input), last):
             raise RunNotResumable(
                 "the run completed and takes no new input; its recorded output answers "

@@ -19,8 +19,9 @@ pydantic-ai hook               what the capability records
 ``wrap_model_request``        publishes the messages the run added since the last write (a
                                staged publication: the tool results), then
                                ``begin_model_call`` (durable before the request), then
-                               ``model_responded(calls, output)`` or ``model_failed``; a
-                               response with tool calls is published before any of them runs
+                               ``model_responded(calls)`` or ``model_failed``; a response
+                               with tool calls is published before any of them runs; a
+                               final answer is recorded once pydantic-ai's checks pass
 ``wrap_tool_execute``          ``begin_tool(call id)``: `Execute` → durable start, the body,
                                ``tool_completed`` (``tool_interrupted`` if it ends without a
                                result); `Resend` → the recorded result, the body never runs
@@ -60,15 +61,25 @@ exactly what it was sent the first time. A tool's answers are recorded as its re
 body as a failure the model is told of (``ToolFailed`` with the exception's type and
 text) -- pydantic-ai raises that exception out of ``agent.run``, and the run's next
 attempt tells the model, never running the body again. Only a body that ends without an
-answer (cancelled, killed, or deferring itself with ``CallDeferred`` /
-``ApprovalRequired``) leaves its call in doubt. A result the run's log has no room for
-under ``max_bytes`` (or over ``max_result_bytes``, when set) is not recorded: the call is
-recorded as failed, and the model told why. Before a response's calls run, a run whose
-log has no room left for each of them to end in a recorded failure is refused
-(`SchemaError`), none of them started: no call is ever left in doubt by the log's limit.
+answer (cancelled, killed, timed out by the tool's ``timeout=``, or deferring itself with
+``CallDeferred`` / ``ApprovalRequired``) leaves its call in doubt. A result the run's
+log has no room for under ``max_bytes`` (or over ``max_result_bytes``, when set) is not
+recorded: the call is recorded as failed, and the model told why. Before a response's
+calls run, a run whose log has no room left for each of them to end in a recorded failure
+is refused (`SchemaError`), none of them started: no call is ever left in doubt by the
+log's limit.
 
-A completed run is not run again: every later attempt returns its recorded result
-(``recorded=True``), calling neither the model nor a tool.
+A final output is recorded (``model_responded``, then ``accept_final_output``) only once
+pydantic-ai's checks of it pass: its output validators and output tools. A refused one
+ends the model call as failed, goes to the history with pydantic-ai's retry prompt, and
+the model is asked again. A crash between the recorded answer and its acceptance is
+finished by handing the recorded answer back to pydantic-ai in place of the model call
+(no model call), so its checks run on it and pydantic-ai writes its messages; one they
+refuse is never accepted (`RecordedOutputRefused`).
+
+A completed run is not run again: an attempt with no prompt or the prompt it last ran
+returns its recorded result (``recorded=True``), calling neither the model nor a tool;
+another prompt is refused (`RunNotResumable`).
 
 What it does not cover (refused, never silently unsafe): a pydantic-ai run that
 `LedgerRun` did not start (``agent.run_stream``, ``agent.iter``,
@@ -76,19 +87,21 @@ What it does not cover (refused, never silently unsafe): a pydantic-ai run that
 starts (`UnsupportedRun`); history processors (``ProcessHistory``), which rewrite
 messages already written, are refused when the run is opened or given them
 (`UnsupportedCapability`); a history that is not the run's is refused when the run is
-opened (`HistoryMismatch`); external tools (``DeferredToolResults.calls``, tools of kind
-``external``) and approvals that change a call's arguments (``ToolApproved(override_args=
-...)``: an approval binds the recorded arguments) are refused (`UnsupportedDeferral`);
-pydantic-ai's own lifecycle hooks are capabilities and are not recorded.
+opened (`HistoryMismatch`); external tools (an ``ExternalToolset`` the agent has, at
+open, or given to `LedgerRun.run`; a tool of kind ``external`` offered to the model,
+before the model is called; ``DeferredToolResults.calls``) and approvals that change a
+call's arguments (``ToolApproved(override_args=...)``: an approval binds the recorded
+arguments) are refused (`UnsupportedDeferral`); pydantic-ai's own lifecycle hooks are
+capabilities and are not recorded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -123,14 +136,25 @@ try:
         TextPart,
         ToolCallPart,
         ToolReturnPart,
+        UserPromptPart,
         repair_messages,
         tool_return_ta,
     )
     from pydantic_ai.run import AgentRunResult
+    from pydantic_ai.toolsets import AbstractToolset, ExternalToolset, FunctionToolset
 except ModuleNotFoundError as error:  # pragma: no cover - the extra is installed in CI
     raise missing_extra(__name__, "pydantic-ai", error) from error
 
-from statemachine.adapters._calls import Walk, begin_call, lossless, plain
+from statemachine import events as ev
+from statemachine.adapters._calls import (
+    Walk,
+    begin_call,
+    lossless,
+    naming_take_over,
+    plain,
+    recorded_output,
+    settle_unsettled,
+)
 from statemachine.controller import RunController
 from statemachine.errors import (
     ControlError,
@@ -139,10 +163,12 @@ from statemachine.errors import (
     ReconcileRejected,
     RunNotFound,
     SchemaError,
+    ToolInDoubt,
 )
+from statemachine.journal import is_async
 from statemachine.payloads import DEFAULT_MAX_BYTES, JSON, json_size
 from statemachine.runner.attempt import Attempt, interrupted
-from statemachine.runner.publish import one_writer, publish, settle
+from statemachine.runner.publish import one_writer, publish
 from statemachine.sessions import MemorySession, Session
 from statemachine.stores import AsyncEventStore, EventStore
 from statemachine.values import Phase, RecoveryPolicy, Step, ToolCall
@@ -154,6 +180,7 @@ __all__ = [
     "LedgerCapability",
     "LedgerRun",
     "LedgerRunResult",
+    "RecordedOutputRefused",
     "UnsupportedCapability",
     "UnsupportedDeferral",
     "UnsupportedRun",
@@ -187,6 +214,13 @@ class HistoryMismatch(ReconcileRejected):
 class UnsupportedDeferral(ControlError, ValueError):
     """A deferral the ledger cannot make safe: an external tool's result, or an approval
     that changes the call's arguments. Nothing was recorded."""
+
+
+class RecordedOutputRefused(ControlError):
+    """A final output the ledger recorded before its checks ran (a run recorded by an
+    earlier version of this adapter) was refused by the agent's output checks when it was
+    handed back to them after a crash. A recorded response cannot be taken back, and the
+    model is not asked again from it: nothing was accepted; abandon the run."""
 
 
 class UnsupportedRun(ControlError):
@@ -390,13 +424,24 @@ class LedgerCapability(AbstractCapability[Any]):
     async def wrap_model_request(self, ctx: Any, *, request_context: Any,
                                  handler: Any) -> ModelResponse:
         run = self.run
+        replayed = run._replayed()
+        if replayed is not None:  # the recorded response, back through its checks
+            return replayed
+        _refuse_external(run.controller, request_context.model_request_parameters
+                         .function_tools, "model_request")  # before the model is paid
         await run._before_model_call(list(ctx.messages))
         try:
             response: ModelResponse = await handler(request_context)
         except BaseException as error:
             run._model_failed(error)
             raise
-        await run._model_responded(response, ctx)
+        try:
+            await run._model_responded(response, ctx)
+        except ControlError as refused:
+            # refused before anything was recorded of the response: the call ends in a
+            # recorded failure, never left open to be paid again by the same attempt
+            run._model_failed(refused)
+            raise
         return response
 
     async def wrap_tool_execute(self, ctx: Any, *, call: ToolCallPart, tool_def: Any,
@@ -445,6 +490,13 @@ class LedgerRun:
         """How many of the messages pydantic-ai holds in this attempt are written."""
         self._driving = False
         """True while `run` drives pydantic-ai: the capability refuses any other run."""
+        self._candidate: JSON | None = None
+        """The recorded form of the model's last response while pydantic-ai checks it as
+        the final output (validators, output tools): recorded only once they pass."""
+        self._replay: ModelResponse | None = None
+        """A recorded final response to hand back to pydantic-ai instead of calling the
+        model (a crash came before its acceptance was written)."""
+        self._replays = 0
         self._flush_lock = asyncio.Lock()
         self._attempt = Attempt(controller, resumes=existing, owner=owner, flush=self._flush)
         self.capability = LedgerCapability(self)
@@ -469,17 +521,23 @@ class LedgerRun:
         bounds one tool result (by default, what the log has room for).
 
         Refused before anything is recorded: a run the store holds opened with a history
-        that is not its own (`HistoryMismatch`), and an agent with a history processor
-        (`UnsupportedCapability`)."""
+        that is not its own (`HistoryMismatch`), an agent with a history processor
+        (`UnsupportedCapability`), and an agent with external tools (`UnsupportedDeferral`,
+        naming them)."""
         _refuse_rewriters(agent.root_capability, run_id)
+        _refuse_external_toolsets(agent.toolsets, run_id)
         controller: RunController | None = None
         if store is not None:
             with contextlib.suppress(RunNotFound):
-                if isinstance(store, AsyncEventStore):
+                if is_async(store):
+                    # (not isinstance(store, AsyncEventStore): a runtime protocol checks
+                    # names only, and a sync store has the same names)
                     controller = await RunController.load_async(store, run_id,
+                                                                buffered=buffered,
                                                                 max_bytes=max_bytes)
                 else:
-                    controller = RunController.load(store, run_id, buffered=buffered,
+                    controller = RunController.load(cast("EventStore", store), run_id,
+                                                    buffered=buffered,
                                                     max_bytes=max_bytes)
         existing = controller is not None
         if controller is None:
@@ -590,17 +648,23 @@ class LedgerRun:
         then ``agent.run`` to the next stop (``options`` go to ``agent.run``). With a
         ``history`` the run's messages are read from it (``message_history`` must be
         omitted); without one, pass the messages of the run's last stop to resume it.
-        A completed run answers with its recorded result (``recorded=True``), calling
-        neither the model nor a tool. The original error of a failed write propagates
-        (I6)."""
+        A completed run answers a repeat of its last prompt (or none) with its recorded
+        result (``recorded=True``), calling neither the model nor a tool; another prompt is
+        refused (`RunNotResumable`). ``toolsets`` holding external tools are refused
+        (`UnsupportedDeferral`) before anything is recorded. The original error of a
+        failed write propagates (I6)."""
         c = self.controller
         if self.history is not None and message_history is not None:
             raise ValueError("this run reads its messages from its history: omit "
                              "message_history")
         for capability in options.get("capabilities") or ():
             _refuse_rewriters(capability, c.run_id)
+        _refuse_external_toolsets(options.get("toolsets") or (), c.run_id)
         if c.step is Step.COMPLETED and deferred_tool_results is None:
-            # a request retried after it completed: its recorded answer, nothing re-run
+            # a request retried after it completed: its recorded answer, nothing re-run;
+            # other input is refused (RunNotResumable): a completed run takes none
+            new = [] if user_prompt is None else [_prompt_form(user_prompt)]
+            recorded_output(c, new, last_input=_last_prompt(c))
             return self._result(None, await self._messages(message_history), None,
                                 recorded=True)
         async with self._attempt as resumes:
@@ -614,6 +678,7 @@ class LedgerRun:
                            new_run: bool, options: dict[str, Any]) -> LedgerRunResult:
         """The work of `run`'s attempt, once the run is claimed."""
         c = self.controller
+        self._candidate, self._replay, self._replays = None, None, 0
         c.resume()  # the gate: RunNotResumable or ToolInDoubt before any work
         if user_prompt is not None and c.step is Step.UNSETTLED:
             raise PublicationUnsettled(
@@ -624,9 +689,7 @@ class LedgerRun:
         await self._flush()  # decisions are durable before anything acts on them
         if new_run:
             await one_writer(c, self._history)
-        with _naming_take_over(self.take_over):
-            while c.step is Step.UNSETTLED:
-                await settle(c, self._history, take_over=self.take_over)
+        await settle_unsettled(c, self._history, take_over=self.take_over, how=_TAKE_OVER)
         await self._flush()
         messages = await self._messages(message_history)
         if c.step in (Step.TOOLS, Step.INTERRUPTION):
@@ -643,10 +706,6 @@ class LedgerRun:
                 f"{len(c.pending_approvals)} call(s) still await a decision: decide every "
                 "one before resuming the run", run_id=c.run_id, step=c.step, action="run")
         c.resume()  # an interruption whose approved calls may run enters TOOLS
-        if c.step in (Step.FINALIZING, Step.FINAL_OUTPUT):
-            # the model's final answer was recorded and the process stopped before it was
-            # written: finish from the ledger, never asking the model again
-            return await self._finish_from_ledger(messages)
         if c.step in _MID_TURN and not messages:
             raise HistoryRequired(
                 "the run stopped inside a turn and no messages lead back into it: pass "
@@ -664,6 +723,12 @@ class LedgerRun:
         if sent and isinstance(sent[-1], ModelRequest):
             # a paused turn: pydantic-ai reads the decisions from deferred_tool_results
             deferred = self._ledger_decisions(_unanswered(sent))
+        if c.step in (Step.FINALIZING, Step.FINAL_OUTPUT):
+            # the model's final answer was recorded and the process stopped before its
+            # acceptance was written: pydantic-ai is handed the recorded response instead
+            # of calling the model, so its output checks (validators, output tools) run on
+            # it and it writes its own messages for it
+            self._replay = _recorded_response(c.model_output)
         capabilities = [*(options.pop("capabilities", None) or ()), self.capability]
         self._driving = True
         try:
@@ -680,8 +745,13 @@ class LedgerRun:
         recorded; repair it and call again). ``take_over`` (default: the run's) as for
         `open`."""
         take_over = self.take_over if take_over is None else take_over
-        with _naming_take_over(take_over):
+        try:
             await self._attempt.settle(self._history, take_over=take_over)
+        except ReconcileRejected as refused:
+            told = naming_take_over(refused, _TAKE_OVER)
+            if told is refused:
+                raise
+            raise told from None
 
     async def _messages(self, given: Sequence[ModelMessage] | None) -> list[ModelMessage]:
         """The run's messages: read from its history, else the ones the caller gave."""
@@ -712,24 +782,6 @@ class LedgerRun:
         await self._publish([response])
         return [*messages, response]
 
-    async def _finish_from_ledger(self, messages: list[ModelMessage]) -> LedgerRunResult:
-        c = self.controller
-        if c.step is Step.FINALIZING:
-            c.accept_final_output(c.model_output)
-        text = c.final_output
-        if not isinstance(text, str):
-            raise HistoryRequired(
-                "the run's final output was recorded but not written, and it is not text: "
-                "it cannot be rebuilt as a message; abandon the run",
-                run_id=c.run_id, step=c.step, action="run")
-        response = ModelResponse(parts=[TextPart(text)])
-        self._published = len(messages)
-        await self._publish([response])
-        if c.step is Step.FINAL_OUTPUT and c.session_id is None:
-            c.complete()
-        await self._flush()
-        return self._result(None, [*messages, response], None)
-
     def _has_decided(self) -> bool:
         c = self.controller
         return any(view.phase in (Phase.APPROVED, Phase.REJECTED) for view in c.calls)
@@ -743,7 +795,12 @@ class LedgerRun:
                 raise UnsupportedDeferral(
                     "the run paused for external tool calls, which are not supported",
                     run_id=c.run_id, step=c.step, action="run")
-        elif c.step in (Step.FINALIZING, Step.TOOLS):
+        elif c.step is Step.AWAITING_MODEL and self._candidate is not None:
+            # the final output passed pydantic-ai's checks: the response, then its
+            # acceptance
+            c.model_responded((), output=self._candidate)
+        if not isinstance(output, DeferredToolRequests) and c.step in (Step.FINALIZING,
+                                                                       Step.TOOLS):
             sent = _sent(output)
             c.accept_final_output(sent, lossless=lossless(output, sent))
         await self._publish(messages[self._published:])
@@ -813,8 +870,28 @@ class LedgerRun:
                         c.begin_tool(call_id)
                         c.tool_completed(call_id, _sent(getattr(part, "content", None)))
 
+    def _replayed(self) -> ModelResponse | None:
+        """The recorded final response, handed to pydantic-ai once instead of a model
+        call. Asked again, its checks refused it: `RecordedOutputRefused`."""
+        c = self.controller
+        if self._replay is None:
+            return None
+        self._replays += 1
+        if self._replays > 1:
+            raise RecordedOutputRefused(
+                "the final output recorded before its checks ran was refused by the "
+                "agent's output checks; nothing was accepted and the model was not asked "
+                "again: abandon the run", run_id=c.run_id, step=c.step, action="run")
+        return self._replay
+
     async def _before_model_call(self, messages: list[ModelMessage]) -> None:
         c = self.controller
+        if self._candidate is not None and c.step is Step.AWAITING_MODEL:
+            # pydantic-ai's checks refused the final output (a validator's ModelRetry, an
+            # output tool's invalid arguments): the call ends as failed, the refusal goes
+            # to the history with the response, and the model is asked again
+            self._candidate = None
+            c.model_failed(ModelRetry)
         if c.step is not Step.AWAITING_MODEL:  # a crash may have come after the record
             await self._publish(messages[self._published:])
             c.begin_model_call()  # refused while a write is unsettled (I2)
@@ -836,29 +913,28 @@ class LedgerRun:
             tool = tools.get(part.tool_name)
             kind = getattr(tool, "kind", "function")
             if kind == "output":
-                outputs.append({"output_tool": part.tool_name, "arguments": _arguments(part)})
+                outputs.append({"output_tool": part.tool_name, "arguments": _arguments(part),
+                                "call_id": part.tool_call_id})
                 continue
-            if kind == "external":
-                raise UnsupportedDeferral(
-                    f"tool {part.tool_name!r} is external; external tools are not supported",
-                    run_id=c.run_id, step=c.step, action="model_responded")
+            _refuse_external(c, [tool] if tool is not None else [], "model_responded")
             calls.append(ToolCall(part.tool_call_id, part.tool_name, _arguments(part),
                                   needs_approval=kind == "unapproved",
                                   idempotent=part.tool_name in self._idempotent))
         text = "".join(part.content for part in response.parts if isinstance(part, TextPart))
-        output: JSON = None
         if not calls:
-            output = outputs[0] if outputs else text
+            # a final output is recorded only once pydantic-ai's checks of it pass (the
+            # epilogue); refused, the model is asked again (`_before_model_call`)
+            self._candidate = outputs[0] if outputs else text
+            return
         # a duplicate or reused call id is refused here (InvalidTransition), before any
         # of the response's calls runs
-        c.model_responded(calls, output=output)
-        if calls:
-            # the calls are in the history before any of them runs: a resumed attempt
-            # finds them there
-            await self._publish([response])
-            runnable = sum(not call.needs_approval for call in calls)
-            if runnable:
-                self._room_for(runnable)
+        c.model_responded(calls)
+        # the calls are in the history before any of them runs: a resumed attempt finds
+        # them there
+        await self._publish([response])
+        runnable = sum(not call.needs_approval for call in calls)
+        if runnable:
+            self._room_for(runnable)
 
     def _room_for(self, calls: int) -> None:
         """`SchemaError` (nothing recorded, no call started) when the log has no room
@@ -908,6 +984,16 @@ class LedgerRun:
         try:
             output = await handler(args)
         except ToolRetryError as retry:  # the tool's answer: the model is asked again
+            if _timed_out(retry):
+                # pydantic-ai stopped waiting; the body did not answer (cancelled mid-way,
+                # or still running in its thread): in doubt, never asked for again
+                interrupted(c, call_id)
+                raise ToolInDoubt(
+                    f"call {call_id!r} ({call.tool_name}) timed out (the tool's timeout=): "
+                    "its body may have had its effect, or may still be running; it is in "
+                    "doubt and never run again: establish its outcome and record it with "
+                    "resolve_in_doubt", call_id=call_id, run_id=c.run_id, step=c.step,
+                    action="tool_completed") from None
             content = retry.tool_retry.content
             form = _answer(_RETRY, content if isinstance(content, str) else str(retry))
             raised = retry
@@ -975,20 +1061,92 @@ def _unanswered(messages: Sequence[ModelMessage]) -> list[str]:
     return unanswered
 
 
-@contextlib.contextmanager
-def _naming_take_over(take_over: bool) -> Iterator[None]:
-    """A refusal to reconcile because an attempt may still be writing says how a
-    pydantic-ai user passes ``take_over=True``."""
-    try:
-        yield
-    except ReconcileRejected as refused:
-        if take_over or "may still be writing" not in refused.reason:
-            raise
-        raise ReconcileRejected(
-            f"{refused.reason}. Once the process that was writing is gone (it was killed, "
-            "or its request has ended), open the run with LedgerRun.open(..., "
-            "take_over=True), or call settle(take_over=True)", run_id=refused.run_id,
-            step=refused.step, action=refused.action) from refused
+_TAKE_OVER = "LedgerRun.open(..., take_over=True), or call settle(take_over=True)"
+"""How a pydantic-ai user takes over from an attempt that may still be writing."""
+
+
+def _prompt_form(prompt: Any) -> JSON:
+    """A user prompt in the JSON form the history keeps it in (its part's content)."""
+    request = ModelRequest(parts=[UserPromptPart(prompt)])
+    dumped = ModelMessagesTypeAdapter.dump_python([request], mode="json")
+    return plain(dumped[0]["parts"][0]["content"], fallback=_finite)
+
+
+def _last_prompt(c: RunController) -> list[JSON]:
+    """The last user prompt the run's written messages hold (its staged batches, the
+    ledger's own copy of what it wrote), as ``[content]``; ``[]`` when none does."""
+    for event in reversed(c.events):
+        if not isinstance(event, ev.PublicationStaged):
+            continue
+        for item in reversed(event.items):
+            parts = item.get("parts") if isinstance(item, dict) else None
+            for part in reversed(parts if isinstance(parts, list) else []):
+                if isinstance(part, dict) and part.get("part_kind") == "user-prompt":
+                    return [part.get("content")]
+    return []
+
+
+def _recorded_response(output: JSON) -> ModelResponse:
+    """The model's recorded final response rebuilt for pydantic-ai: its text, or its call
+    of an output tool (with the recorded call id: what pydantic-ai writes for it)."""
+    if isinstance(output, dict) and isinstance(output.get("output_tool"), str):
+        call_id, arguments = output.get("call_id"), output.get("arguments")
+        part = ToolCallPart(output["output_tool"],
+                            arguments if isinstance(arguments, dict) else None)
+        if isinstance(call_id, str):
+            part.tool_call_id = call_id
+        return ModelResponse(parts=[part])
+    return ModelResponse(parts=[TextPart(output if isinstance(output, str) else "")])
+
+
+def _external_names(toolsets: Sequence[AbstractToolset[Any]]) -> list[str]:
+    found: list[str] = []
+
+    def visit(toolset: AbstractToolset[Any]) -> None:
+        if isinstance(toolset, ExternalToolset):
+            found.extend(tool.name for tool in toolset.tool_defs)
+
+    for toolset in toolsets:
+        toolset.apply(visit)
+    return found
+
+
+def _refuse_external_toolsets(toolsets: Sequence[AbstractToolset[Any]], run_id: str) -> None:
+    """`UnsupportedDeferral` naming the external tools (``ExternalToolset``) in
+    ``toolsets``: their calls are answered outside the run, where the ledger cannot tell
+    whether they ran."""
+    names = _external_names(toolsets)
+    if names:
+        raise UnsupportedDeferral(
+            f"external tools ({', '.join(map(repr, names))}, an ExternalToolset) are not "
+            "supported: their results come from outside the run, where the ledger cannot "
+            "tell whether they ran; nothing was recorded", run_id=run_id, action="open")
+
+
+def _refuse_external(c: RunController, tools: Sequence[Any], action: str) -> None:
+    """`UnsupportedDeferral` when one of a model request's ``tools`` is external (a
+    toolset given some other way, or a tool prepared as external): refused before the
+    model call is recorded or paid."""
+    names = [tool.name for tool in tools if getattr(tool, "kind", None) == "external"]
+    if names:
+        raise UnsupportedDeferral(
+            f"external tools ({', '.join(map(repr, names))}) are not supported: their "
+            "results come from outside the run; the model was not called",
+            run_id=c.run_id, step=c.step, action=action)
+
+
+def _timed_out(retry: ToolRetryError) -> bool:
+    """Whether pydantic-ai's tool ``timeout=`` made this retry: its `FunctionToolset`
+    turns the ``TimeoutError`` of the deadline into ``ModelRetry`` (raised inside its
+    handler). The body did not answer: it was cancelled, or (a sync tool) still runs in
+    its thread."""
+    error = retry.__cause__
+    if not isinstance(error, ModelRetry) or not isinstance(error.__context__, TimeoutError):
+        return False
+    trace = error.__traceback__
+    while trace is not None and trace.tb_next is not None:
+        trace = trace.tb_next
+    return trace is not None and trace.tb_frame.f_code is FunctionToolset.call_tool.__code__
 
 
 def _same_history(c: RunController, history: Session | None) -> None:

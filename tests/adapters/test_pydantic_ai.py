@@ -14,12 +14,14 @@ Under CI a missing ``pydantic_ai`` package fails this module instead of skipping
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import json
 import os
 import re
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,6 +61,8 @@ from pydantic_ai.messages import (
 )
 from pydantic_ai.models.function import AgentInfo, DeltaToolCall, FunctionModel
 from pydantic_ai.models.test import TestModel
+from pydantic_ai.tools import ToolDefinition
+from pydantic_ai.toolsets import ExternalToolset
 
 from statemachine import (
     InvalidTransition,
@@ -66,16 +70,19 @@ from statemachine import (
     Phase,
     PublicationUnsettled,
     RunController,
+    RunNotResumable,
     SchemaError,
     SQLiteEventStore,
     Step,
     ToolInDoubt,
 )
+from statemachine import events as ev
 from statemachine.adapters.pydantic_ai import (
     ConversationStoreHistory,
     HistoryMismatch,
     HistoryRequired,
     LedgerRun,
+    RecordedOutputRefused,
     UnsupportedCapability,
     UnsupportedDeferral,
     UnsupportedRun,
@@ -1174,5 +1181,350 @@ def test_running_a_completed_run_again_returns_its_recorded_result() -> None:
         assert len(asked) == 2  # the two model calls of the first attempt, no more
         assert ran == Counter({"lookup 1": 1})
         assert store.load("again") == log  # nothing recorded
+
+    run_async(go())
+
+
+# ------------------------------------------- a final output is accepted after its checks
+
+
+class Crash(BaseException):
+    """The process dies here (a stand-in for kill -9 in-process: nothing catches it)."""
+
+
+class DiesBeforeAcceptance(MemoryEventStore):
+    """A store appending per event whose process dies (`Crash`) at the first append of a
+    final output's acceptance: the model's response is recorded, its acceptance is not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = True
+
+    def append(self, run_id: str, events: Any, expected_version: int, **kw: Any) -> None:
+        if self.armed and any(isinstance(e, ev.FinalOutputAccepted) for e in events):
+            self.armed = False
+            raise Crash
+        super().append(run_id, events, expected_version, **kw)
+
+
+def checked(answers: list[Any], asked: list[int], checks: list[Any], *,
+            output_type: Any = str, crash_in_check: bool = False,
+            refuse: str | None = "FORBIDDEN") -> Agent[None, Any]:
+    """An agent whose model answers its n-th call with ``answers[n]`` (a text, or the
+    arguments of the structured output) and whose output validator refuses (ModelRetry)
+    an output holding ``refuse``; each check appends the output it saw to ``checks``;
+    with ``crash_in_check`` the first check dies (`Crash`)."""
+
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        answer = answers[len(asked)]
+        asked.append(1)
+        if isinstance(answer, str):
+            return ModelResponse(parts=[TextPart(answer)])
+        (tool,) = info.output_tools
+        return ModelResponse(parts=[call(tool.name, f"o{len(asked)}", **answer)])
+
+    agent: Agent[None, Any] = Agent(FunctionModel(respond), output_type=output_type)
+
+    @agent.output_validator
+    def check(output: Any) -> Any:
+        checks.append(output)
+        if crash_in_check and len(checks) == 1:
+            raise Crash
+        if refuse is not None and refuse in str(output):
+            raise ModelRetry("that answer is not allowed")
+        return output
+
+    return agent
+
+
+def test_an_output_refused_by_a_validator_asks_the_model_again() -> None:
+    """pydantic-ai alone asks the model again when a validator refuses its output; through
+    the ledger the same, and the refused output is never accepted."""
+
+    async def go() -> None:
+        asked: list[int] = []
+        checks: list[Any]
+        alone = await checked(["FORBIDDEN", "fine"], asked, []).run("hi")
+        assert (alone.output, len(asked)) == ("fine", 2)
+
+        asked, checks = [], []
+        run = await LedgerRun.open(checked(["FORBIDDEN", "fine"], asked, checks),
+                                   run_id="v", history=MemorySession("h"),
+                                   store=MemoryEventStore())
+        done = await run.run("hi")
+        assert (done.step, done.output, len(asked)) == (Step.COMPLETED, "fine", 2)
+        assert checks == ["FORBIDDEN", "fine"]
+        assert run.controller.final_output == "fine"
+
+    run_async(go())
+
+
+def test_a_crash_inside_the_output_checks_never_accepts_the_unchecked_output() -> None:
+    """The process dies while the validator checks the model's answer: the restart never
+    accepts that answer unchecked (it was never recorded as accepted); the refused answer
+    goes back to the model."""
+
+    async def go() -> None:
+        asked: list[int] = []
+        checks: list[Any] = []
+        store, history = MemoryEventStore(), MemorySession("h")
+        answers = ["FORBIDDEN", "FORBIDDEN", "fine"]
+        run = await LedgerRun.open(checked(answers, asked, checks, crash_in_check=True),
+                                   run_id="k", history=history, store=store)
+        with pytest.raises(Crash):
+            await run.run("hi")
+        run = await LedgerRun.open(checked(answers, asked, checks), run_id="k",
+                                   history=history, store=store)
+        done = await run.run()
+        assert (done.step, done.output) == (Step.COMPLETED, "fine")
+        assert "FORBIDDEN" not in json.dumps(run.controller.final_output)
+        assert checks[1:] == ["FORBIDDEN", "fine"]  # every later answer was checked
+
+    run_async(go())
+
+
+class Order(pydantic.BaseModel):
+    item: str
+    amount: int
+
+
+@pytest.mark.parametrize("output", ["text", "structured"])
+def test_a_crash_before_the_acceptance_hands_the_recorded_answer_back_to_its_checks(
+        output: str) -> None:
+    """The model's answer is recorded, and the process dies before its acceptance: the
+    restart hands the recorded answer back to pydantic-ai instead of calling the model
+    (no second model call), its checks run on it, and pydantic-ai writes its own messages
+    for it (a structured output's output-tool call and return)."""
+    answer: Any = "fine" if output == "text" else {"item": "tea", "amount": 2}
+    output_type: Any = str if output == "text" else Order
+
+    async def go() -> None:
+        asked: list[int] = []
+        checks: list[Any] = []
+        store, history = DiesBeforeAcceptance(), MemorySession("h")
+        run = await LedgerRun.open(checked([answer], asked, checks, output_type=output_type),
+                                   run_id="s", history=history, store=store)
+        with pytest.raises(Crash):
+            await run.run("hi")
+        assert len(checks) == 1
+        run = await LedgerRun.open(checked([answer], asked, checks, output_type=output_type),
+                                   run_id="s", history=history, store=store)
+        done = await run.run()
+        assert done.step is Step.COMPLETED
+        assert len(asked) == 1  # the model was not called again
+        assert len(checks) == 2  # the checks ran on the recorded answer
+        expected = answer if output == "text" else Order(**answer)
+        assert done.output == expected
+        shape = kinds(await history.get_items())
+        if output == "text":
+            assert shape == [("request", [("user-prompt", None)]),
+                             ("response", [("text", None)])]
+        else:
+            assert shape == [("request", [("user-prompt", None)]),
+                             ("response", [("tool-call", "o1")]),
+                             ("request", [("tool-return", "o1")])]
+        assert RunController.load(store, "s").step is Step.COMPLETED
+
+    run_async(go())
+
+
+def test_a_recorded_answer_its_checks_refuse_after_a_crash_is_never_accepted() -> None:
+    """An answer recorded before a check that now refuses it (the run was recorded with
+    no validator, and is resumed by an agent with one): refused with a typed error,
+    nothing accepted, the model not asked again."""
+
+    async def go() -> None:
+        asked: list[int] = []
+        checks: list[Any] = []
+        store, history = DiesBeforeAcceptance(), MemorySession("h")
+        run = await LedgerRun.open(checked(["FORBIDDEN"], asked, checks, refuse=None),
+                                   run_id="r", history=history, store=store)
+        with pytest.raises(Crash):
+            await run.run("hi")
+        for _ in range(2):
+            run = await LedgerRun.open(checked(["FORBIDDEN", "fine"], asked, checks),
+                                       run_id="r", history=history, store=store)
+            with pytest.raises(RecordedOutputRefused):
+                await run.run()
+            assert run.controller.step is Step.FINALIZING
+            assert run.controller.final_output is None
+        assert len(asked) == 1
+
+    run_async(go())
+
+
+# --------------------------------------------------- a completed run and a new prompt
+
+
+def test_a_completed_run_answers_only_its_own_prompt_again() -> None:
+    turns = [[call("lookup", "c1", i=1)]]
+
+    async def go() -> None:
+        ran: Counter[str] = Counter()
+        asked: list[list[ModelMessage]] = []
+        store = MemoryEventStore()
+        for history in (MemorySession("h"), None):
+            run_id = "p" if history is not None else "p-private"
+            run = await LedgerRun.open(billing(scripted(turns, asked=asked), ran),
+                                       run_id=run_id, history=history, store=store)
+            await run.run("look")
+            log = store.load(run_id)
+            before = len(asked)
+            again = await run.run("look")
+            assert (again.recorded, again.output) == (True, "done | found 1")
+            with pytest.raises(RunNotResumable):
+                await run.run("look at something else")
+            reopened = await LedgerRun.open(billing(scripted(turns, asked=asked), ran),
+                                            run_id=run_id, history=history, store=store)
+            with pytest.raises(RunNotResumable):
+                await reopened.run("look at something else")
+            assert (await reopened.run("look")).recorded is True
+            assert len(asked) == before  # no model call
+            assert store.load(run_id) == log  # nothing recorded
+        assert ran == Counter({"lookup 1": 2})
+
+    run_async(go())
+
+
+# ------------------------------------------------------------------- tool timeouts
+
+
+def _count(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _timing_out(path: Path, asked: list[list[ModelMessage]]) -> Agent[None, Any]:
+    """``pay`` (timeout 0.2 s) appends a line to ``path`` (fsynced) and then blocks its
+    thread for 0.6 s the first time; the model asks for it again (a new call id) when it
+    is told it timed out."""
+    turns = [[call("pay", "c1", x=7)], [call("pay", "c2", x=7)]]
+    agent: Agent[None, Any] = Agent(scripted(turns, asked=asked))
+
+    @agent.tool_plain(timeout=0.2)
+    def pay(x: int) -> str:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, b"paid\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if _count(path) == 1:
+            time.sleep(0.6)
+        return f"paid {x}"
+
+    return agent
+
+
+def test_a_tool_that_times_out_is_in_doubt_never_asked_for_again(tmp_path: Path) -> None:
+    async def go() -> None:
+        alone = tmp_path / "alone.txt"
+        await _timing_out(alone, []).run("pay")
+        await asyncio.sleep(0.8)  # the abandoned thread ends
+        assert _count(alone) == 2  # pydantic-ai alone: the model asked again, paid twice
+
+        paid = tmp_path / "ledger.txt"
+        asked: list[list[ModelMessage]] = []
+        store, history = MemoryEventStore(), MemorySession("h")
+        run = await LedgerRun.open(_timing_out(paid, asked), run_id="t", history=history,
+                                   store=store)
+        with pytest.raises(ToolInDoubt) as refused:
+            await run.run("pay")
+        assert refused.value.call_id == "c1"
+        await asyncio.sleep(0.8)
+        for _ in range(2):
+            run = await LedgerRun.open(_timing_out(paid, asked), run_id="t",
+                                       history=history, store=store)
+            with pytest.raises(ToolInDoubt):
+                await run.run()
+        assert _count(paid) == 1
+        assert len(asked) == 1  # the model was never told to try again
+
+    run_async(go())
+
+
+def test_a_tool_raising_model_retry_itself_is_still_its_answer() -> None:
+    """Only pydantic-ai's own timeout leaves a call in doubt: a body that raises
+    ModelRetry while handling a TimeoutError of its own has answered."""
+    turns = [[call("fetch", "c1")]]
+
+    async def go() -> None:
+        agent: Agent[None, Any] = Agent(scripted(turns))
+
+        @agent.tool_plain(timeout=5)
+        def fetch() -> str:
+            try:
+                raise TimeoutError("upstream")
+            except TimeoutError:
+                raise ModelRetry("upstream timed out, try later") from None
+
+        run = await LedgerRun.open(agent, run_id="m", history=MemorySession("h"),
+                                   store=MemoryEventStore())
+        done = await run.run("fetch")
+        assert done.step is Step.COMPLETED
+        assert run.controller.call("c1").result == {
+            "kind": "model-retry", "message": "upstream timed out, try later"}
+
+    run_async(go())
+
+
+# ------------------------------------------------------------------- external tools
+
+
+SHIP = ToolDefinition(name="ship", parameters_json_schema={
+    "type": "object", "properties": {"to": {"type": "string"}}})
+
+
+def test_external_tools_are_refused_before_any_model_call() -> None:
+    async def go() -> None:
+        asked: list[list[ModelMessage]] = []
+        store = MemoryEventStore()
+        model = scripted([[call("ship", "c1", to="x")]], asked=asked)
+        agent: Agent[None, Any] = Agent(model, output_type=[str, DeferredToolRequests],
+                                        toolsets=[ExternalToolset([SHIP])])
+        with pytest.raises(UnsupportedDeferral, match="'ship'"):
+            await LedgerRun.open(agent, run_id="e", history=MemorySession("h"), store=store)
+        assert not store.list_runs()
+        plain_agent: Agent[None, Any] = Agent(model, output_type=[str, DeferredToolRequests])
+        run = await LedgerRun.open(plain_agent, run_id="e", history=MemorySession("h"),
+                                   store=store)
+        with pytest.raises(UnsupportedDeferral, match="'ship'"):
+            await run.run("ship it", toolsets=[ExternalToolset([SHIP])])
+
+        async def as_external(ctx: Any, tool: ToolDefinition) -> ToolDefinition:
+            return dataclasses.replace(tool, kind="external")
+
+        prepared: Agent[None, Any] = Agent(model, output_type=[str, DeferredToolRequests])
+
+        @prepared.tool_plain(prepare=as_external)
+        def ship(to: str) -> str:
+            return "shipped"
+
+        run = await LedgerRun.open(prepared, run_id="e2", history=MemorySession("h2"),
+                                   store=store)
+        for _ in range(2):
+            with pytest.raises(UnsupportedDeferral, match="'ship'"):
+                await run.run("ship it" if run.controller.step is Step.RUN_AGAIN else None)
+        assert asked == []  # the model was never paid
+        assert run.controller.step is not Step.AWAITING_MODEL
+
+    run_async(go())
+
+
+# ------------------------------------------------------------------ buffered runs
+
+
+def test_a_buffered_run_reopened_stays_buffered() -> None:
+    async def go() -> None:
+        ran: Counter[str] = Counter()
+        store = MemoryEventStore()
+        run = await LedgerRun.open(approval_agent(ran), run_id="b", history=MemorySession("h"),
+                                   store=store, buffered=True)
+        assert (await run.run("charge me 7")).step is Step.INTERRUPTION
+        reopened = await LedgerRun.open(approval_agent(ran), run_id="b",
+                                        history=MemorySession("h"), store=store,
+                                        buffered=True)
+        reopened.controller.approve("c1")
+        assert reopened.controller.unflushed == 1  # held until the next effect boundary
+        assert len(store.load("b")) == len(run.controller.events)
 
     run_async(go())
