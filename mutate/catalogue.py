@@ -417,9 +417,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        "            if record.phase in (Phase.COMPLETED, Phase.PUBLISHED):\n"
        "                return Resend(",
        "a published call is re-sent"),
-    _m("CT10", 'ev.ToolCompleted(self._journal.version, call_id, detached))\n'
-               "        self._in_flight.pop(call_id, None)\n",
-       'ev.ToolCompleted(self._journal.version, call_id, detached))\n',
+    _m("CT10", "at=self._clock()))\n        self._in_flight.pop(call_id, None)\n",
+       "at=self._clock()))\n",
        "a completed call stays in flight"),
     _m("CT11", "if s.step is Step.INTERRUPTION and s.counts[Phase.APPROVED]:",
        "if s.step is Step.INTERRUPTION:",

@@ -275,8 +275,9 @@ def test_replay_validates_a_log(tmp_path: Path) -> None:
 
 def test_replay_names_the_first_illegal_event(tmp_path: Path) -> None:
     doc = failed().to_json()
-    doc["events"].append({"type": "CallApproved", "seq": len(doc["events"]),
-                          "call_id": "notify", "fingerprint": "0" * 64})
+    doc["events"].append({"type": "CallApproved", "seq": len(doc["events"]), "at": None,
+                          "call_id": "notify", "fingerprint": "0" * 64, "by": None,
+                          "reason": None})
     run = tmp_path / "forged.json"
     run.write_text(json.dumps(doc))
     line = _one_line_error(cli("replay", str(run)))
