@@ -391,7 +391,17 @@ def decode_stored_text(body: str, position: int) -> ev.Event:
 def decode_stored_event(data: Any, position: int) -> ev.Event:
     """Decode an event a store holds. Stores hold only what a controller recorded, under
     that controller's own depth limit, so none is imposed again here: every log a
-    controller writes also loads."""
+    controller writes also loads.
+
+    A stored event carries no schema version of its own: one that holds none of the
+    fields version 3 added (`ADDED_IN_3`) was written by an older library, and loads with
+    None for each (as `_upcast_2_to_3` upcasts a document); one that holds some of them
+    but not all is refused like any event missing a field."""
+    if type(data) is dict and "at" not in data:
+        name = data.get("type")
+        added = ADDED_IN_3.get(name) if type(name) is str else None
+        if added is not None and not any(key in data for key in added):
+            data = {**data, **dict.fromkeys(added)}
     token = _max_depth.set(sys.maxsize)
     try:
         return decode_event(data, position)

@@ -237,7 +237,7 @@ def test_a_run_at_its_byte_limit_can_still_fail_reconcile_commit_and_abandon(
     assert_refused(c, SchemaError, c.begin_model_call)
     assert_refused(c, SchemaError, c.hook_ran, "agent_start")
     _loads_under(c, limit)
-    c.abandon("r" * RESERVED_TEXT)
+    c.abandon("r" * RESERVED_TEXT, by="b" * RESERVED_TEXT)
     assert c.step is Step.TERMINAL_UNRECOVERABLE
     _loads_under(c, limit)
 
