@@ -638,7 +638,8 @@ class SQLiteEventStore:
 
         def query(conn: sqlite3.Connection) -> list[tuple[Any, ...]]:
             if not self._has_runs:  # a read-only look at a database made before heads
-                return [(run_id, version, None, None, self._read_head(conn, run_id)[1], None)
+                return [(run_id, version, None, None, self._read_head(conn, run_id)[1],
+                         _newest_at(conn, run_id))
                         for run_id, version in conn.execute(
                             "SELECT run_id, MAX(seq) + 1 FROM events GROUP BY run_id "
                             "ORDER BY run_id").fetchall()]
@@ -753,6 +754,17 @@ def _describe(conn: sqlite3.Connection) -> tuple[set[str], set[str], bool, bool]
         "SELECT name FROM sqlite_master WHERE type = 'table'")}
     columns = {row[1] for row in conn.execute("PRAGMA table_info(events)")}
     return tables, columns, _has_digest(conn), _has_column(conn, "runs", "updated_at")
+
+
+def _newest_at(conn: sqlite3.Connection, run_id: str) -> int | None:
+    """The ``at`` of a run's newest event, read off its log (for a database without
+    heads); None when it has none, or does not decode (loading the run refuses it)."""
+    row = conn.execute("SELECT seq, body FROM events WHERE run_id = ? ORDER BY seq DESC "
+                       "LIMIT 1", (run_id,)).fetchone()
+    try:
+        return None if row is None else codec.decode_stored_text(row[1], row[0]).at
+    except ControlError:
+        return None
 
 
 def _has_column(conn: sqlite3.Connection, table: str, column: str) -> bool:
