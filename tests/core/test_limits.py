@@ -229,7 +229,7 @@ def test_a_run_at_its_byte_limit_can_still_fail_reconcile_commit_and_abandon(
     assert c.step is Step.UNSETTLED
     error = assert_refused(c, SchemaError, c.claim, "worker")
     assert "max_bytes" in str(error)
-    c.publication_failed(OSError("injected"))
+    c.publication_failed(type("E" * 128, (OSError,), {}))  # the longest name recorded
     decision = c.reconcile([], "s", take_over=True)
     assert isinstance(decision, Append)
     c.publication_committed()

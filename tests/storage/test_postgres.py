@@ -361,6 +361,7 @@ def test_a_stale_owner_is_refused_on_its_next_append(store: PostgresEventStore) 
     assert_refused(mine, ConcurrencyConflict, mine.approve, "charge")  # superseded
     assert store.list_runs()[0].owner == "worker-b"
     theirs.approve("charge")
+    assert store.list_runs()[0].owner == "worker-b"  # an append without a claim keeps it
     assert RunController.load(store, "run-1").state == theirs.state
 
 
