@@ -51,17 +51,21 @@ if TYPE_CHECKING:
     import enum
     from collections.abc import Mapping
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The version `to_json` writes. Every released version stays readable (see `UPCASTERS`).
 
 1: the first release. 2: adds `RunClaimed` (DESIGN §6.3) and the optional top-level
-``"chain"`` (DESIGN §6.6); nothing else changed."""
+``"chain"`` (DESIGN §6.6); nothing else changed. 3: time and actor (DESIGN §7.2): every
+event carries ``"at"`` (int microseconds since the Unix epoch, UTC, or null), the
+decisions ``"by"`` (and an approval ``"reason"``), str or null; an older document's
+events get null for each (`ADDED_IN_3`)."""
 
 DOCUMENT_KEYS: dict[int, frozenset[str]] = {
     1: frozenset({"schema_version", "run_id", "events"}),
     2: frozenset({"schema_version", "run_id", "events", "chain"}),
 }
-"""The top-level keys a document of each version may hold (checked before upcasting)."""
+"""The top-level keys a document of each version may hold (checked before upcasting;
+versions after the last listed hold its keys)."""
 
 
 def _upcast_1_to_2(doc: dict[str, Any]) -> dict[str, Any]:
@@ -69,7 +73,40 @@ def _upcast_1_to_2(doc: dict[str, Any]) -> dict[str, Any]:
     return {**doc, "schema_version": 2}
 
 
-UPCASTERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _upcast_1_to_2}
+ADDED_IN_3: dict[str, tuple[str, ...]] = {
+    cls.__name__: tuple(f.name for f in attrs.fields(cls) if f.kw_only)
+    for cls in ev.EVENT_TYPES
+}
+"""The fields version 3 added to each event type: its keyword-only fields (``at`` for
+every type; ``by`` and ``reason`` for the decisions)."""
+
+
+def _upcast_2_to_3(doc: dict[str, Any]) -> dict[str, Any]:
+    """Each event of a version 2 document gets null for every field version 3 added
+    (`ADDED_IN_3`): it was recorded without a clock and without an actor. An event that
+    already holds one of them is refused: the field is not valid under its label. What
+    is not an event object is left for `decode_event` to refuse."""
+    events = doc.get("events")
+    if type(events) is not list:
+        return {**doc, "schema_version": 3}
+    upcast: list[Any] = []
+    append = upcast.append
+    for position, event in enumerate(events):
+        name = event.get("type") if type(event) is dict else None
+        added = ADDED_IN_3.get(name) if type(name) is str else None
+        if added is None:
+            append(event)
+            continue
+        present = [key for key in added if key in event]
+        if present:
+            raise SchemaError(f"event {position} ({name}) has unknown field(s) "
+                              f"{named(present)} for schema_version 2")
+        append({**event, **dict.fromkeys(added)})
+    return {**doc, "schema_version": 3, "events": upcast}
+
+
+UPCASTERS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    1: _upcast_1_to_2, 2: _upcast_2_to_3}
 """``UPCASTERS[v]`` turns a raw version-``v`` document into a version ``v + 1`` one."""
 
 EVENT_BY_NAME: dict[str, type[ev.Event]] = {cls.__name__: cls for cls in ev.EVENT_TYPES}
@@ -354,7 +391,17 @@ def decode_stored_text(body: str, position: int) -> ev.Event:
 def decode_stored_event(data: Any, position: int) -> ev.Event:
     """Decode an event a store holds. Stores hold only what a controller recorded, under
     that controller's own depth limit, so none is imposed again here: every log a
-    controller writes also loads."""
+    controller writes also loads.
+
+    A stored event carries no schema version of its own: one that holds none of the
+    fields version 3 added (`ADDED_IN_3`) was written by an older library, and loads with
+    None for each (as `_upcast_2_to_3` upcasts a document); one that holds some of them
+    but not all is refused like any event missing a field."""
+    if type(data) is dict and "at" not in data:
+        name = data.get("type")
+        added = ADDED_IN_3.get(name) if type(name) is str else None
+        if added is not None and not any(key in data for key in added):
+            data = {**data, **dict.fromkeys(added)}
     token = _max_depth.set(sys.maxsize)
     try:
         return decode_event(data, position)
@@ -441,6 +488,7 @@ def decode_log(
             if type(name) is str and EVENT_SINCE.get(name, 1) > version:
                 raise SchemaError(f"event {position}: {name} is not valid under "
                                   f"schema_version {version}")
+    signed_events: Any = raw  # the chain was made over the events as written, not as upcast
     while version < SCHEMA_VERSION:
         doc = UPCASTERS[version](doc)
         version += 1
@@ -467,7 +515,7 @@ def decode_log(
         if chain is None:
             raise SchemaError(CHAIN_MISSING)
         # every raw event decoded, so each is plain JSON with a canonical form
-        if not hmac.compare_digest(chain_tag(key, raw_events), chain):
+        if not hmac.compare_digest(chain_tag(key, signed_events), chain):
             raise SchemaError(CHAIN_REFUSED)
     if measured is not None and label == SCHEMA_VERSION:
         size = measured - (CHAIN_BYTES if signed else 0)

@@ -28,6 +28,7 @@ flight (started here, not yet completed).
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import attrs
@@ -96,26 +97,35 @@ from statemachine.values import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from statemachine.stores import EventStore
 
-__all__ = ["RESERVED_EVENTS", "RESERVED_TEXT", "SNAPSHOT_SIZE", "RunController"]
+__all__ = ["RESERVED_EVENTS", "RESERVED_TEXT", "SNAPSHOT_SIZE", "RunController", "wall_clock"]
 """The reserves and the snapshot's size key live in `journal`; code that imports them
 from here still can."""
 
 _UNSETTLED = Step.UNSETTLED
 _WORKING = frozenset(WORKING_STEPS)
+_MAX_AT = ev.MAX_AT
+
+
+def wall_clock() -> int:
+    """The default clock: microseconds since the Unix epoch (UTC), by the system's wall
+    clock."""
+    return time.time_ns() // 1000
 
 
 class RunController:
     """The control core of one run. Create with `start`, `load` or `from_json`."""
 
-    __slots__ = ("_attempt", "_in_flight", "_journal", "_state")
+    __slots__ = ("_attempt", "_clock", "_in_flight", "_journal", "_state")
 
-    def __init__(self, journal: Journal) -> None:
+    def __init__(self, journal: Journal, clock: Callable[[], int] | None = None) -> None:
         self._journal = journal
         self._state = journal.state
+        self._clock = wall_clock if clock is None else clock
+        """Read once per event recorded here (its ``at``), never by replay."""
         self._attempt: int | None = None
         self._in_flight: dict[str, None] = {}  # a set, in the 64 bytes of an empty dict
 
@@ -135,6 +145,7 @@ class RunController:
         max_events: int = DEFAULT_MAX_EVENTS,
         max_bytes: int = DEFAULT_MAX_BYTES,
         buffered: bool = False,
+        clock: Callable[[], int] | None = None,
     ) -> RunController:
         """Start a run. ``session_id=None`` is a run without a Session; ``canonical``
         names a registered canonical form (`register_canonical`). With a ``store`` the
@@ -146,7 +157,12 @@ class RunController:
 
         ``max_bytes`` bounds the size of `to_json()` (the UTF-8 length of its compact JSON
         text, the keyed chain included): a command that would take the run over it is
-        refused before recording, leaving room for settling and closing the run."""
+        refused before recording, leaving room for settling and closing the run.
+
+        ``clock`` is how the run tells time: a callable returning the microseconds since
+        the Unix epoch (UTC) as an int, 0 <= value < 2**63, read once for each event
+        recorded (its ``at``; `wall_clock` when None). A clock that returns anything
+        else refuses the command (`SchemaError`), recording nothing."""
         where = {"run_id": run_id if text_problem(run_id) is None else None,
                  "action": "start"}
         for name, text in (("run_id", run_id), ("session_id", session_id),
@@ -166,10 +182,12 @@ class RunController:
             raise SchemaError(f"max_events must exceed {RESERVED_EVENTS + 1}", **where)
         canonical_form(canonical)  # SchemaError when unknown
         _check_limit("max_bytes", max_bytes, where)
-        started = ev.RunStarted(0, run_id, session_id, policy, max_turns, canonical)
+        clock = _check_clock(clock, where)
+        started = ev.RunStarted(0, run_id, session_id, policy, max_turns, canonical,
+                                at=_read_clock(clock, where))
         journal = Journal.start(started, store=store, buffered=buffered,
                                 limits=_limits(max_depth, max_events, max_bytes))
-        controller = cls(journal)
+        controller = cls(journal, clock)
         controller._logged(started, None)
         return controller
 
@@ -182,6 +200,7 @@ class RunController:
         max_events: int = DEFAULT_MAX_EVENTS,
         max_bytes: int = DEFAULT_MAX_BYTES,
         key: bytes | None = None,
+        clock: Callable[[], int] | None = None,
     ) -> RunController:
         """Rebuild a run from `to_json` output (dict or text), replaying the whole log.
 
@@ -192,14 +211,16 @@ class RunController:
         keyed chain (`to_json(key=...)`) that verifies under that key, checked before any
         state is built; without one a chain is not checked. `InvalidTransition` naming the
         sequence number of the first event the machine forbids. The controller holds no
-        attempt and no call in flight."""
+        attempt and no call in flight. ``clock`` as for `start`: it times the events this
+        controller records; the log's own keep the ``at`` they were recorded with."""
         _check_limit("max_bytes", max_bytes, {"action": "load"})
+        clock = _check_clock(clock, {"action": "load"})
         with gc_paused():
             decoded = codec.decode_log(data, max_depth=max_depth, max_events=max_events,
                                        max_bytes=max_bytes, key=key)
             state = replay(decoded.run_id, decoded.events)
             return cls(Journal(state, decoded.events, store=None, size=decoded.size,
-                               limits=_limits(max_depth, max_events, max_bytes)))
+                               limits=_limits(max_depth, max_events, max_bytes)), clock)
 
     @classmethod
     def load(
@@ -212,6 +233,7 @@ class RunController:
         max_bytes: int = DEFAULT_MAX_BYTES,
         snapshot: bool = True,
         buffered: bool = False,
+        clock: Callable[[], int] | None = None,
     ) -> RunController:
         """Load a run from an event store and bind it to that store (``buffered`` as for
         `start`; an async store is loaded with `load_async`).
@@ -227,11 +249,13 @@ class RunController:
         `RunNotFound` for a run the store does not hold; `SchemaError` or
         `InvalidTransition` for a log that is damaged, has a gap or does not replay;
         `StorageError` when the store cannot be read. Loading is also the one way on after
-        a command's append had an unknown outcome. ``max_bytes`` as for `start`: a log
-        whose `to_json()` is over it is `SchemaError`."""
+        a command's append had an unknown outcome. ``max_bytes`` and ``clock`` as for
+        `start`: a log whose `to_json()` is over ``max_bytes`` is `SchemaError`; loading
+        never reads the clock."""
         _check_limit("max_bytes", max_bytes, {"action": "load"})
+        clock = _check_clock(clock, {"run_id": run_id, "action": "load"})
         return cls(Journal.load(store, run_id, snapshot=snapshot, buffered=buffered,
-                                limits=_limits(max_depth, max_events, max_bytes)))
+                                limits=_limits(max_depth, max_events, max_bytes)), clock)
 
     @classmethod
     async def load_async(
@@ -244,6 +268,7 @@ class RunController:
         max_bytes: int = DEFAULT_MAX_BYTES,
         snapshot: bool = True,
         buffered: bool = False,
+        clock: Callable[[], int] | None = None,
     ) -> RunController:
         """`load` without blocking the event loop: decoding and replay run on a worker
         thread, which awaits the store's coroutines on this loop. A controller bound to
@@ -254,16 +279,18 @@ class RunController:
         a worker thread costs more than that."""
         if type(store) is MemoryEventStore:
             return cls.load(store, run_id, max_depth=max_depth, max_events=max_events,
-                            max_bytes=max_bytes, snapshot=snapshot, buffered=buffered)
+                            max_bytes=max_bytes, snapshot=snapshot, buffered=buffered,
+                            clock=clock)
         if not is_async(store):
             return await asyncio.to_thread(
                 cls.load, store, run_id,  # type: ignore[arg-type]
                 max_depth=max_depth, max_events=max_events,
-                max_bytes=max_bytes, snapshot=snapshot, buffered=buffered)
+                max_bytes=max_bytes, snapshot=snapshot, buffered=buffered, clock=clock)
         _check_limit("max_bytes", max_bytes, {"action": "load"})
+        clock = _check_clock(clock, {"run_id": run_id, "action": "load"})
         return cls(await Journal.load_async(
             store, run_id, snapshot=snapshot,  # type: ignore[arg-type]
-            limits=_limits(max_depth, max_events, max_bytes)))
+            limits=_limits(max_depth, max_events, max_bytes)), clock)
 
     def to_json(self, key: bytes | None = None) -> dict[str, JSON]:
         """The run as a plain JSON tree of the current ``schema_version``.
@@ -426,7 +453,7 @@ class RunController:
         in_flight = self._in_flight
         return tuple(
             CallView(_copy_call(r.call), r.phase, r.starts, call_id in in_flight,
-                     copy_plain(r.result))
+                     copy_plain(r.result), r.decisions())
             for call_id, r in self._state.calls.items())
 
     def call(self, call_id: str) -> CallView:
@@ -435,7 +462,8 @@ class RunController:
         if record is None:
             self._refuse(InvalidTransition, "call", "unknown call id")
         return CallView(_copy_call(record.call), record.phase, record.starts,
-                        call_id in self._in_flight, copy_plain(record.result))
+                        call_id in self._in_flight, copy_plain(record.result),
+                        record.decisions())
 
     def phase(self, call_id: str) -> Phase | None:
         """The call's `Phase`, or None for a call the ledger does not know. O(1)."""
@@ -529,6 +557,9 @@ class RunController:
     def _record(self, action: str, event: ev.Event) -> Step:
         s = self._state
         journal = self._journal
+        at = event.at
+        if type(at) is not int or not 0 <= at <= _MAX_AT:
+            self._refuse(SchemaError, action, _BAD_CLOCK)
         if journal.write is not None:  # a commit and its Session write wait for their append
             journal.refuse_waiting(action)
         size = journal.room_for(action, event)
@@ -549,7 +580,10 @@ class RunController:
         that append landed, so a failed append leaves this controller as it was."""
         s = self._state
         journal = self._journal
-        event = ev.PublicationCommitted(self._journal.version)
+        event = ev.PublicationCommitted(self._journal.version, at=self._clock())
+        at = event.at
+        if type(at) is not int or not 0 <= at <= _MAX_AT:
+            self._refuse(SchemaError, action, _BAD_CLOCK)
         size = journal.room_for(action, event)
         try:
             dest = destination(s, event)
@@ -607,12 +641,13 @@ class RunController:
         """RUN_AGAIN or HANDOFF → AWAITING_MODEL. Refused naming ``max_turns`` when no
         turn is left, and while a result is unpublished."""
         self._gate("begin_model_call", "begin_model_call")
-        self._record("begin_model_call", ev.ModelCallBegun(self._journal.version))
+        self._record("begin_model_call", ev.ModelCallBegun(self._journal.version, at=self._clock()))
 
     def model_failed(self, error: BaseException | type[BaseException]) -> None:
         """AWAITING_MODEL → RUN_AGAIN; records the error's type name only."""
         self._gate("model_failed", "model_failed")
-        self._record("model_failed", ev.ModelFailed(self._journal.version, _error_name(error)))
+        self._record("model_failed", ev.ModelFailed(self._journal.version, _error_name(error),
+                                                    at=self._clock()))
 
     def model_responded(self, tool_calls: Sequence[ToolCall] = (), output: JSON = None) -> None:
         """AWAITING_MODEL → INTERRUPTION (a call needs approval), TOOLS (calls, none
@@ -621,7 +656,8 @@ class RunController:
         self._gate(action, action)
         calls = self._tool_calls(action, tool_calls)
         detached = self._detach(action, "output", output)
-        self._record(action, ev.ModelResponded(self._journal.version, calls, detached))
+        self._record(action, ev.ModelResponded(self._journal.version, calls, detached,
+                                               at=self._clock()))
         ledger = self._state.calls
         for call in calls:  # a live run fingerprints now, so decisions stay cheap
             ledger[call.call_id].digest()
@@ -649,7 +685,7 @@ class RunController:
         if type(items) is not list:
             self._refuse(SchemaError, "add_input", "items must be a list")
         detached = tuple(self._detach("add_input", "an input item", item) for item in items)
-        self._record("add_input", ev.InputAdded(self._journal.version, detached))
+        self._record("add_input", ev.InputAdded(self._journal.version, detached, at=self._clock()))
 
     # ------------------------------------------------------------------ decisions
 
@@ -661,21 +697,31 @@ class RunController:
         record = self._state.calls.get(call_id)
         return record.fingerprint if record is not None else ""
 
-    def approve(self, call_id: str, *, fingerprint: str | None = None) -> None:
+    def approve(self, call_id: str, *, fingerprint: str | None = None, by: str | None = None,
+                reason: str | None = None) -> None:
         """Approve a call awaiting a decision (INTERRUPTION only). With ``fingerprint``,
-        the approval binds to those exact arguments; a mismatch is refused."""
-        self._gate("approve", "approve")
-        bound = self._decision_fingerprint("approve", call_id, fingerprint)
-        self._record("approve", ev.CallApproved(self._journal.version, call_id, bound))
+        the approval binds to those exact arguments; a mismatch is refused. ``by`` (who
+        decided) and ``reason`` (why) are text, recorded with the decision (`CallView`)."""
+        action = "approve"
+        self._gate(action, action)
+        bound = self._decision_fingerprint(action, call_id, fingerprint)
+        self._text(action, "by", by, optional=True)
+        self._text(action, "reason", reason, optional=True)
+        self._record(action, ev.CallApproved(self._journal.version, call_id, bound,
+                                             at=self._clock(), by=by, reason=reason))
 
     def reject(self, call_id: str, message: JSON = None, *,
-               fingerprint: str | None = None) -> None:
+               fingerprint: str | None = None, by: str | None = None) -> None:
         """Reject a call awaiting a decision; ``message`` is its rejection output, which the
-        next batch publishes like a tool output. The call never runs."""
-        self._gate("reject", "reject")
-        bound = self._decision_fingerprint("reject", call_id, fingerprint)
-        detached = self._detach("reject", "message", message)
-        self._record("reject", ev.CallRejected(self._journal.version, call_id, bound, detached))
+        next batch publishes like a tool output. The call never runs. ``by`` (who
+        decided) is text, recorded with the decision."""
+        action = "reject"
+        self._gate(action, action)
+        bound = self._decision_fingerprint(action, call_id, fingerprint)
+        self._text(action, "by", by, optional=True)
+        detached = self._detach(action, "message", message)
+        self._record(action, ev.CallRejected(self._journal.version, call_id, bound, detached,
+                                             at=self._clock(), by=by))
 
     def claim(self, owner: str | None = None) -> None:
         """The first command of every attempt on an existing run: records `RunClaimed`
@@ -692,7 +738,7 @@ class RunController:
         action = "claim"
         self._gate(action, action)
         self._text(action, "owner", owner, optional=True)  # str (valid Unicode) or None
-        self._record(action, ev.RunClaimed(self._journal.version, owner))
+        self._record(action, ev.RunClaimed(self._journal.version, owner, at=self._clock()))
 
     def resume(self) -> Action:
         """The gate of every resumed attempt; returns `next_action`.
@@ -709,7 +755,7 @@ class RunController:
         if doubtful:
             self._refuse_in_doubt("resume", doubtful[0])
         if s.step is Step.INTERRUPTION and s.counts[Phase.APPROVED]:
-            self._record("resume", ev.Resumed(self._journal.version))
+            self._record("resume", ev.Resumed(self._journal.version, at=self._clock()))
         return self.next_action()
 
     def _refuse_in_doubt(self, action: str, call_id: str) -> NoReturn:
@@ -740,7 +786,7 @@ class RunController:
                     self._refuse_in_doubt("begin_tool", call_id)
         # the copy handed out is made before anything is recorded
         handed = None if record is None else _copy_call(record.call)
-        self._record("begin_tool", ev.ToolStarted(self._journal.version, call_id))
+        self._record("begin_tool", ev.ToolStarted(self._journal.version, call_id, at=self._clock()))
         self._in_flight[call_id] = None
         assert handed is not None  # a call unknown to the ledger was refused above
         return Execute(call_id, handed)
@@ -754,7 +800,8 @@ class RunController:
             self._refuse(InvalidTransition, "tool_completed",
                          f"call {excerpt(call_id)} is not in flight in this controller (a call "
                          "started elsewhere leaves doubt only through resolve_in_doubt)")
-        self._record("tool_completed", ev.ToolCompleted(self._journal.version, call_id, detached))
+        self._record("tool_completed", ev.ToolCompleted(self._journal.version, call_id, detached,
+                                                        at=self._clock()))
         self._in_flight.pop(call_id, None)
 
     def tool_interrupted(self, call_id: str) -> None:
@@ -771,18 +818,21 @@ class RunController:
                          f"call {excerpt(call_id)} is not in flight in this controller")
         self._in_flight.pop(call_id, None)
 
-    def resolve_in_doubt(self, call_id: str, output: JSON) -> None:
+    def resolve_in_doubt(self, call_id: str, output: JSON, *, by: str | None = None) -> None:
         """The operator records the outcome of an in-doubt call; its result is then
-        published like any other."""
+        published like any other. ``by`` (who recorded it) is text, kept with the
+        outcome."""
         self._gate("resolve_in_doubt", "resolve_in_doubt")
         self._text("resolve_in_doubt", "call_id", call_id)
+        self._text("resolve_in_doubt", "by", by, optional=True)
         detached = self._detach("resolve_in_doubt", "output", output)
         if call_id in self._in_flight:
             self._refuse(InvalidTransition, "resolve_in_doubt",
                          f"call {excerpt(call_id)} is in flight in this controller; report "
                          "tool_completed")
         self._record("resolve_in_doubt",
-                     ev.InDoubtResolved(self._journal.version, call_id, detached))
+                     ev.InDoubtResolved(self._journal.version, call_id, detached,
+                                        at=self._clock(), by=by))
 
     # ------------------------------------------------------- guardrails and hooks
 
@@ -797,7 +847,8 @@ class RunController:
         self._text(action, "call_id", call_id, optional=True)
         detached = self._detach(action, "guardrail result", result)
         self._record(action, ev.GuardrailEvaluated(
-            self._journal.version, GuardrailResult(name, stage, call_id, detached)))
+            self._journal.version, GuardrailResult(name, stage, call_id, detached),
+            at=self._clock()))
 
     def hook_ran(self, hook: str, *, call_id: str | None = None) -> None:
         """Record a lifecycle hook: tool hooks once per call, model hooks once per model
@@ -805,7 +856,7 @@ class RunController:
         self._gate("hook_ran", "hook_ran")
         self._text("hook_ran", "hook", hook)
         self._text("hook_ran", "call_id", call_id, optional=True)
-        self._record("hook_ran", ev.HookRan(self._journal.version, hook, call_id))
+        self._record("hook_ran", ev.HookRan(self._journal.version, hook, call_id, at=self._clock()))
 
     # ---------------------------------------------------- final output, handoff
 
@@ -818,25 +869,29 @@ class RunController:
         detached = self._detach(action, "output", output)
         if type(lossless) is not bool:
             self._refuse(SchemaError, action, "lossless must be a bool")
-        self._record(action, ev.FinalOutputAccepted(self._journal.version, detached, lossless))
+        self._record(action, ev.FinalOutputAccepted(self._journal.version, detached, lossless,
+                                                    at=self._clock()))
 
     def complete(self) -> None:
         """FINAL_OUTPUT → COMPLETED, for a run without a Session with nothing unpublished."""
         self._gate("complete", "complete")
-        self._record("complete", ev.RunCompleted(self._journal.version))
+        self._record("complete", ev.RunCompleted(self._journal.version, at=self._clock()))
 
     def handoff(self, target: str) -> None:
         """RUN_AGAIN or INTERRUPTION → HANDOFF: a new activation; every call not yet
         started is skipped, and the next batch must publish every unpublished result."""
         self._gate("handoff", "handoff")
         self._text("handoff", "target", target)
-        self._record("handoff", ev.HandedOff(self._journal.version, target))
+        self._record("handoff", ev.HandedOff(self._journal.version, target, at=self._clock()))
 
-    def abandon(self, reason: str) -> None:
-        """Any live step → TERMINAL_UNRECOVERABLE, for good."""
+    def abandon(self, reason: str, *, by: str | None = None) -> None:
+        """Any live step → TERMINAL_UNRECOVERABLE, for good. ``by`` (who abandoned it) is
+        text, recorded with ``reason``."""
         self._gate("abandon", "abandon")
         self._text("abandon", "reason", reason)
-        self._record("abandon", ev.Abandoned(self._journal.version, reason))
+        self._text("abandon", "by", by, optional=True)
+        self._record("abandon", ev.Abandoned(self._journal.version, reason, at=self._clock(),
+                                             by=by))
         self._in_flight.clear()
         self._attempt = None
 
@@ -848,14 +903,15 @@ class RunController:
         action = "receive_tool_calls"
         self._gate(action, action)
         calls = self._tool_calls(action, tool_calls)
-        self._record(action, ev.ToolCallsReceived(self._journal.version, calls))
+        self._record(action, ev.ToolCallsReceived(self._journal.version, calls, at=self._clock()))
 
     def result_posted(self, call_id: str) -> None:
         """The call's cached result is now in the remote history: it is published, and
         ``begin_tool`` will neither re-send nor re-run it."""
         self._gate("result_posted", "result_posted")
         self._text("result_posted", "call_id", call_id)
-        self._record("result_posted", ev.ResultPosted(self._journal.version, call_id))
+        self._record("result_posted", ev.ResultPosted(self._journal.version, call_id,
+                                                      at=self._clock()))
 
     def result_post_failed(self, call_id: str, error: BaseException | type[BaseException]
                            ) -> None:
@@ -864,7 +920,8 @@ class RunController:
         self._gate("result_post_failed", "result_post_failed")
         self._text("result_post_failed", "call_id", call_id)
         self._record("result_post_failed",
-                     ev.ResultPostFailed(self._journal.version, call_id, _error_name(error)))
+                     ev.ResultPostFailed(self._journal.version, call_id, _error_name(error),
+                                         at=self._clock()))
 
     # --------------------------------------------------------------- publication
 
@@ -909,7 +966,8 @@ class RunController:
                 "with whole=True")
         event = ev.PublicationStaged(
             self._journal.version, s.session_id, batch, listed, frontier.read_limit,
-            frontier.digests, frontier.whole, batch_digests, s.continuation_after(listed))
+            frontier.digests, frontier.whole, batch_digests, s.continuation_after(listed),
+            at=self._clock())
         self._record(action, event)
         self._attempt = event.seq
 
@@ -944,7 +1002,7 @@ class RunController:
         if session_write is not None:
             self._commit_with(action, self._session_write(action, session_write))
             return
-        self._record(action, ev.PublicationCommitted(self._journal.version))
+        self._record(action, ev.PublicationCommitted(self._journal.version, at=self._clock()))
         self._attempt = None
 
     def _session_write(self, action: str, write: SessionWrite) -> SessionWrite:
@@ -990,7 +1048,8 @@ class RunController:
         self._gate("publication_failed", "publication_failed")
         self._own_attempt("publication_failed")
         self._record("publication_failed",
-                     ev.PublicationFailed(self._journal.version, _error_name(error)))
+                     ev.PublicationFailed(self._journal.version, _error_name(error),
+                                          at=self._clock()))
         self._attempt = None
 
     def reconcile(self, history: Sequence[JSON], session_id: str | None, *,
@@ -1021,7 +1080,8 @@ class RunController:
             self._refuse(SchemaError, action,
                          f"a history item has no canonical form ({type(exc).__name__})")
         if finding.kind is FindingKind.ACKNOWLEDGE:
-            self._record(action, ev.ReconciledAcknowledge(self._journal.version, take_over))
+            self._record(action, ev.ReconciledAcknowledge(self._journal.version, take_over,
+                                                          at=self._clock()))
             self._attempt = None
             return Acknowledge()
         if finding.kind is FindingKind.APPEND:
@@ -1033,7 +1093,7 @@ class RunController:
                     "no write of this batch can still land. The completed tool must not be "
                     "re-run")
             items = tuple(copy_plain(item) for item in envelope.items)
-            event = ev.ReconciledAppend(self._journal.version, take_over)
+            event = ev.ReconciledAppend(self._journal.version, take_over, at=self._clock())
             self._record(action, event)
             self._attempt = event.seq
             return Append(items)
@@ -1043,6 +1103,26 @@ class RunController:
         return None
 
 
+
+
+_BAD_CLOCK = ("the run's clock must return an int of microseconds since the Unix epoch, "
+              "0 <= value < 2**63; nothing was recorded")
+
+
+def _check_clock(clock: object, where: dict[str, Any]) -> Callable[[], int] | None:
+    """``clock`` when it is None (the wall clock) or callable; `SchemaError` otherwise."""
+    if clock is not None and not callable(clock):
+        raise SchemaError("clock must be None or a callable returning an int of "
+                          "microseconds since the Unix epoch", **where)
+    return clock
+
+
+def _read_clock(clock: Callable[[], int] | None, where: dict[str, Any]) -> int:
+    """The first event's ``at``, checked as `RunController._record` checks every other."""
+    at = (wall_clock if clock is None else clock)()
+    if type(at) is not int or not 0 <= at <= _MAX_AT:
+        raise SchemaError(_BAD_CLOCK, **where)
+    return at
 
 
 def _limits(max_depth: int, max_events: int, max_bytes: int) -> Limits:

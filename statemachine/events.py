@@ -4,6 +4,13 @@ Events are frozen, slotted attrs classes. ``seq`` is the event's position in the
 (0 for `RunStarted`). Payload fields hold detached plain JSON (see `payloads`). Each class
 names the machine trigger it fires (``TRIGGER``); the declaration in `machine` says in
 which steps that trigger is legal and under which guards.
+
+Time and actor (DESIGN §7.2, schema version 3): every event carries ``at``, the
+microseconds since the Unix epoch (UTC) at which its controller recorded it, read from
+the controller's clock (None in a log written before version 3). The decisions
+(`CallApproved`, `CallRejected`, `InDoubtResolved`, `Abandoned`) also carry ``by``, who
+decided (None: not said), and an approval its ``reason``. These fields are keyword-only
+and default to None, so an event built without them is one of an older log.
 """
 
 from __future__ import annotations
@@ -15,6 +22,9 @@ import attrs
 from statemachine.payloads import JSON, copy_plain
 from statemachine.values import GuardrailResult, RecoveryPolicy, Step, ToolCall
 
+MAX_AT = 2**63 - 1
+"""The latest ``at`` a controller records (a signed 64-bit column holds every one)."""
+
 
 @attrs.frozen
 class Event:
@@ -22,6 +32,10 @@ class Event:
 
     TRIGGER: ClassVar[str] = ""
     seq: int
+    at: int | None = attrs.field(default=None, kw_only=True)
+    """When it was recorded: microseconds since the Unix epoch (UTC), from the recording
+    controller's clock; None in a log written before schema version 3. Replay never
+    reads a clock: this is what the log says."""
 
 
 @attrs.frozen
@@ -65,6 +79,10 @@ class CallApproved(Event):
     call_id: str
     fingerprint: str
     """The fingerprint of the call the decision binds to; re-checked on replay."""
+    by: str | None = attrs.field(default=None, kw_only=True)
+    """Who approved (a person, a service, ``"verify:<tool>"``), or None."""
+    reason: str | None = attrs.field(default=None, kw_only=True)
+    """Why, in the approver's words, or None."""
 
 
 @attrs.frozen
@@ -74,6 +92,8 @@ class CallRejected(Event):
     fingerprint: str
     message: JSON
     """The rejection output, published in the next batch like a tool output."""
+    by: str | None = attrs.field(default=None, kw_only=True)
+    """Who rejected, or None."""
 
 
 @attrs.frozen
@@ -112,6 +132,8 @@ class InDoubtResolved(Event):
     TRIGGER: ClassVar[str] = "resolve_in_doubt"
     call_id: str
     output: JSON
+    by: str | None = attrs.field(default=None, kw_only=True)
+    """Who recorded the outcome (an operator, ``"verify:<tool>"``), or None."""
 
 
 @attrs.frozen
@@ -220,6 +242,8 @@ class ResultPostFailed(Event):
 class Abandoned(Event):
     TRIGGER: ClassVar[str] = "abandon"
     reason: str
+    by: str | None = attrs.field(default=None, kw_only=True)
+    """Who abandoned the run, or None."""
 
 
 EVENT_TYPES: tuple[type[Event], ...] = (

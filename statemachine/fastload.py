@@ -164,7 +164,10 @@ def _fast_source(cls: type, fn: str) -> str:
             lines.append(f"    {v} = _GuardrailResult({v}, limit)")
         else:  # pragma: no cover - every field type of the events is listed above
             raise TypeError(f"no fast decoder for a field of type {kind}")
-    lines.append(f"    return _cls({', '.join(args)})")
+    # positional fields first, then the keyword-only ones (``at``, ``by``, ``reason``)
+    passed = [v for f, v in zip(fields, args, strict=True) if not f.kw_only]
+    passed += [f"{f.name}={v}" for f, v in zip(fields, args, strict=True) if f.kw_only]
+    lines.append(f"    return _cls({', '.join(passed)})")
     return "\n".join(lines) + "\n"
 
 

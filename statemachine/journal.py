@@ -73,9 +73,9 @@ _FINISHING = {"begin_tool": 3, "tool_completed": 2, "resolve_in_doubt": 2}
 """Extra room a command needs beyond the reserve: a started tool must be able to record
 its result, and a result must be able to be staged, or it would be lost."""
 RESERVED_TEXT = 256
-"""The bytes (UTF-8, as JSON) of an error name or abandon reason that the room reserved
-under ``max_bytes`` holds: a run at its byte limit can always fail, reconcile, commit and
-abandon with a reason or an error name up to this long."""
+"""The bytes (UTF-8, as JSON) of an error name, an abandon reason and who abandoned that
+the room reserved under ``max_bytes`` holds: a run at its byte limit can always fail,
+reconcile, commit and abandon with a reason, a ``by`` or an error name up to this long."""
 SNAPSHOT_SIZE = "log_bytes"
 """The key under which a snapshot handed to a store records the size of the log before it
 (so a load from the snapshot knows `RunController.size` without reading that log)."""
@@ -117,13 +117,14 @@ def limits_of(max_depth: int, max_events: int, max_bytes: int, snapshot_every: i
 def _byte_reserves(max_events: int) -> tuple[int, int]:
     """(room kept for fail, reconcile, commit and abandon; room kept for abandon), each
     with the keyed chain's bytes: the largest such events (a seq as long as
-    ``max_events``, texts of `RESERVED_TEXT` bytes), and the comma before each."""
-    seq, text = max_events, "x" * RESERVED_TEXT
-    abandon = sizes.event_size(ev.Abandoned(seq, text)) + 1
-    reconcile = max(sizes.event_size(ev.ReconciledAcknowledge(seq, False)),
-                    sizes.event_size(ev.ReconciledAppend(seq, False)))
-    settle = (sizes.event_size(ev.PublicationFailed(seq, text)) + reconcile
-              + sizes.event_size(ev.PublicationCommitted(seq)) + 3)
+    ``max_events``, the latest ``at`` a clock may give, texts of `RESERVED_TEXT` bytes:
+    the reason and who abandoned), and the comma before each."""
+    seq, text, at = max_events, "x" * RESERVED_TEXT, ev.MAX_AT
+    abandon = sizes.event_size(ev.Abandoned(seq, text, at=at, by=text)) + 1
+    reconcile = max(sizes.event_size(ev.ReconciledAcknowledge(seq, False, at=at)),
+                    sizes.event_size(ev.ReconciledAppend(seq, False, at=at)))
+    settle = (sizes.event_size(ev.PublicationFailed(seq, text, at=at)) + reconcile
+              + sizes.event_size(ev.PublicationCommitted(seq, at=at)) + 3)
     return sizes.CHAIN_BYTES + settle + abandon, sizes.CHAIN_BYTES + abandon
 
 

@@ -242,14 +242,16 @@ _RUNS_TABLE = """CREATE TABLE runs (
     step       TEXT,
     session_id TEXT,
     owner      TEXT,
-    version    INTEGER
+    version    INTEGER,
+    updated_at INTEGER
 )"""
 """One head per run. ``step`` NULL: unfolded; `SQLiteEventStore.list_runs` folds the
 run's log and fills it in (with the Session as the log has it). ``version``: how many
 events the run's log holds, moved by every append in its transaction, so a load checks
 the log against it: the last rows lost past the newest snapshot are a shorter legal
 log, which only the head tells from a run that stopped there. NULL: not known (a head
-an older version wrote); not checked until the next append here sets it."""
+an older version wrote); not checked until the next append here sets it.
+``updated_at``: the ``at`` of the run's newest event (NULL for an event without one)."""
 _HEAD_VERSION = "ALTER TABLE runs ADD COLUMN version INTEGER"
 _FILL_VERSIONS = ("UPDATE runs SET version = (SELECT MAX(seq) + 1 FROM events "
                   "WHERE events.run_id = runs.run_id)")
@@ -257,7 +259,10 @@ _RUNS_INDEXES = ("CREATE INDEX runs_by_session ON runs (session_id, step)",
                  "CREATE INDEX runs_unfolded ON runs (run_id) WHERE step IS NULL")
 _HAS_RUNS = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'runs'"
 _VERSION = "(SELECT MAX(seq) + 1 FROM events WHERE events.run_id = runs.run_id)"
-_HEAD = f"SELECT run_id, {_VERSION}, step, session_id, owner FROM runs"
+_HEAD = f"SELECT run_id, {_VERSION}, step, session_id, owner, updated_at FROM runs"
+_OLD_HEAD = f"SELECT run_id, {_VERSION}, step, session_id, owner, NULL FROM runs"
+"""`_HEAD` on a database made before ``runs.updated_at``, open read-only (its runs were
+all written without time, so NULL is what the column would hold)."""
 _SIDE_FILES = ("-wal", "-shm", "-journal")
 
 
@@ -320,6 +325,9 @@ class SQLiteEventStore:
     database should all run a version that keeps the heads, their versions and the
     digests: an older writer's appends leave the head's version behind its log, which a
     load then refuses as damaged (fail closed).
+    A database made before the heads kept ``updated_at`` (the newest event's ``at``,
+    `RunHead.updated_at`) gets the column, NULL for every run already there (none of
+    their events carries a time).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, timeout: float = 30.0,
@@ -332,6 +340,7 @@ class SQLiteEventStore:
         self._identity: FileIdentity | None = None
         self._closed = False
         self._has_runs = self._has_digests = self._has_versions = True
+        self._has_updated_at = True
         if readonly:
             self._open_readonly()
             return
@@ -343,6 +352,7 @@ class SQLiteEventStore:
                     self._ensure_runs()
                     self._ensure_digests()
                     self._ensure_versions()
+                    self._ensure_updated_at()
                 if not _in_memory(self.path):
                     self._identity = FileIdentity(self.path)
             except BaseException:
@@ -403,6 +413,20 @@ class SQLiteEventStore:
         except CommitFailed as failed:
             raise failed.__cause__ from None  # type: ignore[misc]
 
+    def _ensure_updated_at(self) -> None:
+        """Give the ``runs`` table of an older database its ``updated_at`` column. Every
+        run already there was written without time, so NULL is each one's value."""
+        conn = self._conn
+        if _has_column(conn, "runs", "updated_at"):
+            return
+        try:
+            with write_transaction(conn):
+                if _has_column(conn, "runs", "updated_at"):
+                    return  # another process added it first
+                conn.execute("ALTER TABLE runs ADD COLUMN updated_at INTEGER")
+        except CommitFailed as failed:
+            raise failed.__cause__ from None  # type: ignore[misc]
+
     def _open_readonly(self) -> None:
         name = shown(self.path)
         if not os.path.lexists(self.path):
@@ -412,8 +436,8 @@ class SQLiteEventStore:
                                outcome=Outcome.NOT_WRITTEN)
         with storage_errors(self.path, doing="open the event store"):
             self._identity = FileIdentity(self.path)
-            tables, columns, digest, versions = self._read(_describe,
-                                                           doing="open the event store")
+            tables, columns, digest, versions, timed = self._read(
+                _describe, doing="open the event store")
         if "events" not in tables or not {"run_id", "seq", "body"} <= columns:
             what = ("an empty file" if os.path.getsize(self.path) == 0
                     else "a SQLite database")
@@ -423,6 +447,7 @@ class SQLiteEventStore:
         self._has_runs = "runs" in tables
         self._has_digests = "snapshots" in tables and digest
         self._has_versions = versions
+        self._has_updated_at = timed
 
     def _read_head(self, conn: sqlite3.Connection, run_id: str) -> tuple[str | None,
                                                                         str | None]:
@@ -606,25 +631,27 @@ class SQLiteEventStore:
 
     def _keep_head(self, conn: sqlite3.Connection, run_id: str, events: Sequence[Event],
                    expected_version: int, step: Step | None) -> None:
-        """Move the run's head (its version, and its step and owner) in the append's
-        transaction."""
+        """Move the run's head (its version, step, owner and ``updated_at``) in the
+        append's transaction."""
         claimed, owner = claimed_owner(events)
         value = None if step is None else step.value
         version = expected_version + len(events)
+        at = events[-1].at
         if expected_version == 0:
             conn.execute("INSERT OR REPLACE INTO runs (run_id, step, session_id, owner, "
-                         "version) VALUES (?, ?, ?, ?, ?)",
-                         (run_id, value, started_session(events), owner, version))
+                         "version, updated_at) VALUES (?, ?, ?, ?, ?, ?)",
+                         (run_id, value, started_session(events), owner, version, at))
             return
         row = conn.execute("SELECT owner FROM runs WHERE run_id = ?", (run_id,)).fetchone()
         if row is None:  # a run an older writer logged without a head
             session, logged_owner = self._read_head(conn, run_id)
-            conn.execute("INSERT INTO runs (run_id, session_id, owner, version) "
-                         "VALUES (?, ?, ?, ?)",
-                         (run_id, session, owner if claimed else logged_owner, version))
+            conn.execute("INSERT INTO runs (run_id, session_id, owner, version, updated_at) "
+                         "VALUES (?, ?, ?, ?, ?)",
+                         (run_id, session, owner if claimed else logged_owner, version, at))
             return  # unfolded: its Session was read off a log this store did not write
-        conn.execute("UPDATE runs SET step = ?, owner = ?, version = ? WHERE run_id = ?",
-                     (value, owner if claimed else row[0], version, run_id))
+        conn.execute("UPDATE runs SET step = ?, owner = ?, version = ?, updated_at = ? "
+                     "WHERE run_id = ?",
+                     (value, owner if claimed else row[0], version, at, run_id))
 
     # ------------------------------------------------------------------ reading
 
@@ -640,14 +667,15 @@ class SQLiteEventStore:
         if wanted is not None:
             where.append(f"step IN ({', '.join('?' * len(wanted))})")
             params.extend(step.value for step in wanted)
-        sql = _HEAD
+        sql = head = _HEAD if self._has_updated_at else _OLD_HEAD
         if where:  # and every unfolded head, which may match: folded below, then filtered
-            sql = (f"{_HEAD} WHERE step IS NOT NULL AND {' AND '.join(where)} "
-                   f"UNION ALL {_HEAD} WHERE step IS NULL")
+            sql = (f"{head} WHERE step IS NOT NULL AND {' AND '.join(where)} "
+                   f"UNION ALL {head} WHERE step IS NULL")
 
         def query(conn: sqlite3.Connection) -> list[tuple[Any, ...]]:
             if not self._has_runs:  # a read-only look at a database made before heads
-                return [(run_id, version, None, None, self._read_head(conn, run_id)[1])
+                return [(run_id, version, None, None, self._read_head(conn, run_id)[1],
+                         _newest_at(conn, run_id))
                         for run_id, version in conn.execute(
                             "SELECT run_id, MAX(seq) + 1 FROM events GROUP BY run_id "
                             "ORDER BY run_id").fetchall()]
@@ -655,7 +683,7 @@ class SQLiteEventStore:
 
         rows = self._read(query, doing="list the runs of the event store")
         heads = []
-        for run_id, stored_version, step, stored_session, owner in rows:
+        for run_id, stored_version, step, stored_session, owner, updated_at in rows:
             if stored_version is None:
                 continue  # a head without a log (rows are never deleted; be safe)
             if step is None:
@@ -672,7 +700,8 @@ class SQLiteEventStore:
                 version, session = stored_version, stored_session
             if (session_id is None or session == session_id) and (
                     wanted is None or known in wanted):
-                heads.append(RunHead(run_id, version, known, session, owner))
+                heads.append(RunHead(run_id, version, known, session, owner,
+                                     _updated_at(run_id, updated_at)))
         return tuple(heads)
 
     def version(self, run_id: str) -> int:
@@ -777,17 +806,19 @@ class SQLiteEventStore:
         return snapshot, _checked(run_id, head, version, decode_rows(run_id, rows, version))
 
 
-def _describe(conn: sqlite3.Connection) -> tuple[set[str], set[str], bool, bool]:
+def _describe(conn: sqlite3.Connection) -> tuple[set[str], set[str], bool, bool, bool]:
     """The tables of a database, the columns of its ``events`` table, whether its
-    snapshots have a digest and whether its heads have a version."""
+    snapshots have a digest, whether its heads have a version and whether they keep
+    ``updated_at``."""
     tables = {row[0] for row in conn.execute(
         "SELECT name FROM sqlite_master WHERE type = 'table'")}
     columns = {row[1] for row in conn.execute("PRAGMA table_info(events)")}
-    return tables, columns, _has_digest(conn), _has_version(conn)
+    return (tables, columns, _has_digest(conn), _has_column(conn, "runs", "version"),
+            _has_column(conn, "runs", "updated_at"))
 
 
 def _has_version(conn: sqlite3.Connection) -> bool:
-    return any(row[1] == "version" for row in conn.execute("PRAGMA table_info(runs)"))
+    return _has_column(conn, "runs", "version")
 
 
 def _checked(run_id: str, head: Any, first: int, loaded: Loaded, action: str = "load"
@@ -800,6 +831,29 @@ def _checked(run_id: str, head: Any, first: int, loaded: Loaded, action: str = "
                           f"its head says {head}: the store is damaged", run_id=run_id,
                           action=action)
     return loaded
+
+
+def _newest_at(conn: sqlite3.Connection, run_id: str) -> int | None:
+    """The ``at`` of a run's newest event, read off its log (for a database without
+    heads); None when it has none, or does not decode (loading the run refuses it)."""
+    row = conn.execute("SELECT seq, body FROM events WHERE run_id = ? ORDER BY seq DESC "
+                       "LIMIT 1", (run_id,)).fetchone()
+    try:
+        return None if row is None else codec.decode_stored_text(row[1], row[0]).at
+    except ControlError:
+        return None
+
+
+def _has_column(conn: sqlite3.Connection, table: str, column: str) -> bool:
+    return any(row[1] == column for row in conn.execute(f"PRAGMA table_info({table})"))
+
+
+def _updated_at(run_id: str, value: object) -> int | None:
+    """A head row's ``updated_at``: an int or NULL; anything else is a damaged store."""
+    if value is None or type(value) is int:
+        return value
+    raise SchemaError("the run's head holds a time that is not an integer", run_id=run_id,
+                      action="list_runs")
 
 
 def _in_memory(path: str) -> bool:

@@ -26,6 +26,7 @@ from statemachine.values import (
     TERMINAL_STEPS,
     TOOL_STAGES,
     Action,
+    Decision,
     GuardrailResult,
     Phase,
     RecoveryPolicy,
@@ -33,9 +34,9 @@ from statemachine.values import (
     ToolCall,
 )
 
-STATE_VERSION = 2
+STATE_VERSION = 3
 """The shape of `RunState.snapshot`; a snapshot of another version is ignored (the log is
-replayed instead)."""
+replayed instead). 3: each call carries the events that decided it (who, why, when)."""
 
 _CALL_MODEL_STEPS = frozenset({Step.RUN_AGAIN, Step.HANDOFF, Step.AWAITING_MODEL})
 
@@ -43,7 +44,7 @@ _CALL_MODEL_STEPS = frozenset({Step.RUN_AGAIN, Step.HANDOFF, Step.AWAITING_MODEL
 class CallRecord:
     """One call in the tool ledger (internal, mutated only by the fold)."""
 
-    __slots__ = ("_fingerprint", "call", "phase", "result", "starts")
+    __slots__ = ("_fingerprint", "call", "decided", "phase", "resolved", "result", "starts")
 
     def __init__(self, call: ToolCall, phase: Phase) -> None:
         self.call = call
@@ -51,6 +52,11 @@ class CallRecord:
         self.phase = phase
         self.result: JSON = None
         self.starts = 0
+        self.decided: ev.CallApproved | ev.CallRejected | None = None
+        """The event that approved or rejected the call (its ``by``, ``reason``, ``at``);
+        kept by reference, so a decision costs the fold no allocation."""
+        self.resolved: ev.InDoubtResolved | None = None
+        """The event that recorded the outcome of the call while it was in doubt."""
 
     def digest(self) -> None:
         """Compute the fingerprint now (a live run does, so decisions stay cheap), kept as
@@ -72,7 +78,22 @@ class CallRecord:
         return shown
 
     def view(self) -> tuple[Any, ...]:
-        return (self.call, self.phase, self.result, self.starts)
+        """What state equality compares: who decided and why, not when (two runs that
+        recorded the same commands at other times are in the same state)."""
+        return (self.call, self.phase, self.result, self.starts,
+                tuple((d.kind, d.by, d.reason) for d in self.decisions()))
+
+    def decisions(self) -> tuple[Decision, ...]:
+        """The decisions on the call, in log order (`Decision`)."""
+        found: list[Decision] = []
+        decided = self.decided
+        if type(decided) is ev.CallApproved:
+            found.append(Decision("approved", decided.by, decided.reason, decided.at))
+        elif decided is not None:
+            found.append(Decision("rejected", decided.by, None, decided.at))
+        if self.resolved is not None:
+            found.append(Decision("resolved", self.resolved.by, None, self.resolved.at))
+        return tuple(found)
 
 
 class RunState:
@@ -199,7 +220,9 @@ class RunState:
             "turns": self.turns,
             "model_calls": self.model_calls,
             "activation": self.activation,
-            "calls": [[unstructure(r.call), r.phase.value, r.result, r.starts]
+            "calls": [[unstructure(r.call), r.phase.value, r.result, r.starts,
+                       None if r.decided is None else codec.encode_event(r.decided),
+                       None if r.resolved is None else codec.encode_event(r.resolved)]
                       for r in self.calls.values()],
             "pending_input": list(self.pending_input),
             "pending_guardrails": unstructure(self.pending_guardrails),
@@ -231,10 +254,14 @@ class RunState:
         state.step = Step(data["step"])
         state.turns, state.model_calls = data["turns"], data["model_calls"]
         state.activation = data["activation"]
-        for raw_call, raw_phase, result, starts in data["calls"]:
+        for raw_call, raw_phase, result, starts, decided, resolved in data["calls"]:
             phase = Phase(raw_phase)
             record = CallRecord(structure(raw_call, ToolCall), phase)
             record.result, record.starts = result, starts
+            if decided is not None:
+                record.decided = codec.decode_stored_event(decided, 0)  # type: ignore[assignment]
+            if resolved is not None:
+                record.resolved = codec.decode_stored_event(resolved, 0)  # type: ignore[assignment]
             state.calls[record.call.call_id] = record
             state.counts[phase] += 1
             if phase is Phase.AWAITING:
@@ -321,12 +348,15 @@ def _posted(s: RunState, e: ev.ResultPosted) -> None:
 
 
 def _approved(s: RunState, e: ev.CallApproved) -> None:
-    s._phase(s.calls[e.call_id], Phase.APPROVED)
+    record = s.calls[e.call_id]
+    record.decided = e
+    s._phase(record, Phase.APPROVED)
 
 
 def _rejected(s: RunState, e: ev.CallRejected) -> None:
     record = s.calls[e.call_id]
     record.result = e.message
+    record.decided = e
     s._phase(record, Phase.REJECTED)
 
 
@@ -337,9 +367,16 @@ def _tool_started(s: RunState, e: ev.ToolStarted) -> None:
         s._phase(record, Phase.STARTED)
 
 
-def _tool_completed(s: RunState, e: ev.ToolCompleted | ev.InDoubtResolved) -> None:
+def _tool_completed(s: RunState, e: ev.ToolCompleted) -> None:
     record = s.calls[e.call_id]
     record.result = e.output
+    s._phase(record, Phase.COMPLETED)
+
+
+def _resolved(s: RunState, e: ev.InDoubtResolved) -> None:
+    record = s.calls[e.call_id]
+    record.result = e.output
+    record.resolved = e
     s._phase(record, Phase.COMPLETED)
 
 
@@ -406,7 +443,7 @@ APPLY: dict[type[ev.Event], Any] = {
     ev.RunClaimed: _nothing,
     ev.ToolStarted: _tool_started,
     ev.ToolCompleted: _tool_completed,
-    ev.InDoubtResolved: _tool_completed,
+    ev.InDoubtResolved: _resolved,
     ev.GuardrailEvaluated: _guardrail,
     ev.HookRan: _hook,
     ev.FinalOutputAccepted: _final_output,

@@ -1,7 +1,8 @@
 """What every event store shares, none of it I/O: a run's head, snapshot checks, rows.
 
 - A run's head (`RunHead`): what an append's own events tell it (`started_session`, the
-  owner of the last `RunClaimed`: `claimed_owner`), the step a first append indexes
+  owner of the last `RunClaimed`: `claimed_owner`, the newest event's ``at``), the step a
+  first append indexes
   (`step_to_index`), and the head of a run folded from its snapshot and log
   (`head_of_log`, for a head left unfolded by an append that gave no step).
 - Snapshots are never trusted blindly: `restored` is the state a snapshot holds if it is
@@ -65,6 +66,10 @@ class RunHead:
     owner: str | None = None
     """The owner of the run's last `RunClaimed` (None before any claim, or claimed
     without an owner)."""
+    updated_at: int | None = None
+    """The ``at`` of the run's newest event (microseconds since the Unix epoch, UTC):
+    when it last moved. None when that event carries no time (a log written before
+    schema version 3)."""
 
 
 def claimed_owner(events: Sequence[Event]) -> tuple[bool, str | None]:

@@ -19,13 +19,15 @@ blindly: one that does not check out (`restored`; the SQLite store also checks a
 and the version) is ignored with a `SnapshotIgnored` warning and the whole log replayed.
 
 Each also indexes runs by Session (`IndexedStore`, optional for other stores): a run head
-per run (`RunHead`: version, step, Session, owner) kept in the same transaction as each
+per run (`RunHead`: version, step, Session, owner, ``updated_at``) kept in the same
+transaction as each
 append, and ``list_runs(session_id=None, steps=None)``. That is how a runner finds out,
 before it writes to a Session, that another run has an unsettled publication there
 (DESIGN §6.4). The store cannot fold a log itself on every append, so a controller hands
 an `IndexedStore`'s ``append`` the step its events lead to (``step=``); everything else in
 the head the store reads off the events it writes (the Session from `RunStarted`, the
-owner from the last `RunClaimed`). A run's first append is its whole log, so a store
+owner from the last `RunClaimed`, ``updated_at`` from the newest event's ``at``). A
+run's first append is its whole log, so a store
 folds it there when no ``step`` is given (`RunController.start` gives none): that costs
 what encoding those events does. A later append without ``step`` (a caller writing
 events directly) leaves the head's step *unfolded* until an append gives one again;
@@ -209,8 +211,8 @@ class IndexedStore(EventStore, Protocol):
                snapshot: Snapshot | None = None, step: Step | None = None) -> None:
         """As `EventStore.append`; ``step`` is the step the run is in after ``events``.
         None: unknown (a run's first append is folded at once; after that the head's
-        step is folded from the log when it is next listed). The head's version, Session
-        and owner come from the events themselves."""
+        step is folded from the log when it is next listed). The head's version, Session,
+        owner and ``updated_at`` come from the events themselves."""
 
     def list_runs(self, session_id: str | None = None,
                   steps: Collection[Step] | None = None) -> tuple[RunHead, ...]:
@@ -309,7 +311,7 @@ class MemoryEventStore:
                     self._steps[run_id] = step
                 if wanted is None or step in wanted:
                     heads.append(RunHead(run_id, len(log), step, started_session(log),
-                                         self._owners.get(run_id)))
+                                         self._owners.get(run_id), log[-1].at))
             return tuple(heads)
 
     def load(self, run_id: str) -> list[Event]:

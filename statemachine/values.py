@@ -187,10 +187,26 @@ class Acknowledge:
 
 
 @attrs.frozen
+class Decision:
+    """A decision on a call as its log records it (DESIGN §7.2): ``kind`` is
+    ``"approved"``, ``"rejected"`` or ``"resolved"`` (an in-doubt call's outcome recorded
+    by `RunController.resolve_in_doubt`); ``by`` who decided and ``reason`` why (an
+    approval's; None for the others), each None when not said; ``at`` when (microseconds
+    since the Unix epoch, UTC; None in a log written before schema version 3)."""
+
+    kind: str
+    by: str | None
+    reason: str | None
+    at: int | None
+
+
+@attrs.frozen
 class CallView:
     """One call of the tool ledger as `RunController.calls` hands it out: the call, its
     `Phase`, how many starts the log records, whether this controller holds it in flight,
-    and its result (the cached output, or the rejection message; None before).
+    its result (the cached output, or the rejection message; None before) and the
+    decisions on it, in log order (an approval or a rejection, then an in-doubt
+    resolution; none for a call that needed none).
 
     ``call`` and ``result`` are copies: changing them changes nothing in the run."""
 
@@ -199,3 +215,4 @@ class CallView:
     starts: int
     in_flight: bool
     result: JSON
+    decisions: tuple[Decision, ...] = ()

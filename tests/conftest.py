@@ -4,7 +4,12 @@
 And the PostgreSQL fixtures (DESIGN §6.7): ``pg_dsn`` is STATEMACHINE_PG_DSN when set,
 else a throwaway cluster started once per session (tests/pg_cluster.py); ``pg_schema`` is
 a fresh schema per test. Without a server the tests marked ``postgres`` skip with a
-one-line reason, except under CI, where such a skip fails the run."""
+one-line reason, except under CI, where such a skip fails the run.
+
+And one clock: a controller started without ``clock=`` reads `TEST_NOW`, always, so two
+controllers that record the same commands record the same events (a live run and its
+reloaded twin are compared event for event throughout); the tests of time pass their
+own clocks."""
 
 from __future__ import annotations
 
@@ -15,7 +20,19 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
+from statemachine import controller as controller_module
 from tests import pg_cluster
+from tests.helpers import TEST_NOW
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_instant() -> Iterator[None]:
+    wall_clock = controller_module.wall_clock
+    controller_module.wall_clock = lambda: TEST_NOW
+    try:
+        yield
+    finally:
+        controller_module.wall_clock = wall_clock
 
 settings.register_profile(
     "ci",

@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from statemachine.stores import EventStore
 
 E = TypeVar("E", bound=BaseException)
+TEST_NOW = 1_767_225_600_000_000
+"""2026-01-01T00:00:00Z, in microseconds since the Unix epoch: the ``at`` of every event a
+test records without a clock of its own (tests/conftest.py)."""
 SESSION = "session-1"
 P: list[Any] = [{"role": "user", "content": "charge me 7 and notify me"}]
 CHARGE_CALL = {"type": "function_call", "call_id": "charge", "name": "charge"}

@@ -8,6 +8,7 @@ readonly=True)``, see `open_store`)."""
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sqlite3
@@ -207,6 +208,8 @@ def describe(c: RunController) -> dict[str, Any]:
                  "in_doubt": call_id in in_doubt, "idempotent": view.call.idempotent}
         ledger.append({
             "call_id": call_id, "tool": view.call.name, "phase": view.phase.value,
+            "decisions": [{"kind": d.kind, "by": d.by, "reason": d.reason, "at": d.at}
+                          for d in view.decisions],
             "status": call_status(view.phase, **facts, publishing=call_id in publishing),
             "starts": view.starts, "ran": view.starts > 0,
             "cached": view.phase in (Phase.COMPLETED, Phase.REJECTED, Phase.PUBLISHED),
@@ -215,9 +218,11 @@ def describe(c: RunController) -> dict[str, Any]:
             "outcome_unknown": view.phase is Phase.STARTED,
             "resolved_by_operator": facts["resolved"],
         })
+    last = c.events[-1] if c.version else None
     return {
         "run_id": c.run_id,
         "step": c.step.value,
+        "updated_at": None if last is None else last.at,
         "policy": c.policy.value,
         "session_id": c.session_id,
         "has_session": c.session_id is not None,
@@ -241,6 +246,25 @@ def describe(c: RunController) -> dict[str, Any]:
     }
 
 
+def when(at: int | None) -> str:
+    """An event's ``at`` in words: ISO 8601 in UTC, to the millisecond (an unknown time
+    for a log written before time was recorded)."""
+    if at is None:
+        return "at an unknown time"
+    try:
+        moment = datetime.datetime.fromtimestamp(at / 1_000_000, tz=datetime.UTC)
+    except (OverflowError, ValueError, OSError):
+        return f"at {at} µs since the epoch"
+    return f"at {moment.isoformat(timespec='milliseconds').replace('+00:00', 'Z')}"
+
+
+def decision_note(decision: dict[str, Any]) -> str:
+    """One decision of a ledger row in words: what, who, when and why."""
+    who = f" by {shown(decision['by'])}" if decision["by"] is not None else ""
+    why = f" ({shown(decision['reason'])})" if decision["reason"] is not None else ""
+    return f"{decision['kind']}{who} {when(decision['at'])}{why}"
+
+
 def inspect_command(args: argparse.Namespace) -> int:
     info = describe(_load(args))
     if args.json:
@@ -249,7 +273,8 @@ def inspect_command(args: argparse.Namespace) -> int:
     session = (f"session {shown(info['session_id'])}" if info["has_session"]
                else "no Session")
     print(f"run {shown(info['run_id'])}: step {info['step'].upper()}, policy "
-          f"{info['policy']}, {session}, {info['events']} events")
+          f"{info['policy']}, {session}, {info['events']} events, last moved "
+          f"{when(info['updated_at'])}")
     print("pending approvals: "
           f"{', '.join(shown(a) for a in info['pending_approvals']) or 'none'}")
     env = info["envelope"]
@@ -274,6 +299,7 @@ def inspect_command(args: argparse.Namespace) -> int:
             notes.append("idempotent")
         if call["starts"] > 1:
             notes.append(f"started {call['starts']} times")
+        notes.extend(decision_note(d) for d in call["decisions"])
         print(f"  {shown(call['call_id']):<16} {shown(call['tool']):<14} {'; '.join(notes)}")
     print(f"verdict: {info['verdict']}")
     return 0

@@ -36,6 +36,7 @@ from statemachine.postgres.steps import (
     ensure_schema,
     fence_steps,
     head_step,
+    heads,
     heads_query,
     latest_log,
     loaded_log,
@@ -404,16 +405,16 @@ class AsyncPostgresEventStore(_AsyncClient):
         if wanted is not None and not wanted:
             return ()
         tail, params = heads_query(session_id, wanted)
-        rows = await self._read(one(self._sql.heads + tail, params), doing=LIST)
-        heads = []
-        for run_id, stored_version, step, stored_session, owner in rows:
+        rows = await self._read(heads(self._sql, tail, params), doing=LIST)
+        found = []
+        for run_id, stored_version, step, stored_session, owner, updated_at in rows:
             if step is None:
                 version, known, session = await self._fill_unfolded_head(run_id)
             else:
                 version, known, session = stored_version, head_step(run_id, step), stored_session
             if wanted is None or known in wanted:
-                heads.append(RunHead(run_id, version, known, session, owner))
-        return tuple(heads)
+                found.append(RunHead(run_id, version, known, session, owner, updated_at))
+        return tuple(found)
 
     async def version(self, run_id: str) -> int:
         """How many events the run's log holds (0 for a run not in the store): one read

@@ -56,10 +56,11 @@ from statemachine.values import Step
 if TYPE_CHECKING:
     from statemachine.stores import Snapshot
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The version of the tables this library writes (``statemachine_schema.version``): 2
-adds ``session_items`` (`PostgresSession`); a version 1 schema is upgraded in place on
-first use."""
+adds ``session_items`` (`PostgresSession`); 3 adds ``runs.updated_at`` (the newest
+event's ``at``, `RunHead.updated_at`; NULL for the runs already there, whose events carry
+no time). An older schema is upgraded in place on first use."""
 
 T = TypeVar("T")
 Rows = list[tuple[Any, ...]]
@@ -195,7 +196,8 @@ class Sql:
                 version    bigint NOT NULL CHECK (version >= 0),
                 owner      text,
                 step       text,
-                session_id text COLLATE "C")""",
+                session_id text COLLATE "C",
+                updated_at bigint)""",
             f"CREATE INDEX runs_by_session ON {runs} (session_id, step)",
             f"""CREATE TABLE {events} (
                 run_id   text COLLATE "C" NOT NULL,
@@ -220,15 +222,17 @@ class Sql:
             f"CREATE INDEX session_items_by_publication ON {items} (publication_id) "
             "WHERE publication_id IS NOT NULL",
         )
+        self.ddl_3 = (f"ALTER TABLE {runs} ADD COLUMN updated_at bigint",)  # version 3
         one = ("SELECT head.run_id, %(seq)s::bigint, %(batch)s, %(body)s FROM head")
         many = ("SELECT head.run_id, e.seq, %(batch)s, e.body FROM head CROSS JOIN "
                 "unnest(%(seqs)s::bigint[], %(bodies)s::text[]) AS e(seq, body)")
         insert = f"INSERT INTO {events} (run_id, seq, batch_id, body) "
         first = (f"WITH head AS (INSERT INTO {runs} (run_id, version, owner, step, "
-                 "session_id) VALUES (%(run)s, %(new)s, %(owner)s, %(step)s, %(session)s) "
-                 "ON CONFLICT (run_id) DO NOTHING RETURNING run_id) ")
+                 "session_id, updated_at) VALUES (%(run)s, %(new)s, %(owner)s, %(step)s, "
+                 "%(session)s, %(at)s) ON CONFLICT (run_id) DO NOTHING RETURNING run_id) ")
         later = (f"WITH head AS (UPDATE {runs} SET version = %(new)s, step = %(step)s, "
-                 "owner = CASE WHEN %(claimed)s THEN %(owner)s::text ELSE owner END "
+                 "owner = CASE WHEN %(claimed)s THEN %(owner)s::text ELSE owner END, "
+                 "updated_at = %(at)s "
                  "WHERE run_id = %(run)s AND version = %(expected)s RETURNING run_id) ")
         self.append = {(True, True): first + insert + one, (True, False): first + insert + many,
                        (False, True): later + insert + one, (False, False): later + insert + many}
@@ -253,7 +257,10 @@ class Sql:
             f"UNION ALL SELECT seq, NULL, body, NULL, NULL FROM {events} "
             "WHERE run_id = %(run)s AND seq >= COALESCE((SELECT version FROM snap), 0) "
             "ORDER BY 1")
-        self.heads = f"SELECT run_id, version, step, session_id, owner FROM {runs}"
+        self.heads = (f"SELECT run_id, version, step, session_id, owner, updated_at "
+                      f"FROM {runs}")
+        """What ``list_runs`` reads; a read-only store on a schema older than 3 reads NULL
+        for ``updated_at`` (`ensure_schema` switches it)."""
         self.keep_fold = (f"UPDATE {runs} SET step = %s WHERE run_id = %s AND step IS NULL "
                           "AND version = %s")
         self.run_ids = f"SELECT run_id FROM {runs} WHERE version > 0 ORDER BY run_id"
@@ -288,13 +295,17 @@ class Sql:
 def ensure_schema(sql: Sql, *, readonly: bool) -> Op[None]:
     """Check the tables' version; create them, or upgrade them from version 1 (adding
     ``session_items``), under an advisory lock, so two processes starting at once do not
-    collide. A newer version is refused. A read-only store reads a version 1 schema as it
-    is (it writes no Session items)."""
+    collide. A newer version is refused. A read-only store reads an older schema as it
+    is (it writes no Session items, and reads every run's ``updated_at`` as NULL, which
+    is what the upgrade would give it)."""
     found = yield Query("SELECT to_regclass(%s) IS NOT NULL", (sql.version_table,), "one")
     version = None
     if found[0]:
         version = (yield Query(f"SELECT max(version) FROM {sql.version_table}", None, "one"))[0]
-    if version == SCHEMA_VERSION or (readonly and version in _UPGRADABLE):
+    if version == SCHEMA_VERSION:
+        return
+    if readonly and version in _UPGRADABLE:
+        sql.heads = sql.heads.replace("updated_at", "NULL::bigint")
         return
     _refuse_version(sql, version, readonly=readonly)
     yield Query("SELECT pg_advisory_xact_lock(hashtext(%s))", (sql.lock_key,))
@@ -307,17 +318,19 @@ def ensure_schema(sql: Sql, *, readonly: bool) -> Op[None]:
         return  # another process created (or upgraded) them first
     _refuse_version(sql, version, readonly=readonly)
     if version is None:
-        for statement in (*sql.ddl, *sql.ddl_2):
+        for statement in (*sql.ddl, *sql.ddl_2):  # the version 3 ``runs`` already
             yield Query(statement)
         yield Query(f"INSERT INTO {sql.version_table} (version) VALUES (%s)", (SCHEMA_VERSION,))
         return
-    for statement in sql.ddl_2:  # version 1 → 2
+    upgrades = {1: (*sql.ddl_2, *sql.ddl_3), 2: sql.ddl_3}
+    for statement in upgrades[version]:  # version 1 → 2 → 3
         yield Query(statement)
     yield Query(f"UPDATE {sql.version_table} SET version = %s", (SCHEMA_VERSION,))
 
 
-_UPGRADABLE = frozenset({1})
-"""Versions this library upgrades in place (1: before ``session_items``)."""
+_UPGRADABLE = frozenset({1, 2})
+"""Versions this library upgrades in place (1: before ``session_items``; 2: before
+``runs.updated_at``)."""
 
 
 def _refuse_version(sql: Sql, version: Any, *, readonly: bool) -> None:
@@ -377,7 +390,8 @@ def prepare(run_id: str, events: Sequence[Event], expected_version: int,
     params: dict[str, Any] = {
         "run": run_id, "new": expected_version + len(events), "expected": expected_version,
         "step": None if step is None else step.value, "owner": owner, "claimed": claimed,
-        "session": started_session(events), "batch": batch_id}
+        "session": started_session(events), "batch": batch_id,
+        "at": events[-1].at if events else None}
     if len(events) == 1:
         params.update(seq=events[0].seq, body=bodies[0])
     else:
@@ -554,6 +568,13 @@ def heads_query(session_id: str | None, wanted: frozenset[Step] | None) -> tuple
         where.append("(step IS NULL OR step = ANY(%s))")
         params.append([step.value for step in wanted])
     return f" WHERE {' AND '.join(where)} ORDER BY run_id", params
+
+
+def heads(sql: Sql, tail: str, params: list[Any]) -> Op[Rows]:
+    """``list_runs``' rows. Its statement is chosen when the operation starts, after the
+    connection checked the schema (`ensure_schema`): an older one has no ``updated_at``."""
+    rows: Rows = yield Query(sql.heads + tail, params, "all")
+    return rows
 
 
 def head_step(run_id: str, step: Any) -> Step:

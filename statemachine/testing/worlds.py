@@ -60,6 +60,13 @@ def run_sync(coroutine: Any) -> Any:
 # ------------------------------------------------------------------------ worlds
 
 
+def untimed(doc: dict[str, Any]) -> dict[str, Any]:
+    """A run's document without its events' ``at``: the state a world reaches, compared
+    across runs recorded at other moments (the explorer's key, I8's twins)."""
+    return {**doc, "events": [{k: v for k, v in e.items() if k != "at"}
+                              for e in doc["events"]]}
+
+
 def copy_controller(c: RunController) -> RunController:
     """A copy of a live controller (its attempt and calls in flight included). Its
     recorded events are immutable, so the copy shares them instead of walking them."""
@@ -262,7 +269,7 @@ class ReferenceWorld(World):
 
     def durable(self) -> tuple[Any, ...]:
         c = self.controller
-        return (json.dumps(c.to_json(), sort_keys=True) if c else None,
+        return (json.dumps(untimed(c.to_json()), sort_keys=True) if c else None,
                 json.dumps(self.session_items(), sort_keys=True))
 
     def counters_view(self) -> tuple[Any, ...]:
@@ -438,7 +445,7 @@ class RemoteWorld(World):
 
     def key(self) -> str:
         r = self.remote
-        return json.dumps([json.dumps(self.controller.to_json(), sort_keys=True),
+        return json.dumps([json.dumps(untimed(self.controller.to_json()), sort_keys=True),
                            [attrs.asdict(e) for e in r.history],
                            [attrs.asdict(e) for e in r.pending], sorted(r.posts.items()),
                            sorted(r.post_outcomes.items()), r.disconnect_after[r.connections:],

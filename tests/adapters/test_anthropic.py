@@ -1077,7 +1077,7 @@ def test_a_log_without_room_for_a_result_refuses_the_call_before_its_body(
     """The log's room under max_bytes cannot hold even an error result: the call is
     refused before its body runs (`SchemaError`), and it is not left started."""
     effects = Effects(tmp_path, "p")
-    c = _small("full", max_bytes=2600)
+    c = _small("full", max_bytes=2964)
     c.receive_tool_calls([ToolCall("filler", "charge", {"x": "x" * 1100})])
 
     @beta_tool

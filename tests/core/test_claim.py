@@ -51,6 +51,7 @@ from statemachine.testing.invariants import check_log
 from tests.drivers import claim_driver
 from tests.helpers import (
     SESSION,
+    TEST_NOW,
     B,
     P,
     assert_refused,
@@ -75,7 +76,7 @@ def picture(c: RunController) -> tuple[Any, ...]:
 def _claimed(c: RunController, owner: str | None) -> None:
     before_events, before = c.events, picture(c)
     c.claim(owner)
-    assert c.events == (*before_events, ev.RunClaimed(len(before_events), owner))
+    assert c.events == (*before_events, ev.RunClaimed(len(before_events), owner, at=TEST_NOW))
     assert picture(c) == before
     again = reloaded(c)
     assert again.state == c.state
@@ -271,7 +272,7 @@ def test_a_log_with_claims_replays_and_round_trips() -> None:
     c.claim("worker-b")
     c.resume()
     doc = c.to_json()
-    assert doc["schema_version"] == 2
+    assert doc["schema_version"] == 3
     text = json.dumps(doc, sort_keys=True)
     again = RunController.from_json(text)
     assert again.state == c.state
@@ -290,7 +291,8 @@ def test_a_forged_claim_where_no_attempt_may_go_on_is_rejected_on_load(
 ) -> None:
     doc = make().to_json()
     events: list[Any] = doc["events"]
-    events.append({"type": "RunClaimed", "seq": len(events), "owner": "forger"})
+    events.append({"type": "RunClaimed", "seq": len(events), "at": TEST_NOW,
+                   "owner": "forger"})
     with pytest.raises(InvalidTransition, match=rf"event {len(events) - 1} \(RunClaimed\) "
                                                 "is forbidden here") as info:
         RunController.from_json(doc)
@@ -382,7 +384,7 @@ def test_a_claim_with_a_store_bound_is_appended_before_it_is_applied(
     """What makes a claim a claim: an accepted claim is in the store when claim returns."""
     paused = _paused(store)
     paused.claim("me")
-    assert store.load(paused.run_id)[-1] == ev.RunClaimed(paused.version - 1, "me")
+    assert store.load(paused.run_id)[-1] == ev.RunClaimed(paused.version - 1, "me", at=TEST_NOW)
 
 
 # ------------------------------------------------------------ the reference runner
@@ -440,7 +442,7 @@ def test_the_runner_claims_first_on_every_resumed_attempt(source: str, mode: str
     result = _resume(mode, agent, hooks, session, **sources)
     assert result.step is Step.COMPLETED
     new = result.controller.events[paused:]
-    assert new[0] == ev.RunClaimed(paused, owner)
+    assert new[0] == ev.RunClaimed(paused, owner, at=TEST_NOW)
     assert type(new[1]) is ev.Resumed
     assert not [e for e in new[1:] if isinstance(e, ev.RunClaimed)]
 

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -111,30 +112,119 @@ def test_older_versions_are_upcast_and_newer_fields_refused_under_old_labels(
         RunController.from_json(abandoned)
     assert RunController.from_json({**abandoned, "schema_version": following}).step.value == (
         "terminal_unrecoverable")
-    # a version 1 document goes through every upcaster in turn
+    # a version 1 document goes through every upcaster in turn (its events untimed)
     calls.clear()
     assert RunController.from_json(
-        (FIXTURES / "v1" / "partial_approval_unsettled.json").read_text()).events == c.events
+        (FIXTURES / "v1" / "partial_approval_unsettled.json").read_text()).events == tuple(
+            attrs.evolve(e, at=None) for e in c.events)
     assert calls == [current]
 
 
 def test_version_2_adds_run_claimed_and_upcasts_version_1_unchanged() -> None:
     from statemachine import codec
 
-    assert SCHEMA_VERSION == 2
     assert codec.EVENT_SINCE["RunClaimed"] == 2
     assert {name for name, since in codec.EVENT_SINCE.items() if since > 1} == {"RunClaimed"}
     for path in sorted((FIXTURES / "v1").glob("*.json")):
         v1 = json.loads(path.read_text())
-        assert codec.UPCASTERS[1](v1) == {**v1, "schema_version": 2}
-        c = RunController.from_json(v1)
-        assert c.to_json() == {**v1, "schema_version": 2}  # only the label changes
-        assert c.to_json() == json.loads((FIXTURES / "v2" / path.name).read_text())
+        assert codec.UPCASTERS[1](v1) == {**v1, "schema_version": 2}  # only the label
+        assert codec.UPCASTERS[1](v1) == json.loads((FIXTURES / "v2" / path.name).read_text())
     claimed = json.loads((FIXTURES / "v2" / "claimed_unsettled.json").read_text())
     assert [e["owner"] for e in claimed["events"] if e["type"] == "RunClaimed"] == [
         "worker-a", None]
     with pytest.raises(SchemaError, match="RunClaimed is not valid under schema_version 1"):
         RunController.from_json({**claimed, "schema_version": 1})
+
+
+# an independent statement of what version 3 added, field by field (DESIGN §7.2)
+_ADDED_IN_3 = {"CallApproved": ("at", "by", "reason"), "CallRejected": ("at", "by"),
+               "InDoubtResolved": ("at", "by"), "Abandoned": ("at", "by")}
+
+
+def test_version_3_adds_time_and_actor_and_upcasts_older_logs_with_none() -> None:
+    """Every event of a version 1 or 2 log loads with ``at`` None, and each decision with
+    ``by`` (and an approval's ``reason``) None; written again, the log is the version 2
+    one with those nulls and the new label, and nothing else changed."""
+    from statemachine import codec
+
+    assert SCHEMA_VERSION == 3
+    assert {name: added for name, added in codec.ADDED_IN_3.items() if added != ("at",)} == (
+        _ADDED_IN_3)
+    for version in (1, 2):
+        for path in sorted((FIXTURES / f"v{version}").glob("*.json")):
+            old = json.loads(path.read_text())
+            c = RunController.from_json(old)
+            assert all(e.at is None for e in c.events)
+            expected = {**old, "schema_version": 3, "events": [
+                {**e, **dict.fromkeys(_ADDED_IN_3.get(e["type"], ("at",)))}
+                for e in old["events"]]}
+            assert c.to_json() == expected
+            assert all(d.by is None and d.at is None for v in c.calls for d in v.decisions)
+
+
+def test_version_3_fixtures_carry_time_by_and_reason() -> None:
+    """The golden version 3 runs were timed by a clock moving 1 ms per reading: every
+    event has an ``at``, strictly increasing; the decisions say who and why."""
+    for path in sorted((FIXTURES / "v3").glob("*.json")):
+        ats = [e["at"] for e in json.loads(path.read_text())["events"]]
+        assert all(type(at) is int for at in ats), path.name
+        assert ats == sorted(set(ats)), path.name
+    c = RunController.from_json((FIXTURES / "v3" / "decided_and_resolved.json").read_text())
+    decided = {v.call.call_id: [(d.kind, d.by, d.reason) for d in v.decisions] for v in c.calls}
+    assert decided == {
+        "charge": [("approved", "alice@example.com", "the customer asked for it"),
+                   ("resolved", "carol", None)],
+        "notify": [("rejected", "bob", None)],
+        "audit": [("approved", "ops-bot", None)]}
+    abandoned = json.loads((FIXTURES / "v3" / "abandoned_by.json").read_text())
+    assert abandoned["events"][-1]["by"] == "dave"
+
+
+def test_a_stored_event_of_an_older_library_loads_untimed() -> None:
+    """A store's rows carry no version label: an event holding none of version 3's
+    fields was written by an older library and loads with None for each; one holding
+    some of them but not all is damaged."""
+    from statemachine import codec
+    from statemachine import events as ev
+
+    approved = {"type": "CallApproved", "seq": 6, "call_id": "c", "fingerprint": "f" * 64}
+    def as_dict(d: dict[str, Any]) -> ev.Event:
+        return codec.decode_stored_event(d, 6)
+
+    def as_text(d: dict[str, Any]) -> ev.Event:
+        return codec.decode_stored_text(json.dumps(d), 6)
+
+    for decode in (as_dict, as_text):
+        assert decode(approved) == ev.CallApproved(6, "c", "f" * 64)
+        assert decode({"type": "Resumed", "seq": 6}) == ev.Resumed(6)
+        with pytest.raises(SchemaError, match="lacks field"):
+            decode({**approved, "by": "alice"})  # half a version 3 event
+    assert fastload_declines({"type": "Resumed", "seq": 6})
+
+
+def fastload_declines(raw: dict[str, Any]) -> bool:
+    from statemachine import fastload
+
+    try:
+        fastload.FAST_DECODE[raw["type"]](raw, None)
+    except Exception:
+        return True
+    return False
+
+
+def test_a_version_2_document_holding_a_version_3_field_is_refused() -> None:
+    """A field is valid only under the labels that have it: a version 2 event that
+    carries ``at``, ``by`` or ``reason`` was not written by a version 2 library."""
+    v2 = json.loads((FIXTURES / "v2" / "partial_approval_unsettled.json").read_text())
+    approved = next(i for i, e in enumerate(v2["events"]) if e["type"] == "CallApproved")
+    for position, key in ((0, "at"), (approved, "by"), (approved, "reason")):
+        doc = json.loads(json.dumps(v2))
+        doc["events"][position][key] = None
+        with pytest.raises(SchemaError, match=f"unknown field\\(s\\) '{key}' for "
+                                              "schema_version 2"):
+            RunController.from_json(doc)
+        with pytest.raises(SchemaError, match="schema_version 2"):
+            RunController.from_json(json.dumps(doc))  # the fast path refuses it too
 
 
 @pytest.mark.invariant("I10")

@@ -582,3 +582,170 @@ def test_hook_key_scopes_a_hook_by_its_prefix(hook: str) -> None:
     expected = ((hook, "cid") if hook.startswith("tool_") else
                 (hook, s.model_calls) if hook.startswith("model_") else (hook, s.activation))
     assert s.hook_key(hook, "cid") == expected
+
+
+# ------------------------------------------------------- time and actor (DESIGN §7.2)
+
+
+class Ticks:
+    """A clock that counts its readings: 1000, 1001, 1002, ..."""
+
+    def __init__(self, start: int = 1000) -> None:
+        self.readings: list[int] = []
+        self.next = start
+
+    def __call__(self) -> int:
+        self.readings.append(self.next)
+        self.next += 1
+        return self.readings[-1]
+
+
+class NeverRead:
+    """A clock that must not be read: replay and loading never tell time."""
+
+    def __call__(self) -> int:
+        raise AssertionError("the clock was read")
+
+
+def _seed(clock: Ticks, store: Any = None) -> RunController:
+    c = RunController.start(run_id="run-1", session_id=SESSION, store=store, clock=clock)
+    c.hook_ran("agent_start")
+    c.begin_model_call()
+    c.model_responded([ToolCall("charge", "charge", {"x": 7}, needs_approval=True),
+                       ToolCall("notify", "notify", {}, needs_approval=True)])
+    c.approve("charge", by="alice", reason="asked for it")
+    c.reject("notify", "no", by="bob")
+    c.resume()
+    c.begin_tool("charge")
+    return c
+
+
+def test_every_recorded_event_carries_exactly_the_clocks_readings_in_order() -> None:
+    clock = Ticks()
+    c = _seed(clock)
+    assert [e.at for e in c.events] == clock.readings == list(range(1000, 1000 + c.version))
+    assert [e["at"] for e in c.to_json()["events"]] == clock.readings
+
+
+def test_replay_and_loading_never_read_the_clock() -> None:
+    store = MemoryEventStore()
+    live = _seed(Ticks(), store)
+    doc = live.to_json()
+    for again in (RunController.from_json(doc, clock=NeverRead()),
+                  RunController.from_json(json.dumps(doc), clock=NeverRead()),
+                  RunController.load(store, "run-1", clock=NeverRead()),
+                  RunController.load(store, "run-1", snapshot=False, clock=NeverRead())):
+        assert again.events == live.events  # the log's own times, not a new reading
+        again.next_action()
+        again.in_doubt()
+        assert [v.decisions for v in again.calls] == [v.decisions for v in live.calls]
+
+
+def test_load_async_never_reads_the_clock_and_its_commands_do() -> None:
+    import asyncio
+
+    store = MemoryEventStore()
+    _seed(Ticks(), store)
+    clock = Ticks(5000)
+    again = asyncio.run(RunController.load_async(store, "run-1", clock=clock))
+    assert clock.readings == []
+    again.resolve_in_doubt("charge", "charged 7", by="carol")
+    assert clock.readings == [5000]
+    assert store.load("run-1")[-1].at == 5000
+
+
+def test_a_refused_command_reads_no_clock_before_its_arguments_are_checked() -> None:
+    clock = Ticks()
+    c = _seed(clock)
+    read = len(clock.readings)
+    assert_refused(c, SchemaError, c.hook_ran, 7)
+    assert_refused(c, SchemaError, c.resolve_in_doubt, "charge", "x", by=b"bytes")
+    assert len(clock.readings) == read
+
+
+@pytest.mark.parametrize("reading", [1.5, "1767225600000000", True, -1, 2**63, None],
+                         ids=["float", "str", "bool", "negative", "past-int64", "none"])
+def test_a_clock_reading_that_is_not_microseconds_refuses_the_command(reading: Any) -> None:
+    readings = iter([1000, reading])
+    c = RunController.start(run_id="r", session_id=SESSION, clock=lambda: next(readings))
+    error = assert_refused(c, SchemaError, c.begin_model_call)
+    assert "clock" in str(error)
+    with pytest.raises(SchemaError, match="clock"):
+        RunController.start(run_id="r", session_id=SESSION, clock=lambda: reading)
+    with pytest.raises(SchemaError, match="clock must be None or a callable"):
+        RunController.start(run_id="r", session_id=SESSION, clock=1000)  # type: ignore[arg-type]
+
+
+def test_the_default_clock_is_the_wall_clock_in_microseconds() -> None:
+    """In a process of its own: the tests' processes read one fixed instant
+    (tests/conftest.py)."""
+    import subprocess
+    import sys
+    import time
+
+    before = time.time_ns() // 1000
+    printed = subprocess.run(
+        [sys.executable, "-c", "from statemachine import RunController\n"
+         "c = RunController.start(run_id='r', session_id=None)\n"
+         "c.begin_model_call()\nprint(*(e.at for e in c.events))"],
+        capture_output=True, text=True, check=True).stdout.split()
+    after = time.time_ns() // 1000
+    started, begun = (int(t) for t in printed)
+    assert before <= started <= begun <= after
+
+
+def test_decisions_record_who_and_why_and_the_ledger_shows_them() -> None:
+    clock = Ticks()
+    c = _seed(clock)
+    events = c.events
+    approved = next(e for e in events if isinstance(e, ev.CallApproved))
+    rejected = next(e for e in events if isinstance(e, ev.CallRejected))
+    assert (approved.by, approved.reason) == ("alice", "asked for it")
+    assert rejected.by == "bob"
+    again = RunController.from_json(c.to_json())  # the charge is now in doubt
+    again.resolve_in_doubt("charge", "charged 7", by="carol")
+    again.abandon("the customer left", by="dave")
+    abandoned = again.events[-1]
+    assert isinstance(abandoned, ev.Abandoned)
+    assert (abandoned.by, abandoned.reason) == ("dave", "the customer left")
+    decisions = {v.call.call_id: [(d.kind, d.by, d.reason, d.at) for d in v.decisions]
+                 for v in again.calls}
+    assert decisions == {
+        "charge": [("approved", "alice", "asked for it", approved.at),
+                   ("resolved", "carol", None, again.events[-2].at)],
+        "notify": [("rejected", "bob", None, rejected.at)]}
+    assert again.call("notify").decisions == again.calls[1].decisions
+
+
+def test_decisions_without_an_actor_record_none() -> None:
+    c = at_interruption()
+    c.approve("charge")
+    c.reject("notify")
+    assert [(d.kind, d.by, d.reason) for v in c.calls for d in v.decisions] == [
+        ("approved", None, None), ("rejected", None, None)]
+    assert c.call("audit").decisions == ()
+
+
+@pytest.mark.parametrize("bad", [7, b"alice", "\ud800", "x" * 5_000],
+                         ids=["int", "bytes", "surrogate", "too-long"])
+def test_by_and_reason_follow_the_text_rules(bad: Any) -> None:
+    c = at_interruption()
+    assert_refused(c, SchemaError, c.approve, "charge", by=bad)
+    assert_refused(c, SchemaError, c.approve, "charge", reason=bad)
+    assert_refused(c, SchemaError, c.reject, "charge", by=bad)
+    assert_refused(c, SchemaError, c.abandon, "why", by=bad)
+    started = _seed(Ticks())
+    assert_refused(RunController.from_json(started.to_json()), SchemaError,
+                   RunController.from_json(started.to_json()).resolve_in_doubt, "charge", "x",
+                   by=bad)
+
+
+def test_the_decision_commands_keep_their_positional_meaning() -> None:
+    c = at_interruption()
+    c.reject("notify", "not now")
+    assert c.call("notify").result == "not now"
+    c.approve("charge", fingerprint=c.fingerprint("charge"))
+    with pytest.raises(TypeError):
+        c.approve("audit", None, "alice")  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        c.abandon("why", "dave")  # type: ignore[call-arg]

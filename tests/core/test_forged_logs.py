@@ -47,12 +47,13 @@ from statemachine import (
     codec,
 )
 from statemachine import events as ev
+from statemachine.codec import ADDED_IN_3
 from statemachine.envelope import measure_frontier
 from statemachine.machine import GUARDS, TABLE, TRANSITIONS, Refused, fire, replay
 from statemachine.payloads import JSON, digests
 from statemachine.state import RunState
 from statemachine.values import GuardrailResult, Phase
-from tests.helpers import at_interruption, failed, staged, staged_over, tools_run
+from tests.helpers import TEST_NOW, at_interruption, failed, staged, staged_over, tools_run
 from tests.strategies import drive
 
 Events = list[ev.Event]
@@ -358,7 +359,8 @@ def restaged(prefix: Sequence[ev.Event], history: list[JSON], items: list[JSON],
     assert frontier is not None
     event = ev.PublicationStaged(
         len(prefix), state.session_id, batch, tuple(call_ids), frontier.read_limit,
-        frontier.digests, frontier.whole, batch_digests, state.continuation_after(tuple(call_ids)))
+        frontier.digests, frontier.whole, batch_digests, state.continuation_after(tuple(call_ids)),
+        at=TEST_NOW)
     return attrs.evolve(event, **changes)
 
 
@@ -1259,10 +1261,12 @@ def test_each_guard_of_a_decision_answers_alone_for_an_unknown_call(event: Any) 
 
 
 def _forged(c: RunController, *extra: dict[str, Any]) -> dict[str, Any]:
-    """``c``'s document with ``extra`` raw events appended (their seq filled in)."""
+    """``c``'s document with ``extra`` raw events appended (their seq filled in, and null
+    for the time and actor fields they do not give)."""
     doc: dict[str, Any] = c.to_json()
     for offset, raw in enumerate(extra):
-        doc["events"].append({**raw, "seq": c.version + offset})
+        doc["events"].append({**dict.fromkeys(ADDED_IN_3[raw["type"]]), **raw,
+                              "seq": c.version + offset})
     return doc
 
 

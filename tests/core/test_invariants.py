@@ -324,8 +324,9 @@ def _forge(doc: dict[str, Any], how: str) -> dict[str, Any]:
     staged_at = next(i for i, e in enumerate(events) if e["type"] == "PublicationStaged")
     if how == "approve-while-unsettled":
         events.insert(staged_at + 1, {"type": "CallApproved", "seq": staged_at + 1,
-                                      "call_id": "notify",
-                                      "fingerprint": events[6]["fingerprint"]})
+                                      "at": None, "call_id": "notify",
+                                      "fingerprint": events[6]["fingerprint"],
+                                      "by": None, "reason": None})
         for i, e in enumerate(events):
             e["seq"] = i
     elif how == "batch-item-altered":
@@ -340,7 +341,7 @@ def _forge(doc: dict[str, Any], how: str) -> dict[str, Any]:
         for i, e in enumerate(events):
             e["seq"] = i
     elif how == "commit-without-attempt":
-        events.append({"type": "PublicationCommitted", "seq": len(events)})
+        events.append({"type": "PublicationCommitted", "seq": len(events), "at": None})
     return doc
 
 

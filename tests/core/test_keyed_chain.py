@@ -143,12 +143,62 @@ def test_without_a_key_a_chain_is_checked_for_shape_and_otherwise_ignored() -> N
             RunController.from_json({**signed, "chain": bad})
 
 
+def _as_version_2(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` as a version 2 library wrote it: without time and actor (DESIGN §7.2)."""
+    return {**doc, "schema_version": 2,
+            "events": [{k: v for k, v in e.items() if k not in ("at", "by", "reason")}
+                       for e in doc["events"]]}
+
+
 def test_version_1_documents_cannot_carry_a_chain() -> None:
     signed = at_interruption().to_json(key=KEY)
     with pytest.raises(SchemaError, match=r"unknown key.*'chain'.*schema_version 1"):
         RunController.from_json({**signed, "schema_version": 1})
     unsigned = {k: v for k, v in signed.items() if k != "chain"}
-    RunController.from_json({**unsigned, "schema_version": 1})
+    RunController.from_json({**_as_version_2(unsigned), "schema_version": 1})
+
+
+def test_a_forged_time_or_actor_breaks_the_chain() -> None:
+    """Version 3's fields are chained like every other: moving an event's ``at``, or
+    naming another approver, keeps the log legal (it loads without a key) and is refused
+    with one."""
+    c = at_interruption()
+    c.approve("charge", by="alice", reason="asked")
+    c.abandon("stop", by="bob")
+    signed = c.to_json(key=KEY)
+    approved = next(i for i, e in enumerate(signed["events"]) if e["type"] == "CallApproved")
+    for position, key, value in ((1, "at", signed["events"][1]["at"] - 1),
+                                 (1, "at", None),
+                                 (approved, "by", "mallory"), (approved, "reason", None),
+                                 (len(signed["events"]) - 1, "by", None)):
+        forged = copy.deepcopy(signed)
+        forged["events"][position][key] = value
+        RunController.from_json(forged)  # legal: I10 alone cannot tell
+        with pytest.raises(SchemaError, match="keyed chain does not verify"):
+            RunController.from_json(forged, key=KEY)
+        with pytest.raises(SchemaError, match="keyed chain does not verify"):
+            RunController.from_json(json.dumps(forged), key=KEY)
+
+
+def test_a_version_2_document_signed_by_a_version_2_library_still_verifies() -> None:
+    """A version 2 library chained its events as it wrote them, without ``at``: the
+    chain is checked over the events as written, before they are upcast, so an older
+    signed log stays verifiable (and any edit of it is still refused)."""
+    doc = _as_version_2(_rich().to_json())
+    tag = b""
+    for event in doc["events"]:  # the chain as the version 2 library computed it
+        tag = hmac.new(KEY, tag + canonical_json(event), hashlib.sha256).digest()
+    signed = {**doc, "chain": tag.hex()}
+    for data in (signed, json.dumps(signed)):
+        again = RunController.from_json(data, key=KEY)
+        assert all(e.at is None for e in again.events)
+    edited = copy.deepcopy(signed)
+    edited["events"][-1]["output"] = {"text": "forged"}
+    with pytest.raises(SchemaError, match="keyed chain does not verify"):
+        RunController.from_json(edited, key=KEY)
+    resigned = again.to_json(key=KEY)  # written again: version 3, chained as written now
+    assert resigned["schema_version"] == 3
+    assert RunController.from_json(resigned, key=KEY).state == again.state
 
 
 @pytest.mark.parametrize("key", ["secret", b"", bytearray(b"secret"), 7],

@@ -81,6 +81,15 @@ EVENTS: list[ev.Event] = [
     ev.RunClaimed(14, None),
     ev.RunClaimed(14, WEIRD),
     ev.Abandoned(15, WEIRD * 50),
+    # time and actor (schema version 3): an int of any length, None, text of any kind
+    ev.ModelCallBegun(1, at=1_767_225_600_123_456),
+    ev.ModelCallBegun(1, at=0),
+    ev.RunStarted(0, "r", "s", RecoveryPolicy.RECONCILE, None, "json", at=ev.MAX_AT),
+    ev.CallApproved(7, "c", "f" * 64, at=10**15, by=WEIRD, reason=WEIRD * 3),
+    ev.CallApproved(7, "c", "f" * 64, at=None, by=None, reason="why"),
+    ev.CallRejected(7, "c", "0" * 64, {"no": WEIRD}, at=5, by=WEIRD),
+    ev.InDoubtResolved(1, "c", "charged", at=99, by="verify:charge"),
+    ev.Abandoned(15, "stop", at=123, by=WEIRD),
 ]
 
 
@@ -210,7 +219,7 @@ def _loads_under(c: RunController, limit: int) -> None:
         assert again.state == c.state
 
 
-@pytest.mark.parametrize("limit", [1_600, 4_000, 50_000])
+@pytest.mark.parametrize("limit", [2_400, 4_000, 50_000])
 def test_a_run_at_its_byte_limit_can_still_fail_reconcile_commit_and_abandon(
     limit: int,
 ) -> None:
@@ -220,7 +229,7 @@ def test_a_run_at_its_byte_limit_can_still_fail_reconcile_commit_and_abandon(
     assert c.step is Step.UNSETTLED
     error = assert_refused(c, SchemaError, c.claim, "worker")
     assert "max_bytes" in str(error)
-    c.publication_failed(OSError("injected"))
+    c.publication_failed(type("E" * 128, (OSError,), {}))  # the longest name recorded
     decision = c.reconcile([], "s", take_over=True)
     assert isinstance(decision, Append)
     c.publication_committed()
@@ -228,13 +237,13 @@ def test_a_run_at_its_byte_limit_can_still_fail_reconcile_commit_and_abandon(
     assert_refused(c, SchemaError, c.begin_model_call)
     assert_refused(c, SchemaError, c.hook_ran, "agent_start")
     _loads_under(c, limit)
-    c.abandon("r" * RESERVED_TEXT)
+    c.abandon("r" * RESERVED_TEXT, by="b" * RESERVED_TEXT)
     assert c.step is Step.TERMINAL_UNRECOVERABLE
     _loads_under(c, limit)
 
 
 def test_settling_can_repeat_until_only_abandon_is_left() -> None:
-    limit = 2_000
+    limit = 2_400
     c = _completed(limit)
     _stage_padded(c, _probe_max(c, limit, _stage_padded))
     cycles: list[int] = []
@@ -254,7 +263,7 @@ def test_settling_can_repeat_until_only_abandon_is_left() -> None:
 
 
 def test_a_fail_closed_run_at_its_limit_fails_into_terminal() -> None:
-    limit = 1_800
+    limit = 2_200
     c = _completed(limit, RecoveryPolicy.FAIL_CLOSED)
     _stage_padded(c, _probe_max(c, limit, _stage_padded))
     c.publication_failed(TimeoutError)
@@ -302,7 +311,7 @@ def test_a_started_tool_always_has_room_to_record_and_publish_its_result() -> No
     roomy.abandon("limit")
 
 
-@given(st.data(), st.integers(1_300, 5_000))
+@given(st.data(), st.integers(1_700, 5_000))
 def test_every_log_written_under_a_small_max_bytes_loads_under_it(
     data: st.DataObject, limit: int,
 ) -> None:

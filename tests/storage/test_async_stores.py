@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -96,3 +97,35 @@ def test_a_controller_on_the_async_postgres_store_flushes_per_boundary(
             await _buffered_round_trip(store)
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_an_async_stores_heads_keep_the_newest_events_at(
+        kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    # SQ13, PG05 through the async stores: updated_at moves with every flush
+    store: Any
+    if kind == "sqlite":
+        store = AsyncSQLiteEventStore(tmp_path / "e.db")
+    else:
+        store = AsyncPostgresEventStore(request.getfixturevalue("pg_dsn"),
+                                        schema=request.getfixturevalue("pg_schema"))
+    readings = iter(range(7_000, 7_100))
+
+    async def go() -> list[int | None]:
+        seen = []
+        c = RunController.start(run_id="r", session_id="s", store=store,
+                                clock=lambda: next(readings))
+        await c.flush_async()
+        seen.append((await store.list_runs())[0].updated_at)
+        c.hook_ran("agent_start")
+        c.begin_model_call()
+        await c.flush_async()
+        seen.append((await store.list_runs())[0].updated_at)
+        again = await RunController.load_async(store, "r", clock=lambda: 9_000)
+        again.claim("w")
+        await again.flush_async()
+        seen.append((await store.list_runs())[0].updated_at)
+        await store.close()
+        return seen
+
+    assert asyncio.run(go()) == [7_000, 7_002, 9_000]

@@ -71,7 +71,7 @@ from statemachine.testing import (
 from statemachine.testing.contracts import at_interruption
 from statemachine.values import Phase
 from tests.drivers import durability_driver as driver
-from tests.helpers import SESSION, B, P, assert_refused, run_charge
+from tests.helpers import SESSION, TEST_NOW, B, P, assert_refused, run_charge
 
 # ------------------------------------------------------------- recording stores
 
@@ -264,7 +264,8 @@ def test_of_two_buffered_controllers_at_one_version_the_first_flush_wins(
     again = RunController.load(store, RUN, buffered=True)
     again.approve("audit")
     again.flush()
-    assert store.load(RUN)[-1] == ev.CallApproved(8, "audit", again.fingerprint("audit"))
+    assert store.load(RUN)[-1] == ev.CallApproved(8, "audit", again.fingerprint("audit"),
+                                                   at=TEST_NOW)
 
 
 def test_a_buffered_start_of_a_run_id_the_store_holds_is_refused_at_its_first_flush(

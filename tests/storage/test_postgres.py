@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import json
 import os
 import shutil
 import socket
@@ -360,6 +361,7 @@ def test_a_stale_owner_is_refused_on_its_next_append(store: PostgresEventStore) 
     assert_refused(mine, ConcurrencyConflict, mine.approve, "charge")  # superseded
     assert store.list_runs()[0].owner == "worker-b"
     theirs.approve("charge")
+    assert store.list_runs()[0].owner == "worker-b"  # an append without a claim keeps it
     assert RunController.load(store, "run-1").state == theirs.state
 
 
@@ -886,3 +888,35 @@ def test_behind_a_pooler_there_is_nothing_to_fence() -> None:
     assert backend_of(direct, row) == row
     assert backend_of(pooled, row) is None
     assert backend_of(direct, None) is None
+
+
+def test_a_version_2_schema_is_upgraded_in_place_and_read_as_it_is_when_read_only(
+        pg_dsn: str, pg_schema: str) -> None:
+    # PG06: a version 2 schema (no runs.updated_at, events without time) opens: a
+    # read-only store reads NULL times and changes nothing; a writer adds the column
+    s = f'"{pg_schema}"'
+    with PostgresEventStore(pg_dsn, schema=pg_schema) as store:
+        at_interruption(store=store)
+    with _admin(pg_dsn) as admin:
+        admin.execute(f"ALTER TABLE {s}.runs DROP COLUMN updated_at")
+        admin.execute(f"UPDATE {s}.statemachine_schema SET version = 2")
+        for seq, body in admin.execute(f"SELECT seq, body FROM {s}.events").fetchall():
+            old = {k: v for k, v in json.loads(body).items() if k not in ("at", "by", "reason")}
+            admin.execute(f"UPDATE {s}.events SET body = %s WHERE seq = %s",
+                          (json.dumps(old, separators=(",", ":")), seq))
+        admin.execute(f"DELETE FROM {s}.snapshots")
+    with PostgresEventStore(pg_dsn, schema=pg_schema, readonly=True) as readonly:
+        assert [(h.step, h.updated_at) for h in readonly.list_runs()] == [
+            (Step.INTERRUPTION, None)]
+        assert all(e.at is None for e in RunController.load(readonly, "run-1").events)
+    with _admin(pg_dsn) as admin:
+        assert admin.execute(f"SELECT version FROM {s}.statemachine_schema").fetchall() == [
+            (2,)]
+    with PostgresEventStore(pg_dsn, schema=pg_schema) as store:
+        assert [h.updated_at for h in store.list_runs()] == [None]
+        c = RunController.load(store, "run-1", clock=lambda: 77)
+        c.approve("charge", by="alice")
+        assert [h.updated_at for h in store.list_runs()] == [77]
+    with _admin(pg_dsn) as admin:
+        assert admin.execute(f"SELECT version FROM {s}.statemachine_schema").fetchall() == [
+            (SCHEMA_VERSION,)] == [(3,)]

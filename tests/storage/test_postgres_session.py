@@ -165,9 +165,10 @@ def test_the_schema_holds_session_items_and_a_version_1_schema_is_upgraded(
         c = at_interruption(store=store)
     with _admin(pg_dsn) as admin:
         assert admin.execute(f"SELECT version FROM {s}.statemachine_schema").fetchall() == [
-            (SCHEMA_VERSION,)] == [(2,)]
-        # what version 1 left: the same tables without session_items
+            (SCHEMA_VERSION,)] == [(3,)]
+        # what version 1 left: the same tables without session_items and head times
         admin.execute(f"DROP TABLE {s}.session_items")
+        admin.execute(f"ALTER TABLE {s}.runs DROP COLUMN updated_at")
         admin.execute(f"UPDATE {s}.statemachine_schema SET version = 1")
     with PostgresEventStore(pg_dsn, schema=pg_schema, readonly=True) as readonly:
         assert RunController.load(readonly, "run-1").state == c.state  # read as it is
@@ -193,7 +194,7 @@ def test_the_schema_holds_session_items_and_a_version_1_schema_is_upgraded(
     assert errors == []  # four processes' worth of first use: upgraded once
     with _admin(pg_dsn) as admin:
         assert admin.execute(f"SELECT version FROM {s}.statemachine_schema").fetchall() == [
-            (2,)]
+            (3,)]
     assert asyncio.run(sessions[0].get_items()) == [{"n": 1}]
     for x in sessions:
         x.close()
@@ -205,7 +206,8 @@ def test_a_newer_schema_is_refused_by_the_session(pg_dsn: str, pg_schema: str) -
     with PostgresSession(pg_dsn, SESSION, schema=pg_schema) as opened:
         asyncio.run(opened.get_items())
     with _admin(pg_dsn) as admin:
-        admin.execute(f'UPDATE "{pg_schema}".statemachine_schema SET version = 3')
+        admin.execute(f'UPDATE "{pg_schema}".statemachine_schema SET version = %s',
+                      (SCHEMA_VERSION + 1,))
     newer = PostgresSession(pg_dsn, SESSION, schema=pg_schema)
     with pytest.raises(StorageError, match="newer than this library") as info:
         asyncio.run(newer.add_items([{"n": 1}]))

@@ -256,3 +256,112 @@ def test_a_write_transaction_holds_the_write_lock_from_its_start(tmp_path: Path)
     finally:
         first.close()
         second.close()
+
+
+# ------------------------------------------------- the head's time (DESIGN §7.2)
+
+
+class _Ticks:
+    def __init__(self, start: int) -> None:
+        self.next = start
+
+    def __call__(self) -> int:
+        self.next += 1
+        return self.next - 1
+
+
+def _store_of(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Any:
+    if kind == "memory":
+        return MemoryEventStore()
+    if kind == "sqlite":
+        return SQLiteEventStore(tmp_path / "e.db")
+    from statemachine.postgres import PostgresEventStore
+
+    return PostgresEventStore(request.getfixturevalue("pg_dsn"),
+                              schema=request.getfixturevalue("pg_schema"))
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite",
+                                  pytest.param("postgres", marks=pytest.mark.postgres)])
+@pytest.mark.parametrize("buffered", [False, True], ids=["per-command", "buffered"])
+def test_a_run_heads_updated_at_is_its_newest_events_at(
+        kind: str, buffered: bool, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    # SS09, SQ13, PG05: RunHead.updated_at is the at of the newest event, whatever appended
+    store = _store_of(kind, tmp_path, request)
+
+    def updated_at() -> int | None:
+        (head,) = store.list_runs()
+        found: int | None = head.updated_at
+        return found
+
+    try:
+        c = RunController.start(run_id="timed", session_id=SESSION, store=store,
+                                clock=_Ticks(10**15), buffered=buffered)
+        c.flush()
+        assert updated_at() == 10**15
+        c.hook_ran("agent_start")  # a step that moves nothing but the time
+        c.begin_model_call()
+        c.flush()
+        assert updated_at() == 10**15 + 2 == store.load("timed")[-1].at
+        again = RunController.load(store, "timed", clock=_Ticks(2 * 10**15),
+                                   buffered=buffered)
+        assert updated_at() == 10**15 + 2  # loading records nothing
+        again.claim("worker")
+        again.flush()
+        assert updated_at() == 2 * 10**15
+        # events appended directly, without a time: the head says so
+        store.append("timed", [ev.RunClaimed(again.version, "direct")], again.version,
+                     **({"step": Step.AWAITING_MODEL} if kind != "memory" else {}))
+        assert updated_at() is None
+    finally:
+        if kind != "memory":
+            store.close()
+
+
+def _as_previous_version(path: Path) -> None:
+    """Make ``path`` what the previous version left: its runs table without
+    ``updated_at`` and its events without time (version 2 bodies)."""
+    with sqlite3.connect(path) as raw:
+        raw.execute("ALTER TABLE runs DROP COLUMN updated_at")
+        for seq, body in raw.execute("SELECT seq, body FROM events").fetchall():
+            event = {k: v for k, v in json.loads(body).items()
+                     if k not in ("at", "by", "reason")}
+            raw.execute("UPDATE events SET body = ? WHERE seq = ?",
+                        (json.dumps(event, separators=(",", ":")), seq))
+        raw.execute("DELETE FROM snapshots")
+
+
+def test_a_database_of_the_previous_version_opens_and_its_heads_gain_updated_at(
+        tmp_path: Path) -> None:
+    # SQ14: the column is added in place (NULL: its runs were written without time);
+    # a read-only look reads NULL without adding anything
+    path = tmp_path / "old.db"
+    first = SQLiteEventStore(path)
+    at_interruption(store=first)
+    first.close()
+    _as_previous_version(path)
+    readonly = SQLiteEventStore(path, readonly=True)
+    assert [(h.run_id, h.step, h.updated_at) for h in readonly.list_runs()] == [
+        ("run-1", Step.INTERRUPTION, None)]
+    readonly.close()
+    with sqlite3.connect(path) as raw:
+        assert "updated_at" not in {r[1] for r in raw.execute("PRAGMA table_info(runs)")}
+    store = SQLiteEventStore(path)
+    with sqlite3.connect(path) as raw:
+        assert "updated_at" in {r[1] for r in raw.execute("PRAGMA table_info(runs)")}
+    assert [h.updated_at for h in store.list_runs()] == [None]
+    c = RunController.load(store, "run-1", clock=lambda: 42)
+    assert all(e.at is None for e in c.events)
+    c.approve("charge", by="alice")
+    assert [h.updated_at for h in store.list_runs()] == [42]
+    assert SQLiteEventStore(path).list_runs()[0].updated_at == 42  # opened again: as is
+
+
+def test_a_head_time_that_is_not_an_integer_is_a_schema_error(tmp_path: Path) -> None:
+    path = tmp_path / "e.db"
+    store = SQLiteEventStore(path)
+    at_interruption(store=store)
+    with sqlite3.connect(path) as raw:
+        raw.execute("UPDATE runs SET updated_at = 'yesterday'")
+    with pytest.raises(SchemaError, match="time that is not an integer"):
+        store.list_runs()

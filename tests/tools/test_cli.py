@@ -21,12 +21,12 @@ from typing import Any
 
 import pytest
 
-from statemachine import RecoveryPolicy, RunController, SQLiteEventStore
+from statemachine import RecoveryPolicy, RunController, SQLiteEventStore, ToolCall
 from statemachine import diagrams as diagrams_module
 from statemachine.cli.main import explore_verdict
 from statemachine.cli.main import parser as cli_parser
 from statemachine.testing.explore import ExploreReport
-from tests.helpers import B, P, at_interruption, failed, reloaded, run_charge, staged
+from tests.helpers import SESSION, B, P, at_interruption, failed, reloaded, run_charge, staged
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(sys.executable).with_name("statemachine")
@@ -245,6 +245,33 @@ def test_inspect_says_an_operator_resolved_a_call(tmp_path: Path) -> None:
     assert ledger["notify"]["resolved_by_operator"] is False
 
 
+def test_inspect_says_who_decided_when_and_why(tmp_path: Path) -> None:
+    """DESIGN §7.2: each decision of the ledger with its actor, time (UTC) and reason,
+    in words and in --json; a log without time says so."""
+    ticks = iter(range(1_767_225_600_000_000, 1_767_225_600_000_000 + 10**9, 1500))
+    c = RunController.start(run_id="run-1", session_id=SESSION, clock=lambda: next(ticks))
+    c.begin_model_call()
+    c.model_responded([ToolCall("charge", "charge", {"x": 7}, needs_approval=True),
+                       ToolCall("notify", "notify", {}, needs_approval=True)])
+    c.approve("charge", by="alice", reason="asked for it")
+    c.reject("notify", "no", by="bob")
+    out, info = _inspected(c, tmp_path)
+    line = _ledger_line(out, "charge")
+    assert "approved by alice at 2026-01-01T00:00:00.004Z (asked for it)" in line, line
+    assert "rejected by bob at 2026-01-01T00:00:00.006Z" in _ledger_line(out, "notify")
+    assert "last moved at 2026-01-01T00:00:00.006Z" in out
+    ledger = {call["call_id"]: call for call in info["ledger"]}
+    assert ledger["charge"]["decisions"] == [
+        {"kind": "approved", "by": "alice", "reason": "asked for it",
+         "at": 1_767_225_600_004_500}]
+    assert info["updated_at"] == 1_767_225_600_006_000
+    old = tmp_path / "old.json"
+    old.write_text((ROOT / "tests" / "fixtures" / "v2" / "claimed_settled.json").read_text())
+    done = cli("inspect", str(old))
+    assert done.returncode == 0, done.stderr
+    assert "last moved at an unknown time" in done.stdout
+
+
 def test_inspect_says_a_run_has_no_session(tmp_path: Path) -> None:
     c = RunController.start(run_id="solo", session_id=None)
     out, info = _inspected(c, tmp_path)
@@ -275,8 +302,9 @@ def test_replay_validates_a_log(tmp_path: Path) -> None:
 
 def test_replay_names_the_first_illegal_event(tmp_path: Path) -> None:
     doc = failed().to_json()
-    doc["events"].append({"type": "CallApproved", "seq": len(doc["events"]),
-                          "call_id": "notify", "fingerprint": "0" * 64})
+    doc["events"].append({"type": "CallApproved", "seq": len(doc["events"]), "at": None,
+                          "call_id": "notify", "fingerprint": "0" * 64, "by": None,
+                          "reason": None})
     run = tmp_path / "forged.json"
     run.write_text(json.dumps(doc))
     line = _one_line_error(cli("replay", str(run)))
