@@ -364,7 +364,8 @@ class SQLiteEventStore:
 
     def _ensure_runs(self) -> None:
         """Create the ``runs`` table if absent, with a head for every run already logged
-        (its Session and owner; the step is left unfolded)."""
+        (its Session, owner, version and newest event's ``at``; the step is left
+        unfolded)."""
         conn = self._conn
         if conn.execute(_HAS_RUNS).fetchone() is not None:
             return
@@ -377,8 +378,9 @@ class SQLiteEventStore:
                     conn.execute(index)
                 logged = conn.execute("SELECT DISTINCT run_id FROM events").fetchall()
                 for (run_id,) in logged:
-                    conn.execute("INSERT INTO runs (run_id, session_id, owner) "
-                                 "VALUES (?, ?, ?)", (run_id, *self._read_head(conn, run_id)))
+                    conn.execute("INSERT INTO runs (run_id, session_id, owner, updated_at) "
+                                 "VALUES (?, ?, ?, ?)", (run_id, *self._read_head(conn, run_id),
+                                                         _newest_at(conn, run_id)))
                 conn.execute(_FILL_VERSIONS)
         except CommitFailed as failed:
             raise failed.__cause__ from None  # type: ignore[misc]
