@@ -184,7 +184,10 @@ def _reference(store: PostgresEventStore, dsn: str, schema: str, folder: Path,
     finally:
         session.close()
     log = store.load(run_id)
-    assert log[paused] == ev.RunClaimed(paused, "reference")
+    claimed = log[paused]
+    assert isinstance(claimed, ev.RunClaimed)
+    assert (claimed.seq, claimed.owner) == (paused, "reference")
+    assert claimed.at is not None  # every event records when
     return [type(event).__name__ for event in log[paused + 1:]]
 
 
@@ -236,7 +239,9 @@ def test_racing_resumers_on_postgres_exactly_one_goes_on(
             # the log: the winner's claim, then exactly an uncontended resume's events
             log = store.load(run_id)
             check_log(log)
-            assert log[paused] == ev.RunClaimed(paused, winner["owner"]), where
+            claimed = log[paused]
+            assert isinstance(claimed, ev.RunClaimed), where
+            assert (claimed.seq, claimed.owner) == (paused, winner["owner"]), where
             assert [type(e).__name__ for e in log[paused + 1:]] == references[
                 combo.variant], where
             assert replay(run_id, log).step is Step.COMPLETED
