@@ -819,7 +819,7 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("LP16", "        await c.fence_async()  # a superseded attempt runs no guardrail (I1)\n",
        "", "a superseded attempt runs its guardrails"),
     # ------------------------------------------------------------- runner/attempt
-    _m("AT01", "            c.claim(self.owner)\n", "",
+    _m("AT01", "            c.claim(self.owner, lease=self.lease)\n", "",
        "a resumed attempt does not claim the run (§6.3)"),
     _m("AT03", "            if self._gated and c.in_doubt():", "            if False:",
        "a refused resume of a stuck run records a claim every time"),

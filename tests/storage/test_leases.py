@@ -16,6 +16,7 @@ import inspect
 import math
 import pickle
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -23,15 +24,19 @@ from typing import Any
 
 import pytest
 
-from statemachine import ConcurrencyConflict, LeaseHeld, RunController, SchemaError
+from statemachine import ConcurrencyConflict, LeaseHeld, RunController, SchemaError, Step
+from statemachine import events as ev
 from statemachine.controller import MAX_LEASE
 from statemachine.postgres import AsyncPostgresEventStore, PostgresEventStore
+from statemachine.runner import Runner
+from statemachine.sessions import SQLiteSession
 from statemachine.stores import (
     AsyncSQLiteEventStore,
     MemoryEventStore,
     RunHead,
     SQLiteEventStore,
 )
+from tests.drivers import claim_driver
 
 SLACK = 2_000_000
 """Microseconds a store's clock and the wall clock read around a call may differ by (a
@@ -229,3 +234,48 @@ def test_an_older_sqlite_database_gains_the_lease_columns(tmp_path: Path) -> Non
     assert store.list_runs()[0].lease_owner == "worker-a"
     with pytest.raises(LeaseHeld):
         RunController.load(store, "run").claim("worker-b")
+
+
+def test_the_reference_runner_claims_with_its_lease_and_a_rival_runs_nothing(
+        tmp_path: Path) -> None:
+    # worker-a resumes the paused run with a lease; while it runs (at its first hook)
+    # worker-b's attempt is refused with LeaseHeld before any effect, recording nothing
+    claim_driver.prepare(tmp_path, "interruption")
+    rival: dict[str, Any] = {}
+
+    class Interleaved(claim_driver.Effects):
+        def __call__(self, what: str) -> None:
+            super().__call__(what)
+            if not rival:
+                rival["version"] = SQLiteEventStore(tmp_path / "events.db").version(
+                    claim_driver.RUN_ID)
+                thread = threading.Thread(target=_rival_attempt, args=(tmp_path, rival))
+                thread.start()
+                thread.join()
+
+    agent, hooks = claim_driver.build(tmp_path / "a.txt", Interleaved)
+    store = SQLiteEventStore(tmp_path / "events.db")
+    session = SQLiteSession(claim_driver.SESSION_ID, tmp_path / "session.db")
+    result = asyncio.run(Runner.run(agent, session=session, store=store,
+                                    run_id=claim_driver.RUN_ID, hooks=hooks,
+                                    owner="worker-a", lease=30))
+    assert result.step is Step.COMPLETED
+    assert isinstance(rival["error"], LeaseHeld)
+    assert rival["error"].owner == "worker-a"
+    assert rival["after"] == rival["version"]  # the refused claim recorded nothing
+    assert not (tmp_path / "b.txt").exists()  # and ran no effect
+    claims = [e for e in store.load(claim_driver.RUN_ID) if isinstance(e, ev.RunClaimed)]
+    assert [(e.owner, e.lease) for e in claims] == [("worker-a", 30_000_000)]
+
+
+def _rival_attempt(folder: Path, out: dict[str, Any]) -> None:
+    agent, hooks = claim_driver.build(folder / "b.txt")
+    store = SQLiteEventStore(folder / "events.db")
+    session = SQLiteSession(claim_driver.SESSION_ID, folder / "session.db")
+    try:
+        asyncio.run(Runner.run(agent, session=session, store=store,
+                               run_id=claim_driver.RUN_ID, hooks=hooks, owner="worker-b",
+                               lease=30))
+    except ConcurrencyConflict as error:
+        out["error"] = error
+    out["after"] = store.version(claim_driver.RUN_ID)
