@@ -101,13 +101,17 @@ if TYPE_CHECKING:
 
     from statemachine.stores import EventStore
 
-__all__ = ["RESERVED_EVENTS", "RESERVED_TEXT", "SNAPSHOT_SIZE", "RunController", "wall_clock"]
+__all__ = ["MAX_LEASE", "RESERVED_EVENTS", "RESERVED_TEXT", "SNAPSHOT_SIZE", "RunController",
+           "wall_clock"]
 """The reserves and the snapshot's size key live in `journal`; code that imports them
 from here still can."""
 
 _UNSETTLED = Step.UNSETTLED
 _WORKING = frozenset(WORKING_STEPS)
 _MAX_AT = ev.MAX_AT
+MAX_LEASE = 1_000_000_000
+"""The longest lease a claim takes, in seconds (about 31 years): a store adds it to its
+clock's microseconds, and the sum must stay far inside a signed 64-bit column."""
 
 
 def wall_clock() -> int:
@@ -723,7 +727,7 @@ class RunController:
         self._record(action, ev.CallRejected(self._journal.version, call_id, bound, detached,
                                              at=self._clock(), by=by))
 
-    def claim(self, owner: str | None = None) -> None:
+    def claim(self, owner: str | None = None, *, lease: float | None = None) -> None:
         """The first command of every attempt on an existing run: records `RunClaimed`
         before any guardrail, hook, model call or tool (DESIGN §6.3).
 
@@ -734,11 +738,34 @@ class RunController:
         superseded is refused (`ConcurrencyConflict`) on its next append. `RunNotResumable`
         for a completed or terminal run and for an unsettled fail-closed one; `SchemaError`
         unless ``owner`` is a str (valid Unicode) or None. It needs ordinary room under
-        ``max_events``: claims never use the events reserved for settling a run."""
+        ``max_events``: claims never use the events reserved for settling a run.
+
+        ``lease`` (seconds, a positive finite number; it needs an ``owner``) holds the run
+        against other owners (DESIGN §7.2): the store keeps it in the run's head, ending
+        ``lease`` seconds after the claim by the store's own clock, and every later append
+        of this attempt moves that end on. While it is live any claim by another owner is
+        refused with `LeaseHeld` (naming the holder and the end) and records nothing; the
+        same owner may claim again, and once it has ended anyone may. A claim without a
+        lease ends the one it follows (of its own owner or an expired one); it is refused
+        like any other while another owner's lease is live. A store that keeps no run
+        heads (a plain `EventStore`) keeps no leases either."""
         action = "claim"
         self._gate(action, action)
         self._text(action, "owner", owner, optional=True)  # str (valid Unicode) or None
-        self._record(action, ev.RunClaimed(self._journal.version, owner, at=self._clock()))
+        length = None if lease is None else self._lease(action, owner, lease)
+        self._record(action, ev.RunClaimed(self._journal.version, owner, at=self._clock(),
+                                           lease=length))
+
+    def _lease(self, action: str, owner: str | None, lease: Any) -> int:
+        """``lease`` (seconds) as whole microseconds, at least one: a positive finite
+        int or float up to `MAX_LEASE` seconds, on a claim with an owner."""
+        if type(lease) not in (int, float) or not 0 < lease <= MAX_LEASE:  # NaN fails too
+            self._refuse(SchemaError, action, "lease must be a positive finite number of "
+                         f"seconds (at most {MAX_LEASE}) or None")
+        if owner is None:
+            self._refuse(SchemaError, action, "a lease needs an owner: nobody could renew "
+                         "or reclaim a lease held by no one")
+        return max(1, round(float(lease) * 1_000_000))
 
     def resume(self) -> Action:
         """The gate of every resumed attempt; returns `next_action`.

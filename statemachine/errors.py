@@ -150,3 +150,34 @@ class RunNotFound(ControlError):
 
 class ConcurrencyConflict(ControlError):
     """Another writer appended to the run's log first; nothing was recorded."""
+
+
+class LeaseHeld(ConcurrencyConflict):
+    """Another owner's lease on the run is live (DESIGN §7.2): a claim by anyone else is
+    refused until it ends, and nothing was recorded. ``owner`` holds the lease; ``until``
+    is when it ends by the store's clock (integer microseconds since the Unix epoch, UTC),
+    unless its holder appends again first, which moves it on."""
+
+    def __init__(self, reason: str, *, owner: str | None = None, until: int | None = None,
+                 **where: Any) -> None:
+        self.owner = owner
+        self.until = until
+        super().__init__(reason, **where)
+
+    def _extra(self) -> dict[str, Any]:
+        return {"owner": self.owner, "until": self.until}
+
+
+def lease_held(owner: str | None, until: int, *, run_id: str | None = None) -> LeaseHeld:
+    """The `LeaseHeld` a store raises: its message names the holder and the lease's end
+    (as the integer and in UTC, so a person reading a log need not convert it)."""
+    import datetime  # only on a refusal: most processes never build one
+
+    try:
+        when = datetime.datetime.fromtimestamp(until / 1e6, datetime.UTC).isoformat()
+    except (OverflowError, ValueError, OSError):  # past what a datetime holds
+        when = "UTC time out of range"
+    shown = "an owner without a name" if owner is None else excerpt(owner)
+    return LeaseHeld(f"{shown} holds the run's lease until {until} ({when}): another "
+                     "owner may claim it only after that; nothing was recorded",
+                     owner=owner, until=until, run_id=run_id)

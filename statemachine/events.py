@@ -9,8 +9,9 @@ Time and actor (DESIGN §7.2, schema version 3): every event carries ``at``, the
 microseconds since the Unix epoch (UTC) at which its controller recorded it, read from
 the controller's clock (None in a log written before version 3). The decisions
 (`CallApproved`, `CallRejected`, `InDoubtResolved`, `Abandoned`) also carry ``by``, who
-decided (None: not said), and an approval its ``reason``. These fields are keyword-only
-and default to None, so an event built without them is one of an older log.
+decided (None: not said), and an approval its ``reason``; a `RunClaimed` its ``lease``.
+These fields are keyword-only and default to None, so an event built without them is one
+of an older log.
 """
 
 from __future__ import annotations
@@ -112,6 +113,10 @@ class RunClaimed(Event):
     TRIGGER: ClassVar[str] = "claim"
     owner: str | None
     """Who claimed (an attempt id, a host or process name), or None."""
+    lease: int | None = attrs.field(default=None, kw_only=True)
+    """How long the claim holds the run against other owners, in microseconds, from
+    each append of its attempt (the store's clock decides when it ends); None: no lease.
+    A claim with a lease always has an owner."""
 
 
 @attrs.frozen

@@ -36,6 +36,7 @@ from statemachine.errors import ControlError, Outcome, SchemaError, StorageError
 from statemachine.events import Event
 from statemachine.payloads import JSON, detach, text_problem
 from statemachine.stored import (
+    NO_LEASE,
     Loaded,
     Rows,
     RunHead,
@@ -46,6 +47,8 @@ from statemachine.stored import (
     digest,
     dumps,
     head_of_log,
+    next_lease,
+    now_micros,
     snapshot_ignored,
     started_session,
     step_to_index,
@@ -243,7 +246,10 @@ _RUNS_TABLE = """CREATE TABLE runs (
     session_id TEXT,
     owner      TEXT,
     version    INTEGER,
-    updated_at INTEGER
+    updated_at INTEGER,
+    lease_owner TEXT,
+    lease_until INTEGER,
+    lease      INTEGER
 )"""
 """One head per run. ``step`` NULL: unfolded; `SQLiteEventStore.list_runs` folds the
 run's log and fills it in (with the Session as the log has it). ``version``: how many
@@ -251,7 +257,12 @@ events the run's log holds, moved by every append in its transaction, so a load 
 the log against it: the last rows lost past the newest snapshot are a shorter legal
 log, which only the head tells from a run that stopped there. NULL: not known (a head
 an older version wrote); not checked until the next append here sets it.
-``updated_at``: the ``at`` of the run's newest event (NULL for an event without one)."""
+``updated_at``: the ``at`` of the run's newest event (NULL for an event without one).
+``lease_owner``, ``lease_until``, ``lease``: the run's lease (`stored.next_lease`), its
+holder, its end by the wall clock and its length, in microseconds; NULL without one."""
+_LEASE_COLUMNS = ("ALTER TABLE runs ADD COLUMN lease_owner TEXT",
+                  "ALTER TABLE runs ADD COLUMN lease_until INTEGER",
+                  "ALTER TABLE runs ADD COLUMN lease INTEGER")
 _HEAD_VERSION = "ALTER TABLE runs ADD COLUMN version INTEGER"
 _FILL_VERSIONS = ("UPDATE runs SET version = (SELECT MAX(seq) + 1 FROM events "
                   "WHERE events.run_id = runs.run_id)")
@@ -259,8 +270,12 @@ _RUNS_INDEXES = ("CREATE INDEX runs_by_session ON runs (session_id, step)",
                  "CREATE INDEX runs_unfolded ON runs (run_id) WHERE step IS NULL")
 _HAS_RUNS = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'runs'"
 _VERSION = "(SELECT MAX(seq) + 1 FROM events WHERE events.run_id = runs.run_id)"
-_HEAD = f"SELECT run_id, {_VERSION}, step, session_id, owner, updated_at FROM runs"
-_OLD_HEAD = f"SELECT run_id, {_VERSION}, step, session_id, owner, NULL FROM runs"
+_HEAD = ("SELECT run_id, {_VERSION}, step, session_id, owner, updated_at, lease_owner, "
+         "lease_until FROM runs").replace("{_VERSION}", _VERSION)
+_OLD_HEAD = _HEAD.replace("lease_owner, lease_until", "NULL, NULL")
+"""`_HEAD` on a database made before the run heads kept leases, open read-only: none of
+its runs took one (an append here would have added the columns first)."""
+_OLDER_HEAD = _OLD_HEAD.replace("updated_at,", "NULL,")
 """`_HEAD` on a database made before ``runs.updated_at``, open read-only (its runs were
 all written without time, so NULL is what the column would hold)."""
 _SIDE_FILES = ("-wal", "-shm", "-journal")
@@ -340,7 +355,7 @@ class SQLiteEventStore:
         self._identity: FileIdentity | None = None
         self._closed = False
         self._has_runs = self._has_digests = self._has_versions = True
-        self._has_updated_at = True
+        self._has_updated_at = self._has_leases = True
         if readonly:
             self._open_readonly()
             return
@@ -353,6 +368,7 @@ class SQLiteEventStore:
                     self._ensure_digests()
                     self._ensure_versions()
                     self._ensure_updated_at()
+                    self._ensure_leases()
                 if not _in_memory(self.path):
                     self._identity = FileIdentity(self.path)
             except BaseException:
@@ -429,6 +445,22 @@ class SQLiteEventStore:
         except CommitFailed as failed:
             raise failed.__cause__ from None  # type: ignore[misc]
 
+    def _ensure_leases(self) -> None:
+        """Give the ``runs`` table of an older database its lease columns, NULL for every
+        run already there: none of them took a lease (no library before this one kept
+        any)."""
+        conn = self._conn
+        if _has_column(conn, "runs", "lease"):
+            return
+        try:
+            with write_transaction(conn):
+                if _has_column(conn, "runs", "lease"):
+                    return  # another process added them first
+                for statement in _LEASE_COLUMNS:
+                    conn.execute(statement)
+        except CommitFailed as failed:
+            raise failed.__cause__ from None  # type: ignore[misc]
+
     def _open_readonly(self) -> None:
         name = shown(self.path)
         if not os.path.lexists(self.path):
@@ -438,7 +470,7 @@ class SQLiteEventStore:
                                outcome=Outcome.NOT_WRITTEN)
         with storage_errors(self.path, doing="open the event store"):
             self._identity = FileIdentity(self.path)
-            tables, columns, digest, versions, timed = self._read(
+            tables, columns, digest, versions, timed, leased = self._read(
                 _describe, doing="open the event store")
         if "events" not in tables or not {"run_id", "seq", "body"} <= columns:
             what = ("an empty file" if os.path.getsize(self.path) == 0
@@ -450,6 +482,7 @@ class SQLiteEventStore:
         self._has_digests = "snapshots" in tables and digest
         self._has_versions = versions
         self._has_updated_at = timed
+        self._has_leases = leased
 
     def _read_head(self, conn: sqlite3.Connection, run_id: str) -> tuple[str | None,
                                                                         str | None]:
@@ -633,27 +666,37 @@ class SQLiteEventStore:
 
     def _keep_head(self, conn: sqlite3.Connection, run_id: str, events: Sequence[Event],
                    expected_version: int, step: Step | None) -> None:
-        """Move the run's head (its version, step, owner and ``updated_at``) in the
-        append's transaction."""
+        """Move the run's head (its version, step, owner, ``updated_at`` and lease) in
+        the append's transaction; `LeaseHeld` (the transaction rolls back) for a claim
+        that another owner's live lease refuses (`stored.next_lease`, by the wall
+        clock)."""
         claimed, owner = claimed_owner(events)
         value = None if step is None else step.value
         version = expected_version + len(events)
         at = events[-1].at
         if expected_version == 0:
+            lease = next_lease(run_id, NO_LEASE, events, now_micros())
             conn.execute("INSERT OR REPLACE INTO runs (run_id, step, session_id, owner, "
-                         "version, updated_at) VALUES (?, ?, ?, ?, ?, ?)",
-                         (run_id, value, started_session(events), owner, version, at))
+                         "version, updated_at, lease_owner, lease_until, lease) "
+                         "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                         (run_id, value, started_session(events), owner, version, at, *lease))
             return
-        row = conn.execute("SELECT owner FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-        if row is None:  # a run an older writer logged without a head
+        row = conn.execute("SELECT owner, lease_owner, lease_until, lease FROM runs "
+                           "WHERE run_id = ?", (run_id,)).fetchone()
+        if row is None:  # a run an older writer logged without a head (and no lease)
             session, logged_owner = self._read_head(conn, run_id)
-            conn.execute("INSERT INTO runs (run_id, session_id, owner, version, updated_at) "
-                         "VALUES (?, ?, ?, ?, ?)",
-                         (run_id, session, owner if claimed else logged_owner, version, at))
+            lease = next_lease(run_id, NO_LEASE, events, now_micros())
+            conn.execute("INSERT INTO runs (run_id, session_id, owner, version, updated_at, "
+                         "lease_owner, lease_until, lease) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                         (run_id, session, owner if claimed else logged_owner, version, at,
+                          *lease))
             return  # unfolded: its Session was read off a log this store did not write
-        conn.execute("UPDATE runs SET step = ?, owner = ?, version = ?, updated_at = ? "
-                     "WHERE run_id = ?",
-                     (value, owner if claimed else row[0], version, at, run_id))
+        lease = row[1:]
+        if claimed or lease[2] is not None:  # no lease involved: no clock read
+            lease = next_lease(run_id, lease, events, now_micros())
+        conn.execute("UPDATE runs SET step = ?, owner = ?, version = ?, updated_at = ?, "
+                     "lease_owner = ?, lease_until = ?, lease = ? WHERE run_id = ?",
+                     (value, owner if claimed else row[0], version, at, *lease, run_id))
 
     # ------------------------------------------------------------------ reading
 
@@ -669,7 +712,8 @@ class SQLiteEventStore:
         if wanted is not None:
             where.append(f"step IN ({', '.join('?' * len(wanted))})")
             params.extend(step.value for step in wanted)
-        sql = head = _HEAD if self._has_updated_at else _OLD_HEAD
+        sql = head = (_OLDER_HEAD if not self._has_updated_at
+                      else _HEAD if self._has_leases else _OLD_HEAD)
         if where:  # and every unfolded head, which may match: folded below, then filtered
             sql = (f"{head} WHERE step IS NOT NULL AND {' AND '.join(where)} "
                    f"UNION ALL {head} WHERE step IS NULL")
@@ -677,7 +721,7 @@ class SQLiteEventStore:
         def query(conn: sqlite3.Connection) -> list[tuple[Any, ...]]:
             if not self._has_runs:  # a read-only look at a database made before heads
                 return [(run_id, version, None, None, self._read_head(conn, run_id)[1],
-                         _newest_at(conn, run_id))
+                         _newest_at(conn, run_id), None, None)
                         for run_id, version in conn.execute(
                             "SELECT run_id, MAX(seq) + 1 FROM events GROUP BY run_id "
                             "ORDER BY run_id").fetchall()]
@@ -685,7 +729,8 @@ class SQLiteEventStore:
 
         rows = self._read(query, doing="list the runs of the event store")
         heads = []
-        for run_id, stored_version, step, stored_session, owner, updated_at in rows:
+        for (run_id, stored_version, step, stored_session, owner, updated_at, holder,
+             until) in rows:
             if stored_version is None:
                 continue  # a head without a log (rows are never deleted; be safe)
             if step is None:
@@ -703,7 +748,8 @@ class SQLiteEventStore:
             if (session_id is None or session == session_id) and (
                     wanted is None or known in wanted):
                 heads.append(RunHead(run_id, version, known, session, owner,
-                                     _updated_at(run_id, updated_at)))
+                                     _updated_at(run_id, updated_at), holder,
+                                     _updated_at(run_id, until)))
         return tuple(heads)
 
     def version(self, run_id: str) -> int:
@@ -808,15 +854,15 @@ class SQLiteEventStore:
         return snapshot, _checked(run_id, head, version, decode_rows(run_id, rows, version))
 
 
-def _describe(conn: sqlite3.Connection) -> tuple[set[str], set[str], bool, bool, bool]:
+def _describe(conn: sqlite3.Connection) -> tuple[set[str], set[str], bool, bool, bool, bool]:
     """The tables of a database, the columns of its ``events`` table, whether its
-    snapshots have a digest, whether its heads have a version and whether they keep
-    ``updated_at``."""
+    snapshots have a digest, whether its heads have a version, whether they keep
+    ``updated_at`` and whether they keep leases."""
     tables = {row[0] for row in conn.execute(
         "SELECT name FROM sqlite_master WHERE type = 'table'")}
     columns = {row[1] for row in conn.execute("PRAGMA table_info(events)")}
     return (tables, columns, _has_digest(conn), _has_column(conn, "runs", "version"),
-            _has_column(conn, "runs", "updated_at"))
+            _has_column(conn, "runs", "updated_at"), _has_column(conn, "runs", "lease"))
 
 
 def _has_version(conn: sqlite3.Connection) -> bool:

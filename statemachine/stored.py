@@ -4,7 +4,8 @@
   owner of the last `RunClaimed`: `claimed_owner`, the newest event's ``at``), the step a
   first append indexes
   (`step_to_index`), and the head of a run folded from its snapshot and log
-  (`head_of_log`, for a head left unfolded by an append that gave no step).
+  (`head_of_log`, for a head left unfolded by an append that gave no step), and the
+  lease it keeps (`next_lease`: checked and moved in the append's transaction).
 - Snapshots are never trusted blindly: `restored` is the state a snapshot holds if it is
   usable for the run and the events after it, else None, with a `SnapshotIgnored`
   warning when it is damaged; `verified_snapshot` checks a SQL store's snapshot row
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import time
 import warnings
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
@@ -29,7 +31,7 @@ import attrs
 
 from statemachine import codec, fastload
 from statemachine import events as ev
-from statemachine.errors import ConcurrencyConflict, ControlError, SchemaError
+from statemachine.errors import ConcurrencyConflict, ControlError, SchemaError, lease_held
 from statemachine.events import Event
 from statemachine.machine import replay, replay_onto
 from statemachine.state import RunState
@@ -70,6 +72,13 @@ class RunHead:
     """The ``at`` of the run's newest event (microseconds since the Unix epoch, UTC):
     when it last moved. None when that event carries no time (a log written before
     schema version 3)."""
+    lease_owner: str | None = None
+    """Who holds the run's lease (the owner of its last `RunClaimed`, when that claim took
+    a lease; DESIGN §7.2), or None: no lease."""
+    lease_until: int | None = None
+    """When that lease ends by the store's clock (microseconds since the Unix epoch,
+    UTC), as its holder's last append moved it; None without a lease. A lease that
+    ended is still shown: it no longer holds the run against anyone."""
 
 
 def claimed_owner(events: Sequence[Event]) -> tuple[bool, str | None]:
@@ -78,6 +87,36 @@ def claimed_owner(events: Sequence[Event]) -> tuple[bool, str | None]:
         if type(event) is ev.RunClaimed:
             return True, event.owner
     return False, None
+
+
+Lease = tuple[str | None, int | None, int | None]
+"""A run head's lease: its holder, its end and its length (microseconds); all None
+without one."""
+NO_LEASE: Lease = (None, None, None)
+
+
+def now_micros() -> int:
+    """The clock the memory and SQLite stores judge leases by: the wall clock, in
+    microseconds since the Unix epoch (PostgreSQL's stores use the database's)."""
+    return time.time_ns() // 1000
+
+
+def next_lease(run_id: str, lease: Lease, events: Sequence[Event], now: int) -> Lease:
+    """The head's lease after an append of ``events`` at ``now``, or `LeaseHeld` (the
+    append must not land): a `RunClaimed` of anyone but the holder of a live lease
+    (``now`` before its end) is refused; a claim sets the lease it takes (or none); any
+    other append, by the attempt that holds the run (the expected version says so),
+    moves a lease's end to ``now`` plus its length."""
+    holder, until, length = lease
+    claims = [event for event in events if type(event) is ev.RunClaimed]
+    if not claims:
+        return lease if length is None else (holder, now + length, length)
+    if until is not None and now < until and any(c.owner != holder for c in claims):
+        raise lease_held(holder, until, run_id=run_id)
+    last = claims[-1]
+    if last.lease is None:
+        return NO_LEASE
+    return last.owner, now + last.lease, last.lease
 
 
 def started_session(events: Sequence[Event]) -> str | None:

@@ -50,10 +50,12 @@ from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 import attrs
 
-from statemachine.events import Event
+from statemachine.events import Event, RunClaimed
 from statemachine.payloads import JSON
 from statemachine.sqlite import AsyncSQLiteEventStore, SQLiteEventStore
 from statemachine.stored import (
+    NO_LEASE,
+    Lease,
     Loaded,
     RunHead,
     SnapshotIgnored,
@@ -62,6 +64,8 @@ from statemachine.stored import (
     conflict,
     dumps,
     head_of_log,
+    next_lease,
+    now_micros,
     restored,
     snapshot_ignored,
     started_session,
@@ -268,6 +272,8 @@ class MemoryEventStore:
         self._steps: dict[str, Step | None] = {}
         """Each run's step (None: unfolded, folded from the log when next listed)."""
         self._owners: dict[str, str | None] = {}
+        self._leases: dict[str, Lease] = {}
+        """Each run's lease (`stored.next_lease`), judged by the wall clock."""
         self._lock = threading.Lock()
 
     def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
@@ -277,6 +283,9 @@ class MemoryEventStore:
             log = self._logs.get(run_id, [])
             if len(log) != expected_version:
                 raise conflict(run_id, expected_version, len(log))
+            lease = self._leases.get(run_id, NO_LEASE)
+            if lease is not NO_LEASE or any(type(event) is RunClaimed for event in events):
+                self._leases[run_id] = next_lease(run_id, lease, events, now_micros())
             self._logs[run_id] = log
             log.extend(events)
             if snapshot is not None:
@@ -310,8 +319,10 @@ class MemoryEventStore:
                     _, step, _ = head_of_log(run_id, snapshot, log[version:], log.copy)
                     self._steps[run_id] = step
                 if wanted is None or step in wanted:
+                    holder, until, _ = self._leases.get(run_id, NO_LEASE)
                     heads.append(RunHead(run_id, len(log), step, started_session(log),
-                                         self._owners.get(run_id), log[-1].at))
+                                         self._owners.get(run_id), log[-1].at, holder,
+                                         until))
             return tuple(heads)
 
     def load(self, run_id: str) -> list[Event]:

@@ -45,6 +45,7 @@ from statemachine.postgres.steps import (
     one_statement,
     prepare,
     probe_steps,
+    refusal,
 )
 from statemachine.stored import (
     Head,
@@ -330,7 +331,7 @@ class AsyncPostgresEventStore(_AsyncClient):
                 await self._settle()
                 raise self._failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
                                     **where) from error
-            raise lost_race(a.run_id, a.expected, 0 if row is None else row[0])
+            raise refusal(a, row)
 
     async def _classify(self, error: psycopg.Error, prepared: PreparedAppend) -> None:
         """The connection was lost with a COMMIT in flight: fence and read the batch back
@@ -407,13 +408,15 @@ class AsyncPostgresEventStore(_AsyncClient):
         tail, params = heads_query(session_id, wanted)
         rows = await self._read(heads(self._sql, tail, params), doing=LIST)
         found = []
-        for run_id, stored_version, step, stored_session, owner, updated_at in rows:
+        for (run_id, stored_version, step, stored_session, owner, updated_at, holder,
+             until) in rows:
             if step is None:
                 version, known, session = await self._fill_unfolded_head(run_id)
             else:
                 version, known, session = stored_version, head_step(run_id, step), stored_session
             if wanted is None or known in wanted:
-                found.append(RunHead(run_id, version, known, session, owner, updated_at))
+                found.append(RunHead(run_id, version, known, session, owner, updated_at,
+                                     holder, until))
         return tuple(found)
 
     async def version(self, run_id: str) -> int:

@@ -36,8 +36,9 @@ from statemachine.errors import (
     SchemaError,
     StorageError,
     excerpt,
+    lease_held,
 )
-from statemachine.events import Event
+from statemachine.events import Event, RunClaimed
 from statemachine.payloads import JSON, detach, text_problem
 from statemachine.stored import (
     Loaded,
@@ -56,11 +57,13 @@ from statemachine.values import Step
 if TYPE_CHECKING:
     from statemachine.stores import Snapshot
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """The version of the tables this library writes (``statemachine_schema.version``): 2
 adds ``session_items`` (`PostgresSession`); 3 adds ``runs.updated_at`` (the newest
 event's ``at``, `RunHead.updated_at`; NULL for the runs already there, whose events carry
-no time). An older schema is upgraded in place on first use."""
+no time); 4 adds the run's lease (``runs.lease_owner``, ``lease_until``, ``lease``; NULL
+for the runs already there, none of which took one). An older schema is upgraded in
+place on first use."""
 
 T = TypeVar("T")
 Rows = list[tuple[Any, ...]]
@@ -197,7 +200,10 @@ class Sql:
                 owner      text,
                 step       text,
                 session_id text COLLATE "C",
-                updated_at bigint)""",
+                updated_at bigint,
+                lease_owner text,
+                lease_until bigint,
+                lease      bigint)""",
             f"CREATE INDEX runs_by_session ON {runs} (session_id, step)",
             f"""CREATE TABLE {events} (
                 run_id   text COLLATE "C" NOT NULL,
@@ -223,20 +229,41 @@ class Sql:
             "WHERE publication_id IS NOT NULL",
         )
         self.ddl_3 = (f"ALTER TABLE {runs} ADD COLUMN updated_at bigint",)  # version 3
+        self.ddl_4 = (f"ALTER TABLE {runs} ADD COLUMN lease_owner text, "  # version 4
+                      "ADD COLUMN lease_until bigint, ADD COLUMN lease bigint",)
+        # Leases are judged by the database's clock (DESIGN §7.2), so the workers' clocks
+        # need not agree; clock_timestamp(), not now(): a statement that waited for the
+        # head's row lock judges the lease when it gets it.
+        now = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint"
         one = ("SELECT head.run_id, %(seq)s::bigint, %(batch)s, %(body)s FROM head")
         many = ("SELECT head.run_id, e.seq, %(batch)s, e.body FROM head CROSS JOIN "
                 "unnest(%(seqs)s::bigint[], %(bodies)s::text[]) AS e(seq, body)")
         insert = f"INSERT INTO {events} (run_id, seq, batch_id, body) "
         first = (f"WITH head AS (INSERT INTO {runs} (run_id, version, owner, step, "
-                 "session_id, updated_at) VALUES (%(run)s, %(new)s, %(owner)s, %(step)s, "
-                 "%(session)s, %(at)s) ON CONFLICT (run_id) DO NOTHING RETURNING run_id) ")
-        later = (f"WITH head AS (UPDATE {runs} SET version = %(new)s, step = %(step)s, "
+                 "session_id, updated_at, lease_owner, lease_until, lease) VALUES (%(run)s, "
+                 "%(new)s, %(owner)s, %(step)s, %(session)s, %(at)s, %(holder)s, "
+                 f"{now} + %(lease)s::bigint, %(lease)s) "
+                 "ON CONFLICT (run_id) DO NOTHING RETURNING run_id) ")
+        # A claim takes (or drops) the lease; any other append is the holder's (the
+        # expected version says so) and moves its end on. A claim lands only when no
+        # other owner's lease is live: ALL() of the claims' owners, where a NULL owner
+        # equals no one, so an unnamed claim never passes a live lease.
+        later = (f"WITH now AS (SELECT {now} AS us), head AS (UPDATE {runs} SET "
+                 "version = %(new)s, step = %(step)s, "
                  "owner = CASE WHEN %(claimed)s THEN %(owner)s::text ELSE owner END, "
-                 "updated_at = %(at)s "
-                 "WHERE run_id = %(run)s AND version = %(expected)s RETURNING run_id) ")
+                 "updated_at = %(at)s, "
+                 "lease_owner = CASE WHEN %(claimed)s THEN %(holder)s::text "
+                 "ELSE lease_owner END, "
+                 "lease = CASE WHEN %(claimed)s THEN %(lease)s::bigint ELSE lease END, "
+                 "lease_until = now.us + CASE WHEN %(claimed)s THEN %(lease)s::bigint "
+                 "ELSE lease END FROM now "
+                 "WHERE run_id = %(run)s AND version = %(expected)s AND (NOT %(claimed)s "
+                 "OR lease_until IS NULL OR lease_until <= now.us "
+                 "OR lease_owner = ALL(%(owners)s::text[])) RETURNING run_id) ")
         self.append = {(True, True): first + insert + one, (True, False): first + insert + many,
                        (False, True): later + insert + one, (False, False): later + insert + many}
-        self.head_version = f"SELECT version FROM {runs} WHERE run_id = %s"
+        self.head_version = (f"SELECT version, lease_owner, lease_until FROM {runs} "
+                             "WHERE run_id = %s")
         self.lock_head = f"SELECT version FROM {runs} WHERE run_id = %s FOR UPDATE"
         self.snapshot = (f"INSERT INTO {snapshots} (run_id, version, body, digest) "
                          "VALUES (%s, %s, %s, %s) ON CONFLICT (run_id) DO UPDATE SET "
@@ -257,10 +284,10 @@ class Sql:
             f"UNION ALL SELECT seq, NULL, body, NULL, NULL FROM {events} "
             "WHERE run_id = %(run)s AND seq >= COALESCE((SELECT version FROM snap), 0) "
             "ORDER BY 1")
-        self.heads = (f"SELECT run_id, version, step, session_id, owner, updated_at "
-                      f"FROM {runs}")
-        """What ``list_runs`` reads; a read-only store on a schema older than 3 reads NULL
-        for ``updated_at`` (`ensure_schema` switches it)."""
+        self.heads = (f"SELECT run_id, version, step, session_id, owner, updated_at, "
+                      f"lease_owner, lease_until FROM {runs}")
+        """What ``list_runs`` reads; a read-only store on an older schema reads NULL for
+        the columns it lacks (`ensure_schema` switches it)."""
         self.keep_fold = (f"UPDATE {runs} SET step = %s WHERE run_id = %s AND step IS NULL "
                           "AND version = %s")
         self.run_ids = f"SELECT run_id FROM {runs} WHERE version > 0 ORDER BY run_id"
@@ -305,7 +332,9 @@ def ensure_schema(sql: Sql, *, readonly: bool) -> Op[None]:
     if version == SCHEMA_VERSION:
         return
     if readonly and version in _UPGRADABLE:
-        sql.heads = sql.heads.replace("updated_at", "NULL::bigint")
+        sql.heads = sql.heads.replace("lease_owner, lease_until", "NULL::text, NULL::bigint")
+        if version < 3:
+            sql.heads = sql.heads.replace("updated_at", "NULL::bigint")
         return
     _refuse_version(sql, version, readonly=readonly)
     yield Query("SELECT pg_advisory_xact_lock(hashtext(%s))", (sql.lock_key,))
@@ -322,15 +351,16 @@ def ensure_schema(sql: Sql, *, readonly: bool) -> Op[None]:
             yield Query(statement)
         yield Query(f"INSERT INTO {sql.version_table} (version) VALUES (%s)", (SCHEMA_VERSION,))
         return
-    upgrades = {1: (*sql.ddl_2, *sql.ddl_3), 2: sql.ddl_3}
-    for statement in upgrades[version]:  # version 1 → 2 → 3
+    upgrades = {1: (*sql.ddl_2, *sql.ddl_3, *sql.ddl_4), 2: (*sql.ddl_3, *sql.ddl_4),
+                3: sql.ddl_4}
+    for statement in upgrades[version]:  # version 1 → 2 → 3 → 4
         yield Query(statement)
     yield Query(f"UPDATE {sql.version_table} SET version = %s", (SCHEMA_VERSION,))
 
 
-_UPGRADABLE = frozenset({1, 2})
+_UPGRADABLE = frozenset({1, 2, 3})
 """Versions this library upgrades in place (1: before ``session_items``; 2: before
-``runs.updated_at``)."""
+``runs.updated_at``; 3: before the leases)."""
 
 
 def _refuse_version(sql: Sql, version: Any, *, readonly: bool) -> None:
@@ -387,11 +417,15 @@ def prepare(run_id: str, events: Sequence[Event], expected_version: int,
         kept = (run_id, expected_version, text, digest(text))
     step = step_to_index(run_id, events, step, expected_version)
     claimed, owner = claimed_owner(events)
+    claims = [event for event in events if type(event) is RunClaimed] if claimed else []
+    lease = claims[-1].lease if claims else None
     params: dict[str, Any] = {
         "run": run_id, "new": expected_version + len(events), "expected": expected_version,
         "step": None if step is None else step.value, "owner": owner, "claimed": claimed,
         "session": started_session(events), "batch": batch_id,
-        "at": events[-1].at if events else None}
+        "at": events[-1].at if events else None,
+        "holder": None if lease is None else owner, "lease": lease,
+        "owners": [claim.owner for claim in claims]}
     if len(events) == 1:
         params.update(seq=events[0].seq, body=bodies[0])
     else:
@@ -418,7 +452,7 @@ def append_steps(sql: Sql, a: PreparedAppend) -> Op[None]:
         moved = yield Query(statement, a.params, "rowcount")
         if moved != a.count:
             row = yield Query(sql.head_version, (a.run_id,), "one")
-            raise lost_race(a.run_id, a.expected, 0 if row is None else row[0])
+            raise refusal(a, row)
     else:
         row = yield Query(sql.lock_head, (a.run_id,), "one")
         version = 0 if row is None else row[0]
@@ -428,6 +462,15 @@ def append_steps(sql: Sql, a: PreparedAppend) -> Op[None]:
         yield Query(sql.add_items, a.items)
     if a.snapshot is not None:
         yield Query(sql.snapshot, a.snapshot)
+
+
+def refusal(a: PreparedAppend, row: Any) -> ConcurrencyConflict:
+    """Why an append's statement moved no head, from the head row read after it
+    (version, lease holder, lease end): another version, or, for a claim on the version
+    it expected, another owner's live lease (`LeaseHeld`)."""
+    if row is not None and row[0] == a.expected and a.params["claimed"] and a.expected:
+        return lease_held(row[1], row[2], run_id=a.run_id)
+    return lost_race(a.run_id, a.expected, 0 if row is None else row[0])
 
 
 def lost_race(run_id: str, expected: int, actual: int) -> ConcurrencyConflict:

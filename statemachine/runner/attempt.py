@@ -39,8 +39,9 @@ class Attempt:
     """The attempts made on one run from here, each an ``async with attempt:`` block
     around all of its work (entering returns whether it resumes an existing run).
 
-    Entering claims an existing run (``claim(owner)``) and flushes the claim: raises
-    `ConcurrencyConflict` when another attempt claimed the version first, or the
+    Entering claims an existing run (``claim(owner, lease=lease)``) and flushes the claim:
+    raises `ConcurrencyConflict` when another attempt claimed the version first (its
+    subclass `LeaseHeld` while another owner's lease is live), or the
     controller's refusal, with the block not run. A run the gate would refuse anyway (a
     call in doubt: `ToolInDoubt`) is refused before the claim, recording nothing.
     Leaving flushes what the block buffered: its error, when it raised, is what
@@ -49,9 +50,12 @@ class Attempt:
     own, one at a time; default ``controller.flush_async``)."""
 
     def __init__(self, controller: RunController, *, resumes: bool, owner: str | None = None,
-                 flush: Callable[[], Awaitable[None]] | None = None) -> None:
+                 flush: Callable[[], Awaitable[None]] | None = None,
+                 lease: float | None = None) -> None:
         self.controller = controller
         self.owner = owner
+        self.lease = lease
+        """The lease each claim takes (`RunController.claim`), in seconds, or None."""
         self.resumes = resumes
         """Whether the next attempt resumes a run that exists (and claims it): False only
         before the first attempt on a run this process started."""
@@ -64,7 +68,7 @@ class Attempt:
             c = self.controller
             if self._gated and c.in_doubt():  # the gate refuses it (ToolInDoubt): before
                 c.resume()  # the claim, so a stuck run gains no claim per refused attempt
-            c.claim(self.owner)
+            c.claim(self.owner, lease=self.lease)
             await self._flush()  # durable before any effect, whatever the durability
         self.resumes = True  # every later attempt on the run claims it
         return resumes

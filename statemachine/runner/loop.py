@@ -389,6 +389,7 @@ class Runner:
         take_over: bool = False,
         owner: str | None = None,
         buffered: bool = False,
+        lease: float | None = None,
     ) -> RunResult:
         """Run ``agent`` to its next stop and return the `RunResult`.
 
@@ -396,8 +397,11 @@ class Runner:
         one resumes from exactly one of ``controller=``, ``state=`` (its JSON) or
         ``store=`` with ``run_id=`` (a ``run_id`` the store does not hold starts a new run
         bound to the store). ``session`` is the run's Session (omit it for a run without
-        one). A resumed attempt first records ``claim(owner)``, then passes the gate, all
-        before any guardrail, hook, model call or tool.
+        one). A resumed attempt first records ``claim(owner, lease=lease)``, then passes
+        the gate, all before any guardrail, hook, model call or tool. ``lease`` (seconds,
+        with an ``owner``) holds the run against other owners while this attempt works:
+        each flush renews it, and another owner's claim is refused with `LeaseHeld` until
+        it ends (DESIGN §7.2).
 
         Raises, before any work: `RunNotResumable`, `ToolInDoubt`, `ConcurrencyConflict`
         (another process claimed the run first), `PublicationUnsettled` (another run left
@@ -408,7 +412,7 @@ class Runner:
         return await Runner._run(agent, input, session=session, controller=controller,
                                  state=state, store=store, run_id=run_id, policy=policy,
                                  hooks=hooks, take_over=take_over, emit=lambda event: None,
-                                 owner=owner, buffered=buffered)
+                                 owner=owner, buffered=buffered, lease=lease)
 
     @staticmethod
     def run_streamed(
@@ -426,13 +430,15 @@ class Runner:
                    store: EventStore | AsyncEventStore | None, run_id: str | None,
                    policy: RecoveryPolicy,
                    hooks: RunHooks | None, take_over: bool, emit: Emit | AsyncEmit,
-                   owner: str | None = None, buffered: bool = False) -> RunResult:
+                   owner: str | None = None, buffered: bool = False,
+                   lease: float | None = None) -> RunResult:
         c, resumed = await _controller(agent, session=session, controller=controller,
                                        state=state, store=store, run_id=run_id,
                                        policy=policy, buffered=buffered)
         loop = _AgentLoop(agent, c, _session_for(c, session), hooks or RunHooks(), emit,
                           take_over)
-        async with Attempt(c, resumes=resumed, owner=owner):  # claim first, flush last
+        async with Attempt(c, resumes=resumed, owner=owner,
+                           lease=lease):  # claim first, flush last
             return await loop.run(_input_items(input))
 
 

@@ -292,7 +292,7 @@ def test_a_forged_claim_where_no_attempt_may_go_on_is_rejected_on_load(
     doc = make().to_json()
     events: list[Any] = doc["events"]
     events.append({"type": "RunClaimed", "seq": len(events), "at": TEST_NOW,
-                   "owner": "forger"})
+                   "owner": "forger", "lease": None})
     with pytest.raises(InvalidTransition, match=rf"event {len(events) - 1} \(RunClaimed\) "
                                                 "is forbidden here") as info:
         RunController.from_json(doc)

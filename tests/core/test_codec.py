@@ -138,7 +138,8 @@ def test_version_2_adds_run_claimed_and_upcasts_version_1_unchanged() -> None:
 
 # an independent statement of what version 3 added, field by field (DESIGN §7.2)
 _ADDED_IN_3 = {"CallApproved": ("at", "by", "reason"), "CallRejected": ("at", "by"),
-               "InDoubtResolved": ("at", "by"), "Abandoned": ("at", "by")}
+               "InDoubtResolved": ("at", "by"), "Abandoned": ("at", "by"),
+               "RunClaimed": ("at", "lease")}
 
 
 def test_version_3_adds_time_and_actor_and_upcasts_older_logs_with_none() -> None:

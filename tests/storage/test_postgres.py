@@ -30,7 +30,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from statemachine import RunController, Step, codec
 from statemachine import controller as controller_module
 from statemachine import events as ev
-from statemachine.errors import ConcurrencyConflict, SchemaError, StorageError
+from statemachine.errors import ConcurrencyConflict, LeaseHeld, SchemaError, StorageError
 from statemachine.postgres import (
     SCHEMA_VERSION,
     AsyncEventStore,
@@ -898,10 +898,12 @@ def test_a_version_2_schema_is_upgraded_in_place_and_read_as_it_is_when_read_onl
     with PostgresEventStore(pg_dsn, schema=pg_schema) as store:
         at_interruption(store=store)
     with _admin(pg_dsn) as admin:
-        admin.execute(f"ALTER TABLE {s}.runs DROP COLUMN updated_at")
+        admin.execute(f"ALTER TABLE {s}.runs DROP COLUMN updated_at, DROP COLUMN lease_owner, "
+                      "DROP COLUMN lease_until, DROP COLUMN lease")
         admin.execute(f"UPDATE {s}.statemachine_schema SET version = 2")
         for seq, body in admin.execute(f"SELECT seq, body FROM {s}.events").fetchall():
-            old = {k: v for k, v in json.loads(body).items() if k not in ("at", "by", "reason")}
+            old = {k: v for k, v in json.loads(body).items()
+                   if k not in ("at", "by", "reason", "lease")}
             admin.execute(f"UPDATE {s}.events SET body = %s WHERE seq = %s",
                           (json.dumps(old, separators=(",", ":")), seq))
         admin.execute(f"DELETE FROM {s}.snapshots")
@@ -919,4 +921,31 @@ def test_a_version_2_schema_is_upgraded_in_place_and_read_as_it_is_when_read_onl
         assert [h.updated_at for h in store.list_runs()] == [77]
     with _admin(pg_dsn) as admin:
         assert admin.execute(f"SELECT version FROM {s}.statemachine_schema").fetchall() == [
-            (SCHEMA_VERSION,)] == [(3,)]
+            (SCHEMA_VERSION,)] == [(4,)]
+
+
+def test_a_version_3_schema_gains_the_lease_columns_in_place(pg_dsn: str,
+                                                              pg_schema: str) -> None:
+    # a version 3 schema (heads without leases) opens: a read-only store reads no
+    # lease and changes nothing; a writer adds the columns and keeps leases from then on
+    s = f'"{pg_schema}"'
+    with PostgresEventStore(pg_dsn, schema=pg_schema) as store:
+        at_interruption(store=store).claim("worker-a")
+    with _admin(pg_dsn) as admin:
+        admin.execute(f"ALTER TABLE {s}.runs DROP COLUMN lease_owner, "
+                      "DROP COLUMN lease_until, DROP COLUMN lease")
+        admin.execute(f"UPDATE {s}.statemachine_schema SET version = 3")
+    with PostgresEventStore(pg_dsn, schema=pg_schema, readonly=True) as readonly:
+        assert [(h.owner, h.lease_owner, h.lease_until, h.updated_at is None)
+                for h in readonly.list_runs()] == [("worker-a", None, None, False)]
+    with _admin(pg_dsn) as admin:
+        assert admin.execute(f"SELECT version FROM {s}.statemachine_schema").fetchall() == [
+            (3,)]
+    with PostgresEventStore(pg_dsn, schema=pg_schema) as store:
+        RunController.load(store, "run-1").claim("worker-b", lease=30)
+        assert [h.lease_owner for h in store.list_runs()] == ["worker-b"]
+        with pytest.raises(LeaseHeld):
+            RunController.load(store, "run-1").claim("worker-a")
+    with _admin(pg_dsn) as admin:
+        assert admin.execute(f"SELECT version FROM {s}.statemachine_schema").fetchall() == [
+            (4,)]

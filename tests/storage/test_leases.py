@@ -1,0 +1,281 @@
+"""Leases (DESIGN §7.2): ``claim(owner, lease=...)`` holds a run against other owners.
+
+While another owner's lease is live a claim is refused with `LeaseHeld` (naming the
+holder and the end) and nothing is recorded; the holder may claim again; each append of
+the holder moves the end on; an ended lease is claimable. Each store checks it in the
+append's transaction, by its own clock (the wall clock for memory and SQLite, the
+database's for PostgreSQL). The expected ends below come from the wall clock read around
+each call, never from what a store recorded; PostgreSQL runs on this machine, so its
+clock is this one's up to the slack allowed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import pickle
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from statemachine import ConcurrencyConflict, LeaseHeld, RunController, SchemaError, Step
+from statemachine import events as ev
+from statemachine.controller import MAX_LEASE
+from statemachine.postgres import AsyncPostgresEventStore, PostgresEventStore
+from statemachine.runner import Runner
+from statemachine.sessions import SQLiteSession
+from statemachine.stores import (
+    AsyncSQLiteEventStore,
+    MemoryEventStore,
+    RunHead,
+    SQLiteEventStore,
+)
+from tests.drivers import claim_driver
+
+SLACK = 2_000_000
+"""Microseconds a store's clock and the wall clock read around a call may differ by (a
+busy machine, PostgreSQL's clock)."""
+
+
+def _now() -> int:
+    return time.time_ns() // 1000
+
+
+StoreMaker = Callable[[], Any]
+
+
+@pytest.fixture(params=["memory", "sqlite", "sqlite-async",
+                        pytest.param("postgres", marks=pytest.mark.postgres),
+                        pytest.param("postgres-async", marks=pytest.mark.postgres)])
+def make(request: pytest.FixtureRequest, tmp_path: Path) -> StoreMaker:
+    """Opens the store under test again (each call another handle on the same data)."""
+    kind = request.param
+    if kind == "memory":
+        shared = MemoryEventStore()
+        return lambda: shared
+    if kind.startswith("sqlite"):
+        cls = AsyncSQLiteEventStore if kind.endswith("async") else SQLiteEventStore
+        return lambda: cls(tmp_path / "events.db")
+    dsn = request.getfixturevalue("pg_dsn")
+    schema = request.getfixturevalue("pg_schema")
+    pg = AsyncPostgresEventStore if kind.endswith("async") else PostgresEventStore
+    return lambda: pg(dsn, schema=schema)
+
+
+async def _maybe(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+async def _head(store: Any, run_id: str = "run") -> RunHead:
+    heads: tuple[RunHead, ...] = await _maybe(store.list_runs())
+    (head,) = [h for h in heads if h.run_id == run_id]
+    return head
+
+
+async def _until(store: Any) -> int:
+    until = (await _head(store)).lease_until
+    assert until is not None
+    return until
+
+
+async def _claimed(store: Any, owner: str | None, lease: float | None = None,
+                   run_id: str = "run") -> RunController:
+    c = await RunController.load_async(store, run_id)
+    c.claim(owner, lease=lease)
+    await c.flush_async()
+    return c
+
+
+async def _started(store: Any, run_id: str = "run") -> None:
+    c = RunController.start(run_id=run_id, session_id=None, store=store)
+    await c.flush_async()
+
+
+def _run(body: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(body())
+
+
+def test_a_live_lease_refuses_every_other_owner_and_records_nothing(make: StoreMaker) -> None:
+    async def body() -> None:
+        store = make()
+        await _started(store)
+        before = _now()
+        await _claimed(store, "worker-a", lease=30)
+        after = _now()
+        head = await _head(store)
+        until = await _until(store)
+        assert head.lease_owner == "worker-a"
+        assert before + 30_000_000 - SLACK <= until <= after + 30_000_000 + SLACK
+        version = await _maybe(store.version("run"))
+        for rival, lease in [("worker-b", 30), ("worker-b", None), (None, None)]:
+            with pytest.raises(LeaseHeld) as info:
+                await _claimed(store, rival, lease=lease)
+            refused = info.value
+            assert isinstance(refused, ConcurrencyConflict)
+            assert (refused.owner, refused.until) == ("worker-a", head.lease_until)
+            assert "'worker-a'" in str(refused)
+            assert str(head.lease_until) in str(refused)
+            assert refused.run_id == "run"
+            assert refused.action in ("claim", "flush")
+            assert await _maybe(store.version("run")) == version  # nothing recorded
+        again = pickle.loads(pickle.dumps(refused))
+        assert (type(again), again.owner, again.until) == (LeaseHeld, "worker-a",
+                                                           head.lease_until)
+        # the holder may claim again, and it still holds the run
+        await _claimed(store, "worker-a", lease=30)
+        assert (await _head(store)).lease_owner == "worker-a"
+        with pytest.raises(LeaseHeld):
+            await _claimed(store, "worker-b")
+
+    _run(body)
+
+
+def test_each_append_of_the_holder_moves_the_end_on(make: StoreMaker) -> None:
+    async def body() -> None:
+        store = make()
+        await _started(store)
+        holder = await _claimed(store, "worker-a", lease=1.0)
+        first = await _until(store)
+        await asyncio.sleep(0.6)
+        before = _now()
+        holder.begin_model_call()
+        await holder.flush_async()
+        until = await _until(store)
+        assert until >= before + 1_000_000 - SLACK
+        assert until > first
+        assert (await _head(store)).lease_owner == "worker-a"
+        await asyncio.sleep(0.6)  # 1.2 s after the claim, 0.6 s after the renewal
+        with pytest.raises(LeaseHeld):
+            await _claimed(store, "worker-b")
+
+    _run(body)
+
+
+def test_an_ended_lease_is_claimable_and_a_claim_without_one_drops_it(
+        make: StoreMaker) -> None:
+    async def body() -> None:
+        store = make()
+        await _started(store)
+        await _claimed(store, "worker-a", lease=0.05)
+        await asyncio.sleep(0.2)
+        taker = await _claimed(store, "worker-b", lease=30)  # ended: claimable
+        assert (await _head(store)).lease_owner == "worker-b"
+        with pytest.raises(LeaseHeld) as info:
+            await _claimed(store, "worker-a", lease=30)
+        assert info.value.owner == "worker-b"
+        taker.begin_model_call()  # the refused claim recorded nothing: the holder goes on
+        await taker.flush_async()
+        await _claimed(store, "worker-b")  # the holder claims without a lease: none left
+        head = await _head(store)
+        assert (head.lease_owner, head.lease_until) == (None, None)
+        await _claimed(store, "worker-c")  # today's behaviour: no lease, no refusal
+        await _claimed(store, "worker-d")
+
+    _run(body)
+
+
+def test_a_buffered_claim_in_one_batch_with_the_start_takes_the_lease(tmp_path: Path) -> None:
+    async def body() -> None:
+        store = AsyncSQLiteEventStore(tmp_path / "events.db")
+        c = RunController.start(run_id="run", session_id=None,
+                                store=store)  # type: ignore[arg-type]  # async: buffered
+        c.claim("worker-a", lease=30)
+        await c.flush_async()  # RunStarted and RunClaimed: the run's first append
+        assert (await _head(store)).lease_owner == "worker-a"
+        with pytest.raises(LeaseHeld):
+            await _claimed(store, "worker-b")
+
+    _run(body)
+
+
+@pytest.mark.parametrize("lease", [0, -1, 0.0, math.nan, math.inf, -math.inf, True, "30",
+                                   MAX_LEASE + 1, [30]])
+def test_a_lease_is_a_positive_finite_number_of_seconds(lease: Any) -> None:
+    c = RunController.start(run_id="run", session_id=None, store=MemoryEventStore())
+    with pytest.raises(SchemaError, match="lease must be a positive finite number"):
+        c.claim("worker-a", lease=lease)
+    assert c.version == 1
+
+
+def test_a_lease_needs_an_owner_and_is_recorded_in_microseconds() -> None:
+    c = RunController.start(run_id="run", session_id=None, store=MemoryEventStore())
+    with pytest.raises(SchemaError, match="a lease needs an owner"):
+        c.claim(None, lease=30)
+    assert c.version == 1
+    c.claim("worker-a", lease=2.5)
+    c.claim("worker-a", lease=1e-9)  # shorter than a microsecond: one
+    c.claim("worker-a")
+    assert [e.lease for e in c.events[1:]] == [2_500_000, 1, None]  # type: ignore[attr-defined]
+    assert RunController.from_json(c.to_json()).events == c.events
+
+
+def test_an_older_sqlite_database_gains_the_lease_columns(tmp_path: Path) -> None:
+    path = tmp_path / "events.db"
+    store = SQLiteEventStore(path)
+    c = RunController.start(run_id="run", session_id=None, store=store)
+    c.claim("worker-a")
+    store.close()
+    conn = sqlite3.connect(path)
+    for column in ("lease_owner", "lease_until", "lease"):
+        conn.execute(f"ALTER TABLE runs DROP COLUMN {column}")
+    conn.commit()
+    conn.close()
+    look = SQLiteEventStore(path, readonly=True)  # read-only: no column, no lease
+    assert (look.list_runs()[0].lease_owner, look.list_runs()[0].lease_until) == (None, None)
+    look.close()
+    store = SQLiteEventStore(path)
+    RunController.load(store, "run").claim("worker-a", lease=30)
+    assert store.list_runs()[0].lease_owner == "worker-a"
+    with pytest.raises(LeaseHeld):
+        RunController.load(store, "run").claim("worker-b")
+
+
+def test_the_reference_runner_claims_with_its_lease_and_a_rival_runs_nothing(
+        tmp_path: Path) -> None:
+    # worker-a resumes the paused run with a lease; while it runs (at its first hook)
+    # worker-b's attempt is refused with LeaseHeld before any effect, recording nothing
+    claim_driver.prepare(tmp_path, "interruption")
+    rival: dict[str, Any] = {}
+
+    class Interleaved(claim_driver.Effects):
+        def __call__(self, what: str) -> None:
+            super().__call__(what)
+            if not rival:
+                rival["version"] = SQLiteEventStore(tmp_path / "events.db").version(
+                    claim_driver.RUN_ID)
+                thread = threading.Thread(target=_rival_attempt, args=(tmp_path, rival))
+                thread.start()
+                thread.join()
+
+    agent, hooks = claim_driver.build(tmp_path / "a.txt", Interleaved)
+    store = SQLiteEventStore(tmp_path / "events.db")
+    session = SQLiteSession(claim_driver.SESSION_ID, tmp_path / "session.db")
+    result = asyncio.run(Runner.run(agent, session=session, store=store,
+                                    run_id=claim_driver.RUN_ID, hooks=hooks,
+                                    owner="worker-a", lease=30))
+    assert result.step is Step.COMPLETED
+    assert isinstance(rival["error"], LeaseHeld)
+    assert rival["error"].owner == "worker-a"
+    assert rival["after"] == rival["version"]  # the refused claim recorded nothing
+    assert not (tmp_path / "b.txt").exists()  # and ran no effect
+    claims = [e for e in store.load(claim_driver.RUN_ID) if isinstance(e, ev.RunClaimed)]
+    assert [(e.owner, e.lease) for e in claims] == [("worker-a", 30_000_000)]
+
+
+def _rival_attempt(folder: Path, out: dict[str, Any]) -> None:
+    agent, hooks = claim_driver.build(folder / "b.txt")
+    store = SQLiteEventStore(folder / "events.db")
+    session = SQLiteSession(claim_driver.SESSION_ID, folder / "session.db")
+    try:
+        asyncio.run(Runner.run(agent, session=session, store=store,
+                               run_id=claim_driver.RUN_ID, hooks=hooks, owner="worker-b",
+                               lease=30))
+    except ConcurrencyConflict as error:
+        out["error"] = error
+    out["after"] = store.version(claim_driver.RUN_ID)
