@@ -345,6 +345,10 @@ class SQLiteEventStore:
     their events carries a time).
     """
 
+    keeps_leases = True
+    """Leases are checked and moved in each append's transaction (`stored.next_lease`):
+    a claim landing while another owner's lease is live is refused (`LeaseHeld`)."""
+
     def __init__(self, path: str | os.PathLike[str], *, timeout: float = 30.0,
                  readonly: bool = False) -> None:
         self.path = os.fspath(path)
@@ -926,6 +930,10 @@ class AsyncSQLiteEventStore:
     """The async face of `SQLiteEventStore` (an `AsyncEventStore`): every call runs the
     sync store's method on one worker thread of its own, so an asyncio runner's event loop
     never waits for a lock or an fsync. Calls are serialized on that thread, in order."""
+
+    keeps_leases = True
+    """Leases are checked and moved in each append's transaction (`stored.next_lease`):
+    a claim landing while another owner's lease is live is refused (`LeaseHeld`)."""
 
     def __init__(self, path: str | os.PathLike[str], *, timeout: float = 30.0) -> None:
         self.sync = SQLiteEventStore(path, timeout=timeout)

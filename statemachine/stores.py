@@ -264,6 +264,10 @@ class MemoryEventStore:
     """An in-process store (thread-safe). Events are immutable and kept as they are.
     Runs are indexed by Session (`IndexedStore`)."""
 
+    keeps_leases = True
+    """Leases are checked and moved in each append's transaction (`stored.next_lease`):
+    a claim landing while another owner's lease is live is refused (`LeaseHeld`)."""
+
     def __init__(self) -> None:
         self._logs: dict[str, list[Event]] = {}
         self._snapshots: dict[str, tuple[int, Snapshot]] = {}

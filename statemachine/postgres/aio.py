@@ -252,6 +252,10 @@ class AsyncPostgresEventStore(_AsyncClient):
     command fails with `StorageError` ``"not_written"``.
     """
 
+    keeps_leases = True
+    """Leases are checked and moved in each append's transaction (`stored.next_lease`):
+    a claim landing while another owner's lease is live is refused (`LeaseHeld`)."""
+
     # ---------------------------------------------------------------- writing
 
     async def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,

@@ -43,7 +43,7 @@ from statemachine.runner.agents import (
     Verdict,
 )
 from statemachine.runner.attempt import Attempt, interrupted, maybe_await
-from statemachine.runner.publish import one_writer, publish, settle
+from statemachine.runner.publish import one_writer, publish, settle, writer_gone
 from statemachine.sessions import MemorySession, Session
 from statemachine.stores import AsyncEventStore, EventStore
 from statemachine.values import Action, CallView, Execute, Phase, RecoveryPolicy, Step, ToolCall
@@ -107,7 +107,9 @@ class _AgentLoop:
                 c.resume()  # raises ToolInDoubt naming the call
             elif action is Action.RECONCILE or (action is Action.PUBLISH
                                                 and c.step is Step.UNSETTLED):
-                decision = await settle(c, self.session, take_over=self.take_over)
+                # a writer whose lease ended is gone: take its write over, recorded
+                take_over = self.take_over or writer_gone(c)
+                decision = await settle(c, self.session, take_over=take_over)
                 await self._emit(StreamEvent("reconciled",
                                              {"decision": type(decision).__name__}))
             elif action is Action.AWAIT_DECISIONS:

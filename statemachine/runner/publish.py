@@ -18,6 +18,7 @@ from statemachine.errors import (
     ReconcileRejected,
     StorageError,
 )
+from statemachine.events import RunClaimed
 from statemachine.payloads import JSON
 from statemachine.sessions import Session
 from statemachine.stores import AsyncEventStore, SessionWrite, indexes_runs, takes_session_write
@@ -119,6 +120,34 @@ async def settle(controller: RunController, session: Session, *,
     if isinstance(decision, Append):
         await _write(controller, session, list(decision.items))
     return decision
+
+
+def writer_gone(controller: RunController) -> bool:
+    """Whether the attempt that began the run's unsettled write is provably gone, so the
+    next claimant may take the write over (DESIGN §7.2, leases): that attempt's claim took
+    a lease and named an owner, and a later claim by ANOTHER owner landed in a store that
+    keeps leases (``keeps_leases``). Such a store refuses another owner's claim while the
+    lease is live, and every append of the holder renews it, so that claim landing proves
+    the holder appended nothing for a whole lease and its lease had ended by the store's
+    clock. False whenever any of it cannot be shown from the events this controller
+    holds (no lease, no owner, the same owner, a store that keeps no leases, the claims
+    before a snapshot it was loaded from): then only an explicit ``take_over=True`` goes
+    on (fail closed)."""
+    attempt = controller.state.attempt_seq
+    if (controller.step is not Step.UNSETTLED or attempt is None
+            or not getattr(controller.store, "keeps_leases", False)):
+        return False
+    writer: RunClaimed | None = None
+    for event in controller.events:
+        if type(event) is not RunClaimed:
+            continue
+        if event.seq < attempt:
+            writer = event  # the last claim before the write began: the writer's
+            continue
+        # the first claim after the write began: another owner's, past the writer's lease
+        return (writer is not None and writer.lease is not None
+                and writer.owner is not None and event.owner != writer.owner)
+    return False
 
 
 async def _write(controller: RunController, session: Session, items: list[JSON]) -> None:

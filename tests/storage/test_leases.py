@@ -279,3 +279,79 @@ def _rival_attempt(folder: Path, out: dict[str, Any]) -> None:
     except ConcurrencyConflict as error:
         out["error"] = error
     out["after"] = store.version(claim_driver.RUN_ID)
+
+
+# ------------------------------------------- taking over a write whose writer is gone
+
+
+def _left_writing(path: Path, *, owner: str | None, lease: float | None) -> SQLiteEventStore:
+    """Worker ``owner`` claimed the seed run (with ``lease``), ran its tools, staged the
+    batch and was killed inside its Session write: the run is UNSETTLED and the Session
+    holds nothing of the batch."""
+    from tests.helpers import B as BATCH
+    from tests.helpers import P, at_interruption, run_charge
+
+    store = SQLiteEventStore(path)
+    c = at_interruption(store=store)
+    if owner is not None:  # (None: the attempt that started the run, which claims nothing)
+        c.claim(owner, lease=lease)
+    run_charge(c)
+    c.stage_publication(BATCH, P, call_ids=["charge", "audit"])
+    assert c.step is Step.UNSETTLED
+    return store
+
+
+def _next_worker(store: SQLiteEventStore, owner: str) -> tuple[Any, list[Any]]:
+    from statemachine.runner import Agent
+    from statemachine.sessions import MemorySession
+    from statemachine.testing import Untouchable
+    from tests.helpers import SESSION, P
+
+    session = MemorySession(SESSION, list(P))
+    agent = Agent("a", Untouchable())
+    result = asyncio.run(Runner.run(agent, store=store, run_id="run-1", session=session,
+                                    owner=owner, lease=5))
+    return result, asyncio.run(session.get_items())
+
+
+def test_a_writer_whose_lease_ended_is_taken_over_by_the_next_worker(tmp_path: Path) -> None:
+    """Finding 3.7: the killed writer held a lease; once it ended, another worker's claim
+    lands, which proves the writer appended nothing for a whole lease: the reference
+    runner takes the write over by itself (recorded: ``take_over`` in the log), writes
+    the batch once and goes on. Before: UNSETTLED until someone passed take_over=True."""
+    from tests.helpers import B as BATCH
+    from tests.helpers import P
+
+    store = _left_writing(tmp_path / "events.db", owner="worker-a", lease=0.2)
+    time.sleep(0.3)
+    result, items = _next_worker(store, "worker-b")
+    assert items == [*P, *BATCH]  # the batch, written once
+    assert result.controller.step is Step.INTERRUPTION  # notify still awaits its decision
+    taken = [e for e in store.load("run-1") if isinstance(e, ev.ReconciledAppend)]
+    assert [e.take_over for e in taken] == [True]
+
+
+@pytest.mark.parametrize("case", ["lease-live", "no-lease", "same-owner", "no-claim"])
+def test_a_writer_not_provably_gone_is_never_taken_over(tmp_path: Path, case: str) -> None:
+    """Fail closed: a live lease refuses the next worker (`LeaseHeld`, nothing recorded);
+    a writer that took no lease (or claimed nothing: it started the run), or a next claim
+    by the same owner,
+    proves nothing, so the run stays unsettled (`ReconcileRejected`: "may still be
+    writing") and the Session is not written."""
+    from statemachine import ReconcileRejected
+
+    owner = None if case == "no-claim" else "worker-a"
+    lease = None if case in ("no-lease", "no-claim") else (30.0 if case == "lease-live"
+                                                          else 0.2)
+    store = _left_writing(tmp_path / "events.db", owner=owner, lease=lease)
+    before = store.load("run-1")
+    if case != "lease-live":
+        time.sleep(0.3)
+    refused = LeaseHeld if case == "lease-live" else ReconcileRejected
+    with pytest.raises(refused):
+        _next_worker(store, "worker-a" if case == "same-owner" else "worker-b")
+    log = store.load("run-1")
+    assert not any(isinstance(e, ev.ReconciledAppend) for e in log)
+    assert RunController.load(store, "run-1").step is Step.UNSETTLED
+    if case == "lease-live":
+        assert log == before
