@@ -75,26 +75,29 @@ def _interrupted(i: int) -> RunController:
 
 
 FINGERPRINT = fingerprint_of("t", {"x": 7})
+AT = 1_767_225_600_000_000
 PAYLOAD = {"allowed": True, "score": 0.97, "labels": ["pii", "tone"]}
 
 # name: (setup, step, trigger, the guard the floor calls, the command, the floor's record
-# with the command's fields, detaching the payload where the command carries one)
+# with the command's fields, ``at`` included (a reading of a clock, not the clock: the
+# controller's clock call is its own), detaching the payload where the command carries one)
 COMMANDS: dict[str, tuple[Setup, Step, str, str, Callable[[RunController], Any],
                           Callable[[int], ev.Event]]] = {
     "begin_model_call": (
         _fresh, Step.RUN_AGAIN, "begin_model_call", "turns_left",
-        lambda c: c.begin_model_call(), ev.ModelCallBegun),
+        lambda c: c.begin_model_call(), lambda seq: ev.ModelCallBegun(seq, at=AT)),
     "hook_ran": (
         _fresh, Step.RUN_AGAIN, "hook_ran", "hook_not_repeated",
-        lambda c: c.hook_ran("agent_start"), lambda seq: ev.HookRan(seq, "agent_start", None)),
+        lambda c: c.hook_ran("agent_start"),
+        lambda seq: ev.HookRan(seq, "agent_start", None, at=AT)),
     "approve": (
         _interrupted, Step.INTERRUPTION, "approve", "call_awaits_decision",
-        lambda c: c.approve("a"), lambda seq: ev.CallApproved(seq, "a", FINGERPRINT)),
+        lambda c: c.approve("a"), lambda seq: ev.CallApproved(seq, "a", FINGERPRINT, at=AT)),
     "guardrail_evaluated": (
         _fresh, Step.RUN_AGAIN, "guardrail_evaluated", "guardrail_not_repeated",
         lambda c: c.guardrail_evaluated("g", PAYLOAD, stage="input"),
         lambda seq: ev.GuardrailEvaluated(
-            seq, GuardrailResult("g", "input", None, detach(PAYLOAD)))),
+            seq, GuardrailResult("g", "input", None, detach(PAYLOAD)), at=AT)),
 }
 
 

@@ -633,6 +633,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        "        self._add_items(bodies)",
        "SQLiteSession.add_items writes on the event loop, which stops for its fsync"),
     # ------------------------------------------------------- time and actor (§7.2)
+    _m("SZT1", '"< 10_000_000_000_000_000 else', '"<= 10_000_000_000_000_000 else',
+       "a 17-digit at is sized as 16 digits"),
     _m("COT1", "        if present:\n", "        if False:\n",
        "a version 2 document whose events carry version 3 fields loads"),
     _m("COT2", "chain_tag(key, signed_events)", "chain_tag(key, raw_events)",

@@ -63,6 +63,12 @@ def _value_expr(kind: Any, value: str, sizers: dict[str, Any]) -> str:
     raise TypeError(f"no size for a field of type {kind}")  # pragma: no cover
 
 
+_AT_SIZE = ("(4 if (_at := value.at) is None else 16 if 999_999_999_999_999 < _at "
+            "< 10_000_000_000_000_000 else len(str(_at)))")
+"""An event's ``at``: a clock's reading has 16 digits from 2001 to 2286, so two
+comparisons size it without printing it (every event is sized as it is recorded)."""
+
+
 def _sizer(cls: type, tag: str | None = None) -> Callable[[Any], int]:
     """The exact size of ``cls``'s compact JSON; ``tag`` for an event's "type"."""
     fields = attrs.fields(attrs.resolve_types(cls))
@@ -70,7 +76,8 @@ def _sizer(cls: type, tag: str | None = None) -> Callable[[Any], int]:
     pairs += [f'"{f.name}":' for f in fields]
     constant = 2 + sum(map(len, pairs)) + len(pairs) - 1
     namespace: dict[str, Any] = {"_quote": encode_str, "_json": json_size, "_utf8": utf8_len}
-    terms = [_value_expr(f.type, f"value.{f.name}", namespace) for f in fields]
+    terms = [_AT_SIZE if f.name == "at" else _value_expr(f.type, f"value.{f.name}", namespace)
+             for f in fields]
     source = f"def size(value):\n    return {constant} + {' + '.join(terms) or '0'}\n"
     exec(source, namespace)  # the source is built above from attrs field names only
     sizer: Callable[[Any], int] = namespace["size"]

@@ -84,6 +84,10 @@ EVENTS: list[ev.Event] = [
     # time and actor (schema version 3): an int of any length, None, text of any kind
     ev.ModelCallBegun(1, at=1_767_225_600_123_456),
     ev.ModelCallBegun(1, at=0),
+    ev.ModelCallBegun(1, at=10**15 - 1),  # the edges of the 16-digit readings
+    ev.ModelCallBegun(1, at=10**15),
+    ev.ModelCallBegun(1, at=10**16 - 1),
+    ev.ModelCallBegun(1, at=10**16),
     ev.RunStarted(0, "r", "s", RecoveryPolicy.RECONCILE, None, "json", at=ev.MAX_AT),
     ev.CallApproved(7, "c", "f" * 64, at=10**15, by=WEIRD, reason=WEIRD * 3),
     ev.CallApproved(7, "c", "f" * 64, at=None, by=None, reason="why"),
