@@ -277,7 +277,7 @@ async def serve(folder: Path, dsn: str, schema: str, worker: str, seed: int,
             attempt.run_id, attempt.claim = rng.choice(open_runs), None
             attempt.number += 1
             kind = rng.choice(("sync", "async"))
-            buffered = rng.random() < 0.5
+            buffered = rng.random() < 0.6  # where a missing fence shows most
             store: Any = sync_store if kind == "sync" else async_store
             key = (kind, attempt.run_id)
             if key not in sessions:

@@ -64,7 +64,7 @@ class Budget:
 
 
 BUDGET = (Budget(workers=8, runs=16, seconds=150.0, kills=40, stops=40) if LONG
-          else Budget(workers=4, runs=4, seconds=25.0, kills=8, stops=10))
+          else Budget(workers=4, runs=4, seconds=25.0, kills=6, stops=12))
 QUIET = 4.0
 """Seconds a run in doubt must stay unchanged before the chaos counts it finished."""
 
@@ -144,13 +144,13 @@ class Fleet:
         move = rng.random()
         worker = rng.choice(live)
         assert worker.process is not None
-        if move < 0.35 and self.kills < BUDGET.kills:
+        if move < 0.3 and self.kills < BUDGET.kills:
             worker.process.send_signal(signal.SIGKILL)
             self.reap(worker)
             worker.restart_at = now + rng.uniform(0.1, 1.0)
             self.kills += 1
-        elif move < 0.75 and sum(self.stops.values()) < BUDGET.stops:
-            long_stop = rng.random() < 0.6
+        elif move < 0.8 and sum(self.stops.values()) < BUDGET.stops:
+            long_stop = rng.random() < 0.75
             seconds = (rng.uniform(fleet_worker.LEASE + 0.3, fleet_worker.LEASE + 1.5)
                        if long_stop else rng.uniform(0.1, 1.0))
             worker.process.send_signal(signal.SIGSTOP)
