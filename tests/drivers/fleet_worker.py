@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -73,8 +74,9 @@ from statemachine.runner import (
 from statemachine.stores import Snapshot
 from tests.drivers.crash_driver import append_line
 
-LOOKUPS = 3
-"""How many times the model calls ``lookup`` after ``pay``, before it answers."""
+LOOKUPS = 12 if os.environ.get("STATEMACHINE_FLEET") == "long" else 3
+"""How many times the model calls ``lookup`` after ``pay``, before it answers (the long
+fleet's runs are longer, so more of its kills and stops land mid-run)."""
 LEASE = 2.0
 """Seconds: the lease each attempt's claim takes (renewed by each of its flushes)."""
 EFFECTS = "effects.txt"
@@ -269,7 +271,14 @@ async def serve(folder: Path, dsn: str, schema: str, worker: str, seed: int,
     finished: set[str] = set()  # completed, or a call in doubt: no worker can go on
     try:
         while not (folder / "stop").exists() and len(finished) < len(runs):
-            heads = {head.run_id: head.step for head in reader.list_runs()}
+            try:
+                heads = {head.run_id: head.step for head in reader.list_runs()}
+            except ControlError as error:  # the database may refuse a while: try again
+                sys.stdout.write(json.dumps({"worker": worker, "attempt": None,
+                                             "outcome": type(error).__name__,
+                                             "typed": True, "error": str(error)}) + "\n")
+                await asyncio.sleep(0.2)
+                continue
             finished |= {run for run in runs if heads.get(run) in FINISHED}
             open_runs = [run for run in runs if run not in finished]
             if not open_runs:

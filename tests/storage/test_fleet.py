@@ -13,13 +13,27 @@ per superseded attempt: the runner fences before every effect, so the next one i
 with `ConcurrencyConflict`). A kill during the paying tool leaves its run in doubt: counted,
 not a failure.
 
+The chaos goes on for a bounded time (or until every run is finished: completed, or in
+doubt and unchanged for a while), then the workers get a short calm to finish what they
+can, then are told to stop. End states are counted, not checked: a run can be in doubt,
+left unsettled by a write its superseded attempt never finished (until the runner takes
+over on an expired lease by itself), or mid-way when the budget ran out.
+
 What must hold: the paying tool ran at most once per run, and exactly once per run that
 completed; no effect reported after its attempt's claim was superseded, except at most one
 per superseded attempt; every error a worker ended an attempt with is one of the
-library's typed errors; every run's log passes `check_log`.
+library's typed errors and no worker wrote to stderr; every run's log passes
+`check_log`. An effect counts as after supersession when its own check (a read of the
+run's newest claim, on another connection, before its line) saw a newer claim than its
+attempt's: a claim that committed before the read, so before the line (never a false
+alarm); one that committed between the read and the line is missed, but then the effect
+was in flight at that moment, the one effect allowed anyway. Per command, an attempt's
+next record would be refused after one effect even without the fences; buffered, it
+would run on until its next flush, which is what the fences prevent (with them commented
+out of the runner this test fails).
 
-CI form: 4 workers, 4 runs, a bounded budget (seed ``STATEMACHINE_FLEET_SEED``, default
-24). ``STATEMACHINE_FLEET=long`` (``just fuzz``): 8 workers, 16 runs, a longer budget.
+CI form: 4 workers, 4 runs, 22 s of chaos at most (seed ``STATEMACHINE_FLEET_SEED``,
+default 24). ``STATEMACHINE_FLEET=long`` (``just fuzz``): 8 workers, 24 longer runs, 240 s.
 Run with ``-s`` for the figures.
 """
 
@@ -59,12 +73,14 @@ class Budget:
     runs: int
     seconds: float
     """How long the chaos may go on (it ends sooner once every run is finished)."""
+    calm: float
+    """How long the workers may then go on without it, to finish what they can."""
     kills: int
     stops: int
 
 
-BUDGET = (Budget(workers=8, runs=16, seconds=150.0, kills=40, stops=40) if LONG
-          else Budget(workers=4, runs=4, seconds=25.0, kills=6, stops=12))
+BUDGET = (Budget(workers=8, runs=24, seconds=240.0, calm=30.0, kills=100, stops=150) if LONG
+          else Budget(workers=4, runs=4, seconds=22.0, calm=8.0, kills=6, stops=12))
 QUIET = 4.0
 """Seconds a run in doubt must stay unchanged before the chaos counts it finished."""
 
@@ -79,8 +95,6 @@ class Worker:
     files: tuple[IO[bytes], IO[bytes]] | None = None
     stopped_until: float | None = None
     restart_at: float | None = None
-    done: bool = False
-    """It ended by itself (every run finished, as it saw them): not restarted."""
 
     @property
     def name(self) -> str:
@@ -130,8 +144,7 @@ class Fleet:
                 process.send_signal(signal.SIGCONT)
                 worker.stopped_until = None
             if worker.files is not None and process is not None and process.poll() is not None:
-                self.reap(worker)
-                worker.done = True
+                self.reap(worker)  # it ended by itself: every run finished, as it saw them
             if worker.restart_at is not None and now >= worker.restart_at:
                 self.start(worker)
 
@@ -212,13 +225,17 @@ def test_a_fleet_of_killed_and_stopped_workers_runs_no_effect_twice_or_supersede
         fleet.start(worker)
     quiet: dict[str, tuple[int, float]] = {}
     next_move = began + 1.0  # let the workers start first
+    next_look = began
+    chaos_ends = began + BUDGET.seconds
     with PostgresEventStore(pg_dsn, schema=pg_schema, readonly=True) as store:
         try:
-            while (now := time.monotonic()) < began + BUDGET.seconds:
+            while (now := time.monotonic()) < chaos_ends + BUDGET.calm:
                 fleet.tick(now)
-                if all(finished(store, run_id, quiet, now) for run_id in runs):
-                    break
-                if now >= next_move:
+                if now >= next_look:
+                    if all(finished(store, run_id, quiet, now) for run_id in runs):
+                        break
+                    next_look = now + 0.5
+                if now < chaos_ends and now >= next_move:
                     fleet.chaos(rng, now)
                     next_move = now + rng.uniform(0.2, 0.8)
                 time.sleep(0.05)
@@ -248,7 +265,9 @@ def test_a_fleet_of_killed_and_stopped_workers_runs_no_effect_twice_or_supersede
     tracebacks = {name: text for name, text in errors.items() if text.strip()}
     figures = {
         "seed": SEED, "workers": BUDGET.workers, "runs": len(runs), "seconds": round(took, 1),
-        "attempts": len(reports), "attempts with effects": len(by_attempt),
+        "attempts": len({(r["worker"], r["attempt"]) for r in reports
+                         if r["attempt"] is not None} | set(by_attempt)),
+        "attempts with effects": len(by_attempt),
         "kills": fleet.kills, "stops": dict(fleet.stops),
         "superseded attempts": len(superseded),
         "extra effects per superseded attempt": dict(sorted(extra.items())),
@@ -270,7 +289,6 @@ def test_a_fleet_of_killed_and_stopped_workers_runs_no_effect_twice_or_supersede
             assert pays[run_id] == 1, f"{run_id} completed with {pays[run_id]} payments ({shown})"
     over = {f"{w}#{n}": found for (w, n), found in stale.items() if len(found) > 1}
     assert not over, f"effects after the attempt's claim was superseded: {over} ({shown})"
-    assert set(states.values()) <= {"completed", "in doubt", "unsettled"}, shown
     assert any(state == "completed" for state in states.values()), shown
 
 
