@@ -9,7 +9,8 @@ known to be finished, and resumes it through the reference `Runner` (``store=``,
 or the async store, as its seeded random choice says. It prints one JSON line per
 attempt: ``{"worker", "attempt", "run", "buffered", "store", "outcome", "typed",
 "error"}`` (``outcome`` ``"completed"`` or the class name of the error the attempt ended
-with; ``typed``: the error is one of the library's own, a `ControlError`). The worker
+with; ``typed``: the error is one of the library's own: a `ControlError`, or the
+runner's `MaxTurnsExceeded` or `OutputGuardrailTripwire`). The worker
 ends when DIR/stop exists or every run is finished as far as it can tell.
 
 Every model call, hook, guardrail and tool appends one JSON line to DIR/effects.txt
@@ -64,8 +65,10 @@ from statemachine.postgres import (
 from statemachine.runner import (
     Agent,
     FunctionTool,
+    MaxTurnsExceeded,
     ModelResponse,
     OutputGuardrail,
+    OutputGuardrailTripwire,
     RunHooks,
     Runner,
     ToolGuardrail,
@@ -232,7 +235,8 @@ def build(effect: Effects) -> tuple[Agent, Hooks]:
     agent = Agent("payer", Model(effect),
                   (tool("pay", pay, needs_approval=True), tool("lookup", lookup,
                                                                  idempotent=True)),
-                  output_guardrails=(OutputGuardrail("final_check", guard("final_check")),))
+                  output_guardrails=(OutputGuardrail("final_check", guard("final_check")),),
+                  max_turns=LOOKUPS + 2)  # pay, each lookup, the answer
     return agent, Hooks(effect)
 
 
@@ -302,7 +306,8 @@ async def serve(folder: Path, dsn: str, schema: str, worker: str, seed: int,
                                           run_id=attempt.run_id, hooks=hooks, owner=worker,
                                           lease=LEASE, buffered=buffered)
                 report.update(outcome="completed", step=result.step.value, typed=True)
-            except ControlError as error:
+            except (ControlError, MaxTurnsExceeded, OutputGuardrailTripwire) as error:
+                # the library's own errors (a refusal, or the runner ending a run)
                 report.update(outcome=type(error).__name__, typed=True, error=str(error))
                 if isinstance(error, ToolInDoubt):
                     finished.add(attempt.run_id)  # stays in doubt: no operator here
