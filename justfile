@@ -26,13 +26,16 @@ bench *args:
     {{python}} -m bench "$@"
 
 # Long fuzzing: the explorer deeper than CI, then the property and stateful tests with the
-# long `fuzz` profile (persistent example database, a progress line every 50 examples).
+# long `fuzz` profile (persistent example database, a progress line every 50 examples),
+# then the long fleet on PostgreSQL (8 workers killed and stopped at random; skips
+# without a server).
 fuzz depth="7" *args:
     {{python}} -m statemachine explore --depth "$1"
     HYPOTHESIS_PROFILE=fuzz {{python}} -m pytest -s tests/kit/test_worlds.py \
         tests/core/test_machine.py tests/core/test_codec.py tests/core/test_envelope.py \
         tests/runner/test_remote.py tests/core/test_decoding.py tests/core/test_refusals.py \
         "${@:2}"
+    STATEMACHINE_FLEET=long {{python}} -m pytest -s tests/storage/test_fleet.py
 
 # Regenerate diagrams/ from the declaration in statemachine/machine.py.
 diagrams:
