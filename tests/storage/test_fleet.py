@@ -213,6 +213,7 @@ def lines(path: Path) -> list[dict[str, Any]]:
     return found
 
 
+@pytest.mark.invariant("I1")
 def test_a_fleet_of_killed_and_stopped_workers_runs_no_effect_twice_or_superseded(
         pg_dsn: str, pg_schema: str, tmp_path: Path) -> None:
     rng = random.Random(SEED)
