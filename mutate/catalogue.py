@@ -155,7 +155,7 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     # store and Session run one planted in aio.py
     "statemachine/postgres/aio.py": _POSTGRES,
     "statemachine/runner/loop.py": _RUNNER,
-    "statemachine/runner/attempt.py": _RUNNER,
+    "statemachine/runner/attempt.py": (*_RUNNER, "tests/storage/test_leases.py"),
     "statemachine/runner/publish.py": (*_RUNNER, "tests/storage/test_leases.py"),
     "statemachine/runner/remote.py": ("tests/runner/test_remote.py",
                                       "tests/runner/test_runner_promises.py"),
@@ -827,6 +827,10 @@ CATALOGUE: tuple[Mutant, ...] = (
        "a refused resume of a stuck run records a claim every time"),
     _m("AT04", "        self._gated = False\n        try:", "        try:",
        "an operator's resolution of a call in doubt is refused before its claim"),
+    _m("AT05", "        elif self.lease is not None:  # a new run held from its first attempt "
+               "on: its\n",
+       "        elif False:  # a new run held from its first attempt on: its\n",
+       "a new run's first attempt takes no lease: another owner supersedes it at once"),
     _m("AT02", "        with contextlib.suppress(ControlError):  # the attempt's own error "
                "wins\n            await self._flush()\n", "",
        "a failed attempt drops its buffered events"),
@@ -863,6 +867,11 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("PU10", "        return (writer is not None and writer.lease is not None\n",
        "        return (writer is not None\n",
        "a writer that took no lease is taken over by the next claimant"),
+    _m("PU11", "            or not (callable(shares) and shares(store) and "
+               "takes_session_write(store))):",
+       "            ):",
+       "a write to a Session outside the store's transaction is taken over: a stalled writer "
+       "could still land it, twice"),
     # -------------------------------------------------------------- runner/remote
     _m("RE01", 'answered = {e.call_id for e in history if e.kind == "tool_result"}',
        "answered: set[str | None] = set()",

@@ -70,6 +70,9 @@ class Attempt:
                 c.resume()  # the claim, so a stuck run gains no claim per refused attempt
             c.claim(self.owner, lease=self.lease)
             await self._flush()  # durable before any effect, whatever the durability
+        elif self.lease is not None:  # a new run held from its first attempt on: its
+            self.controller.claim(self.owner, lease=self.lease)  # claim takes the lease
+            await self._flush()
         self.resumes = True  # every later attempt on the run claims it
         return resumes
 

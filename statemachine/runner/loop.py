@@ -108,7 +108,7 @@ class _AgentLoop:
             elif action is Action.RECONCILE or (action is Action.PUBLISH
                                                 and c.step is Step.UNSETTLED):
                 # a writer whose lease ended is gone: take its write over, recorded
-                take_over = self.take_over or writer_gone(c)
+                take_over = self.take_over or writer_gone(c, self.session)
                 decision = await settle(c, self.session, take_over=take_over)
                 await self._emit(StreamEvent("reconciled",
                                              {"decision": type(decision).__name__}))

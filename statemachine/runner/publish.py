@@ -122,20 +122,28 @@ async def settle(controller: RunController, session: Session, *,
     return decision
 
 
-def writer_gone(controller: RunController) -> bool:
-    """Whether the attempt that began the run's unsettled write is provably gone, so the
-    next claimant may take the write over (DESIGN §7.2, leases): that attempt's claim took
-    a lease and named an owner, and a later claim by ANOTHER owner landed in a store that
-    keeps leases (``keeps_leases``). Such a store refuses another owner's claim while the
-    lease is live, and every append of the holder renews it, so that claim landing proves
-    the holder appended nothing for a whole lease and its lease had ended by the store's
-    clock. False whenever any of it cannot be shown from the events this controller
-    holds (no lease, no owner, the same owner, a store that keeps no leases, the claims
-    before a snapshot it was loaded from): then only an explicit ``take_over=True`` goes
-    on (fail closed)."""
+def writer_gone(controller: RunController, session: Session) -> bool:
+    """Whether the attempt that began the run's unsettled write can no longer land it, so
+    the next claimant may take the write over (DESIGN §7.2, leases). All of:
+
+    * ``session`` is written in the store's own append transaction (it shares it, as
+      `PostgresSession` does): the writer's write is its commit append, which the store
+      refuses once another attempt has moved the log. A Session written on its own
+      (memory, a SQLite file of its own, yours) is never taken over this way: a write
+      stalled past the lease could still land after the take-over, twice;
+    * that attempt's claim took a lease and named an owner, and a later claim by ANOTHER
+      owner landed in a store that keeps leases (``keeps_leases``), which refuses such a
+      claim while the lease is live: the writer appended nothing for a whole lease.
+
+    False whenever any of it cannot be shown from the events this controller holds (the
+    claims before a snapshot it was loaded from included): then only an explicit
+    ``take_over=True`` goes on (fail closed)."""
     attempt = controller.state.attempt_seq
+    store = controller.store
+    shares = getattr(session, "shares_transaction_with", None)
     if (controller.step is not Step.UNSETTLED or attempt is None
-            or not getattr(controller.store, "keeps_leases", False)):
+            or not getattr(store, "keeps_leases", False)
+            or not (callable(shares) and shares(store) and takes_session_write(store))):
         return False
     writer: RunClaimed | None = None
     for event in controller.events:

@@ -284,74 +284,124 @@ def _rival_attempt(folder: Path, out: dict[str, Any]) -> None:
 # ------------------------------------------- taking over a write whose writer is gone
 
 
-def _left_writing(path: Path, *, owner: str | None, lease: float | None) -> SQLiteEventStore:
+def _left_writing(store: Any, *, owner: str | None, lease: float | None) -> None:
     """Worker ``owner`` claimed the seed run (with ``lease``), ran its tools, staged the
-    batch and was killed inside its Session write: the run is UNSETTLED and the Session
+    batch and was killed before its write landed: the run is UNSETTLED and the Session
     holds nothing of the batch."""
     from tests.helpers import B as BATCH
     from tests.helpers import P, at_interruption, run_charge
 
-    store = SQLiteEventStore(path)
     c = at_interruption(store=store)
     if owner is not None:  # (None: the attempt that started the run, which claims nothing)
         c.claim(owner, lease=lease)
     run_charge(c)
     c.stage_publication(BATCH, P, call_ids=["charge", "audit"])
     assert c.step is Step.UNSETTLED
-    return store
 
 
-def _next_worker(store: SQLiteEventStore, owner: str) -> tuple[Any, list[Any]]:
+def _next_worker(store: Any, session: Any, owner: str) -> Any:
     from statemachine.runner import Agent
-    from statemachine.sessions import MemorySession
     from statemachine.testing import Untouchable
+
+    return asyncio.run(Runner.run(Agent("a", Untouchable()), store=store, run_id="run-1",
+                                  session=session, owner=owner, lease=5))
+
+
+def _pg_session(pg_dsn: str, pg_schema: str) -> Any:
+    """The run's Session in the store's database (its writes share the store's
+    transaction), holding the conversation before the batch."""
+    from statemachine.postgres import PostgresSession
     from tests.helpers import SESSION, P
 
-    session = MemorySession(SESSION, list(P))
-    agent = Agent("a", Untouchable())
-    result = asyncio.run(Runner.run(agent, store=store, run_id="run-1", session=session,
-                                    owner=owner, lease=5))
-    return result, asyncio.run(session.get_items())
+    session = PostgresSession(pg_dsn, SESSION, schema=pg_schema)
+    asyncio.run(session.add_items(list(P)))
+    return session
 
 
-def test_a_writer_whose_lease_ended_is_taken_over_by_the_next_worker(tmp_path: Path) -> None:
-    """Finding 3.7: the killed writer held a lease; once it ended, another worker's claim
-    lands, which proves the writer appended nothing for a whole lease: the reference
-    runner takes the write over by itself (recorded: ``take_over`` in the log), writes
-    the batch once and goes on. Before: UNSETTLED until someone passed take_over=True."""
+@pytest.mark.postgres
+def test_a_writer_whose_lease_ended_is_taken_over_by_the_next_worker(
+        pg_dsn: str, pg_schema: str) -> None:
+    """Finding 3.7: the killed writer held a lease and its write was the store's own
+    commit append (`PostgresSession`); once the lease ended another worker's claim lands,
+    so the writer appended nothing for a whole lease and can land nothing now (its commit
+    would meet a moved log). The reference runner takes the write over by itself
+    (recorded: ``take_over`` in the log), writes the batch once and goes on. Before:
+    UNSETTLED until someone passed take_over=True."""
     from tests.helpers import B as BATCH
     from tests.helpers import P
 
-    store = _left_writing(tmp_path / "events.db", owner="worker-a", lease=0.2)
-    time.sleep(0.3)
-    result, items = _next_worker(store, "worker-b")
-    assert items == [*P, *BATCH]  # the batch, written once
-    assert result.controller.step is Step.INTERRUPTION  # notify still awaits its decision
-    taken = [e for e in store.load("run-1") if isinstance(e, ev.ReconciledAppend)]
-    assert [e.take_over for e in taken] == [True]
+    with PostgresEventStore(pg_dsn, schema=pg_schema) as store:
+        session = _pg_session(pg_dsn, pg_schema)
+        _left_writing(store, owner="worker-a", lease=0.2)
+        time.sleep(0.3)
+        result = _next_worker(store, session, "worker-b")
+        assert asyncio.run(session.get_items()) == [*P, *BATCH]  # the batch, written once
+        assert result.controller.step is Step.INTERRUPTION  # notify awaits its decision
+        taken = [e for e in store.load("run-1") if isinstance(e, ev.ReconciledAppend)]
+        assert [e.take_over for e in taken] == [True]
+        session.close()
 
 
-@pytest.mark.parametrize("case", ["lease-live", "no-lease", "same-owner", "no-claim"])
-def test_a_writer_not_provably_gone_is_never_taken_over(tmp_path: Path, case: str) -> None:
+@pytest.mark.postgres
+@pytest.mark.parametrize("case", ["lease-live", "no-lease", "same-owner", "no-claim",
+                                  "session-of-its-own"])
+def test_a_writer_not_provably_gone_is_never_taken_over(pg_dsn: str, pg_schema: str,
+                                                         case: str) -> None:
     """Fail closed: a live lease refuses the next worker (`LeaseHeld`, nothing recorded);
-    a writer that took no lease (or claimed nothing: it started the run), or a next claim
-    by the same owner,
-    proves nothing, so the run stays unsettled (`ReconcileRejected`: "may still be
-    writing") and the Session is not written."""
+    a writer that took no lease (or claimed nothing: it started the run), a next claim by
+    the same owner, or a Session written outside the store's transaction (a write stalled
+    past the lease could still land after a take-over) proves nothing, so the run stays
+    unsettled (`ReconcileRejected`: "may still be writing") and the Session is not
+    written."""
     from statemachine import ReconcileRejected
+    from statemachine.sessions import MemorySession
+    from tests.helpers import SESSION, P
 
     owner = None if case == "no-claim" else "worker-a"
     lease = None if case in ("no-lease", "no-claim") else (30.0 if case == "lease-live"
                                                           else 0.2)
-    store = _left_writing(tmp_path / "events.db", owner=owner, lease=lease)
-    before = store.load("run-1")
-    if case != "lease-live":
-        time.sleep(0.3)
-    refused = LeaseHeld if case == "lease-live" else ReconcileRejected
-    with pytest.raises(refused):
-        _next_worker(store, "worker-a" if case == "same-owner" else "worker-b")
-    log = store.load("run-1")
-    assert not any(isinstance(e, ev.ReconciledAppend) for e in log)
-    assert RunController.load(store, "run-1").step is Step.UNSETTLED
-    if case == "lease-live":
-        assert log == before
+    with PostgresEventStore(pg_dsn, schema=pg_schema) as store:
+        session: Any = (MemorySession(SESSION, list(P)) if case == "session-of-its-own"
+                        else _pg_session(pg_dsn, pg_schema))
+        _left_writing(store, owner=owner, lease=lease)
+        before = store.load("run-1")
+        if case != "lease-live":
+            time.sleep(0.3)
+        refused = LeaseHeld if case == "lease-live" else ReconcileRejected
+        with pytest.raises(refused):
+            _next_worker(store, session, "worker-a" if case == "same-owner" else "worker-b")
+        log = store.load("run-1")
+        assert not any(isinstance(e, ev.ReconciledAppend) for e in log)
+        assert RunController.load(store, "run-1").step is Step.UNSETTLED
+        assert asyncio.run(session.get_items()) == list(P)
+        if case == "lease-live":
+            assert log == before
+
+
+def test_a_new_run_started_with_a_lease_is_held_from_its_first_attempt(
+        tmp_path: Path) -> None:
+    """``Runner.run(..., lease=)`` on a run that does not exist yet: its first batch holds
+    the claim with the lease, so another owner is refused (`LeaseHeld`) while it works
+    (before: a new run's first attempt claimed nothing and held nothing)."""
+    from statemachine.runner import Agent, ModelResponse
+    from statemachine.sessions import MemorySession
+
+    store = SQLiteEventStore(tmp_path / "events.db")
+    refusals: list[BaseException] = []
+
+    class RivalDuringTheModelCall:
+        async def respond(self, history: list[Any], agent: Agent) -> ModelResponse:
+            try:
+                RunController.load(SQLiteEventStore(tmp_path / "events.db"),
+                                   "held").claim("rival", lease=5)
+            except LeaseHeld as refused:
+                refusals.append(refused)
+            return ModelResponse(output="done")
+
+    result = asyncio.run(Runner.run(Agent("a", RivalDuringTheModelCall()), "hi",
+                                    session=MemorySession("s"), store=store, run_id="held",
+                                    owner="first", lease=5))
+    assert result.final_output == "done"
+    assert [r.owner for r in refusals] == ["first"]  # type: ignore[attr-defined]
+    claims = [e for e in store.load("held") if isinstance(e, ev.RunClaimed)]
+    assert [(e.owner, e.lease) for e in claims] == [("first", 5_000_000)]
