@@ -102,6 +102,19 @@ class Resumed(Event):
     TRIGGER: ClassVar[str] = "resume"
 
 
+MAX_LEASE_MICROS = 10**15
+"""The longest lease a claim records (10⁹ s, `controller.MAX_LEASE`), in microseconds."""
+
+
+def _check_lease(claim: RunClaimed, lease: int | None) -> None:
+    """A recorded lease is what `RunController.claim` records: a positive whole number
+    of microseconds up to `MAX_LEASE_MICROS`, on a claim with an owner. A log holding any
+    other (forged, or copied from elsewhere) does not load."""
+    if lease is not None and (type(lease) is not int or not 0 < lease <= MAX_LEASE_MICROS
+                              or claim.owner is None):
+        raise ValueError("a claim's lease must be 1 to 10**15 microseconds, with an owner")
+
+
 @attrs.frozen
 class RunClaimed(Event):
     """An attempt claimed the run: the first event of every attempt on an existing run.
@@ -113,7 +126,8 @@ class RunClaimed(Event):
     TRIGGER: ClassVar[str] = "claim"
     owner: str | None
     """Who claimed (an attempt id, a host or process name), or None."""
-    lease: int | None = attrs.field(default=None, kw_only=True)
+    lease: int | None = attrs.field(default=None, kw_only=True,
+                                    validator=lambda claim, _, lease: _check_lease(claim, lease))
     """How long the claim holds the run against other owners, in microseconds, from
     each append of its attempt (the store's clock decides when it ends); None: no lease.
     A claim with a lease always has an owner."""

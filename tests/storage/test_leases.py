@@ -407,3 +407,26 @@ def test_a_new_run_started_with_a_lease_is_held_from_its_first_attempt(
     assert [r.owner for r in refusals] == ["first"]  # type: ignore[attr-defined]
     claims = [e for e in store.load("held") if isinstance(e, ev.RunClaimed)]
     assert [(e.owner, e.lease) for e in claims] == [("first", 5_000_000)]
+
+
+@pytest.mark.parametrize("forged", [{"lease": 0}, {"lease": -5}, {"lease": 10**16},
+                                    {"owner": None}])
+def test_a_log_holding_a_lease_no_claim_records_does_not_load(tmp_path: Path,
+                                                               forged: dict[str, Any]) -> None:
+    """A lease `claim` would refuse (not positive, past 10⁹ s, or without an owner) in a
+    forged or copied log: refused on load, from a document and from a store's rows (the
+    fast decoding path), never handed to a store's lease check."""
+    import json as json_module
+
+    path = tmp_path / "events.db"
+    c = RunController.start(run_id="forged", session_id=None, store=SQLiteEventStore(path))
+    c.claim("worker-a", lease=3)
+    doc = c.to_json()
+    doc["events"][1].update(forged)
+    with pytest.raises(SchemaError, match="RunClaimed"):
+        RunController.from_json(doc)
+    with sqlite3.connect(path) as raw:
+        raw.execute("UPDATE events SET body = ? WHERE run_id = 'forged' AND seq = 1",
+                    (json_module.dumps(doc["events"][1]),))
+    with pytest.raises(SchemaError):
+        RunController.load(SQLiteEventStore(path), "forged")
