@@ -1,7 +1,13 @@
-"""Shared scenario builders and the refusal check used across the tests."""
+"""Shared scenario builders, the refusal check and the crash tests' folder, used across
+the tests."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
@@ -106,3 +112,17 @@ def failed(policy: RecoveryPolicy = RecoveryPolicy.RECONCILE) -> RunController:
 
 def reloaded(c: RunController) -> RunController:
     return RunController.from_json(c.to_json())
+
+
+@contextlib.contextmanager
+def crash_folder(tmp_path_factory: pytest.TempPathFactory, prefix: str) -> Iterator[Path]:
+    """Where a module's kill -9 trials write: ``CRASH_DIR`` when set (a real disk, say),
+    else ``/dev/shm`` when writable (the trials fsync often), else pytest's temp dir."""
+    where = os.environ.get("CRASH_DIR")
+    if where is None and os.access("/dev/shm", os.W_OK):
+        where = "/dev/shm"
+    if where is None:
+        yield tmp_path_factory.mktemp(prefix)
+        return
+    with tempfile.TemporaryDirectory(prefix=f"{prefix}-", dir=where) as folder:
+        yield Path(folder)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,6 +45,7 @@ from statemachine.machine import replay
 from statemachine.testing import check_log
 from statemachine.values import Phase
 from tests.drivers import anthropic_durability_driver as driver
+from tests.helpers import crash_folder
 
 SEED = int(os.environ.get("ANTHROPIC_DURABILITY_SEED", "0"))
 MAX_KILLS = 3
@@ -55,18 +55,10 @@ IDS = [f"{scenario}-{mode}" for scenario, mode in CASES]
 
 @pytest.fixture(scope="module")
 def kill_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    where = os.environ.get("CRASH_DIR")
-    if where is None and os.access("/dev/shm", os.W_OK):
-        where = "/dev/shm"
-    if where is None:
-        root = tmp_path_factory.mktemp("anthropic-durability")
-        driver.warm(tmp_path_factory.mktemp("warm"))
+    with crash_folder(tmp_path_factory, "anthropic-durability") as root:
+        (root / "warm").mkdir()
+        driver.warm(root / "warm")
         yield root
-        return
-    with tempfile.TemporaryDirectory(prefix="anthropic-durability-", dir=where) as folder:
-        (Path(folder) / "warm").mkdir()
-        driver.warm(Path(folder) / "warm")
-        yield Path(folder)
 
 
 def _reference(folder: Path, scenario: str, mode: str) -> dict[str, Any]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -46,6 +45,7 @@ from statemachine.testing import check_log
 from statemachine.values import Phase
 from tests.drivers import durability_driver as base
 from tests.drivers import openai_agents_durability_driver as driver
+from tests.helpers import crash_folder
 
 STRIDE = int(os.environ.get("OA_DURABILITY_STRIDE", "1"))
 SEED = int(os.environ.get("DURABILITY_SEED", "0"))
@@ -56,14 +56,8 @@ KINDS = {"record", "flush-before", "flush-after", "effect", "session-before", "s
 
 @pytest.fixture(scope="module")
 def kill_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    where = os.environ.get("CRASH_DIR")
-    if where is None and os.access("/dev/shm", os.W_OK):
-        where = "/dev/shm"
-    if where is None:
-        yield tmp_path_factory.mktemp("oa-durability")
-        return
-    with tempfile.TemporaryDirectory(prefix="oa-durability-", dir=where) as folder:
-        yield Path(folder)
+    with crash_folder(tmp_path_factory, "oa-durability") as root:
+        yield root
 
 
 @attrs.frozen

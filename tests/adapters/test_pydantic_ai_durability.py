@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,6 +46,7 @@ from statemachine.testing import check_log
 from statemachine.values import Phase
 from tests.drivers import durability_driver as seen
 from tests.drivers import pydantic_ai_durability_driver as driver
+from tests.helpers import crash_folder
 
 MAX_KILLS = 4
 SEED = int(os.environ.get("DURABILITY_SEED", "0"))
@@ -57,14 +57,8 @@ falls after an append, as at the boundary before it)."""
 
 @pytest.fixture(scope="module")
 def kill_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    where = os.environ.get("CRASH_DIR")
-    if where is None and os.access("/dev/shm", os.W_OK):
-        where = "/dev/shm"
-    if where is None:
-        yield tmp_path_factory.mktemp("pa-durability")
-        return
-    with tempfile.TemporaryDirectory(prefix="pa-durability-", dir=where) as folder:
-        yield Path(folder)
+    with crash_folder(tmp_path_factory, "pa-durability") as root:
+        yield root
 
 
 @attrs.frozen

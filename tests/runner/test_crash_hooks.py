@@ -41,7 +41,6 @@ import json
 import os
 import random
 import signal
-import tempfile
 import time
 import traceback
 from collections import Counter
@@ -61,6 +60,7 @@ from statemachine.stores import SQLiteEventStore
 from statemachine.testing import check_log
 from statemachine.values import Phase
 from tests.drivers.crash_driver import EFFECTS, RUN_ID, Ticks, run_hooked
+from tests.helpers import crash_folder
 
 TRIALS = int(os.environ.get("CRASH_TRIALS", "150"))
 SEED = int(os.environ.get("CRASH_SEED", "0"))
@@ -141,14 +141,8 @@ class Trial:
 
 @pytest.fixture(scope="module")
 def crash_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    where = os.environ.get("CRASH_DIR")
-    if where is None and os.access("/dev/shm", os.W_OK):
-        where = "/dev/shm"
-    if where is None:
-        yield tmp_path_factory.mktemp("crash-hooks")
-        return
-    with tempfile.TemporaryDirectory(prefix="crash-hooks-", dir=where) as folder:
-        yield Path(folder)
+    with crash_folder(tmp_path_factory, "crash-hooks") as root:
+        yield root
 
 
 @pytest.fixture(scope="module")

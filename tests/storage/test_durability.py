@@ -32,7 +32,6 @@ import asyncio
 import json
 import os
 import random
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -71,7 +70,7 @@ from statemachine.testing import (
 from statemachine.testing.contracts import at_interruption
 from statemachine.values import Phase
 from tests.drivers import durability_driver as driver
-from tests.helpers import SESSION, TEST_NOW, B, P, assert_refused, run_charge
+from tests.helpers import SESSION, TEST_NOW, B, P, assert_refused, crash_folder, run_charge
 
 # ------------------------------------------------------------- recording stores
 
@@ -697,14 +696,8 @@ MAX_KILLS = 4
 
 @pytest.fixture(scope="module")
 def kill_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    where = os.environ.get("CRASH_DIR")
-    if where is None and os.access("/dev/shm", os.W_OK):
-        where = "/dev/shm"
-    if where is None:
-        yield tmp_path_factory.mktemp("durability")
-        return
-    with tempfile.TemporaryDirectory(prefix="durability-", dir=where) as folder:
-        yield Path(folder)
+    with crash_folder(tmp_path_factory, "durability") as root:
+        yield root
 
 
 @attrs.frozen
