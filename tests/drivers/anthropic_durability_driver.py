@@ -43,11 +43,11 @@ from statemachine import ConcurrencyConflict, RunController, Step, ToolInDoubt
 from statemachine.events import Event, ToolStarted
 from statemachine.machine import replay
 from statemachine.payloads import JSON
-from statemachine.stores import SQLiteEventStore
 from statemachine.values import Phase
 from tests.drivers.anthropic_driver import SESSION_ID, FakeSession, client_for, tool_use
 from tests.drivers.crash_driver import Effects, Ticks, append_line
 from tests.drivers.durability_driver import TickingAsyncStore, TickingStore, run_forked
+from tests.drivers.durability_driver import log as durable_log
 
 RUN_ID = "durable"
 MODES = {"messages": ("per-event", "buffered"), "session": ("per-event", "buffered", "async")}
@@ -90,12 +90,8 @@ class Checker:
         self.folder = folder
 
     def _state(self) -> Any:
-        reader = SQLiteEventStore(self.folder / "events.db", readonly=True)
-        try:
-            log = reader.load(RUN_ID)
-        finally:
-            reader.close()
-        return replay(RUN_ID, log) if log else None
+        events = log(self.folder)
+        return replay(RUN_ID, events) if events else None
 
     def _note(self, what: str) -> None:
         append_line(self.folder / VIOLATIONS, what)
@@ -310,11 +306,7 @@ def violations(folder: Path) -> list[str]:
 
 
 def log(folder: Path) -> list[Event]:
-    reader = SQLiteEventStore(folder / "events.db", readonly=True)
-    try:
-        return reader.load(RUN_ID)
-    finally:
-        reader.close()
+    return durable_log(folder, RUN_ID)
 
 
 def posted(folder: Path) -> dict[str, list[Any]]:

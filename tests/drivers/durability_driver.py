@@ -277,14 +277,7 @@ async def run_sqlite(folder: Path, mode: str, ticks: Ticks, *, broken: bool = Fa
     store: Any = (TickingAsyncStore(path, ticks) if mode == "async"
                   else TickingStore(path, ticks))
 
-    def read() -> list[Event]:
-        reader = SQLiteEventStore(path, readonly=True)
-        try:
-            return reader.load(RUN_ID)
-        finally:
-            reader.close()
-
-    checker = Checker(folder, RUN_ID, read)
+    checker = Checker(folder, RUN_ID, lambda: log(folder))
     session = TickingSession(SESSION_ID, folder / "session.db", ticks, checker)
     try:
         return await run_durable(folder, ticks, store, session, checker, controller=(
@@ -354,7 +347,9 @@ def fork(folder: Path, mode: str, kill_at: int | None, *, broken: bool = False
 
 
 def log(folder: Path, run_id: str = RUN_ID) -> list[Event]:
-    reader = SQLiteEventStore(folder / "events.db")
+    """The durable log of ``run_id`` in ``folder``, read on a connection of its own
+    (read-only: a look never writes)."""
+    reader = SQLiteEventStore(folder / "events.db", readonly=True)
     try:
         return reader.load(run_id)
     finally:

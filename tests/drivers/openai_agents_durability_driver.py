@@ -46,14 +46,14 @@ from agents.testing import assistant_message, function_call
 
 from statemachine import ConcurrencyConflict, RunNotResumable, Step, ToolInDoubt
 from statemachine.adapters.openai_agents import AgentRun
-from statemachine.events import Event, InputAdded
-from statemachine.stores import SQLiteEventStore
+from statemachine.events import InputAdded
 from tests.drivers.crash_driver import Effects, Ticks, append_line
 from tests.drivers.durability_driver import (
     Checker,
     SkipsFlushBeforeTools,
     TickingController,
     TickingStore,
+    log,
     run_forked,
 )
 
@@ -157,14 +157,6 @@ def agent(effect: Effects, checker: Checker) -> Agent[Any]:
                  output_guardrails=[final_output])
 
 
-def _read(path: Path) -> list[Event]:
-    reader = SQLiteEventStore(path, readonly=True)
-    try:
-        return reader.load(RUN_ID)
-    finally:
-        reader.close()
-
-
 async def run_durable(folder: Path, mode: str, ticks: Ticks, *, broken: bool = False
                       ) -> dict[str, Any]:
     """Start or resume the run through `AgentRun`, approving ``pay`` when asked (durable
@@ -173,13 +165,13 @@ async def run_durable(folder: Path, mode: str, ticks: Ticks, *, broken: bool = F
     test of the test."""
     path = folder / "events.db"
     store = TickingStore(path, ticks)
-    checker = Checker(folder, RUN_ID, lambda: _read(path) if path.exists() else [])
+    checker = Checker(folder, RUN_ID, lambda: log(folder, RUN_ID) if path.exists() else [])
     session = TickingSession(SESSION_ID, folder / "session.db", ticks, checker)
     effect = Effects(folder, ticks)
     buffered = mode == "buffered"
-    log = store.load(RUN_ID)
+    logged = store.load(RUN_ID)
     kind = SkipsFlushBeforeTools if broken else TickingController
-    c = (kind.load(store, RUN_ID, buffered=buffered) if log else
+    c = (kind.load(store, RUN_ID, buffered=buffered) if logged else
          kind.start(run_id=RUN_ID, session_id=SESSION_ID, store=store, buffered=buffered))
     assert isinstance(c, TickingController)
     c.ticks = ticks
@@ -187,7 +179,7 @@ async def run_durable(folder: Path, mode: str, ticks: Ticks, *, broken: bool = F
     # the previous process is dead: no write of its attempt can still land
     run = AgentRun.from_controller(agent(effect, checker), c, session, take_over=True,
                                    owner=str(os.getpid()), idempotent=("lookup",))
-    new_input = None if any(isinstance(e, InputAdded) for e in log) else INPUT
+    new_input = None if any(isinstance(e, InputAdded) for e in logged) else INPUT
     state = saved.read_text() if saved.exists() else None
     try:
         while True:

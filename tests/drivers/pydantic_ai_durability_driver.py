@@ -35,7 +35,6 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 from statemachine import ConcurrencyConflict, RunController, Step, ToolInDoubt
 from statemachine.adapters.pydantic_ai import LedgerRun
 from statemachine.events import Event
-from statemachine.stores import SQLiteEventStore
 from tests.drivers.crash_driver import Effects, Ticks, append_line
 from tests.drivers.durability_driver import (
     ACKS,
@@ -45,6 +44,7 @@ from tests.drivers.durability_driver import (
     TickingController,
     TickingSession,
     TickingStore,
+    log,
     run_forked,
 )
 
@@ -93,11 +93,7 @@ async def run_durable(folder: Path, mode: str, ticks: Ticks, *,
                   else TickingStore(path, ticks))
 
     def read() -> list[Event]:
-        reader = SQLiteEventStore(path, readonly=True)
-        try:
-            return reader.load(RUN_ID)
-        finally:
-            reader.close()
+        return log(folder, RUN_ID)
 
     checker = Checker(folder, RUN_ID, read)
     history = TickingSession(SESSION_ID, folder / "session.db", ticks, checker)
