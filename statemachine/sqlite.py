@@ -408,59 +408,38 @@ class SQLiteEventStore:
     def _ensure_digests(self) -> None:
         """Give the ``snapshots`` table of an older database its ``digest`` column, and
         drop the snapshots it holds (nothing vouches for them; they are only a cache)."""
-        conn = self._conn
-        if _has_digest(conn):
-            return
-        try:
-            with write_transaction(conn):
-                if _has_digest(conn):
-                    return  # another process added it first
-                conn.execute("ALTER TABLE snapshots ADD COLUMN digest TEXT")
-                conn.execute("DELETE FROM snapshots")
-        except CommitFailed as failed:
-            raise failed.__cause__ from None  # type: ignore[misc]
+        self._upgrade(_has_digest, "ALTER TABLE snapshots ADD COLUMN digest TEXT",
+                      "DELETE FROM snapshots")
 
     def _ensure_versions(self) -> None:
         """Give the ``runs`` table of an older database its ``version`` column, each head
         set to its log's length now (the log is trusted as it stands, once)."""
-        conn = self._conn
-        if _has_version(conn):
-            return
-        try:
-            with write_transaction(conn):
-                if _has_version(conn):
-                    return  # another process added it first
-                conn.execute(_HEAD_VERSION)
-                conn.execute(_FILL_VERSIONS)
-        except CommitFailed as failed:
-            raise failed.__cause__ from None  # type: ignore[misc]
+        self._upgrade(_has_version, _HEAD_VERSION, _FILL_VERSIONS)
 
     def _ensure_updated_at(self) -> None:
         """Give the ``runs`` table of an older database its ``updated_at`` column. Every
         run already there was written without time, so NULL is each one's value."""
-        conn = self._conn
-        if _has_column(conn, "runs", "updated_at"):
-            return
-        try:
-            with write_transaction(conn):
-                if _has_column(conn, "runs", "updated_at"):
-                    return  # another process added it first
-                conn.execute("ALTER TABLE runs ADD COLUMN updated_at INTEGER")
-        except CommitFailed as failed:
-            raise failed.__cause__ from None  # type: ignore[misc]
+        self._upgrade(lambda conn: _has_column(conn, "runs", "updated_at"),
+                      "ALTER TABLE runs ADD COLUMN updated_at INTEGER")
 
     def _ensure_leases(self) -> None:
         """Give the ``runs`` table of an older database its lease columns, NULL for every
         run already there: none of them took a lease (no library before this one kept
         any)."""
+        self._upgrade(lambda conn: _has_column(conn, "runs", "lease"), *_LEASE_COLUMNS)
+
+    def _upgrade(self, done: Callable[[sqlite3.Connection], bool], *statements: str) -> None:
+        """Upgrade an older database in place, once: ``statements`` in one write
+        transaction, unless ``done`` says the upgrade is there (asked again inside the
+        transaction: another process may have made it first)."""
         conn = self._conn
-        if _has_column(conn, "runs", "lease"):
+        if done(conn):
             return
         try:
             with write_transaction(conn):
-                if _has_column(conn, "runs", "lease"):
-                    return  # another process added them first
-                for statement in _LEASE_COLUMNS:
+                if done(conn):
+                    return  # another process upgraded it first
+                for statement in statements:
                     conn.execute(statement)
         except CommitFailed as failed:
             raise failed.__cause__ from None  # type: ignore[misc]
