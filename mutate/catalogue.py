@@ -815,8 +815,9 @@ CATALOGUE: tuple[Mutant, ...] = (
                   "INTERRUPTION, and no final output is ever accepted before INTERRUPTION "
                   "(accepting one leads only to FINAL_OUTPUT, then COMPLETED or a terminal "
                   "step), so final_output is None there either way"),
-    _m("LP15", "            await c.fence_async()  # a superseded attempt runs no hook (I1)\n",
-       "", "a superseded attempt runs its hooks (on_llm_end after another's claim)"),
+    _m("LP15", "                await c.fence_async()  # a superseded attempt runs no hook (I1)\n",
+       "                pass\n",
+       "a superseded attempt runs its hooks (on_llm_end after another's claim)"),
     _m("LP16", "        await c.fence_async()  # a superseded attempt runs no guardrail (I1)\n",
        "", "a superseded attempt runs its guardrails"),
     # ------------------------------------------------------------- runner/attempt

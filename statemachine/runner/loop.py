@@ -152,7 +152,8 @@ class _AgentLoop:
                     call_id: str | None = None) -> None:
         c = self.controller
         if not c.hook_done(hook, call_id=call_id):
-            await c.fence_async()  # a superseded attempt runs no hook (I1)
+            if type(self.hooks) is not RunHooks:  # (the library's own hooks do nothing)
+                await c.fence_async()  # a superseded attempt runs no hook (I1)
             await call()
             c.hook_ran(hook, call_id=call_id)
 
