@@ -45,6 +45,7 @@ _FILES = {
     "AC": "statemachine/adapters/_calls.py",
     "PD": "statemachine/adapters/pydantic_ai.py",
     "AN": "statemachine/adapters/anthropic.py",
+    "IN": "statemachine/testing/invariants.py",
 }
 
 
@@ -57,7 +58,7 @@ _CORE = ("tests/core/test_controller.py", "tests/core/test_invariants.py",
          "tests/core/test_bad_input.py", "tests/core/test_payloads.py",
          "tests/core/test_partial_approval.py", "tests/core/test_codec.py",
          "tests/core/test_limits.py", "tests/core/test_machine.py",
-         "tests/core/test_forged_logs.py")
+         "tests/core/test_forged_logs.py", "tests/core/test_resolution.py")
 _PD22_COMMENT = ("                    # (not isinstance(store, AsyncEventStore): a runtime "
                  "protocol checks\n                    # names only, and a sync store has the "
                  "same names)\n                    controller = await RunController.")
@@ -167,6 +168,8 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
         "test_each_effect_finds_the_durable_record_that_allows_it",
         "tests/adapters/test_pydantic_ai.py"),
     "statemachine/adapters/anthropic.py": ("tests/adapters/test_anthropic.py",),
+    "statemachine/testing/invariants.py": ("tests/core/test_resolution.py",
+                                           "tests/core/test_invariants.py", _WORLDS),
 }
 
 CATALOGUE: tuple[Mutant, ...] = (
@@ -488,9 +491,13 @@ CATALOGUE: tuple[Mutant, ...] = (
        '            self._refuse(InvalidTransition, "tool_completed",',
        "a controller completes a call another process started (I11)"),
     _m("CT26", "        if call_id in self._in_flight:\n"
-               '            self._refuse(InvalidTransition, "resolve_in_doubt",',
+               "            self._refuse(InvalidTransition, action,\n"
+               '                         f"call {excerpt(call_id)} is in flight in this '
+               'controller; report "',
        "        if False:\n"
-       '            self._refuse(InvalidTransition, "resolve_in_doubt",',
+       "            self._refuse(InvalidTransition, action,\n"
+       '                         f"call {excerpt(call_id)} is in flight in this '
+       'controller; report "',
        "resolve_in_doubt accepted for a call still running here"),
     _m("CT27", "            self._attempt = None\n            if switch.enabled:\n"
                "                self._logged(commit.event, commit.source)",
@@ -639,9 +646,9 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("COT2", "chain_tag(key, signed_events)", "chain_tag(key, raw_events)",
        "the chain of an older document is checked over its upcast events"),
     _m("COT3", "        if added is not None and not any(key in data for key in added):\n"
-               "            data = {**data, **dict.fromkeys(added)}\n", "",
+               "            data = {**data, **added}\n", "",
        "a stored event of an older library (no at) no longer loads"),
-    _m("COT4", "append({**event, **dict.fromkeys(added)})", "append(event)",
+    _m("COT4", "append({**event, **added})", "append(event)",
        "the version 2 upcaster gives the events no at, by or reason"),
     _m("CTT1", "        at = event.at\n        if type(at) is not int or not 0 <= at <= _MAX_AT:\n"
                "            self._refuse(SchemaError, action, _BAD_CLOCK)\n"
@@ -660,8 +667,20 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("STT1", "    record.decided = e\n    s._phase(record, Phase.APPROVED)",
        "    s._phase(record, Phase.APPROVED)",
        "the ledger forgets who approved a call"),
-    _m("STT2", "    record.resolved = e\n", "",
+    _m("STT2", "    record.resolutions = (*record.resolutions, e)\n", "",
        "the ledger forgets who resolved a call in doubt"),
+    _m("STT4", "    if e.outcome is Resolution.NOT_EXECUTED:  # runnable again, its approval kept",
+       "    if e.outcome is Resolution.FAILED:",
+       "a call resolved NOT_EXECUTED stays completed (its effect is never made)"),
+    _m("STT5", "                                       for e in resolutions)",
+       "                                       for e in resolutions[:0])",
+       "a run restored from a snapshot forgets the resolutions of its calls"),
+    _m("CTL5", "        if outcome is Resolution.NOT_EXECUTED and output is not None:",
+       "        if outcome is Resolution.NOT_EXECUTED and output is None and False:",
+       "NOT_EXECUTED records an output the model never sees"),
+    _m("INV1", "            if (starts[event.call_id] > 1 + released[event.call_id]",
+       "            if (starts[event.call_id] > 2 + released[event.call_id]",
+       "the log checker lets a non-idempotent call start twice"),
     _m("STT3", "                record.decided = codec.decode_stored_event(decided, 0)",
        "                pass",
        "a run restored from a snapshot forgets who decided its calls"),

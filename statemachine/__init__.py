@@ -44,6 +44,7 @@ from statemachine.values import (
     Phase,
     RecoveryPolicy,
     Resend,
+    Resolution,
     Step,
     ToolCall,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "ReconcileRejected",
     "RecoveryPolicy",
     "Resend",
+    "Resolution",
     "RunController",
     "RunNotFound",
     "RunNotResumable",

@@ -45,7 +45,7 @@ from statemachine.payloads import (
     utf8_len,
 )
 from statemachine.sizes import CHAIN_BYTES, EVENT_SIZE, document_size
-from statemachine.values import GuardrailResult, RecoveryPolicy, Step, ToolCall
+from statemachine.values import GuardrailResult, RecoveryPolicy, Resolution, Step, ToolCall
 
 if TYPE_CHECKING:
     import enum
@@ -57,8 +57,9 @@ SCHEMA_VERSION = 3
 1: the first release. 2: adds `RunClaimed` (DESIGN §6.3) and the optional top-level
 ``"chain"`` (DESIGN §6.6); nothing else changed. 3: time and actor (DESIGN §7.2): every
 event carries ``"at"`` (int microseconds since the Unix epoch, UTC, or null), the
-decisions ``"by"`` (and an approval ``"reason"``), str or null; an older document's
-events get null for each (`ADDED_IN_3`)."""
+decisions ``"by"`` (and an approval ``"reason"``), str or null, and an in-doubt
+resolution its ``"outcome"`` and ``"evidence"`` (DESIGN §7.3); an older document's
+events get what they could only have meant (`ADDED_IN_3`)."""
 
 DOCUMENT_KEYS: dict[int, frozenset[str]] = {
     1: frozenset({"schema_version", "run_id", "events"}),
@@ -73,19 +74,22 @@ def _upcast_1_to_2(doc: dict[str, Any]) -> dict[str, Any]:
     return {**doc, "schema_version": 2}
 
 
-ADDED_IN_3: dict[str, tuple[str, ...]] = {
-    cls.__name__: tuple(f.name for f in attrs.fields(cls) if f.kw_only)
+ADDED_IN_3: dict[str, dict[str, Any]] = {
+    cls.__name__: {f.name: getattr(f.default, "value", f.default)
+                   for f in attrs.fields(cls) if f.kw_only}
     for cls in ev.EVENT_TYPES
 }
-"""The fields version 3 added to each event type: its keyword-only fields (``at`` for
-every type; ``by`` and ``reason`` for the decisions)."""
+"""The fields version 3 added to each event type, with what an older event holds: its
+keyword-only fields and their defaults (``at`` for every type; ``by`` and ``reason``
+for the decisions, null; a resolution's ``outcome``, ``"completed"``, and
+``evidence``, null)."""
 
 
 def _upcast_2_to_3(doc: dict[str, Any]) -> dict[str, Any]:
-    """Each event of a version 2 document gets null for every field version 3 added
-    (`ADDED_IN_3`): it was recorded without a clock and without an actor. An event that
-    already holds one of them is refused: the field is not valid under its label. What
-    is not an event object is left for `decode_event` to refuse."""
+    """Each event of a version 2 document gets every field version 3 added, as an older
+    event holds it (`ADDED_IN_3`): it was recorded without a clock and without an actor.
+    An event that already holds one of them is refused: the field is not valid under its
+    label. What is not an event object is left for `decode_event` to refuse."""
     events = doc.get("events")
     if type(events) is not list:
         return {**doc, "schema_version": 3}
@@ -101,7 +105,7 @@ def _upcast_2_to_3(doc: dict[str, Any]) -> dict[str, Any]:
         if present:
             raise SchemaError(f"event {position} ({name}) has unknown field(s) "
                               f"{named(present)} for schema_version 2")
-        append({**event, **dict.fromkeys(added)})
+        append({**event, **added})
     return {**doc, "schema_version": 3, "events": upcast}
 
 
@@ -178,7 +182,7 @@ def _optional(structure: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]
 converter = cattrs.Converter(detailed_validation=False)
 for _kind in (str, int, bool):
     converter.register_structure_hook(_kind, _exact(_kind))
-for _enum_kind in (Step, RecoveryPolicy):
+for _enum_kind in (Step, RecoveryPolicy, Resolution):
     converter.register_structure_hook(_enum_kind, _enum(_enum_kind))
     converter.register_unstructure_hook(_enum_kind, lambda member: member.value)
 converter.register_structure_hook(JSON, _payload)
@@ -395,13 +399,14 @@ def decode_stored_event(data: Any, position: int) -> ev.Event:
 
     A stored event carries no schema version of its own: one that holds none of the
     fields version 3 added (`ADDED_IN_3`) was written by an older library, and loads with
-    None for each (as `_upcast_2_to_3` upcasts a document); one that holds some of them
+    what an older event holds for each (as `_upcast_2_to_3` upcasts a document); one
+    that holds some of them
     but not all is refused like any event missing a field."""
     if type(data) is dict and "at" not in data:
         name = data.get("type")
         added = ADDED_IN_3.get(name) if type(name) is str else None
         if added is not None and not any(key in data for key in added):
-            data = {**data, **dict.fromkeys(added)}
+            data = {**data, **added}
     token = _max_depth.set(sys.maxsize)
     try:
         return decode_event(data, position)

@@ -92,6 +92,7 @@ from statemachine.values import (
     Phase,
     RecoveryPolicy,
     Resend,
+    Resolution,
     Step,
     ToolCall,
 )
@@ -845,21 +846,38 @@ class RunController:
                          f"call {excerpt(call_id)} is not in flight in this controller")
         self._in_flight.pop(call_id, None)
 
-    def resolve_in_doubt(self, call_id: str, output: JSON, *, by: str | None = None) -> None:
-        """The operator records the outcome of an in-doubt call; its result is then
-        published like any other. ``by`` (who recorded it) is text, kept with the
-        outcome."""
-        self._gate("resolve_in_doubt", "resolve_in_doubt")
-        self._text("resolve_in_doubt", "call_id", call_id)
-        self._text("resolve_in_doubt", "by", by, optional=True)
-        detached = self._detach("resolve_in_doubt", "output", output)
+    def resolve_in_doubt(self, call_id: str, output: JSON = None, *,
+                         outcome: Resolution = Resolution.COMPLETED, by: str | None = None,
+                         evidence: str | None = None) -> None:
+        """Record what happened to a call in doubt (DESIGN §7.3): the operator's (or a
+        verifier's) word, the only way such a call leaves doubt.
+
+        ``outcome`` `Resolution.COMPLETED` (the default: the effect happened, ``output``
+        is what the model sees) or `Resolution.FAILED` (the tool failed, ``output`` is the
+        error text the model sees) caches ``output`` as the call's result, published like
+        any other; `Resolution.NOT_EXECUTED` (the effect did not happen) takes no output
+        and makes the call runnable again with its approval kept, so the next
+        ``begin_tool`` answers `Execute`. ``by`` (who said so) and ``evidence`` (a
+        payment id, a ticket) are text, kept with the outcome. `InvalidTransition` unless
+        the call is started and not completed (and not running in this controller)."""
+        action = "resolve_in_doubt"
+        self._gate(action, action)
+        self._text(action, "call_id", call_id)
+        if type(outcome) is not Resolution:
+            self._refuse(SchemaError, action, "outcome must be a Resolution")
+        self._text(action, "by", by, optional=True)
+        self._text(action, "evidence", evidence, optional=True)
+        if outcome is Resolution.NOT_EXECUTED and output is not None:
+            self._refuse(SchemaError, action, "NOT_EXECUTED takes no output: the effect did "
+                         "not happen, and the call's next run gives the model its output")
+        detached = self._detach(action, "output", output)
         if call_id in self._in_flight:
-            self._refuse(InvalidTransition, "resolve_in_doubt",
+            self._refuse(InvalidTransition, action,
                          f"call {excerpt(call_id)} is in flight in this controller; report "
                          "tool_completed")
-        self._record("resolve_in_doubt",
-                     ev.InDoubtResolved(self._journal.version, call_id, detached,
-                                        at=self._clock(), by=by))
+        self._record(action, ev.InDoubtResolved(self._journal.version, call_id, detached,
+                                                at=self._clock(), by=by, outcome=outcome,
+                                                evidence=evidence))
 
     # ------------------------------------------------------- guardrails and hooks
 

@@ -9,7 +9,8 @@ Time and actor (DESIGN §7.2, schema version 3): every event carries ``at``, the
 microseconds since the Unix epoch (UTC) at which its controller recorded it, read from
 the controller's clock (None in a log written before version 3). The decisions
 (`CallApproved`, `CallRejected`, `InDoubtResolved`, `Abandoned`) also carry ``by``, who
-decided (None: not said), and an approval its ``reason``; a `RunClaimed` its ``lease``.
+decided (None: not said), and an approval its ``reason``; a `RunClaimed` its ``lease``;
+an `InDoubtResolved` its ``outcome`` (a `Resolution`) and ``evidence``.
 These fields are keyword-only and default to None, so an event built without them is one
 of an older log.
 """
@@ -21,7 +22,7 @@ from typing import Any, ClassVar, TypeVar
 import attrs
 
 from statemachine.payloads import JSON, copy_plain
-from statemachine.values import GuardrailResult, RecoveryPolicy, Step, ToolCall
+from statemachine.values import GuardrailResult, RecoveryPolicy, Resolution, Step, ToolCall
 
 MAX_AT = 2**63 - 1
 """The latest ``at`` a controller records (a signed 64-bit column holds every one)."""
@@ -151,8 +152,14 @@ class InDoubtResolved(Event):
     TRIGGER: ClassVar[str] = "resolve_in_doubt"
     call_id: str
     output: JSON
+    """What the model sees (None for `Resolution.NOT_EXECUTED`, which takes none)."""
     by: str | None = attrs.field(default=None, kw_only=True)
     """Who recorded the outcome (an operator, ``"verify:<tool>"``), or None."""
+    outcome: Resolution = attrs.field(default=Resolution.COMPLETED, kw_only=True)
+    """What happened (DESIGN §7.3); a log written before schema version 3 says
+    ``COMPLETED``, the only outcome it could record."""
+    evidence: str | None = attrs.field(default=None, kw_only=True)
+    """What the outcome rests on (a payment id, a ticket), or None."""
 
 
 @attrs.frozen

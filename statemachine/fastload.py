@@ -29,7 +29,7 @@ import attrs
 
 from statemachine import events as ev
 from statemachine.payloads import JSON, MAX_TEXT, compact_json, encodable, utf8_len
-from statemachine.values import GuardrailResult, RecoveryPolicy, Step, ToolCall
+from statemachine.values import GuardrailResult, RecoveryPolicy, Resolution, Step, ToolCall
 
 
 class _Slow(Exception):
@@ -141,7 +141,7 @@ def _fast_source(cls: type, fn: str) -> str:
             lines.append(f"    if {v} is not None and type({v}) is not int: raise _Slow")
         elif kind is bool:
             lines.append(f"    if type({v}) is not bool: raise _Slow")
-        elif kind in (Step, RecoveryPolicy):
+        elif kind in (Step, RecoveryPolicy, Resolution):
             table = f"_{kind.__name__}"
             lines.append(f"    {v} = {table}.get({v}) if type({v}) is str else None")
             lines.append(f"    if {v} is None: raise _Slow")
@@ -186,6 +186,7 @@ _FAST_NAMESPACE: dict[str, Any] = {
     "_Slow": _Slow, "MAX_TEXT": MAX_TEXT, "_within": _within,
     "_Step": {member.value: member for member in Step},
     "_RecoveryPolicy": {member.value: member for member in RecoveryPolicy},
+    "_Resolution": {member.value: member for member in Resolution},
 }
 _FAST_NAMESPACE["_ToolCall"] = _fast_decoder(ToolCall, _FAST_NAMESPACE)
 _FAST_NAMESPACE["_GuardrailResult"] = _fast_decoder(GuardrailResult, _FAST_NAMESPACE)

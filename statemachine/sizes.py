@@ -26,7 +26,7 @@ import attrs
 
 from statemachine import events as ev
 from statemachine.payloads import JSON, encode_str, json_size, utf8_len, walk_size
-from statemachine.values import GuardrailResult, RecoveryPolicy, Step, ToolCall
+from statemachine.values import GuardrailResult, RecoveryPolicy, Resolution, Step, ToolCall
 
 
 def _str_expr(value: str) -> str:
@@ -47,7 +47,7 @@ def _value_expr(kind: Any, value: str, sizers: dict[str, Any]) -> str:
         return f"(4 if {value} is None else {_str_expr(value)})"
     if kind == int | None:
         return f"(4 if {value} is None else len(str({value})))"
-    if kind in (Step, RecoveryPolicy):
+    if kind in (Step, RecoveryPolicy, Resolution):
         return _str_expr(f"{value}.value")
     if kind is JSON:
         return f"(4 if {value} is None else _json({value}))"

@@ -30,13 +30,15 @@ from statemachine.values import (
     GuardrailResult,
     Phase,
     RecoveryPolicy,
+    Resolution,
     Step,
     ToolCall,
 )
 
-STATE_VERSION = 3
+STATE_VERSION = 4
 """The shape of `RunState.snapshot`; a snapshot of another version is ignored (the log is
-replayed instead). 3: each call carries the events that decided it (who, why, when)."""
+replayed instead). 3: each call carries the events that decided it (who, why, when).
+4: a resolution carries its outcome and evidence."""
 
 _CALL_MODEL_STEPS = frozenset({Step.RUN_AGAIN, Step.HANDOFF, Step.AWAITING_MODEL})
 
@@ -44,7 +46,7 @@ _CALL_MODEL_STEPS = frozenset({Step.RUN_AGAIN, Step.HANDOFF, Step.AWAITING_MODEL
 class CallRecord:
     """One call in the tool ledger (internal, mutated only by the fold)."""
 
-    __slots__ = ("_fingerprint", "call", "decided", "phase", "resolved", "result", "starts")
+    __slots__ = ("_fingerprint", "call", "decided", "phase", "resolutions", "result", "starts")
 
     def __init__(self, call: ToolCall, phase: Phase) -> None:
         self.call = call
@@ -55,8 +57,9 @@ class CallRecord:
         self.decided: ev.CallApproved | ev.CallRejected | None = None
         """The event that approved or rejected the call (its ``by``, ``reason``, ``at``);
         kept by reference, so a decision costs the fold no allocation."""
-        self.resolved: ev.InDoubtResolved | None = None
-        """The event that recorded the outcome of the call while it was in doubt."""
+        self.resolutions: tuple[ev.InDoubtResolved, ...] = ()
+        """The events that recorded the call's outcome while it was in doubt, in log order
+        (more than one only after a `Resolution.NOT_EXECUTED` let it run again)."""
 
     def digest(self) -> None:
         """Compute the fingerprint now (a live run does, so decisions stay cheap), kept as
@@ -81,7 +84,8 @@ class CallRecord:
         """What state equality compares: who decided and why, not when (two runs that
         recorded the same commands at other times are in the same state)."""
         return (self.call, self.phase, self.result, self.starts,
-                tuple((d.kind, d.by, d.reason) for d in self.decisions()))
+                tuple((d.kind, d.by, d.reason, d.outcome, d.evidence)
+                      for d in self.decisions()))
 
     def decisions(self) -> tuple[Decision, ...]:
         """The decisions on the call, in log order (`Decision`)."""
@@ -91,8 +95,9 @@ class CallRecord:
             found.append(Decision("approved", decided.by, decided.reason, decided.at))
         elif decided is not None:
             found.append(Decision("rejected", decided.by, None, decided.at))
-        if self.resolved is not None:
-            found.append(Decision("resolved", self.resolved.by, None, self.resolved.at))
+        for resolved in self.resolutions:
+            found.append(Decision("resolved", resolved.by, None, resolved.at,
+                                  resolved.outcome, resolved.evidence))
         return tuple(found)
 
 
@@ -222,7 +227,7 @@ class RunState:
             "activation": self.activation,
             "calls": [[unstructure(r.call), r.phase.value, r.result, r.starts,
                        None if r.decided is None else codec.encode_event(r.decided),
-                       None if r.resolved is None else codec.encode_event(r.resolved)]
+                       [codec.encode_event(e) for e in r.resolutions]]
                       for r in self.calls.values()],
             "pending_input": list(self.pending_input),
             "pending_guardrails": unstructure(self.pending_guardrails),
@@ -254,14 +259,14 @@ class RunState:
         state.step = Step(data["step"])
         state.turns, state.model_calls = data["turns"], data["model_calls"]
         state.activation = data["activation"]
-        for raw_call, raw_phase, result, starts, decided, resolved in data["calls"]:
+        for raw_call, raw_phase, result, starts, decided, resolutions in data["calls"]:
             phase = Phase(raw_phase)
             record = CallRecord(structure(raw_call, ToolCall), phase)
             record.result, record.starts = result, starts
             if decided is not None:
                 record.decided = codec.decode_stored_event(decided, 0)  # type: ignore[assignment]
-            if resolved is not None:
-                record.resolved = codec.decode_stored_event(resolved, 0)  # type: ignore[assignment]
+            record.resolutions = tuple(codec.decode_stored_event(e, 0)  # type: ignore[misc]
+                                       for e in resolutions)
             state.calls[record.call.call_id] = record
             state.counts[phase] += 1
             if phase is Phase.AWAITING:
@@ -375,9 +380,13 @@ def _tool_completed(s: RunState, e: ev.ToolCompleted) -> None:
 
 def _resolved(s: RunState, e: ev.InDoubtResolved) -> None:
     record = s.calls[e.call_id]
-    record.result = e.output
-    record.resolved = e
-    s._phase(record, Phase.COMPLETED)
+    record.resolutions = (*record.resolutions, e)
+    if e.outcome is Resolution.NOT_EXECUTED:  # runnable again, its approval kept
+        record.result = None
+        s._phase(record, Phase.APPROVED)
+    else:
+        record.result = e.output
+        s._phase(record, Phase.COMPLETED)
 
 
 def _guardrail(s: RunState, e: ev.GuardrailEvaluated) -> None:

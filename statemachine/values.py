@@ -112,6 +112,19 @@ class RecoveryPolicy(_Fast):
     the run in ``TERMINAL_UNRECOVERABLE``; only the attempt that saw it succeed clears it."""
 
 
+class Resolution(_Fast):
+    """What an operator or a verifier says happened to a call in doubt (DESIGN §7.3),
+    recorded by `RunController.resolve_in_doubt`."""
+
+    COMPLETED = "completed"
+    """The effect happened; the output is what the model sees."""
+    FAILED = "failed"
+    """The tool failed; the output is the error text the model sees."""
+    NOT_EXECUTED = "not_executed"
+    """The effect did not happen: the call is runnable again, its approval kept, and the
+    next ``begin_tool`` answers `Execute` (it takes no output)."""
+
+
 class Action(_Fast):
     """What the runner should do next (`RunController.next_action`)."""
 
@@ -192,12 +205,17 @@ class Decision:
     ``"approved"``, ``"rejected"`` or ``"resolved"`` (an in-doubt call's outcome recorded
     by `RunController.resolve_in_doubt`); ``by`` who decided and ``reason`` why (an
     approval's; None for the others), each None when not said; ``at`` when (microseconds
-    since the Unix epoch, UTC; None in a log written before schema version 3)."""
+    since the Unix epoch, UTC; None in a log written before schema version 3); for a
+    resolution, its ``outcome`` and ``evidence``."""
 
     kind: str
     by: str | None
     reason: str | None
     at: int | None
+    outcome: Resolution | None = None
+    """A resolution's `Resolution` (None for an approval or a rejection)."""
+    evidence: str | None = None
+    """A resolution's evidence (a payment id, a ticket), or None."""
 
 
 @attrs.frozen

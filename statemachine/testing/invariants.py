@@ -13,7 +13,7 @@ import attrs
 
 from statemachine import events as ev
 from statemachine.payloads import JSON
-from statemachine.values import GuardrailResult, ToolCall
+from statemachine.values import GuardrailResult, Resolution, ToolCall
 
 
 class InvariantViolation(AssertionError):
@@ -66,6 +66,8 @@ def check_log(events: Sequence[ev.Event]) -> None:
     """The invariants a log alone shows; raises `InvariantViolation`."""
     calls: dict[str, ToolCall] = {}
     starts: Counter[str] = Counter()
+    released: Counter[str] = Counter()
+    """Starts an outside `Resolution.NOT_EXECUTED` gave back, per call."""
     results: Counter[str] = Counter()
     unsettled = False
     evaluated: list[Any] = []
@@ -93,10 +95,16 @@ def check_log(events: Sequence[ev.Event]) -> None:
         elif isinstance(event, ev.ToolStarted):
             starts[event.call_id] += 1
             proposed = calls.get(event.call_id)
-            if starts[event.call_id] > 1 and (proposed is None or not proposed.idempotent):
+            if (starts[event.call_id] > 1 + released[event.call_id]
+                    and (proposed is None or not proposed.idempotent)):
                 fail("I11", f"non-idempotent call {event.call_id!r} started twice")
             if results[event.call_id]:
                 fail("I12", f"call {event.call_id!r} started after its result was cached")
+        elif isinstance(event, ev.InDoubtResolved) and event.outcome is Resolution.NOT_EXECUTED:
+            # someone outside said the effect did not happen: one more start is allowed
+            if starts[event.call_id] != 1 + released[event.call_id]:
+                fail("I11", f"call {event.call_id!r} resolved not executed while not in doubt")
+            released[event.call_id] += 1
         elif isinstance(event, ev.ToolCompleted | ev.InDoubtResolved):
             results[event.call_id] += 1
             if results[event.call_id] > 1:

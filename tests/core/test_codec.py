@@ -137,9 +137,12 @@ def test_version_2_adds_run_claimed_and_upcasts_version_1_unchanged() -> None:
 
 
 # an independent statement of what version 3 added, field by field (DESIGN §7.2)
-_ADDED_IN_3 = {"CallApproved": ("at", "by", "reason"), "CallRejected": ("at", "by"),
-               "InDoubtResolved": ("at", "by"), "Abandoned": ("at", "by"),
-               "RunClaimed": ("at", "lease")}
+# (DESIGN §7.2, §7.3): what an older event holds for each field
+_ADDED_IN_3: dict[str, dict[str, object]] = {
+    "CallApproved": {"at": None, "by": None, "reason": None},
+    "CallRejected": {"at": None, "by": None},
+    "InDoubtResolved": {"at": None, "by": None, "outcome": "completed", "evidence": None},
+    "Abandoned": {"at": None, "by": None}, "RunClaimed": {"at": None, "lease": None}}
 
 
 def test_version_3_adds_time_and_actor_and_upcasts_older_logs_with_none() -> None:
@@ -149,15 +152,15 @@ def test_version_3_adds_time_and_actor_and_upcasts_older_logs_with_none() -> Non
     from statemachine import codec
 
     assert SCHEMA_VERSION == 3
-    assert {name: added for name, added in codec.ADDED_IN_3.items() if added != ("at",)} == (
-        _ADDED_IN_3)
+    assert {name: added for name, added in codec.ADDED_IN_3.items()
+            if added != {"at": None}} == _ADDED_IN_3
     for version in (1, 2):
         for path in sorted((FIXTURES / f"v{version}").glob("*.json")):
             old = json.loads(path.read_text())
             c = RunController.from_json(old)
             assert all(e.at is None for e in c.events)
             expected = {**old, "schema_version": 3, "events": [
-                {**e, **dict.fromkeys(_ADDED_IN_3.get(e["type"], ("at",)))}
+                {**e, **_ADDED_IN_3.get(e["type"], {"at": None})}
                 for e in old["events"]]}
             assert c.to_json() == expected
             assert all(d.by is None and d.at is None for v in c.calls for d in v.decisions)

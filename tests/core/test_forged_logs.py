@@ -1261,11 +1261,11 @@ def test_each_guard_of_a_decision_answers_alone_for_an_unknown_call(event: Any) 
 
 
 def _forged(c: RunController, *extra: dict[str, Any]) -> dict[str, Any]:
-    """``c``'s document with ``extra`` raw events appended (their seq filled in, and null
-    for the time and actor fields they do not give)."""
+    """``c``'s document with ``extra`` raw events appended (their seq filled in, and what
+    an older event holds for each field of version 3 they do not give)."""
     doc: dict[str, Any] = c.to_json()
     for offset, raw in enumerate(extra):
-        doc["events"].append({**dict.fromkeys(ADDED_IN_3[raw["type"]]), **raw,
+        doc["events"].append({**ADDED_IN_3[raw["type"]], **raw,
                               "seq": c.version + offset})
     return doc
 

@@ -35,6 +35,7 @@ from statemachine import (
     ControlError,
     InvalidTransition,
     MemoryEventStore,
+    Resolution,
     RunController,
     RunNotFound,
     SchemaError,
@@ -148,6 +149,30 @@ def test_a_restored_snapshot_keeps_the_pending_approvals() -> None:
     assert restored.awaiting() == ("charge", "audit")
     assert restored == c.state
     assert restored.counts == c.state.counts
+
+
+def test_a_restored_snapshot_keeps_every_resolution_of_a_call() -> None:
+    # STT5: a call given back (NOT_EXECUTED), run again and resolved again keeps both
+    # resolutions, with who, the outcome and the evidence, through a snapshot
+    c = at_interruption()
+    c.approve("charge", by="alice")
+    c.reject("notify", "no")
+    c.reject("audit", "no")
+    c.resume()
+    c.begin_tool("charge")
+    c = RunController.from_json(c.to_json())
+    c.resolve_in_doubt("charge", outcome=Resolution.NOT_EXECUTED, by="bob", evidence="none")
+    c.begin_tool("charge")
+    c = RunController.from_json(c.to_json())
+    c.resolve_in_doubt("charge", "charged 7", by="carol", evidence="ch_1")
+    restored = RunState.restore(json.loads(json.dumps(c.state.snapshot())))
+    assert restored == c.state
+    assert restored is not None
+    record = restored.calls["charge"]
+    assert [(d.kind, d.by, d.outcome, d.evidence) for d in record.decisions()] == [
+        ("approved", "alice", None, None),
+        ("resolved", "bob", Resolution.NOT_EXECUTED, "none"),
+        ("resolved", "carol", Resolution.COMPLETED, "ch_1")]
 
 
 # ------------------------------------------------------------ bad snapshots
