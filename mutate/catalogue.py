@@ -417,6 +417,10 @@ CATALOGUE: tuple[Mutant, ...] = (
        "        # every raw event decoded",
        "a document without a chain passes the keyed check"),
     # ------------------------------------------------------------------ fastload
+    _m("CO11", "            json.loads(text, parse_int=_digits_checked, "
+               "parse_constant=_reject_constant)\n",
+       "            pass\n",
+       "an int past the 4,300-digit limit is refused as not valid JSON, not by its reason"),
     _m("FL01", "    if not encodable(compact) or _NUL in compact:\n        return None\n"
                "    return tree, compact",
        "    if _NUL in compact:\n        return None\n    return tree, compact",
