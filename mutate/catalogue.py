@@ -148,7 +148,9 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     "statemachine/stores.py": _STORES,
     "statemachine/stored.py": _STORES,
     "statemachine/sqlite.py": ("tests/storage/test_sessions.py", *_STORES,
-                               "tests/storage/test_nul.py"),
+                               "tests/storage/test_nul.py",
+                               "tests/tools/test_cli_reads.py::"
+                               "test_read_verbs_leave_a_live_writers_shm_as_it_was"),
     "statemachine/sessions.py": ("tests/storage/test_sessions.py",
                                  "tests/runner/test_partial_approval.py"),
     "statemachine/postgres/steps.py": _POSTGRES,
@@ -420,6 +422,10 @@ CATALOGUE: tuple[Mutant, ...] = (
        "        # every raw event decoded",
        "a document without a chain passes the keyed check"),
     # ------------------------------------------------------------------ fastload
+    _m("CO11", "            json.loads(text, parse_int=_digits_checked, "
+               "parse_constant=_reject_constant)\n",
+       "            pass\n",
+       "an int past the 4,300-digit limit is refused as not valid JSON, not by its reason"),
     _m("FL01", "    if not encodable(compact) or _NUL in compact:\n        return None\n"
                "    return tree, compact",
        "    if _NUL in compact:\n        return None\n    return tree, compact",
@@ -774,6 +780,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        "the SQLite store never renews a lease"),
     _m("SQL2", "                    self._ensure_leases()\n", "",
        "an older SQLite database is not given its lease columns"),
+    _m("SQR1", '"&readonly_shm=1"', '""',
+       "a read-only store writes its read marks into the -shm a writer left"),
     _m("PGL1", '"OR lease_until IS NULL OR lease_until <= now.us "', '"OR TRUE "',
        "the PostgreSQL store takes a claim over another owner's live lease"),
     _m("PGL2", '"ELSE lease END FROM now "', '"ELSE NULL END FROM now "',

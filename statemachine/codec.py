@@ -320,15 +320,34 @@ def _reject_constant(name: str) -> Any:
     raise SchemaError(f"the document holds {name}, which is not plain JSON")
 
 
+def _digits_checked(text: str) -> int:
+    if len(text) - text.startswith("-") > sys.get_int_max_str_digits() > 0:
+        raise SchemaError(f"the document holds an integer of more than "
+                          f"{sys.get_int_max_str_digits()} digits, past Python's "
+                          "int-string conversion limit")
+    return int(text)
+
+
 def parse(text: str | bytes) -> Any:
-    """Parse JSON text strictly: duplicate keys and NaN/Infinity are `SchemaError`."""
+    """Parse JSON text strictly: duplicate keys and NaN/Infinity are `SchemaError`, and so
+    is an integer past Python's int-string conversion limit (4,300 digits), by name."""
     try:
         return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
     except SchemaError:
         raise
     except RecursionError:
         raise SchemaError("the document is nested too deeply") from None
+    except json.JSONDecodeError as exc:
+        raise SchemaError(f"the document is not valid JSON ({type(exc).__name__})") from None
     except (ValueError, TypeError) as exc:
+        # the parser's int(), past the limit, raises a bare ValueError: parse again (a
+        # failure only), counting each integer's digits, to say so instead of "not JSON"
+        try:
+            json.loads(text, parse_int=_digits_checked, parse_constant=_reject_constant)
+        except SchemaError:
+            raise
+        except (ValueError, TypeError, RecursionError):
+            pass
         raise SchemaError(f"the document is not valid JSON ({type(exc).__name__})") from None
 
 

@@ -115,55 +115,38 @@ def _label(trigger: str, guards: tuple[str, ...]) -> str:
     return f"{trigger} [{', '.join(guards)}]" if guards else trigger
 
 
-def _taken(edge: Edge, path: RunPath | None) -> bool:
-    return path is not None and any((edge.source, edge.dest, trigger) in path.visited
-                                    for trigger, _ in edge.labels)
-
-
-def mermaid(path: RunPath | None = None) -> str:
+def mermaid() -> str:
+    """Every transition as a Mermaid flowchart."""
     lines = ["flowchart TD"]
     lines.append(f'    {_INITIAL}(("start")) --> {Step.RUN_AGAIN.value}')
     for step in Step:
         shape = f'(["{step.name}"])' if step in TERMINAL_STEPS else f'("{step.name}")'
         lines.append(f"    {step.value}{shape}")
-    highlighted = []
-    for index, edge in enumerate(edges(), start=1):
+    for edge in edges():
         text = "<br/>".join(_label(t, g) for t, g in edge.labels)
         lines.append(f'    {edge.source.value} -->|"{text}"| {edge.dest.value}')
-        if _taken(edge, path):
-            highlighted.append(str(index))
     lines.append("    classDef terminal fill:#eee,stroke:#333,stroke-width:2px")
     lines.append("    class " + ",".join(s.value for s in Step if s in TERMINAL_STEPS)
                  + " terminal")
-    if path is not None:
-        lines.append("    classDef current fill:#ffd54f,stroke:#e65100,stroke-width:3px")
-        lines.append(f"    class {path.current.value} current")
-        if highlighted:
-            lines.append(f"    linkStyle {','.join(highlighted)} stroke:#e65100,"
-                         "stroke-width:3px")
     return "\n".join(lines) + "\n"
 
 
-def dot(path: RunPath | None = None) -> str:
-    title = "agent-statemachine: run steps" if path is None else f"run {path.run_id}"
+def dot() -> str:
+    """Every transition as Graphviz DOT."""
     lines = [
         "digraph run {",
-        f'    label="{title}"; labelloc=t; rankdir=TB; fontname="Helvetica";',
+        '    label="agent-statemachine: run steps"; labelloc=t; rankdir=TB; '
+        'fontname="Helvetica";',
         '    node [shape=box, style="rounded,filled", fillcolor=white, fontname="Helvetica"];',
         '    edge [fontname="Helvetica", fontsize=9];',
         f'    {_INITIAL} [shape=point]; {_INITIAL} -> {Step.RUN_AGAIN.value};',
     ]
     for step in Step:
-        attrs_ = [f'label="{step.name}"']
-        if step in TERMINAL_STEPS:
-            attrs_.append("peripheries=2")
-        if path is not None and step is path.current:
-            attrs_ += ['fillcolor="#ffd54f"', 'color="#e65100"', "penwidth=3"]
-        lines.append(f"    {step.value} [{', '.join(attrs_)}];")
+        extra = ", peripheries=2" if step in TERMINAL_STEPS else ""
+        lines.append(f'    {step.value} [label="{step.name}"{extra}];')
     for edge in edges():
         text = "\\n".join(_label(t, g) for t, g in edge.labels)
-        style = ', color="#e65100", penwidth=3' if _taken(edge, path) else ""
-        lines.append(f'    {edge.source.value} -> {edge.dest.value} [label="{text}"{style}];')
+        lines.append(f'    {edge.source.value} -> {edge.dest.value} [label="{text}"];')
     lines.append("}")
     return "\n".join(lines) + "\n"
 
@@ -220,13 +203,141 @@ def overview_dot() -> str:
     return "\n".join(lines) + "\n"
 
 
+@attrs.frozen
+class RunEdge:
+    """One move of a run's drawing: the overview's triggers from ``source`` to ``dest``,
+    and whether the run took it (by one of those triggers)."""
+
+    source: Step
+    dest: Step
+    triggers: tuple[str, ...]
+    taken: bool
+
+
+@attrs.frozen
+class RunPart:
+    """The part of the machine a run's drawing shows: the steps it visited, where each
+    could have gone next (``nearby``), and the moves between them."""
+
+    visited: tuple[Step, ...]
+    nearby: tuple[Step, ...]
+    edges: tuple[RunEdge, ...]
+
+
+def run_part(path: RunPath) -> RunPart:
+    """The steps ``path`` visited (the first, ``RUN_AGAIN``, included), each one's moves to
+    another step with the overview's labels (`overview_edges`), and the steps those moves
+    reach. ``abandon``, which every live step takes, is drawn from the steps where the
+    run took it, and from the current step while it is live (what an operator may do
+    now). Self-loops are folded away, as in the overview: the drawing stays small
+    enough to read at a page's width however long the run."""
+    seen = {Step.RUN_AGAIN, path.current} | {s for s, _, _ in path.visited} | {
+        d for _, d, _ in path.visited}
+    moves: list[RunEdge] = []
+    for edge in overview_edges():
+        if edge.source == ANY_LIVE_STEP:
+            sources = [s for s in Step if s in seen and s in LIVE_STEPS and (
+                s is path.current or any((s, Step(edge.dest), t) in path.visited
+                                         for t in edge.triggers))]
+        else:
+            sources = [Step(edge.source)] if Step(edge.source) in seen else []
+        for source in sources:
+            dest = Step(edge.dest)
+            taken = any((source, dest, t) in path.visited for t in edge.triggers)
+            moves.append(RunEdge(source, dest, edge.triggers, taken))
+    reached = {m.dest for m in moves}
+    return RunPart(tuple(s for s in Step if s in seen),
+                   tuple(s for s in Step if s in reached and s not in seen), tuple(moves))
+
+
+RUN_WIDTH = 11
+"""The widest a run's drawing may be, in inches (1,056 px at 96 px an inch): a page."""
+_TAKEN = "#e65100"
+_NEARBY = "#888888"
+
+
+def run_mermaid(path: RunPath) -> str:
+    """A run's part of the machine (`run_part`) as a Mermaid flowchart: its path and
+    current step highlighted, the steps it did not visit dashed."""
+    part = run_part(path)
+    lines = ["flowchart TD"]
+    lines.append(f'    {_INITIAL}(("start")) --> {Step.RUN_AGAIN.value}')
+    for step in (*part.visited, *part.nearby):
+        shape = f'(["{step.name}"])' if step in TERMINAL_STEPS else f'("{step.name}")'
+        lines.append(f"    {step.value}{shape}")
+    taken = []
+    for index, edge in enumerate(part.edges, start=1):
+        label = "<br/>".join(edge.triggers)
+        lines.append(f'    {edge.source.value} -->|"{label}"| {edge.dest.value}')
+        if edge.taken:
+            taken.append(str(index))
+    lines.append("    classDef terminal fill:#eee,stroke:#333,stroke-width:2px")
+    terminal = [s.value for s in (*part.visited, *part.nearby) if s in TERMINAL_STEPS]
+    if terminal:
+        lines.append(f"    class {','.join(terminal)} terminal")
+    if part.nearby:
+        lines.append(f"    classDef nearby fill:#fff,stroke:{_NEARBY},color:{_NEARBY},"
+                     "stroke-dasharray:4 3")
+        lines.append(f"    class {','.join(s.value for s in part.nearby)} nearby")
+    lines.append(f"    classDef current fill:#ffd54f,stroke:{_TAKEN},stroke-width:3px")
+    lines.append(f"    class {path.current.value} current")
+    # link 0 is start --> run_again, which every run takes
+    lines.append(f"    linkStyle {','.join(['0', *taken])} stroke:{_TAKEN},stroke-width:3px")
+    return "\n".join(lines) + "\n"
+
+
+def run_dot(path: RunPath) -> str:
+    """A run's part of the machine (`run_part`) as Graphviz DOT, top to bottom in the
+    declared order of the steps (a way back does not push the layout wider), sized like
+    the overview; a run that visited nearly every step is scaled down to `RUN_WIDTH`."""
+    part = run_part(path)
+    lines = [
+        "digraph run {",
+        f'    label="run {_dot_text(path.run_id)}: the steps it visited (solid) and '
+        'where they lead (dashed)"; labelloc=t;',
+        f'    size="{RUN_WIDTH},40"; rankdir=TB; nodesep=0.25; ranksep=0.35; '
+        'fontname="Helvetica";',
+        '    node [shape=box, style="rounded,filled", fillcolor=white, fontname="Helvetica"];',
+        '    edge [fontname="Helvetica", fontsize=10];',
+        f'    {_INITIAL} [shape=point]; {_INITIAL} -> {Step.RUN_AGAIN.value} '
+        f'[color="{_TAKEN}", penwidth=3];',
+    ]
+    for step in part.visited:
+        extra = ", peripheries=2" if step in TERMINAL_STEPS else ""
+        if step is path.current:
+            extra += f', fillcolor="#ffd54f", color="{_TAKEN}", penwidth=3'
+        lines.append(f'    {step.value} [label="{step.name}"{extra}];')
+    for step in part.nearby:
+        extra = ", peripheries=2" if step in TERMINAL_STEPS else ""
+        lines.append(f'    {step.value} [label="{step.name}", style="dashed,rounded", '
+                     f'color="{_NEARBY}", fontcolor="{_NEARBY}"{extra}];')
+    order = {step: index for index, step in enumerate(Step)}
+    for edge in part.edges:
+        style = (f', color="{_TAKEN}", penwidth=3' if edge.taken
+                 else f', color="{_NEARBY}", fontcolor="{_NEARBY}"')
+        if order[edge.source] > order[edge.dest]:
+            style += ", constraint=false"  # a way back: ranks follow the declared order
+        label = "\\n".join(edge.triggers)
+        lines.append(f'    {edge.source.value} -> {edge.dest.value} [label="{label}"{style}];')
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _dot_text(text: str) -> str:
+    """``text`` inside a DOT string: quotes and backslashes escaped, one line."""
+    return "".join(ch if ch.isprintable() and ch not in '"\\' else "_" for ch in text[:100])
+
+
 class GraphvizFailed(Exception):
     """Graphviz's ``dot`` ran and failed; the message is its first line of complaint."""
 
 
 def write(out_dir: Path, *, basename: str = "run", path: RunPath | None = None) -> list[Path]:
-    """Write ``basename``.mmd and .dot into ``out_dir``, and .svg when Graphviz is here."""
-    return _write_pair(out_dir, basename, mermaid(path), dot(path))
+    """Write ``basename``.mmd and .dot into ``out_dir``, and .svg when Graphviz is here:
+    every transition, or with ``path`` the run's part of the machine (`run_part`)."""
+    if path is None:
+        return _write_pair(out_dir, basename, mermaid(), dot())
+    return _write_pair(out_dir, basename, run_mermaid(path), run_dot(path))
 
 
 def _write_pair(out_dir: Path, basename: str, mermaid_text: str, dot_text: str) -> list[Path]:

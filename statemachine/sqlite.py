@@ -84,10 +84,19 @@ def connect(path: str | os.PathLike[str], *, timeout: float) -> sqlite3.Connecti
 
 def connect_readonly(path: str, *, timeout: float, immutable: bool) -> sqlite3.Connection:
     """A connection that cannot write (SQLite's ``mode=ro``; with ``immutable``, one that
-    takes no lock and creates no ``-wal``/``-shm`` either: only for a file at rest)."""
+    takes no lock and creates no ``-wal``/``-shm`` either: only for a file at rest).
+
+    Without ``immutable`` it opens the ``-shm`` a writer left read-only too
+    (``readonly_shm``): a plain ``mode=ro`` reader writes its read marks into that file
+    (its bytes and mtime change), and creates one that is missing. So a ``-wal`` without
+    its ``-shm`` cannot be read here (`sqlite3.OperationalError`, "unable to open"),
+    which is refused rather than read without the ``-wal``'s commits. In one process a
+    shared-memory index is shared by the connections to a file: a writer opened there
+    while such a read is under way would share its read-only index and be refused."""
     uri = "file:" + quote(os.fsencode(os.path.abspath(path))) + "?mode=ro"
-    return sqlite3.connect(uri + ("&immutable=1" if immutable else ""), uri=True,
-                           timeout=timeout, isolation_level=None, check_same_thread=False)
+    return sqlite3.connect(uri + ("&immutable=1" if immutable else "&readonly_shm=1"),
+                           uri=True, timeout=timeout, isolation_level=None,
+                           check_same_thread=False)
 
 
 class CommitFailed(Exception):

@@ -1,9 +1,9 @@
 """The ``statemachine`` command: render the machine, inspect, replay and list runs, explore
 the invariants, and play the demo. Errors are one line on stderr and exit status 2.
 
-The read-only commands (``inspect``, ``replay``, ``render FILE|--store``, ``list``) never
-create or change a file: a store is opened read-only (``SQLiteEventStore(path,
-readonly=True)``, see `open_store`)."""
+The read-only commands (``inspect``, ``replay``, ``render FILE|-|--store|--dsn``,
+``list``) never create or change a file, a writer's ``-wal`` and ``-shm`` included: a store
+is opened read-only (``SQLiteEventStore(path, readonly=True)``, see `open_store`)."""
 
 from __future__ import annotations
 
@@ -34,10 +34,20 @@ if TYPE_CHECKING:
 # ----------------------------------------------------------------- loading runs
 
 
+STDIN = Path("-")
+"""FILE as ``-``: the run's JSON text is read from standard input. Told apart by identity,
+since ``Path("./-") == Path("-")``: only the argument ``-`` itself is this object."""
+
+
+def _file(text: str) -> Path:
+    return STDIN if text == "-" else Path(text)
+
+
 def _add_source(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", nargs="?", type=Path, metavar="FILE",
+    parser.add_argument("file", nargs="?", type=_file, metavar="FILE",
                         help="a run's JSON file (what RunController.to_json() returns), "
-                             "UTF-8")
+                             "UTF-8; - reads it from standard input (./- for a file "
+                             "named -)")
     parser.add_argument("--store", type=Path, metavar="DB",
                         help="a SQLite event store file (opened read-only, never changed)")
     parser.add_argument("--dsn", metavar="DSN",
@@ -48,18 +58,25 @@ def _add_source(parser: argparse.ArgumentParser) -> None:
                         help="the run's id in the --store file or --dsn database")
 
 
-def _read_file(path: Path) -> str:
-    """A run's JSON file as text; `UserError` for every way that fails."""
-    where = shown(path)
+def _read_bytes(path: Path, what: str) -> bytes:
+    """The bytes of ``path`` (standard input for `STDIN`); `UserError` for every way
+    that fails. ``what`` names the file in a message."""
+    where = "standard input" if path is STDIN else shown(path)
     try:
-        data = path.read_bytes()
+        return sys.stdin.buffer.read() if path is STDIN else path.read_bytes()
     except IsADirectoryError:
-        raise UserError(f"cannot read {where}: it is a directory, not a run's JSON "
-                        "file") from None
+        raise UserError(f"cannot read {where}: it is a directory, not {what}") from None
     except FileNotFoundError:
         raise UserError(f"cannot read {where}: no such file") from None
     except OSError as error:
         raise UserError(f"cannot read {where}: {error.strerror or error}") from None
+
+
+def _read_file(path: Path) -> str:
+    """A run's JSON file (standard input for ``-``) as text; `UserError` for every way
+    that fails."""
+    where = "standard input" if path is STDIN else shown(path)
+    data = _read_bytes(path, "a run's JSON file")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -92,9 +109,46 @@ def _source_store(args: argparse.Namespace) -> Any:
     return PostgresEventStore(dsn, readonly=True)
 
 
-def _load(args: argparse.Namespace, *, snapshot: bool = True) -> RunController:
+KEY_FILE_HELP = (
+    "check the log's keyed chain (RunController.to_json(key=...)) with the key this file "
+    "holds: its bytes, less one trailing newline (\\n or \\r\\n, as echo or an editor "
+    "leaves; a key that itself ends in a newline needs a second one). Without it a "
+    "signed log is refused (exit 2), never reported ok unchecked")
+
+UNCHECKED = ("the log is signed (it carries a keyed chain) and was not checked: give "
+             "--key-file F with the key it was signed with")
+
+
+def read_key(path: Path) -> bytes:
+    """The chain key ``--key-file`` names (see `KEY_FILE_HELP`); `UserError` for a file
+    that cannot be read or holds no key. The key itself is never echoed."""
+    if path is STDIN:
+        raise UserError("--key-file needs a file: - (standard input) is for FILE only")
+    key = _read_bytes(path, "a key file")
+    key = key[:-2] if key.endswith(b"\r\n") else key[:-1] if key.endswith(b"\n") else key
+    if not key:
+        raise UserError(f"--key-file {shown(path)} holds no key: a chain key is at least "
+                        "one byte")
+    return key
+
+
+def _signed(text: str) -> bool:
+    """Whether a run's JSON text (one `RunController.from_json` accepted) carries a
+    keyed chain."""
+    from statemachine import codec
+
+    doc = codec.parse(text)
+    return type(doc) is dict and "chain" in doc
+
+
+def _load(args: argparse.Namespace, *, snapshot: bool = True, key: bytes | None = None,
+          verify: bool = False) -> RunController:
     """The run a command names: from a JSON file (the whole log replayed), or from a
-    store opened read-only (from its verified snapshot unless ``snapshot=False``)."""
+    store opened read-only (from its verified snapshot unless ``snapshot=False``).
+
+    A file's keyed chain is checked with ``key``; with ``verify`` and no key a signed
+    file is refused (`UNCHECKED`): a command that vouches for a log does not vouch for a
+    signed one it could not check (fail closed)."""
     from statemachine.controller import RunController
     from statemachine.errors import RunNotFound
 
@@ -102,6 +156,9 @@ def _load(args: argparse.Namespace, *, snapshot: bool = True) -> RunController:
     if store is not None:
         if args.file is not None:
             raise UserError("give either FILE, or --store DB with --run ID, not both")
+        if key is not None:
+            raise UserError("--key-file checks a run's JSON file (FILE): a store's log "
+                            "carries no keyed chain")
         if args.run_id is not None:
             try:
                 return RunController.load(store, args.run_id, snapshot=snapshot)
@@ -119,7 +176,11 @@ def _load(args: argparse.Namespace, *, snapshot: bool = True) -> RunController:
         raise UserError("--run needs --store DB or --dsn DSN (a FILE holds one run)")
     if args.file is None:
         raise UserError("give a run's JSON file, or --store DB with --run ID")
-    return RunController.from_json(_read_file(args.file))
+    text = _read_file(args.file)
+    c = RunController.from_json(text, key=key)
+    if verify and key is None and _signed(text):
+        raise UserError(UNCHECKED)
+    return c
 
 
 def _out_dir(path: Path, option: str) -> Path:
@@ -309,8 +370,11 @@ def inspect_command(args: argparse.Namespace) -> int:
 
 
 def replay_command(args: argparse.Namespace) -> int:
-    c = _load(args, snapshot=False)  # the whole log, every transition checked again
-    print(f"ok: {c.version} events replayed, every transition legal; step "
+    key = None if args.key_file is None else read_key(args.key_file)
+    # the whole log, every transition checked again, and a file's keyed chain
+    c = _load(args, snapshot=False, key=key, verify=True)
+    chain = "" if key is None else ", the keyed chain verified"
+    print(f"ok: {c.version} events replayed, every transition legal{chain}; step "
           f"{c.step.name}")
     return 0
 
@@ -323,9 +387,9 @@ def _safe_name(run_id: str) -> str:
 def render_command(args: argparse.Namespace) -> int:
     from statemachine import diagrams
 
-    if args.file is None and args.store is None:
+    if args.file is None and args.store is None and args.dsn is None:
         if args.run_id is not None:
-            raise UserError("--run needs --store DB")
+            raise UserError("--run needs --store DB or --dsn DSN")
         out = _out_dir(args.out or Path("diagrams"), "--out")
         written = diagrams.write_project_diagrams(out)
     else:
@@ -464,8 +528,9 @@ def _count(least: int) -> Callable[[str], int]:
 
 DESCRIPTION = (
     "Render the run-step machine, inspect, replay and list runs, explore the invariants, "
-    "and play the demo. inspect, replay and render read a run's JSON file or a SQLite "
-    "event store, list reads a store, and none of them changes either.")
+    "and play the demo. inspect, replay and render read a run's JSON file (- for "
+    "standard input) or a SQLite or PostgreSQL event store, list reads a store, and none "
+    "of them changes either.")
 EPILOG = ("Exit status: 0 when all is well; 1 when explore finds a counterexample or a "
           "demo check fails; 2 for any error, which is one line on stderr. "
           "Run 'statemachine COMMAND --help' for a command's options.")
@@ -489,10 +554,11 @@ def parser() -> argparse.ArgumentParser:
 
     render = commands.add_parser(
         "render", help="draw the machine (diagrams/), or a run's path through it",
-        description="Without FILE or --store: write the overview and the detailed "
-        "diagram of the machine, drawn from its declaration, as Mermaid, DOT and (with "
-        "Graphviz) SVG, plus README.md. With a run: draw the machine with the run's "
-        "transitions and current step highlighted.")
+        description="Without FILE, --store or --dsn: write the overview and the "
+        "detailed diagram of the machine, drawn from its declaration, as Mermaid, DOT and "
+        "(with Graphviz) SVG, plus README.md. With a run: draw the run's part of the "
+        "machine (the steps it visited and where each could have gone next, with the "
+        "overview's labels), its path and current step highlighted.")
     _add_source(render)
     render.add_argument("--out", type=Path, metavar="DIR",
                         help="output directory, created if needed (default: diagrams/ for "
@@ -511,8 +577,12 @@ def parser() -> argparse.ArgumentParser:
     replay = commands.add_parser(
         "replay", help="validate a run's log",
         description="Replay a run's log, re-checking every transition; exits 2 naming the "
-        "first illegal event.")
+        "first illegal event. A signed JSON file (to_json(key=...)) is checked with "
+        "--key-file: a chain that does not verify (another key, an edited, added or "
+        "removed event), a file without a chain, and a signed file replayed without "
+        "--key-file each exit 2.")
     _add_source(replay)
+    replay.add_argument("--key-file", type=_file, metavar="F", help=KEY_FILE_HELP)
     replay.set_defaults(run=replay_command)
 
     explore = commands.add_parser(

@@ -260,3 +260,15 @@ def test_a_lone_surrogate_in_a_text_document_is_refused(ensure_ascii: bool) -> N
         codec.decode_log(text)
     with pytest.raises(SchemaError, match="not valid Unicode"):
         RunController.from_json(text)
+
+
+@pytest.mark.parametrize("sign", ["", "-"])
+def test_an_int_past_the_digit_limit_is_refused_by_name(sign: str) -> None:
+    """Python's int() refuses more than 4,300 digits with a bare ValueError; the document
+    is valid JSON, so the refusal names the limit, not the syntax."""
+    doc = RunController.start(run_id="run-1", session_id="session-1").to_json()
+    text = json.dumps(doc).replace('"session-1"', sign + "7" * 4301, 1)
+    with pytest.raises(SchemaError, match="an integer of more than 4300 digits"):
+        RunController.from_json(text)
+    with pytest.raises(SchemaError, match="not valid JSON"):
+        RunController.from_json("{x" + text)  # a syntax error before it comes first

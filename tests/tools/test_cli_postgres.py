@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -63,3 +64,18 @@ def test_an_unreachable_dsn_is_one_line_and_exit_2() -> None:
     assert done.returncode == 2
     assert len(done.stderr.strip().splitlines()) == 1
     assert "Traceback" not in done.stderr
+
+
+def test_render_draws_a_run_of_a_postgres_store(default_schema: str, tmp_path: Path) -> None:
+    dsn = default_schema
+    with PostgresEventStore(dsn) as store:
+        paused = RunController.start(run_id="run-1", session_id="s1", store=store)
+        paused.begin_model_call()
+        paused.model_responded([ToolCall("c1", "pay", {"amount": 7}, needs_approval=True)])
+    done = _cli("render", "--dsn", dsn, "--run", "run-1", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    drawn = (tmp_path / "run-run-1.mmd").read_text()
+    assert "class interruption current" in drawn
+    missing = _cli("render", "--dsn", dsn, "--run", "ghost", "--out", str(tmp_path))
+    assert missing.returncode == 2
+    assert "no run 'ghost' in the --dsn database" in missing.stderr
