@@ -6,6 +6,7 @@ of an unsettled write, and a run that cannot safely resume says so before doing 
 Embed `RunController` in your runner.
 """
 
+from statemachine.blocker import Blocker, BlockerKind, Waiting
 from statemachine.controller import RunController
 from statemachine.envelope import Envelope
 from statemachine.errors import (
@@ -53,6 +54,8 @@ __all__ = [
     "Acknowledge",
     "Action",
     "Append",
+    "Blocker",
+    "BlockerKind",
     "CallView",
     "ConcurrencyConflict",
     "ConfigurationError",
@@ -86,6 +89,7 @@ __all__ = [
     "StorageError",
     "ToolCall",
     "ToolInDoubt",
+    "Waiting",
     "disable_logging",
     "enable_logging",
     "register_canonical",

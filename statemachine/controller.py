@@ -35,6 +35,7 @@ import attrs
 
 from statemachine import codec
 from statemachine import events as ev
+from statemachine.blocker import Blocker, Waiting, read_model
 from statemachine.envelope import Envelope, FindingKind, classify, measure_frontier
 from statemachine.errors import (
     ControlError,
@@ -402,6 +403,21 @@ class RunController:
     def holds_attempt(self) -> bool:
         """Whether this controller opened the open publication attempt."""
         return self._attempt is not None and self._attempt == self._state.attempt_seq
+
+    @property
+    def blocker(self) -> Blocker | None:
+        """What keeps this run from going on by itself, as a reader holding no attempt sees
+        it (`Blocker`: a call in doubt, an unsettled publication, decisions to take, or
+        not resumable), or None. The same fold decides `next_action`, and stores that keep
+        run heads keep it there (`statemachine.operator.runs`)."""
+        return read_model(self._state).blocker
+
+    @property
+    def waiting(self) -> tuple[Waiting, ...]:
+        """This run's inbox entries (`Waiting`): every call awaiting a decision and every
+        call in doubt, oldest first (`statemachine.operator.inbox` lists them across
+        runs)."""
+        return read_model(self._state).waiting
 
     @property
     def publication_id(self) -> str | None:

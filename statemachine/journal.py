@@ -35,6 +35,7 @@ import attrs
 
 from statemachine import codec, sizes
 from statemachine import events as ev
+from statemachine.blocker import read_model
 from statemachine.errors import (
     ConcurrencyConflict,
     ControlError,
@@ -54,6 +55,7 @@ from statemachine.stores import (
     SessionWrite,
     SnapshotStore,
     indexes_runs,
+    keeps_read_models,
     load_latest_measured,
     load_measured,
     restored,
@@ -144,13 +146,16 @@ class PendingCommit:
 class Journal:
     """The log of one run and its way to the store (see the module's docstring)."""
 
-    __slots__ = ("buffered", "events", "flushed", "limits", "pending_snapshot", "size",
-                 "snapshot_at", "state", "stopped", "store", "version", "write")
+    __slots__ = ("buffered", "events", "flushed", "limits", "origin", "pending_snapshot",
+                 "size", "snapshot_at", "state", "stopped", "store", "version", "write")
 
     def __init__(self, state: RunState, events: list[ev.Event], *, store: EventStore | None,
                  limits: Limits, size: int | None = None) -> None:
         self.state = state
         self.events = events
+        self.origin: Mapping[str, Any] | None = None
+        """The snapshot this run was loaded from (``base`` > 0): the state `events` start
+        from, which `_unfold` rebuilds the state from."""
         """The events recorded here: the log from `base` on."""
         self.version = state.last_seq + 1
         """How many events the log holds: the seq of the next event (the store's expected
@@ -259,8 +264,10 @@ class Journal:
                 except ControlError:
                     pass  # the whole log decides below: it raises too, or the snapshot is bad
                 else:
-                    return cls(state, list(tail.events), store=store, limits=limits,
-                               size=_snapshot_size(store, run_id, stored, base, tail))
+                    journal = cls(state, list(tail.events), store=store, limits=limits,
+                                  size=_snapshot_size(store, run_id, stored, base, tail))
+                    journal.origin = stored
+                    return journal
             elif stored is None and tail.events and tail.events[0].seq == 0:
                 log = tail  # no snapshot: the tail is the whole log
         if log is None:
@@ -367,23 +374,49 @@ class Journal:
         it was (stopped, when the append may have landed)."""
         store = self.store
         state = self.state
+        folded = False
         if store is not None and self.buffered:
             self._buffer(event)
         elif store is not None:
             snapshot = (self._snapshot() if event.seq % self.limits.snapshot_every == 0
                         and isinstance(store, SnapshotStore) else None)
-            with _StoreCall(self, action, (event,)):
-                if indexes_runs(store):  # it keeps a head per run: tell it the new step
+            options: dict[str, Any] = {}
+            if indexes_runs(store):  # it keeps a head per run: tell it the new step
+                options["step"] = dest
+                if keeps_read_models(store):  # and what the state after the event shows
+                    state.apply(event, dest)
+                    folded = True
+                    options["read_model"] = read_model(state)
+            try:
+                with _StoreCall(self, action, (event,)):
                     store.append(state.run_id, (event,), event.seq, snapshot=snapshot,
-                                 step=dest)
-                else:
-                    store.append(state.run_id, (event,), event.seq, snapshot=snapshot)
-        state.apply(event, dest)
+                                 **options)
+            except BaseException:
+                if folded:
+                    self._unfold()
+                raise
+        if not folded:
+            state.apply(event, dest)
         self.events.append(event)
         self.version = event.seq + 1
         self.size = size
         if not self.buffered:
             self.flushed = self.version
+
+    def _unfold(self) -> None:
+        """Put the state back as it was before the event folded ahead of an append that
+        did not land (the log is what it was, so its replay is that state, I10)."""
+        state = self.state
+        with gc_paused():
+            if self.origin is None:
+                before = replay(state.run_id, self.events)
+            else:
+                found = restored(state.run_id, dict(self.origin), self.events)
+                assert found is not None  # it was restored from this snapshot once
+                before = found
+                replay_onto(before, self.events, first=self.base)
+        for name in RunState.__slots__:
+            setattr(state, name, getattr(before, name))
 
     def _buffer(self, event: ev.Event) -> None:
         """Keep ``event`` for the next flush. A batch that starts a snapshot interval
@@ -461,7 +494,8 @@ class Journal:
 
     def _batch(self) -> tuple[list[ev.Event], dict[str, Any]]:
         options: dict[str, Any] = {"snapshot": self.pending_snapshot}
-        if indexes_runs(self.store) or is_async(self.store):
+        store = self.store
+        if indexes_runs(store) or is_async(store):
             options["step"] = self.state.step
         events = self.events[self.flushed - self.base:]
         commit = self.write
@@ -469,6 +503,9 @@ class Journal:
             events.append(commit.event)
             options["step"] = commit.dest
             options["session_write"] = commit.write
+        if keeps_read_models(store):
+            options["read_model"] = read_model(
+                self.state, settled_to=None if commit is None else commit.dest)
         return events, options
 
     def _flushed_ok(self, count: int) -> PendingCommit | None:

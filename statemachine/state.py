@@ -38,7 +38,8 @@ from statemachine.values import (
 STATE_VERSION = 4
 """The shape of `RunState.snapshot`; a snapshot of another version is ignored (the log is
 replayed instead). 3: each call carries the events that decided it (who, why, when).
-4: a resolution carries its outcome and evidence."""
+4: a resolution carries its outcome and evidence; the times and the end reason the read
+models (`statemachine.blocker`) show."""
 
 _CALL_MODEL_STEPS = frozenset({Step.RUN_AGAIN, Step.HANDOFF, Step.AWAITING_MODEL})
 
@@ -46,7 +47,8 @@ _CALL_MODEL_STEPS = frozenset({Step.RUN_AGAIN, Step.HANDOFF, Step.AWAITING_MODEL
 class CallRecord:
     """One call in the tool ledger (internal, mutated only by the fold)."""
 
-    __slots__ = ("_fingerprint", "call", "decided", "phase", "resolutions", "result", "starts")
+    __slots__ = ("_fingerprint", "call", "decided", "phase", "resolutions", "result",
+                 "started_at", "starts")
 
     def __init__(self, call: ToolCall, phase: Phase) -> None:
         self.call = call
@@ -54,6 +56,8 @@ class CallRecord:
         self.phase = phase
         self.result: JSON = None
         self.starts = 0
+        self.started_at: int | None = None
+        """The ``at`` of its last start (when a call in doubt began to wait)."""
         self.decided: ev.CallApproved | ev.CallRejected | None = None
         """The event that approved or rejected the call (its ``by``, ``reason``, ``at``);
         kept by reference, so a decision costs the fold no allocation."""
@@ -105,11 +109,11 @@ class RunState:
     """Everything the log implies about a run. Read it through `RunController`."""
 
     __slots__ = (
-        "activation", "attempt_seq", "awaiting_ids", "calls", "canonical", "counts", "envelope",
-        "final_accepted", "final_lossless", "final_output", "guardrail_keys",
-        "hook_keys", "last_seq", "max_turns", "model_calls", "model_output", "pending_guardrails",
-        "pending_input", "policy", "published_guardrails", "run_id", "session_id", "step",
-        "turns",
+        "activation", "attempt_seq", "awaiting_ids", "calls", "canonical", "counts", "end_reason",
+        "envelope", "final_accepted", "final_lossless", "final_output", "guardrail_keys",
+        "hook_keys", "last_at", "last_seq", "max_turns", "model_calls", "model_output",
+        "pending_guardrails", "pending_input", "policy", "published_guardrails",
+        "responded_at", "run_id", "session_id", "staged_at", "step", "turns",
     )
 
     def __init__(self, started: ev.RunStarted) -> None:
@@ -142,6 +146,16 @@ class RunState:
         self.envelope: Envelope | None = None
         self.attempt_seq: int | None = None
         self.last_seq = started.seq
+        # what the read models (`statemachine.blocker`) date things by, and say
+        self.last_at = started.at
+        """The newest event's ``at``."""
+        self.responded_at: int | None = None
+        """The ``at`` of the last model response (every call awaiting a decision is one
+        of its calls: a new response needs the run past every decision)."""
+        self.staged_at: int | None = None
+        """The ``at`` of the last staged publication."""
+        self.end_reason: str | None = None
+        """Why the run became terminal (the abandon reason, or the failed publication)."""
 
     # ------------------------------------------------------------------ queries
 
@@ -201,7 +215,7 @@ class RunState:
             tuple(self.published_guardrails),
             self.guardrail_keys, frozenset(self.hook_keys),
             self.model_output, self.final_output, self.final_accepted, self.final_lossless,
-            self.envelope, self.attempt_seq, self.last_seq,
+            self.envelope, self.attempt_seq, self.end_reason, self.last_seq,
         )
 
     def __eq__(self, other: object) -> bool:
@@ -242,6 +256,9 @@ class RunState:
             "envelope": None if self.envelope is None else unstructure(self.envelope),
             "attempt_seq": self.attempt_seq,
             "last_seq": self.last_seq,
+            "times": [self.last_at, self.responded_at, self.staged_at,
+                      [r.started_at for r in self.calls.values()]],
+            "end_reason": self.end_reason,
         }
 
     @classmethod
@@ -286,6 +303,10 @@ class RunState:
         raw_envelope = data["envelope"]
         state.envelope = None if raw_envelope is None else structure(raw_envelope, Envelope)
         state.attempt_seq, state.last_seq = data["attempt_seq"], data["last_seq"]
+        state.last_at, state.responded_at, state.staged_at, started = data["times"]
+        for record, started_at in zip(state.calls.values(), started, strict=True):
+            record.started_at = started_at
+        state.end_reason = data["end_reason"]
         return state
 
     # --------------------------------------------------------------- the fold
@@ -294,8 +315,12 @@ class RunState:
         """Fold an event that `machine.destination` accepted, with the step it returned.
         This is the one fold: the controller and the replay run it."""
         APPLY[type(event)](self, event)
+        if dest is Step.TERMINAL_UNRECOVERABLE and self.step is not dest:
+            self.end_reason = (event.reason if type(event) is ev.Abandoned else
+                               "its publication failed and the run fails closed")
         self.step = dest
         self.last_seq = event.seq
+        self.last_at = event.at
 
     def _phase(self, record: CallRecord, phase: Phase) -> None:
         counts = self.counts
@@ -332,6 +357,7 @@ def _model_call_begun(s: RunState, e: ev.ModelCallBegun) -> None:
 
 
 def _model_responded(s: RunState, e: ev.ModelResponded) -> None:
+    s.responded_at = e.at
     s.turns += 1
     s.model_output = e.output
     for call in e.tool_calls:
@@ -368,6 +394,7 @@ def _rejected(s: RunState, e: ev.CallRejected) -> None:
 def _tool_started(s: RunState, e: ev.ToolStarted) -> None:
     record = s.calls[e.call_id]
     record.starts += 1
+    record.started_at = e.at
     if record.phase != Phase.STARTED:
         s._phase(record, Phase.STARTED)
 
@@ -417,6 +444,7 @@ def _staged(s: RunState, e: ev.PublicationStaged) -> None:
         tuple(s.awaiting_ids), s.fails_closed(), e.seq,
         _input_published(s.pending_input, e.items) if s.pending_input else 0)
     s.attempt_seq = e.seq
+    s.staged_at = e.at
 
 
 def _input_published(pending: list[JSON], items: tuple[JSON, ...]) -> int:

@@ -89,6 +89,7 @@ __all__ = [
     "SnapshotIgnored",
     "SnapshotStore",
     "indexes_runs",
+    "keeps_read_models",
     "load_latest_measured",
     "load_measured",
     "restored",
@@ -258,6 +259,13 @@ def indexes_runs(store: object) -> TypeGuard[IndexedStore]:
         found = _INDEXED[kind] = isinstance(store, IndexedStore)
     return found
 
+
+
+def keeps_read_models(store: object) -> bool:
+    """Whether ``store`` keeps each run's read model in its head (``keeps_read_models``,
+    DESIGN §7.5): then a controller hands its ``append`` the `ReadModel` of the state
+    its events lead to (``read_model=``)."""
+    return getattr(store, "keeps_read_models", False) is True
 
 
 class MemoryEventStore:
