@@ -1,0 +1,223 @@
+"""What a person (or a service acting for one) does to a run from outside it: decide a
+call, settle a call in doubt, abandon the run; and the read models that show where runs
+wait (DESIGN §7.5).
+
+Each command loads the run from its store, claims it as ``by`` (so an attempt that was
+running is superseded: its next append or fence stops it before any effect, and a live
+lease of another owner refuses the operator instead, `LeaseHeld`), applies the command
+through the `RunController` (every guard, fingerprint and limit applies), and makes it
+durable before it returns the controller. A refusal raises the typed error having
+changed nothing: the claim and the command are held back and appended together, in one
+transaction, only once both were accepted.
+
+``runs`` and ``inbox`` read the run heads a store keeps (`RunHead.blocker`,
+`RunHead.waiting`), written with every append from the fold that decides resumability:
+one query, whatever the number of runs. The ``*_async`` forms take an async store (or a
+sync one, called on a worker thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Collection
+from typing import Any
+
+from statemachine.blocker import Waiting
+from statemachine.controller import RunController
+from statemachine.errors import ConfigurationError, RunNotResumable, SchemaError
+from statemachine.journal import is_async
+from statemachine.payloads import JSON
+from statemachine.stored import RunHead
+from statemachine.stores import AsyncEventStore, EventStore, indexes_runs
+from statemachine.values import Resolution, Step
+
+__all__ = [
+    "abandon",
+    "abandon_async",
+    "approve",
+    "approve_async",
+    "inbox",
+    "inbox_async",
+    "reject",
+    "reject_async",
+    "resolve",
+    "resolve_async",
+    "runs",
+    "runs_async",
+]
+
+Command = Callable[[RunController], None]
+Clock = Callable[[], int] | None
+
+
+def _who(action: str, by: object, run_id: object) -> None:
+    """``by`` names who acts: a non-empty str (the controller checks the rest)."""
+    if type(by) is not str or not by.strip():
+        raise SchemaError(f"{action} needs by: who decides, as non-empty text",
+                          run_id=run_id if type(run_id) is str else None, action=action)
+
+
+def _claim(c: RunController, by: str, *, settling: bool) -> None:
+    """Claim the run as ``by``. An unsettled run that fails closed refuses every claim
+    (no attempt may go on there); abandoning it needs none: its append is checked against
+    the version it loaded like any other, so a writer that moved the log still wins."""
+    try:
+        c.claim(by)
+    except RunNotResumable:
+        if not (settling and c.step is Step.UNSETTLED):
+            raise
+
+
+def _act(store: EventStore, run_id: str, action: str, by: str, command: Command,
+         clock: Clock, *, settling: bool = False) -> RunController:
+    _who(action, by, run_id)
+    c = RunController.load(store, run_id, buffered=True, clock=clock)
+    _claim(c, by, settling=settling)
+    command(c)
+    c.flush()
+    return c
+
+
+async def _act_async(store: AsyncEventStore | EventStore, run_id: str, action: str, by: str,
+                     command: Command, clock: Clock, *,
+                     settling: bool = False) -> RunController:
+    _who(action, by, run_id)
+    c = await RunController.load_async(store, run_id, buffered=True, clock=clock)
+    _claim(c, by, settling=settling)
+    command(c)
+    await c.flush_async()
+    return c
+
+
+# ------------------------------------------------------------------ the commands
+
+
+def _approving(call_id: str, fingerprint: str, by: str, reason: str | None) -> Command:
+    if type(fingerprint) is not str or not fingerprint:
+        raise SchemaError("approve needs the fingerprint the approval binds to (the one "
+                          "inbox and inspect show)", action="approve")
+    return lambda c: c.approve(call_id, fingerprint=fingerprint, by=by, reason=reason)
+
+
+def approve(store: EventStore, run_id: str, call_id: str, *, fingerprint: str, by: str,
+            reason: str | None = None, clock: Clock = None) -> RunController:
+    """Approve a call awaiting a decision, bound to ``fingerprint`` (a call whose
+    arguments are not the ones shown is refused, `InvalidTransition`)."""
+    return _act(store, run_id, "approve", by, _approving(call_id, fingerprint, by, reason),
+                clock)
+
+
+async def approve_async(store: AsyncEventStore | EventStore, run_id: str, call_id: str, *,
+                        fingerprint: str, by: str, reason: str | None = None,
+                        clock: Clock = None) -> RunController:
+    """`approve` on an async store."""
+    return await _act_async(store, run_id, "approve", by,
+                            _approving(call_id, fingerprint, by, reason), clock)
+
+
+def _rejecting(call_id: str, by: str, message: JSON) -> Command:
+    return lambda c: c.reject(call_id, message, by=by)
+
+
+def reject(store: EventStore, run_id: str, call_id: str, *, by: str, message: JSON = None,
+           clock: Clock = None) -> RunController:
+    """Reject a call awaiting a decision; ``message`` is what the model is told."""
+    return _act(store, run_id, "reject", by, _rejecting(call_id, by, message), clock)
+
+
+async def reject_async(store: AsyncEventStore | EventStore, run_id: str, call_id: str, *,
+                       by: str, message: JSON = None, clock: Clock = None) -> RunController:
+    """`reject` on an async store."""
+    return await _act_async(store, run_id, "reject", by, _rejecting(call_id, by, message),
+                            clock)
+
+
+def _resolving(call_id: str, outcome: Resolution, output: JSON, by: str,
+               evidence: str | None) -> Command:
+    return lambda c: c.resolve_in_doubt(call_id, output, outcome=outcome, by=by,
+                                        evidence=evidence)
+
+
+def resolve(store: EventStore, run_id: str, call_id: str, *, outcome: Resolution,
+            output: JSON = None, by: str, evidence: str | None = None,
+            clock: Clock = None) -> RunController:
+    """Record what happened to a call in doubt (`RunController.resolve_in_doubt`):
+    ``COMPLETED`` with what the model sees, ``FAILED`` with the error text it sees, or
+    ``NOT_EXECUTED`` (no output: the call runs again on the next attempt)."""
+    return _act(store, run_id, "resolve_in_doubt", by,
+                _resolving(call_id, outcome, output, by, evidence), clock)
+
+
+async def resolve_async(store: AsyncEventStore | EventStore, run_id: str, call_id: str, *,
+                        outcome: Resolution, output: JSON = None, by: str,
+                        evidence: str | None = None, clock: Clock = None) -> RunController:
+    """`resolve` on an async store."""
+    return await _act_async(store, run_id, "resolve_in_doubt", by,
+                            _resolving(call_id, outcome, output, by, evidence), clock)
+
+
+def _abandoning(reason: str, by: str) -> Command:
+    return lambda c: c.abandon(reason, by=by)
+
+
+def abandon(store: EventStore, run_id: str, *, reason: str, by: str,
+            clock: Clock = None) -> RunController:
+    """End the run for good (`TERMINAL_UNRECOVERABLE`), saying why and who."""
+    return _act(store, run_id, "abandon", by, _abandoning(reason, by), clock, settling=True)
+
+
+async def abandon_async(store: AsyncEventStore | EventStore, run_id: str, *, reason: str,
+                        by: str, clock: Clock = None) -> RunController:
+    """`abandon` on an async store."""
+    return await _act_async(store, run_id, "abandon", by, _abandoning(reason, by), clock,
+                            settling=True)
+
+
+# ------------------------------------------------------------------ read models
+
+
+def _heads(store: object) -> None:
+    if not (indexes_runs(store) or hasattr(store, "list_runs")):
+        raise ConfigurationError("this store keeps no run heads (list_runs): runs and "
+                                 "inbox need one of the library's stores")
+
+
+def _select(heads: list[RunHead], blocked: bool) -> list[RunHead]:
+    return [h for h in heads if h.blocker is not None] if blocked else heads
+
+
+def _waiting(heads: list[RunHead]) -> list[Waiting]:
+    found = [w for h in heads for w in h.waiting]
+    found.sort(key=lambda w: (w.since is None, w.since or 0, w.run_id))
+    return found
+
+
+def runs(store: EventStore, *, steps: Collection[Step] | None = None,
+         session_id: str | None = None, blocked: bool = False) -> list[RunHead]:
+    """The runs a store holds (`RunHead`: step, Session, owner, lease, ``updated_at``,
+    blocker, inbox entries), by run id; ``blocked`` keeps only those with a blocker."""
+    _heads(store)
+    heads = list(store.list_runs(session_id, steps))  # type: ignore[attr-defined]
+    return _select(heads, blocked)
+
+
+async def runs_async(store: AsyncEventStore | EventStore, *,
+                     steps: Collection[Step] | None = None, session_id: str | None = None,
+                     blocked: bool = False) -> list[RunHead]:
+    """`runs` on an async store."""
+    _heads(store)
+    lister: Any = store.list_runs  # type: ignore[union-attr]
+    heads = list(await lister(session_id, steps) if is_async(store)
+                 else await asyncio.to_thread(lister, session_id, steps))
+    return _select(heads, blocked)
+
+
+def inbox(store: EventStore) -> list[Waiting]:
+    """Every call awaiting a decision and every call in doubt, across the store's runs,
+    oldest first (`Waiting`: run, call, tool, argument preview, fingerprint, since)."""
+    return _waiting(runs(store))
+
+
+async def inbox_async(store: AsyncEventStore | EventStore) -> list[Waiting]:
+    """`inbox` on an async store."""
+    return _waiting(await runs_async(store))
