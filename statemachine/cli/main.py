@@ -1,8 +1,9 @@
 """The ``statemachine`` command: render the machine, inspect, replay and list runs, explore
-the invariants, and play the demo. Errors are one line on stderr and exit status 2.
+the invariants, play the demo, and the operator's verbs (`statemachine.cli.operate`).
+Errors are one line on stderr and exit status 2.
 
 The read-only commands (``inspect``, ``replay``, ``render FILE|-|--store|--dsn``,
-``list``) never create or change a file, a writer's ``-wal`` and ``-shm`` included: a store
+``runs``/``list``, ``inbox``) never create or change a file, a writer's ``-wal`` and ``-shm`` included: a store
 is opened read-only (``SQLiteEventStore(path, readonly=True)``, see `open_store`)."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from statemachine.cli.common import SHOWN, UserError, shown
+from statemachine.cli.operate import blocker_json, blocker_words, waiting_json
 from statemachine.values import Action, Phase, RecoveryPolicy
 
 if TYPE_CHECKING:
@@ -269,8 +271,11 @@ def describe(c: RunController) -> dict[str, Any]:
                  "in_doubt": call_id in in_doubt, "idempotent": view.call.idempotent}
         ledger.append({
             "call_id": call_id, "tool": view.call.name, "phase": view.phase.value,
-            "decisions": [{"kind": d.kind, "by": d.by, "reason": d.reason, "at": d.at}
+            "decisions": [{"kind": d.kind, "by": d.by, "reason": d.reason, "at": d.at,
+                           "outcome": None if d.outcome is None else d.outcome.value,
+                           "evidence": d.evidence}
                           for d in view.decisions],
+            "fingerprint": c.fingerprint(call_id),
             "status": call_status(view.phase, **facts, publishing=call_id in publishing),
             "starts": view.starts, "ran": view.starts > 0,
             "cached": view.phase in (Phase.COMPLETED, Phase.REJECTED, Phase.PUBLISHED),
@@ -303,6 +308,8 @@ def describe(c: RunController) -> dict[str, Any]:
         "pending_guardrail_results": len(c.pending_guardrail_results),
         "ledger": ledger,
         "next_action": c.next_action().value,
+        "blocker": blocker_json(c.blocker),
+        "waiting": [waiting_json(w) for w in c.waiting],
         "verdict": verdict(c),
     }
 
@@ -320,14 +327,20 @@ def when(at: int | None) -> str:
 
 
 def decision_note(decision: dict[str, Any]) -> str:
-    """One decision of a ledger row in words: what, who, when and why."""
+    """One decision of a ledger row in words: what, who, when, why and on what evidence."""
+    kind = decision["kind"]
+    if decision.get("outcome") is not None:
+        kind = f"{kind} {decision['outcome']}"
     who = f" by {shown(decision['by'])}" if decision["by"] is not None else ""
     why = f" ({shown(decision['reason'])})" if decision["reason"] is not None else ""
-    return f"{decision['kind']}{who} {when(decision['at'])}{why}"
+    evidence = decision.get("evidence")
+    shown_evidence = f" [evidence {shown(evidence)}]" if evidence is not None else ""
+    return f"{kind}{who} {when(decision['at'])}{why}{shown_evidence}"
 
 
 def inspect_command(args: argparse.Namespace) -> int:
-    info = describe(_load(args))
+    c = _load(args)
+    info = describe(c)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -362,6 +375,9 @@ def inspect_command(args: argparse.Namespace) -> int:
             notes.append(f"started {call['starts']} times")
         notes.extend(decision_note(d) for d in call["decisions"])
         print(f"  {shown(call['call_id']):<16} {shown(call['tool']):<14} {'; '.join(notes)}")
+    print(blocker_words(c.blocker))
+    for w in c.waiting:
+        print(f"  waiting: {shown(w.call_id)} ({w.kind}) fingerprint {w.fingerprint}")
     print(f"verdict: {info['verdict']}")
     return 0
 
@@ -422,25 +438,6 @@ def _steps(texts: list[str] | None) -> set[Step] | None:
                             f"{', '.join(step.name for step in Step)}")
         chosen.add(found)
     return chosen
-
-
-def list_command(args: argparse.Namespace) -> int:
-    steps = _steps(args.step)
-    store = _source_store(args)
-    if store is None:
-        raise UserError("list needs --store DB or --dsn DSN")
-    heads = store.list_runs(session_id=args.session, steps=steps)
-    if args.json:
-        print(json.dumps([{"run_id": h.run_id, "step": h.step.value,
-                           "session_id": h.session_id, "version": h.version,
-                           "owner": h.owner} for h in heads], indent=2))
-        return 0
-    for h in heads:
-        session = "no Session" if h.session_id is None else f"session {shown(h.session_id)}"
-        owner = "no owner" if h.owner is None else f"owner {shown(h.owner)}"
-        events = f"{h.version} event{'' if h.version == 1 else 's'}"
-        print(f"run {shown(h.run_id)}: step {h.step.name}, {session}, {events}, {owner}")
-    return 0
 
 
 # ------------------------------------------------------------------- explore
@@ -528,9 +525,10 @@ def _count(least: int) -> Callable[[str], int]:
 
 DESCRIPTION = (
     "Render the run-step machine, inspect, replay and list runs, explore the invariants, "
-    "and play the demo. inspect, replay and render read a run's JSON file (- for "
-    "standard input) or a SQLite or PostgreSQL event store, list reads a store, and none "
-    "of them changes either.")
+    "play the demo, and act as an operator. inspect, replay and render read a run's JSON "
+    "file (- for standard input) or a SQLite or PostgreSQL event store, runs and inbox "
+    "read a store, and none of them changes either; approve, reject, resolve and abandon "
+    "write one run, as --by.")
 EPILOG = ("Exit status: 0 when all is well; 1 when explore finds a counterexample or a "
           "demo check fails; 2 for any error, which is one line on stderr. "
           "Run 'statemachine COMMAND --help' for a command's options.")
@@ -601,25 +599,10 @@ def parser() -> argparse.ArgumentParser:
                               "200000)")
     explore.set_defaults(run=explore_command)
 
-    listing = commands.add_parser(
-        "list", help="the runs in a store: step, Session, events and owner",
-        description="List the runs an event store (SQLite or PostgreSQL) holds, one line "
-        "per run: its id, step, Session, number of events and owner (of its last "
-        "claim), read off the store's run index. The store is opened read-only and never changed.")
-    listing.add_argument("--store", type=Path, metavar="DB",
-                         help="a SQLite event store file (opened read-only, never changed)")
-    listing.add_argument("--dsn", metavar="DSN",
-                         help="a PostgreSQL event store: a libpq DSN or URI (opened "
-                              "read-only; needs the postgres extra)")
-    listing.add_argument("--session", metavar="ID",
-                         help="only the runs on this Session")
-    listing.add_argument("--step", action="append", metavar="STEP",
-                         help="only the runs in this step, by name (such as UNSETTLED or "
-                              "interruption); repeat it for several steps")
-    listing.add_argument("--json", action="store_true",
-                         help="print the runs as one JSON list of objects (run_id, step, "
-                              "session_id, version, owner)")
-    listing.set_defaults(run=list_command)
+    from statemachine.cli import operate
+
+    operate.add_commands(commands, "only the runs in this step, by name (such as UNSETTLED "
+                         "or interruption); repeat it for several steps")
     return top
 
 
