@@ -142,6 +142,15 @@ def preview(arguments: Any) -> str:
     return text if len(text) <= PREVIEW_CHARS else text[: PREVIEW_CHARS - 1] + "…"
 
 
+def _input_left(s: RunState, settled_to: Step | None) -> bool:
+    """Recorded input not yet in a settled batch (after the settling publication, when
+    ``settled_to`` says one is settling)."""
+    envelope = s.envelope
+    if settled_to is not None and envelope is not None:
+        return len(s.pending_input) > envelope.input_items
+    return bool(s.pending_input)
+
+
 def read_model(s: RunState, *, settled_to: Step | None = None) -> ReadModel:
     """The blocker and the inbox entries of the run in ``s``, as a reader holding no
     attempt sees them. ``settled_to``: as if its unsettled publication had just settled,
@@ -171,7 +180,9 @@ def read_model(s: RunState, *, settled_to: Step | None = None) -> ReadModel:
                    if envelope.fail_closed else
                    Blocker(BlockerKind.UNSETTLED, s.staged_at, publication=publication))
     elif (step is Step.INTERRUPTION and s.counts[Phase.AWAITING]
-          and not s.counts[Phase.APPROVED]):
+          and not s.counts[Phase.APPROVED] and not _input_left(s, settled_to)):
+        # what next_action answers AWAIT_DECISIONS for (input waiting for the Session
+        # is published first)
         blocker = Blocker(BlockerKind.AWAITING_DECISIONS, s.responded_at,
                           tuple(s.awaiting_ids))
     waiting.sort(key=lambda w: (w.since is None, w.since or 0))

@@ -3,7 +3,7 @@
 
 A move is drawn from what ``next_action()`` asks for: model calls that fail or propose 0
 to 3 calls (each approval-gated or not, idempotent or not), approvals, rejections and
-handoffs, tools completed or left in flight, in-doubt resolutions, writes to a simulated
+handoffs, tools completed or left in flight, in-doubt resolutions (each outcome), writes to a simulated
 Session that land, do not land, or land and report failure, reconciliation, final
 output; and now and then an abandon, or a reload (from the run's store when it has one,
 else from its JSON), after which what was in flight is in doubt. Every draw is labelled,
@@ -18,7 +18,15 @@ from hypothesis import strategies as st
 
 from statemachine.controller import RunController
 from statemachine.payloads import JSON
-from statemachine.values import Action, Append, Phase, RecoveryPolicy, Step, ToolCall
+from statemachine.values import (
+    Action,
+    Append,
+    Phase,
+    RecoveryPolicy,
+    Resolution,
+    Step,
+    ToolCall,
+)
 
 __all__ = ["RandomRun", "random_run"]
 
@@ -79,7 +87,12 @@ class RandomRun:
             self.controller = (RunController.load(c.store, c.run_id) if c.store is not None
                                else RunController.from_json(c.to_json()))
         elif action is Action.RESOLVE_IN_DOUBT:
-            c.resolve_in_doubt(c.in_doubt()[0], "resolved")
+            if roll < 40:  # the effect did not happen: the call runs again
+                c.resolve_in_doubt(c.in_doubt()[0], outcome=Resolution.NOT_EXECUTED)
+            else:
+                c.resolve_in_doubt(c.in_doubt()[0], "resolved",
+                                   outcome=Resolution.FAILED if roll > 90 else
+                                   Resolution.COMPLETED)
         elif action is Action.RECONCILE:
             self._reconcile(data)
         elif action is Action.CALL_MODEL:
