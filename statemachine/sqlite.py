@@ -37,6 +37,7 @@ from statemachine.events import Event
 from statemachine.payloads import JSON, detach, text_problem
 from statemachine.stored import (
     NO_LEASE,
+    Head,
     Loaded,
     Rows,
     RunHead,
@@ -47,16 +48,18 @@ from statemachine.stored import (
     digest,
     dumps,
     head_of_log,
+    kept_model,
     next_lease,
     now_micros,
     snapshot_ignored,
     started_session,
-    step_to_index,
+    to_index,
     verified_snapshot,
 )
 from statemachine.values import Step
 
 if TYPE_CHECKING:
+    from statemachine.blocker import ReadModel
     from statemachine.stores import Snapshot
 
 T = TypeVar("T")
@@ -258,10 +261,15 @@ _RUNS_TABLE = """CREATE TABLE runs (
     updated_at INTEGER,
     lease_owner TEXT,
     lease_until INTEGER,
-    lease      INTEGER
+    lease      INTEGER,
+    read_model TEXT,
+    blocker    TEXT
 )"""
 """One head per run. ``step`` NULL: unfolded; `SQLiteEventStore.list_runs` folds the
-run's log and fills it in (with the Session as the log has it). ``version``: how many
+run's log and fills it in (with the Session and the read model as the log has them).
+``read_model``: the run's `ReadModel` as `ReadModel.encode` wrote it (NULL: nothing
+blocks, nothing waits, in a folded head), and ``blocker`` its blocker's kind (NULL:
+none); a head whose two do not decode to one that agrees is folded again. ``version``: how many
 events the run's log holds, moved by every append in its transaction, so a load checks
 the log against it: the last rows lost past the newest snapshot are a shorter legal
 log, which only the head tells from a run that stopped there. NULL: not known (a head
@@ -272,6 +280,11 @@ holder, its end by the wall clock and its length, in microseconds; NULL without 
 _LEASE_COLUMNS = ("ALTER TABLE runs ADD COLUMN lease_owner TEXT",
                   "ALTER TABLE runs ADD COLUMN lease_until INTEGER",
                   "ALTER TABLE runs ADD COLUMN lease INTEGER")
+_READ_MODEL_COLUMNS = ("ALTER TABLE runs ADD COLUMN read_model TEXT",
+                       "ALTER TABLE runs ADD COLUMN blocker TEXT",
+                       "UPDATE runs SET step = NULL")
+"""The read model's columns, with every head already there unfolded: the first listing
+folds each run once and keeps its step and read model (none was ever kept)."""
 _HEAD_VERSION = "ALTER TABLE runs ADD COLUMN version INTEGER"
 _FILL_VERSIONS = ("UPDATE runs SET version = (SELECT MAX(seq) + 1 FROM events "
                   "WHERE events.run_id = runs.run_id)")
@@ -280,8 +293,12 @@ _RUNS_INDEXES = ("CREATE INDEX runs_by_session ON runs (session_id, step)",
 _HAS_RUNS = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'runs'"
 _VERSION = "(SELECT MAX(seq) + 1 FROM events WHERE events.run_id = runs.run_id)"
 _HEAD = ("SELECT run_id, {_VERSION}, step, session_id, owner, updated_at, lease_owner, "
-         "lease_until FROM runs").replace("{_VERSION}", _VERSION)
-_OLD_HEAD = _HEAD.replace("lease_owner, lease_until", "NULL, NULL")
+         "lease_until, read_model, blocker FROM runs").replace("{_VERSION}", _VERSION)
+_UNMODELLED_HEAD = _HEAD.replace(" step,", " NULL,").replace("read_model, blocker",
+                                                              "NULL, NULL")
+"""`_HEAD` on a database made before the heads kept read models, open read-only: every
+head reads unfolded, so each listing folds each run (without keeping it)."""
+_OLD_HEAD = _UNMODELLED_HEAD.replace("lease_owner, lease_until", "NULL, NULL")
 """`_HEAD` on a database made before the run heads kept leases, open read-only: none of
 its runs took one (an append here would have added the columns first)."""
 _OLDER_HEAD = _OLD_HEAD.replace("updated_at,", "NULL,")
@@ -357,6 +374,9 @@ class SQLiteEventStore:
     keeps_leases = True
     """Leases are checked and moved in each append's transaction (`stored.next_lease`):
     a claim landing while another owner's lease is live is refused (`LeaseHeld`)."""
+    keeps_read_models = True
+    """Each append keeps the run's `ReadModel` (``read_model=``) in its head, beside the
+    step, in the append's transaction (`stores.keeps_read_models`)."""
 
     def __init__(self, path: str | os.PathLike[str], *, timeout: float = 30.0,
                  readonly: bool = False) -> None:
@@ -368,7 +388,7 @@ class SQLiteEventStore:
         self._identity: FileIdentity | None = None
         self._closed = False
         self._has_runs = self._has_digests = self._has_versions = True
-        self._has_updated_at = self._has_leases = True
+        self._has_updated_at = self._has_leases = self._has_read_models = True
         if readonly:
             self._open_readonly()
             return
@@ -382,6 +402,7 @@ class SQLiteEventStore:
                     self._ensure_versions()
                     self._ensure_updated_at()
                     self._ensure_leases()
+                    self._ensure_read_models()
                 if not _in_memory(self.path):
                     self._identity = FileIdentity(self.path)
             except BaseException:
@@ -437,6 +458,13 @@ class SQLiteEventStore:
         any)."""
         self._upgrade(lambda conn: _has_column(conn, "runs", "lease"), *_LEASE_COLUMNS)
 
+    def _ensure_read_models(self) -> None:
+        """Give the ``runs`` table of an older database its read model's columns, every
+        head there unfolded (`_READ_MODEL_COLUMNS`): never a head that says nothing waits
+        because no one wrote what waits."""
+        self._upgrade(lambda conn: _has_column(conn, "runs", "read_model"),
+                      *_READ_MODEL_COLUMNS)
+
     def _upgrade(self, done: Callable[[sqlite3.Connection], bool], *statements: str) -> None:
         """Upgrade an older database in place, once: ``statements`` in one write
         transaction, unless ``done`` says the upgrade is there (asked again inside the
@@ -462,7 +490,7 @@ class SQLiteEventStore:
                                outcome=Outcome.NOT_WRITTEN)
         with storage_errors(self.path, doing="open the event store"):
             self._identity = FileIdentity(self.path)
-            tables, columns, digest, versions, timed, leased = self._read(
+            tables, columns, digest, versions, timed, leased, modelled = self._read(
                 _describe, doing="open the event store")
         if "events" not in tables or not {"run_id", "seq", "body"} <= columns:
             what = ("an empty file" if os.path.getsize(self.path) == 0
@@ -475,6 +503,7 @@ class SQLiteEventStore:
         self._has_versions = versions
         self._has_updated_at = timed
         self._has_leases = leased
+        self._has_read_models = modelled
 
     def _read_head(self, conn: sqlite3.Connection, run_id: str) -> tuple[str | None,
                                                                         str | None]:
@@ -562,7 +591,8 @@ class SQLiteEventStore:
     # ------------------------------------------------------------------ writing
 
     def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
-               snapshot: Snapshot | None = None, step: Step | None = None) -> None:
+               snapshot: Snapshot | None = None, step: Step | None = None,
+               read_model: ReadModel | None = None) -> None:
         where: dict[str, Any] = {"run_id": run_id}
         doing = "append to the event store"
         if self.readonly:
@@ -579,7 +609,7 @@ class SQLiteEventStore:
         if snapshot is not None:
             text = dumps(snapshot)
             kept = (run_id, expected_version, text, digest(text))
-        step = step_to_index(run_id, events, step, expected_version)
+        fold = to_index(run_id, events, step, read_model, expected_version)
         with self._lock:
             self._check(doing, **where)
             try:
@@ -602,7 +632,7 @@ class SQLiteEventStore:
                             "INSERT OR REPLACE INTO snapshots (run_id, version, body, digest) "
                             "VALUES (?, ?, ?, ?)", kept)
                     if events:
-                        self._keep_head(conn, run_id, events, expected_version, step)
+                        self._keep_head(conn, run_id, events, expected_version, fold)
             except sqlite3.IntegrityError:
                 self._settle_connection()
                 raise conflict(run_id, expected_version, expected_version + 1) from None
@@ -657,21 +687,22 @@ class SQLiteEventStore:
         return row is not None
 
     def _keep_head(self, conn: sqlite3.Connection, run_id: str, events: Sequence[Event],
-                   expected_version: int, step: Step | None) -> None:
-        """Move the run's head (its version, step, owner, ``updated_at`` and lease) in
-        the append's transaction; `LeaseHeld` (the transaction rolls back) for a claim
-        that another owner's live lease refuses (`stored.next_lease`, by the wall
-        clock)."""
+                   expected_version: int, fold: tuple[Step, ReadModel] | None) -> None:
+        """Move the run's head (its version, step and read model, owner, ``updated_at``
+        and lease) in the append's transaction (``fold`` None: unfolded); `LeaseHeld`
+        (the transaction rolls back) for a claim that another owner's live lease refuses
+        (`stored.next_lease`, by the wall clock)."""
         claimed, owner = claimed_owner(events)
-        value = None if step is None else step.value
+        value, model, kind = _fold_columns(fold)
         version = expected_version + len(events)
         at = events[-1].at
         if expected_version == 0:
             lease = next_lease(run_id, NO_LEASE, events, now_micros())
             conn.execute("INSERT OR REPLACE INTO runs (run_id, step, session_id, owner, "
-                         "version, updated_at, lease_owner, lease_until, lease) "
-                         "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                         (run_id, value, started_session(events), owner, version, at, *lease))
+                         "version, updated_at, lease_owner, lease_until, lease, read_model, "
+                         "blocker) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                         (run_id, value, started_session(events), owner, version, at, *lease,
+                          model, kind))
             return
         row = conn.execute("SELECT owner, lease_owner, lease_until, lease FROM runs "
                            "WHERE run_id = ?", (run_id,)).fetchone()
@@ -687,8 +718,10 @@ class SQLiteEventStore:
         if claimed or lease[2] is not None:  # no lease involved: no clock read
             lease = next_lease(run_id, lease, events, now_micros())
         conn.execute("UPDATE runs SET step = ?, owner = ?, version = ?, updated_at = ?, "
-                     "lease_owner = ?, lease_until = ?, lease = ? WHERE run_id = ?",
-                     (value, owner if claimed else row[0], version, at, *lease, run_id))
+                     "lease_owner = ?, lease_until = ?, lease = ?, read_model = ?, "
+                     "blocker = ? WHERE run_id = ?",
+                     (value, owner if claimed else row[0], version, at, *lease, model, kind,
+                      run_id))
 
     # ------------------------------------------------------------------ reading
 
@@ -705,7 +738,8 @@ class SQLiteEventStore:
             where.append(f"step IN ({', '.join('?' * len(wanted))})")
             params.extend(step.value for step in wanted)
         sql = head = (_OLDER_HEAD if not self._has_updated_at
-                      else _HEAD if self._has_leases else _OLD_HEAD)
+                      else _OLD_HEAD if not self._has_leases
+                      else _UNMODELLED_HEAD if not self._has_read_models else _HEAD)
         if where:  # and every unfolded head, which may match: folded below, then filtered
             sql = (f"{head} WHERE step IS NOT NULL AND {' AND '.join(where)} "
                    f"UNION ALL {head} WHERE step IS NULL")
@@ -713,7 +747,7 @@ class SQLiteEventStore:
         def query(conn: sqlite3.Connection) -> list[tuple[Any, ...]]:
             if not self._has_runs:  # a read-only look at a database made before heads
                 return [(run_id, version, None, None, self._read_head(conn, run_id)[1],
-                         _newest_at(conn, run_id), None, None)
+                         _newest_at(conn, run_id), None, None, None, None)
                         for run_id, version in conn.execute(
                             "SELECT run_id, MAX(seq) + 1 FROM events GROUP BY run_id "
                             "ORDER BY run_id").fetchall()]
@@ -722,14 +756,15 @@ class SQLiteEventStore:
         rows = self._read(query, doing="list the runs of the event store")
         heads = []
         for (run_id, stored_version, step, stored_session, owner, updated_at, holder,
-             until) in rows:
+             until, text, kind) in rows:
             if stored_version is None:
                 continue  # a head without a log (rows are never deleted; be safe)
-            if step is None:
+            model = None if step is None else kept_model(run_id, text, kind)
+            if model is None:  # unfolded, or its read model does not decode: fold it
                 folded = self._fill_unfolded_head(run_id)
                 if folded is None:
                     continue
-                version, known, session = folded
+                version, known, session, model = folded
             else:
                 try:
                     known = Step(step)
@@ -741,7 +776,8 @@ class SQLiteEventStore:
                     wanted is None or known in wanted):
                 heads.append(RunHead(run_id, version, known, session, owner,
                                      _updated_at(run_id, updated_at), holder,
-                                     _updated_at(run_id, until)))
+                                     _updated_at(run_id, until), model.blocker,
+                                     model.waiting))
         return tuple(heads)
 
     def version(self, run_id: str) -> int:
@@ -763,27 +799,28 @@ class SQLiteEventStore:
 
         return self._read(query, doing="read the event store")  # type: ignore[no-any-return]
 
-    def _fill_unfolded_head(self, run_id: str) -> tuple[int, Step, str | None] | None:
-        """Fold an unfolded head from the run's log and keep the result (only if the run
-        has not moved meanwhile: a newer append keeps its own head; never when the store
-        is read-only)."""
+    def _fill_unfolded_head(self, run_id: str) -> Head | None:
+        """Fold an unfolded head (or one whose read model does not decode) from the run's
+        log and keep the result (only if the run has not moved meanwhile: a newer append
+        keeps its own head; never when the store is read-only)."""
         snapshot, tail = self.load_latest(run_id)
         if snapshot is None and not tail:
             return None
-        version, step, session = head_of_log(run_id, snapshot, tail,
-                                             lambda: self.load(run_id))
+        head = head_of_log(run_id, snapshot, tail, lambda: self.load(run_id))
+        version, step, session, model = head
         if self.readonly:
-            return version, step, session
+            return head
         with self._lock:
             try:
                 self._check("fold a run's head", run_id=run_id)
                 with write_transaction(self._live()) as conn:
-                    conn.execute(f"UPDATE runs SET step = ?, session_id = ? WHERE run_id = ? "
-                                  f"AND step IS NULL AND {_VERSION} = ?",
-                                  (step.value, session, run_id, version))
+                    value, text, kind = _fold_columns((step, model))
+                    conn.execute(f"UPDATE runs SET step = ?, session_id = ?, read_model = ?, "
+                                 f"blocker = ? WHERE run_id = ? AND {_VERSION} = ?",
+                                 (value, session, text, kind, run_id, version))
             except (CommitFailed, sqlite3.Error, OSError, StorageError):
                 self._drop_connection()  # only a cache of the fold was lost: fold again
-        return version, step, session
+        return head
 
     def load(self, run_id: str) -> list[Event]:
         return self.load_measured(run_id).events
@@ -846,15 +883,27 @@ class SQLiteEventStore:
         return snapshot, _checked(run_id, head, version, decode_rows(run_id, rows, version))
 
 
-def _describe(conn: sqlite3.Connection) -> tuple[set[str], set[str], bool, bool, bool, bool]:
+def _describe(conn: sqlite3.Connection
+              ) -> tuple[set[str], set[str], bool, bool, bool, bool, bool]:
     """The tables of a database, the columns of its ``events`` table, whether its
     snapshots have a digest, whether its heads have a version, whether they keep
-    ``updated_at`` and whether they keep leases."""
+    ``updated_at``, whether they keep leases and whether they keep read models."""
     tables = {row[0] for row in conn.execute(
         "SELECT name FROM sqlite_master WHERE type = 'table'")}
     columns = {row[1] for row in conn.execute("PRAGMA table_info(events)")}
     return (tables, columns, _has_digest(conn), _has_column(conn, "runs", "version"),
-            _has_column(conn, "runs", "updated_at"), _has_column(conn, "runs", "lease"))
+            _has_column(conn, "runs", "updated_at"), _has_column(conn, "runs", "lease"),
+            _has_column(conn, "runs", "read_model"))
+
+
+def _fold_columns(fold: tuple[Step, ReadModel] | None
+                  ) -> tuple[str | None, str | None, str | None]:
+    """A head's ``step``, ``read_model`` and ``blocker`` columns (all NULL: unfolded)."""
+    if fold is None:
+        return None, None, None
+    step, model = fold
+    kind = None if model.blocker is None else model.blocker.kind.value
+    return step.value, model.encode(), kind
 
 
 def _has_version(conn: sqlite3.Connection) -> bool:
@@ -922,6 +971,9 @@ class AsyncSQLiteEventStore:
     keeps_leases = True
     """Leases are checked and moved in each append's transaction (`stored.next_lease`):
     a claim landing while another owner's lease is live is refused (`LeaseHeld`)."""
+    keeps_read_models = True
+    """Each append keeps the run's `ReadModel` (``read_model=``) in its head, beside the
+    step, in the append's transaction (`stores.keeps_read_models`)."""
 
     def __init__(self, path: str | os.PathLike[str], *, timeout: float = 30.0) -> None:
         self.sync = SQLiteEventStore(path, timeout=timeout)
@@ -934,9 +986,10 @@ class AsyncSQLiteEventStore:
                                                                           **kwargs))
 
     async def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
-                     snapshot: Snapshot | None = None, step: Step | None = None) -> None:
+                     snapshot: Snapshot | None = None, step: Step | None = None,
+                     read_model: ReadModel | None = None) -> None:
         await self._call(self.sync.append, run_id, events, expected_version,
-                         snapshot=snapshot, step=step)
+                         snapshot=snapshot, step=step, read_model=read_model)
 
     async def load(self, run_id: str) -> list[Event]:
         return await self._call(self.sync.load, run_id)

@@ -1,11 +1,12 @@
 """What every event store shares, none of it I/O: a run's head, snapshot checks, rows.
 
 - A run's head (`RunHead`): what an append's own events tell it (`started_session`, the
-  owner of the last `RunClaimed`: `claimed_owner`, the newest event's ``at``), the step a
-  first append indexes
-  (`step_to_index`), and the head of a run folded from its snapshot and log
-  (`head_of_log`, for a head left unfolded by an append that gave no step), and the
-  lease it keeps (`next_lease`: checked and moved in the append's transaction).
+  owner of the last `RunClaimed`: `claimed_owner`, the newest event's ``at``), the step
+  and read model an append indexes (`to_index`: a first append's are folded), the head
+  of a run folded from its snapshot and log (`head_of_log`, for a head left unfolded by
+  an append that gave no step or no read model, or whose read model does not decode:
+  `kept_model`), and the lease it keeps (`next_lease`: checked and moved in the append's
+  transaction).
 - Snapshots are never trusted blindly: `restored` is the state a snapshot holds if it is
   usable for the run and the events after it, else None, with a `SnapshotIgnored`
   warning when it is damaged; `verified_snapshot` checks a SQL store's snapshot row
@@ -31,6 +32,7 @@ import attrs
 
 from statemachine import codec, fastload
 from statemachine import events as ev
+from statemachine.blocker import Blocker, ReadModel, Waiting, read_model
 from statemachine.errors import ConcurrencyConflict, ControlError, SchemaError, lease_held
 from statemachine.events import Event
 from statemachine.machine import replay, replay_onto
@@ -79,6 +81,13 @@ class RunHead:
     """When that lease ends by the store's clock (microseconds since the Unix epoch,
     UTC), as its holder's last append moved it; None without a lease. A lease that
     ended is still shown: it no longer holds the run against anyone."""
+    blocker: Blocker | None = None
+    """What keeps the run from going on by itself (None: nothing), from the same fold
+    that decides resumability (`statemachine.blocker.read_model`), kept in the head by
+    each append's transaction (DESIGN §7.5)."""
+    waiting: tuple[Waiting, ...] = ()
+    """The run's inbox entries: every call awaiting a decision and every call in doubt,
+    oldest first."""
 
 
 def claimed_owner(events: Sequence[Event]) -> tuple[bool, str | None]:
@@ -125,21 +134,42 @@ def started_session(events: Sequence[Event]) -> str | None:
     return first.session_id if type(first) is ev.RunStarted else None
 
 
-def step_to_index(run_id: str, events: Sequence[Event], step: Step | None,
-                  expected_version: int) -> Step | None:
-    """The step to index: ``step`` when given; for a run's first append (its whole log)
-    the step it folds to; otherwise None (unfolded). A first append that does not fold
-    is left unfolded: folding it again where it is listed rejects it there."""
-    if step is not None or expected_version != 0 or not events:
-        return step
+def to_index(run_id: str, events: Sequence[Event], step: Step | None,
+             model: ReadModel | None, expected_version: int
+             ) -> tuple[Step, ReadModel] | None:
+    """The step and read model to keep in the head: ``step`` and ``model`` when both are
+    given; for a run's first append (its whole log) what it folds to (``step`` when
+    given); otherwise None: the head is left *unfolded*, and folded from the log where it
+    is next listed (`head_of_log`). A head is never kept with a step and no read model:
+    "nothing waits" is only ever said by a fold. A first append that does not fold is
+    left unfolded: folding it again where it is listed rejects it there."""
+    if step is not None and model is not None:
+        return step, model
+    if expected_version != 0 or not events:
+        return None
     try:
-        return replay(run_id, events).step
+        state = replay(run_id, events)
     except ControlError:
         return None
+    return (state.step if step is None else step), read_model(state)
 
 
-Head = tuple[int, Step, str | None]
-"""A run's version, step and Session, as folded from its log."""
+def kept_model(run_id: str, text: Any, blocker: Any) -> ReadModel | None:
+    """The read model a head row keeps (its JSON text and its blocker's kind), or None
+    when the two do not decode to one that agrees (a damaged row, or one written by
+    hand): the caller folds the run again instead (fail closed)."""
+    if text is not None and type(text) is not str:
+        return None
+    try:
+        model = ReadModel.decode(run_id, text)
+    except ValueError:
+        return None
+    kind = None if model.blocker is None else model.blocker.kind.value
+    return model if kind == blocker else None
+
+
+Head = tuple[int, Step, str | None, ReadModel]
+"""A run's version, step, Session and read model, as folded from its log."""
 
 
 def head_of_log(run_id: str, snapshot: Snapshot | None, tail: list[Event],
@@ -165,7 +195,7 @@ def head_after_snapshot(run_id: str, snapshot: Snapshot | None, tail: list[Event
         replay_onto(state, tail, first=base)
     except ControlError:
         return None, True
-    return (base + len(tail), state.step, state.session_id), False
+    return (base + len(tail), state.step, state.session_id, read_model(state)), False
 
 
 def head_of_whole_log(run_id: str, log: list[Event], *, stale: bool = False) -> Head:
@@ -174,7 +204,7 @@ def head_of_whole_log(run_id: str, log: list[Event], *, stale: bool = False) -> 
     state = replay(run_id, log)
     if stale:
         snapshot_ignored(run_id, "the events after it do not replay onto it")
-    return len(log), state.step, state.session_id
+    return len(log), state.step, state.session_id, read_model(state)
 
 
 def check_filters(session_id: object, steps: object) -> frozenset[Step] | None:

@@ -46,7 +46,7 @@ import inspect
 import sqlite3
 import threading
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, Protocol, TypeGuard, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard, runtime_checkable
 
 import attrs
 
@@ -69,9 +69,12 @@ from statemachine.stored import (
     restored,
     snapshot_ignored,
     started_session,
-    step_to_index,
+    to_index,
 )
 from statemachine.values import Step
+
+if TYPE_CHECKING:
+    from statemachine.blocker import ReadModel
 
 __all__ = [
     "SNAPSHOT_EVERY",
@@ -261,36 +264,59 @@ def indexes_runs(store: object) -> TypeGuard[IndexedStore]:
 
 
 
+_KEEPS_MODELS: dict[type, bool] = {}
+
+
 def keeps_read_models(store: object) -> bool:
     """Whether ``store`` keeps each run's read model in its head (``keeps_read_models``,
     DESIGN §7.5): then a controller hands its ``append`` the `ReadModel` of the state
-    its events lead to (``read_model=``)."""
-    return getattr(store, "keeps_read_models", False) is True
+    its events lead to (``read_model=``). A subclass that says so by inheritance but
+    overrides ``append`` without a ``read_model`` parameter (one written before read
+    models) is handed none: its heads are left unfolded, and folded where they are
+    listed. Cached per class, as `takes_session_write`."""
+    if getattr(store, "keeps_read_models", False) is not True:
+        return False
+    kind = type(store)
+    found = _KEEPS_MODELS.get(kind)
+    if found is None:
+        append = getattr(store, "append", None)
+        try:
+            found = append is not None and "read_model" in inspect.signature(
+                append).parameters
+        except (TypeError, ValueError):
+            found = False
+        _KEEPS_MODELS[kind] = found
+    return found
 
 
 class MemoryEventStore:
     """An in-process store (thread-safe). Events are immutable and kept as they are.
-    Runs are indexed by Session (`IndexedStore`)."""
+    Runs are indexed by Session (`IndexedStore`), each head with its read model."""
 
     keeps_leases = True
     """Leases are checked and moved in each append's transaction (`stored.next_lease`):
     a claim landing while another owner's lease is live is refused (`LeaseHeld`)."""
+    keeps_read_models = True
+    """Each append keeps the run's `ReadModel` (``read_model=``) in its head, beside the
+    step (`keeps_read_models`)."""
 
     def __init__(self) -> None:
         self._logs: dict[str, list[Event]] = {}
         self._snapshots: dict[str, tuple[int, Snapshot]] = {}
         self._by_session: dict[str | None, dict[str, None]] = {}
         """Run ids by Session (read off each run's `RunStarted`), in start order."""
-        self._steps: dict[str, Step | None] = {}
-        """Each run's step (None: unfolded, folded from the log when next listed)."""
+        self._folds: dict[str, tuple[Step, ReadModel] | None] = {}
+        """Each run's step and read model (None: unfolded, folded from the log when next
+        listed)."""
         self._owners: dict[str, str | None] = {}
         self._leases: dict[str, Lease] = {}
         """Each run's lease (`stored.next_lease`), judged by the wall clock."""
         self._lock = threading.Lock()
 
     def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
-               snapshot: Snapshot | None = None, step: Step | None = None) -> None:
-        step = step_to_index(run_id, events, step, expected_version)
+               snapshot: Snapshot | None = None, step: Step | None = None,
+               read_model: ReadModel | None = None) -> None:
+        fold = to_index(run_id, events, step, read_model, expected_version)
         with self._lock:
             log = self._logs.get(run_id, [])
             if len(log) != expected_version:
@@ -305,7 +331,7 @@ class MemoryEventStore:
             if not events:
                 return
             claimed, owner = claimed_owner(events)
-            self._steps[run_id] = step
+            self._folds[run_id] = fold
             if expected_version == 0:
                 self._by_session.setdefault(started_session(events), {})[run_id] = None
                 self._owners[run_id] = owner
@@ -325,16 +351,18 @@ class MemoryEventStore:
                 log = self._logs[run_id]
                 if not log:
                     continue
-                step = self._steps.get(run_id)
-                if step is None:
+                fold = self._folds.get(run_id)
+                if fold is None:
                     version, snapshot = self._snapshots.get(run_id, (0, None))
-                    _, step, _ = head_of_log(run_id, snapshot, log[version:], log.copy)
-                    self._steps[run_id] = step
+                    _, step, _, model = head_of_log(run_id, snapshot, log[version:],
+                                                    log.copy)
+                    fold = self._folds[run_id] = step, model
+                step, model = fold
                 if wanted is None or step in wanted:
                     holder, until, _ = self._leases.get(run_id, NO_LEASE)
                     heads.append(RunHead(run_id, len(log), step, started_session(log),
                                          self._owners.get(run_id), log[-1].at, holder,
-                                         until))
+                                         until, model.blocker, model.waiting))
             return tuple(heads)
 
     def load(self, run_id: str) -> list[Event]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Collection, Sequence
-from typing import Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import psycopg
 
@@ -54,10 +54,14 @@ from statemachine.stored import (
     check_filters,
     head_after_snapshot,
     head_of_whole_log,
+    kept_model,
     snapshot_ignored,
 )
 from statemachine.stores import SessionWrite, Snapshot
 from statemachine.values import Step
+
+if TYPE_CHECKING:
+    from statemachine.blocker import ReadModel
 
 T = TypeVar("T")
 
@@ -255,20 +259,27 @@ class AsyncPostgresEventStore(_AsyncClient):
     keeps_leases = True
     """Leases are checked and moved in each append's transaction (`stored.next_lease`):
     a claim landing while another owner's lease is live is refused (`LeaseHeld`)."""
+    keeps_read_models = True
+    """Each append keeps the run's `ReadModel` (``read_model=``) in its head, beside the
+    step, in the append's transaction (`stores.keeps_read_models`)."""
 
     # ---------------------------------------------------------------- writing
 
     async def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
                      snapshot: Snapshot | None = None, step: Step | None = None,
-                     session_write: SessionWrite | None = None) -> None:
+                     session_write: SessionWrite | None = None,
+                     read_model: ReadModel | None = None) -> None:
         """`IndexedStore.append`; with ``session_write``, its items go to its Session (the
         ``session_items`` table the PostgreSQL Sessions read, tagged with its publication
         id) in the same transaction as ``events``: both land or neither does, and a lost
-        COMMIT answer is decided for both by reading the batch back."""
+        COMMIT answer is decided for both by reading the batch back. ``read_model``: the
+        run's `ReadModel` after ``events``, kept in its head beside ``step`` (without
+        both, after a run's first append, the head is left unfolded)."""
         where = {"run_id": run_id}
         if self.readonly:
             raise self._refused_readonly(APPEND, run_id)
-        prepared = prepare(run_id, events, expected_version, snapshot, step, session_write)
+        prepared = prepare(run_id, events, expected_version, snapshot, step, session_write,
+                           read_model)
         async with self._lock:
             conn = await self._live(APPEND, **where)
             if one_statement(prepared):
@@ -413,14 +424,15 @@ class AsyncPostgresEventStore(_AsyncClient):
         rows = await self._read(heads(self._sql, tail, params), doing=LIST)
         found = []
         for (run_id, stored_version, step, stored_session, owner, updated_at, holder,
-             until) in rows:
-            if step is None:
-                version, known, session = await self._fill_unfolded_head(run_id)
+             until, text, kind) in rows:
+            model = None if step is None else kept_model(run_id, text, kind)
+            if model is None:  # unfolded, or its read model does not decode: fold it
+                version, known, session, model = await self._fill_unfolded_head(run_id)
             else:
                 version, known, session = stored_version, head_step(run_id, step), stored_session
             if wanted is None or known in wanted:
                 found.append(RunHead(run_id, version, known, session, owner, updated_at,
-                                     holder, until))
+                                     holder, until, model.blocker, model.waiting))
         return tuple(found)
 
     async def version(self, run_id: str) -> int:
@@ -435,19 +447,22 @@ class AsyncPostgresEventStore(_AsyncClient):
         return [row[0] for row in await self._read(one(sql, None), doing=LIST)]
 
     async def _fill_unfolded_head(self, run_id: str) -> Head:
-        """Fold an unfolded head from the run's log (its snapshot and tail) and keep the
-        step (only if the run has not moved meanwhile; never when read-only). Keeping it
-        is a cache: a failure to keep it costs a fold next time."""
+        """Fold an unfolded head (or one whose read model does not decode) from the run's
+        log (its snapshot and tail) and keep its step and read model (only if the run has
+        not moved meanwhile; never when read-only). Keeping it is a cache: a failure to
+        keep it costs a fold next time."""
         snapshot, tail = await self.load_latest(run_id)
         head, stale = head_after_snapshot(run_id, snapshot, tail)
         if head is None:  # the whole log decides
             head = head_of_whole_log(run_id, await self.load(run_id), stale=stale)
-        version, step, session = head
+        version, step, _, model = head
         if not self.readonly:
+            kind = None if model.blocker is None else model.blocker.kind.value
+            kept = (step.value, model.encode(), kind, run_id, version)
             with contextlib.suppress(StorageError):
-                await self._read(one(self._sql.keep_fold, (step.value, run_id, version),
-                                     "none"), doing=LIST, run_id=run_id)
-        return version, step, session
+                await self._read(one(self._sql.keep_fold, kept, "none"), doing=LIST,
+                                 run_id=run_id)
+        return head
 
 
 class AsyncPostgresSession(SessionMethods, _AsyncClient):

@@ -48,22 +48,24 @@ from statemachine.stored import (
     digest,
     dumps,
     started_session,
-    step_to_index,
+    to_index,
     verified_snapshot,
 )
 from statemachine.stores import SessionWrite
 from statemachine.values import Step
 
 if TYPE_CHECKING:
+    from statemachine.blocker import ReadModel
     from statemachine.stores import Snapshot
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """The version of the tables this library writes (``statemachine_schema.version``): 2
 adds ``session_items`` (`PostgresSession`); 3 adds ``runs.updated_at`` (the newest
 event's ``at``, `RunHead.updated_at`; NULL for the runs already there, whose events carry
 no time); 4 adds the run's lease (``runs.lease_owner``, ``lease_until``, ``lease``; NULL
-for the runs already there, none of which took one). An older schema is upgraded in
-place on first use."""
+for the runs already there, none of which took one); 5 adds the run's read model
+(``runs.read_model``, ``blocker``), every head already there left unfolded, so the first
+listing folds it. An older schema is upgraded in place on first use."""
 
 T = TypeVar("T")
 Rows = list[tuple[Any, ...]]
@@ -203,7 +205,9 @@ class Sql:
                 updated_at bigint,
                 lease_owner text,
                 lease_until bigint,
-                lease      bigint)""",
+                lease      bigint,
+                read_model text,
+                blocker    text)""",
             f"CREATE INDEX runs_by_session ON {runs} (session_id, step)",
             f"""CREATE TABLE {events} (
                 run_id   text COLLATE "C" NOT NULL,
@@ -231,6 +235,9 @@ class Sql:
         self.ddl_3 = (f"ALTER TABLE {runs} ADD COLUMN updated_at bigint",)  # version 3
         self.ddl_4 = (f"ALTER TABLE {runs} ADD COLUMN lease_owner text, "  # version 4
                       "ADD COLUMN lease_until bigint, ADD COLUMN lease bigint",)
+        self.ddl_5 = (f"ALTER TABLE {runs} ADD COLUMN read_model text, "  # version 5
+                      "ADD COLUMN blocker text",
+                      f"UPDATE {runs} SET step = NULL")  # none kept a read model: unfolded
         # Leases are judged by the database's clock (DESIGN §7.2), so the workers' clocks
         # need not agree; clock_timestamp(), not now(): a statement that waited for the
         # head's row lock judges the lease when it gets it.
@@ -240,16 +247,18 @@ class Sql:
                 "unnest(%(seqs)s::bigint[], %(bodies)s::text[]) AS e(seq, body)")
         insert = f"INSERT INTO {events} (run_id, seq, batch_id, body) "
         first = (f"WITH head AS (INSERT INTO {runs} (run_id, version, owner, step, "
-                 "session_id, updated_at, lease_owner, lease_until, lease) VALUES (%(run)s, "
-                 "%(new)s, %(owner)s, %(step)s, %(session)s, %(at)s, %(holder)s, "
-                 f"{now} + %(lease)s::bigint, %(lease)s) "
+                 "session_id, updated_at, lease_owner, lease_until, lease, read_model, "
+                 "blocker) VALUES (%(run)s, %(new)s, %(owner)s, %(step)s, %(session)s, "
+                 f"%(at)s, %(holder)s, {now} + %(lease)s::bigint, %(lease)s, %(model)s, "
+                 "%(kind)s) "
                  "ON CONFLICT (run_id) DO NOTHING RETURNING run_id) ")
         # A claim takes (or drops) the lease; any other append is the holder's (the
         # expected version says so) and moves its end on. A claim lands only when no
         # other owner's lease is live: ALL() of the claims' owners, where a NULL owner
         # equals no one, so an unnamed claim never passes a live lease.
         later = (f"WITH now AS (SELECT {now} AS us), head AS (UPDATE {runs} SET "
-                 "version = %(new)s, step = %(step)s, "
+                 "version = %(new)s, step = %(step)s, read_model = %(model)s, "
+                 "blocker = %(kind)s, "
                  "owner = CASE WHEN %(claimed)s THEN %(owner)s::text ELSE owner END, "
                  "updated_at = %(at)s, "
                  "lease_owner = CASE WHEN %(claimed)s THEN %(holder)s::text "
@@ -285,11 +294,14 @@ class Sql:
             "WHERE run_id = %(run)s AND seq >= COALESCE((SELECT version FROM snap), 0) "
             "ORDER BY 1")
         self.heads = (f"SELECT run_id, version, step, session_id, owner, updated_at, "
-                      f"lease_owner, lease_until FROM {runs}")
+                      f"lease_owner, lease_until, read_model, blocker FROM {runs}")
         """What ``list_runs`` reads; a read-only store on an older schema reads NULL for
-        the columns it lacks (`ensure_schema` switches it)."""
-        self.keep_fold = (f"UPDATE {runs} SET step = %s WHERE run_id = %s AND step IS NULL "
-                          "AND version = %s")
+        the columns it lacks, and every head unfolded when it keeps no read models
+        (`ensure_schema` switches it)."""
+        # the fold of the log at this version, whatever the head held (unfolded, or a read
+        # model that did not decode); a newer append has moved the version and keeps its own
+        self.keep_fold = (f"UPDATE {runs} SET step = %s, read_model = %s, blocker = %s "
+                          "WHERE run_id = %s AND version = %s")
         self.run_ids = f"SELECT run_id FROM {runs} WHERE version > 0 ORDER BY run_id"
         self.version = f"SELECT version FROM {runs} WHERE run_id = %s"
         self.probe_first = (f"INSERT INTO {runs} (run_id, version) VALUES (%s, 0) "
@@ -332,7 +344,11 @@ def ensure_schema(sql: Sql, *, readonly: bool) -> Op[None]:
     if version == SCHEMA_VERSION:
         return
     if readonly and version in _UPGRADABLE:
-        sql.heads = sql.heads.replace("lease_owner, lease_until", "NULL::text, NULL::bigint")
+        sql.heads = sql.heads.replace(" step,", " NULL::text,").replace(
+            "read_model, blocker", "NULL::text, NULL::text")
+        if version < 4:
+            sql.heads = sql.heads.replace("lease_owner, lease_until",
+                                          "NULL::text, NULL::bigint")
         if version < 3:
             sql.heads = sql.heads.replace("updated_at", "NULL::bigint")
         return
@@ -351,16 +367,17 @@ def ensure_schema(sql: Sql, *, readonly: bool) -> Op[None]:
             yield Query(statement)
         yield Query(f"INSERT INTO {sql.version_table} (version) VALUES (%s)", (SCHEMA_VERSION,))
         return
-    upgrades = {1: (*sql.ddl_2, *sql.ddl_3, *sql.ddl_4), 2: (*sql.ddl_3, *sql.ddl_4),
-                3: sql.ddl_4}
-    for statement in upgrades[version]:  # version 1 → 2 → 3 → 4
+    upgrades = {1: (*sql.ddl_2, *sql.ddl_3, *sql.ddl_4, *sql.ddl_5),
+                2: (*sql.ddl_3, *sql.ddl_4, *sql.ddl_5), 3: (*sql.ddl_4, *sql.ddl_5),
+                4: sql.ddl_5}
+    for statement in upgrades[version]:  # version 1 → 2 → 3 → 4 → 5
         yield Query(statement)
     yield Query(f"UPDATE {sql.version_table} SET version = %s", (SCHEMA_VERSION,))
 
 
-_UPGRADABLE = frozenset({1, 2, 3})
+_UPGRADABLE = frozenset({1, 2, 3, 4})
 """Versions this library upgrades in place (1: before ``session_items``; 2: before
-``runs.updated_at``; 3: before the leases)."""
+``runs.updated_at``; 3: before the leases; 4: before the read models)."""
 
 
 def _refuse_version(sql: Sql, version: Any, *, readonly: bool) -> None:
@@ -395,7 +412,8 @@ class PreparedAppend:
 
 def prepare(run_id: str, events: Sequence[Event], expected_version: int,
             snapshot: Snapshot | None, step: Step | None,
-            session_write: SessionWrite | None = None) -> PreparedAppend:
+            session_write: SessionWrite | None = None,
+            read_model: ReadModel | None = None) -> PreparedAppend:
     """One append, prepared before any I/O: checked (`ValueError`, `TypeError`), its
     events and snapshot encoded, its head's fields read off its events."""
     if any(event.seq != expected_version + i for i, event in enumerate(events)):
@@ -415,13 +433,16 @@ def prepare(run_id: str, events: Sequence[Event], expected_version: int,
     if snapshot is not None:
         text = dumps(snapshot)
         kept = (run_id, expected_version, text, digest(text))
-    step = step_to_index(run_id, events, step, expected_version)
+    fold = to_index(run_id, events, step, read_model, expected_version)
+    model = None if fold is None else fold[1]
     claimed, owner = claimed_owner(events)
     claims = [event for event in events if type(event) is RunClaimed] if claimed else []
     lease = claims[-1].lease if claims else None
     params: dict[str, Any] = {
         "run": run_id, "new": expected_version + len(events), "expected": expected_version,
-        "step": None if step is None else step.value, "owner": owner, "claimed": claimed,
+        "step": None if fold is None else fold[0].value, "owner": owner, "claimed": claimed,
+        "model": None if model is None else model.encode(),
+        "kind": None if model is None or model.blocker is None else model.blocker.kind.value,
         "session": started_session(events), "batch": batch_id,
         "at": events[-1].at if events else None,
         "holder": None if lease is None else owner, "lease": lease,

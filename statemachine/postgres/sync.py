@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Collection, Sequence
-from typing import Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import psycopg
 
@@ -53,10 +53,14 @@ from statemachine.stored import (
     check_filters,
     head_after_snapshot,
     head_of_whole_log,
+    kept_model,
     snapshot_ignored,
 )
 from statemachine.stores import SessionWrite, Snapshot
 from statemachine.values import Step
+
+if TYPE_CHECKING:
+    from statemachine.blocker import ReadModel
 
 T = TypeVar("T")
 
@@ -254,20 +258,27 @@ class PostgresEventStore(_Client):
     keeps_leases = True
     """Leases are checked and moved in each append's transaction (`stored.next_lease`):
     a claim landing while another owner's lease is live is refused (`LeaseHeld`)."""
+    keeps_read_models = True
+    """Each append keeps the run's `ReadModel` (``read_model=``) in its head, beside the
+    step, in the append's transaction (`stores.keeps_read_models`)."""
 
     # ---------------------------------------------------------------- writing
 
     def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
                snapshot: Snapshot | None = None, step: Step | None = None,
-               session_write: SessionWrite | None = None) -> None:
+               session_write: SessionWrite | None = None,
+               read_model: ReadModel | None = None) -> None:
         """`IndexedStore.append`; with ``session_write``, its items go to its Session (the
         ``session_items`` table the PostgreSQL Sessions read, tagged with its publication
         id) in the same transaction as ``events``: both land or neither does, and a lost
-        COMMIT answer is decided for both by reading the batch back."""
+        COMMIT answer is decided for both by reading the batch back. ``read_model``: the
+        run's `ReadModel` after ``events``, kept in its head beside ``step`` (without
+        both, after a run's first append, the head is left unfolded)."""
         where = {"run_id": run_id}
         if self.readonly:
             raise self._refused_readonly(APPEND, run_id)
-        prepared = prepare(run_id, events, expected_version, snapshot, step, session_write)
+        prepared = prepare(run_id, events, expected_version, snapshot, step, session_write,
+                           read_model)
         with self._lock:
             conn = self._live(APPEND, **where)
             if one_statement(prepared):
@@ -412,14 +423,15 @@ class PostgresEventStore(_Client):
         rows = self._read(heads(self._sql, tail, params), doing=LIST)
         found = []
         for (run_id, stored_version, step, stored_session, owner, updated_at, holder,
-             until) in rows:
-            if step is None:
-                version, known, session = self._fill_unfolded_head(run_id)
+             until, text, kind) in rows:
+            model = None if step is None else kept_model(run_id, text, kind)
+            if model is None:  # unfolded, or its read model does not decode: fold it
+                version, known, session, model = self._fill_unfolded_head(run_id)
             else:
                 version, known, session = stored_version, head_step(run_id, step), stored_session
             if wanted is None or known in wanted:
                 found.append(RunHead(run_id, version, known, session, owner, updated_at,
-                                     holder, until))
+                                     holder, until, model.blocker, model.waiting))
         return tuple(found)
 
     def version(self, run_id: str) -> int:
@@ -434,19 +446,22 @@ class PostgresEventStore(_Client):
         return [row[0] for row in self._read(one(sql, None), doing=LIST)]
 
     def _fill_unfolded_head(self, run_id: str) -> Head:
-        """Fold an unfolded head from the run's log (its snapshot and tail) and keep the
-        step (only if the run has not moved meanwhile; never when read-only). Keeping it
-        is a cache: a failure to keep it costs a fold next time."""
+        """Fold an unfolded head (or one whose read model does not decode) from the run's
+        log (its snapshot and tail) and keep its step and read model (only if the run has
+        not moved meanwhile; never when read-only). Keeping it is a cache: a failure to
+        keep it costs a fold next time."""
         snapshot, tail = self.load_latest(run_id)
         head, stale = head_after_snapshot(run_id, snapshot, tail)
         if head is None:  # the whole log decides
             head = head_of_whole_log(run_id, self.load(run_id), stale=stale)
-        version, step, session = head
+        version, step, _, model = head
         if not self.readonly:
+            kind = None if model.blocker is None else model.blocker.kind.value
+            kept = (step.value, model.encode(), kind, run_id, version)
             with contextlib.suppress(StorageError):
-                self._read(one(self._sql.keep_fold, (step.value, run_id, version),
-                               "none"), doing=LIST, run_id=run_id)
-        return version, step, session
+                self._read(one(self._sql.keep_fold, kept, "none"), doing=LIST,
+                           run_id=run_id)
+        return head
 
 
 class PostgresSession(SessionMethods, _Client):

@@ -42,12 +42,20 @@ from hypothesis import strategies as st
 
 from statemachine import controller as controller_module
 from statemachine import events as ev
+from statemachine.blocker import ReadModel
 from statemachine.controller import RunController
 from statemachine.errors import ConcurrencyConflict
 from statemachine.payloads import JSON
 from statemachine.runner.publish import publish, settle
 from statemachine.sessions import Session
-from statemachine.stores import AsyncEventStore, EventStore, RunHead, Snapshot, SnapshotStore
+from statemachine.stores import (
+    AsyncEventStore,
+    EventStore,
+    RunHead,
+    Snapshot,
+    SnapshotStore,
+    keeps_read_models,
+)
 from statemachine.testing.random_runs import random_run
 from statemachine.values import (
     Acknowledge,
@@ -288,10 +296,17 @@ class AsyncStoreAdapter:
             raise RuntimeError("the adapter was called from its own event loop")
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
+    @property
+    def keeps_read_models(self) -> bool:
+        """Whether the async store keeps read models (its ``read_model=`` is passed on)."""
+        return keeps_read_models(self.inner)
+
     def append(self, run_id: str, events: Sequence[ev.Event], expected_version: int, *,
-               snapshot: Snapshot | None = None, step: Step | None = None) -> None:
+               snapshot: Snapshot | None = None, step: Step | None = None,
+               read_model: ReadModel | None = None) -> None:
+        options = {} if read_model is None else {"read_model": read_model}
         self._wait(self.inner.append(run_id, events, expected_version, snapshot=snapshot,
-                                     step=step))
+                                     step=step, **options))
 
     def load(self, run_id: str) -> list[ev.Event]:
         return self._wait(self.inner.load(run_id))

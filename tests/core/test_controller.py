@@ -449,8 +449,9 @@ class _PairStore(MemoryEventStore):
 
     def append(self, run_id: str, events: Sequence[ev.Event], expected_version: int, *,
                snapshot: Snapshot | None = None, step: Step | None = None,
-               session_write: SessionWrite | None = None) -> None:
-        super().append(run_id, events, expected_version, snapshot=snapshot, step=step)
+               session_write: SessionWrite | None = None, read_model: Any = None) -> None:
+        super().append(run_id, events, expected_version, snapshot=snapshot, step=step,
+                       read_model=read_model)
         if session_write is not None:
             self.written.append(session_write)
 

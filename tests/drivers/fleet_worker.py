@@ -149,10 +149,10 @@ class SyncStore(PostgresEventStore):
 
     def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
                snapshot: Snapshot | None = None, step: Step | None = None,
-               session_write: Any = None) -> None:
+               session_write: Any = None, read_model: Any = None) -> None:
         # (names session_write: a store is handed a Session's items only if it says so)
         super().append(run_id, events, expected_version, snapshot=snapshot, step=step,
-                       session_write=session_write)
+                       session_write=session_write, read_model=read_model)
         _claimed(self.attempt, self.worker, events)
 
 
@@ -164,9 +164,9 @@ class AsyncStore(AsyncPostgresEventStore):
 
     async def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
                      snapshot: Snapshot | None = None, step: Step | None = None,
-                     session_write: Any = None) -> None:
+                     session_write: Any = None, read_model: Any = None) -> None:
         await super().append(run_id, events, expected_version, snapshot=snapshot, step=step,
-                             session_write=session_write)
+                             session_write=session_write, read_model=read_model)
         _claimed(self.attempt, self.worker, events)
 
 

@@ -116,11 +116,12 @@ class TimedStore(PostgresEventStore):
 
     def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
                snapshot: Snapshot | None = None, step: Step | None = None,
-               session_write: Any = None) -> None:
+               session_write: Any = None, read_model: Any = None) -> None:
         # (the signature names session_write: a store is asked for the Session's items
         # with a commit event only if its append says it takes them)
         began = time.monotonic()
-        options: dict[str, Any] = {"snapshot": snapshot, "step": step}
+        options: dict[str, Any] = {"snapshot": snapshot, "step": step,
+                                   "read_model": read_model}
         if session_write is not None:
             options["session_write"] = session_write
         try:
@@ -195,10 +196,11 @@ class TickingPostgresStore(PostgresEventStore):
 
     def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
                snapshot: Snapshot | None = None, step: Step | None = None,
-               session_write: Any = None) -> None:
+               session_write: Any = None, read_model: Any = None) -> None:
         names = "+".join(type(event).__name__ for event in events)
         self.ticks(f"flush-before {names}")
-        options: dict[str, Any] = {"snapshot": snapshot, "step": step}
+        options: dict[str, Any] = {"snapshot": snapshot, "step": step,
+                                   "read_model": read_model}
         if session_write is not None:  # the Session write: its envelope must be durable
             self.checker.write(list(session_write.items))
             options["session_write"] = session_write

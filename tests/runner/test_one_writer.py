@@ -262,7 +262,8 @@ def _heads(store: IndexedStore, run_ids: list[str]) -> tuple[RunHead, ...]:
     for run_id in sorted(run_ids):
         c = RunController.load(store, run_id)
         heads.append(RunHead(run_id, c.version, c.step, c.session_id, None,
-                             c.events[-1].at))  # the newest event's time
+                             c.events[-1].at,  # the newest event's time
+                             blocker=c.blocker, waiting=c.waiting))
     return tuple(heads)
 
 
@@ -307,7 +308,8 @@ def test_heads_follow_every_append_and_a_reload(open_store: Callable[[], Indexed
     (head,) = open_store().list_runs(session_id=SESSION)
     again = RunController.load(open_store(), "run-1")
     assert head == RunHead("run-1", again.version, Step.INTERRUPTION, SESSION, "worker-7",
-                           again.events[-1].at)
+                           again.events[-1].at, blocker=again.blocker,
+                           waiting=again.waiting)
     assert again.version == loaded.version
 
 
@@ -321,14 +323,14 @@ def test_direct_appends_without_a_step_are_folded_when_listed(
     store.append("run-1", events[:3], 0)  # a new run: its head is folded from these
     store.append("run-1", events[3:], 3)  # no step given: unfolded until listed
     expected = RunHead("run-1", len(events), Step.UNSETTLED, SESSION, "worker-1",
-                       events[-1].at)
+                       events[-1].at, blocker=source.blocker, waiting=source.waiting)
     assert store.list_runs(session_id=SESSION, steps={Step.UNSETTLED}) == (expected,)
     assert open_store().list_runs() == (expected,)
     c = RunController.load(store, "run-1")
     c.abandon("done")  # a step given again: the head moves with it
     assert open_store().list_runs() == (
         RunHead("run-1", c.version, Step.TERMINAL_UNRECOVERABLE, SESSION, "worker-1",
-                c.events[-1].at),)
+                c.events[-1].at, blocker=c.blocker, waiting=c.waiting),)
 
 
 def test_a_database_made_before_the_run_index_gets_one(tmp_path: Path) -> None:
@@ -357,7 +359,8 @@ def test_a_database_made_before_the_run_index_gets_one(tmp_path: Path) -> None:
     RunController.load(legacy, "e").approve("charge")
     e = RunController.load(legacy, "e")
     assert SQLiteEventStore(path).list_runs(session_id=SESSION)[1] == (
-        RunHead("e", e.version, Step.INTERRUPTION, SESSION, "worker-9", e.events[-1].at))
+        RunHead("e", e.version, Step.INTERRUPTION, SESSION, "worker-9", e.events[-1].at,
+                blocker=e.blocker, waiting=e.waiting))
     legacy.close()
 
 

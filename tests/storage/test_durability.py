@@ -51,6 +51,7 @@ from statemachine import (
     codec,
 )
 from statemachine import events as ev
+from statemachine.blocker import ReadModel
 from statemachine.errors import InvalidTransition, StorageError
 from statemachine.machine import replay
 from statemachine.payloads import JSON
@@ -112,9 +113,11 @@ class RecordingMemory(MemoryEventStore):
         self.record = Record()
 
     def append(self, run_id: str, events: Sequence[ev.Event], expected_version: int, *,
-               snapshot: Snapshot | None = None, step: Step | None = None) -> None:
+               snapshot: Snapshot | None = None, step: Step | None = None,
+               read_model: ReadModel | None = None) -> None:
         self.record.append(events, expected_version, snapshot)
-        super().append(run_id, events, expected_version, snapshot=snapshot, step=step)
+        super().append(run_id, events, expected_version, snapshot=snapshot, step=step,
+                       read_model=read_model)
 
 
 class RecordingSQLite(SQLiteEventStore):
@@ -125,9 +128,11 @@ class RecordingSQLite(SQLiteEventStore):
         self.record = Record()
 
     def append(self, run_id: str, events: Sequence[ev.Event], expected_version: int, *,
-               snapshot: Snapshot | None = None, step: Step | None = None) -> None:
+               snapshot: Snapshot | None = None, step: Step | None = None,
+               read_model: ReadModel | None = None) -> None:
         self.record.append(events, expected_version, snapshot)
-        super().append(run_id, events, expected_version, snapshot=snapshot, step=step)
+        super().append(run_id, events, expected_version, snapshot=snapshot, step=step,
+                       read_model=read_model)
 
     def load(self, run_id: str) -> list[ev.Event]:
         self.record.called()

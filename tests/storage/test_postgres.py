@@ -899,7 +899,8 @@ def test_a_version_2_schema_is_upgraded_in_place_and_read_as_it_is_when_read_onl
         at_interruption(store=store)
     with _admin(pg_dsn) as admin:
         admin.execute(f"ALTER TABLE {s}.runs DROP COLUMN updated_at, DROP COLUMN lease_owner, "
-                      "DROP COLUMN lease_until, DROP COLUMN lease")
+                      "DROP COLUMN lease_until, DROP COLUMN lease, DROP COLUMN read_model, "
+                      "DROP COLUMN blocker")
         admin.execute(f"UPDATE {s}.statemachine_schema SET version = 2")
         for seq, body in admin.execute(f"SELECT seq, body FROM {s}.events").fetchall():
             old = {k: v for k, v in json.loads(body).items()
@@ -921,7 +922,7 @@ def test_a_version_2_schema_is_upgraded_in_place_and_read_as_it_is_when_read_onl
         assert [h.updated_at for h in store.list_runs()] == [77]
     with _admin(pg_dsn) as admin:
         assert admin.execute(f"SELECT version FROM {s}.statemachine_schema").fetchall() == [
-            (SCHEMA_VERSION,)] == [(4,)]
+            (SCHEMA_VERSION,)] == [(5,)]
 
 
 def test_a_version_3_schema_gains_the_lease_columns_in_place(pg_dsn: str,
@@ -933,7 +934,8 @@ def test_a_version_3_schema_gains_the_lease_columns_in_place(pg_dsn: str,
         at_interruption(store=store).claim("worker-a")
     with _admin(pg_dsn) as admin:
         admin.execute(f"ALTER TABLE {s}.runs DROP COLUMN lease_owner, "
-                      "DROP COLUMN lease_until, DROP COLUMN lease")
+                      "DROP COLUMN lease_until, DROP COLUMN lease, DROP COLUMN read_model, "
+                      "DROP COLUMN blocker")
         admin.execute(f"UPDATE {s}.statemachine_schema SET version = 3")
     with PostgresEventStore(pg_dsn, schema=pg_schema, readonly=True) as readonly:
         assert [(h.owner, h.lease_owner, h.lease_until, h.updated_at is None)
@@ -948,4 +950,4 @@ def test_a_version_3_schema_gains_the_lease_columns_in_place(pg_dsn: str,
             RunController.load(store, "run-1").claim("worker-a")
     with _admin(pg_dsn) as admin:
         assert admin.execute(f"SELECT version FROM {s}.statemachine_schema").fetchall() == [
-            (4,)]
+            (SCHEMA_VERSION,)]

@@ -165,11 +165,12 @@ def test_the_schema_holds_session_items_and_a_version_1_schema_is_upgraded(
         c = at_interruption(store=store)
     with _admin(pg_dsn) as admin:
         assert admin.execute(f"SELECT version FROM {s}.statemachine_schema").fetchall() == [
-            (SCHEMA_VERSION,)] == [(4,)]
-        # what version 1 left: the same tables without session_items, head times and leases
+            (SCHEMA_VERSION,)] == [(5,)]
+        # what version 1 left: the same tables without session_items, head times, leases
+        # and read models
         admin.execute(f"DROP TABLE {s}.session_items")
         admin.execute(f"ALTER TABLE {s}.runs DROP COLUMN updated_at")
-        for column in ("lease_owner", "lease_until", "lease"):
+        for column in ("lease_owner", "lease_until", "lease", "read_model", "blocker"):
             admin.execute(f"ALTER TABLE {s}.runs DROP COLUMN {column}")
         admin.execute(f"UPDATE {s}.statemachine_schema SET version = 1")
     with PostgresEventStore(pg_dsn, schema=pg_schema, readonly=True) as readonly:
@@ -196,7 +197,7 @@ def test_the_schema_holds_session_items_and_a_version_1_schema_is_upgraded(
     assert errors == []  # four processes' worth of first use: upgraded once
     with _admin(pg_dsn) as admin:
         assert admin.execute(f"SELECT version FROM {s}.statemachine_schema").fetchall() == [
-            (4,)]
+            (SCHEMA_VERSION,)]
     assert asyncio.run(sessions[0].get_items()) == [{"n": 1}]
     for x in sessions:
         x.close()

@@ -38,6 +38,7 @@ from statemachine import (
     StorageError,
 )
 from statemachine import events as ev
+from statemachine.blocker import ReadModel
 from statemachine.runner import publish
 from statemachine.sessions import SQLiteSession
 from statemachine.stores import Snapshot
@@ -388,8 +389,10 @@ class _LostAnswerStore(MemoryEventStore):
     armed = False
 
     def append(self, run_id: str, events: Sequence[ev.Event], expected_version: int, *,
-               snapshot: Snapshot | None = None, step: Step | None = None) -> None:
-        super().append(run_id, events, expected_version, snapshot=snapshot, step=step)
+               snapshot: Snapshot | None = None, step: Step | None = None,
+               read_model: ReadModel | None = None) -> None:
+        super().append(run_id, events, expected_version, snapshot=snapshot, step=step,
+                       read_model=read_model)
         if self.armed:
             self.armed = False
             raise StorageError("the answer was lost", outcome="unknown")
