@@ -1,5 +1,6 @@
 """The ``statemachine`` command: render the machine, inspect, replay and list runs, explore
-the invariants, play the demo, and the operator's verbs (`statemachine.cli.operate`).
+the invariants, play the demo, and the operator's verbs
+(`statemachine.cli.operate`).
 Errors are one line on stderr and exit status 2.
 
 The read-only commands (``inspect``, ``replay``, ``render FILE|-|--store|--dsn``,

@@ -152,7 +152,7 @@ def _done(c: RunController, what: str) -> int:
 def approve_command(args: argparse.Namespace) -> int:
     from statemachine import operator
 
-    c = operator.approve(writable_store(args), args.run, args.call,
+    c = operator.approve(writable_store(args), args.run_ref, args.call,
                          fingerprint=args.fingerprint, by=args.by, reason=args.reason)
     return _done(c, f"approved call {shown(args.call)} as {shown(args.by)}")
 
@@ -160,7 +160,7 @@ def approve_command(args: argparse.Namespace) -> int:
 def reject_command(args: argparse.Namespace) -> int:
     from statemachine import operator
 
-    c = operator.reject(writable_store(args), args.run, args.call, by=args.by,
+    c = operator.reject(writable_store(args), args.run_ref, args.call, by=args.by,
                         message=args.message)
     return _done(c, f"rejected call {shown(args.call)} as {shown(args.by)}")
 
@@ -177,7 +177,7 @@ def resolve_command(args: argparse.Namespace) -> int:
         outcome, output = Resolution.FAILED, args.failed
     else:
         outcome = Resolution.NOT_EXECUTED
-    c = operator.resolve(writable_store(args), args.run, args.call, outcome=outcome,
+    c = operator.resolve(writable_store(args), args.run_ref, args.call, outcome=outcome,
                          output=output, by=args.by, evidence=args.evidence)
     return _done(c, f"resolved call {shown(args.call)} {outcome.value} as {shown(args.by)}")
 
@@ -185,7 +185,7 @@ def resolve_command(args: argparse.Namespace) -> int:
 def abandon_command(args: argparse.Namespace) -> int:
     from statemachine import operator
 
-    c = operator.abandon(writable_store(args), args.run, reason=args.reason, by=args.by)
+    c = operator.abandon(writable_store(args), args.run_ref, reason=args.reason, by=args.by)
     return _done(c, f"abandoned the run as {shown(args.by)}")
 
 
@@ -229,7 +229,7 @@ def add_commands(commands: Any, steps_help: str) -> None:
             "as --by and the command applied through the controller (every guard, "
             "fingerprint and lease applies), durable before this returns; a refusal is "
             "one line (exit 2) and changes nothing.")
-        parser.add_argument("run", metavar="RUN", help="the run's id")
+        parser.add_argument("run_ref", metavar="RUN", help="the run's id")
         if call:
             parser.add_argument("call", metavar="CALL", help="the call's id")
         add_store_options(parser, writes=True)

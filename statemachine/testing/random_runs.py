@@ -3,8 +3,9 @@
 
 A move is drawn from what ``next_action()`` asks for: model calls that fail or propose 0
 to 3 calls (each approval-gated or not, idempotent or not), approvals, rejections and
-handoffs, tools completed or left in flight, in-doubt resolutions (each outcome), writes to a simulated
-Session that land, do not land, or land and report failure, reconciliation, final
+handoffs, tools completed or left in flight, in-doubt resolutions (of each outcome),
+writes to a simulated Session that land, do not land, or land and report failure,
+reconciliation, final
 output; and now and then an abandon, or a reload (from the run's store when it has one,
 else from its JSON), after which what was in flight is in doubt. Every draw is labelled,
 so a failing example reads as the moves that led to it.

@@ -67,6 +67,7 @@ def test_the_run_head_shows_what_the_fold_decides_after_every_command(
                       else SQLiteEventStore(Path(folder) / "events.db"))
         buffered = data.draw(st.booleans(), label="buffered")
         run = RandomRun.start(data, run_id="r", store=store, buffered=buffered)
+        run.controller.flush()  # the run exists in the store before any move
         for _ in range(data.draw(st.integers(0, 30), label="steps")):
             moved = run.step(data)
             run.controller.flush()

@@ -279,4 +279,4 @@ def test_the_read_models_need_a_store_with_run_heads() -> None:
         def load(self, run_id: str) -> list[ev.Event]: return []
 
     with pytest.raises(ConfigurationError):
-        operator.runs(Bare())  # type: ignore[arg-type]
+        operator.runs(Bare())
