@@ -5,7 +5,8 @@ Errors are one line on stderr and exit status 2.
 
 The read-only commands (``inspect``, ``replay``, ``render FILE|-|--store|--dsn``,
 ``runs``/``list``, ``inbox``) never create or change a file, a writer's ``-wal`` and
-``-shm`` included: a store is opened read-only (``SQLiteEventStore(path, readonly=True)``, see `open_store`)."""
+``-shm`` included: a store is opened read-only (``SQLiteEventStore(path,
+readonly=True)``, see `open_store`)."""
 
 from __future__ import annotations
 
