@@ -132,10 +132,11 @@ def test_message_ledger_resolves_claims_and_refuses_with_nothing_recorded(
     store = SQLiteEventStore(tmp_path / "events.db")
     ledger = MessageToolLedger.open(MESSAGES_RUN, store=store, owner="ops")
     before = len(ledger.controller.events)
-    for call_id, kwargs, error in [
-            ("tu_1", {"output": "x", "outcome": Resolution.NOT_EXECUTED}, SchemaError),
-            ("tu_1", {"output": "x", "outcome": "failed"}, SchemaError),
-            ("ghost", {"output": "x"}, InvalidTransition)]:
+    refusals: list[tuple[str, dict[str, Any], type[Exception]]] = [
+        ("tu_1", {"output": "x", "outcome": Resolution.NOT_EXECUTED}, SchemaError),
+        ("tu_1", {"output": "x", "outcome": "failed"}, SchemaError),
+        ("ghost", {"output": "x"}, InvalidTransition)]
+    for call_id, kwargs, error in refusals:
         with pytest.raises(error):
             ledger.resolve_in_doubt(call_id, **kwargs)
         assert len(RunController.load(store, MESSAGES_RUN).events) == before  # not a claim
