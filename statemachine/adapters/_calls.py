@@ -13,11 +13,17 @@ whole of one call (`run_call`). And the rules of issue 23 that hold in every ada
   ``take_over=True`` (`naming_take_over`, `settle_unsettled`);
 * a run that already completed answers a retried request with its recorded output
   (`recorded_output`), calling no model and running no tool;
+* a call settled from outside (an operator's or a verifier's `resolve_in_doubt`, in any
+  process) goes on in the adapter's SDK: `resolution` says whether its recorded result is
+  a resolution's word (``FAILED``: an error the model is shown as one), and the adapters'
+  own ``resolve_in_doubt`` / ``abandon`` claim the run first and change nothing when
+  refused (`decide`, `decide_async`);
 * an SDK feature an adapter cannot carry is refused with `UnsupportedFeature`.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -35,7 +41,7 @@ from statemachine.errors import (
 from statemachine.payloads import JSON, canonical_json
 from statemachine.runner.publish import settle
 from statemachine.sessions import Session
-from statemachine.values import Phase, Resend, Step
+from statemachine.values import Phase, Resend, Resolution, Step
 
 
 class UnsupportedFeature(ControlError, ValueError):
@@ -316,3 +322,90 @@ def abandoned_reason(c: RunController) -> str | None:
         if isinstance(event, ev.Abandoned):
             return event.reason
     return None
+
+
+# -------------------------------------------------------- an operator's word, in the adapters
+
+
+def resolution(c: RunController, call_id: str) -> Resolution | None:
+    """How the call's recorded result came to be, when it is a resolution's word:
+    `Resolution.COMPLETED` (the output is what the model sees, as if the tool had
+    returned it) or `Resolution.FAILED` (the output is the error the model sees). None
+    when the result is the tool's own (recorded by a run of its body, also the run after a
+    ``NOT_EXECUTED``) or the call has none."""
+    view = c.call(call_id)
+    if view.phase not in (Phase.COMPLETED, Phase.PUBLISHED) or not view.decisions:
+        return None
+    last = view.decisions[-1]
+    if last.kind != "resolved" or last.outcome is Resolution.NOT_EXECUTED:
+        return None  # after NOT_EXECUTED the body ran again: its result is its own
+    return last.outcome
+
+
+def error_text(output: JSON) -> str:
+    """A ``FAILED`` resolution's output as the error text an SDK takes: text as it is,
+    anything else as its JSON text (the same text for the same log: a resend is
+    byte-identical)."""
+    return output if isinstance(output, str) else json.dumps(output, ensure_ascii=False)
+
+
+Command = Callable[[RunController], None]
+"""One operator command on a controller (``resolve_in_doubt``, ``abandon``)."""
+
+
+def resolving(c: RunController, call_id: str, output: JSON, *, outcome: Resolution,
+              by: str | None, evidence: str | None) -> Command:
+    """The command recording ``outcome`` for call ``call_id`` (`decide` runs it). A call
+    this controller itself runs (in flight) is refused now (`InvalidTransition`, nothing
+    recorded): a copy of the run could not tell."""
+    if call_id in c.in_flight:
+        c.resolve_in_doubt(call_id, output, outcome=outcome, by=by, evidence=evidence)
+
+    def command(target: RunController) -> None:
+        target.resolve_in_doubt(call_id, output, outcome=outcome, by=by, evidence=evidence)
+
+    return command
+
+
+def abandoning(reason: str, *, by: str | None) -> Command:
+    """The command abandoning the run for good (`decide` runs it)."""
+
+    def command(target: RunController) -> None:
+        target.abandon(reason, by=by)
+
+    return command
+
+
+def _rehearsed(c: RunController, owner: str | None, command: Command) -> None:
+    """``claim(owner)`` and ``command`` on a detached copy of the run first: a refusal
+    (the call not in doubt, a bad outcome, text or output) is raised before the real run
+    records anything, not even its claim."""
+    limits = c._journal.limits  # the run's own limits, so the copy refuses what it would
+    trial = RunController.from_json(c.to_json(), max_depth=limits.max_depth,
+                                    max_events=limits.max_events,
+                                    max_bytes=limits.max_bytes)
+    trial.claim(owner)
+    command(trial)
+
+
+def decide(c: RunController, owner: str | None, command: Command) -> None:
+    """An operator's command through an adapter (sync store): rehearsed on a copy (a
+    refusal changes nothing), then the run claimed as ``owner`` (`ConcurrencyConflict`
+    when another attempt claimed it first: nothing recorded), the command recorded, and
+    both made durable before this returns."""
+    _rehearsed(c, owner, command)
+    c.claim(owner)
+    c.flush()
+    command(c)
+    c.flush()
+
+
+async def decide_async(c: RunController, owner: str | None, command: Command, *,
+                       flush: Callable[[], Awaitable[None]] | None = None) -> None:
+    """`decide` for an adapter whose store may be async (``flush``: how it flushes)."""
+    flush = flush if flush is not None else c.flush_async
+    _rehearsed(c, owner, command)
+    c.claim(owner)
+    await flush()
+    command(c)
+    await flush()

@@ -71,7 +71,12 @@ through this adapter, so there is no adapter call to refuse while a write is uns
 and a per-call result post never makes a run ``UNSETTLED`` (§2.4: an unposted result
 blocks no other call), so no restart is ever refused as "an attempt may still be writing"
 and there is nothing to take over (``take_over``): a post or a request that a killed
-process left on its way is re-sent from the ledger. A tool the wrapped runner does not own
+process left on its way is re-sent from the ledger. A call in doubt is settled with
+``resolve_in_doubt`` (on `MessageToolLedger` and `LedgerSessionToolRunner`, or from any
+other process through the store): a ``COMPLETED`` output is sent as the call's
+``tool_result`` (posted as its result event), a ``FAILED`` one as an error result
+(``is_error``), and after ``NOT_EXECUTED`` the tool runs again, once; ``abandon`` ends
+the run. A tool the wrapped runner does not own
 is left to its owner, as the SDK does, and is not entered in the ledger. The SDK has no
 tool output guardrail (no redacting step between a tool and its result): what a tool
 returns is what the ledger keeps and the model sees (redact inside the tool). Toolsets
@@ -123,7 +128,17 @@ try:
 except ModuleNotFoundError as error:  # pragma: no cover - the extra is installed in CI
     raise missing_extra(__name__, "anthropic", error) from error
 
-from statemachine.adapters._calls import UnsupportedFeature, Walk, begin_call, plain
+from statemachine.adapters._calls import (
+    UnsupportedFeature,
+    Walk,
+    abandoning,
+    begin_call,
+    decide,
+    decide_async,
+    plain,
+    resolution,
+    resolving,
+)
 from statemachine.controller import RunController
 from statemachine.errors import (
     ControlError,
@@ -137,7 +152,7 @@ from statemachine.payloads import JSON, canonical_json
 from statemachine.runner.attempt import Attempt, interrupted, maybe_await
 from statemachine.stores import AsyncEventStore, EventStore
 from statemachine.structured_logging import run_logger, switch
-from statemachine.values import Phase, Step, ToolCall
+from statemachine.values import Phase, Resolution, Step, ToolCall
 
 __all__ = [
     "LedgerSessionToolRunner",
@@ -304,15 +319,17 @@ def _tool_result(call_id: str, content: JSON, error: bool) -> dict[str, JSON]:
     return block
 
 
-def _as_tool_result(call_id: str, recorded: JSON) -> JSON:
+def _as_tool_result(c: RunController, call_id: str, recorded: JSON) -> JSON:
     """A recorded output as the call's ``tool_result`` block: a block recorded by this
     adapter as it is; anything else (an operator's ``resolve_in_doubt`` output: text or
-    JSON) made into one, so a run settled from outside goes on."""
+    JSON, from any process) made into one, so a run settled from outside goes on: its
+    content as `_content_of` makes a tool's return value, ``is_error`` for a ``FAILED``
+    resolution (its output is the error the model sees)."""
     if isinstance(recorded, dict) and recorded.get("type") == "tool_result" and recorded.get(
             "tool_use_id") == call_id:
         return recorded
     return _tool_result(call_id, recorded if _blocks(recorded) else _content_of(recorded),
-                        False)
+                        resolution(c, call_id) is Resolution.FAILED)
 
 
 def _session_content(value: Any) -> Any:
@@ -330,17 +347,19 @@ def _session_content(value: Any) -> Any:
     return _content_of(value)
 
 
-def _as_result_event(event: Any, recorded: JSON) -> JSON:
+def _as_result_event(c: RunController, event: Any, recorded: JSON) -> JSON:
     """A recorded output as the call's result event: an event recorded by this adapter as
-    it is; anything else (an operator's ``resolve_in_doubt`` output) made into the event
-    the SDK would post for that content."""
+    it is; anything else (an operator's ``resolve_in_doubt`` output, from any process)
+    made into the event the SDK would post for that content, ``is_error`` for a
+    ``FAILED`` resolution."""
     if isinstance(recorded, dict) and recorded.get("type") in (
             "user.custom_tool_result", "user.tool_result") and event.id in (
             recorded.get("custom_tool_use_id"), recorded.get("tool_use_id")):
         return recorded
     content = recorded if _blocks(recorded) else _content_of(recorded)
     blocks, _ = _to_session_content(cast(Any, content))
-    return cast(JSON, _build_result_event(event, blocks, False))
+    return cast(JSON, _build_result_event(event, blocks,
+                                          resolution(c, event.id) is Resolution.FAILED))
 
 
 # ------------------------------------------------------------ the conversation's end
@@ -535,6 +554,26 @@ class LedgerSessionToolRunner(SessionToolRunner):
         """Who claims the run: recorded by every claim (``RunClaimed(owner)``)."""
         return self._attempt.owner
 
+    async def resolve_in_doubt(self, call_id: str, output: JSON = None, *,
+                               outcome: Resolution = Resolution.COMPLETED,
+                               by: str | None = None, evidence: str | None = None) -> None:
+        """Record what happened to a call in doubt (`RunController.resolve_in_doubt`):
+        ``COMPLETED`` (``output`` is posted as the call's result), ``FAILED`` (``output``
+        is posted as an error result, ``is_error``) or ``NOT_EXECUTED`` (no output: the
+        next iteration runs the tool, once). Claims the run first as ``by`` (else this
+        runner's owner), durable before it returns; a refusal (`InvalidTransition` for a
+        call not in doubt, `SchemaError`, `ConcurrencyConflict`) records nothing."""
+        c = self.controller
+        await decide_async(c, by if by is not None else self.owner,
+                           resolving(c, call_id, output, outcome=outcome, by=by,
+                                     evidence=evidence))
+
+    async def abandon(self, reason: str, *, by: str | None = None) -> None:
+        """End the run for good (`RunController.abandon`), claimed first like
+        `resolve_in_doubt`; its calls in doubt stay as they are, unposted."""
+        c = self.controller
+        await decide_async(c, by if by is not None else self.owner, abandoning(reason, by=by))
+
     # the SDK assigns a fresh set when it starts; the ledger listens to it
     @property
     def _answered(self) -> set[str]:
@@ -602,7 +641,7 @@ class LedgerSessionToolRunner(SessionToolRunner):
 
         done, result = begin_call(c, call_id, arguments)  # ToolInDoubt: started, unfinished
         if done:  # posted before, or it ran: the cached result, never a second run
-            event = _as_result_event(ev, result)
+            event = _as_result_event(c, ev, result)
             return event, _field(event, "content")
         try:
             await c.flush_async()  # an effect boundary: the start is durable first
@@ -676,8 +715,10 @@ class MessageToolLedger:
     """
 
     def __init__(self, controller: RunController, tools: Sequence[Any] = (), *,
-                 idempotent: Collection[str] = ()) -> None:
+                 idempotent: Collection[str] = (), owner: str | None = None) -> None:
         self.controller = controller
+        self.owner = owner
+        """Who claims the run (`open`, `resolve_in_doubt`, `abandon`)."""
         self.tools: dict[str, Any] = {str(tool.name): tool for tool in tools}
         self.replayed = False
         """True when the last `create` (or attached runner) found the conversation
@@ -697,7 +738,29 @@ class MessageToolLedger:
         if existing and controller.step is not Step.COMPLETED:
             controller.claim(owner)
             controller.flush()
-        return cls(controller, tools, idempotent=idempotent)
+        return cls(controller, tools, idempotent=idempotent, owner=owner)
+
+    # --------------------------------------------------------------- the operator
+
+    def resolve_in_doubt(self, call_id: str, output: JSON = None, *,
+                         outcome: Resolution = Resolution.COMPLETED, by: str | None = None,
+                         evidence: str | None = None) -> None:
+        """Record what happened to a call in doubt (`RunController.resolve_in_doubt`):
+        ``COMPLETED`` (``output`` is the call's ``tool_result`` content), ``FAILED``
+        (``output`` is sent as an error result, ``is_error``) or ``NOT_EXECUTED`` (no
+        output: the next `run_tools` runs the tool, once). Claims the run first as ``by``
+        (else the ledger's owner), durable before it returns; a refusal
+        (`InvalidTransition` for a call not in doubt, `SchemaError`, `ConcurrencyConflict`)
+        records nothing."""
+        c = self.controller
+        decide(c, by if by is not None else self.owner,
+               resolving(c, call_id, output, outcome=outcome, by=by, evidence=evidence))
+
+    def abandon(self, reason: str, *, by: str | None = None) -> None:
+        """End the run for good (`RunController.abandon`), claimed first like
+        `resolve_in_doubt`: every later request or tool run is refused."""
+        c = self.controller
+        decide(c, by if by is not None else self.owner, abandoning(reason, by=by))
 
     # ------------------------------------------------------------------ history
 
@@ -821,7 +884,7 @@ class MessageToolLedger:
         arguments = plain(_field(tool_use, "input"), fallback=_as_is)
         _receive(c, call_id, name, arguments, self._idempotent)
         done, result = begin_call(c, call_id, arguments)
-        return call_id, _as_tool_result(call_id, result) if done else None
+        return call_id, _as_tool_result(c, call_id, result) if done else None
 
     def _failure_for(self, call_id: str) -> Callable[[str], JSON]:
         return lambda why: _tool_result(call_id, why, True)

@@ -133,11 +133,14 @@ from statemachine.adapters._calls import (
     UnsupportedFeature,
     Walk,
     abandoned_reason,
+    abandoning,
+    decide_async,
     lossless,
     naming_take_over,
     plain,
     record_result,
     recorded_output,
+    resolving,
     run_call,
     settle_unsettled,
 )
@@ -156,7 +159,7 @@ from statemachine.payloads import JSON, fingerprint_of, json_size
 from statemachine.runner.attempt import Attempt, interrupted, maybe_await
 from statemachine.runner.publish import one_writer, publish
 from statemachine.stores import AsyncEventStore, EventStore
-from statemachine.values import Action, Phase, RecoveryPolicy, Step, ToolCall
+from statemachine.values import Action, Phase, RecoveryPolicy, Resolution, Step, ToolCall
 
 __all__ = [
     "AgentRun",
@@ -1075,12 +1078,37 @@ class AgentRun:
         return AgentRunStreaming(self, input, state,
                                  self._options(hooks, run_config, context, max_turns))
 
-    async def settle(self) -> None:
+    async def resolve_in_doubt(self, call_id: str, output: JSON = None, *,
+                               outcome: Resolution = Resolution.COMPLETED,
+                               by: str | None = None, evidence: str | None = None) -> None:
+        """Record what happened to a call in doubt (`RunController.resolve_in_doubt`):
+        ``COMPLETED`` (``output`` is handed to the SDK as the tool's return value, so the
+        model gets the function-call output the SDK makes of it), ``FAILED`` (``output``
+        is the error text the model gets as that output) or ``NOT_EXECUTED`` (no output:
+        the next `run` runs the tool, once). Claims the run first as ``by`` (else this
+        run's owner), durable before it returns; a refusal (`InvalidTransition` for a call
+        not in doubt, `SchemaError`, `ConcurrencyConflict`) records nothing."""
+        c = self.controller
+        await decide_async(c, by if by is not None else self.owner,
+                           resolving(c, call_id, output, outcome=outcome, by=by,
+                                     evidence=evidence), flush=self._flush)
+
+    async def abandon(self, reason: str, *, by: str | None = None) -> None:
+        """End the run for good (`RunController.abandon`), claimed first like
+        `resolve_in_doubt`: every later `run` is refused (`RunNotResumable`)."""
+        c = self.controller
+        await decide_async(c, by if by is not None else self.owner,
+                           abandoning(reason, by=by), flush=self._flush)
+
+    async def settle(self, *, take_over: bool | None = None) -> None:
         """Settle an unsettled write now (claiming the run first), without calling the
         SDK: reconcile and write the batch if nothing of it landed. `ReconcileRejected`
-        when the Session cannot be matched (nothing recorded; repair it and call again)."""
+        when the Session cannot be matched (nothing recorded; repair it and call again).
+        ``take_over`` (default: the run's, `open`) only when the process that left the
+        write is gone and no write of it can still land."""
+        take_over = self.take_over if take_over is None else take_over
         try:
-            await self._attempt.settle(self._inner_session, take_over=self.take_over)
+            await self._attempt.settle(self._inner_session, take_over=take_over)
         except ReconcileRejected as refused:
             told = naming_take_over(refused, _TAKE_OVER)
             if told is refused:

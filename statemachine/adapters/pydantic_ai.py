@@ -48,8 +48,12 @@ having done nothing), passes the gate (``resume()``: `RunNotResumable`, `ToolInD
 records the decisions it was given (``deferred_tool_results=``), and settles an unsettled
 write. Decisions (`LedgerRun.approve`, `LedgerRun.reject`, or ``deferred_tool_results``)
 and new input are refused with `PublicationUnsettled` while a write is unsettled. An
-in-doubt call leaves doubt only through the operator: `LedgerRun.resolve_in_doubt` records
-the outcome the operator established, and the next attempt answers the call from it.
+in-doubt call leaves doubt only through the operator: `LedgerRun.resolve_in_doubt` (or
+any process through the store) records the outcome the operator established, and the next
+attempt goes on from it: a ``COMPLETED`` output is handed to pydantic-ai as the tool's
+return value (a ``ToolReturnPart``), a ``FAILED`` one as the tool's failure
+(``ToolFailed``: the failed tool result pydantic-ai sends), and after ``NOT_EXECUTED`` the
+tool runs again, once. `LedgerRun.abandon` ends the run.
 
 What a tool's result becomes: the ledger records what pydantic-ai writes to the history
 for it, in pydantic-ai's own JSON form (bytes as base64, a pydantic model as its JSON, a
@@ -148,11 +152,16 @@ except ModuleNotFoundError as error:  # pragma: no cover - the extra is installe
 from statemachine import events as ev
 from statemachine.adapters._calls import (
     Walk,
+    abandoning,
     begin_call,
+    decide_async,
+    error_text,
     lossless,
     naming_take_over,
     plain,
     recorded_output,
+    resolution,
+    resolving,
     settle_unsettled,
 )
 from statemachine.controller import RunController
@@ -171,7 +180,7 @@ from statemachine.runner.attempt import Attempt, interrupted
 from statemachine.runner.publish import one_writer, publish
 from statemachine.sessions import MemorySession, Session
 from statemachine.stores import AsyncEventStore, EventStore
-from statemachine.values import Phase, RecoveryPolicy, Step, ToolCall
+from statemachine.values import Phase, RecoveryPolicy, Resolution, Step, ToolCall
 
 __all__ = [
     "ConversationStoreHistory",
@@ -571,13 +580,30 @@ class LedgerRun:
         self.controller.reject(call_id, message)
         await self._flush()
 
-    async def resolve_in_doubt(self, call_id: str, output: Any) -> None:
-        """The operator's way out of `ToolInDoubt`: record ``output`` as the outcome of a
-        call that started and never reported (established outside the run: did the
-        charge go through?). The next attempt answers the call with it; the tool never
-        runs again. Claims the run first; `InvalidTransition` for a call not in doubt."""
-        async with self._attempt.deciding():
-            self.controller.resolve_in_doubt(call_id, _result_form(output))
+    async def resolve_in_doubt(self, call_id: str, output: Any = None, *,
+                               outcome: Resolution = Resolution.COMPLETED,
+                               by: str | None = None, evidence: str | None = None) -> None:
+        """The operator's way out of `ToolInDoubt` (`RunController.resolve_in_doubt`),
+        for a call that started and never reported (established outside the run: did the
+        charge go through?). ``COMPLETED``: ``output`` is handed to pydantic-ai as the
+        tool's return value (a ``ToolReturnPart``), the tool never runs again; ``FAILED``:
+        ``output`` is the error text the model is told (``ToolFailed``, as for a tool that
+        failed); ``NOT_EXECUTED`` (no output): the next attempt runs the tool, once.
+        ``output`` is recorded in pydantic-ai's JSON form of it. Claims the run first as
+        ``by`` (else this run's owner), durable before it returns; a refusal
+        (`InvalidTransition` for a call not in doubt, `SchemaError`,
+        `ConcurrencyConflict`) records nothing."""
+        c = self.controller
+        await decide_async(c, by if by is not None else self.owner,
+                           resolving(c, call_id, _sent(output), outcome=outcome, by=by,
+                                     evidence=evidence), flush=self._flush)
+
+    async def abandon(self, reason: str, *, by: str | None = None) -> None:
+        """End the run for good (`RunController.abandon`), claimed first like
+        `resolve_in_doubt`: every later `run` is refused (`RunNotResumable`)."""
+        c = self.controller
+        await decide_async(c, by if by is not None else self.owner,
+                           abandoning(reason, by=by), flush=self._flush)
 
     def _record_decisions(self, results: DeferredToolResults) -> None:
         """Record ``deferred_tool_results``' approvals as the ledger's decisions, all or
@@ -978,6 +1004,11 @@ class LedgerRun:
         call_id = call.tool_call_id
         done, cached = begin_call(c, call_id, _arguments(call))
         if done:  # published before, or recorded: its recorded result, never a rerun
+            settled = resolution(c, call_id)
+            if settled is Resolution.FAILED:  # the failure pydantic-ai sends for a tool
+                raise ToolFailed(error_text(cached))
+            if settled is Resolution.COMPLETED:  # an operator's JSON: the return value
+                return cached
             return _rebuilt(cached)
         await self._flush()  # an effect boundary: the start is durable before the body
         raised: Exception | None = None

@@ -262,13 +262,15 @@ async def _drive(folder: Path, name: str, *, ledger: bool, crash_tool: bool = Fa
 
 MESSAGES_RUN = "messages"
 REQUESTS = "requests.txt"
+BODIES = "bodies.jsonl"
 
 
 class ScriptedModel:
     """``POST /v1/messages``: asks for ``charge(x=7)`` (id ``tu_1``) until the last user
     message carries a tool_result, then answers (``end_turn``) with that result's content
     as text (JSON text when it is not a str). Each request appends ``NAME request`` to
-    DIR/requests.txt (fsynced); ``crash_on_result`` kills the process when a request
+    DIR/requests.txt and its messages as one JSON line to DIR/bodies.jsonl (fsynced: the
+    exact request the model received); ``crash_on_result`` kills the process when a request
     carrying a tool_result reaches the transport, before any answer."""
 
     def __init__(self, folder: Path, name: str, *, crash_on_result: bool = False) -> None:
@@ -284,6 +286,7 @@ class ScriptedModel:
         if results and self.crash_on_result:
             os.kill(os.getpid(), signal.SIGKILL)
         append_line(self.path, f"{self.name} request")
+        append_line(self.path.with_name(BODIES), json.dumps(messages))
         if results:
             content = results[0]["content"]
             text = content if isinstance(content, str) else json.dumps(content)

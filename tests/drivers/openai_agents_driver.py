@@ -29,7 +29,8 @@ DIR/state.json).
   print one JSON line (see `overhead`).
 
 Every tool body, hook, guardrail and model call appends ``NAME what`` to DIR/effects.txt
-(O_APPEND, fsynced) before it returns. ``resume`` and ``race`` print one JSON line:
+(O_APPEND, fsynced) before it returns; each model call appends the input it received as
+one JSON line to DIR/bodies.jsonl. ``resume`` and ``race`` print one JSON line:
 ``{"name", "outcome": "completed" | "interruption" | "error", "error", "message", "step",
 "final_output"}``.
 """
@@ -117,6 +118,14 @@ class CountedModel(ScriptedModel):
 
     async def get_response(self, *args: Any, **kwargs: Any) -> Any:
         self.effect("model call")
+        received = kwargs["input"] if "input" in kwargs else args[1]
+        fd = os.open(self.effect.path.with_name("bodies.jsonl"),
+                     os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:  # the exact input the model received, one JSON line per call
+            os.write(fd, (json.dumps(received, default=str) + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         return await super().get_response(*args, **kwargs)
 
 

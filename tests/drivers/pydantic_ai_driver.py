@@ -62,6 +62,7 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 from statemachine import SQLiteEventStore, Step
 from statemachine.adapters.pydantic_ai import LedgerRun
 from statemachine.sessions import SQLiteSession
+from tests.drivers.crash_driver import append_line
 from tests.drivers.effects import Effects
 
 RUN_ID = "pa-run"
@@ -69,10 +70,14 @@ HISTORY_ID = "pa-history"
 RESOLVED = "ran once (confirmed by the operator)"
 
 
-def model(tool: str, call_id: str) -> FunctionModel:
-    """Asks for ``tool(x=7)`` until a tool result is in the last request, then says done."""
+def model(tool: str, call_id: str, folder: Path | None = None) -> FunctionModel:
+    """Asks for ``tool(x=7)`` until a tool result is in the last request, then says done;
+    with ``folder``, each request's last message is appended to DIR/bodies.jsonl."""
 
     def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        if folder is not None:  # the exact request the model received, one JSON line each
+            append_line(folder / "bodies.jsonl", ModelMessagesTypeAdapter.dump_json(
+                messages[-1:]).decode())
         answered = [part for part in messages[-1].parts if part.part_kind == "tool-return"]
         if answered:
             return ModelResponse(parts=[TextPart(f"done: {answered[-1].content}")])
@@ -82,7 +87,7 @@ def model(tool: str, call_id: str) -> FunctionModel:
 
 
 def billing(effect: Effects, *, tool: str, call_id: str, crash: bool) -> Agent[None, Any]:
-    agent: Agent[None, Any] = Agent(model(tool, call_id),
+    agent: Agent[None, Any] = Agent(model(tool, call_id, effect.path.parent),
                                     output_type=[str, DeferredToolRequests])
 
     @agent.tool_plain(requires_approval=True)
