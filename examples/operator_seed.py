@@ -30,6 +30,8 @@ def seed(path: str) -> None:
         paused.begin_model_call()
         paused.model_responded([call])
     store.close()
+    print(f"{path}: order-17 has a call in doubt; order-18 and order-19 await approvals. "
+          f"Try: statemachine inbox --store {path}")
 
 
 if __name__ == "__main__":

@@ -139,6 +139,11 @@ _OPENAI_AGENTS = (*(f"tests/adapters/test_openai_agents.py::{test}" for test in 
 """The openai-agents adapter's guard: its differential rows and the tests that run in
 one process, fastest first (the kill -9 rows and the whole matrix run in `just test`)."""
 
+_SETTLED = ("tests/adapters/test_pydantic_ai_settled.py",
+            "tests/adapters/test_anthropic_settled.py",
+            "tests/adapters/test_openai_agents_settled.py")
+"""A call settled from outside, and the adapters' own resolve_in_doubt / abandon."""
+
 SELECTIONS: dict[str, tuple[str, ...]] = {
     "statemachine/machine.py": (*_CORE, _WORLDS),
     "statemachine/state.py": (*_CORE, "tests/storage/test_snapshots.py", _WORLDS),
@@ -167,13 +172,16 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     "statemachine/runner/remote.py": ("tests/runner/test_remote.py",
                                       "tests/runner/test_runner_promises.py"),
     "statemachine/runner/agents.py": _RUNNER,
-    "statemachine/adapters/openai_agents.py": _OPENAI_AGENTS,
-    "statemachine/adapters/_calls.py": ("tests/adapters/test_calls.py", *_OPENAI_AGENTS),
+    "statemachine/adapters/openai_agents.py": (*_OPENAI_AGENTS,
+                                               "tests/adapters/test_openai_agents_settled.py"),
+    "statemachine/adapters/_calls.py": ("tests/adapters/test_calls.py", *_OPENAI_AGENTS,
+                                        *_SETTLED),
     "statemachine/adapters/pydantic_ai.py": (
         "tests/adapters/test_pydantic_ai_durability.py::"
         "test_each_effect_finds_the_durable_record_that_allows_it",
-        "tests/adapters/test_pydantic_ai.py"),
-    "statemachine/adapters/anthropic.py": ("tests/adapters/test_anthropic.py",),
+        "tests/adapters/test_pydantic_ai.py", "tests/adapters/test_pydantic_ai_settled.py"),
+    "statemachine/adapters/anthropic.py": ("tests/adapters/test_anthropic.py",
+                                           "tests/adapters/test_anthropic_settled.py"),
     "statemachine/operator.py": ("tests/storage/test_operator.py",
                                  "tests/tools/test_cli_operator.py"),
     "statemachine/testing/invariants.py": ("tests/core/test_resolution.py",
@@ -1054,6 +1062,15 @@ CATALOGUE: tuple[Mutant, ...] = (
        "the refused SDK state is kept and used by the next attempt"),
     _m("OA26", "        await self._run._fence()  # a superseded attempt runs no hook (I1)\n",
        "", "a superseded attempt runs the SDK's hooks"),
+    _m("OA27", "        await decide_async(c, by if by is not None else self.owner,\n"
+               "                           resolving(c, call_id, output, outcome=outcome, "
+               "by=by,\n                                     evidence=evidence), "
+               "flush=self._flush)",
+       "        await decide_async(c, by,\n"
+       "                           resolving(c, call_id, output, outcome=outcome, "
+       "by=by,\n                                     evidence=evidence), "
+       "flush=self._flush)",
+       "AgentRun.resolve_in_doubt claims the run as nobody instead of its owner"),
     # ---------------------------------------------------------- adapters/_calls
     _m("AC01", "    if needed <= left:\n", "    if True:\n",
        "a result that fits its record but not its batch is kept: its batch cannot be staged"),
@@ -1071,6 +1088,17 @@ CATALOGUE: tuple[Mutant, ...] = (
        "refusal's wording (which decision is missing) is lost"),
     _m("AC06", "    return output if kept else recorded\n", "    return output\n",
        "the model is sent a result the ledger did not keep"),
+    _m("AC07", "        return None  # after NOT_EXECUTED the body ran again: its result is its "
+               "own\n    return last.outcome\n",
+       "        return None  # after NOT_EXECUTED the body ran again: its result is its "
+       "own\n    return Resolution.COMPLETED\n",
+       "an operator's FAILED outcome is sent as the tool's success"),
+    _m("AC08", "    _rehearsed(c, owner, command)\n    c.claim(owner)\n    c.flush()\n",
+       "    c.claim(owner)\n    c.flush()\n",
+       "a refused resolution through a sync adapter leaves its claim recorded"),
+    _m("AC09", "    _rehearsed(c, owner, command)\n    c.claim(owner)\n    await flush()\n",
+       "    c.claim(owner)\n    await flush()\n",
+       "a refused resolution through an async adapter leaves its claim recorded"),
     # ---------------------------------------------------------- adapters/pydantic_ai
     _m("PD01", "sent = repair_messages(messages, repair_last_response=False)",
        "sent = list(messages)",
@@ -1141,6 +1169,15 @@ CATALOGUE: tuple[Mutant, ...] = (
        "a request offering a tool prepared as external pays the model"),
     _m("PD24", "        if self._replays > 1:\n", "        if False:\n",
        "a recorded answer its checks refuse is handed back forever"),
+    _m("PD25", "            if settled is Resolution.FAILED:", "            if False:",
+       "an operator's FAILED outcome reaches the model as the tool's success"),
+    _m("PD26", "            if settled is Resolution.COMPLETED:", "            if False:",
+       "an operator's JSON shaped like a recorded answer is raised as that answer"),
+    _m("PD27", "        await decide_async(c, by if by is not None else self.owner,\n"
+               "                           abandoning(reason, by=by), flush=self._flush)",
+       "        await decide_async(c, by,\n"
+       "                           abandoning(reason, by=by), flush=self._flush)",
+       "LedgerRun.abandon claims the run as nobody instead of its owner"),
     # ------------------------------------------------------- adapters/anthropic
     _m("AN01", '        self.check_history(messages)\n'
                '        _refuse_in_doubt(self.controller, "create")\n',
@@ -1157,8 +1194,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        "    return recorded\n    return _tool_result(call_id, recorded if _blocks(recorded) "
        "else _content_of(recorded),",
        "an operator's resolution is sent as it is, not as a tool_result block"),
-    _m("AN06", "    return cast(JSON, _build_result_event(event, blocks, False))",
-       "    return recorded",
+    _m("AN06", "    return cast(JSON, _build_result_event(event, blocks,\n",
+       "    return recorded\n    return cast(JSON, _build_result_event(event, blocks,\n",
        "an operator's resolution is posted as it is, not as a result event"),
     _m("AN07", '    return (_field(reply, "type") == "message" and _field(reply, "role") == '
                '"assistant"\n'
@@ -1249,4 +1286,12 @@ CATALOGUE: tuple[Mutant, ...] = (
                "            if model is None:  # unfolded, or its read model does not decode: "
                "fold it\n                version, known, session, model = await",
        "a PostgreSQL head whose read model does not decode is shown as nothing waits"),
+    _m("AN18", "                        resolution(c, call_id) is Resolution.FAILED)",
+       "                        False)",
+       "an operator's FAILED outcome is sent as a tool_result without is_error"),
+    _m("AN19", "resolution(c, event.id) is Resolution.FAILED))", "False))",
+       "an operator's FAILED outcome is posted as a successful result event"),
+    _m("AN20", "        decide(c, by if by is not None else self.owner, abandoning(reason, "
+               "by=by))", "        decide(c, by, abandoning(reason, by=by))",
+       "MessageToolLedger.abandon claims the run as nobody instead of its owner"),
 )

@@ -835,8 +835,9 @@ class AgentRun:
 
     Open it with `AgentRun.open` (loads the run from ``store`` when it exists, else starts
     it), then drive it with `run` or `run_streamed`, decide with `approve` / `reject` (or
-    through the SDK state it returned: ``result.state.approve(item)``), and repair with
-    `settle`. Every public call may raise the controller's refusals: `RunNotResumable`,
+    through the SDK state it returned: ``result.state.approve(item)``), repair with
+    `settle`, and settle a call in doubt with `resolve_in_doubt` (or end the run with
+    `abandon`). Every public call may raise the controller's refusals: `RunNotResumable`,
     `ToolInDoubt`, `PublicationUnsettled`, `ReconcileRejected`, `ConcurrencyConflict`,
     `InvalidTransition`, `SDKStateRequired` and `UnsupportedFeature`."""
 
