@@ -32,7 +32,12 @@ folds it there when no ``step`` is given (`RunController.start` gives none): tha
 what encoding those events does. A later append without ``step`` (a caller writing
 events directly) leaves the head's step *unfolded* until an append gives one again;
 ``list_runs`` folds an unfolded head from the run's log (snapshot plus tail) and keeps
-the result. What the stores share for that (heads, snapshot checks, stored rows) is in
+the result. A store that says ``keeps_read_models`` (each of these) also keeps the run's
+`ReadModel` (its blocker and inbox entries, `RunHead.blocker` and ``waiting``) in the
+head: a controller hands it with the step (``read_model=``); an append without both
+(after a run's first, which is folded) leaves the head unfolded, and so does a read
+model that does not decode, so a head never says nothing waits unless a fold said so.
+What the stores share for that (heads, snapshot checks, stored rows) is in
 `statemachine.stored`.
 
 A store that measured the size of the events it decoded says so through optional
@@ -220,7 +225,8 @@ class IndexedStore(EventStore, Protocol):
         """As `EventStore.append`; ``step`` is the step the run is in after ``events``.
         None: unknown (a run's first append is folded at once; after that the head's
         step is folded from the log when it is next listed). The head's version, Session,
-        owner and ``updated_at`` come from the events themselves."""
+        owner and ``updated_at`` come from the events themselves. A store that keeps read
+        models also takes ``read_model=`` (`keeps_read_models`)."""
 
     def list_runs(self, session_id: str | None = None,
                   steps: Collection[Step] | None = None) -> tuple[RunHead, ...]:

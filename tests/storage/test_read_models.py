@@ -341,9 +341,12 @@ def test_a_damaged_read_model_is_folded_again_never_shown_as_nothing(
 
 
 @pytest.mark.postgres
-def test_a_damaged_read_model_on_postgresql_is_folded_again(pg_dsn: str,
-                                                            pg_schema: str) -> None:
-    with PostgresEventStore(pg_dsn, schema=pg_schema) as store:
+@pytest.mark.parametrize("face", ["sync", "async"])
+def test_a_damaged_read_model_on_postgresql_is_folded_again(pg_dsn: str, pg_schema: str,
+                                                            face: str) -> None:
+    store: Any = (PostgresEventStore(pg_dsn, schema=pg_schema) if face == "sync" else
+                  AsyncStoreAdapter(AsyncPostgresEventStore(pg_dsn, schema=pg_schema)))
+    try:
         c = at_interruption(store)
         with psycopg.connect(pg_dsn, autocommit=True) as raw:
             raw.execute(f'UPDATE "{pg_schema}".runs SET read_model = %s, blocker = NULL',
@@ -351,6 +354,8 @@ def test_a_damaged_read_model_on_postgresql_is_folded_again(pg_dsn: str,
         (head,) = store.list_runs()
         assert (head.blocker, head.waiting) == (c.blocker, c.waiting) != (None, ())
         check_heads(store, "run-1")
+    finally:
+        store.close()
 
 
 def test_an_older_sqlite_database_gains_the_columns_with_every_head_unfolded(
@@ -432,15 +437,29 @@ def _observed(c: RunController) -> tuple[Any, ...]:
     return (c.state.view(), c.events, c.step, c.version, c.blocker, c.waiting)
 
 
-def _long_run(store: IndexedStore) -> RunController:
+def _long_run(store: IndexedStore, *, respond: bool = True) -> RunController:
     """A run past a snapshot (SNAPSHOT_EVERY events), paused on decisions."""
     c = RunController.start(run_id="long", session_id="s", store=store)
     while c.version < SNAPSHOT_EVERY + 10:
         c.begin_model_call()
         c.model_failed(TimeoutError())
-    c.begin_model_call()
-    c.model_responded([ToolCall("a", "tool", {}, needs_approval=True)])
+    if respond:
+        c.begin_model_call()
+        c.model_responded([ToolCall("a", "tool", {}, needs_approval=True)])
     return c
+
+
+def test_an_unfolded_head_past_a_snapshot_is_folded_from_it(open_store: Opener) -> None:
+    store = open_store()
+    version = _long_run(store, respond=False).version
+    source = MemoryEventStore()
+    _long_run(source)
+    tail = source.load("long")[version:]
+    store.append("long", tail, version)  # written directly: unfolded
+    (head,) = store.list_runs()
+    assert head.blocker is not None
+    assert head.blocker.kind is BlockerKind.AWAITING_DECISIONS
+    check_heads(store, "long")
 
 
 @pytest.mark.parametrize("long", [False, True], ids=["whole_log", "from_a_snapshot"])
