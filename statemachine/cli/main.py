@@ -6,7 +6,7 @@ Errors are one line on stderr and exit status 2.
 The read-only commands (``inspect``, ``replay``, ``render FILE|-|--store|--dsn``,
 ``runs``/``list``, ``inbox``) never create or change a file, a writer's ``-wal`` and
 ``-shm`` included: a store is opened read-only (``SQLiteEventStore(path,
-readonly=True)``, see `open_store`)."""
+readonly=True)``, see `common.open_store`)."""
 
 from __future__ import annotations
 
@@ -22,17 +22,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from statemachine.cli.common import SHOWN, UserError, shown
+from statemachine.cli.common import SHOWN, UserError, shown, source_store
 from statemachine.cli.operate import blocker_json, blocker_words, waiting_json
 from statemachine.values import Action, Phase, RecoveryPolicy
 
 if TYPE_CHECKING:
     from statemachine.controller import RunController
     from statemachine.errors import ControlError
-    from statemachine.stores import SQLiteEventStore
     from statemachine.testing import World
     from statemachine.testing.explore import ExploreReport
-    from statemachine.values import Step
 
 
 # ----------------------------------------------------------------- loading runs
@@ -88,31 +86,6 @@ def _read_file(path: Path) -> str:
                         f"{data[error.start]:#04x}); a run's JSON file is UTF-8") from None
 
 
-def open_store(path: Path) -> SQLiteEventStore:
-    """A SQLite event store opened read-only (`SQLiteEventStore` with ``readonly=True``):
-    nothing this command does can create or change a file. `StorageError` (one line)
-    for a missing path, a directory, a file that is not a SQLite database or lacks the
-    store's ``events`` table, and a damaged database."""
-    from statemachine.stores import SQLiteEventStore
-
-    return SQLiteEventStore(path, readonly=True)
-
-
-def _source_store(args: argparse.Namespace) -> Any:
-    """The store ``--store DB`` or ``--dsn DSN`` names, opened read-only, or None."""
-    dsn = getattr(args, "dsn", None)
-    if dsn is not None and args.store is not None:
-        raise UserError("give either --store DB or --dsn DSN, not both")
-    if dsn is None:
-        return None if args.store is None else open_store(args.store)
-    try:
-        from statemachine.postgres import PostgresEventStore
-    except ImportError:
-        raise UserError("--dsn needs psycopg: pip install 'agent-statemachine[postgres]'"
-                        ) from None
-    return PostgresEventStore(dsn, readonly=True)
-
-
 KEY_FILE_HELP = (
     "check the log's keyed chain (RunController.to_json(key=...)) with the key this file "
     "holds: its bytes, less one trailing newline (\\n or \\r\\n, as echo or an editor "
@@ -156,7 +129,7 @@ def _load(args: argparse.Namespace, *, snapshot: bool = True, key: bytes | None 
     from statemachine.controller import RunController
     from statemachine.errors import RunNotFound
 
-    store = _source_store(args)
+    store = source_store(args)
     if store is not None:
         if args.file is not None:
             raise UserError("give either FILE, or --store DB with --run ID, not both")
@@ -424,22 +397,6 @@ def render_command(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- list
-
-
-def _steps(texts: list[str] | None) -> set[Step] | None:
-    """The steps ``--step`` names (by name or value, any case); `UserError` otherwise."""
-    from statemachine.values import Step
-
-    if not texts:
-        return None
-    chosen = set()
-    for text in texts:
-        found = next((step for step in Step if step.value == text.strip().lower()), None)
-        if found is None:
-            raise UserError(f"unknown step {shown(text, 60)!r}: --step is one of "
-                            f"{', '.join(step.name for step in Step)}")
-        chosen.add(found)
-    return chosen
 
 
 # ------------------------------------------------------------------- explore

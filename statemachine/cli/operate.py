@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from statemachine.cli.common import UserError, shown
+from statemachine.cli.common import UserError, chosen_steps, shown, source_store
 
 if TYPE_CHECKING:
     from statemachine.blocker import Blocker, Waiting
@@ -91,12 +91,11 @@ def waiting_json(w: Waiting) -> dict[str, Any]:
 
 def runs_command(args: argparse.Namespace) -> int:
     from statemachine import operator
-    from statemachine.cli.main import _source_store, _steps
 
-    store = _source_store(args)
+    store = source_store(args)
     if store is None:
         raise UserError(f"{args.command} needs --store DB or --dsn DSN")
-    heads = operator.runs(store, steps=_steps(args.step), session_id=args.session,
+    heads = operator.runs(store, steps=chosen_steps(args.step), session_id=args.session,
                           blocked=args.blocked)
     if args.json:
         print(json.dumps([_head_json(h) for h in heads], indent=2))
@@ -121,9 +120,8 @@ def _head_json(h: RunHead) -> dict[str, Any]:
 
 def inbox_command(args: argparse.Namespace) -> int:
     from statemachine import operator
-    from statemachine.cli.main import _source_store
 
-    store = _source_store(args)
+    store = source_store(args)
     if store is None:
         raise UserError("inbox needs --store DB or --dsn DSN")
     entries = operator.inbox(store)

@@ -262,7 +262,8 @@ def test_inspect_says_who_decided_when_and_why(tmp_path: Path) -> None:
     assert "last moved at 2026-01-01T00:00:00.006Z" in out
     ledger = {call["call_id"]: call for call in info["ledger"]}
     assert ledger["charge"]["decisions"] == [
-        {"kind": "approved", "by": "alice", "reason": "asked for it",
+        {"kind": "approved", "by": "alice", "reason": "asked for it", "outcome": None,
+         "evidence": None,
          "at": 1_767_225_600_004_500}]
     assert info["updated_at"] == 1_767_225_600_006_000
     old = tmp_path / "old.json"
@@ -510,8 +511,10 @@ def test_list_shows_one_line_per_run(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
     assert done.stdout.splitlines() == [
-        "run run-1: step INTERRUPTION, session session-1, 7 events, owner worker-7",
-        f"run run-2: step UNSETTLED, session session-1, {staged().version} events, no owner",
+        "run run-1: step INTERRUPTION, session session-1, 7 events, owner worker-7, blocked: "
+        "awaiting_decisions (charge, notify, audit) since 2026-01-01T00:00:00.000Z",
+        f"run run-2: step UNSETTLED, session session-1, {staged().version} events, no owner, "
+        f"blocked: unsettled (run-2:{staged().version - 1}) since 2026-01-01T00:00:00.000Z",
         "run run-3: step RUN_AGAIN, no Session, 1 event, no owner",
         "run run-4: step RUN_AGAIN, session session-2, 1 event, no owner",
     ]
@@ -530,12 +533,15 @@ def test_list_filters_by_session_and_step(tmp_path: Path) -> None:
     assert (both.returncode, both.stdout) == (0, "")
     as_json = json.loads(cli("list", "--store", str(db), "--session", "session-1",
                              "--json").stdout)
-    assert as_json == [
+    assert [{k: run[k] for k in ("run_id", "step", "session_id", "version", "owner")}
+            for run in as_json] == [
         {"run_id": "run-1", "step": "interruption", "session_id": "session-1",
          "version": 7, "owner": "worker-7"},
         {"run_id": "run-2", "step": "unsettled", "session_id": "session-1",
          "version": staged().version, "owner": None},
     ]
+    assert [(run["blocker"]["kind"], run["waiting"]) for run in as_json] == [
+        ("awaiting_decisions", 3), ("unsettled", 1)]  # notify still awaits a decision
 
 
 @pytest.mark.parametrize(("args", "says"), [
@@ -623,8 +629,9 @@ def _subcommands() -> dict[str, argparse.ArgumentParser]:
 def test_every_command_and_option_has_help() -> None:
     top = cli_parser()
     (commands,) = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
-    assert {c.dest: bool(c.help) for c in commands._choices_actions} == dict.fromkeys(
-        commands.choices, True)
+    aliases = {"list"}  # runs' other name
+    assert {c.dest.split(" (")[0]: bool(c.help) for c in commands._choices_actions} == (
+        dict.fromkeys(set(commands.choices) - aliases, True))
     for name, sub in [("statemachine", top), *_subcommands().items()]:
         assert sub.description, name
         for action in sub._actions:
@@ -633,7 +640,8 @@ def test_every_command_and_option_has_help() -> None:
 
 
 @pytest.mark.parametrize("command", ["", "demo", "render", "inspect", "replay", "explore",
-                                     "list"])
+                                     "list", "runs", "inbox", "approve", "reject", "resolve",
+                                     "abandon"])
 def test_help_is_plain_text(command: str) -> None:
     done = cli(*command.split(), "--help")
     assert done.returncode == 0, done.stderr

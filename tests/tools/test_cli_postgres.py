@@ -47,7 +47,8 @@ def test_list_and_inspect_a_postgres_store(default_schema: str) -> None:
     listed = _cli("list", "--dsn", dsn)
     assert listed.returncode == 0, listed.stderr
     lines = listed.stdout.splitlines()
-    assert lines == ["run run-1: step INTERRUPTION, session s1, 4 events, owner worker-7",
+    assert lines == ["run run-1: step INTERRUPTION, session s1, 4 events, owner worker-7, "
+                     "blocked: awaiting_decisions (c1) since 2026-01-01T00:00:00.000Z",
                      "run run-2: step COMPLETED, no Session, 5 events, no owner"]
     only = json.loads(_cli("list", "--dsn", dsn, "--step", "interruption", "--json").stdout)
     assert [run["run_id"] for run in only] == ["run-1"]
