@@ -141,11 +141,11 @@ def test_ledger_run_not_executed_runs_the_tool_once_more(tmp_path: Path) -> None
 
 def test_ledger_run_abandons(tmp_path: Path) -> None:
     assert _driver("crash-fresh", str(tmp_path)).returncode == -9
-    asyncio.run(_open(tmp_path).abandon("the bank cannot tell", by="carol"))
+    asyncio.run(_open(tmp_path).abandon("the bank cannot tell"))
     reloaded = RunController.load(SQLiteEventStore(tmp_path / "events.db"), RUN_ID)
     assert reloaded.step is Step.TERMINAL_UNRECOVERABLE
     assert (reloaded.events[-2].owner, reloaded.events[-1].by) == (  # type: ignore[attr-defined]
-        "carol", "carol")
+        "ops", None)  # claimed as the run's owner
     resumed = json.loads(_driver("resume", str(tmp_path), "second").stdout)
     assert (resumed["outcome"], resumed["error"]) == ("error", "RunNotResumable")
     assert _pays(tmp_path) == ["crash tool pay"]
