@@ -28,7 +28,7 @@ from statemachine.errors import ConfigurationError, RunNotResumable, SchemaError
 from statemachine.journal import is_async
 from statemachine.payloads import JSON
 from statemachine.stored import RunHead
-from statemachine.stores import AsyncEventStore, EventStore, indexes_runs
+from statemachine.stores import AsyncEventStore, EventStore
 from statemachine.values import Resolution, Step
 
 __all__ = [
@@ -177,7 +177,7 @@ async def abandon_async(store: AsyncEventStore | EventStore, run_id: str, *, rea
 
 
 def _heads(store: object) -> None:
-    if not (indexes_runs(store) or hasattr(store, "list_runs")):
+    if not callable(getattr(store, "list_runs", None)):
         raise ConfigurationError("this store keeps no run heads (list_runs): runs and "
                                  "inbox need one of the library's stores")
 

@@ -280,3 +280,53 @@ def test_the_read_models_need_a_store_with_run_heads() -> None:
 
     with pytest.raises(ConfigurationError):
         operator.runs(Bare())
+
+
+class _Clock:
+    def __init__(self, start: int) -> None:
+        self.now = start
+
+    def __call__(self) -> int:
+        self.now += 1000
+        return self.now
+
+
+def test_the_inbox_lists_across_runs_oldest_first(make: StoreMaker) -> None:
+    """run-z waited first, run-a later: the inbox goes by since, not by run id."""
+    async def body() -> None:
+        from statemachine import ToolCall
+
+        store = make()
+        for run_id, start in (("run-z", 1_000_000_000), ("run-a", 2_000_000_000)):
+            c = RunController.start(run_id=run_id, session_id=None, store=store,
+                                    clock=_Clock(start))
+            c.begin_model_call()
+            c.model_responded([ToolCall(f"{run_id}-call", "pay", {"to": run_id},
+                                        needs_approval=True)])
+            await c.flush_async()
+        if _is_async(store):
+            found = await operator.inbox_async(store)
+            heads = await operator.runs_async(store, blocked=True)
+        else:
+            found = operator.inbox(store)
+            heads = operator.runs(store, blocked=True)
+        assert [(w.run_id, w.call_id, w.kind) for w in found] == [
+            ("run-z", "run-z-call", "approval"), ("run-a", "run-a-call", "approval")]
+        times = [w.since for w in found]
+        assert None not in times
+        assert times == sorted(t for t in times if t is not None)
+        assert [h.run_id for h in heads] == ["run-a", "run-z"]  # runs go by id
+        assert found[0].preview == '{"to":"run-z"}'
+
+    _run(body())
+
+
+def test_the_async_read_models_take_a_sync_store_too(tmp_path: Path) -> None:
+    store = SQLiteEventStore(tmp_path / "events.db")
+    asyncio.run(_seeded(store, "in_doubt"))
+    found = asyncio.run(operator.inbox_async(store))
+    assert found == operator.inbox(store)
+    assert [(w.call_id, w.kind) for w in found] == [("charge", "in_doubt")]
+    (head,) = asyncio.run(operator.runs_async(store, steps={Step.TOOLS}))
+    assert head.blocker is not None
+    assert asyncio.run(operator.runs_async(store, steps={Step.COMPLETED})) == []
