@@ -85,20 +85,22 @@ def connect(path: str | os.PathLike[str], *, timeout: float) -> sqlite3.Connecti
     return conn
 
 
-def connect_readonly(path: str, *, timeout: float, immutable: bool) -> sqlite3.Connection:
+def connect_readonly(path: str, *, timeout: float, immutable: bool,
+                     shm_readonly: bool = False) -> sqlite3.Connection:
     """A connection that cannot write (SQLite's ``mode=ro``; with ``immutable``, one that
     takes no lock and creates no ``-wal``/``-shm`` either: only for a file at rest).
 
-    Without ``immutable`` it opens the ``-shm`` a writer left read-only too
-    (``readonly_shm``): a plain ``mode=ro`` reader writes its read marks into that file
-    (its bytes and mtime change), and creates one that is missing. So a ``-wal`` without
-    its ``-shm`` cannot be read here (`sqlite3.OperationalError`, "unable to open"),
-    which is refused rather than read without the ``-wal``'s commits. In one process a
-    shared-memory index is shared by the connections to a file: a writer opened there
-    while such a read is under way would share its read-only index and be refused."""
+    With ``shm_readonly`` (and not ``immutable``) it opens the ``-shm`` a writer left
+    read-only too (``readonly_shm``): a plain ``mode=ro`` reader writes its read marks into
+    that file (its bytes and mtime change), and creates one that is missing. So a
+    ``-wal`` without its ``-shm`` cannot be read that way (`sqlite3.OperationalError`,
+    "unable to open"), which is refused rather than read without the ``-wal``'s commits.
+    Only for a process that never writes the file: in one process the connections to a
+    file share one shared-memory index, and a writer opened while such a read is under
+    way would share its read-only index and be refused."""
     uri = "file:" + quote(os.fsencode(os.path.abspath(path))) + "?mode=ro"
-    return sqlite3.connect(uri + ("&immutable=1" if immutable else "&readonly_shm=1"),
-                           uri=True, timeout=timeout, isolation_level=None,
+    extra = "&immutable=1" if immutable else "&readonly_shm=1" if shm_readonly else ""
+    return sqlite3.connect(uri + extra, uri=True, timeout=timeout, isolation_level=None,
                            check_same_thread=False)
 
 
@@ -352,6 +354,13 @@ class SQLiteEventStore:
     ``events`` table are refused (`StorageError`); ``append`` is refused
     (``"not_written"``); ``list_runs`` folds unfolded heads without keeping them.
 
+    ``leave_shm=True`` (with ``readonly``) also leaves a live writer's ``-shm`` as it was
+    (SQLite's ``readonly_shm``; a ``-wal`` whose ``-shm`` is gone is then refused, not
+    read without its commits): for a process that only reads the file, as the
+    ``statemachine`` command's read verbs do. A process that also writes the file must
+    not use it (its connections share one index with such a read, and a writer opened
+    meanwhile would be refused).
+
     Safe to share between threads; several processes may open the same file.
 
     Runs are indexed by Session (`IndexedStore`) in a ``runs`` table, one head per run,
@@ -379,9 +388,10 @@ class SQLiteEventStore:
     step, in the append's transaction (`stores.keeps_read_models`)."""
 
     def __init__(self, path: str | os.PathLike[str], *, timeout: float = 30.0,
-                 readonly: bool = False) -> None:
+                 readonly: bool = False, leave_shm: bool = False) -> None:
         self.path = os.fspath(path)
         self.readonly = readonly
+        self._leave_shm = readonly and leave_shm
         self._timeout = timeout
         self._lock = threading.Lock()
         self._conn: Any = None
@@ -582,7 +592,8 @@ class SQLiteEventStore:
 
     def _query_readonly(self, query: Callable[[sqlite3.Connection], Any], *,
                         immutable: bool) -> Any:
-        conn = connect_readonly(self.path, timeout=self._timeout, immutable=immutable)
+        conn = connect_readonly(self.path, timeout=self._timeout, immutable=immutable,
+                                shm_readonly=self._leave_shm)
         try:
             return query(conn)
         finally:

@@ -35,7 +35,7 @@ def open_store(path: Path) -> SQLiteEventStore:
     store's ``events`` table, and a damaged database."""
     from statemachine.stores import SQLiteEventStore
 
-    return SQLiteEventStore(path, readonly=True)
+    return SQLiteEventStore(path, readonly=True, leave_shm=True)
 
 
 def source_store(args: argparse.Namespace) -> Any:

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -373,3 +374,47 @@ def test_a_run_through_every_step_still_fits_a_page(tmp_path: Path) -> None:
     svg = next(p for p in written if p.suffix == ".svg").read_text()
     assert _svg_width_px(svg) <= 1100
     assert {s.value for s in Step} <= set(re.findall(r"<title>(\w+)</title>", svg))
+
+
+@pytest.mark.parametrize("leave_shm", [False, True])
+def test_a_reader_in_a_writers_process_never_blocks_its_writes_unless_told_to_leave_shm(
+        tmp_path: Path, leave_shm: bool) -> None:
+    """A writer whose first connection opens while a read of the same process is under
+    way shares that read's shared-memory index: a ``leave_shm`` reader (the CLI's, alone
+    in its process) makes it read-only, a plain read-only store (what a process that also
+    writes, such as a console, uses) does not."""
+    from statemachine import ControlError, RunController
+
+    db = tmp_path / "events.db"
+    first = SQLiteEventStore(db)
+    RunController.start(run_id="r0", session_id=None, store=first)
+    first.close()
+    holder = subprocess.Popen(  # a live writer elsewhere keeps the -wal and -shm in place
+        [sys.executable, "-c", "import sqlite3, sys, time\n"
+         "c = sqlite3.connect(sys.argv[1]); c.execute('PRAGMA journal_mode=WAL')\n"
+         "c.execute('SELECT count(*) FROM events').fetchone(); print('ready', flush=True)\n"
+         "time.sleep(60)", str(db)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None
+    assert holder.stdout.readline().strip() == "ready"
+    reader = SQLiteEventStore(db, readonly=True, leave_shm=leave_shm)
+    outcome: list[str] = []
+
+    def during_a_read(conn: sqlite3.Connection) -> None:
+        conn.execute("BEGIN")
+        conn.execute("SELECT count(*) FROM events").fetchone()
+        writer = SQLiteEventStore(db)
+        try:
+            RunController.start(run_id="r1", session_id=None, store=writer)
+            outcome.append("written")
+        except ControlError:
+            outcome.append("refused")
+        finally:
+            writer.close()
+        conn.execute("COMMIT")
+
+    try:
+        reader._query_readonly(during_a_read, immutable=False)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert outcome == (["refused"] if leave_shm else ["written"])
