@@ -3,9 +3,12 @@
 A run's `Blocker` is what keeps it from going on by itself, read from the same fold that
 decides resumability (`state.next_action`), as a reader that holds no attempt sees it:
 a call in doubt, an unsettled publication, decisions to take, or a run that can never
-resume. Its `Waiting` entries are the inbox: every call awaiting a decision and every
-call in doubt. Stores that keep run heads keep both beside the step, written in the
-append's transaction (`ReadModel.encode`), so listing runs or the inbox is one query.
+resume. Its `Waiting` entries are the inbox: every call awaiting a decision (but in a run
+that can never resume) and every call in doubt. While a publication is unsettled and
+reconcilable, its calls awaiting a decision are listed: the next attempt reconciles
+first, and a decision taken before that is refused (`PublicationUnsettled`). Stores
+that keep run heads keep both beside the step, written in the append's transaction
+(`ReadModel.encode`), so listing runs or the inbox is one query.
 """
 
 from __future__ import annotations
@@ -162,14 +165,17 @@ def read_model(s: RunState, *, settled_to: Step | None = None) -> ReadModel:
         return ReadModel(Blocker(BlockerKind.NOT_RESUMABLE, s.last_at, reason=s.end_reason))
     calls = s.calls
     doubtful = in_doubt(s, ())
-    waiting = [Waiting(s.run_id, call_id, "approval", calls[call_id].call.name,
-                       preview(calls[call_id].call.arguments), calls[call_id].fingerprint,
-                       s.responded_at) for call_id in s.awaiting_ids]
+    envelope = s.envelope if settled_to is None else None
+    closed = step is Step.UNSETTLED and envelope is not None and envelope.fail_closed
+    # (an unsettled publication that fails closed: nothing can ever be decided there)
+    waiting = [] if closed else [
+        Waiting(s.run_id, call_id, "approval", calls[call_id].call.name,
+                preview(calls[call_id].call.arguments), calls[call_id].fingerprint,
+                s.responded_at) for call_id in s.awaiting_ids]
     waiting += [Waiting(s.run_id, call_id, "in_doubt", calls[call_id].call.name,
                         preview(calls[call_id].call.arguments), calls[call_id].fingerprint,
                         calls[call_id].started_at) for call_id in doubtful]
     blocker: Blocker | None = None
-    envelope = s.envelope if settled_to is None else None
     if doubtful:
         starts = [at for at in (calls[c].started_at for c in doubtful) if at is not None]
         blocker = Blocker(BlockerKind.IN_DOUBT, min(starts, default=None), doubtful)

@@ -381,14 +381,15 @@ class Journal:
             snapshot = (self._snapshot() if event.seq % self.limits.snapshot_every == 0
                         and isinstance(store, SnapshotStore) else None)
             options: dict[str, Any] = {}
-            if indexes_runs(store):  # it keeps a head per run: tell it the new step
-                options["step"] = dest
-                if keeps_read_models(store):  # and what the state after the event shows
-                    state.apply(event, dest)
-                    folded = True
-                    options["read_model"] = read_model(state)
+            call = _StoreCall(self, action, (event,))  # (it names the step before the event)
             try:
-                with _StoreCall(self, action, (event,)):
+                if indexes_runs(store):  # it keeps a head per run: tell it the new step
+                    options["step"] = dest
+                    if keeps_read_models(store):  # and what the state after the event shows
+                        folded = True
+                        state.apply(event, dest)
+                        options["read_model"] = read_model(state)
+                with call:
                     store.append(state.run_id, (event,), event.seq, snapshot=snapshot,
                                  **options)
             except BaseException:
@@ -407,16 +408,21 @@ class Journal:
         """Put the state back as it was before the event folded ahead of an append that
         did not land (the log is what it was, so its replay is that state, I10)."""
         state = self.state
-        with gc_paused():
-            if self.origin is None:
-                before = replay(state.run_id, self.events)
-            else:
-                found = restored(state.run_id, dict(self.origin), self.events)
-                assert found is not None  # it was restored from this snapshot once
-                before = found
-                replay_onto(before, self.events, first=self.base)
-        for name in RunState.__slots__:
-            setattr(state, name, getattr(before, name))
+        try:
+            with gc_paused():
+                if self.origin is None:
+                    before = replay(state.run_id, self.events)
+                else:
+                    found = restored(state.run_id, dict(self.origin), self.events)
+                    assert found is not None  # it was restored from this snapshot once
+                    before = found
+                    replay_onto(before, self.events, first=self.base)
+            for name in RunState.__slots__:
+                setattr(state, name, getattr(before, name))
+        except BaseException:  # (an interrupt while putting it back): the state is unknown
+            self.stop(StorageError, "the run's state could not be put back after an append "
+                      "that did not land: load the run again to go on")
+            raise
 
     def _buffer(self, event: ev.Event) -> None:
         """Keep ``event`` for the next flush. A batch that starts a snapshot interval
@@ -605,13 +611,16 @@ class _StoreCall:
     there is no journal yet (starting, loading) there is nothing to stop, and the error
     names the run and no step."""
 
-    __slots__ = ("action", "batch", "journal")
+    __slots__ = ("action", "batch", "journal", "step")
 
     def __init__(self, journal: Journal | str, action: str,
                  batch: Sequence[ev.Event] | None) -> None:
         self.journal = journal  # (or, where there is none yet, the run id)
         self.action = action
         self.batch = batch
+        self.step = None if isinstance(journal, str) else journal.state.step
+        """The step the run is in as the call is made: what a failure names, even where
+        the state went ahead of the append (`Journal.record`)."""
 
     def __enter__(self) -> None:
         return None
@@ -624,7 +633,7 @@ class _StoreCall:
         journal = None if isinstance(found, str) else found
         where: dict[str, Any] = {
             "run_id": found if journal is None else journal.state.run_id,
-            "step": None if journal is None else journal.state.step, "action": self.action}
+            "step": self.step, "action": self.action}
         batch = self.batch
         if batch is None:  # a read: nothing was written
             if isinstance(error, StorageError):

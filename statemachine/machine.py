@@ -56,6 +56,7 @@ from statemachine.values import (
     TOOL_STAGES,
     WORKING_STEPS,
     Phase,
+    Resolution,
     Step,
 )
 
@@ -170,6 +171,13 @@ def call_started(s: RunState, e: Any) -> bool:
     """the call is started and not completed"""
     record = s.calls.get(e.call_id)
     return record is not None and record.phase == Phase.STARTED
+
+
+@guard
+def resolution_fits(s: RunState, e: Any) -> bool:
+    """a resolution NOT_EXECUTED carries no output (the call's next run gives the model
+    its output)"""
+    return e.outcome is not Resolution.NOT_EXECUTED or e.output is None
 
 
 @guard
@@ -369,7 +377,7 @@ TRANSITIONS: tuple[Transition, ...] = (
     # tools
     _row("begin_tool", S.TOOLS, None, "no_envelope", "call_can_start"),
     _row("tool_completed", S.TOOLS, None, "call_started"),
-    _row("resolve_in_doubt", S.TOOLS, None, "call_started"),
+    _row("resolve_in_doubt", S.TOOLS, None, "call_started", "resolution_fits"),
     # guardrails and hooks: anywhere but UNSETTLED, once each (I1)
     _row("guardrail_evaluated", WORKING_STEPS, None,
          "no_envelope", "guardrail_fits_stage", "guardrail_not_repeated"),

@@ -5,22 +5,23 @@ wait (DESIGN §7.5).
 Each command loads the run from its store, claims it as ``by`` (so an attempt that was
 running is superseded: its next append or fence stops it before any effect, and a live
 lease of another owner refuses the operator instead, `LeaseHeld`), applies the command
-through the `RunController` (every guard, fingerprint and limit applies), and makes it
-durable before it returns the controller. A refusal raises the typed error having
-changed nothing: the claim and the command are held back and appended together, in one
-transaction, only once both were accepted.
+through the `RunController` (every guard, fingerprint and limit applies: give a run
+started with other limits than the defaults its own, ``max_bytes=`` and the like, as its
+workers load it), and makes it durable before it returns the controller. A refusal
+raises the typed error having changed nothing: the claim and the command are held back
+and appended together, in one transaction, only once both were accepted.
 
 ``runs`` and ``inbox`` read the run heads a store keeps (`RunHead.blocker`,
 `RunHead.waiting`), written with every append from the fold that decides resumability:
-one query, whatever the number of runs. The ``*_async`` forms take an async store (or a
-sync one, called on a worker thread).
+one query, whatever the number of runs. The ``*_async`` forms take an async store, or a
+sync one, whose loads and appends then run on a worker thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from statemachine.blocker import Waiting
 from statemachine.controller import RunController
@@ -50,6 +51,16 @@ Command = Callable[[RunController], None]
 Clock = Callable[[], int] | None
 
 
+class Limits(TypedDict, total=False):
+    """The run's own limits, as its workers load it (`RunController.load`); the defaults
+    otherwise."""
+
+    max_depth: int
+    max_events: int
+    max_bytes: int
+
+
+
 def _who(action: str, by: object, run_id: object) -> None:
     """``by`` names who acts: a non-empty str (the controller checks the rest)."""
     if type(by) is not str or not by.strip():
@@ -69,9 +80,9 @@ def _claim(c: RunController, by: str, *, settling: bool) -> None:
 
 
 def _act(store: EventStore, run_id: str, action: str, by: str, command: Command,
-         clock: Clock, *, settling: bool = False) -> RunController:
+         clock: Clock, limits: Limits, *, settling: bool = False) -> RunController:
     _who(action, by, run_id)
-    c = RunController.load(store, run_id, buffered=True, clock=clock)
+    c = RunController.load(store, run_id, buffered=True, clock=clock, **limits)
     _claim(c, by, settling=settling)
     command(c)
     c.flush()
@@ -79,10 +90,13 @@ def _act(store: EventStore, run_id: str, action: str, by: str, command: Command,
 
 
 async def _act_async(store: AsyncEventStore | EventStore, run_id: str, action: str, by: str,
-                     command: Command, clock: Clock, *,
+                     command: Command, clock: Clock, limits: Limits, *,
                      settling: bool = False) -> RunController:
+    if not is_async(store):  # a sync store's load and append, off the event loop
+        return await asyncio.to_thread(_act, store, run_id, action,  # type: ignore[arg-type]
+                                       by, command, clock, limits, settling=settling)
     _who(action, by, run_id)
-    c = await RunController.load_async(store, run_id, buffered=True, clock=clock)
+    c = await RunController.load_async(store, run_id, buffered=True, clock=clock, **limits)
     _claim(c, by, settling=settling)
     command(c)
     await c.flush_async()
@@ -100,19 +114,21 @@ def _approving(call_id: str, fingerprint: str, by: str, reason: str | None) -> C
 
 
 def approve(store: EventStore, run_id: str, call_id: str, *, fingerprint: str, by: str,
-            reason: str | None = None, clock: Clock = None) -> RunController:
+            reason: str | None = None, clock: Clock = None,
+        **limits: Unpack[Limits]) -> RunController:
     """Approve a call awaiting a decision, bound to ``fingerprint`` (a call whose
     arguments are not the ones shown is refused, `InvalidTransition`)."""
     return _act(store, run_id, "approve", by, _approving(call_id, fingerprint, by, reason),
-                clock)
+                clock, limits)
 
 
 async def approve_async(store: AsyncEventStore | EventStore, run_id: str, call_id: str, *,
                         fingerprint: str, by: str, reason: str | None = None,
-                        clock: Clock = None) -> RunController:
+                        clock: Clock = None,
+        **limits: Unpack[Limits]) -> RunController:
     """`approve` on an async store."""
     return await _act_async(store, run_id, "approve", by,
-                            _approving(call_id, fingerprint, by, reason), clock)
+                            _approving(call_id, fingerprint, by, reason), clock, limits)
 
 
 def _rejecting(call_id: str, by: str, message: JSON) -> Command:
@@ -120,16 +136,18 @@ def _rejecting(call_id: str, by: str, message: JSON) -> Command:
 
 
 def reject(store: EventStore, run_id: str, call_id: str, *, by: str, message: JSON = None,
-           clock: Clock = None) -> RunController:
+           clock: Clock = None,
+        **limits: Unpack[Limits]) -> RunController:
     """Reject a call awaiting a decision; ``message`` is what the model is told."""
-    return _act(store, run_id, "reject", by, _rejecting(call_id, by, message), clock)
+    return _act(store, run_id, "reject", by, _rejecting(call_id, by, message), clock, limits)
 
 
 async def reject_async(store: AsyncEventStore | EventStore, run_id: str, call_id: str, *,
-                       by: str, message: JSON = None, clock: Clock = None) -> RunController:
+                       by: str, message: JSON = None, clock: Clock = None,
+        **limits: Unpack[Limits]) -> RunController:
     """`reject` on an async store."""
     return await _act_async(store, run_id, "reject", by, _rejecting(call_id, by, message),
-                            clock)
+                            clock, limits)
 
 
 def _resolving(call_id: str, outcome: Resolution, output: JSON, by: str,
@@ -140,20 +158,22 @@ def _resolving(call_id: str, outcome: Resolution, output: JSON, by: str,
 
 def resolve(store: EventStore, run_id: str, call_id: str, *, outcome: Resolution,
             output: JSON = None, by: str, evidence: str | None = None,
-            clock: Clock = None) -> RunController:
+            clock: Clock = None,
+        **limits: Unpack[Limits]) -> RunController:
     """Record what happened to a call in doubt (`RunController.resolve_in_doubt`):
     ``COMPLETED`` with what the model sees, ``FAILED`` with the error text it sees, or
     ``NOT_EXECUTED`` (no output: the call runs again on the next attempt)."""
     return _act(store, run_id, "resolve_in_doubt", by,
-                _resolving(call_id, outcome, output, by, evidence), clock)
+                _resolving(call_id, outcome, output, by, evidence), clock, limits)
 
 
 async def resolve_async(store: AsyncEventStore | EventStore, run_id: str, call_id: str, *,
                         outcome: Resolution, output: JSON = None, by: str,
-                        evidence: str | None = None, clock: Clock = None) -> RunController:
+                        evidence: str | None = None, clock: Clock = None,
+        **limits: Unpack[Limits]) -> RunController:
     """`resolve` on an async store."""
     return await _act_async(store, run_id, "resolve_in_doubt", by,
-                            _resolving(call_id, outcome, output, by, evidence), clock)
+                            _resolving(call_id, outcome, output, by, evidence), clock, limits)
 
 
 def _abandoning(reason: str, by: str) -> Command:
@@ -161,16 +181,19 @@ def _abandoning(reason: str, by: str) -> Command:
 
 
 def abandon(store: EventStore, run_id: str, *, reason: str, by: str,
-            clock: Clock = None) -> RunController:
+            clock: Clock = None,
+        **limits: Unpack[Limits]) -> RunController:
     """End the run for good (`TERMINAL_UNRECOVERABLE`), saying why and who."""
-    return _act(store, run_id, "abandon", by, _abandoning(reason, by), clock, settling=True)
+    return _act(store, run_id, "abandon", by, _abandoning(reason, by), clock, limits,
+                settling=True)
 
 
 async def abandon_async(store: AsyncEventStore | EventStore, run_id: str, *, reason: str,
-                        by: str, clock: Clock = None) -> RunController:
+                        by: str, clock: Clock = None,
+        **limits: Unpack[Limits]) -> RunController:
     """`abandon` on an async store."""
     return await _act_async(store, run_id, "abandon", by, _abandoning(reason, by), clock,
-                            settling=True)
+                            limits, settling=True)
 
 
 # ------------------------------------------------------------------ read models

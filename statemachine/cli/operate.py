@@ -141,6 +141,12 @@ def inbox_command(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ the writes
 
 
+def _limits(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's own limits the command was given (``--max-bytes``, ``--max-events``)."""
+    found = {"max_bytes": args.max_bytes, "max_events": args.max_events}
+    return {name: value for name, value in found.items() if value is not None}
+
+
 def _done(c: RunController, what: str) -> int:
     print(f"{what}; run {shown(c.run_id)} is now in step {c.step.name} "
           f"({c.version} events), {blocker_words(c.blocker)}")
@@ -151,7 +157,8 @@ def approve_command(args: argparse.Namespace) -> int:
     from statemachine import operator
 
     c = operator.approve(writable_store(args), args.run_ref, args.call,
-                         fingerprint=args.fingerprint, by=args.by, reason=args.reason)
+                         fingerprint=args.fingerprint, by=args.by, reason=args.reason,
+                         **_limits(args))
     return _done(c, f"approved call {shown(args.call)} as {shown(args.by)}")
 
 
@@ -159,7 +166,7 @@ def reject_command(args: argparse.Namespace) -> int:
     from statemachine import operator
 
     c = operator.reject(writable_store(args), args.run_ref, args.call, by=args.by,
-                        message=args.message)
+                        message=args.message, **_limits(args))
     return _done(c, f"rejected call {shown(args.call)} as {shown(args.by)}")
 
 
@@ -176,14 +183,16 @@ def resolve_command(args: argparse.Namespace) -> int:
     else:
         outcome = Resolution.NOT_EXECUTED
     c = operator.resolve(writable_store(args), args.run_ref, args.call, outcome=outcome,
-                         output=output, by=args.by, evidence=args.evidence)
+                         output=output, by=args.by, evidence=args.evidence,
+                         **_limits(args))
     return _done(c, f"resolved call {shown(args.call)} {outcome.value} as {shown(args.by)}")
 
 
 def abandon_command(args: argparse.Namespace) -> int:
     from statemachine import operator
 
-    c = operator.abandon(writable_store(args), args.run_ref, reason=args.reason, by=args.by)
+    c = operator.abandon(writable_store(args), args.run_ref, reason=args.reason, by=args.by,
+                         **_limits(args))
     return _done(c, f"abandoned the run as {shown(args.by)}")
 
 
@@ -233,6 +242,11 @@ def add_commands(commands: Any, steps_help: str) -> None:
         add_store_options(parser, writes=True)
         parser.add_argument("--by", required=True, metavar="NAME",
                             help="who decides (recorded with the decision)")
+        parser.add_argument("--max-bytes", type=int, metavar="N",
+                            help="the run's max_bytes, when its workers load it with "
+                                 "another than the default (so this write keeps to it)")
+        parser.add_argument("--max-events", type=int, metavar="N",
+                            help="the run's max_events, likewise")
         return parser
 
     approve = write("approve", "approve a call awaiting a decision",

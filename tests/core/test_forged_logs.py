@@ -39,6 +39,7 @@ from statemachine import (
     InvalidTransition,
     MemoryEventStore,
     RecoveryPolicy,
+    Resolution,
     RunController,
     SchemaError,
     SQLiteEventStore,
@@ -506,6 +507,14 @@ def _resolved_unstarted() -> tuple[Legal, Events, int]:
     legal = approvals_run()
     index = at(legal.events, ev.Resumed) + 1
     return _with(legal, insert(legal.events, index, ev.InDoubtResolved(index, "look", "x")))
+
+
+@_case("a NOT_EXECUTED resolution carrying an output", ("resolve_in_doubt", "resolution_fits"))
+def _not_executed_with_output() -> tuple[Legal, Events, int]:
+    legal = approvals_run()
+    index = at(legal.events, ev.ToolStarted, call_id="look") + 1
+    return _with(legal, insert(legal.events, index, ev.InDoubtResolved(
+        index, "look", "x", outcome=Resolution.NOT_EXECUTED)))
 
 
 @_case("a tool guardrail naming an unknown call", ("guardrail_evaluated", "guardrail_fits_stage"))

@@ -155,6 +155,8 @@ def test_replay_checks_every_resolution() -> None:
     del doc["events"][-1]["evidence"]
     with pytest.raises(SchemaError, match="lacks field"):
         RunController.from_json(doc)
+    with pytest.raises(InvalidTransition, match="resolution_fits"):
+        RunController.from_json(_forged_resolution(c, outcome="not_executed", output="x"))
     # given back, the call is no longer in doubt: a second NOT_EXECUTED is forged
     twice = ok.to_json()
     twice["events"].append({**twice["events"][-1], "seq": ok.version})

@@ -34,7 +34,7 @@ def _expected(store: Any, run_id: str) -> tuple[Any, ...]:
         ids = fresh.in_doubt()
     elif kind is BlockerKind.AWAITING_DECISIONS:
         ids = fresh.pending_approvals
-    live = fresh.step not in (Step.COMPLETED, Step.TERMINAL_UNRECOVERABLE)
+    live = action is not Action.NOT_RESUMABLE  # nothing can be decided in such a run
     waiting = set()
     if live:
         waiting = {(c, "approval", fresh.fingerprint(c), fresh.call(c).call.name)

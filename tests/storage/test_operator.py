@@ -330,3 +330,29 @@ def test_the_async_read_models_take_a_sync_store_too(tmp_path: Path) -> None:
     (head,) = asyncio.run(operator.runs_async(store, steps={Step.TOOLS}))
     assert head.blocker is not None
     assert asyncio.run(operator.runs_async(store, steps={Step.COMPLETED})) == []
+
+
+def test_the_operator_keeps_to_the_runs_own_limits(tmp_path: Path) -> None:
+    """A run whose workers load it with max_bytes=6000: the operator given those limits
+    is refused a resolution that would take the log past them (nothing appended), so the
+    workers can still load the run; the CLI takes them as --max-bytes."""
+    store = SQLiteEventStore(tmp_path / "events.db")
+    asyncio.run(_seeded(store, "in_doubt"))
+    big = "x" * 6000
+    before = RunController.load(store, RUN).version
+    with pytest.raises(SchemaError, match="max_bytes"):
+        operator.resolve(store, RUN, "charge", outcome=Resolution.COMPLETED, output=big,
+                         by="carol", max_bytes=6000)
+    assert RunController.load(store, RUN).version == before
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "statemachine", "resolve", RUN, "charge",
+                           "--store", str(tmp_path / "events.db"), "--by", "carol",
+                           "--completed", f'"{big}"', "--max-bytes", "6000"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2
+    assert "max_bytes" in done.stderr
+    operator.resolve(store, RUN, "charge", outcome=Resolution.COMPLETED, output="ok",
+                     by="carol", max_bytes=6000)
+    assert RunController.load(store, RUN, max_bytes=6000).phase("charge") is Phase.COMPLETED

@@ -536,3 +536,44 @@ def test_a_plain_event_store_is_handed_no_read_model() -> None:
     c = at_interruption(plain)
     c.approve("charge")
     assert RunController.load(plain, "run-1").state.view() == c.state.view()
+
+
+def test_an_interrupt_between_the_fold_and_the_append_leaves_the_run_as_its_log(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-event path folds an event before its append (the head keeps the state it
+    leads to): whatever stops it before the append lands (here a KeyboardInterrupt in the
+    read model) puts the state back, so the next command goes on from the log."""
+    from statemachine import journal as journal_module
+
+    store = SQLiteEventStore(tmp_path / "events.db")
+    c = RunController.start(run_id="r", session_id=None, store=store)
+    c.begin_model_call()
+    before = c.state.view()
+
+    def interrupted(*_: object, **__: object) -> None:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(journal_module, "read_model", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            c.model_responded([ToolCall("a", "pay", {}, needs_approval=True)])
+    assert c.state.view() == before
+    assert c.step is Step.AWAITING_MODEL
+    c.model_responded([ToolCall("a", "pay", {}, needs_approval=True)])
+    c.approve("a")
+    again = RunController.load(store, "r")
+    assert again.state == c.state
+
+
+def test_a_failed_append_names_the_step_the_run_is_in(tmp_path: Path) -> None:
+    """Not the step the event would have led to (the state was folded ahead of it)."""
+    from statemachine import ConcurrencyConflict
+
+    store = SQLiteEventStore(tmp_path / "events.db")
+    c = RunController.start(run_id="r", session_id=None, store=store)
+    rival = RunController.load(store, "r")
+    rival.claim("other")
+    with pytest.raises(ConcurrencyConflict) as info:
+        c.begin_model_call()
+    assert info.value.step is Step.RUN_AGAIN
+    assert c.step is Step.RUN_AGAIN
