@@ -1240,6 +1240,19 @@ CATALOGUE: tuple[Mutant, ...] = (
        "            if False:",
        "a body the session runner's timeout cancelled is answered with its timed-out text"),
     # ------------------------------------------------------ read models in run heads (§7.5)
+    _m("MA36", "    return e.outcome is not Resolution.NOT_EXECUTED or e.output is None",
+       "    return True", "replay accepts a NOT_EXECUTED resolution that carries an output"),
+    _m("JOH2", "                        folded = True\n"
+               "                        state.apply(event, dest)\n"
+               '                        options["read_model"] = read_model(state)\n',
+       "                        state.apply(event, dest)\n"
+       '                        options["read_model"] = read_model(state)\n'
+       "                        folded = True\n",
+       "an interrupt between the fold and the append leaves the state ahead of its log"),
+    _m("JOH3", '            "step": self.step, "action": self.action}',
+       '            "step": None if journal is None else journal.state.step, '
+       '"action": self.action}',
+       "a failed append names the step its event would have led to"),
     _m("JOH1", "                replay_onto(before, self.events, first=self.base)\n", "",
        "an append that did not land leaves a run loaded from a snapshot at its snapshot"),
     _m("SDH1", "    if step is not None and model is not None:\n        return step, model\n",
