@@ -49,6 +49,7 @@ from statemachine.values import (
     Step,
     ToolCall,
 )
+from statemachine.verifiers import Completed, NotExecuted, ToolContext, Unknown, tool_context
 
 __all__ = [
     "Acknowledge",
@@ -57,6 +58,7 @@ __all__ = [
     "Blocker",
     "BlockerKind",
     "CallView",
+    "Completed",
     "ConcurrencyConflict",
     "ConfigurationError",
     "ControlError",
@@ -69,6 +71,7 @@ __all__ = [
     "LeaseHeld",
     "MemoryEventStore",
     "MemorySession",
+    "NotExecuted",
     "Outcome",
     "Phase",
     "PublicationUnsettled",
@@ -88,9 +91,12 @@ __all__ = [
     "Step",
     "StorageError",
     "ToolCall",
+    "ToolContext",
     "ToolInDoubt",
+    "Unknown",
     "Waiting",
     "disable_logging",
     "enable_logging",
     "register_canonical",
+    "tool_context",
 ]

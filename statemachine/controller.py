@@ -28,6 +28,7 @@ flight (started here, not yet completed).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -427,6 +428,16 @@ class RunController:
         PostgreSQL Session) files the batch under it."""
         seq = self._state.attempt_seq
         return None if seq is None else f"{self._state.run_id}:{seq}"
+
+    def idempotency_key(self, call_id: str) -> str:
+        """The call's idempotency key (DESIGN §7.3): 32 lowercase hex digits of
+        sha256(run id, NUL, call id), the same in every process and on every start of the
+        call, for a tool body to give an API that deduplicates (`tool_context`).
+        `InvalidTransition` for a call the run does not know."""
+        if type(call_id) is not str or call_id not in self._state.calls:
+            self._refuse(InvalidTransition, "idempotency_key", "unknown call id")
+        text = f"{self._state.run_id}\0{call_id}".encode("utf-8", "surrogatepass")
+        return hashlib.sha256(text).hexdigest()[:32]
 
     def fingerprint(self, call_id: str) -> str:
         """sha256 hex of the built-in canonical JSON of ``[name, arguments]``."""

@@ -11,6 +11,7 @@ import attrs
 from statemachine.controller import RunController
 from statemachine.payloads import JSON
 from statemachine.values import GuardrailResult, Step, ToolCall
+from statemachine.verifiers import Verifier
 
 # ------------------------------------------------------------------ the agent side
 
@@ -63,6 +64,12 @@ class FunctionTool:
     (`ToolInDoubt`) and never re-run. ``input_guardrails`` run before the tool (a
     ``reject_content`` verdict replaces its output and the tool does not run);
     ``output_guardrails`` check its output. Each guardrail runs once per call (I1).
+
+    Inside ``function``, `statemachine.tool_context()` gives the call's `ToolContext`
+    (its idempotency key, the same on every start). ``verify``: asked, on each later
+    attempt before any other effect, what happened to a call of this tool left in doubt
+    (`statemachine.verifiers`: ``Completed(output)``, ``NotExecuted()`` or
+    ``Unknown()``, sync or async); its answer is recorded as ``by="verify:<name>"``.
     """
 
     name: str
@@ -71,6 +78,7 @@ class FunctionTool:
     idempotent: bool = False
     input_guardrails: tuple[ToolGuardrail, ...] = ()
     output_guardrails: tuple[ToolGuardrail, ...] = ()
+    verify: Verifier | None = None
 
 
 @attrs.frozen
@@ -102,6 +110,10 @@ class Agent:
     tool_use_behavior: Literal["run_llm_again", "stop_on_first_tool"] = "run_llm_again"
     output_guardrails: tuple[OutputGuardrail, ...] = ()
     max_turns: int | None = 10
+
+    def verifiers(self) -> dict[str, Verifier]:
+        """The verifiers of the agent's tools, by tool name."""
+        return {t.name: t.verify for t in self.tools if t.verify is not None}
 
     def tool(self, name: str) -> FunctionTool:
         """The tool called ``name``; `LookupError` when the agent has none."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -28,6 +28,11 @@ from statemachine.errors import ControlError
 from statemachine.runner.publish import settle
 from statemachine.sessions import Session
 from statemachine.values import Step
+from statemachine.verifiers import Verifier, verify_in_doubt_async
+
+VERIFY_TIMEOUT = 30.0
+"""How long an attempt waits for one verifier's answer (seconds) before leaving its call
+in doubt."""
 
 
 async def maybe_await(value: Any) -> Any:
@@ -43,7 +48,11 @@ class Attempt:
     raises `ConcurrencyConflict` when another attempt claimed the version first (its
     subclass `LeaseHeld` while another owner's lease is live), or the
     controller's refusal, with the block not run. A run the gate would refuse anyway (a
-    call in doubt: `ToolInDoubt`) is refused before the claim, recording nothing.
+    call in doubt: `ToolInDoubt`) is refused before the claim, recording nothing, unless
+    a call in doubt has a verifier (``verifiers``, by tool name): then, right after the
+    claim is durable and before anything else, each such call's verifier is asked once
+    (`verifiers.verify_in_doubt_async`, ``verify_timeout`` seconds each) and its answer
+    recorded and flushed; what stays in doubt is refused by the gate as before.
     Leaving flushes what the block buffered: its error, when it raised, is what
     propagates, whatever the flush does; a flush that fails after a block that returned
     raises. ``flush`` is how to flush (an adapter whose tools run concurrently passes its
@@ -51,8 +60,13 @@ class Attempt:
 
     def __init__(self, controller: RunController, *, resumes: bool, owner: str | None = None,
                  flush: Callable[[], Awaitable[None]] | None = None,
-                 lease: float | None = None) -> None:
+                 lease: float | None = None,
+                 verifiers: Mapping[str, Verifier] | None = None,
+                 verify_timeout: float | None = VERIFY_TIMEOUT) -> None:
         self.controller = controller
+        self.verifiers = dict(verifiers or {})
+        """The verifiers (by tool name) asked about calls in doubt after the claim."""
+        self.verify_timeout = verify_timeout
         self.owner = owner
         self.lease = lease
         """The lease each claim takes (`RunController.claim`), in seconds, or None."""
@@ -66,10 +80,16 @@ class Attempt:
         resumes = self.resumes
         if resumes:
             c = self.controller
-            if self._gated and c.in_doubt():  # the gate refuses it (ToolInDoubt): before
-                c.resume()  # the claim, so a stuck run gains no claim per refused attempt
+            doubtful = c.in_doubt()
+            verifiable = [call_id for call_id in doubtful
+                          if c.call(call_id).call.name in self.verifiers]
+            if self._gated and doubtful and not verifiable:  # the gate refuses it
+                c.resume()  # (ToolInDoubt) before the claim: a stuck run gains no claim
             c.claim(self.owner, lease=self.lease)
             await self._flush()  # durable before any effect, whatever the durability
+            if verifiable:  # the first effect: ask what happened, record it, durably
+                await verify_in_doubt_async(c, self.verifiers, timeout=self.verify_timeout)
+                await self._flush()
         elif self.lease is not None:  # a new run held from its first attempt on: its
             self.controller.claim(self.owner, lease=self.lease)  # claim takes the lease
             await self._flush()

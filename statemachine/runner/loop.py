@@ -47,6 +47,7 @@ from statemachine.runner.publish import one_writer, publish, settle, writer_gone
 from statemachine.sessions import MemorySession, Session
 from statemachine.stores import AsyncEventStore, EventStore
 from statemachine.values import Action, CallView, Execute, Phase, RecoveryPolicy, Step, ToolCall
+from statemachine.verifiers import context_of, running
 
 
 def _result(c: RunController) -> RunResult:
@@ -255,7 +256,8 @@ class _AgentLoop:
                          call.call_id)
         await self.controller.fence_async()  # the start hook may have waited: still ours
         try:
-            output: JSON = await maybe_await(tool.function(**decision.call.arguments))
+            with running(context_of(self.controller, call.call_id)):  # tool_context()
+                output: JSON = await maybe_await(tool.function(**decision.call.arguments))
         except Exception as error:  # a tool's failure is its output
             output = f"tool error: {type(error).__name__}"
         checked = await self._guardrails(tool.output_guardrails, "tool_output", call, output)
@@ -440,8 +442,8 @@ class Runner:
                                        policy=policy, buffered=buffered)
         loop = _AgentLoop(agent, c, _session_for(c, session), hooks or RunHooks(), emit,
                           take_over)
-        async with Attempt(c, resumes=resumed, owner=owner,
-                           lease=lease):  # claim first, flush last
+        async with Attempt(c, resumes=resumed, owner=owner, lease=lease,
+                           verifiers=agent.verifiers()):  # claim first, flush last
             return await loop.run(_input_items(input))
 
 
