@@ -47,6 +47,7 @@ _FILES = {
     "AN": "statemachine/adapters/anthropic.py",
     "IN": "statemachine/testing/invariants.py",
     "OP": "statemachine/operator.py",
+    "VE": "statemachine/verifiers.py",
 }
 
 
@@ -69,7 +70,7 @@ _RUNNER = ("tests/runner/test_one_writer.py", "tests/runner/test_runner_promises
            "tests/core/test_tool_interrupted.py", "tests/runner/test_streaming.py",
            "tests/runner/test_partial_approval.py", "tests/runner/test_crash_hooks.py",
            "tests/core/test_claim.py", "tests/storage/test_durability.py",
-           "tests/runner/test_fencing.py")
+           "tests/runner/test_fencing.py", "tests/runner/test_verifiers.py")
 _CODEC = ("tests/core/test_codec.py", "tests/core/test_limits.py",
           "tests/core/test_keyed_chain.py", "tests/core/test_decoding.py",
           "tests/core/test_controller.py")
@@ -182,6 +183,7 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
         "tests/adapters/test_pydantic_ai.py", "tests/adapters/test_pydantic_ai_settled.py"),
     "statemachine/adapters/anthropic.py": ("tests/adapters/test_anthropic.py",
                                            "tests/adapters/test_anthropic_settled.py"),
+    "statemachine/verifiers.py": ("tests/runner/test_verifiers.py",),
     "statemachine/operator.py": ("tests/storage/test_operator.py",
                                  "tests/tools/test_cli_operator.py"),
     "statemachine/testing/invariants.py": ("tests/core/test_resolution.py",
@@ -701,6 +703,29 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("INV1", "            if (starts[event.call_id] > 1 + released[event.call_id]",
        "            if (starts[event.call_id] > 2 + released[event.call_id]",
        "the log checker lets a non-idempotent call start twice"),
+    _m("VE01", "        controller.resolve_in_doubt(call_id, answer.output, by=by)",
+       "        controller.resolve_in_doubt(call_id, answer.output)",
+       "a verifier's answer is recorded without saying it was the verifier's"),
+    _m("VE02", "        controller.resolve_in_doubt(call_id, outcome=Resolution.NOT_EXECUTED, "
+               "by=by)",
+       "        controller.resolve_in_doubt(call_id, by=by)",
+       "a NotExecuted answer settles the call as completed (the charge is never made)"),
+    _m("VE03", "            answer: Any = await asyncio.wait_for(pending, timeout)",
+       "            answer: Any = await asyncio.wait_for(pending, None)",
+       "a verifier that never answers holds the attempt for good"),
+    _m("VE04", "                       max(starts, 1))", "                       starts + 1)",
+       "the tool context says a first start is the second"),
+    _m("AT06", "            if verifiable:  # the first effect: ask what happened, record it, "
+               "durably",
+       "            if False:",
+       "an attempt never asks the verifiers: every call in doubt waits for a person"),
+    _m("AT07", "            if self._gated and doubtful and not verifiable:  # the gate refuses it",
+       "            if self._gated and doubtful:  # the gate refuses it",
+       "a call in doubt with a verifier is refused before its verifier is asked"),
+    _m("LP17", "            with running(context_of(self.controller, call.call_id)):  "
+               "# tool_context()\n",
+       "            if True:\n",
+       "a tool body of the reference runner has no tool context (no idempotency key)"),
     _m("OP01", "    if type(by) is not str or not by.strip():", "    if type(by) is not str:",
        "an operator's command is recorded without saying who acted"),
     _m("OP02", "    try:\n        c.claim(by)\n", "    try:\n        pass\n",
@@ -892,7 +917,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     # ------------------------------------------------------------- runner/attempt
     _m("AT01", "            c.claim(self.owner, lease=self.lease)\n", "",
        "a resumed attempt does not claim the run (§6.3)"),
-    _m("AT03", "            if self._gated and c.in_doubt():", "            if False:",
+    _m("AT03", "            if self._gated and doubtful and not verifiable:",
+       "            if False:",
        "a refused resume of a stuck run records a claim every time"),
     _m("AT04", "        self._gated = False\n        try:", "        try:",
        "an operator's resolution of a call in doubt is refused before its claim"),
