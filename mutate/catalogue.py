@@ -43,6 +43,7 @@ _FILES = {
     "AG": "statemachine/runner/agents.py",
     "OA": "statemachine/adapters/openai_agents.py",
     "AC": "statemachine/adapters/_calls.py",
+    "MC": "statemachine/adapters/_mcp.py",
     "PD": "statemachine/adapters/pydantic_ai.py",
     "AN": "statemachine/adapters/anthropic.py",
     "IN": "statemachine/testing/invariants.py",
@@ -93,8 +94,9 @@ _CONTROLLER = ("tests/core/test_copies.py", "tests/storage/test_leases.py", *_CO
                "tests/storage/test_snapshots.py", "tests/core/test_tool_interrupted.py",
                _WORLDS, "tests/storage/test_durability.py", "tests/runner/test_fencing.py")
 
+_OPENAI_AGENTS_MCP = "tests/adapters/test_openai_agents_mcp.py"
 _OPENAI_AGENTS = (*(f"tests/adapters/test_openai_agents.py::{test}" for test in (
-    "test_row02_mcp_servers_are_refused_at_open",
+    "test_row02_mcp_servers_are_carried_through_the_ledger",
     "test_row01_an_agent_tool_whose_agent_may_need_approval_is_refused_at_open",
     "test_row09_a_run_opened_on_another_session_is_refused_before_any_effect",
     "test_row03_a_call_a_tool_input_guardrail_rejects_never_runs_and_the_run_goes_on[run]",
@@ -174,7 +176,9 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
                                       "tests/runner/test_runner_promises.py"),
     "statemachine/runner/agents.py": _RUNNER,
     "statemachine/adapters/openai_agents.py": (*_OPENAI_AGENTS,
-                                               "tests/adapters/test_openai_agents_settled.py"),
+                                               "tests/adapters/test_openai_agents_settled.py",
+                                               _OPENAI_AGENTS_MCP),
+    "statemachine/adapters/_mcp.py": (_OPENAI_AGENTS_MCP,),
     "statemachine/adapters/_calls.py": ("tests/adapters/test_calls.py", *_OPENAI_AGENTS,
                                         *_SETTLED),
     "statemachine/adapters/pydantic_ai.py": (
@@ -1011,9 +1015,31 @@ CATALOGUE: tuple[Mutant, ...] = (
        "            if tool.name.startswith(name):\n                return tool\n",
        "a tool looked up by prefix"),
     # ---------------------------------------------------- adapters/openai_agents
-    _m("OA01", "        if each.mcp_servers:\n",
-       "        if each.mcp_servers and False:\n",
-       "MCP servers are not refused at open: their tools run outside the ledger"),
+    _m("OA01", "            if retries != 0:\n", "            if False:\n",
+       "an MCP server configured to retry is carried: a lost response is sent again"),
+    _m("OA28", "                run._lost[context.call_id] = error\n", "                pass\n",
+       "a lost MCP response is recorded as the text the SDK made of it, never in doubt"),
+    _m("OA29", "            trusted = server is not None and server.name in run._trusted_mcp\n",
+       "            trusted = server is not None\n",
+       "every MCP server's hints count: an untrusted hinted tool is sent again"),
+    _m("OA30", "meta=with_key(meta, context.idempotency_key))", "meta=meta)",
+       "a tools/call is sent without the call's idempotency key"),
+    _m("OA31", "        tools.update((name, tool) for name, (tool, _) in mcp.items() "
+               "if name not in tools)\n", "",
+       "a response's MCP calls are unknown tools to the ledger"),
+    _m("OA32", "    if unknown:\n        raise _refuse(\"trusted MCP servers\"",
+       "    if False:\n        raise _refuse(\"trusted MCP servers\"",
+       "a misspelt trusted MCP server name is taken silently"),
+    _m("OA33", "        if c.call(call_id).call.idempotent:\n            return lost\n", "",
+       "an idempotent MCP call whose response was lost is reported in doubt"),
+    # ---------------------------------------------------------- adapters/_mcp
+    _m("MC01", "    return error_code(error) in REFUSED_UNRUN\n", "    return True\n",
+       "every MCP error is the server's answer: a closed connection is recorded as one"),
+    _m("MC02", "    return any(hint is True for hint in hints)\n", "    return False\n",
+       "a trusted server's read-only and idempotent hints count for nothing"),
+    _m("MC03", "    merged[IDEMPOTENCY_KEY] = key\n",
+       "    merged.setdefault(IDEMPOTENCY_KEY, key)\n",
+       "a key already in the request's _meta is kept instead of the call's"),
     _m("OA02", "    if session.session_id != controller.session_id:\n"
                "        raise ReconcileRejected(",
        "    if False:\n        raise ReconcileRejected(",

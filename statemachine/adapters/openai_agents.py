@@ -52,22 +52,30 @@ recorded response to the SDK instead of calling the model again: the SDK pauses 
 for the calls still awaiting a decision, runs the approved ones once (a completed one
 answered from the cache), and checks and writes the final answer.
 
-What is refused when the run is opened (`UnsupportedFeature`, nothing recorded): MCP
-servers and every tool but ``FunctionTool`` (hosted, computer, shell tools), an agent used
-as a tool whose agent has tools needing approval, handoff input filters and nested handoff
-history. Standing decisions taken on the SDK state (``always_approve`` / ``always_reject``)
-are refused when an attempt is given that state, before anything is recorded; a call the
-SDK starts without a decision the ledger holds is refused before its body runs. A tripped
-guardrail (the agent's input or output guardrail, a tool's input or output guardrail) is
-raised as on the SDK alone and ends the run, abandoned with a reason naming it.
-A turn stopped with a rejection not yet written, or given new input mid-turn, resumes
-only with the SDK state saved at its interruption (`SDKStateRequired` otherwise). An
-agent a handoff reaches runs its own input guardrails when a restart resumes with it
-(the SDK runs only the first agent's). A handoff's ``on_handoff`` hooks run with its
-call, at most once (a crash between the call's record and its hooks skips them). A
-compaction-aware Session is written as a plain Session; input guardrails are recorded
-once per activation, so new input given to an existing run is checked again but its
-verdict is not recorded.
+MCP servers (``mcp_servers``) are carried: the SDK lists their tools on every turn, and
+each ``tools/call`` is a ledger call like a function tool's, its start durable before the
+request is sent, the call's idempotency key in the request's ``_meta``; a failure after
+the request may have been sent that is not the server's answer leaves the call in doubt
+(`statemachine.adapters._mcp`). A server's read-only and idempotent hints count only for a
+server named in ``trusted_mcp_servers``.
+
+What is refused when the run is opened (`UnsupportedFeature`, nothing recorded): an MCP
+server configured to retry (``max_retry_attempts``), a trusted MCP server name no agent
+has, every tool but ``FunctionTool`` (hosted tools, ``HostedMCPTool``, computer, shell
+tools), an agent used as a tool whose agent has tools needing approval, handoff input
+filters and nested handoff history. Standing decisions taken on the SDK state
+(``always_approve`` / ``always_reject``) are refused when an attempt is given that
+state, before anything is recorded; a call the SDK starts without a decision the ledger
+holds is refused before its body runs. A tripped guardrail (the agent's input or output
+guardrail, a tool's input or output guardrail) is raised as on the SDK alone and ends
+the run, abandoned with a reason naming it. A turn stopped with a rejection not yet
+written, or given new input mid-turn, resumes only with the SDK state saved at its
+interruption (`SDKStateRequired` otherwise). An agent a handoff reaches runs its own
+input guardrails when a restart resumes with it (the SDK runs only the first agent's). A
+handoff's ``on_handoff`` hooks run with its call, at most once (a crash between the
+call's record and its hooks skips them). A compaction-aware Session is written as a
+plain Session; input guardrails are recorded once per activation, so new input given to
+an existing run is checked again but its verdict is not recorded.
 """
 
 from __future__ import annotations
@@ -119,6 +127,7 @@ try:
         ToolOutputGuardrailTripwireTriggered,
     )
     from agents.lifecycle import AgentHooksBase, RunHooksBase
+    from agents.mcp import MCPServer
     from agents.memory import Session as SDKSession
     from agents.run_internal.items import function_tool_error_output
     from agents.tool import default_tool_error_function
@@ -134,6 +143,7 @@ from statemachine.adapters._calls import (
     Walk,
     abandoned_reason,
     abandoning,
+    begin_call,
     decide_async,
     lossless,
     naming_take_over,
@@ -144,6 +154,7 @@ from statemachine.adapters._calls import (
     run_call,
     settle_unsettled,
 )
+from statemachine.adapters._mcp import answered, hinted_idempotent, with_key
 from statemachine.controller import RunController
 from statemachine.errors import (
     ControlError,
@@ -160,6 +171,7 @@ from statemachine.runner.attempt import Attempt, interrupted, maybe_await
 from statemachine.runner.publish import one_writer, publish
 from statemachine.stores import AsyncEventStore, EventStore
 from statemachine.values import Action, Phase, RecoveryPolicy, Resolution, Step, ToolCall
+from statemachine.verifiers import context_of, running, tool_context
 
 __all__ = [
     "AgentRun",
@@ -692,6 +704,92 @@ def _ledgered_tool(run: AgentRun, tool: FunctionTool) -> FunctionTool:
     return wrapped
 
 
+# ------------------------------------------------------------------ MCP servers
+
+
+class _LedgerMCPServer:
+    """An agent's MCP server as the SDK sees it in a run: everything passes through to
+    ``inner`` but ``call_tool``, which only the body of a call the ledger started sends
+    (its start durable first: `AgentRun._invoke_mcp_tool`), with the call's idempotency
+    key in the request's ``_meta``. A failure that is not the server's answer (`answered`:
+    a lost response, a timeout, a cut connection) is noted for that body, which leaves
+    the call in doubt whatever the SDK makes of the failure."""
+
+    def __init__(self, run: AgentRun, inner: MCPServer) -> None:
+        self._run = run
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def call_tool(self, tool_name: str, arguments: dict[str, Any] | None,
+                        meta: dict[str, Any] | None = None) -> Any:
+        run = self._run
+        try:
+            context = tool_context()
+        except LookupError:
+            c = run.controller
+            raise InvalidTransition(
+                f"a tools/call of {tool_name!r} on MCP server {self.inner.name!r} came from "
+                "outside a call the ledger started; it was not sent", run_id=c.run_id,
+                step=c.step, action="call_tool") from None
+        try:
+            return await self.inner.call_tool(tool_name, arguments,
+                                              meta=with_key(meta, context.idempotency_key))
+        except BaseException as error:
+            if not answered(error):
+                run._lost[context.call_id] = error
+            raise
+
+
+def _ledger_mcp(run: AgentRun, original: Agent[Any], clone: Agent[Any]) -> None:
+    """Give ``clone`` (the copy of ``original`` the SDK runs) ``original``'s MCP servers,
+    each behind `_LedgerMCPServer`. The SDK lists their tools on every turn
+    (`Agent.get_mcp_tools`): each tool it lists is handed to it ledgered
+    (`_ledgered_mcp_tool`), and noted for the turn's record (its approval setting, and
+    whether it is idempotent: named in ``idempotent=``, or hinted read-only or idempotent
+    by a server named in ``trusted_mcp_servers=``)."""
+    servers = list(original.mcp_servers)
+    if not servers:
+        return
+    clone.mcp_servers = [cast("MCPServer", _LedgerMCPServer(run, s)) for s in servers]
+    listing = type(clone).get_mcp_tools
+
+    async def get_mcp_tools(run_context: Any) -> list[Any]:
+        tools = await listing(clone, run_context)
+        listed: dict[str, tuple[FunctionTool, bool]] = {}
+        ledgered: list[Any] = []
+        for tool in tools:
+            if not isinstance(tool, FunctionTool):  # pragma: no cover - the SDK lists these
+                raise _refuse(f"{type(tool).__name__} MCP tools", "an MCP server listed a "
+                              "tool that is not a FunctionTool", action="run")
+            binding = getattr(tool, "_mcp_tool_binding", None)
+            index = binding[2] if binding is not None and binding[2] is not None else 0
+            server = servers[index] if 0 <= index < len(servers) else None
+            trusted = server is not None and server.name in run._trusted_mcp
+            hinted = trusted and hinted_idempotent(getattr(tool, "_mcp_annotations", None))
+            listed[tool.name] = (tool, tool.name in run._idempotent or hinted)
+            ledgered.append(_ledgered_mcp_tool(run, tool))
+        run._mcp_listed[id(original)] = listed
+        return ledgered
+
+    object.__setattr__(clone, "get_mcp_tools", get_mcp_tools)
+
+
+def _ledgered_mcp_tool(run: AgentRun, tool: FunctionTool) -> FunctionTool:
+    """An MCP tool the SDK listed, ledgered like a function tool (approvals, guardrails),
+    its body the SDK's own ``tools/call`` through `AgentRun._invoke_mcp_tool`."""
+    wrapped = _ledgered_tool(run, tool)
+    inner = tool.on_invoke_tool
+    keep = not tool.tool_output_guardrails  # else its output guardrails record the result
+
+    async def invoke(ctx: ToolContext[Any], input: str) -> Any:
+        return await run._invoke_mcp_tool(tool, inner, ctx, input, keep=keep)
+
+    wrapped.on_invoke_tool = invoke
+    return wrapped
+
+
 def _handoffs(agent: Agent[Any]) -> list[Handoff[Any, Any]]:
     """``agent``'s handoffs, each as a `Handoff` (an agent given directly becomes the
     SDK's default handoff to it)."""
@@ -764,9 +862,13 @@ def _tripped(error: BaseException, output_guardrail: str | None) -> str | None:
 def _check_supported(agent: Agent[Any]) -> None:
     """Refuse what the adapter cannot make safe, before anything is recorded or runs."""
     for each in _agents(agent):
-        if each.mcp_servers:
-            raise _refuse("MCP servers", f"agent {each.name!r} has MCP servers (their tools "
-                          "would run outside the ledger)")
+        for server in each.mcp_servers:
+            retries = getattr(server, "max_retry_attempts", 0)
+            if retries != 0:
+                raise _refuse("MCP servers that retry", f"agent {each.name!r} has MCP server "
+                              f"{server.name!r} configured to retry (max_retry_attempts="
+                              f"{retries}): a tools/call whose response was lost would be "
+                              "sent again (give it max_retry_attempts=0)")
         others = sorted({type(t).__name__ for t in each.tools if not isinstance(t, FunctionTool)})
         if others:
             raise _refuse(f"{', '.join(others)} tools", f"agent {each.name!r} has tools that "
@@ -782,6 +884,20 @@ def _check_supported(agent: Agent[Any]) -> None:
             if h.input_filter is not None or h.nest_handoff_history:
                 raise _refuse("handoff input filters", f"agent {each.name!r} has a handoff "
                               f"{h.tool_name!r} that rewrites the next agent's input")
+
+
+def _check_trusted(agent: Agent[Any], trusted: Collection[str]) -> None:
+    """Refuse a trusted MCP server name that no agent of the run has: a misspelt name
+    would leave the server untrusted while its user believes otherwise."""
+    if isinstance(trusted, str):
+        raise _refuse("trusted MCP servers", "trusted_mcp_servers is one text, not a "
+                      "collection of server names")
+    names = {server.name for each in _agents(agent) for server in each.mcp_servers}
+    unknown = sorted(set(trusted) - names)
+    if unknown:
+        raise _refuse("trusted MCP servers", f"trusted_mcp_servers names "
+                      f"{', '.join(map(repr, unknown))}, which no agent of the run has as "
+                      "an MCP server")
 
 
 def _check_agent_tool(name: str, agent: Agent[Any]) -> None:
@@ -843,8 +959,10 @@ class AgentRun:
 
     def __init__(self, agent: Agent[Any], controller: RunController, session: SDKSession,
                  *, existing: bool, owner: str | None, take_over: bool,
-                 idempotent: Collection[str]) -> None:
+                 idempotent: Collection[str],
+                 trusted_mcp_servers: Collection[str] = ()) -> None:
         _check_supported(agent)
+        _check_trusted(agent, trusted_mcp_servers)
         _check_session(controller, session)
         self.controller = controller
         self.take_over = take_over
@@ -853,6 +971,13 @@ class AgentRun:
         self.session = LedgerSession(self, session)
         self._inner_session = session
         self._idempotent = frozenset(idempotent)
+        self._trusted_mcp = frozenset(trusted_mcp_servers)
+        """The MCP servers (by name) whose read-only and idempotent hints count."""
+        self._mcp_listed: dict[int, dict[str, tuple[FunctionTool, bool]]] = {}
+        """By user's agent: the MCP tools the SDK listed last, each with whether it is
+        idempotent."""
+        self._lost: dict[str, BaseException] = {}
+        """By call id: the failure of a tools/call that may have come after the tool ran."""
         self._state: RunState[Any] | None = None
         self._context: Any = None
         self._write_error: BaseException | None = None
@@ -885,6 +1010,8 @@ class AgentRun:
         self._originals: dict[int, Agent[Any]] = {
             id(self._wrapped[id(each)]): each for each in originals}
         self._by_name = {each.name: self._wrapped[id(each)] for each in reversed(originals)}
+        for each in originals:  # their MCP tools through the ledger
+            _ledger_mcp(self, each, self._wrapped[id(each)])
         for each in originals:  # the copies hand off to the copies
             self._wrapped[id(each)].handoffs = [self._ledgered_handoff(h)
                                                 for h in _handoffs(each)]
@@ -907,16 +1034,21 @@ class AgentRun:
                    store: EventStore | AsyncEventStore | None = None,
                    policy: RecoveryPolicy = RecoveryPolicy.RECONCILE,
                    owner: str | None = None, take_over: bool = False,
-                   idempotent: Collection[str] = (), buffered: bool = False) -> AgentRun:
+                   idempotent: Collection[str] = (), buffered: bool = False,
+                   trusted_mcp_servers: Collection[str] = ()) -> AgentRun:
         """The run ``run_id``: loaded from ``store`` when the store holds it (another
         process may have started it), else started (bound to ``store``, on ``session``,
-        under ``policy``). ``idempotent`` names the tools that may run again after a crash
-        inside them; every other tool's unfinished call is in doubt. ``owner`` is recorded
+        under ``policy``). ``idempotent`` names the tools (MCP tools too) that may run again
+        after a crash inside them; every other tool's unfinished call is in doubt.
+        ``trusted_mcp_servers`` names the MCP servers whose ``readOnlyHint`` /
+        ``idempotentHint`` make a tool idempotent (an untrusted server's hints count for
+        nothing). ``owner`` is recorded
         by every claim. ``take_over=True`` only when no earlier write of this run can
         still land (its writer is gone). An agent the adapter cannot carry is refused
         (`UnsupportedFeature`), and a run opened on a Session that is not its own
         (`ReconcileRejected`), before anything is recorded."""
         _check_supported(agent)
+        _check_trusted(agent, trusted_mcp_servers)
         controller: RunController | None = None
         if store is not None:
             with contextlib.suppress(RunNotFound):
@@ -933,16 +1065,19 @@ class AgentRun:
                 run_id=run_id, session_id=session.session_id, policy=policy,
                 store=store, buffered=buffered)  # type: ignore[arg-type]
         return cls(agent, controller, session, existing=existing, owner=owner,
-                   take_over=take_over, idempotent=idempotent)
+                   take_over=take_over, idempotent=idempotent,
+                   trusted_mcp_servers=trusted_mcp_servers)
 
     @classmethod
     def from_controller(cls, agent: Agent[Any], controller: RunController,
                         session: SDKSession, *, owner: str | None = None,
                         take_over: bool = False,
-                        idempotent: Collection[str] = ()) -> AgentRun:
+                        idempotent: Collection[str] = (),
+                        trusted_mcp_servers: Collection[str] = ()) -> AgentRun:
         """An existing run from its controller (e.g. ``RunController.from_json``)."""
         return cls(agent, controller, session, existing=True, owner=owner,
-                   take_over=take_over, idempotent=idempotent)
+                   take_over=take_over, idempotent=idempotent,
+                   trusted_mcp_servers=trusted_mcp_servers)
 
     @property
     def owner(self) -> str | None:
@@ -1353,6 +1488,8 @@ class AgentRun:
         # is unknown to it, so a call naming it is answered as the SDK answers one
         tools = {t.name: t for t in agent.tools if isinstance(t, FunctionTool)
                  and await _enabled(t.is_enabled, self._context, agent)}
+        mcp = self._mcp_listed.get(id(agent), {})
+        tools.update((name, tool) for name, (tool, _) in mcp.items() if name not in tools)
         handoffs = {h.tool_name for h in _handoffs(agent)
                     if await _enabled(h.is_enabled, self._context, agent)}
         calls: list[ToolCall] = []
@@ -1365,7 +1502,8 @@ class AgentRun:
             unknown = unknown or (tool is None and name not in handoffs)
             calls.append(ToolCall(item.call_id, name, _arguments(item.arguments),
                                   needs_approval=await self._needs_approval(tool, item),
-                                  idempotent=name in self._idempotent))
+                                  idempotent=name in self._idempotent or (
+                                      name in mcp and mcp[name][1])))
         if unknown and self._config_now.tool_not_found_behavior == "raise_error":
             # the SDK refuses a response naming a tool the agent does not have: for the
             # ledger it is a failed model call, and the next attempt asks the model again
@@ -1472,6 +1610,65 @@ class AgentRun:
                               answer=lambda error: default_tool_error_function(
                                   ctx, cast("Exception", error)),
                               keep=keep, staged=self._staged())
+
+    async def _invoke_mcp_tool(self, tool: FunctionTool,
+                               inner: Callable[[ToolContext[Any], str], Awaitable[Any]],
+                               ctx: ToolContext[Any], input: str, *, keep: bool) -> Any:
+        """One ``tools/call`` through the ledger: its recorded result when it must not be
+        sent (`begin_call`); else its start made durable, then the SDK's own call (``inner``:
+        the request through `_LedgerMCPServer`, with the call's idempotency key), once.
+        A response lost after the request may have been sent (`_LedgerMCPServer` noted it)
+        leaves the call in doubt (`ToolInDoubt`), whatever text the SDK made of the
+        failure; the server's answer (a result, ``isError`` or not, or its refusal of the
+        request) is recorded as the SDK sends it."""
+        c = self.controller
+        call_id = ctx.tool_call_id
+        staged = self._staged()
+        done, cached = begin_call(c, call_id, _arguments(input), staged=staged)
+        if done:  # published before, or recorded: never sent again
+            return cached
+        await self._flush()  # durable before the request is sent
+        self._lost.pop(call_id, None)
+        try:
+            with running(context_of(c, call_id)):
+                output = await inner(ctx, input)
+        except Exception as error:  # the SDK raises the failure (failure_error_function=None)
+            if call_id not in self._lost:  # the server's answer: recorded as the SDK sends it
+                record_result(c, call_id, default_tool_error_function(ctx, error),
+                              staged=staged)
+                raise
+            ending = self._response_lost(tool, call_id)
+            if ending is error:
+                raise
+            raise ending from error
+        except BaseException:
+            self._lost.pop(call_id, None)
+            interrupted(c, call_id)
+            raise
+        if call_id in self._lost:
+            raise self._response_lost(tool, call_id)
+        if not keep:
+            return output
+        kept, recorded = record_result(c, call_id, _sent(tool, ctx.tool_call, output),
+                                       staged=staged)
+        return output if kept else recorded
+
+    def _response_lost(self, tool: FunctionTool, call_id: str) -> BaseException:
+        """What ends the attempt whose call lost its response: the call stays started
+        (`interrupted`), so a non-idempotent one is in doubt (`ToolInDoubt`, never sent
+        again) and an idempotent one is sent again by the next attempt (the transport's
+        own failure ends this one, as a function tool's would)."""
+        c = self.controller
+        lost = self._lost.pop(call_id)
+        interrupted(c, call_id)
+        if c.call(call_id).call.idempotent:
+            return lost
+        return ToolInDoubt(
+            f"the MCP tools/call of {tool.name!r} (call {call_id!r}) ended without the "
+            f"server's answer ({type(lost).__name__}) after it may have been sent: the call "
+            "is in doubt and is never sent again; record its outcome with resolve_in_doubt "
+            "(or give the tool a verifier), or abandon the run", call_id=call_id,
+            run_id=c.run_id, step=c.step, action="call_tool")
 
     def _ledgered_handoff(self, h: Handoff[Any, Any]) -> Handoff[Any, Any]:
         """``h`` to the wrapped copy of its agent; its call goes through the ledger, so

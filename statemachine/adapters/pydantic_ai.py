@@ -151,6 +151,7 @@ except ModuleNotFoundError as error:  # pragma: no cover - the extra is installe
 
 from statemachine import events as ev
 from statemachine.adapters._calls import (
+    UnsupportedFeature,
     Walk,
     abandoning,
     begin_call,
@@ -1142,10 +1143,33 @@ def _external_names(toolsets: Sequence[AbstractToolset[Any]]) -> list[str]:
     return found
 
 
+def _mcp_toolsets(toolsets: Sequence[AbstractToolset[Any]]) -> list[str]:
+    """The MCP toolsets (``pydantic_ai.mcp`` servers, FastMCP toolsets) in ``toolsets``, by
+    class name."""
+    found: list[str] = []
+
+    def visit(toolset: AbstractToolset[Any]) -> None:
+        module = type(toolset).__module__
+        if module == "pydantic_ai.mcp" or module.startswith("pydantic_ai.toolsets.fastmcp"):
+            found.append(type(toolset).__name__)
+
+    for toolset in toolsets:
+        toolset.apply(visit)
+    return found
+
+
 def _refuse_external_toolsets(toolsets: Sequence[AbstractToolset[Any]], run_id: str) -> None:
     """`UnsupportedDeferral` naming the external tools (``ExternalToolset``) in
     ``toolsets``: their calls are answered outside the run, where the ledger cannot tell
-    whether they ran."""
+    whether they ran. `UnsupportedFeature` for an MCP toolset: its client turns a lost
+    ``tools/call`` response into an ordinary exception, which this adapter records as the
+    tool's failure, so the model would be told a call failed that may have run."""
+    mcp = _mcp_toolsets(toolsets)
+    if mcp:
+        raise UnsupportedFeature(
+            f"MCP toolsets ({', '.join(sorted(set(mcp)))}) are not carried yet: a tools/call "
+            "whose response was lost would be recorded as failed, not in doubt; nothing was "
+            "recorded", feature="MCP toolsets", run_id=run_id, action="open")
     names = _external_names(toolsets)
     if names:
         raise UnsupportedDeferral(

@@ -898,16 +898,25 @@ class _FakeMCPServer(MCPServer):
         raise NotImplementedError
 
 
-def test_row02_mcp_servers_are_refused_at_open(tmp_path: Path) -> None:
-    """Row 2: the SDK alone calls the MCP tool; through the adapter it would run outside
-    the ledger (before: approved with 0 starts, then InvalidTransition, then
-    SDKStateRequired forever), so an agent with MCP servers is refused at open, with
-    nothing recorded and nothing called."""
+def test_row02_mcp_servers_are_carried_through_the_ledger(tmp_path: Path) -> None:
+    """Row 2: the SDK alone calls the MCP tool; through the adapter its call is a ledger
+    call (before: refused at open, and before that approved with 0 starts, then
+    InvalidTransition, then SDKStateRequired forever): started once and published, the
+    server called once, with the call's idempotency key in the request's ``_meta``."""
+    metas: list[Any] = []
 
     def agent(effects: Effects) -> Agent[Any]:
+        server = _FakeMCPServer(effects)
+        inner = server.call_tool
+
+        async def call_tool(tool_name: str, arguments: Any, meta: Any = None) -> Any:
+            metas.append(meta)
+            return await inner(tool_name, arguments, meta)
+
+        server.call_tool = call_tool  # type: ignore[method-assign]
         return Agent("a", model=_model(effects, [function_call("lookup", {}, call_id="m1")],
                                        [assistant_message("done")]),
-                     mcp_servers=[_FakeMCPServer(effects)])
+                     mcp_servers=[server])
 
     alone = Effects(tmp_path, "alone")
     result = asyncio.run(_sdk_run(agent(alone), "go", SQLiteSession("s", ":memory:")))
@@ -916,12 +925,19 @@ def test_row02_mcp_servers_are_refused_at_open(tmp_path: Path) -> None:
 
     through = Effects(tmp_path, "adapter")
     store = MemoryEventStore()
-    with pytest.raises(UnsupportedFeature, match="MCP servers") as refused:
-        asyncio.run(AgentRun.open(agent(through), run_id="row2", store=store,
-                                  session=SQLiteSession("s", ":memory:")))
-    assert refused.value.feature == "MCP servers"
-    assert not store.list_runs()
-    assert _count(through) == Counter()
+
+    async def adapted() -> AgentRunResult:
+        run = await AgentRun.open(agent(through), run_id="row2", store=store,
+                                  session=SQLiteSession("s", ":memory:"))
+        return await _attempt(run, "go")
+
+    done = asyncio.run(adapted())
+    assert (done.step, done.final_output) == (Step.COMPLETED, "done")
+    assert _count(through) == Counter({"mcp lookup": 1, "model": 2})
+    ledger = RunController.load(store, "row2")
+    assert [(v.call.name, v.phase, v.starts, v.result) for v in ledger.calls] == [
+        ("lookup", Phase.PUBLISHED, 1, [{"type": "input_text", "text": "found"}])]
+    assert metas[1] == {"statemachine/idempotency_key": ledger.idempotency_key("m1")}
 
 
 @pytest.mark.parametrize("mode", MODES)

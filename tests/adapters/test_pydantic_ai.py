@@ -1528,3 +1528,23 @@ def test_a_buffered_run_reopened_stays_buffered() -> None:
         assert len(store.load("b")) == len(run.controller.events)
 
     run_async(go())
+
+
+def test_mcp_toolsets_are_refused_at_open_until_carried() -> None:
+    """An MCP toolset's client makes a lost ``tools/call`` response an ordinary
+    exception, which the ledger would record as the tool's failure (the model told a call
+    failed that may have run): refused when the run is opened, nothing recorded. (The
+    real ``pydantic_ai.mcp`` classes need the ``fastmcp`` client, which this project does
+    not depend on; a toolset of that module stands in for them.)"""
+    from pydantic_ai.toolsets import FunctionToolset
+
+    from statemachine.adapters._calls import UnsupportedFeature
+
+    stand_in = type("MCPServerStreamableHTTP", (FunctionToolset,),
+                    {"__module__": "pydantic_ai.mcp"})
+    store = MemoryEventStore()
+    agent = Agent(TestModel(), toolsets=[stand_in()])
+    with pytest.raises(UnsupportedFeature, match="MCPServerStreamableHTTP") as refused:
+        asyncio.run(LedgerRun.open(agent, run_id="mcp", store=store))
+    assert refused.value.feature == "MCP toolsets"
+    assert not store.list_runs()
