@@ -269,6 +269,25 @@ def _receive(c: RunController, call_id: str, name: str, arguments: JSON,
             c.receive_tool_calls([call])
 
 
+def _refuse_mcp(tools: Iterable[Any], run_id: str | None, action: str,
+                step: Step | None = None) -> None:
+    """`UnsupportedFeature` (``feature="MCP tools"``) for a tool the SDK's MCP helpers
+    made (``anthropic.lib.tools.mcp``: ``mcp_tool``, ``async_mcp_tool``): its body sends a
+    ``tools/call`` whose lost response the SDK turns into an error result, so the ledger
+    would record as answered a call the server may have run, and the model could ask for
+    it again. Refused until the adapter carries MCP (DESIGN §7.4)."""
+    from anthropic.lib._stainless_helpers import get_helper_tag
+
+    names = sorted(str(getattr(tool, "name", "?")) for tool in tools
+                   if get_helper_tag(tool) == "mcp_tool")
+    if names:
+        raise UnsupportedFeature(
+            f"MCP tools ({', '.join(names)}) made by anthropic.lib.tools.mcp are not "
+            "carried by this adapter: a lost response would be recorded as an error the "
+            "model may retry; call the server from a function tool of your own",
+            feature="MCP tools", run_id=run_id, step=step, action=action)
+
+
 def _refuse_in_doubt(c: RunController, action: str) -> None:
     """`ToolInDoubt` while any call of the run is in doubt: nothing of this attempt may
     run or be sent until an operator records its outcome."""
@@ -521,6 +540,7 @@ class LedgerSessionToolRunner(SessionToolRunner):
                  tools: Sequence[Any], controller: RunController, existing: bool = True,
                  idempotent: Collection[str] = (), owner: str | None = None,
                  **options: Any) -> None:
+        _refuse_mcp(tools, controller.run_id, "open", controller.step)
         super().__init__(client, session_id, tools=tools, **options)
         self.controller = controller
         self.replayed = False
@@ -544,6 +564,7 @@ class LedgerSessionToolRunner(SessionToolRunner):
         tool runs, before its result is posted, when the iteration ends: one transaction
         each) instead of one per event; an async store is always buffered. ``options`` go
         to the SDK runner (``max_idle``, ``environment_key``, ``extra_headers``)."""
+        _refuse_mcp(tools, run_id, "open")  # before any load or claim
         controller, existing = await _open_async(run_id or f"anthropic-session:{session_id}",
                                                  store, buffered)
         return cls(client, session_id, tools=tools, controller=controller, existing=existing,
@@ -716,6 +737,7 @@ class MessageToolLedger:
 
     def __init__(self, controller: RunController, tools: Sequence[Any] = (), *,
                  idempotent: Collection[str] = (), owner: str | None = None) -> None:
+        _refuse_mcp(tools, controller.run_id, "open", controller.step)
         self.controller = controller
         self.owner = owner
         """Who claims the run (`open`, `resolve_in_doubt`, `abandon`)."""
@@ -734,6 +756,7 @@ class MessageToolLedger:
         completed run is not claimed, it only answers from its record), else started.
         ``buffered=True``: events are appended at effect boundaries only (before a tool
         runs, before a request is sent, when the conversation ends)."""
+        _refuse_mcp(tools, run_id, "open")  # before any load or claim
         controller, existing = _open_sync(run_id, store, buffered)
         if existing and controller.step is not Step.COMPLETED:
             controller.claim(owner)
@@ -995,6 +1018,7 @@ class MessageToolLedger:
         original = runner._run_tool
         steps = runner._steps
         c = self.controller
+        _refuse_mcp(runner._runnable_tools().values(), c.run_id, "attach", c.step)
         if runner._toolsets_by_family:
             raise UnsupportedFeature(
                 f"toolsets ({', '.join(sorted(runner._toolsets_by_family))}) are not "

@@ -1285,3 +1285,33 @@ def test_an_exception_raised_by_a_tool_is_the_error_result_the_sdk_sends(
     assert sent["runner"]["is_error"] is True
     assert "card declined" in str(sent["runner"]["content"])
     assert len(effects.lines()) == 3  # once per world
+
+
+def test_tools_made_by_the_sdks_mcp_helpers_are_refused_before_anything_is_recorded(
+        tmp_path: Path) -> None:
+    """``anthropic.lib.tools.mcp`` tools send a ``tools/call`` whose lost response the SDK
+    turns into an error result: refused at open (and at attach), naming them, with no run
+    started, loaded or claimed."""
+    from anthropic.lib.tools.mcp import async_mcp_tool, mcp_tool
+    from mcp.types import Tool as McpTool
+
+    definition = McpTool(name="charge", input_schema={"type": "object", "properties": {}})
+    client: Any = object()  # never reached: the tools are refused before any call
+    sync_tool, async_tool = mcp_tool(definition, client), async_mcp_tool(definition, client)
+    store = SQLiteEventStore(tmp_path / "events.db")
+    with pytest.raises(UnsupportedFeature, match="MCP tools") as refused:
+        MessageToolLedger.open("m", [sync_tool], store=store)
+    assert refused.value.feature == "MCP tools"
+    with pytest.raises(UnsupportedFeature, match="charge"):
+        asyncio.run(LedgerSessionToolRunner.open(
+            Model().async_client(), "s", tools=[async_tool], store=store))
+    assert store.list_runs() == ()
+    model = Model()
+    runner = model.client().beta.messages.tool_runner(
+        model="claude-test", max_tokens=64, tools=[sync_tool],
+        messages=[{"role": "user", "content": "pay"}])
+    ledger = MessageToolLedger.open("t", store=MemoryEventStore())
+    with pytest.raises(UnsupportedFeature, match="MCP tools"):
+        ledger.attach(runner)
+    assert model.requests == []
+    assert ledger.controller.version == 1
