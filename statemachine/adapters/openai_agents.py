@@ -36,12 +36,14 @@ guardrails (agent, tool)    the recorded verdict when the log has one, else run 
 
 Before the SDK is called at all, an attempt on an existing run records ``claim`` (of two
 processes that loaded the same version one goes on, the other gets `ConcurrencyConflict`
-having done nothing), passes the gate (``resume()``: `RunNotResumable`, `ToolInDoubt`),
-settles an unsettled write (reconcile, then write the batch only if nothing of it landed),
-and records the decisions the SDK state it was given holds (``state.approve(item)``).
-Decisions and new input are refused with `PublicationUnsettled` while a write is
-unsettled. A run that already completed answers a repeat of its request from the ledger
-(``replayed``), calling no model and running no tool.
+having done nothing), asks the verifiers given to `AgentRun.open` about the calls of
+their tools in doubt (`statemachine.verifiers`: recorded as ``verify:<tool>``), passes
+the gate (``resume()``: `RunNotResumable`, `ToolInDoubt`), settles an unsettled write
+(reconcile, then write the batch only if nothing of it landed), and records the
+decisions the SDK state it was given holds (``state.approve(item)``). Decisions and new
+input are refused with `PublicationUnsettled` while a write is unsettled. A run that
+already completed answers a repeat of its request from the ledger (``replayed``), calling
+no model and running no tool.
 
 The ledger is the truth; the SDK's `RunState` is only a way back into an interrupted
 turn. Before an SDK state resumes, the ledger's decisions replace its own; a call the
@@ -130,10 +132,12 @@ except ModuleNotFoundError as error:  # pragma: no cover - the extra is installe
     raise missing_extra(__name__, "openai-agents", error) from error
 
 from statemachine.adapters._calls import (
+    InvalidVerifier,
     UnsupportedFeature,
     Walk,
     abandoned_reason,
     abandoning,
+    checked_verifiers,
     decide_async,
     lossless,
     naming_take_over,
@@ -160,11 +164,13 @@ from statemachine.runner.attempt import Attempt, interrupted, maybe_await
 from statemachine.runner.publish import one_writer, publish
 from statemachine.stores import AsyncEventStore, EventStore
 from statemachine.values import Action, Phase, RecoveryPolicy, Resolution, Step, ToolCall
+from statemachine.verifiers import Verifier
 
 __all__ = [
     "AgentRun",
     "AgentRunResult",
     "AgentRunStreaming",
+    "InvalidVerifier",
     "LedgerSession",
     "ModelStreamIncomplete",
     "SDKStateRequired",
@@ -718,6 +724,13 @@ def _agents(agent: Agent[Any]) -> list[Agent[Any]]:
     return list(found.values())
 
 
+def _function_tools(agent: Agent[Any]) -> set[str]:
+    """The names of the function tools of ``agent`` and of every agent its handoffs reach:
+    the tools a verifier may be given for."""
+    return {tool.name for each in _agents(agent) for tool in each.tools
+            if isinstance(tool, FunctionTool)}
+
+
 def _refuse(feature: str, reason: str, *, action: str = "open") -> UnsupportedFeature:
     return UnsupportedFeature(f"{reason}; the openai-agents adapter does not carry "
                               f"{feature}", feature=feature, action=action)
@@ -843,9 +856,12 @@ class AgentRun:
 
     def __init__(self, agent: Agent[Any], controller: RunController, session: SDKSession,
                  *, existing: bool, owner: str | None, take_over: bool,
-                 idempotent: Collection[str]) -> None:
+                 idempotent: Collection[str],
+                 verifiers: Mapping[str, Verifier] | None = None) -> None:
         _check_supported(agent)
         _check_session(controller, session)
+        checked = checked_verifiers(verifiers, _function_tools(agent), idempotent=idempotent,
+                                    run_id=controller.run_id)
         self.controller = controller
         self.take_over = take_over
         """Whether a write that an earlier attempt left open may be taken over: True only
@@ -857,7 +873,8 @@ class AgentRun:
         self._context: Any = None
         self._write_error: BaseException | None = None
         self._flush_lock = asyncio.Lock()
-        self._attempt = Attempt(controller, resumes=existing, owner=owner, flush=self._flush)
+        self._attempt = Attempt(controller, resumes=existing, owner=owner, flush=self._flush,
+                                verifiers=checked)
         self._fresh_input = False
         """This attempt brought input after the activation's input guardrails were recorded:
         they check it again (the log keeps one verdict per activation: the first)."""
@@ -907,16 +924,25 @@ class AgentRun:
                    store: EventStore | AsyncEventStore | None = None,
                    policy: RecoveryPolicy = RecoveryPolicy.RECONCILE,
                    owner: str | None = None, take_over: bool = False,
-                   idempotent: Collection[str] = (), buffered: bool = False) -> AgentRun:
+                   idempotent: Collection[str] = (), buffered: bool = False,
+                   verifiers: Mapping[str, Verifier] | None = None) -> AgentRun:
         """The run ``run_id``: loaded from ``store`` when the store holds it (another
         process may have started it), else started (bound to ``store``, on ``session``,
         under ``policy``). ``idempotent`` names the tools that may run again after a crash
-        inside them; every other tool's unfinished call is in doubt. ``owner`` is recorded
-        by every claim. ``take_over=True`` only when no earlier write of this run can
-        still land (its writer is gone). An agent the adapter cannot carry is refused
-        (`UnsupportedFeature`), and a run opened on a Session that is not its own
-        (`ReconcileRejected`), before anything is recorded."""
+        inside them; every other tool's unfinished call is in doubt. ``verifiers`` (by
+        tool name: ``verify(context) -> Completed(output) | NotExecuted() | Unknown()``,
+        sync or async, `statemachine.verifiers`) are asked, on each attempt right after its
+        claim, what happened to a call of their tool left in doubt; inside a tool's body
+        `statemachine.tool_context()` gives its call's idempotency key. ``owner`` is
+        recorded by every claim. ``take_over=True`` only when no earlier write of this run
+        can still land (its writer is gone). An agent the adapter cannot carry is refused
+        (`UnsupportedFeature`), a verifier naming no function tool of the agent (or of an
+        agent its handoffs reach) or not callable (`InvalidVerifier`), and a run opened on
+        a Session that is not its own (`ReconcileRejected`), before anything is
+        recorded."""
         _check_supported(agent)
+        checked_verifiers(verifiers, _function_tools(agent), idempotent=idempotent,
+                          run_id=run_id)
         controller: RunController | None = None
         if store is not None:
             with contextlib.suppress(RunNotFound):
@@ -933,16 +959,16 @@ class AgentRun:
                 run_id=run_id, session_id=session.session_id, policy=policy,
                 store=store, buffered=buffered)  # type: ignore[arg-type]
         return cls(agent, controller, session, existing=existing, owner=owner,
-                   take_over=take_over, idempotent=idempotent)
+                   take_over=take_over, idempotent=idempotent, verifiers=verifiers)
 
     @classmethod
     def from_controller(cls, agent: Agent[Any], controller: RunController,
                         session: SDKSession, *, owner: str | None = None,
-                        take_over: bool = False,
-                        idempotent: Collection[str] = ()) -> AgentRun:
+                        take_over: bool = False, idempotent: Collection[str] = (),
+                        verifiers: Mapping[str, Verifier] | None = None) -> AgentRun:
         """An existing run from its controller (e.g. ``RunController.from_json``)."""
         return cls(agent, controller, session, existing=True, owner=owner,
-                   take_over=take_over, idempotent=idempotent)
+                   take_over=take_over, idempotent=idempotent, verifiers=verifiers)
 
     @property
     def owner(self) -> str | None:
