@@ -144,6 +144,12 @@ _SETTLED = ("tests/adapters/test_pydantic_ai_settled.py",
             "tests/adapters/test_openai_agents_settled.py")
 """A call settled from outside, and the adapters' own resolve_in_doubt / abandon."""
 
+_VERIFIERS = ("tests/adapters/test_pydantic_ai_verifiers.py",
+              "tests/adapters/test_anthropic_verifiers.py",
+              "tests/adapters/test_openai_agents_verifiers.py")
+"""tool_context() in the adapters' tool bodies, and their verifiers (checked at open,
+asked after the claim, a charge killed around it)."""
+
 SELECTIONS: dict[str, tuple[str, ...]] = {
     "statemachine/machine.py": (*_CORE, _WORLDS),
     "statemachine/state.py": (*_CORE, "tests/storage/test_snapshots.py", _WORLDS),
@@ -173,15 +179,18 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
                                       "tests/runner/test_runner_promises.py"),
     "statemachine/runner/agents.py": _RUNNER,
     "statemachine/adapters/openai_agents.py": (*_OPENAI_AGENTS,
-                                               "tests/adapters/test_openai_agents_settled.py"),
+                                               "tests/adapters/test_openai_agents_settled.py",
+                                               "tests/adapters/test_openai_agents_verifiers.py"),
     "statemachine/adapters/_calls.py": ("tests/adapters/test_calls.py", *_OPENAI_AGENTS,
-                                        *_SETTLED),
+                                        *_SETTLED, *_VERIFIERS),
     "statemachine/adapters/pydantic_ai.py": (
         "tests/adapters/test_pydantic_ai_durability.py::"
         "test_each_effect_finds_the_durable_record_that_allows_it",
-        "tests/adapters/test_pydantic_ai.py", "tests/adapters/test_pydantic_ai_settled.py"),
+        "tests/adapters/test_pydantic_ai.py", "tests/adapters/test_pydantic_ai_settled.py",
+        "tests/adapters/test_pydantic_ai_verifiers.py"),
     "statemachine/adapters/anthropic.py": ("tests/adapters/test_anthropic.py",
-                                           "tests/adapters/test_anthropic_settled.py"),
+                                           "tests/adapters/test_anthropic_settled.py",
+                                           "tests/adapters/test_anthropic_verifiers.py"),
     "statemachine/operator.py": ("tests/storage/test_operator.py",
                                  "tests/tools/test_cli_operator.py"),
     "statemachine/testing/invariants.py": ("tests/core/test_resolution.py",
@@ -892,7 +901,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     # ------------------------------------------------------------- runner/attempt
     _m("AT01", "            c.claim(self.owner, lease=self.lease)\n", "",
        "a resumed attempt does not claim the run (§6.3)"),
-    _m("AT03", "            if self._gated and c.in_doubt():", "            if False:",
+    _m("AT03", "            if self._gated and doubtful and not verifiable:",
+       "            if False:",
        "a refused resume of a stuck run records a claim every time"),
     _m("AT04", "        self._gated = False\n        try:", "        try:",
        "an operator's resolution of a call in doubt is refused before its claim"),
@@ -1230,7 +1240,9 @@ CATALOGUE: tuple[Mutant, ...] = (
        "the session runner gets a tool's pydantic return value, which it fails on"),
     _m("AN14", "if runner._toolsets_by_family:", "if False:",
        "a runner with toolsets is attached, their members outside the ledger"),
-    _m("AN15", "if existing and controller.step is not Step.COMPLETED:", "if existing:",
+    _m("AN15", "if existing and controller.step is not Step.COMPLETED:\n"
+               "            controller.claim(owner)\n            controller.flush()",
+       "if existing:\n            controller.claim(owner)\n            controller.flush()",
        "opening a completed conversation claims it, which is refused"),
     _m("AN16", "        if self.replayed:  # a session that ended: nothing to claim, open, "
                "run or post\n",
@@ -1311,4 +1323,57 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("AN20", "        decide(c, by if by is not None else self.owner, abandoning(reason, "
                "by=by))", "        decide(c, by, abandoning(reason, by=by))",
        "MessageToolLedger.abandon claims the run as nobody instead of its owner"),
+    # ------------------------------------------- adapters: tool_context() and verifiers
+    _m("AC10", "        with running(context_of(c, call_id)):  # tool_context() in the body\n"
+               "            output = await body()",
+       "        if True:  # tool_context() in the body\n            output = await body()",
+       "an async adapter's tool body runs without its call's tool_context (no key)"),
+    _m("AC11", "if type(tool) is not str or tool not in known:", "if type(tool) is not str:",
+       "a verifier naming no tool of the run is taken, and never asked"),
+    _m("AC12", "        if tool in idempotent:\n", "        if False:\n",
+       "a verifier of an idempotent tool is taken, and never asked"),
+    _m("AC13", "        if not callable(verify):\n", "        if False:\n",
+       "a verifier that is not callable is taken, and fails only when a call is in doubt"),
+    _m("AC14", "if sync_only is not None and inspect.iscoroutinefunction(verify):",
+       "if False:",
+       "a sync opening takes an async verifier it cannot await"),
+    _m("OA28", "flush=self._flush,\n                                verifiers=checked)",
+       "flush=self._flush,\n                                verifiers={})",
+       "AgentRun's attempts never ask the verifiers: a call they could settle stays in "
+       "doubt"),
+    _m("OA29", "{tool.name for each in _agents(agent) for tool in each.tools",
+       "{tool.name for each in [agent] for tool in each.tools",
+       "a verifier of a tool of an agent a handoff reaches is refused"),
+    _m("PD28", "flush=self._flush,\n                                verifiers=checked)",
+       "flush=self._flush,\n                                verifiers={})",
+       "LedgerRun's attempts never ask the verifiers: a call they could settle stays in "
+       "doubt"),
+    _m("PD29", "            with running(context_of(c, call_id)):  # tool_context() in the body\n"
+               "                output = await handler(args)",
+       "            if True:  # tool_context() in the body\n"
+               "                output = await handler(args)",
+       "a pydantic-ai tool body runs without its call's tool_context (no key)"),
+    _m("PD30", "            found.update(toolset.tools)", "            found.update(())",
+       "a verifier of a function tool of the agent is refused as naming no tool"),
+    _m("AN21", "owner=owner, verifiers=checked)", "owner=owner)",
+       "the session runner's iterations never ask the verifiers"),
+    _m("AN22", "            with running(context_of(c, call_id)):  # tool_context() in the body\n"
+               "                result_event",
+       "            if True:  # tool_context() in the body\n                result_event",
+       "a session runner's tool body runs without its call's tool_context (no key)"),
+    _m("AN23", "            if checked:\n                verify_in_doubt(controller, checked)",
+       "            if False:\n                verify_in_doubt(controller, checked)",
+       "MessageToolLedger.open never asks the verifiers"),
+    _m("AN24", "            if checked:\n                await verify_in_doubt_async(",
+       "            if False:\n                await verify_in_doubt_async(",
+       "MessageToolLedger.open_async never asks the verifiers"),
+    _m("AN25", "            with running(context_of(c, call_id)):  # tool_context() in the body\n"
+               "                block = execute(use)",
+       "            if True:  # tool_context() in the body\n                block = execute(use)",
+       "a messages ledger's sync tool body runs without its call's tool_context"),
+    _m("AN26", "            with running(context_of(c, call_id)):  # tool_context() in the body\n"
+               "                block = await execute(use)",
+       "            if True:  # tool_context() in the body\n"
+               "                block = await execute(use)",
+       "a messages ledger's async tool body runs without its call's tool_context"),
 )
