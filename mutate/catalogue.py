@@ -144,11 +144,40 @@ _SETTLED = ("tests/adapters/test_pydantic_ai_settled.py",
             "tests/adapters/test_openai_agents_settled.py")
 """A call settled from outside, and the adapters' own resolve_in_doubt / abandon."""
 
-_VERIFIERS = ("tests/adapters/test_pydantic_ai_verifiers.py",
-              "tests/adapters/test_anthropic_verifiers.py",
-              "tests/adapters/test_openai_agents_verifiers.py")
-"""tool_context() in the adapters' tool bodies, and their verifiers (checked at open,
-asked after the claim, a charge killed around it)."""
+_VERIFIERS_OA = ("tests/adapters/test_openai_agents_verifiers.py::"
+                 "test_tool_context_inside_sync_async_and_threaded_bodies",
+                 "tests/adapters/test_openai_agents_verifiers.py::"
+                 "test_a_verifier_it_cannot_use_is_refused_at_open",
+                 "tests/adapters/test_openai_agents_verifiers.py::"
+                 "test_a_verifier_of_a_tool_a_handoff_reaches_is_taken",
+                 "tests/adapters/test_openai_agents_verifiers.py::"
+                 "test_a_kill_around_the_charge_ends_with_one_charge_or_in_doubt"
+                 "[after-charge-True]")
+_VERIFIERS_PD = ("tests/adapters/test_pydantic_ai_verifiers.py::"
+                 "test_tool_context_inside_sync_async_and_threaded_bodies",
+                 "tests/adapters/test_pydantic_ai_verifiers.py::"
+                 "test_a_verifier_it_cannot_use_is_refused_at_open",
+                 "tests/adapters/test_pydantic_ai_verifiers.py::"
+                 "test_a_verifier_of_a_tool_of_a_toolset_is_taken",
+                 "tests/adapters/test_pydantic_ai_verifiers.py::"
+                 "test_a_kill_around_the_charge_ends_with_one_charge_or_in_doubt"
+                 "[after-charge-True]")
+_VERIFIERS_AN = ("tests/adapters/test_anthropic_verifiers.py::"
+                 "test_tool_context_inside_the_session_runners_bodies",
+                 "tests/adapters/test_anthropic_verifiers.py::"
+                 "test_tool_context_inside_the_messages_ledgers_bodies",
+                 "tests/adapters/test_anthropic_verifiers.py::"
+                 "test_the_messages_ledger_asks_its_verifier_at_open",
+                 "tests/adapters/test_anthropic_verifiers.py::"
+                 "test_an_async_verifier_needs_open_async",
+                 "tests/adapters/test_anthropic_verifiers.py::"
+                 "test_a_verifier_it_cannot_use_is_refused_at_open",
+                 "tests/adapters/test_anthropic_verifiers.py::"
+                 "test_a_kill_around_the_charge_ends_with_one_charge_or_in_doubt"
+                 "[anthropic-session-c1-after-charge-True]")
+"""The adapters' tool_context() and verifiers, fastest first (the in-process tests and one
+kill -9 row each; every row runs in `just test`): ahead of each adapter's long files, so a
+mutant of this code is killed well within its time."""
 
 SELECTIONS: dict[str, tuple[str, ...]] = {
     "statemachine/machine.py": (*_CORE, _WORLDS),
@@ -178,19 +207,18 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     "statemachine/runner/remote.py": ("tests/runner/test_remote.py",
                                       "tests/runner/test_runner_promises.py"),
     "statemachine/runner/agents.py": _RUNNER,
-    "statemachine/adapters/openai_agents.py": (*_OPENAI_AGENTS,
-                                               "tests/adapters/test_openai_agents_settled.py",
-                                               "tests/adapters/test_openai_agents_verifiers.py"),
-    "statemachine/adapters/_calls.py": ("tests/adapters/test_calls.py", *_OPENAI_AGENTS,
-                                        *_SETTLED, *_VERIFIERS),
+    "statemachine/adapters/openai_agents.py": (*_VERIFIERS_OA, *_OPENAI_AGENTS,
+                                               "tests/adapters/test_openai_agents_settled.py"),
+    "statemachine/adapters/_calls.py": ("tests/adapters/test_calls.py", *_VERIFIERS_OA,
+                                        *_VERIFIERS_PD, *_VERIFIERS_AN, *_OPENAI_AGENTS,
+                                        *_SETTLED),
     "statemachine/adapters/pydantic_ai.py": (
+        *_VERIFIERS_PD,
         "tests/adapters/test_pydantic_ai_durability.py::"
         "test_each_effect_finds_the_durable_record_that_allows_it",
-        "tests/adapters/test_pydantic_ai.py", "tests/adapters/test_pydantic_ai_settled.py",
-        "tests/adapters/test_pydantic_ai_verifiers.py"),
-    "statemachine/adapters/anthropic.py": ("tests/adapters/test_anthropic.py",
-                                           "tests/adapters/test_anthropic_settled.py",
-                                           "tests/adapters/test_anthropic_verifiers.py"),
+        "tests/adapters/test_pydantic_ai.py", "tests/adapters/test_pydantic_ai_settled.py"),
+    "statemachine/adapters/anthropic.py": (*_VERIFIERS_AN, "tests/adapters/test_anthropic.py",
+                                           "tests/adapters/test_anthropic_settled.py"),
     "statemachine/operator.py": ("tests/storage/test_operator.py",
                                  "tests/tools/test_cli_operator.py"),
     "statemachine/testing/invariants.py": ("tests/core/test_resolution.py",
