@@ -147,6 +147,41 @@ _SETTLED = ("tests/adapters/test_pydantic_ai_settled.py",
             "tests/adapters/test_openai_agents_settled.py")
 """A call settled from outside, and the adapters' own resolve_in_doubt / abandon."""
 
+_VERIFIERS_OA = ("tests/adapters/test_openai_agents_verifiers.py::"
+                 "test_tool_context_inside_sync_async_and_threaded_bodies",
+                 "tests/adapters/test_openai_agents_verifiers.py::"
+                 "test_a_verifier_it_cannot_use_is_refused_at_open",
+                 "tests/adapters/test_openai_agents_verifiers.py::"
+                 "test_a_verifier_of_a_tool_a_handoff_reaches_is_taken",
+                 "tests/adapters/test_openai_agents_verifiers.py::"
+                 "test_a_kill_around_the_charge_ends_with_one_charge_or_in_doubt"
+                 "[after-charge-True]")
+_VERIFIERS_PD = ("tests/adapters/test_pydantic_ai_verifiers.py::"
+                 "test_tool_context_inside_sync_async_and_threaded_bodies",
+                 "tests/adapters/test_pydantic_ai_verifiers.py::"
+                 "test_a_verifier_it_cannot_use_is_refused_at_open",
+                 "tests/adapters/test_pydantic_ai_verifiers.py::"
+                 "test_a_verifier_of_a_tool_of_a_toolset_is_taken",
+                 "tests/adapters/test_pydantic_ai_verifiers.py::"
+                 "test_a_kill_around_the_charge_ends_with_one_charge_or_in_doubt"
+                 "[after-charge-True]")
+_VERIFIERS_AN = ("tests/adapters/test_anthropic_verifiers.py::"
+                 "test_tool_context_inside_the_session_runners_bodies",
+                 "tests/adapters/test_anthropic_verifiers.py::"
+                 "test_tool_context_inside_the_messages_ledgers_bodies",
+                 "tests/adapters/test_anthropic_verifiers.py::"
+                 "test_the_messages_ledger_asks_its_verifier_at_open",
+                 "tests/adapters/test_anthropic_verifiers.py::"
+                 "test_an_async_verifier_needs_open_async",
+                 "tests/adapters/test_anthropic_verifiers.py::"
+                 "test_a_verifier_it_cannot_use_is_refused_at_open",
+                 "tests/adapters/test_anthropic_verifiers.py::"
+                 "test_a_kill_around_the_charge_ends_with_one_charge_or_in_doubt"
+                 "[anthropic-session-c1-after-charge-True]")
+"""The adapters' tool_context() and verifiers, fastest first (the in-process tests and one
+kill -9 row each; every row runs in `just test`): ahead of each adapter's long files, so a
+mutant of this code is killed well within its time."""
+
 SELECTIONS: dict[str, tuple[str, ...]] = {
     "statemachine/machine.py": (*_CORE, _WORLDS),
     "statemachine/state.py": (*_CORE, "tests/storage/test_snapshots.py", _WORLDS),
@@ -175,17 +210,19 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     "statemachine/runner/remote.py": ("tests/runner/test_remote.py",
                                       "tests/runner/test_runner_promises.py"),
     "statemachine/runner/agents.py": _RUNNER,
-    "statemachine/adapters/openai_agents.py": (*_OPENAI_AGENTS,
+    "statemachine/adapters/openai_agents.py": (*_VERIFIERS_OA, *_OPENAI_AGENTS,
                                                "tests/adapters/test_openai_agents_settled.py",
                                                _OPENAI_AGENTS_MCP),
     "statemachine/adapters/_mcp.py": (_OPENAI_AGENTS_MCP,),
-    "statemachine/adapters/_calls.py": ("tests/adapters/test_calls.py", *_OPENAI_AGENTS,
+    "statemachine/adapters/_calls.py": ("tests/adapters/test_calls.py", *_VERIFIERS_OA,
+                                        *_VERIFIERS_PD, *_VERIFIERS_AN, *_OPENAI_AGENTS,
                                         *_SETTLED),
     "statemachine/adapters/pydantic_ai.py": (
+        *_VERIFIERS_PD,
         "tests/adapters/test_pydantic_ai_durability.py::"
         "test_each_effect_finds_the_durable_record_that_allows_it",
         "tests/adapters/test_pydantic_ai.py", "tests/adapters/test_pydantic_ai_settled.py"),
-    "statemachine/adapters/anthropic.py": ("tests/adapters/test_anthropic.py",
+    "statemachine/adapters/anthropic.py": (*_VERIFIERS_AN, "tests/adapters/test_anthropic.py",
                                            "tests/adapters/test_anthropic_settled.py"),
     "statemachine/verifiers.py": ("tests/runner/test_verifiers.py",),
     "statemachine/operator.py": ("tests/storage/test_operator.py",
@@ -1285,7 +1322,9 @@ CATALOGUE: tuple[Mutant, ...] = (
        "the session runner gets a tool's pydantic return value, which it fails on"),
     _m("AN14", "if runner._toolsets_by_family:", "if False:",
        "a runner with toolsets is attached, their members outside the ledger"),
-    _m("AN15", "if existing and controller.step is not Step.COMPLETED:", "if existing:",
+    _m("AN15", "if existing and controller.step is not Step.COMPLETED:\n"
+               "            controller.claim(owner)\n            controller.flush()",
+       "if existing:\n            controller.claim(owner)\n            controller.flush()",
        "opening a completed conversation claims it, which is refused"),
     _m("AN16", "        if self.replayed:  # a session that ended: nothing to claim, open, "
                "run or post\n",
@@ -1366,4 +1405,58 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("AN20", "        decide(c, by if by is not None else self.owner, abandoning(reason, "
                "by=by))", "        decide(c, by, abandoning(reason, by=by))",
        "MessageToolLedger.abandon claims the run as nobody instead of its owner"),
+    # ------------------------------------------- adapters: tool_context() and verifiers
+    _m("AC10", "        with running(context_of(c, call_id)):  # tool_context() in the body\n"
+               "            output = await body()",
+       "        if True:  # tool_context() in the body\n            output = await body()",
+       "an async adapter's tool body runs without its call's tool_context (no key)"),
+    _m("AC11", "if type(tool) is not str or (tool not in known and not any_name):",
+       "if type(tool) is not str:",
+       "a verifier naming no tool of the run is taken, and never asked"),
+    _m("AC12", "        if tool in idempotent:\n", "        if False:\n",
+       "a verifier of an idempotent tool is taken, and never asked"),
+    _m("AC13", "        if not callable(verify):\n", "        if False:\n",
+       "a verifier that is not callable is taken, and fails only when a call is in doubt"),
+    _m("AC14", "if sync_only is not None and inspect.iscoroutinefunction(verify):",
+       "if False:",
+       "a sync opening takes an async verifier it cannot await"),
+    _m("OA34", "flush=self._flush,\n                                verifiers=checked)",
+       "flush=self._flush,\n                                verifiers={})",
+       "AgentRun's attempts never ask the verifiers: a call they could settle stays in "
+       "doubt"),
+    _m("OA35", "{tool.name for each in _agents(agent) for tool in each.tools",
+       "{tool.name for each in [agent] for tool in each.tools",
+       "a verifier of a tool of an agent a handoff reaches is refused"),
+    _m("PD28", "flush=self._flush,\n                                verifiers=checked)",
+       "flush=self._flush,\n                                verifiers={})",
+       "LedgerRun's attempts never ask the verifiers: a call they could settle stays in "
+       "doubt"),
+    _m("PD29", "            with running(context_of(c, call_id)):  # tool_context() in the body\n"
+               "                output = await handler(args)",
+       "            if True:  # tool_context() in the body\n"
+               "                output = await handler(args)",
+       "a pydantic-ai tool body runs without its call's tool_context (no key)"),
+    _m("PD30", "            found.update(toolset.tools)", "            found.update(())",
+       "a verifier of a function tool of the agent is refused as naming no tool"),
+    _m("AN27", "owner=owner, verifiers=checked)", "owner=owner)",
+       "the session runner's iterations never ask the verifiers"),
+    _m("AN22", "            with running(context_of(c, call_id)):  # tool_context() in the body\n"
+               "                result_event",
+       "            if True:  # tool_context() in the body\n                result_event",
+       "a session runner's tool body runs without its call's tool_context (no key)"),
+    _m("AN23", "            if checked:\n                verify_in_doubt(controller, checked)",
+       "            if False:\n                verify_in_doubt(controller, checked)",
+       "MessageToolLedger.open never asks the verifiers"),
+    _m("AN24", "            if checked:\n                await verify_in_doubt_async(",
+       "            if False:\n                await verify_in_doubt_async(",
+       "MessageToolLedger.open_async never asks the verifiers"),
+    _m("AN25", "            with running(context_of(c, call_id)):  # tool_context() in the body\n"
+               "                block = execute(use)",
+       "            if True:  # tool_context() in the body\n                block = execute(use)",
+       "a messages ledger's sync tool body runs without its call's tool_context"),
+    _m("AN26", "            with running(context_of(c, call_id)):  # tool_context() in the body\n"
+               "                block = await execute(use)",
+       "            if True:  # tool_context() in the body\n"
+               "                block = await execute(use)",
+       "a messages ledger's async tool body runs without its call's tool_context"),
 )

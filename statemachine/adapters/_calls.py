@@ -18,20 +18,25 @@ whole of one call (`run_call`). And the rules of issue 23 that hold in every ada
   a resolution's word (``FAILED``: an error the model is shown as one), and the adapters'
   own ``resolve_in_doubt`` / ``abandon`` claim the run first and change nothing when
   refused (`decide`, `decide_async`);
-* an SDK feature an adapter cannot carry is refused with `UnsupportedFeature`.
+* an SDK feature an adapter cannot carry is refused with `UnsupportedFeature`;
+* the verifiers an adapter is given (by tool name, DESIGN §7.3) are checked when the run is
+  opened (`checked_verifiers`: `InvalidVerifier`), and every tool body runs inside its
+  call's `statemachine.tool_context` (`run_call` for the async adapters).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from statemachine import events as ev
 from statemachine import sizes
 from statemachine.controller import RunController
 from statemachine.errors import (
+    ConfigurationError,
     ControlError,
     InvalidTransition,
     ReconcileRejected,
@@ -42,6 +47,7 @@ from statemachine.payloads import JSON, canonical_json
 from statemachine.runner.publish import settle
 from statemachine.sessions import Session
 from statemachine.values import Phase, Resend, Resolution, Step
+from statemachine.verifiers import Verifier, context_of, running
 
 
 class UnsupportedFeature(ControlError, ValueError):
@@ -55,6 +61,57 @@ class UnsupportedFeature(ControlError, ValueError):
 
     def _extra(self) -> dict[str, Any]:
         return {"feature": self.feature}
+
+
+class InvalidVerifier(ConfigurationError):
+    """A verifier an adapter was given when the run was opened that it cannot use: one
+    naming no tool of the run (``tool`` names it), one for an idempotent tool (its calls
+    run again and are never in doubt, so it would never be asked), or one that is not
+    callable. Nothing was opened or recorded."""
+
+    def __init__(self, reason: str, *, tool: str | None, **where: Any) -> None:
+        self.tool = tool
+        super().__init__(reason, **where)
+
+    def _extra(self) -> dict[str, Any]:
+        return {"tool": self.tool}
+
+
+def checked_verifiers(verifiers: Mapping[str, Verifier] | None, tools: Collection[str], *,
+                      idempotent: Collection[str] = (), run_id: str | None = None,
+                      sync_only: str | None = None,
+                      any_name: bool = False) -> dict[str, Verifier]:
+    """``verifiers`` (by tool name) as the adapter keeps them, checked before anything is
+    opened or recorded: each must name one of ``tools``, none of ``idempotent``, and be
+    callable (with ``sync_only``, the way to open the run that takes an async one; a sync
+    opening cannot await it). `InvalidVerifier` otherwise: a verifier that could never be
+    asked is refused rather than silently left out. ``any_name``: the run also has tools
+    known only when it runs (an MCP server's), so a name not in ``tools`` may be one."""
+    if verifiers is None:
+        return {}
+    if not isinstance(verifiers, Mapping):
+        raise InvalidVerifier("verifiers must be a mapping of tool name to verifier, "
+                              f"not {type(verifiers).__name__}", tool=None, run_id=run_id,
+                              action="open")
+    known = set(tools)
+    for tool, verify in verifiers.items():
+        if type(tool) is not str or (tool not in known and not any_name):
+            raise InvalidVerifier(f"a verifier was given for {tool!r}, which is no tool of "
+                                  "this run", tool=tool if type(tool) is str else None,
+                                  run_id=run_id, action="open")
+        if tool in idempotent:
+            raise InvalidVerifier(f"the verifier of {tool!r} would never be asked: the tool "
+                                  "is idempotent, so its calls run again and are never in "
+                                  "doubt", tool=tool, run_id=run_id, action="open")
+        if not callable(verify):
+            raise InvalidVerifier(f"the verifier of {tool!r} is not callable (a "
+                                  f"{type(verify).__name__})", tool=tool, run_id=run_id,
+                                  action="open")
+        if sync_only is not None and inspect.iscoroutinefunction(verify):
+            raise InvalidVerifier(f"the verifier of {tool!r} is async, and this opening "
+                                  f"cannot await it: use {sync_only}", tool=tool,
+                                  run_id=run_id, action="open")
+    return dict(verifiers)
 
 # ------------------------------------------------------------------ plain JSON forms
 
@@ -174,13 +231,15 @@ async def run_call(c: RunController, call_id: str, arguments: JSON, *,
     result (``answer(error)``, by default ``{"error": type name, "message": str}``) and
     raised on. Anything else the body raises (cancelled, timed out, killed before a
     result) leaves the call started, and this controller answers as a reloaded one would
-    (`ToolInDoubt`)."""
+    (`ToolInDoubt`). The body runs inside the call's `statemachine.tool_context` (its
+    idempotency key), as do its own tasks and the threads an SDK runs it on."""
     done, cached = begin_call(c, call_id, arguments, staged=staged)
     if done:  # published before, or recorded: its cached result, never a rerun
         return cached
     await flush()
     try:
-        output = await body()
+        with running(context_of(c, call_id)):  # tool_context() in the body
+            output = await body()
     except answers as error:
         record_result(c, call_id, answer(error) if answer is not None else
                       {"error": type(error).__name__, "message": str(error)}, staged=staged)

@@ -32,8 +32,11 @@ Managed sessions — `LedgerSessionToolRunner`
                               (``replayed``)
     ========================  ============================================================
 
-    Every iteration on an existing run first records ``claim`` and passes the gate
-    (``resume()``: a call in doubt raises `ToolInDoubt` before the stream is opened).
+    Every iteration on an existing run first records ``claim``, asks the verifiers given
+    to ``open`` about the calls of their tools in doubt (`statemachine.verifiers`), and
+    passes the gate (``resume()``: a call in doubt raises `ToolInDoubt` before the stream
+    is opened). Every tool body of either runner runs inside its call's
+    `statemachine.tool_context`.
 
 Messages — `MessageToolLedger`
     For a plain ``client.messages.create`` loop (or ``client.beta.messages.create``):
@@ -129,10 +132,12 @@ except ModuleNotFoundError as error:  # pragma: no cover - the extra is installe
     raise missing_extra(__name__, "anthropic", error) from error
 
 from statemachine.adapters._calls import (
+    InvalidVerifier,
     UnsupportedFeature,
     Walk,
     abandoning,
     begin_call,
+    checked_verifiers,
     decide,
     decide_async,
     plain,
@@ -149,12 +154,20 @@ from statemachine.errors import (
     ToolInDoubt,
 )
 from statemachine.payloads import JSON, canonical_json
-from statemachine.runner.attempt import Attempt, interrupted, maybe_await
+from statemachine.runner.attempt import VERIFY_TIMEOUT, Attempt, interrupted, maybe_await
 from statemachine.stores import AsyncEventStore, EventStore
 from statemachine.structured_logging import run_logger, switch
 from statemachine.values import Phase, Resolution, Step, ToolCall
+from statemachine.verifiers import (
+    Verifier,
+    context_of,
+    running,
+    verify_in_doubt,
+    verify_in_doubt_async,
+)
 
 __all__ = [
+    "InvalidVerifier",
     "LedgerSessionToolRunner",
     "MessageToolLedger",
     "ResultNotPosted",
@@ -286,6 +299,12 @@ def _refuse_mcp(tools: Iterable[Any], run_id: str | None, action: str,
             "carried by this adapter: a lost response would be recorded as an error the "
             "model may retry; call the server from a function tool of your own",
             feature="MCP tools", run_id=run_id, step=step, action=action)
+
+
+def _names(tools: Sequence[Any]) -> list[str]:
+    """The names of the runnable tools given to a runner or a ledger: the tools a verifier
+    may be given for."""
+    return [str(tool.name) for tool in tools]
 
 
 def _refuse_in_doubt(c: RunController, action: str) -> None:
@@ -539,7 +558,9 @@ class LedgerSessionToolRunner(SessionToolRunner):
     def __init__(self, client: AsyncAnthropic, session_id: str, *,
                  tools: Sequence[Any], controller: RunController, existing: bool = True,
                  idempotent: Collection[str] = (), owner: str | None = None,
-                 **options: Any) -> None:
+                 verifiers: Mapping[str, Verifier] | None = None, **options: Any) -> None:
+        checked = checked_verifiers(verifiers, _names(tools), idempotent=idempotent,
+                                    run_id=controller.run_id)
         _refuse_mcp(tools, controller.run_id, "open", controller.step)
         super().__init__(client, session_id, tools=tools, **options)
         self.controller = controller
@@ -547,7 +568,7 @@ class LedgerSessionToolRunner(SessionToolRunner):
         """True when the last iteration found the run completed: nothing was opened,
         run or posted."""
         self._idempotent = frozenset(idempotent)
-        self._attempt = Attempt(controller, resumes=existing, owner=owner)
+        self._attempt = Attempt(controller, resumes=existing, owner=owner, verifiers=checked)
         self._ended: str | None = None
 
     @classmethod
@@ -555,6 +576,7 @@ class LedgerSessionToolRunner(SessionToolRunner):
                    store: EventStore | AsyncEventStore | None = None,
                    run_id: str | None = None, idempotent: Collection[str] = (),
                    owner: str | None = None, buffered: bool = False,
+                   verifiers: Mapping[str, Verifier] | None = None,
                    **options: Any) -> LedgerSessionToolRunner:
         """The runner for ``session_id``, on the run ``run_id`` (default
         ``"anthropic-session:" + session_id``): loaded from ``store`` when it holds it (an
@@ -562,13 +584,20 @@ class LedgerSessionToolRunner(SessionToolRunner):
         again after a crash inside them; every other tool's unfinished call is in doubt.
         ``buffered=True`` appends the ledger's events only at effect boundaries (before a
         tool runs, before its result is posted, when the iteration ends: one transaction
-        each) instead of one per event; an async store is always buffered. ``options`` go
-        to the SDK runner (``max_idle``, ``environment_key``, ``extra_headers``)."""
+        each) instead of one per event; an async store is always buffered. ``verifiers``
+        (by tool name: ``verify(context) -> Completed(output) | NotExecuted() |
+        Unknown()``, sync or async, `statemachine.verifiers`) are asked, on each iteration
+        right after its claim, what happened to a call of their tool left in doubt; a
+        tool's body finds its call's idempotency key in `statemachine.tool_context()`. A
+        verifier naming none of ``tools``, or not callable, is refused (`InvalidVerifier`)
+        before anything is recorded. ``options`` go to the SDK runner (``max_idle``,
+        ``environment_key``, ``extra_headers``)."""
+        run_id = run_id or f"anthropic-session:{session_id}"
         _refuse_mcp(tools, run_id, "open")  # before any load or claim
-        controller, existing = await _open_async(run_id or f"anthropic-session:{session_id}",
-                                                 store, buffered)
+        checked_verifiers(verifiers, _names(tools), idempotent=idempotent, run_id=run_id)
+        controller, existing = await _open_async(run_id, store, buffered)
         return cls(client, session_id, tools=tools, controller=controller, existing=existing,
-                   idempotent=idempotent, owner=owner, **options)
+                   idempotent=idempotent, owner=owner, verifiers=verifiers, **options)
 
     @property
     def owner(self) -> str | None:
@@ -667,8 +696,9 @@ class LedgerSessionToolRunner(SessionToolRunner):
         try:
             await c.flush_async()  # an effect boundary: the start is durable first
             sendable = _SendableTool(tool)
-            result_event, recorded = await super()._call_tool(cast(Any, sendable), ev,
-                                                              input_)
+            with running(context_of(c, call_id)):  # tool_context() in the body
+                result_event, recorded = await super()._call_tool(cast(Any, sendable), ev,
+                                                                  input_)
             if not sendable.answered and call_id not in self._idempotent:
                 # the runner's timeout (TOOL_TIMEOUT) cancelled the body, whose effect may
                 # have happened or may still happen (a sync tool's thread runs on): its
@@ -750,17 +780,50 @@ class MessageToolLedger:
     @classmethod
     def open(cls, run_id: str, tools: Sequence[Any] = (), *, store: EventStore | None = None,
              idempotent: Collection[str] = (), owner: str | None = None,
-             buffered: bool = False) -> MessageToolLedger:
+             buffered: bool = False,
+             verifiers: Mapping[str, Verifier] | None = None) -> MessageToolLedger:
         """The ledger of run ``run_id``: loaded from ``store`` when it holds it (and claimed
         by ``owner``: of two processes that loaded the same version one goes on; a
         completed run is not claimed, it only answers from its record), else started.
         ``buffered=True``: events are appended at effect boundaries only (before a tool
-        runs, before a request is sent, when the conversation ends)."""
+        runs, before a request is sent, when the conversation ends). ``verifiers`` (by
+        tool name, each one of ``tools``: ``verify(context) -> Completed(output) |
+        NotExecuted() | Unknown()``, `statemachine.verifiers`) are asked right after the
+        claim what happened to a call of their tool left in doubt, and their answers made
+        durable before this returns; a tool's body finds its call's idempotency key in
+        `statemachine.tool_context()`. An async verifier needs `open_async`; a verifier
+        naming none of ``tools``, or not callable, is refused (`InvalidVerifier`) before
+        anything is recorded."""
+        checked = checked_verifiers(verifiers, _names(tools), idempotent=idempotent,
+                                    run_id=run_id, sync_only="MessageToolLedger.open_async")
         _refuse_mcp(tools, run_id, "open")  # before any load or claim
         controller, existing = _open_sync(run_id, store, buffered)
         if existing and controller.step is not Step.COMPLETED:
             controller.claim(owner)
-            controller.flush()
+            controller.flush()  # durable before any effect, the verifiers' questions too
+            if checked:
+                verify_in_doubt(controller, checked)
+                controller.flush()
+        return cls(controller, tools, idempotent=idempotent, owner=owner)
+
+    @classmethod
+    async def open_async(cls, run_id: str, tools: Sequence[Any] = (), *,
+                         store: EventStore | None = None, idempotent: Collection[str] = (),
+                         owner: str | None = None, buffered: bool = False,
+                         verifiers: Mapping[str, Verifier] | None = None,
+                         verify_timeout: float | None = VERIFY_TIMEOUT) -> MessageToolLedger:
+        """`open` for verifiers that may be async (for a loop on ``client.messages`` of an
+        async client, or an async tool runner): each verifier is given ``verify_timeout``
+        seconds, after which its call stays in doubt."""
+        checked = checked_verifiers(verifiers, _names(tools), idempotent=idempotent,
+                                    run_id=run_id)
+        controller, existing = _open_sync(run_id, store, buffered)
+        if existing and controller.step is not Step.COMPLETED:
+            controller.claim(owner)
+            await controller.flush_async()
+            if checked:
+                await verify_in_doubt_async(controller, checked, timeout=verify_timeout)
+                await controller.flush_async()
         return cls(controller, tools, idempotent=idempotent, owner=owner)
 
     # --------------------------------------------------------------- the operator
@@ -981,7 +1044,8 @@ class MessageToolLedger:
             return cached  # it ran: the cached result, never a second run
         try:
             c.flush()  # an effect boundary: the start is durable first
-            block = execute(use)
+            with running(context_of(c, call_id)):  # tool_context() in the body
+                block = execute(use)
             return _record(c, call_id, block, self._failure_for(call_id))[0]
         except BaseException:
             interrupted(c, call_id)
@@ -994,7 +1058,8 @@ class MessageToolLedger:
             return cached
         try:
             await c.flush_async()
-            block = await execute(use)
+            with running(context_of(c, call_id)):  # tool_context() in the body
+                block = await execute(use)
             return _record(c, call_id, block, self._failure_for(call_id))[0]
         except BaseException:
             interrupted(c, call_id)

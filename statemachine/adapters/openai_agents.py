@@ -36,12 +36,14 @@ guardrails (agent, tool)    the recorded verdict when the log has one, else run 
 
 Before the SDK is called at all, an attempt on an existing run records ``claim`` (of two
 processes that loaded the same version one goes on, the other gets `ConcurrencyConflict`
-having done nothing), passes the gate (``resume()``: `RunNotResumable`, `ToolInDoubt`),
-settles an unsettled write (reconcile, then write the batch only if nothing of it landed),
-and records the decisions the SDK state it was given holds (``state.approve(item)``).
-Decisions and new input are refused with `PublicationUnsettled` while a write is
-unsettled. A run that already completed answers a repeat of its request from the ledger
-(``replayed``), calling no model and running no tool.
+having done nothing), asks the verifiers given to `AgentRun.open` about the calls of
+their tools in doubt (`statemachine.verifiers`: recorded as ``verify:<tool>``), passes
+the gate (``resume()``: `RunNotResumable`, `ToolInDoubt`), settles an unsettled write
+(reconcile, then write the batch only if nothing of it landed), and records the
+decisions the SDK state it was given holds (``state.approve(item)``). Decisions and new
+input are refused with `PublicationUnsettled` while a write is unsettled. A run that
+already completed answers a repeat of its request from the ledger (``replayed``), calling
+no model and running no tool.
 
 The ledger is the truth; the SDK's `RunState` is only a way back into an interrupted
 turn. Before an SDK state resumes, the ledger's decisions replace its own; a call the
@@ -139,11 +141,13 @@ except ModuleNotFoundError as error:  # pragma: no cover - the extra is installe
     raise missing_extra(__name__, "openai-agents", error) from error
 
 from statemachine.adapters._calls import (
+    InvalidVerifier,
     UnsupportedFeature,
     Walk,
     abandoned_reason,
     abandoning,
     begin_call,
+    checked_verifiers,
     decide_async,
     lossless,
     naming_take_over,
@@ -171,12 +175,13 @@ from statemachine.runner.attempt import Attempt, interrupted, maybe_await
 from statemachine.runner.publish import one_writer, publish
 from statemachine.stores import AsyncEventStore, EventStore
 from statemachine.values import Action, Phase, RecoveryPolicy, Resolution, Step, ToolCall
-from statemachine.verifiers import context_of, running, tool_context
+from statemachine.verifiers import Verifier, context_of, running, tool_context
 
 __all__ = [
     "AgentRun",
     "AgentRunResult",
     "AgentRunStreaming",
+    "InvalidVerifier",
     "LedgerSession",
     "ModelStreamIncomplete",
     "SDKStateRequired",
@@ -816,6 +821,19 @@ def _agents(agent: Agent[Any]) -> list[Agent[Any]]:
     return list(found.values())
 
 
+def _function_tools(agent: Agent[Any]) -> set[str]:
+    """The names of the function tools of ``agent`` and of every agent its handoffs reach:
+    the tools a verifier may be given for."""
+    return {tool.name for each in _agents(agent) for tool in each.tools
+            if isinstance(tool, FunctionTool)}
+
+
+def _has_mcp(agent: Agent[Any]) -> bool:
+    """Whether an agent of the run has MCP servers: their tools are listed only at run
+    time, so a verifier's name cannot be checked against them at open."""
+    return any(each.mcp_servers for each in _agents(agent))
+
+
 def _refuse(feature: str, reason: str, *, action: str = "open") -> UnsupportedFeature:
     return UnsupportedFeature(f"{reason}; the openai-agents adapter does not carry "
                               f"{feature}", feature=feature, action=action)
@@ -960,10 +978,13 @@ class AgentRun:
     def __init__(self, agent: Agent[Any], controller: RunController, session: SDKSession,
                  *, existing: bool, owner: str | None, take_over: bool,
                  idempotent: Collection[str],
-                 trusted_mcp_servers: Collection[str] = ()) -> None:
+                 trusted_mcp_servers: Collection[str] = (),
+                 verifiers: Mapping[str, Verifier] | None = None) -> None:
         _check_supported(agent)
         _check_trusted(agent, trusted_mcp_servers)
         _check_session(controller, session)
+        checked = checked_verifiers(verifiers, _function_tools(agent), idempotent=idempotent,
+                                    run_id=controller.run_id, any_name=_has_mcp(agent))
         self.controller = controller
         self.take_over = take_over
         """Whether a write that an earlier attempt left open may be taken over: True only
@@ -982,7 +1003,8 @@ class AgentRun:
         self._context: Any = None
         self._write_error: BaseException | None = None
         self._flush_lock = asyncio.Lock()
-        self._attempt = Attempt(controller, resumes=existing, owner=owner, flush=self._flush)
+        self._attempt = Attempt(controller, resumes=existing, owner=owner, flush=self._flush,
+                                verifiers=checked)
         self._fresh_input = False
         """This attempt brought input after the activation's input guardrails were recorded:
         they check it again (the log keeps one verdict per activation: the first)."""
@@ -1035,20 +1057,29 @@ class AgentRun:
                    policy: RecoveryPolicy = RecoveryPolicy.RECONCILE,
                    owner: str | None = None, take_over: bool = False,
                    idempotent: Collection[str] = (), buffered: bool = False,
-                   trusted_mcp_servers: Collection[str] = ()) -> AgentRun:
+                   trusted_mcp_servers: Collection[str] = (),
+                   verifiers: Mapping[str, Verifier] | None = None) -> AgentRun:
         """The run ``run_id``: loaded from ``store`` when the store holds it (another
         process may have started it), else started (bound to ``store``, on ``session``,
-        under ``policy``). ``idempotent`` names the tools (MCP tools too) that may run again
-        after a crash inside them; every other tool's unfinished call is in doubt.
+        under ``policy``). ``idempotent`` names the tools that may run again after a crash
+        inside them (MCP tools too); every other tool's unfinished call is in doubt.
         ``trusted_mcp_servers`` names the MCP servers whose ``readOnlyHint`` /
         ``idempotentHint`` make a tool idempotent (an untrusted server's hints count for
-        nothing). ``owner`` is recorded
-        by every claim. ``take_over=True`` only when no earlier write of this run can
-        still land (its writer is gone). An agent the adapter cannot carry is refused
-        (`UnsupportedFeature`), and a run opened on a Session that is not its own
-        (`ReconcileRejected`), before anything is recorded."""
+        nothing). ``verifiers`` (by
+        tool name: ``verify(context) -> Completed(output) | NotExecuted() | Unknown()``,
+        sync or async, `statemachine.verifiers`) are asked, on each attempt right after its
+        claim, what happened to a call of their tool left in doubt; inside a tool's body
+        `statemachine.tool_context()` gives its call's idempotency key. ``owner`` is
+        recorded by every claim. ``take_over=True`` only when no earlier write of this run
+        can still land (its writer is gone). An agent the adapter cannot carry is refused
+        (`UnsupportedFeature`), a verifier naming no function tool of the agent (or of an
+        agent its handoffs reach) or not callable (`InvalidVerifier`), and a run opened on
+        a Session that is not its own (`ReconcileRejected`), before anything is
+        recorded."""
         _check_supported(agent)
         _check_trusted(agent, trusted_mcp_servers)
+        checked_verifiers(verifiers, _function_tools(agent), idempotent=idempotent,
+                          run_id=run_id, any_name=_has_mcp(agent))
         controller: RunController | None = None
         if store is not None:
             with contextlib.suppress(RunNotFound):
@@ -1066,18 +1097,18 @@ class AgentRun:
                 store=store, buffered=buffered)  # type: ignore[arg-type]
         return cls(agent, controller, session, existing=existing, owner=owner,
                    take_over=take_over, idempotent=idempotent,
-                   trusted_mcp_servers=trusted_mcp_servers)
+                   trusted_mcp_servers=trusted_mcp_servers, verifiers=verifiers)
 
     @classmethod
     def from_controller(cls, agent: Agent[Any], controller: RunController,
                         session: SDKSession, *, owner: str | None = None,
-                        take_over: bool = False,
-                        idempotent: Collection[str] = (),
-                        trusted_mcp_servers: Collection[str] = ()) -> AgentRun:
+                        take_over: bool = False, idempotent: Collection[str] = (),
+                        trusted_mcp_servers: Collection[str] = (),
+                        verifiers: Mapping[str, Verifier] | None = None) -> AgentRun:
         """An existing run from its controller (e.g. ``RunController.from_json``)."""
         return cls(agent, controller, session, existing=True, owner=owner,
                    take_over=take_over, idempotent=idempotent,
-                   trusted_mcp_servers=trusted_mcp_servers)
+                   trusted_mcp_servers=trusted_mcp_servers, verifiers=verifiers)
 
     @property
     def owner(self) -> str | None:

@@ -44,16 +44,18 @@ ones its resume adds are two): each attempt hands it the history in that merged 
 
 Before pydantic-ai is called, an attempt on an existing run records ``claim`` (of two
 processes that loaded the same version one goes on, the other gets `ConcurrencyConflict`
-having done nothing), passes the gate (``resume()``: `RunNotResumable`, `ToolInDoubt`),
-records the decisions it was given (``deferred_tool_results=``), and settles an unsettled
-write. Decisions (`LedgerRun.approve`, `LedgerRun.reject`, or ``deferred_tool_results``)
-and new input are refused with `PublicationUnsettled` while a write is unsettled. An
-in-doubt call leaves doubt only through the operator: `LedgerRun.resolve_in_doubt` (or
-any process through the store) records the outcome the operator established, and the next
-attempt goes on from it: a ``COMPLETED`` output is handed to pydantic-ai as the tool's
-return value (a ``ToolReturnPart``), a ``FAILED`` one as the tool's failure
-(``ToolFailed``: the failed tool result pydantic-ai sends), and after ``NOT_EXECUTED`` the
-tool runs again, once. `LedgerRun.abandon` ends the run.
+having done nothing), asks the verifiers given to `LedgerRun.open` about the calls of
+their tools in doubt (`statemachine.verifiers`: recorded as ``verify:<tool>``), passes
+the gate (``resume()``: `RunNotResumable`, `ToolInDoubt`), records the decisions it was
+given (``deferred_tool_results=``), and settles an unsettled write. Decisions
+(`LedgerRun.approve`, `LedgerRun.reject`, or ``deferred_tool_results``) and new input are
+refused with `PublicationUnsettled` while a write is unsettled. An in-doubt call its
+tool's verifier cannot settle leaves doubt only through the operator:
+`LedgerRun.resolve_in_doubt` (or any process through the store) records the outcome the
+operator established, and the next attempt goes on from it: a ``COMPLETED`` output is
+handed to pydantic-ai as the tool's return value (a ``ToolReturnPart``), a ``FAILED`` one
+as the tool's failure (``ToolFailed``: the failed tool result pydantic-ai sends), and
+after ``NOT_EXECUTED`` the tool runs again, once. `LedgerRun.abandon` ends the run.
 
 What a tool's result becomes: the ledger records what pydantic-ai writes to the history
 for it, in pydantic-ai's own JSON form (bytes as base64, a pydantic model as its JSON, a
@@ -103,7 +105,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -151,10 +153,12 @@ except ModuleNotFoundError as error:  # pragma: no cover - the extra is installe
 
 from statemachine import events as ev
 from statemachine.adapters._calls import (
+    InvalidVerifier,
     UnsupportedFeature,
     Walk,
     abandoning,
     begin_call,
+    checked_verifiers,
     decide_async,
     error_text,
     lossless,
@@ -182,11 +186,13 @@ from statemachine.runner.publish import one_writer, publish
 from statemachine.sessions import MemorySession, Session
 from statemachine.stores import AsyncEventStore, EventStore
 from statemachine.values import Phase, RecoveryPolicy, Resolution, Step, ToolCall
+from statemachine.verifiers import Verifier, context_of, running
 
 __all__ = [
     "ConversationStoreHistory",
     "HistoryMismatch",
     "HistoryRequired",
+    "InvalidVerifier",
     "LedgerCapability",
     "LedgerRun",
     "LedgerRunResult",
@@ -482,7 +488,10 @@ class LedgerRun:
                  history: Session | None, *, existing: bool, owner: str | None,
                  take_over: bool, idempotent: Collection[str],
                  max_bytes: int = DEFAULT_MAX_BYTES,
-                 max_result_bytes: int | None = None) -> None:
+                 max_result_bytes: int | None = None,
+                 verifiers: Mapping[str, Verifier] | None = None) -> None:
+        checked = checked_verifiers(verifiers, _function_tools(agent.toolsets),
+                                    idempotent=idempotent, run_id=controller.run_id)
         self.agent = agent
         self.controller = controller
         self.take_over = take_over
@@ -508,7 +517,8 @@ class LedgerRun:
         model (a crash came before its acceptance was written)."""
         self._replays = 0
         self._flush_lock = asyncio.Lock()
-        self._attempt = Attempt(controller, resumes=existing, owner=owner, flush=self._flush)
+        self._attempt = Attempt(controller, resumes=existing, owner=owner, flush=self._flush,
+                                verifiers=checked)
         self.capability = LedgerCapability(self)
 
     @classmethod
@@ -519,7 +529,8 @@ class LedgerRun:
                    owner: str | None = None, take_over: bool = False,
                    idempotent: Collection[str] = (), buffered: bool = False,
                    max_bytes: int = DEFAULT_MAX_BYTES,
-                   max_result_bytes: int | None = None) -> LedgerRun:
+                   max_result_bytes: int | None = None,
+                   verifiers: Mapping[str, Verifier] | None = None) -> LedgerRun:
         """The run ``run_id``: loaded from ``store`` when the store holds it (another
         process may have started it), else started (bound to ``store``, writing its
         messages to ``history``, under ``policy``). ``idempotent`` names the tools that may
@@ -528,14 +539,22 @@ class LedgerRun:
         earlier write of this run can still land (its writer is gone): after a process
         died inside a write, the restart that knows it is dead passes it.
         ``max_bytes`` bounds the run's log (`RunController.start`); ``max_result_bytes``
-        bounds one tool result (by default, what the log has room for).
+        bounds one tool result (by default, what the log has room for). ``verifiers``
+        (by tool name: ``verify(context) -> Completed(output) | NotExecuted() |
+        Unknown()``, sync or async, `statemachine.verifiers`) are asked, on each attempt
+        right after its claim, what happened to a call of their tool left in doubt;
+        inside a tool's body `statemachine.tool_context()` gives its call's idempotency
+        key.
 
         Refused before anything is recorded: a run the store holds opened with a history
         that is not its own (`HistoryMismatch`), an agent with a history processor
-        (`UnsupportedCapability`), and an agent with external tools (`UnsupportedDeferral`,
-        naming them)."""
+        (`UnsupportedCapability`), an agent with external tools (`UnsupportedDeferral`,
+        naming them), and a verifier naming no function tool of the agent, or not
+        callable (`InvalidVerifier`)."""
         _refuse_rewriters(agent.root_capability, run_id)
         _refuse_external_toolsets(agent.toolsets, run_id)
+        checked_verifiers(verifiers, _function_tools(agent.toolsets), idempotent=idempotent,
+                          run_id=run_id)
         controller: RunController | None = None
         if store is not None:
             with contextlib.suppress(RunNotFound):
@@ -559,7 +578,7 @@ class LedgerRun:
             _same_history(controller, history)
         return cls(agent, controller, history, existing=existing, owner=owner,
                    take_over=take_over, idempotent=idempotent, max_bytes=max_bytes,
-                   max_result_bytes=max_result_bytes)
+                   max_result_bytes=max_result_bytes, verifiers=verifiers)
 
     @property
     def owner(self) -> str | None:
@@ -1014,7 +1033,8 @@ class LedgerRun:
         await self._flush()  # an effect boundary: the start is durable before the body
         raised: Exception | None = None
         try:
-            output = await handler(args)
+            with running(context_of(c, call_id)):  # tool_context() in the body
+                output = await handler(args)
         except ToolRetryError as retry:  # the tool's answer: the model is asked again
             if _timed_out(retry):
                 # pydantic-ai stopped waiting; the body did not answer (cancelled mid-way,
@@ -1129,6 +1149,21 @@ def _recorded_response(output: JSON) -> ModelResponse:
             part.tool_call_id = call_id
         return ModelResponse(parts=[part])
     return ModelResponse(parts=[TextPart(output if isinstance(output, str) else "")])
+
+
+def _function_tools(toolsets: Sequence[AbstractToolset[Any]]) -> set[str]:
+    """The names of the tools of the function toolsets in ``toolsets`` (the agent's own
+    ``@agent.tool`` tools among them): the tools a verifier may be given for. A toolset
+    that makes its tools only when a run asks (a dynamic one) names none here."""
+    found: set[str] = set()
+
+    def visit(toolset: AbstractToolset[Any]) -> None:
+        if isinstance(toolset, FunctionToolset):
+            found.update(toolset.tools)
+
+    for toolset in toolsets:
+        toolset.apply(visit)
+    return found
 
 
 def _external_names(toolsets: Sequence[AbstractToolset[Any]]) -> list[str]:
