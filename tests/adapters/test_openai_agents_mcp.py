@@ -138,9 +138,8 @@ async def _cut_then_resume(tmp_path: Path, server: Server, tool: str, *,
     server.start()
     async with _client(server) as client:
         agent = _agent(client, [assistant_message("done")], asked=asked)
-        run = await _open(agent, tmp_path, trusted_mcp_servers=trusted)
-        if verifiers is not None:  # the tool's verifier, by tool name
-            run._attempt.verifiers = dict(verifiers)
+        run = await _open(agent, tmp_path, trusted_mcp_servers=trusted,
+                          verifiers=verifiers)  # by the MCP tool's name
         try:
             return await run.run(run_config=CONFIG), asked
         except ToolInDoubt as refused:
