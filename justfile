@@ -28,7 +28,8 @@ bench *args:
 # Long fuzzing: the explorer deeper than CI, then the property and stateful tests with the
 # long `fuzz` profile (persistent example database, a progress line every 50 examples),
 # then the long fleet on PostgreSQL (8 workers killed and stopped at random; skips
-# without a server).
+# without a server), then every row of the adapters' kill -9 matrices (settled calls,
+# verifiers at all four boundaries; CI runs their core rows).
 fuzz depth="7" *args:
     {{python}} -m statemachine explore --depth "$1"
     HYPOTHESIS_PROFILE=fuzz {{python}} -m pytest -s tests/kit/test_worlds.py \
@@ -36,6 +37,10 @@ fuzz depth="7" *args:
         tests/runner/test_remote.py tests/core/test_decoding.py tests/core/test_refusals.py \
         "${@:2}"
     STATEMACHINE_FLEET=long {{python}} -m pytest -s tests/storage/test_fleet.py
+    STATEMACHINE_LONG=1 {{python}} -m pytest tests/adapters/test_anthropic_settled.py \
+        tests/adapters/test_openai_agents_settled.py tests/adapters/test_pydantic_ai_settled.py \
+        tests/adapters/test_anthropic_verifiers.py tests/adapters/test_openai_agents_verifiers.py \
+        tests/adapters/test_pydantic_ai_verifiers.py
 
 # Regenerate diagrams/ from the declaration in statemachine/machine.py.
 diagrams:

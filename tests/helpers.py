@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -126,3 +126,17 @@ def crash_folder(tmp_path_factory: pytest.TempPathFactory, prefix: str) -> Itera
         return
     with tempfile.TemporaryDirectory(prefix=f"{prefix}-", dir=where) as folder:
         yield Path(folder)
+
+
+LONG = os.environ.get("STATEMACHINE_LONG") == "1"
+"""Whether every row of the slow subprocess matrices runs (``just fuzz`` sets
+``STATEMACHINE_LONG=1``); CI runs the rows each matrix names as its core, so that
+``.ci/run`` stays within its time."""
+
+
+def long_rows(rows: Sequence[Any], *, core: Collection[str]) -> list[Any]:
+    """``rows`` (pytest params with ids, or plain values) as CI runs them: every row when
+    `LONG`, else those whose id (or value) is in ``core``."""
+    if LONG:
+        return list(rows)
+    return [row for row in rows if (row.id if hasattr(row, "id") else row) in core]

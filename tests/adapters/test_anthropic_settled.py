@@ -46,6 +46,7 @@ from tests.drivers.anthropic_driver import (
     tool_use,
 )
 from tests.drivers.effects import Effects
+from tests.helpers import long_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 SESSION_RUN = f"anthropic-session:{SESSION_ID}"
@@ -63,6 +64,8 @@ CASES = [
     pytest.param(Resolution.NOT_EXECUTED, None, {"content": "charged 7"}, 2,
                  id="not-executed"),
 ]
+# CI runs these three; every row under STATEMACHINE_LONG=1 (just fuzz)
+CASES = long_rows(CASES, core={"completed-text", "failed", "not-executed"})
 
 
 def _messages(command: str, folder: Path, name: str, via: str) -> dict[str, Any]:

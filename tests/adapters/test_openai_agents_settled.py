@@ -31,6 +31,7 @@ from statemachine.adapters.openai_agents import AgentRun
 from tests.adapters.outside import settle_from_outside
 from tests.drivers.effects import Effects
 from tests.drivers.openai_agents_driver import RUN_ID, SESSION_ID, agent
+from tests.helpers import long_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,6 +45,8 @@ CASES = [
     pytest.param(Resolution.FAILED, "card declined", "card declined", 1, id="failed"),
     pytest.param(Resolution.NOT_EXECUTED, None, "paid 7", 2, id="not-executed"),
 ]
+# CI runs these three; every row under STATEMACHINE_LONG=1 (just fuzz)
+CASES = long_rows(CASES, core={"completed-text", "failed", "not-executed"})
 
 
 def _driver(*args: str) -> subprocess.CompletedProcess[str]:

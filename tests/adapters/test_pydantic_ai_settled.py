@@ -38,6 +38,7 @@ from statemachine.sessions import SQLiteSession
 from tests.adapters.outside import settle_from_outside
 from tests.drivers.effects import Effects
 from tests.drivers.pydantic_ai_driver import HISTORY_ID, RUN_ID, billing
+from tests.helpers import long_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,6 +58,8 @@ CASES = [
                  id="failed-json"),
     pytest.param(Resolution.NOT_EXECUTED, None, ("paid 7", "success"), 2, id="not-executed"),
 ]
+# CI runs these three; every row under STATEMACHINE_LONG=1 (just fuzz)
+CASES = long_rows(CASES, core={"completed-text", "failed", "not-executed"})
 
 
 def _driver(*args: str) -> subprocess.CompletedProcess[str]:

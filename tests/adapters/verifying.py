@@ -15,10 +15,16 @@ from pathlib import Path
 from statemachine import Resolution, RunController, SQLiteEventStore, ToolInDoubt
 from tests.drivers.payment_driver import PaymentService
 from tests.drivers.verifier_driver import RUN_ID
+from tests.helpers import long_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
-BOUNDARIES = ["before-charge", "after-charge", "after-return", "after-record"]
+ALL_BOUNDARIES = ["before-charge", "after-charge", "after-return", "after-record"]
+BOUNDARIES = long_rows(ALL_BOUNDARIES, core={"before-charge", "after-return"})
+"""Where the adapters' kill -9 rows kill: all four under STATEMACHINE_LONG=1 (``just
+fuzz``); in CI the two that reach a verifier's two answers (NotExecuted before the charge,
+Completed after it with the result not recorded). tests/runner/test_verifiers.py kills
+the reference runner at all four in CI."""
 CHARGED_BEFORE_THE_KILL = {"before-charge": 0, "after-charge": 1, "after-return": 1,
                            "after-record": 1}
 """What the service holds when the process dies there (an independent statement)."""
