@@ -1361,9 +1361,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("SSH1", "                    fold = self._folds[run_id] = step, model\n",
        "                    fold = step, model\n",
        "the memory store folds an unfolded head on every listing and never keeps it"),
-    _m("SSH2", '            found = append is not None and "read_model" in inspect.signature(\n'
-               "                append).parameters\n",
-       "            found = True\n",
+    _m("SSH2", '    return _append_takes(store, "read_model", _KEEPS_MODELS)',
+       "    return True",
        "a store subclass whose append takes no read_model is handed one"),
     _m("SQH1", '                       "UPDATE runs SET step = NULL")\n',
        '                       "SELECT 1")\n',

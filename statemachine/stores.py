@@ -198,16 +198,21 @@ _TAKES_WRITE: dict[type, bool] = {}
 
 def takes_session_write(store: object) -> bool:
     """Whether ``store``'s ``append`` accepts ``session_write=`` (cached per class)."""
+    return _append_takes(store, "session_write", _TAKES_WRITE)
+
+
+def _append_takes(store: object, parameter: str, cache: dict[type, bool]) -> bool:
+    """Whether ``store``'s ``append`` has ``parameter`` (cached per class in ``cache``)."""
     kind = type(store)
-    found = _TAKES_WRITE.get(kind)
+    found = cache.get(kind)
     if found is None:
         append = getattr(store, "append", None)
         try:
-            found = append is not None and "session_write" in inspect.signature(
+            found = append is not None and parameter in inspect.signature(
                 append).parameters
         except (TypeError, ValueError):
             found = False
-        _TAKES_WRITE[kind] = found
+        cache[kind] = found
     return found
 
 
@@ -282,17 +287,7 @@ def keeps_read_models(store: object) -> bool:
     listed. Cached per class, as `takes_session_write`."""
     if getattr(store, "keeps_read_models", False) is not True:
         return False
-    kind = type(store)
-    found = _KEEPS_MODELS.get(kind)
-    if found is None:
-        append = getattr(store, "append", None)
-        try:
-            found = append is not None and "read_model" in inspect.signature(
-                append).parameters
-        except (TypeError, ValueError):
-            found = False
-        _KEEPS_MODELS[kind] = found
-    return found
+    return _append_takes(store, "read_model", _KEEPS_MODELS)
 
 
 class MemoryEventStore:

@@ -115,20 +115,25 @@ Answer = Completed | NotExecuted | Unknown
 Verifier = Callable[[ToolContext], "Answer | Awaitable[Answer]"]
 
 
-def _record(controller: RunController, call_id: str, tool: str, answer: object) -> bool:
-    """Record a verifier's answer; False (nothing recorded) for anything but `Completed`
-    or `NotExecuted`."""
+def _recorded(controller: RunController, call_id: str, tool: str, answer: object) -> Answer:
+    """Record a verifier's `Completed` or `NotExecuted` answer and return it; anything
+    else records nothing and is `Unknown` (the call stays in doubt)."""
     by = f"verify:{tool}"
     if type(answer) is Completed:
         controller.resolve_in_doubt(call_id, answer.output, by=by)
-    elif type(answer) is NotExecuted:
+        return answer
+    if type(answer) is NotExecuted:
         controller.resolve_in_doubt(call_id, outcome=Resolution.NOT_EXECUTED, by=by)
-    else:
-        if type(answer) is not Unknown:
-            _log.warning("verifier of %r answered %s, not Completed, NotExecuted or "
-                         "Unknown: the call stays in doubt", tool, type(answer).__name__)
-        return False
-    return True
+        return answer
+    if type(answer) is not Unknown:
+        _log.warning("verifier of %r answered %s, not Completed, NotExecuted or "
+                     "Unknown: the call stays in doubt", tool, type(answer).__name__)
+    return Unknown()
+
+
+def _raised(tool: str, error: Exception) -> None:
+    _log.warning("verifier of %r raised %s: the call stays in doubt", tool,
+                 type(error).__name__)
 
 
 def _asked(controller: RunController, verifiers: Mapping[str, Verifier]
@@ -156,13 +161,9 @@ def verify_in_doubt(controller: RunController, verifiers: Mapping[str, Verifier]
         try:
             answer: Any = verify(context_of(controller, call_id))
         except Exception as error:  # the call stays in doubt: nothing is known
-            _log.warning("verifier of %r raised %s: the call stays in doubt", tool,
-                         type(error).__name__)
+            _raised(tool, error)
             continue
-        if _record(controller, call_id, tool, answer):
-            answers[call_id] = answer
-        else:
-            answers[call_id] = Unknown()
+        answers[call_id] = _recorded(controller, call_id, tool, answer)
     return answers
 
 
@@ -183,11 +184,7 @@ async def verify_in_doubt_async(controller: RunController,
             answer: Any = await asyncio.wait_for(pending, timeout)
             answer = await answer if inspect.isawaitable(answer) else answer
         except Exception as error:  # a timeout too: the call stays in doubt
-            _log.warning("verifier of %r raised %s: the call stays in doubt", tool,
-                         type(error).__name__)
+            _raised(tool, error)
             continue
-        if _record(controller, call_id, tool, answer):
-            answers[call_id] = answer
-        else:
-            answers[call_id] = Unknown()
+        answers[call_id] = _recorded(controller, call_id, tool, answer)
     return answers
