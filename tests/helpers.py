@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -127,6 +127,9 @@ def crash_folder(tmp_path_factory: pytest.TempPathFactory, prefix: str) -> Itera
     with tempfile.TemporaryDirectory(prefix=f"{prefix}-", dir=where) as folder:
         yield Path(folder)
 
+
+StoreMaker = Callable[[], Any]
+"""Opens the store under test again (the storage tests' ``make`` fixture)."""
 
 LONG = os.environ.get("STATEMACHINE_LONG") == "1"
 """Whether every row of the slow subprocess matrices runs (``just fuzz`` sets

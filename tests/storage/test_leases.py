@@ -27,7 +27,7 @@ import pytest
 from statemachine import ConcurrencyConflict, LeaseHeld, RunController, SchemaError, Step
 from statemachine import events as ev
 from statemachine.controller import MAX_LEASE
-from statemachine.postgres import AsyncPostgresEventStore, PostgresEventStore
+from statemachine.postgres import PostgresEventStore
 from statemachine.runner import Runner
 from statemachine.sessions import SQLiteSession
 from statemachine.stores import (
@@ -37,6 +37,7 @@ from statemachine.stores import (
     SQLiteEventStore,
 )
 from tests.drivers import claim_driver
+from tests.helpers import StoreMaker
 
 SLACK = 2_000_000
 """Microseconds a store's clock and the wall clock read around a call may differ by (a
@@ -47,25 +48,8 @@ def _now() -> int:
     return time.time_ns() // 1000
 
 
-StoreMaker = Callable[[], Any]
 
 
-@pytest.fixture(params=["memory", "sqlite", "sqlite-async",
-                        pytest.param("postgres", marks=pytest.mark.postgres),
-                        pytest.param("postgres-async", marks=pytest.mark.postgres)])
-def make(request: pytest.FixtureRequest, tmp_path: Path) -> StoreMaker:
-    """Opens the store under test again (each call another handle on the same data)."""
-    kind = request.param
-    if kind == "memory":
-        shared = MemoryEventStore()
-        return lambda: shared
-    if kind.startswith("sqlite"):
-        cls = AsyncSQLiteEventStore if kind.endswith("async") else SQLiteEventStore
-        return lambda: cls(tmp_path / "events.db")
-    dsn = request.getfixturevalue("pg_dsn")
-    schema = request.getfixturevalue("pg_schema")
-    pg = AsyncPostgresEventStore if kind.endswith("async") else PostgresEventStore
-    return lambda: pg(dsn, schema=schema)
 
 
 async def _maybe(value: Any) -> Any:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,6 @@ from statemachine import (
     ConcurrencyConflict,
     InvalidTransition,
     LeaseHeld,
-    MemoryEventStore,
     Phase,
     RecoveryPolicy,
     Resolution,
@@ -27,29 +25,12 @@ from statemachine import (
     operator,
 )
 from statemachine import events as ev
-from statemachine.postgres import AsyncPostgresEventStore, PostgresEventStore
-from statemachine.stores import AsyncSQLiteEventStore, SQLiteEventStore
-from tests.helpers import SESSION, B, P
+from statemachine.stores import SQLiteEventStore
+from tests.helpers import SESSION, B, P, StoreMaker
 
-StoreMaker = Callable[[], Any]
 RUN = "run-op"
 
 
-@pytest.fixture(params=["memory", "sqlite", "sqlite-async",
-                        pytest.param("postgres", marks=pytest.mark.postgres),
-                        pytest.param("postgres-async", marks=pytest.mark.postgres)])
-def make(request: pytest.FixtureRequest, tmp_path: Path) -> StoreMaker:
-    kind: str = request.param
-    if kind == "memory":
-        shared = MemoryEventStore()
-        return lambda: shared
-    if kind.startswith("sqlite"):
-        cls = AsyncSQLiteEventStore if kind.endswith("async") else SQLiteEventStore
-        return lambda: cls(tmp_path / "events.db")
-    dsn = request.getfixturevalue("pg_dsn")
-    schema = request.getfixturevalue("pg_schema")
-    pg = AsyncPostgresEventStore if kind.endswith("async") else PostgresEventStore
-    return lambda: pg(dsn, schema=schema)
 
 
 def _is_async(store: Any) -> bool:
