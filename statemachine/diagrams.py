@@ -89,13 +89,25 @@ def folded_triggers() -> list[str]:
     return folded
 
 
+def _moves_match_visited(path: RunPath, _attribute: object,
+                         moves: tuple[tuple[Step, Step, str], ...]) -> None:
+    if moves and frozenset(moves) != path.visited:
+        raise ValueError("a RunPath's visited must be the set of its moves")
+
+
 @attrs.frozen
 class RunPath:
     """What a run did: the (source, dest, trigger) of every event, and where it is."""
 
     visited: frozenset[tuple[Step, Step, str]]
+    """The set of `moves`: every (source, dest, trigger) the run took, once."""
     current: Step
     run_id: str
+    moves: tuple[tuple[Step, Step, str], ...] = attrs.field(
+        default=(), validator=_moves_match_visited)
+    """(source, dest, trigger) of every event after ``RunStarted``, in log order:
+    ``moves[i]`` belongs to the event of seq ``i + 1``. `run_path` fills it; a path
+    drawn by hand (a test's run through every edge) may leave it empty."""
 
 
 def run_path(events: Sequence[ev.Event]) -> RunPath:
@@ -103,12 +115,12 @@ def run_path(events: Sequence[ev.Event]) -> RunPath:
     started = events[0]
     assert isinstance(started, ev.RunStarted)
     state = RunState(started)
-    visited = set()
+    moves = []
     for event in events[1:]:
         dest = fire(state, event.TRIGGER, event)
-        visited.add((state.step, dest, event.TRIGGER))
+        moves.append((state.step, dest, event.TRIGGER))
         state.apply(event, dest)
-    return RunPath(frozenset(visited), state.step, started.run_id)
+    return RunPath(frozenset(moves), state.step, started.run_id, tuple(moves))
 
 
 def _label(trigger: str, guards: tuple[str, ...]) -> str:
