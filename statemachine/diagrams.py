@@ -15,6 +15,7 @@ highlighted) and Graphviz DOT, plus SVG when the Graphviz ``dot`` program is ins
 
 from __future__ import annotations
 
+import html
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -338,6 +339,286 @@ def run_dot(path: RunPath) -> str:
 def _dot_text(text: str) -> str:
     """``text`` inside a DOT string: quotes and backslashes escaped, one line."""
     return "".join(ch if ch.isprintable() and ch not in '"\\' else "_" for ch in text[:100])
+
+
+# ------------------------------------------------------------------ run_svg
+
+
+_SVG_WIDTH = 1000
+"""The width of `run_svg`'s drawing, in its own px (its ``viewBox``): a laptop's page."""
+_BOX_HEIGHT = 34
+_FONT = "Helvetica, Arial, sans-serif"
+_CURRENT_FILL = "#ffd54f"
+_Point = tuple[float, float]
+_Box = tuple[float, float, float, float]  # x0, y0, x1, y1
+_INK = "#333333"
+_TAKEN_TEXT = "#bf360c"
+_POSITIONS: dict[Step, tuple[float, float]] = {
+    Step.RUN_AGAIN: (560, 50),
+    Step.HANDOFF: (250, 170),
+    Step.AWAITING_MODEL: (520, 170),
+    Step.INTERRUPTION: (380, 300),
+    Step.TOOLS: (660, 300),
+    Step.FINALIZING: (880, 300),
+    Step.UNSETTLED: (110, 480),
+    Step.FINAL_OUTPUT: (770, 450),
+    Step.TERMINAL_UNRECOVERABLE: (330, 640),
+    Step.COMPLETED: (770, 640),
+}
+"""Where each step's box is centred: the flow runs down the page, from ``RUN_AGAIN`` at
+the top to the two terminal steps at the bottom, ``UNSETTLED`` on the left beside the
+steps a publication is staged from. Fixed, so two runs' drawings line up."""
+_START = (700.0, 50.0)
+"""The start dot, right of ``RUN_AGAIN``."""
+_VIA: dict[tuple[Step, Step], tuple[_Point, _Point]] = {
+    (Step.RUN_AGAIN, Step.UNSETTLED): ((20, 30), (0, 430)),
+    (Step.UNSETTLED, Step.RUN_AGAIN): ((80, 280), (110, 50)),
+}
+"""The control points of the long edges, drawn around the others by the left margin."""
+_BENDS = (0.0, 0.2, -0.2, 0.35, -0.35, 0.5, -0.5, 0.7, -0.7, 0.9, -0.9)
+"""How far an edge may bow from the straight line (a fraction of its length, either
+side): the first that clears every other box is drawn."""
+
+def _box(step: Step) -> _Box:
+    x, y = _POSITIONS[step]
+    half = max(96.0, 8.8 * len(step.name) + 28) / 2
+    return (x - half, y - _BOX_HEIGHT / 2, x + half, y + _BOX_HEIGHT / 2)
+
+
+def _grown(box: _Box, by: float) -> _Box:
+    return (box[0] - by, box[1] - by, box[2] + by, box[3] + by)
+
+
+def _inside(point: _Point, box: _Box) -> bool:
+    return box[0] < point[0] < box[2] and box[1] < point[1] < box[3]
+
+
+def _meet(a: _Box, b: _Box) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def _rim(box: _Box, toward: _Point, shift: _Point = (0, 0)) -> _Point:
+    """Where the ray from ``box``'s centre (moved by ``shift``) toward ``toward`` leaves
+    the box."""
+    cx, cy = (box[0] + box[2]) / 2 + shift[0], (box[1] + box[3]) / 2 + shift[1]
+    dx, dy = toward[0] - cx, toward[1] - cy
+    scale = min((box[2] - cx) / abs(dx) if dx else float("inf"),
+                (box[3] - cy) / abs(dy) if dy else float("inf"))
+    return (cx + dx * scale, cy + dy * scale)
+
+
+@attrs.frozen
+class _Curve:
+    """A cubic Bezier curve."""
+
+    start: _Point
+    first: _Point
+    second: _Point
+    end: _Point
+
+    @classmethod
+    def bowed(cls, start: _Point, control: _Point, end: _Point) -> _Curve:
+        """The quadratic curve through ``control`` as a cubic one."""
+        return cls(start, (start[0] + (control[0] - start[0]) * 2 / 3,
+                           start[1] + (control[1] - start[1]) * 2 / 3),
+                   (end[0] + (control[0] - end[0]) * 2 / 3,
+                    end[1] + (control[1] - end[1]) * 2 / 3), end)
+
+    def at(self, t: float) -> _Point:
+        u = 1 - t
+        a, b, c, d = u * u * u, 3 * u * u * t, 3 * u * t * t, t * t * t
+        return (a * self.start[0] + b * self.first[0] + c * self.second[0] + d * self.end[0],
+                a * self.start[1] + b * self.first[1] + c * self.second[1] + d * self.end[1])
+
+
+def _route(source: _Box, dest: _Box, obstacles: Sequence[_Box], *, paired: bool,
+           via: tuple[_Point, _Point] | None = None) -> _Curve:
+    """The edge from ``source`` to ``dest``: a quadratic curve, straight when that clears
+    every obstacle, else bowed the least it takes; the one touching the fewest obstacles
+    when none clears them all. When an edge runs the other way (``paired``), each keeps
+    to its own side of the line between the two centres. ``via``: the control points
+    of a curve drawn by hand instead."""
+    if via is not None:
+        return _Curve(_rim(source, via[0]), via[0], via[1], _rim(dest, via[1]))
+    (sx, sy), (dx, dy) = ((source[0] + source[2]) / 2, (source[1] + source[3]) / 2), (
+        (dest[0] + dest[2]) / 2, (dest[1] + dest[3]) / 2)
+    length = max(1.0, ((dx - sx) ** 2 + (dy - sy) ** 2) ** 0.5)
+    normal = (-(dy - sy) / length, (dx - sx) / length)
+    shift = (normal[0] * 9, normal[1] * 9) if paired else (0.0, 0.0)
+    best: tuple[int, _Curve] | None = None
+    for bend in _BENDS:
+        control = ((sx + dx) / 2 + shift[0] + normal[0] * bend * length,
+                   (sy + dy) / 2 + shift[1] + normal[1] * bend * length)
+        curve = _Curve.bowed(_rim(source, control, shift), control,
+                             _rim(dest, control, shift))
+        samples = [curve.at(i / 40) for i in range(1, 40)]
+        hits = sum(1 for box in obstacles for p in samples if _inside(p, _grown(box, 6)))
+        hits += sum(1 for p in samples if not (0 < p[0] < _SVG_WIDTH and p[1] > 0))
+        if best is None or hits < best[0]:
+            best = (hits, curve)
+        if hits == 0:
+            break
+    assert best is not None
+    return best[1]
+
+
+def _arrow(curve: _Curve, size: float) -> tuple[_Point, str]:
+    """Where the line stops (the arrowhead's base) and the arrowhead's points."""
+    (ex, ey), (cx, cy) = curve.end, curve.second
+    length = max(1.0, ((ex - cx) ** 2 + (ey - cy) ** 2) ** 0.5)
+    ux, uy = (ex - cx) / length, (ey - cy) / length
+    base = (ex - ux * size, ey - uy * size)
+    half = size * 0.5
+    points = [(ex, ey), (base[0] - uy * half, base[1] + ux * half),
+              (base[0] + uy * half, base[1] - ux * half)]
+    return base, " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
+
+
+def _svg_text(text: str) -> str:
+    """``text`` as XML character data or an attribute value: escaped, and every
+    character XML cannot carry (controls, lone surrogates) replaced."""
+    return html.escape("".join(ch if ch.isprintable() else "\ufffd" for ch in text),
+                       quote=True)
+
+
+def _label_box(at: _Point, lines: Sequence[str], size: float) -> _Box:
+    width = max(len(line) for line in lines) * size * 0.58 + 6
+    height = len(lines) * size * 1.2 + 2
+    return (at[0] - width / 2, at[1] - height / 2, at[0] + width / 2, at[1] + height / 2)
+
+
+def run_svg(path: RunPath) -> str:
+    """A run's part of the machine (`run_part`) as one self-contained ``<svg>`` element
+    for a web page, drawn without Graphviz: every step it visited (and where those lead,
+    dashed and grey) at a fixed place, its moves bold, its current step filled; at most
+    `_SVG_WIDTH` px wide, scaled down with the page. Each step is a ``<g class="step
+    ...">`` with ``data-step`` (its value) and a ``<title>`` (its name), ``current`` in
+    its class for the current step; each edge a ``<g class="move ...">`` (``taken`` when
+    the run took it) with ``data-source``, ``data-dest`` and a ``<title>`` naming its
+    triggers. Every text is escaped; the run id appears only in the drawing's title."""
+    part = run_part(path)
+    shown = (*part.visited, *part.nearby)
+    boxes = {step: _box(step) for step in shown}
+    start_box = (_START[0] - 6, _START[1] - 6, _START[0] + 6, _START[1] + 6)
+    pairs = {(e.source, e.dest) for e in part.edges}
+    routed = []
+    for edge in part.edges:
+        others = [b for s, b in boxes.items() if s not in (edge.source, edge.dest)]
+        curve = _route(boxes[edge.source], boxes[edge.dest], [*others, start_box],
+                       paired=(edge.dest, edge.source) in pairs,
+                       via=_VIA.get((edge.source, edge.dest)))
+        routed.append((edge, curve))
+    height = max(b[3] for b in boxes.values()) + 20
+    caption = (f"run {path.run_id}: the steps it visited (solid) and where they lead "
+               "(dashed); its moves in orange")
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_SVG_WIDTH} {height:.0f}" '
+        f'width="100%" style="max-width:{_SVG_WIDTH}px;height:auto" role="img" '
+        f'class="run-diagram" font-family="{_FONT}" '
+        f'aria-label="{_svg_text(f"run {path.run_id}: steps and moves")}">',
+        f"<title>{_svg_text(caption)}</title>",
+    ]
+    start_curve = _Curve.bowed(_START, _START, _rim(boxes[Step.RUN_AGAIN], _START))
+    out.append(_edge_svg(start_curve, taken=True, css="start", title="start", data=""))
+    out.append(f'<circle class="start" cx="{_START[0]:.0f}" cy="{_START[1]:.0f}" r="6" '
+               f'fill="{_INK}"/>')
+    # the moves it did not take first, then its own on top, then the steps, the labels last
+    ordered = sorted(routed, key=lambda pair: pair[0].taken)
+    for edge, curve in ordered:
+        title = (f"{edge.source.name} \u2192 {edge.dest.name}: "
+                 f"{', '.join(edge.triggers)}{' (taken)' if edge.taken else ''}")
+        out.append(_edge_svg(
+            curve, taken=edge.taken, css="move taken" if edge.taken else "move",
+            title=title, data=f' data-source="{edge.source.value}" '
+                              f'data-dest="{edge.dest.value}"'))
+    for step in shown:
+        out.append(_step_svg(step, boxes[step], nearby=step in part.nearby,
+                             current=step is path.current))
+    placed: list[_Box] = [*boxes.values()]
+    lines_at = [(curve, curve.at(i / 30)) for _, curve in routed for i in range(31)]
+    for edge, curve in sorted(routed, key=lambda pair: not pair[0].taken):
+        out.append(_label_svg(edge, curve, placed, lines_at, height))
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def _edge_svg(curve: _Curve, *, taken: bool, css: str, title: str, data: str) -> str:
+    color, width, size = (_TAKEN, 3.0, 13.0) if taken else (_NEARBY, 1.3, 9.0)
+    base, head = _arrow(curve, size)
+    (sx, sy), (ax, ay), (bx, by) = curve.start, curve.first, curve.second
+    return (f'<g class="{css}"{data}><title>{_svg_text(title)}</title>'
+            f'<path d="M{sx:.1f},{sy:.1f} C{ax:.1f},{ay:.1f} {bx:.1f},{by:.1f} '
+            f'{base[0]:.1f},{base[1]:.1f}" '
+            f'fill="none" stroke="{color}" stroke-width="{width}"/>'
+            f'<polygon points="{head}" fill="{color}"/></g>')
+
+
+def _step_svg(step: Step, box: _Box, *, nearby: bool, current: bool) -> str:
+    css = ["step", "nearby" if nearby else "visited"]
+    if current:
+        css.append("current")
+    if step in TERMINAL_STEPS:
+        css.append("terminal")
+    if current:
+        fill, stroke, width, dash, ink = _CURRENT_FILL, _TAKEN, 3.0, "", _INK
+    elif nearby:
+        fill, stroke, width, dash, ink = "#ffffff", _NEARBY, 1.3, ' stroke-dasharray="5 3"', \
+            "#777777"
+    else:
+        fill, stroke, width, dash, ink = "#ffffff", _INK, 1.5, "", _INK
+    x0, y0, x1, y1 = box
+    rects = [f'<rect x="{x0:.1f}" y="{y0:.1f}" width="{x1 - x0:.1f}" height="{y1 - y0:.1f}" '
+             f'rx="9" fill="{fill}" stroke="{stroke}" stroke-width="{width}"{dash}/>']
+    if step in TERMINAL_STEPS:
+        rects.append(f'<rect class="inner" x="{x0 + 4:.1f}" y="{y0 + 4:.1f}" '
+                     f'width="{x1 - x0 - 8:.1f}" height="{y1 - y0 - 8:.1f}" rx="6" '
+                     f'fill="none" stroke="{stroke}" stroke-width="1.2"{dash}/>')
+    weight = ' font-weight="bold"' if current else ""
+    return (f'<g class="{" ".join(css)}" data-step="{step.value}"><title>{step.name}</title>'
+            + "".join(rects)
+            + f'<text x="{(x0 + x1) / 2:.1f}" y="{(y0 + y1) / 2:.1f}" dy="0.35em" '
+              f'text-anchor="middle" font-size="14" fill="{ink}"{weight}>{step.name}</text>'
+            + "</g>")
+
+
+def _label_svg(edge: RunEdge, curve: _Curve, placed: list[_Box],
+               lines_at: Sequence[tuple[_Curve, _Point]], height: float) -> str:
+    """The edge's triggers, one a line, on or beside the curve: where they cover no step
+    and no label placed before (``placed`` grows by this one), and the fewest points of
+    the other edges' lines (``lines_at``), inside the drawing."""
+    size, color, weight = (13.0, _TAKEN_TEXT, ' font-weight="bold"') if edge.taken else (
+        11.0, "#666666", "")
+    best: tuple[float, _Box, _Point] | None = None
+    for t in (0.5, 0.4, 0.6, 0.3, 0.7, 0.22, 0.78):
+        (x, y), ahead, behind = curve.at(t), curve.at(t + 0.01), curve.at(t - 0.01)
+        along = max(1e-6, ((ahead[0] - behind[0]) ** 2 + (ahead[1] - behind[1]) ** 2) ** 0.5)
+        nx, ny = -(ahead[1] - behind[1]) / along, (ahead[0] - behind[0]) / along
+        x0, y0, x1, y1 = _label_box((x, y), edge.triggers, size)
+        aside = abs(nx) * (x1 - x0) / 2 + abs(ny) * (y1 - y0) / 2 + 3
+        for side in (0, 1, -1):
+            at = (x + nx * aside * side, y + ny * aside * side)
+            box = _label_box(at, edge.triggers, size)
+            score = 10.0 * sum(1 for other in placed if _meet(box, other))
+            score += 0 if box[0] >= 0 and box[2] <= _SVG_WIDTH and box[1] >= 0 and \
+                box[3] <= height else 10
+            score += sum(1 for other, p in lines_at if other is not curve and _inside(p, box))
+            if best is None or score < best[0]:
+                best = (score, box, at)
+        if best is not None and best[0] == 0:
+            break
+    assert best is not None
+    _, box, (x, y) = best
+    placed.append(box)
+    first = y - (len(edge.triggers) - 1) * size * 0.6
+    lines = "".join(f'<tspan x="{x:.1f}" y="{first + i * size * 1.2:.1f}" dy="0.35em">'
+                    f"{_svg_text(trigger)}</tspan>" for i, trigger in enumerate(edge.triggers))
+    css = "move-label taken" if edge.taken else "move-label"
+    x0, y0, x1, y1 = box
+    return (f'<g class="{css}" data-source="{edge.source.value}" '
+            f'data-dest="{edge.dest.value}"><rect x="{x0:.1f}" y="{y0:.1f}" '
+            f'width="{x1 - x0:.1f}" height="{y1 - y0:.1f}" rx="3" fill="#ffffff" '
+            f'fill-opacity="0.85"/><text text-anchor="middle" font-size="{size:.0f}" '
+            f'fill="{color}"{weight}>{lines}</text></g>')
 
 
 class GraphvizFailed(Exception):
