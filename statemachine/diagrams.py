@@ -10,7 +10,8 @@ Two drawings of `machine.TRANSITIONS`:
 
 Output: Mermaid (a flowchart, so a code host renders it and a run's path can be
 highlighted) and Graphviz DOT, plus SVG when the Graphviz ``dot`` program is installed.
-``statemachine render`` writes them.
+``statemachine render`` writes them. A run's part of the machine is drawn for a web page
+by `run_svg`, which needs no Graphviz.
 """
 
 from __future__ import annotations
