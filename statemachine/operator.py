@@ -7,7 +7,8 @@ running is superseded: its next append or fence stops it before any effect, and 
 lease of another owner refuses the operator instead, `LeaseHeld`), applies the command
 through the `RunController` (every guard, fingerprint and limit applies: give a run
 started with other limits than the defaults its own, ``max_bytes=`` and the like, as its
-workers load it), and makes it durable before it returns the controller. A refusal
+workers load it; and ``seen=``, the version a person saw, to refuse a run that moved
+since), and makes it durable before it returns the controller. A refusal
 raises the typed error having changed nothing: the claim and the command are held back
 and appended together, in one transaction, only once both were accepted.
 
@@ -25,7 +26,12 @@ from typing import Any, TypedDict, Unpack
 
 from statemachine.blocker import Waiting
 from statemachine.controller import RunController
-from statemachine.errors import ConfigurationError, RunNotResumable, SchemaError
+from statemachine.errors import (
+    ConcurrencyConflict,
+    ConfigurationError,
+    RunNotResumable,
+    SchemaError,
+)
 from statemachine.journal import is_async
 from statemachine.payloads import JSON
 from statemachine.stored import RunHead
@@ -52,13 +58,16 @@ Clock = Callable[[], int] | None
 
 
 class Limits(TypedDict, total=False):
-    """The run's own limits, as its workers load it (`RunController.load`); the defaults
-    otherwise."""
+    """The run's own limits, as its workers load it (`RunController.load`; the defaults
+    otherwise), and ``seen``."""
 
     max_depth: int
     max_events: int
     max_bytes: int
-
+    seen: int
+    """The run's version (number of events) as the deciding person saw it: a run that
+    moved since is refused (`ConcurrencyConflict`) having changed nothing, so a decision
+    is never taken on a page that no longer shows the run (the console's forms)."""
 
 
 def _who(action: str, by: object, run_id: object) -> None:
@@ -66,6 +75,24 @@ def _who(action: str, by: object, run_id: object) -> None:
     if type(by) is not str or not by.strip():
         raise SchemaError(f"{action} needs by: who decides, as non-empty text",
                           run_id=run_id if type(run_id) is str else None, action=action)
+
+
+def _loading(limits: Limits, run_id: object) -> tuple[int | None, dict[str, Any]]:
+    """``seen`` apart from the limits `RunController.load` takes; `SchemaError` unless it
+    is a whole number of events."""
+    rest: dict[str, Any] = dict(limits)
+    seen = rest.pop("seen", None)
+    if seen is not None and (type(seen) is not int or seen < 1):
+        raise SchemaError("seen is the run's version as shown: a whole number of events, "
+                          "1 or more", run_id=run_id if type(run_id) is str else None)
+    return seen, rest
+
+
+def _fresh(c: RunController, seen: int | None) -> None:
+    if seen is not None and c.version != seen:
+        raise ConcurrencyConflict(
+            f"the run has moved since it was shown ({seen} events then, {c.version} now): "
+            "look at it again before deciding; nothing was recorded", run_id=c.run_id)
 
 
 def _claim(c: RunController, by: str, *, settling: bool) -> None:
@@ -82,7 +109,9 @@ def _claim(c: RunController, by: str, *, settling: bool) -> None:
 def _act(store: EventStore, run_id: str, action: str, by: str, command: Command,
          clock: Clock, limits: Limits, *, settling: bool = False) -> RunController:
     _who(action, by, run_id)
-    c = RunController.load(store, run_id, buffered=True, clock=clock, **limits)
+    seen, rest = _loading(limits, run_id)
+    c = RunController.load(store, run_id, buffered=True, clock=clock, **rest)
+    _fresh(c, seen)
     _claim(c, by, settling=settling)
     command(c)
     c.flush()
@@ -96,7 +125,9 @@ async def _act_async(store: AsyncEventStore | EventStore, run_id: str, action: s
         return await asyncio.to_thread(_act, store, run_id, action,  # type: ignore[arg-type]
                                        by, command, clock, limits, settling=settling)
     _who(action, by, run_id)
-    c = await RunController.load_async(store, run_id, buffered=True, clock=clock, **limits)
+    seen, rest = _loading(limits, run_id)
+    c = await RunController.load_async(store, run_id, buffered=True, clock=clock, **rest)
+    _fresh(c, seen)
     _claim(c, by, settling=settling)
     command(c)
     await c.flush_async()
