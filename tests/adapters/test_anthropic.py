@@ -64,8 +64,8 @@ from statemachine.adapters.anthropic import (
     UnansweredToolUse,
     UnsupportedFeature,
 )
+from statemachine.cli.describe import verdict
 from statemachine.cli.main import main as cli_main
-from statemachine.cli.main import verdict
 from statemachine.stores import AsyncSQLiteEventStore
 from tests.drivers.anthropic_driver import (
     SESSION_ID,
