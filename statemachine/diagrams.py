@@ -514,7 +514,7 @@ def run_svg(path: RunPath) -> str:
                "(dashed); its moves in orange")
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_SVG_WIDTH} {height:.0f}" '
-        f'width="100%" style="max-width:{_SVG_WIDTH}px;height:auto" role="img" '
+        f'width="100%" role="img" '
         f'class="run-diagram" font-family="{_FONT}" '
         f'aria-label="{_svg_text(f"run {path.run_id}: steps and moves")}">',
         f"<title>{_svg_text(caption)}</title>",

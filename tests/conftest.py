@@ -97,12 +97,17 @@ def pg_schema(pg_dsn: str) -> Iterator[str]:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
                               ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """Under CI a skipped PostgreSQL test is a failure (DESIGN §6.7), except the one that
-    needs the throwaway cluster when STATEMACHINE_PG_DSN names another server."""
+    needs the throwaway cluster when STATEMACHINE_PG_DSN names another server; so is a
+    skipped browser test (the console's, DESIGN §7.5)."""
     report: pytest.TestReport = yield
     if (os.environ.get("CI") and report.skipped and item.get_closest_marker("postgres")
             and not _skip_reason(report).endswith(pg_cluster.EXTERNAL_SKIP)):
         report.outcome = "failed"
         report.longrepr = (f"{item.nodeid}: a PostgreSQL test was skipped under CI "
+                           f"({_skip_reason(report)}); CI must run them")
+    elif os.environ.get("CI") and report.skipped and item.get_closest_marker("browser"):
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid}: a browser test was skipped under CI "
                            f"({_skip_reason(report)}); CI must run them")
     return report
 
