@@ -207,7 +207,8 @@ def _judge_backends(report: dict[str, Any]) -> None:
 EXTRA_ROWS: tuple[tuple[str, str, str], ...] = (
     ("Anthropic SDK adapter", "bench.anthropic_rows", "bench_row"),
     ("pydantic-ai adapter", "bench.pydantic_ai_rows", "bench_row"),
-    ("operator inbox over 10,000 runs (SQLite)", "bench.inbox_rows", "bench_row"),
+    ("operator inbox and console pages over 10,000 runs (SQLite)", "bench.inbox_rows",
+     "bench_row"),
 )
 
 

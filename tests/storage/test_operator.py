@@ -337,3 +337,35 @@ def test_the_operator_keeps_to_the_runs_own_limits(tmp_path: Path) -> None:
     operator.resolve(store, RUN, "charge", outcome=Resolution.COMPLETED, output="ok",
                      by="carol", max_bytes=6000)
     assert RunController.load(store, RUN, max_bytes=6000).phase("charge") is Phase.COMPLETED
+
+
+@pytest.mark.parametrize("verb", ["approve", "reject", "resolve", "abandon"])
+def test_a_decision_on_a_run_that_moved_since_it_was_seen_is_refused(make: StoreMaker,
+                                                                     verb: str) -> None:
+    """``seen=`` (the console's forms): the version the person saw. A run that moved since
+    refuses every command with nothing appended; the version it has now is accepted."""
+
+    async def body() -> None:
+        store = make()
+        seeded = await _seeded(store, "in_doubt" if verb == "resolve" else "interruption")
+        shown = seeded.version
+        if verb == "resolve":
+            args: tuple[Any, ...] = (RUN, "charge")
+            kwargs: dict[str, Any] = {"outcome": Resolution.FAILED, "output": "declined"}
+        elif verb == "abandon":
+            args, kwargs = (RUN,), {"reason": "stop"}
+        else:
+            args = (RUN, "charge")
+            kwargs = {"fingerprint": seeded.fingerprint("charge")} if verb == "approve" else {}
+        for stale in (shown - 1, shown + 1):
+            with pytest.raises(ConcurrencyConflict, match="moved since it was shown"):
+                await _call(verb, store, *args, by="alice", seen=stale, **kwargs)
+            assert await _versions(make()) == shown
+        for bad in (0, -1, True, "3", 2.0):
+            with pytest.raises(SchemaError, match="seen"):
+                await _call(verb, store, *args, by="alice", seen=bad, **kwargs)
+            assert await _versions(make()) == shown
+        await _call(verb, store, *args, by="alice", seen=shown, **kwargs)
+        assert await _versions(make()) == shown + 2  # its claim and its command
+
+    _run(body())
