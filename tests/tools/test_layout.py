@@ -12,7 +12,7 @@ from pathlib import Path
 import statemachine
 
 PACKAGE = Path(statemachine.__file__).parent
-SHELLS = ("runner", "adapters", "testing", "cli", "__main__")
+SHELLS = ("runner", "adapters", "testing", "cli", "console", "__main__")
 """Subpackages (and the entry point) the core must never import."""
 
 
@@ -167,9 +167,13 @@ def test_the_wheel_ships_every_subpackage(tmp_path: Path) -> None:
                    check=True, capture_output=True, cwd=tmp_path)
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     with zipfile.ZipFile(wheel) as archive:
-        shipped = {name for name in archive.namelist() if name.endswith(".py")}
+        shipped = set(archive.namelist())
         archive.extractall(tmp_path / "site")
     expected = {str(p.relative_to(root)) for p in PACKAGE.rglob("*.py")}
+    # the console's pages and stylesheet are package data
+    expected |= {str(p.relative_to(root)) for p in (PACKAGE / "console").rglob("*.*")
+                 if p.suffix in (".html", ".css")}
+    assert any(name.endswith(".html") for name in expected)
     assert expected <= shipped
     packages = sorted(_module_name(p) for p in PACKAGE.rglob("__init__.py"))
     site = str(tmp_path / "site")
