@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 from selenium import webdriver
+from selenium.common.exceptions import WebDriverException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.expected_conditions import staleness_of
@@ -129,7 +130,10 @@ def _submit(driver: Any, button: Any) -> None:
     (a click returns before the browser has navigated)."""
     page = driver.find_element(By.TAG_NAME, "html")
     button.click()
-    WebDriverWait(driver, 20).until(staleness_of(page))
+    # while the browser swaps documents, asking about the old one may fail otherwise than
+    # as stale (an inspector error): ask again
+    WebDriverWait(driver, 20, ignored_exceptions=(WebDriverException,)).until(
+        staleness_of(page))
 
 
 @pytest.fixture

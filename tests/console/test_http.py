@@ -24,7 +24,7 @@ from statemachine.console import Console, Logins, create_app, read_token
 from statemachine.console.app import loopback_hosts
 from statemachine.values import Resolution
 from tests.console.pages import Page, log, markup_is_clean, send
-from tests.console.world import HOSTILE, Seeded, seed
+from tests.console.world import HOSTILE, Seeded, seed, seed_into
 
 TOKEN = "correct-horse-battery-staple"
 
@@ -415,3 +415,31 @@ def test_serve_refuses_to_listen_beyond_loopback_without_a_token(seeded: Seeded,
     code, err = run_cli("serve", "--store", str(seeded.path), "--port", "70000")
     assert code == 2
     assert "not a TCP port" in err
+
+
+@pytest.mark.postgres
+def test_the_console_on_postgresql(pg_dsn: str, pg_schema: str) -> None:
+    """The same pages and a resolve through the form, on PostgreSQL stores (a read-only
+    one for the pages, as ``serve --dsn`` opens them)."""
+    from statemachine import RunController
+    from statemachine.postgres import PostgresEventStore
+
+    with PostgresEventStore(pg_dsn, schema=pg_schema) as writes, \
+            PostgresEventStore(pg_dsn, schema=pg_schema, readonly=True) as reads:
+        approvals, in_doubt, runs = seed_into(writes)
+        client = TestClient(create_app(Console(reads, writes, Logins(TOKEN), False, None)))
+        found = page(client, "/inbox").table("inbox")
+        assert {(c[1], c[2]): c[3] for c in found} == {**approvals, **in_doubt}
+        assert {c[0]: c[1] for c in page(client, "/runs").table("runs")} == runs
+        logged_in(client, "pat")
+        form = page(client, "/run?id=order-17").form("/act/resolve", call_id="charge")
+        answer = client.post("/act/resolve", data=send(form, outcome="failed",
+                                                       output="card declined"),
+                             follow_redirects=False)
+        assert answer.status_code == 303, answer.text
+        resolved = RunController.load(writes, "order-17").events[-1]
+        assert isinstance(resolved, ev.InDoubtResolved)
+        assert (resolved.by, resolved.outcome, resolved.output) == (
+            "pat", Resolution.FAILED, "card declined")
+        assert ("order-17", "charge") not in {
+            (c[1], c[2]) for c in page(client, "/inbox").table("inbox")}

@@ -4,6 +4,7 @@ apart from what the library computes: which runs wait on whom, and on what."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -25,13 +26,26 @@ class Seeded:
     """run -> the step's name it was left in."""
 
 
-def seed(folder: Path, *, hostile: bool = False, extra_runs: int = 0) -> Seeded:
-    """A SQLite store with a completed run, a call in doubt, two calls awaiting a
-    decision in one run, one in another, an unsettled publication and an abandoned
-    run; with ``hostile`` every id, name, argument and reason is `HOSTILE`-laced."""
-    h = HOSTILE if hostile else ""
+def seed(folder: Path, *, hostile: bool = False) -> Seeded:
+    """A SQLite store (``events.db`` in ``folder``) holding what `seed_into` writes."""
     path = folder / "events.db"
     store = SQLiteEventStore(path)
+    try:
+        approvals, in_doubt, runs = seed_into(store, hostile=hostile)
+    finally:
+        store.close()
+    return Seeded(path, approvals, in_doubt, runs)
+
+
+Found = tuple[dict[tuple[str, str], str], dict[tuple[str, str], str], dict[str, str]]
+
+
+def seed_into(store: Any, *, hostile: bool = False) -> Found:
+    """A completed run, a call in doubt, two calls awaiting a decision in one run, one in
+    another, an unsettled publication and an abandoned run, in ``store``; with
+    ``hostile`` every id, name, argument and reason is `HOSTILE`-laced. The approvals,
+    calls in doubt and runs, as `Seeded` has them."""
+    h = HOSTILE if hostile else ""
     runs: dict[str, str] = {}
     approvals: dict[tuple[str, str], str] = {}
     in_doubt: dict[tuple[str, str], str] = {}
@@ -79,11 +93,4 @@ def seed(folder: Path, *, hostile: bool = False, extra_runs: int = 0) -> Seeded:
     gone.abandon(f"customer left{h}", by=f"ops{h}")
     runs["gone"] = "TERMINAL_UNRECOVERABLE"
 
-    for i in range(extra_runs):
-        more = RunController.start(run_id=f"more-{i:05d}", session_id=None, store=store,
-                                   buffered=True)
-        more.begin_model_call()
-        more.flush()
-        runs[more.run_id] = "AWAITING_MODEL"
-    store.close()
-    return Seeded(path, approvals, in_doubt, runs)
+    return approvals, in_doubt, runs
