@@ -49,6 +49,9 @@ def console_for(args: argparse.Namespace) -> tuple[Any, str | None]:
                         "install 'agent-statemachine[console]'") from None
     if (args.store is None) == (args.dsn is None):
         raise UserError("give one of --store DB or --dsn DSN")
+    args.host = args.host.strip()
+    if args.host.startswith("[") and args.host.endswith("]"):  # [::1] names ::1
+        args.host = args.host[1:-1]
     if not 0 < args.port < 65536:
         raise UserError(f"--port {args.port} is not a TCP port (1 to 65535)")
     private = args.token_file is not None
@@ -63,6 +66,7 @@ def console_for(args: argparse.Namespace) -> tuple[Any, str | None]:
 
         token = printed = new_token()
     reads = _read_store(args)
+    reads.run_ids(limit=1)  # a store that cannot be read is refused now, not page by page
     writes = None if args.read_only else writable_store(args)
     logins = None if token is None else Logins(token)
     hosts = None if private else loopback_hosts(args.host, args.port)
@@ -77,12 +81,22 @@ def serve_command(args: argparse.Namespace) -> int:
 
     where = f"http://{args.host if ':' not in args.host else f'[{args.host}]'}:{args.port}/"
     mode = "read-only" if console.writes is None else "writes need a login"
-    print(f"console on {where} ({mode}); Ctrl-C stops it", file=sys.stderr)
-    if printed is not None:
-        print(f"log in with the token: {printed}", file=sys.stderr)
-    sys.stderr.flush()
-    uvicorn.run(create_app(console), host=args.host, port=args.port, log_level="warning",
-                access_log=False, server_header=False)
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started:  # said once it listens: a busy port prints no token
+                print(f"console on {where} ({mode}); Ctrl-C stops it", file=sys.stderr)
+                if printed is not None:
+                    print(f"log in with the token: {printed}", file=sys.stderr)
+                sys.stderr.flush()
+
+    config = uvicorn.Config(create_app(console), host=args.host, port=args.port,
+                            log_level="warning", access_log=False, server_header=False)
+    try:
+        Server(config).run()
+    except SystemExit as stopped:  # uvicorn could not listen (it said why above)
+        raise UserError(f"cannot listen on {where} (exit {stopped.code})") from None
     return 0
 
 

@@ -16,38 +16,54 @@ frame (Content-Security-Policy) and escape every value they show.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Collection
+import re
+import unicodedata
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import parse_qsl, quote, urlsplit
 
 import attrs
 import jinja2
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import FormData
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from statemachine import operator
-from statemachine.cli.common import chosen_steps, shown
+from statemachine.cli.common import UserError, chosen_steps
 from statemachine.codec import parse
 from statemachine.console import views
 from statemachine.console.auth import COOKIE, LOGIN_SECONDS, MAX_NAME, Login, Logins, csrf_matches
+from statemachine.controller import RunController
 from statemachine.errors import ControlError, RunNotFound
 from statemachine.values import Resolution
 
 HERE = Path(__file__).parent
 MAX_FORM = 1_048_576
 """The largest form body a write accepts (bytes)."""
+MAX_FIELDS = 50
+"""The most fields a form may send."""
+_DIGITS = re.compile("[0-9]+")
 POLICY = ("default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; "
           "frame-ancestors 'none'; base-uri 'none'")
-DONE = {"approve": "Approved.", "reject": "Rejected.", "resolve": "Resolved.",
-        "abandon": "Abandoned.", "login": "Logged in.", "logout": "Logged out."}
-"""The only texts a redirect's ``done=`` may make a page say."""
-
 Handler = Callable[[Request], Awaitable[Response]]
+Form = dict[str, str]
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be who decides (None: it can): empty, longer than `MAX_NAME`,
+    or holding a character that prints as something else or nothing (a control, a
+    direction override, a line break): the name recorded is the name shown."""
+    if not name.strip():
+        return "it is empty"
+    if len(name) > MAX_NAME:
+        return f"it is longer than {MAX_NAME} characters"
+    if any(not c.isprintable() or unicodedata.category(c) in ("Cf", "Co", "Cn")
+           for c in name):
+        return "it holds a character that does not print as itself"
+    return None
 
 
 class Refused(Exception):
@@ -90,13 +106,21 @@ def create_app(console: Console) -> Starlette:
             return None
         return console.logins.find(request.cookies.get(COOKIE))
 
-    def page(request: Request, template: str, status: int = 200, **values: Any) -> Response:
+    def page(request: Request, template: str, status: int = 200, *,
+             done: str | None = None, **values: Any) -> Response:
         login = login_of(request)
         html = env.get_template(template).render(
             login=login, writable=console.writes is not None,
-            can_login=console.logins is not None, path=request.url.path,
-            done=DONE.get(request.query_params.get("done", "")), **values)
+            can_login=console.logins is not None, path=request.url.path, done=done,
+            **values)
         return HTMLResponse(html, status_code=status)
+
+    def failed(request: Request, error: ControlError) -> Response:
+        """The store could not be read (or refused): the typed error, as a page."""
+        status = 404 if isinstance(error, RunNotFound) else 503
+        title = "No such run" if isinstance(error, RunNotFound) else "The store failed"
+        return page(request, "error.html", status, title=title,
+                    message=f"{type(error).__name__}: {error}")
 
     def guarded(handler: Handler, *, reading: bool = True) -> Handler:
         async def wrapped(request: Request) -> Response:
@@ -107,7 +131,10 @@ def create_app(console: Console) -> Starlette:
                 target = request.url.path + (f"?{request.url.query}" if request.url.query
                                              else "")
                 return RedirectResponse(f"/login?next={quote(target, safe='')}", 303)
-            response = await handler(request)
+            try:
+                response = await handler(request)
+            except ControlError as error:  # a store that fails while serving
+                response = failed(request, error)
             response.headers["Content-Security-Policy"] = POLICY
             response.headers["X-Content-Type-Options"] = "nosniff"
             response.headers["Referrer-Policy"] = "same-origin"  # no-referrer: Origin null
@@ -122,11 +149,15 @@ def create_app(console: Console) -> Starlette:
     async def runs(request: Request) -> Response:
         try:
             steps = chosen_steps(request.query_params.getlist("step") or None)
-        except Exception as error:  # UserError: an unknown step
+        except UserError as error:  # an unknown step
             return page(request, "error.html", 400, title="Runs", message=str(error))
+        kind = request.query_params.get("kind") or None
+        if kind is not None and kind not in views.KINDS:
+            return page(request, "error.html", 400, title="Runs",
+                        message=f"kind is one of {', '.join(views.KINDS)}")
         blocked = request.query_params.get("blocked") in ("1", "on", "true")
         found = await run_in_threadpool(views.runs_page, console.reads, steps=steps,
-                                        blocked=blocked, now=console.clock())
+                                        blocked=blocked, kind=kind, now=console.clock())
         return page(request, "runs.html", runs=found, title="Runs")
 
     async def inbox(request: Request) -> Response:
@@ -139,11 +170,18 @@ def create_app(console: Console) -> Starlette:
         run_id = request.query_params.get("id", "") if run_id is None else run_id
         try:
             found = await run_in_threadpool(views.run_page, console.reads, run_id)
-        except RunNotFound:
-            return page(request, "error.html", 404, title="No such run",
-                        message=f"no run {shown(run_id)!r} in this store")
+        except ControlError as failure:
+            if error is None:
+                return failed(request, failure)
+            # a refusal whose run can no longer be read: the refusal, on its own
+            return page(request, "error.html", status, title="Refused",
+                        message=f"{error[0]}: {error[1]} Nothing was changed.")
+        done = None
+        if error is None:  # "done" only when the log shows it: a link cannot claim it
+            done = found.done(request.query_params.get("done", ""),
+                              request.query_params.get("seq", ""))
         return page(request, "run.html", status, run=found, title=f"Run {run_id}",
-                    error=error, csrf=_csrf(login_of(request)))
+                    error=error, done=done, csrf=_csrf(login_of(request)))
 
     async def run(request: Request) -> Response:
         return await show_run(request)
@@ -175,15 +213,15 @@ def create_app(console: Console) -> Starlette:
             return page(request, "login.html", refused.status, title="Log in",
                         error=str(refused), next="/runs")
         target = _local(form.get("next"))
-        name = str(form.get("name", "")).strip()
-        if not console.logins.token_matches(str(form.get("token", ""))):
+        name = form.get("name", "").strip()
+        if not console.logins.token_matches(form.get("token", "")):
             return page(request, "login.html", 403, title="Log in", next=target,
                         error="that is not the console's token")
-        if not name or len(name) > MAX_NAME or not name.isprintable():
+        if (problem := name_problem(name)) is not None:
             return page(request, "login.html", 400, title="Log in", next=target,
-                        error=f"give your name (printable, {MAX_NAME} characters at most)")
+                        error=f"give your name: {problem}")
         session, _ = console.logins.open(name)
-        response = RedirectResponse(_with_done(target, "login"), 303)
+        response = RedirectResponse(target, 303)
         response.set_cookie(COOKIE, session, max_age=LOGIN_SECONDS, httponly=True,
                             samesite="strict", path="/")
         return response
@@ -192,38 +230,40 @@ def create_app(console: Console) -> Starlette:
         assert console.logins is not None
         try:
             _same_origin(request)
-            form = await _form(request)
             login = login_of(request)
-            if login is None or not csrf_matches(login, _text(form, "csrf")):
-                raise Refused(403, "not logged in, or the form is not this login's")
+            if login is None:
+                raise Refused(403, "not logged in")
+            form = await _form(request)
+            if not csrf_matches(login, form.get("csrf")):
+                raise Refused(403, "this form is not from this login's page")
         except Refused as refused:
             return page(request, "error.html", refused.status, title="Log out",
                         message=str(refused))
         console.logins.close(request.cookies.get(COOKIE))
-        response = RedirectResponse("/runs?done=logout", 303)
+        response = RedirectResponse("/runs", 303)
         response.delete_cookie(COOKIE, path="/")
         return response
 
     # ------------------------------------------------------------ the four writes
 
-    def action(verb: str, act: Callable[[FormData, str, str, int], None]) -> Handler:
+    def action(verb: str, act: Callable[[Form, str, str, int], RunController]) -> Handler:
         async def handler(request: Request) -> Response:
+            # who first, before reading a byte of the body: without a login nothing of
+            # the store is read or shown (a private console's runs included)
+            login = login_of(request)
+            if login is None:
+                return page(request, "error.html", 403, title="Refused",
+                            message="log in with the console's token to act")
             run_id = ""
             try:
                 _same_origin(request)
                 form = await _form(request)
-                run_id = _text(form, "run_id") or ""
-                login = login_of(request)
-                if login is None:
-                    raise Refused(403, "log in with the console's token to act")
-                if not csrf_matches(login, _text(form, "csrf")):
+                if not csrf_matches(login, form.get("csrf")):
                     raise Refused(403, "this form is not from this login's page (CSRF "
                                        "token missing or wrong): open the page again")
-                by = (_text(form, "by") or login.name).strip()
-                if not by or len(by) > MAX_NAME:
-                    raise Refused(400, f"by: who decides, {MAX_NAME} characters at most")
+                run_id = form.get("run_id", "")
                 seen = _seen(form)
-                await run_in_threadpool(act, form, run_id, by, seen)
+                done = await run_in_threadpool(act, form, run_id, login.name, seen)
             except Refused as refused:
                 if not run_id:
                     return page(request, "error.html", refused.status, title="Refused",
@@ -236,30 +276,32 @@ def create_app(console: Console) -> Starlette:
             except ControlError as error:
                 return await show_run(request, 409, (type(error).__name__, str(error)),
                                       run_id=run_id)
-            return RedirectResponse(f"/run?id={quote(run_id, safe='')}&done={verb}", 303)
+            target = (f"/run?id={quote(run_id, safe='')}&done={verb}"
+                      f"&seq={done.version - 1}")
+            return RedirectResponse(target, 303)
 
         return handler
 
     writes: Any = console.writes
 
-    def approve(form: FormData, run_id: str, by: str, seen: int) -> None:
-        operator.approve(writes, run_id, _required(form, "call_id"),
-                         fingerprint=_required(form, "fingerprint"), by=by,
-                         reason=_text(form, "reason") or None, seen=seen)
+    def approve(form: Form, run_id: str, by: str, seen: int) -> RunController:
+        return operator.approve(writes, run_id, _required(form, "call_id"),
+                                fingerprint=_required(form, "fingerprint"), by=by,
+                                reason=form.get("reason") or None, seen=seen)
 
-    def reject(form: FormData, run_id: str, by: str, seen: int) -> None:
-        operator.reject(writes, run_id, _required(form, "call_id"), by=by,
-                        message=_text(form, "message") or None, seen=seen)
+    def reject(form: Form, run_id: str, by: str, seen: int) -> RunController:
+        return operator.reject(writes, run_id, _required(form, "call_id"), by=by,
+                               message=form.get("message") or None, seen=seen)
 
-    def resolve(form: FormData, run_id: str, by: str, seen: int) -> None:
+    def resolve(form: Form, run_id: str, by: str, seen: int) -> RunController:
         outcome, output = _outcome(form)
-        operator.resolve(writes, run_id, _required(form, "call_id"),
-                         outcome=outcome, output=output, by=by,
-                         evidence=_text(form, "evidence") or None, seen=seen)
+        return operator.resolve(writes, run_id, _required(form, "call_id"),
+                                outcome=outcome, output=output, by=by,
+                                evidence=form.get("evidence") or None, seen=seen)
 
-    def abandon(form: FormData, run_id: str, by: str, seen: int) -> None:
-        operator.abandon(writes, run_id, reason=_required(form, "reason"), by=by,
-                         seen=seen)
+    def abandon(form: Form, run_id: str, by: str, seen: int) -> RunController:
+        return operator.abandon(writes, run_id, reason=_required(form, "reason"), by=by,
+                                seen=seen)
 
     routes = [
         Route("/", guarded(home)),
@@ -300,10 +342,6 @@ def _local(target: object) -> str:
     return target if not parts.scheme and not parts.netloc else "/runs"
 
 
-def _with_done(target: str, verb: str) -> str:
-    return f"{target}{'&' if '?' in target else '?'}done={verb}"
-
-
 def _same_origin(request: Request) -> None:
     """A cross-site write is refused: an ``Origin`` (or, without one, a ``Referer``)
     that names another host than the one the request was sent to."""
@@ -316,49 +354,53 @@ def _same_origin(request: Request) -> None:
                            "console)")
 
 
-async def _form(request: Request) -> FormData:
+async def _form(request: Request) -> Form:
+    """The urlencoded form a request sends, read no further than `MAX_FORM` bytes (413
+    past it, with or without a Content-Length); 400 for a body that is not UTF-8, holds
+    more than `MAX_FIELDS` fields or names one twice (a form that says two things)."""
     declared = request.headers.get("content-length")
-    if declared is not None and (not declared.isdigit() or int(declared) > MAX_FORM):
+    if declared is not None and (not _DIGITS.fullmatch(declared) or int(declared) > MAX_FORM):
         raise Refused(413, f"the form is larger than {MAX_FORM} bytes")
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind != "application/x-www-form-urlencoded":
         raise Refused(415, "a form is sent as application/x-www-form-urlencoded")
-    body = await request.body()
-    if len(body) > MAX_FORM:
-        raise Refused(413, f"the form is larger than {MAX_FORM} bytes")
-    return await request.form(max_files=0, max_fields=50, max_part_size=MAX_FORM)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_FORM:
+            raise Refused(413, f"the form is larger than {MAX_FORM} bytes")
+    try:
+        pairs = parse_qsl(body.decode("utf-8"), keep_blank_values=True,
+                          max_num_fields=MAX_FIELDS, errors="strict")
+    except (UnicodeDecodeError, ValueError):
+        raise Refused(400, f"the form is not UTF-8 text of {MAX_FIELDS} fields at most"
+                      ) from None
+    form = dict(pairs)
+    if len(form) != len(pairs):
+        raise Refused(400, "the form names a field twice")
+    return form
 
 
-def _text(form: FormData, name: str) -> str | None:
-    """A field's text (the first, when it was sent more than once), or None."""
+def _required(form: Form, name: str) -> str:
     value = form.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise Refused(400, f"{name} is text, not a file")
-    return value
-
-
-def _required(form: FormData, name: str) -> str:
-    value = _text(form, name)
     if not value or not value.strip():
         raise Refused(400, f"{name} is required")
     return value
 
 
-def _seen(form: FormData) -> int:
+def _seen(form: Form) -> int:
     text = _required(form, "seen").strip()
-    if not text.isdigit() or len(text) > 18:
+    if not _DIGITS.fullmatch(text) or len(text) > 18:
         raise Refused(400, "seen: the version the page showed, a whole number")
     return int(text)
 
 
-def _outcome(form: FormData) -> tuple[Resolution, Any]:
+def _outcome(form: Form) -> tuple[Resolution, Any]:
     """The outcome and output a resolve form gives: ``completed`` with JSON, ``failed``
     with a text, ``not_executed`` with none (an output given with it is refused: the
     form says two things)."""
     outcome = _required(form, "outcome")
-    output = _text(form, "output") or ""
+    output = form.get("output") or ""
     if outcome == Resolution.COMPLETED.value:
         if not output.strip():
             raise Refused(400, "completed needs the output the model sees, as JSON "
@@ -380,8 +422,3 @@ def loopback_hosts(host: str, port: int) -> frozenset[str]:
     """The ``Host`` headers a console bound to ``host``:``port`` on loopback answers."""
     names = {host.lower(), "localhost", "127.0.0.1", "[::1]"}
     return frozenset(n for name in names for n in (name, f"{name}:{port}"))
-
-
-def hosts_for(host: str, port: int, *, private: bool) -> Collection[str] | None:
-    """None (any host) for a console behind a login; loopback names otherwise."""
-    return None if private else loopback_hosts(host, port)

@@ -40,15 +40,19 @@ def read_token(path: Path) -> str:
     shorter than `MIN_TOKEN` characters."""
     try:
         mode = path.stat().st_mode
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
+    except OSError as error:
         raise UserError(f"cannot read the token file {shown(path)}: "
-                        f"{getattr(error, 'strerror', None) or error}") from None
-    if not stat.S_ISREG(mode):
+                        f"{error.strerror or error}") from None
+    if not stat.S_ISREG(mode):  # before reading: a FIFO would wait for ever
         raise UserError(f"the token file {shown(path)} is not a regular file")
     if os.name == "posix" and mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise UserError(f"the token file {shown(path)} may be read by others: "
                         f"chmod 600 it")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"cannot read the token file {shown(path)}: "
+                        f"{getattr(error, 'strerror', None) or error}") from None
     lines = text.strip().splitlines()
     token = lines[0].strip() if lines else ""
     if len(token) < MIN_TOKEN:

@@ -7,6 +7,7 @@ return (all of it text that came from a run's log or a store's heads).
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from collections.abc import Collection, Sequence
@@ -26,6 +27,12 @@ from statemachine.values import LIVE_STEPS, Step
 
 TIMELINE_EVENTS = 2_000
 """The most events a run's page lists (the newest); the rest are counted."""
+KINDS = (*(k.value for k in BlockerKind), "none")
+"""What the runs page counts and filters by: each blocker kind, and nothing blocking."""
+DONE: dict[str, tuple[type[ev.Event], str]] = {
+    "approve": (ev.CallApproved, "Approved."), "reject": (ev.CallRejected, "Rejected."),
+    "resolve": (ev.InDoubtResolved, "Resolved."), "abandon": (ev.Abandoned, "Abandoned.")}
+"""What a page may say was done, and the event the log must hold for it to say so."""
 
 
 def now_micros() -> int:
@@ -72,13 +79,14 @@ class RunsPage:
     steps: tuple[str, ...]
     chosen: frozenset[str]
     blocked: bool
+    kind: str | None
 
 
 def runs_page(store: Any, *, steps: Collection[Step] | None, blocked: bool,
-              now: int) -> RunsPage:
+              now: int, kind: str | None = None) -> RunsPage:
     heads: list[RunHead] = operator.runs(store)
-    tally = Counter(h.blocker.kind.value if h.blocker is not None else None for h in heads)
-    counts = (*((k.value, tally[k.value]) for k in BlockerKind), ("none", tally[None]))
+    tally = Counter(h.blocker.kind.value if h.blocker is not None else "none" for h in heads)
+    counts = tuple((k, tally[k]) for k in KINDS)
     chosen = set(steps) if steps else None
     rows = []
     for h in heads:
@@ -86,13 +94,15 @@ def runs_page(store: Any, *, steps: Collection[Step] | None, blocked: bool,
             continue
         if blocked and h.blocker is None:
             continue
+        if kind is not None and (h.blocker.kind.value if h.blocker else "none") != kind:
+            continue
         b = h.blocker
         since = b.since if b is not None else h.updated_at
         rows.append(RunRow(h.run_id, h.step.name, None if b is None else b.kind.value,
                            None if b is None else moment(b.since), age(since, now),
                            h.owner, h.session_id, h.version, len(h.waiting)))
     return RunsPage(tuple(rows), len(heads), counts, tuple(s.name for s in Step),
-                    frozenset(s.name for s in chosen or ()), blocked)
+                    frozenset(s.name for s in chosen or ()), blocked, kind)
 
 
 @attrs.frozen
@@ -177,6 +187,22 @@ class RunPage:
     declaration and escaped there, the one piece a template does not escape."""
     approvals: tuple[Waiting, ...]
     in_doubt: tuple[Waiting, ...]
+    arguments: dict[str, str]
+    """Each call's whole arguments, as indented JSON: what an approval binds is shown
+    whole, never only its preview."""
+    events: tuple[tuple[int, type[ev.Event]], ...] = ()
+    """Each event's seq and class (what `done` checks)."""
+
+    def done(self, verb: str, seq: str) -> str | None:
+        """What the page may say was done: the text for ``verb`` only if the event at
+        ``seq`` is that verb's (a link that merely says so makes it say nothing)."""
+        found = DONE.get(verb)
+        if found is None or not seq.isascii() or not seq.isdigit() or len(seq) > 18:
+            return None
+        index = int(seq)
+        if index >= len(self.events) or self.events[index][1] is not found[0]:
+            return None
+        return found[1]
 
 
 def run_page(store: Any, run_id: str) -> RunPage:
@@ -192,4 +218,7 @@ def run_page(store: Any, run_id: str) -> RunPage:
          for call in info["ledger"]},
         moments, hidden, run_svg(run_path(events)),
         tuple(w for w in waiting if w.kind == "approval"),
-        tuple(w for w in waiting if w.kind == "in_doubt"))
+        tuple(w for w in waiting if w.kind == "in_doubt"),
+        {view.call.call_id: json.dumps(view.call.arguments, indent=2, ensure_ascii=False)
+         for view in c.calls},
+        tuple((e.seq, type(e)) for e in events))
