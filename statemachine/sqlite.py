@@ -60,7 +60,7 @@ from statemachine.values import Step
 
 if TYPE_CHECKING:
     from statemachine.blocker import ReadModel
-    from statemachine.stores import Snapshot
+    from statemachine.stores import SessionWrite, Snapshot
 
 T = TypeVar("T")
 
@@ -399,6 +399,9 @@ class SQLiteEventStore:
         self._closed = False
         self._has_runs = self._has_digests = self._has_versions = True
         self._has_updated_at = self._has_leases = self._has_read_models = True
+        self.commits = 0
+        """How many appends this object committed (each one transaction, one fsync of the
+        write-ahead log): what the bench counts as durable writes."""
         if readonly:
             self._open_readonly()
             return
@@ -603,7 +606,12 @@ class SQLiteEventStore:
 
     def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
                snapshot: Snapshot | None = None, step: Step | None = None,
-               read_model: ReadModel | None = None) -> None:
+               read_model: ReadModel | None = None,
+               session_write: SessionWrite | None = None) -> None:
+        """`IndexedStore.append`; with ``session_write``, its items go to its Session's
+        rows in this file (`SQLiteSession` on the same file, which shares this
+        transaction: ``shares_transaction_with``) in the append's own transaction, so a
+        publication's items and its commit land together or not at all (DESIGN §7.7)."""
         where: dict[str, Any] = {"run_id": run_id}
         doing = "append to the event store"
         if self.readonly:
@@ -616,6 +624,7 @@ class SQLiteEventStore:
         if any(event.seq != expected_version + i for i, event in enumerate(events)):
             raise ValueError("events must carry the sequence numbers that follow "
                              "expected_version")
+        items = None if session_write is None else _session_rows(session_write, events)
         kept = None
         if snapshot is not None:
             text = dumps(snapshot)
@@ -644,6 +653,11 @@ class SQLiteEventStore:
                             "VALUES (?, ?, ?, ?)", kept)
                     if events:
                         self._keep_head(conn, run_id, events, expected_version, fold)
+                    if items is not None:
+                        conn.execute(_SESSION_TABLE)
+                        conn.execute(_SESSION_INDEX)
+                        conn.executemany("INSERT INTO session_items (session_id, body) "
+                                         "VALUES (?, ?)", items)
             except sqlite3.IntegrityError:
                 self._settle_connection()
                 raise conflict(run_id, expected_version, expected_version + 1) from None
@@ -658,6 +672,7 @@ class SQLiteEventStore:
                 raise
             # the file was deleted or replaced during the append: it went into the void
             self._check(doing, outcome=Outcome.UNKNOWN, **where)
+            self.commits += 1
 
     def _settle_connection(self) -> None:
         """After a failed write: a connection left inside a transaction (its ROLLBACK
@@ -998,9 +1013,23 @@ class AsyncSQLiteEventStore:
 
     async def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
                      snapshot: Snapshot | None = None, step: Step | None = None,
-                     read_model: ReadModel | None = None) -> None:
-        await self._call(self.sync.append, run_id, events, expected_version,
-                         snapshot=snapshot, step=step, read_model=read_model)
+                     read_model: ReadModel | None = None,
+                     session_write: SessionWrite | None = None) -> None:
+        """`SQLiteEventStore.append`, off the event loop."""
+        options: dict[str, Any] = {"snapshot": snapshot, "step": step,
+                                   "read_model": read_model}
+        if session_write is not None:  # (a wrapped sync store may not name it)
+            options["session_write"] = session_write
+        await self._call(self.sync.append, run_id, events, expected_version, **options)
+
+    @property
+    def path(self) -> str:
+        return self.sync.path
+
+    @property
+    def commits(self) -> int:
+        """As `SQLiteEventStore.commits`."""
+        return self.sync.commits
 
     async def load(self, run_id: str) -> list[Event]:
         return await self._call(self.sync.load, run_id)
@@ -1022,6 +1051,25 @@ class AsyncSQLiteEventStore:
 
 
 # ------------------------------------------------------------------------ the Session
+
+
+_SESSION_TABLE = ("CREATE TABLE IF NOT EXISTS session_items (id INTEGER PRIMARY KEY "
+                  "AUTOINCREMENT, session_id TEXT NOT NULL, body TEXT NOT NULL)")
+_SESSION_INDEX = ("CREATE INDEX IF NOT EXISTS session_items_by_session "
+                  "ON session_items (session_id, id)")
+
+
+def _session_rows(write: SessionWrite, events: Sequence[Event]) -> list[tuple[str, str]]:
+    """A ``session_write``'s rows (detached JSON text), checked before any I/O."""
+    from statemachine.stores import SessionWrite
+
+    if type(write) is not SessionWrite:
+        raise TypeError("session_write must be a SessionWrite")
+    if not events:  # the read-back after a lost COMMIT finds a batch by its events
+        raise ValueError("a session_write needs events to carry it")
+    if type(write.session_id) is not str:
+        raise TypeError("session_id must be a str")
+    return [(write.session_id, dumps(detach(item))) for item in write.items]
 
 
 class SQLiteSession:
@@ -1053,19 +1101,36 @@ class SQLiteSession:
         self.path = os.fspath(path)
         self._timeout = timeout
         self._lock = threading.Lock()
+        self.commits = 0
+        """How many write transactions this Session committed (`SQLiteEventStore.commits`
+        counts the ones its store wrote for it)."""
         self._worker = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="statemachine-sqlite-session")
         with storage_errors(self.path, doing="open the Session"):
             self._conn = connect(self.path, timeout=timeout)
             try:
-                self._conn.execute(
-                    "CREATE TABLE IF NOT EXISTS session_items (id INTEGER PRIMARY KEY "
-                    "AUTOINCREMENT, session_id TEXT NOT NULL, body TEXT NOT NULL)")
-                self._conn.execute("CREATE INDEX IF NOT EXISTS session_items_by_session "
-                                   "ON session_items (session_id, id)")
+                self._conn.execute(_SESSION_TABLE)
+                self._conn.execute(_SESSION_INDEX)
             except BaseException:
                 self._conn.close()
                 raise
+
+    def shares_transaction_with(self, store: object) -> bool:
+        """Whether ``store`` writes this Session's items in its own append transaction:
+        a writable `SQLiteEventStore` (or its async face) on this very file. Then
+        ``statemachine.runner.publish`` hands a publication's items to the store with its
+        commit event (`SessionWrite`), one transaction and one fsync for both, as with
+        `PostgresSession` (DESIGN §7.7)."""
+        from statemachine.stores import takes_session_write
+
+        sync = getattr(store, "sync", store)
+        if (not isinstance(sync, SQLiteEventStore) or sync.readonly
+                or not takes_session_write(sync)):
+            return False
+        try:
+            return os.path.samefile(sync.path, self.path)
+        except OSError:
+            return False
 
     def close(self) -> None:
         with self._lock:
@@ -1132,6 +1197,7 @@ class SQLiteSession:
                 raise self._failed(failed.__cause__ or failed, doing, Outcome.UNKNOWN) from None
             except (sqlite3.Error, OSError) as error:
                 raise self._failed(error, doing, Outcome.NOT_WRITTEN) from error
+            self.commits += 1
         self._after_commit()
 
     def _before_commit(self) -> None:
@@ -1155,6 +1221,7 @@ class SQLiteSession:
                 raise self._failed(failed.__cause__ or failed, doing, Outcome.UNKNOWN) from None
             except (sqlite3.Error, OSError) as error:
                 raise self._failed(error, doing, Outcome.NOT_WRITTEN) from error
+            self.commits += 1
         return item
 
     def _clear_session(self) -> None:

@@ -161,10 +161,10 @@ def writer_gone(controller: RunController, session: Session) -> bool:
 async def _write(controller: RunController, session: Session, items: list[JSON]) -> None:
     """Write the attempt's batch, then report. Its publication id is ``run_id:seq`` (the
     seq of the event that opened the attempt). A Session that shares the run's store's
-    database (``shares_transaction_with(store)``, `PostgresSession`) is not written here:
-    the store writes the items with the commit event, in one transaction (DESIGN §6.7). A
+    database (``shares_transaction_with(store)``: `PostgresSession`, `SQLiteSession` on
+    the store's file) is not written here: the store writes the staging, the items and
+    the commit event in one transaction (DESIGN §6.7, §7.7). A
     Session that keeps publication ids (``publication_items``) is told the id."""
-    await controller.flush_async()  # an effect boundary: the staged envelope is durable
     publication_id = controller.publication_id
     assert publication_id is not None  # this controller holds the open attempt
     store = controller.store
@@ -173,6 +173,9 @@ async def _write(controller: RunController, session: Session, items: list[JSON])
     # with **kwargs, is refused the pair: its Session is then written like any other)
     if (store is not None and callable(shares) and shares(store)
             and takes_session_write(store)):
+        # no flush first: the write IS the append, so the staging, the commit and the
+        # items land in one transaction or not at all (DESIGN §7.7); nothing outside
+        # the store happens before it
         write = SessionWrite(session.session_id, publication_id, tuple(items))
         try:
             controller.publication_committed(session_write=write)
@@ -188,6 +191,7 @@ async def _write(controller: RunController, session: Session, items: list[JSON])
                     controller.publication_failed(error)
             raise
         return
+    await controller.flush_async()  # an effect boundary: the staged envelope is durable
     try:
         if callable(getattr(session, "publication_items", None)):
             await session.add_items(items, publication_id=publication_id)  # type: ignore[call-arg]

@@ -60,7 +60,7 @@ from statemachine.runner import (
     Verdict,
 )
 from statemachine.sessions import Session, SQLiteSession
-from statemachine.stores import AsyncSQLiteEventStore, SQLiteEventStore
+from statemachine.stores import AsyncSQLiteEventStore, SessionWrite, SQLiteEventStore
 from statemachine.values import Phase
 from tests.drivers.crash_driver import EffectHooks, Effects, HistoryModel, Ticks, append_line
 
@@ -72,7 +72,11 @@ ACKS = "acks.txt"
 VIOLATIONS = "violations.txt"
 MODES = ("buffered", "async")
 """``buffered``: `SQLiteEventStore` with ``buffered=True``; ``async``:
-`AsyncSQLiteEventStore` (a controller bound to it always buffers)."""
+`AsyncSQLiteEventStore` (a controller bound to it always buffers). The Session is a
+`SQLiteSession` of its own file."""
+SHARED = "shared"
+"""`SQLiteEventStore` with ``buffered=True`` and the Session in the store's own file, so
+each publication's staging, items and commit are one append (DESIGN §7.7)."""
 
 
 class TickingController(RunController):
@@ -105,13 +109,18 @@ def _names(events: Sequence[Event]) -> str:
 
 
 class TickingStore(SQLiteEventStore):
-    def __init__(self, path: Path, ticks: Ticks) -> None:
+    def __init__(self, path: Path, ticks: Ticks, checker: Checker | None = None) -> None:
         super().__init__(path)
         self.ticks = ticks
+        self.checker = checker
 
-    def append(self, run_id: str, events: Sequence[Event], expected_version: int,
-               **options: Any) -> None:
+    def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
+               session_write: SessionWrite | None = None, **options: Any) -> None:
         self.ticks(f"flush-before {_names(events)}")
+        if session_write is not None:  # the Session's write, in this append
+            if self.checker is not None:
+                self.checker.write(list(session_write.items), events)
+            options["session_write"] = session_write
         super().append(run_id, events, expected_version, **options)
         self.ticks(f"flush-after {_names(events)}")
 
@@ -137,8 +146,9 @@ class Checker:
         self.run_id = run_id
         self.read = read
 
-    def _check(self, effect: str, ok: Callable[[Any], bool]) -> None:
-        log = self.read()
+    def _check(self, effect: str, ok: Callable[[Any], bool],
+               landing: Sequence[Event] = ()) -> None:
+        log = [*self.read(), *landing]
         state = replay(self.run_id, log) if log else None
         if state is None or not ok(state):  # (the effect goes on: the parent reads this)
             last = type(log[-1]).__name__ if log else "nothing"
@@ -150,11 +160,16 @@ class Checker:
                     and s.calls[call_id].phase is Phase.STARTED)
 
     def model(self) -> None:
-        self._check("model", lambda s: s.step is Step.AWAITING_MODEL)
+        """A model call needs no durable record first (DESIGN §7.7): a crash before its
+        response calls the model again, which no invariant forbids; nothing is checked."""
 
-    def write(self, items: list[JSON]) -> None:
+    def write(self, items: list[JSON], landing: Sequence[Event] = ()) -> None:
+        """The batch is staged (or reconciled) with exactly ``items``, its attempt open,
+        in the durable log, or in the events ``landing`` in the same transaction as the
+        write (a Session written with the store's append: its commit event excluded)."""
+        ahead = [e for e in landing if type(e).__name__ != "PublicationCommitted"]
         self._check("session write", lambda s: s.attempt_seq is not None
-                    and s.envelope is not None and list(s.envelope.items) == items)
+                    and s.envelope is not None and list(s.envelope.items) == items, ahead)
 
 
 class TickingSession(SQLiteSession):
@@ -274,11 +289,11 @@ async def run_sqlite(folder: Path, mode: str, ticks: Ticks, *, broken: bool = Fa
     """One process's attempt on the SQLite store in ``folder`` (``mode``: `MODES`;
     ``broken``: with `SkipsFlushBeforeTools`)."""
     path = folder / "events.db"
-    store: Any = (TickingAsyncStore(path, ticks) if mode == "async"
-                  else TickingStore(path, ticks))
-
     checker = Checker(folder, RUN_ID, lambda: log(folder))
-    session = TickingSession(SESSION_ID, folder / "session.db", ticks, checker)
+    store: Any = (TickingAsyncStore(path, ticks) if mode == "async"
+                  else TickingStore(path, ticks, checker))
+    session = TickingSession(SESSION_ID, session_file(folder, mode), ticks, checker)
+    assert session.shares_transaction_with(store) == (mode == SHARED)
     try:
         return await run_durable(folder, ticks, store, session, checker, controller=(
             SkipsFlushBeforeTools if broken else TickingController))
@@ -356,8 +371,12 @@ def log(folder: Path, run_id: str = RUN_ID) -> list[Event]:
         reader.close()
 
 
-def session_items(folder: Path) -> list[Any]:
-    session = SQLiteSession(SESSION_ID, folder / "session.db")
+def session_file(folder: Path, mode: str) -> Path:
+    return folder / ("events.db" if mode == SHARED else "session.db")
+
+
+def session_items(folder: Path, mode: str = "buffered") -> list[Any]:
+    session = SQLiteSession(SESSION_ID, session_file(folder, mode))
     try:
         return asyncio.run(session.get_items())
     finally:

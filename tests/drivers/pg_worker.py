@@ -201,8 +201,9 @@ class TickingPostgresStore(PostgresEventStore):
         self.ticks(f"flush-before {names}")
         options: dict[str, Any] = {"snapshot": snapshot, "step": step,
                                    "read_model": read_model}
-        if session_write is not None:  # the Session write: its envelope must be durable
-            self.checker.write(list(session_write.items))
+        if session_write is not None:  # the Session write: its envelope must be durable,
+            # or land in this very transaction (DESIGN §7.7)
+            self.checker.write(list(session_write.items), events)
             options["session_write"] = session_write
         super().append(run_id, events, expected_version, **options)
         self.ticks(f"flush-after {names}")

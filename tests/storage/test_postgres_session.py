@@ -527,7 +527,7 @@ def test_a_lost_commit_answer_is_decided_for_both_by_one_read_back(
 
 def test_a_session_write_needs_a_store_that_takes_it_and_the_staged_batch(
         tmp_path: Path) -> None:
-    for bound in (None, MemoryEventStore(), SQLiteEventStore(tmp_path / "e.db")):
+    for bound in (None, MemoryEventStore()):
         c = _charged(bound)
         c.stage_publication(B, P, call_ids=CALLS)
         assert_refused(c, InvalidTransition, c.publication_committed,
