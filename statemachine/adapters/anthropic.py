@@ -575,16 +575,17 @@ class LedgerSessionToolRunner(SessionToolRunner):
     async def open(cls, client: AsyncAnthropic, session_id: str, *, tools: Sequence[Any],
                    store: EventStore | AsyncEventStore | None = None,
                    run_id: str | None = None, idempotent: Collection[str] = (),
-                   owner: str | None = None, buffered: bool = False,
+                   owner: str | None = None, buffered: bool = True,
                    verifiers: Mapping[str, Verifier] | None = None,
                    **options: Any) -> LedgerSessionToolRunner:
         """The runner for ``session_id``, on the run ``run_id`` (default
         ``"anthropic-session:" + session_id``): loaded from ``store`` when it holds it (an
         earlier process ran it), else started. ``idempotent`` names the tools that may run
         again after a crash inside them; every other tool's unfinished call is in doubt.
-        ``buffered=True`` appends the ledger's events only at effect boundaries (before a
-        tool runs, before its result is posted, when the iteration ends: one transaction
-        each) instead of one per event; an async store is always buffered. ``verifiers``
+        ``buffered=True`` (the default, DESIGN §7.7) appends the ledger's events only at
+        effect boundaries (before a tool runs, before its result is posted, when the
+        iteration ends: one transaction each); ``buffered=False``, one per event; an
+        async store is always buffered. ``verifiers``
         (by tool name: ``verify(context) -> Completed(output) | NotExecuted() |
         Unknown()``, sync or async, `statemachine.verifiers`) are asked, on each iteration
         right after its claim, what happened to a call of their tool left in doubt; a
@@ -780,13 +781,14 @@ class MessageToolLedger:
     @classmethod
     def open(cls, run_id: str, tools: Sequence[Any] = (), *, store: EventStore | None = None,
              idempotent: Collection[str] = (), owner: str | None = None,
-             buffered: bool = False,
+             buffered: bool = True,
              verifiers: Mapping[str, Verifier] | None = None) -> MessageToolLedger:
         """The ledger of run ``run_id``: loaded from ``store`` when it holds it (and claimed
         by ``owner``: of two processes that loaded the same version one goes on; a
         completed run is not claimed, it only answers from its record), else started.
-        ``buffered=True``: events are appended at effect boundaries only (before a tool
-        runs, before a request is sent, when the conversation ends). ``verifiers`` (by
+        ``buffered=True`` (the default, DESIGN §7.7): events are appended at effect
+        boundaries only (before a tool runs, before a request is sent, when the
+        conversation ends); ``buffered=False``, one transaction per event. ``verifiers`` (by
         tool name, each one of ``tools``: ``verify(context) -> Completed(output) |
         NotExecuted() | Unknown()``, `statemachine.verifiers`) are asked right after the
         claim what happened to a call of their tool left in doubt, and their answers made
@@ -809,7 +811,7 @@ class MessageToolLedger:
     @classmethod
     async def open_async(cls, run_id: str, tools: Sequence[Any] = (), *,
                          store: EventStore | None = None, idempotent: Collection[str] = (),
-                         owner: str | None = None, buffered: bool = False,
+                         owner: str | None = None, buffered: bool = True,
                          verifiers: Mapping[str, Verifier] | None = None,
                          verify_timeout: float | None = VERIFY_TIMEOUT) -> MessageToolLedger:
         """`open` for verifiers that may be async (for a loop on ``client.messages`` of an

@@ -1056,7 +1056,7 @@ class AgentRun:
                    store: EventStore | AsyncEventStore | None = None,
                    policy: RecoveryPolicy = RecoveryPolicy.RECONCILE,
                    owner: str | None = None, take_over: bool = False,
-                   idempotent: Collection[str] = (), buffered: bool = False,
+                   idempotent: Collection[str] = (), buffered: bool = True,
                    trusted_mcp_servers: Collection[str] = (),
                    verifiers: Mapping[str, Verifier] | None = None) -> AgentRun:
         """The run ``run_id``: loaded from ``store`` when the store holds it (another
@@ -1504,8 +1504,9 @@ class AgentRun:
         c = self.controller
         if c.step is not Step.AWAITING_MODEL:  # a crash may have come after the record
             c.begin_model_call()  # refused while a write is unsettled (I2)
-        await self._flush()  # an effect boundary: the model call is durable first
-        await self._fence()  # ... and this attempt still holds the run
+        # a model call needs no flush of its own (DESIGN §7.7): a crash before its
+        # response calls the model again; this attempt must still hold the run, though
+        await self._fence()
 
     def _model_failed(self, error: BaseException | type[BaseException]) -> None:
         c = self.controller

@@ -527,7 +527,7 @@ class LedgerRun:
                    store: EventStore | AsyncEventStore | None = None,
                    policy: RecoveryPolicy = RecoveryPolicy.RECONCILE,
                    owner: str | None = None, take_over: bool = False,
-                   idempotent: Collection[str] = (), buffered: bool = False,
+                   idempotent: Collection[str] = (), buffered: bool = True,
                    max_bytes: int = DEFAULT_MAX_BYTES,
                    max_result_bytes: int | None = None,
                    verifiers: Mapping[str, Verifier] | None = None) -> LedgerRun:
@@ -941,7 +941,10 @@ class LedgerRun:
         if c.step is not Step.AWAITING_MODEL:  # a crash may have come after the record
             await self._publish(messages[self._published:])
             c.begin_model_call()  # refused while a write is unsettled (I2)
-        await self._flush()  # an effect boundary: the model call is durable first
+        # a model call needs no flush of its own (DESIGN §7.7): a crash before its
+        # response calls the model again; this attempt must still hold the run, though
+        async with self._flush_lock:
+            await c.fence_async()
 
     def _model_failed(self, error: BaseException) -> None:
         c = self.controller

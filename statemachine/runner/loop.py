@@ -168,8 +168,11 @@ class _AgentLoop:
             c.begin_model_call()
         await self._hook("model_start", lambda: self.hooks.on_llm_start(agent))
         history = await self.session.get_items()
-        await c.flush_async()  # an effect boundary: the model call is durable first
-        await c.fence_async()  # ... and this attempt still holds the run
+        # a model call needs no flush of its own (DESIGN §7.7): a crash before its
+        # response calls the model again, which no invariant forbids; what it proposes
+        # is made durable before any tool body runs. This attempt must still hold the
+        # run, though (one read, no write)
+        await c.fence_async()
         try:
             response = await agent.model.respond(history, agent)
         except Exception as error:
@@ -393,7 +396,7 @@ class Runner:
         hooks: RunHooks | None = None,
         take_over: bool = False,
         owner: str | None = None,
-        buffered: bool = False,
+        buffered: bool = True,
         lease: float | None = None,
     ) -> RunResult:
         """Run ``agent`` to its next stop and return the `RunResult`.
@@ -406,7 +409,10 @@ class Runner:
         the gate, all before any guardrail, hook, model call or tool. ``lease`` (seconds,
         with an ``owner``) holds the run against other owners while this attempt works:
         each flush renews it, and another owner's claim is refused with `LeaseHeld` until
-        it ends (DESIGN §7.2).
+        it ends (DESIGN §7.2). A run bound to a store appends its events where an effect
+        needs them durable (``buffered=True``, the default: before a tool body, with each
+        Session write, at the attempt's end; DESIGN §7.7); ``buffered=False`` appends each
+        event as it is recorded.
 
         Raises, before any work: `RunNotResumable`, `ToolInDoubt`, `ConcurrencyConflict`
         (another process claimed the run first), `PublicationUnsettled` (another run left
@@ -435,7 +441,7 @@ class Runner:
                    store: EventStore | AsyncEventStore | None, run_id: str | None,
                    policy: RecoveryPolicy,
                    hooks: RunHooks | None, take_over: bool, emit: Emit | AsyncEmit,
-                   owner: str | None = None, buffered: bool = False,
+                   owner: str | None = None, buffered: bool = True,
                    lease: float | None = None) -> RunResult:
         c, resumed = await _controller(agent, session=session, controller=controller,
                                        state=state, store=store, run_id=run_id,

@@ -1,0 +1,186 @@
+"""Durable writes per one-tool turn (DESIGN §7.7, §7.9): the reference runner on one
+turn (the user's input, a model call that proposes one tool, the tool, its result into
+the history, a model call that answers) on SQLite and PostgreSQL, counted by the stores
+themselves: SQLite's commits (`SQLiteEventStore.commits` plus the Session's own,
+`SQLiteSession.commits`: each a transaction, one fsync of the write-ahead log), and
+PostgreSQL's WAL flushes (``pg_stat_wal.wal_sync``, the whole server's, over the turns).
+
+Each store is measured three ways in one run, the first being the floor to compare:
+
+* ``per event, Session apart``: each event its own transaction (the controller's default),
+  the Session written on its own (a file of its own; a PostgreSQL Session written apart
+  from the store's transaction);
+* ``buffered, Session apart``: events flushed only where an effect needs it;
+* ``buffered, Session shared``: the Session in the store's own database, each publication
+  one transaction with its commit event.
+
+Target: 3 or fewer durable writes per turn. ``turns`` runs of one turn each, median time
+per turn shown; every run is checked (completed, the tool ran once, the history holds the
+input, the call, its output and the answer).
+
+Usage: ``python -m bench.durable_rows`` prints the rows as JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+TARGET = 3
+TURNS = 20
+STATS_DELAY = 1.5
+"""Seconds for PostgreSQL's backends to report their WAL counts (they do at most once a
+second, and when they end)."""
+MODES = ("per event, Session apart", "buffered, Session apart", "buffered, Session shared")
+
+
+def _agent() -> tuple[Any, list[int]]:
+    from statemachine.runner import Agent, FunctionTool, ModelResponse
+    from statemachine.testing import ScriptedModel
+
+    ran: list[int] = []
+
+    def pay(amount: int) -> str:
+        ran.append(amount)
+        return f"paid {amount}"
+
+    model = ScriptedModel([ModelResponse((("p1", "pay", {"amount": 7}),)),
+                           ModelResponse(output="paid 7")])
+    return Agent("payer", model, (FunctionTool("pay", pay),)), ran
+
+
+async def _turn(store: Any, session: Any, run_id: str, buffered: bool) -> None:
+    from statemachine import Step
+    from statemachine.runner import Runner
+
+    agent, ran = _agent()
+    result = await Runner.run(agent, "pay 7", session=session, store=store, run_id=run_id,
+                              buffered=buffered)
+    items = await session.get_items()
+    kinds = [item.get("type", item.get("role")) for item in items]
+    if (result.step is not Step.COMPLETED or ran != [7]
+            or kinds != ["user", "function_call", "function_call_output", "assistant"]):
+        raise RuntimeError(f"the turn went wrong: {result.step}, ran {ran}, {kinds}")
+
+
+def _sqlite(folder: Path, mode: str, turns: int) -> dict[str, Any]:
+    from statemachine.sessions import SQLiteSession
+    from statemachine.stores import SQLiteEventStore
+
+    store = SQLiteEventStore(folder / "events.db")
+    sessions = []
+    times = []
+    for i in range(turns):
+        where = folder / ("events.db" if mode.endswith("shared") else "session.db")
+        session = SQLiteSession(f"s-{i}", where)
+        if session.shares_transaction_with(store) != mode.endswith("shared"):
+            raise RuntimeError(f"{mode}: the Session does not share as it should")
+        sessions.append(session)
+        start = time.perf_counter()
+        asyncio.run(_turn(store, session, f"run-{i}", mode.startswith("buffered")))
+        times.append(time.perf_counter() - start)
+    commits = store.commits + sum(s.commits for s in sessions)
+    store.close()
+    for session in sessions:
+        session.close()
+    return {"writes_per_turn": round(commits / turns, 2),
+            "turn_ms": round(statistics.median(times) * 1000, 2)}
+
+
+def _wal_syncs(dsn: str) -> int:
+    """The server's WAL flushes so far. Backends report their counts when they go idle
+    or end (at most once a second), so this waits for the ones that just closed."""
+    import psycopg
+
+    time.sleep(STATS_DELAY)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT wal_sync FROM pg_stat_wal").fetchone()
+    return int(row[0]) if row else 0
+
+
+def _postgres(dsn: str, schema: str, mode: str, turns: int) -> dict[str, Any]:
+    from statemachine.postgres import PostgresEventStore, PostgresSession
+
+    store = PostgresEventStore(dsn, schema=schema)
+    shared = mode.endswith("shared")
+    sessions: list[Any] = []
+    times = []
+    store.run_ids(limit=1)  # the schema exists before anything is counted
+    before = _wal_syncs(dsn)
+    for i in range(turns):
+        session: Any = PostgresSession(dsn, f"s-{i}", schema=schema)
+        if not shared:
+            session = _Apart(session)
+        sessions.append(session)
+        start = time.perf_counter()
+        asyncio.run(_turn(store, session, f"run-{i}", mode.startswith("buffered")))
+        times.append(time.perf_counter() - start)
+    store.close()  # a backend reports its counts when it ends
+    for session in sessions:
+        session.close()
+    syncs = _wal_syncs(dsn) - before
+    return {"writes_per_turn": round(syncs / turns, 2),
+            "turn_ms": round(statistics.median(times) * 1000, 2)}
+
+
+class _Apart:
+    """A PostgreSQL Session written apart from the store's transaction (as a Session of
+    another database would be)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.session_id = inner.session_id
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "shares_transaction_with":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+@contextlib.contextmanager
+def _server(args: Any) -> Iterator[tuple[str | None, Callable[[], Any], str]]:
+    from bench import backends
+
+    with backends.postgres(getattr(args, "pg_dsn", None),
+                           enabled=not getattr(args, "no_pg", False)) as pg:
+        yield pg.dsn, (lambda: backends._schema(pg.dsn)) if pg.dsn else (  # type: ignore[arg-type]
+            lambda: contextlib.nullcontext("")), pg.skipped or ""
+
+
+def bench_row(args: Any = None) -> dict[str, Any]:
+    turns = getattr(args, "turns", None) or TURNS
+    rows: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for index, mode in enumerate(MODES):
+            place = Path(folder) / f"sqlite-{index}"
+            place.mkdir()
+            rows[f"SQLite: {mode}"] = _sqlite(place, mode, turns)
+    with _server(args) as (dsn, schema, skipped):
+        for mode in MODES:
+            if dsn is None:
+                rows[f"PostgreSQL: {mode}"] = {"skipped": skipped}
+                continue
+            with schema() as name:
+                rows[f"PostgreSQL: {mode}"] = _postgres(dsn, name, mode, turns)
+    for store in ("SQLite", "PostgreSQL"):
+        floor = rows[f"{store}: {MODES[0]}"].get("writes_per_turn")
+        for mode in MODES:
+            row = rows[f"{store}: {mode}"]
+            if "writes_per_turn" not in row:
+                continue
+            if floor:
+                row["vs_per_event"] = round(row["writes_per_turn"] / floor, 2)
+            row["verdict"] = "met" if row["writes_per_turn"] <= TARGET else "missed"
+    return {"turns": turns, "target": f"<= {TARGET} durable writes per one-tool turn",
+            "rows": rows}
+
+
+if __name__ == "__main__":
+    print(json.dumps(bench_row(), indent=2))
