@@ -209,6 +209,8 @@ EXTRA_ROWS: tuple[tuple[str, str, str], ...] = (
     ("pydantic-ai adapter", "bench.pydantic_ai_rows", "bench_row"),
     ("operator inbox and console pages over 10,000 runs (SQLite)", "bench.inbox_rows",
      "bench_row"),
+    ("durable writes per one-tool turn, reference runner", "bench.durable_rows",
+     "bench_row"),
 )
 
 

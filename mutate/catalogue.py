@@ -921,9 +921,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("LP02", "if c.max_turns is not None and c.turns >= c.max_turns:",
        "if c.max_turns is not None and c.turns > c.max_turns:",
        "max_turns checked off by one"),
-    _m("LP03", "        await c.flush_async()  # an effect boundary: the model call is durable "
-               "first\n", "",
-       "the model is called before the log is durable"),
+    _m("LP03", "        await c.fence_async()\n", "",
+       "the model is called by an attempt another has superseded"),
     _m("LP04", "                await c.flush_async()  # an effect boundary: the start is "
                "durable first\n", "",
        "a tool runs before its start is durable"),

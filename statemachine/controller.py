@@ -644,6 +644,16 @@ class RunController:
         goes in the same transaction, and is applied only if it lands."""
         self._landed(self._journal.flush())
 
+    def _between_attempts(self) -> None:
+        """Append each event as it is recorded from now on (a sync store), once nothing is
+        left buffered: what a runner that buffered its attempt hands back, so a decision
+        its caller takes is durable when the command returns. A no-op for an async store
+        (always buffered) or while events wait for a flush."""
+        journal = self._journal
+        if (journal.buffered and journal.store is not None and not is_async(journal.store)
+                and self.unflushed == 0):
+            journal.buffered = False
+
     async def flush_async(self) -> None:
         """`flush` for any store: awaits an async store's append, calls a sync one."""
         self._landed(await self._journal.flush_async())

@@ -41,6 +41,7 @@ from statemachine.stored import (
     Loaded,
     Rows,
     RunHead,
+    SessionWrite,
     check_filters,
     claimed_owner,
     conflict,
@@ -53,6 +54,7 @@ from statemachine.stored import (
     now_micros,
     snapshot_ignored,
     started_session,
+    takes_session_write,
     to_index,
     verified_snapshot,
 )
@@ -60,7 +62,7 @@ from statemachine.values import Step
 
 if TYPE_CHECKING:
     from statemachine.blocker import ReadModel
-    from statemachine.stores import SessionWrite, Snapshot
+    from statemachine.stores import Snapshot
 
 T = TypeVar("T")
 
@@ -1061,8 +1063,6 @@ _SESSION_INDEX = ("CREATE INDEX IF NOT EXISTS session_items_by_session "
 
 def _session_rows(write: SessionWrite, events: Sequence[Event]) -> list[tuple[str, str]]:
     """A ``session_write``'s rows (detached JSON text), checked before any I/O."""
-    from statemachine.stores import SessionWrite
-
     if type(write) is not SessionWrite:
         raise TypeError("session_write must be a SessionWrite")
     if not events:  # the read-back after a lost COMMIT finds a batch by its events
@@ -1121,8 +1121,6 @@ class SQLiteSession:
         ``statemachine.runner.publish`` hands a publication's items to the store with its
         commit event (`SessionWrite`), one transaction and one fsync for both, as with
         `PostgresSession` (DESIGN §7.7)."""
-        from statemachine.stores import takes_session_write
-
         sync = getattr(store, "sync", store)
         if (not isinstance(sync, SQLiteEventStore) or sync.readonly
                 or not takes_session_write(sync)):

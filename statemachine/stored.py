@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import inspect
 import json
 import time
 import warnings
@@ -36,6 +37,7 @@ from statemachine.blocker import Blocker, ReadModel, Waiting, read_model
 from statemachine.errors import ConcurrencyConflict, ControlError, SchemaError, lease_held
 from statemachine.events import Event
 from statemachine.machine import replay, replay_onto
+from statemachine.payloads import JSON
 from statemachine.state import RunState
 from statemachine.values import Step
 
@@ -340,3 +342,42 @@ def decode_rows(run_id: str, rows: Rows, first: int) -> Loaded:
                               f"{event.seq}", run_id=run_id, action="load")
         events.append(event)
     return Loaded(events)
+
+
+@attrs.frozen
+class SessionWrite:
+    """A publication's Session items, handed to a store with the publication's commit
+    event so both land in one transaction (DESIGN §6.7): a store whose ``append`` takes
+    ``session_write=`` (the PostgreSQL stores) writes ``items`` to the Session
+    ``session_id``, tagged with ``publication_id``, in the append's own transaction. Build
+    one for `RunController.publication_committed` (``statemachine.runner.publish`` does
+    when the Session shares the store's database)."""
+
+    session_id: str
+    publication_id: str
+    """``f"{run_id}:{seq}"``: the seq of the event that opened the attempt (its
+    `PublicationStaged`, or the `ReconciledAppend` of a reconcile that said Append)."""
+    items: tuple[JSON, ...]
+
+
+_TAKES_WRITE: dict[type, bool] = {}
+
+
+def takes_session_write(store: object) -> bool:
+    """Whether ``store``'s ``append`` accepts ``session_write=`` (cached per class)."""
+    return _append_takes(store, "session_write", _TAKES_WRITE)
+
+
+def _append_takes(store: object, parameter: str, cache: dict[type, bool]) -> bool:
+    """Whether ``store``'s ``append`` has ``parameter`` (cached per class in ``cache``)."""
+    kind = type(store)
+    found = cache.get(kind)
+    if found is None:
+        append = getattr(store, "append", None)
+        try:
+            found = append is not None and parameter in inspect.signature(
+                append).parameters
+        except (TypeError, ValueError):
+            found = False
+        cache[kind] = found
+    return found

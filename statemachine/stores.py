@@ -47,13 +47,10 @@ them with `load_measured` and `load_latest_measured` here.
 
 from __future__ import annotations
 
-import inspect
 import sqlite3
 import threading
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeGuard, runtime_checkable
-
-import attrs
 
 from statemachine.events import Event, RunClaimed
 from statemachine.payloads import JSON
@@ -63,7 +60,9 @@ from statemachine.stored import (
     Lease,
     Loaded,
     RunHead,
+    SessionWrite,
     SnapshotIgnored,
+    _append_takes,
     check_filters,
     claimed_owner,
     conflict,
@@ -74,6 +73,7 @@ from statemachine.stored import (
     restored,
     snapshot_ignored,
     started_session,
+    takes_session_write,
     to_index,
 )
 from statemachine.values import Step
@@ -175,45 +175,6 @@ def load_latest_measured(store: SnapshotStore, run_id: str) -> tuple[Snapshot | 
     snapshot, tail = store.load_latest(run_id)
     return snapshot, Loaded(list(tail), None)
 
-
-
-@attrs.frozen
-class SessionWrite:
-    """A publication's Session items, handed to a store with the publication's commit
-    event so both land in one transaction (DESIGN §6.7): a store whose ``append`` takes
-    ``session_write=`` (the PostgreSQL stores) writes ``items`` to the Session
-    ``session_id``, tagged with ``publication_id``, in the append's own transaction. Build
-    one for `RunController.publication_committed` (``statemachine.runner.publish`` does
-    when the Session shares the store's database)."""
-
-    session_id: str
-    publication_id: str
-    """``f"{run_id}:{seq}"``: the seq of the event that opened the attempt (its
-    `PublicationStaged`, or the `ReconciledAppend` of a reconcile that said Append)."""
-    items: tuple[JSON, ...]
-
-
-_TAKES_WRITE: dict[type, bool] = {}
-
-
-def takes_session_write(store: object) -> bool:
-    """Whether ``store``'s ``append`` accepts ``session_write=`` (cached per class)."""
-    return _append_takes(store, "session_write", _TAKES_WRITE)
-
-
-def _append_takes(store: object, parameter: str, cache: dict[type, bool]) -> bool:
-    """Whether ``store``'s ``append`` has ``parameter`` (cached per class in ``cache``)."""
-    kind = type(store)
-    found = cache.get(kind)
-    if found is None:
-        append = getattr(store, "append", None)
-        try:
-            found = append is not None and parameter in inspect.signature(
-                append).parameters
-        except (TypeError, ValueError):
-            found = False
-        cache[kind] = found
-    return found
 
 
 @runtime_checkable

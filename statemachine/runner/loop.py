@@ -396,7 +396,7 @@ class Runner:
         hooks: RunHooks | None = None,
         take_over: bool = False,
         owner: str | None = None,
-        buffered: bool = True,
+        buffered: bool | None = None,
         lease: float | None = None,
     ) -> RunResult:
         """Run ``agent`` to its next stop and return the `RunResult`.
@@ -409,10 +409,13 @@ class Runner:
         the gate, all before any guardrail, hook, model call or tool. ``lease`` (seconds,
         with an ``owner``) holds the run against other owners while this attempt works:
         each flush renews it, and another owner's claim is refused with `LeaseHeld` until
-        it ends (DESIGN §7.2). A run bound to a store appends its events where an effect
-        needs them durable (``buffered=True``, the default: before a tool body, with each
-        Session write, at the attempt's end; DESIGN §7.7); ``buffered=False`` appends each
-        event as it is recorded.
+        it ends (DESIGN §7.2). A run the runner binds to a store appends its events where
+        an effect needs them durable: before a tool body, with each Session write, at the
+        attempt's end (DESIGN §7.7). By default (``buffered=None``) the controller it
+        hands back then appends each event as it is recorded (on a sync store), so a
+        decision taken on it is durable when the call returns; ``buffered=True`` keeps
+        it buffered (flush before acknowledging a decision); ``buffered=False`` appends
+        each event as it is recorded, in the attempt too.
 
         Raises, before any work: `RunNotResumable`, `ToolInDoubt`, `ConcurrencyConflict`
         (another process claimed the run first), `PublicationUnsettled` (another run left
@@ -441,16 +444,20 @@ class Runner:
                    store: EventStore | AsyncEventStore | None, run_id: str | None,
                    policy: RecoveryPolicy,
                    hooks: RunHooks | None, take_over: bool, emit: Emit | AsyncEmit,
-                   owner: str | None = None, buffered: bool = True,
+                   owner: str | None = None, buffered: bool | None = None,
                    lease: float | None = None) -> RunResult:
         c, resumed = await _controller(agent, session=session, controller=controller,
                                        state=state, store=store, run_id=run_id,
-                                       policy=policy, buffered=buffered)
+                                       policy=policy, buffered=buffered is not False)
         loop = _AgentLoop(agent, c, _session_for(c, session), hooks or RunHooks(), emit,
                           take_over)
-        async with Attempt(c, resumes=resumed, owner=owner, lease=lease,
-                           verifiers=agent.verifiers()):  # claim first, flush last
-            return await loop.run(_input_items(input))
+        try:
+            async with Attempt(c, resumes=resumed, owner=owner, lease=lease,
+                               verifiers=agent.verifiers()):  # claim first, flush last
+                return await loop.run(_input_items(input))
+        finally:
+            if buffered is None and controller is None:
+                c._between_attempts()
 
 
 _LAST_KINDS = frozenset({"final_output", "interruption"})

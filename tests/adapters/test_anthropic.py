@@ -460,22 +460,30 @@ def test_a_retried_turn_of_a_create_loop_never_reruns_a_finished_tool(
 
 
 @pytest.mark.invariant("I12")
-def test_a_restarted_loop_answers_a_finished_call_from_the_store(tmp_path: Path) -> None:
-    """The process died after the tool and before the request: a new ledger on the same
-    store answers the reply again from the cache (no second run)."""
+@pytest.mark.parametrize("buffered", [False, True])
+def test_a_restarted_loop_answers_a_finished_call_from_the_store(tmp_path: Path,
+                                                                 buffered: bool) -> None:
+    """The process died after the tool and before the request. Per event, the result was
+    recorded: a new ledger on the same store answers the reply again from the cache.
+    Buffered (the default), the result rides with the next write, the request's, which
+    never came: the call is in doubt. Either way it never runs again."""
     effects = Effects(tmp_path, "p")
     store = SQLiteEventStore(tmp_path / "events.db")
     model = FakeModel()
     client = model.client()
     tools = [sync_charge(effects)]
-    first = MessageToolLedger.open("m", tools, store=store, owner="first")
+    first = MessageToolLedger.open("m", tools, store=store, owner="first", buffered=buffered)
     reply = first.create(client.messages, model="claude-test", max_tokens=64,
                          messages=[{"role": "user", "content": "pay 7"}])
     answered = first.run_tools(reply)
     del first  # ... the process died here
     second = MessageToolLedger.open("m", tools, store=SQLiteEventStore(tmp_path / "events.db"),
-                                    owner="second")
-    assert second.run_tools(reply) == answered
+                                    owner="second", buffered=buffered)
+    if buffered:
+        with pytest.raises(ToolInDoubt):
+            second.run_tools(reply)
+    else:
+        assert second.run_tools(reply) == answered
     assert effects.lines() == ["p charge 7"]
 
 
@@ -519,6 +527,7 @@ def test_an_unanswered_tool_use_is_refused_before_anything_is_sent(tmp_path: Pat
     # history that lacks its result is refused too, naming the doubt
     ledger.controller.receive_tool_calls([ToolCall("tu_1", "charge", {"x": 7})])
     ledger.controller.begin_tool("tu_1")
+    ledger.controller.flush()  # the start is durable, as before a tool body
     reloaded = MessageToolLedger.open("m", [sync_charge(effects)], store=store)
     with pytest.raises(ToolInDoubt):
         reloaded.run_tools(reply)
@@ -1194,9 +1203,10 @@ def test_a_replayed_structured_reply_is_parsed_as_the_runner_parses_it(
 def test_a_conversation_whose_end_was_half_recorded_is_finished_from_its_record(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, died_in: str, tools: bool) -> None:
     """The process died while it recorded the conversation's end (between its records, as
-    a kill between two appends leaves it): the next attempt finishes the record and
-    answers with the recorded reply, sending nothing, when the reply is in the log; it asks
-    the model again only when it is not (died before the answer was recorded)."""
+    a kill between two appends leaves it, one append per event): the next attempt
+    finishes the record and answers with the recorded reply, sending nothing, when the
+    reply is in the log; it asks the model again only when it is not (died before the
+    answer was recorded)."""
     effects = Effects(tmp_path, "p")
     store = SQLiteEventStore(tmp_path / "events.db")
     model = Model()
@@ -1215,10 +1225,10 @@ def test_a_conversation_whose_end_was_half_recorded_is_finished_from_its_record(
         patched.setattr(RunController, died_in, die)
         with pytest.raises(Died):
             _conversation(model.client(), MessageToolLedger.open(
-                "m", [sync_charge(effects)], store=store), [sync_charge(effects)],
-                list(first))
+                "m", [sync_charge(effects)], store=store, buffered=False),
+                [sync_charge(effects)], list(first))
     requests = len(model.requests)
-    ledger = MessageToolLedger.open("m", [sync_charge(effects)],
+    ledger = MessageToolLedger.open("m", [sync_charge(effects)], buffered=False,
                                     store=SQLiteEventStore(tmp_path / "events.db"))
     final = _conversation(model.client(), ledger, [sync_charge(effects)], list(first))
     asked_again = died_in == "model_responded"

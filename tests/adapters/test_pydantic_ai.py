@@ -1303,12 +1303,14 @@ def test_a_crash_before_the_acceptance_hands_the_recorded_answer_back_to_its_che
         checks: list[Any] = []
         store, history = DiesBeforeAcceptance(), MemorySession("h")
         run = await LedgerRun.open(checked([answer], asked, checks, output_type=output_type),
-                                   run_id="s", history=history, store=store)
+                                   run_id="s", history=history, store=store,
+                                   buffered=False)  # the answer recorded at once
         with pytest.raises(Crash):
             await run.run("hi")
         assert len(checks) == 1
         run = await LedgerRun.open(checked([answer], asked, checks, output_type=output_type),
-                                   run_id="s", history=history, store=store)
+                                   run_id="s", history=history, store=store,
+                                   buffered=False)  # the answer recorded at once
         done = await run.run()
         assert done.step is Step.COMPLETED
         assert len(asked) == 1  # the model was not called again
@@ -1338,12 +1340,14 @@ def test_a_recorded_answer_its_checks_refuse_after_a_crash_is_never_accepted() -
         checks: list[Any] = []
         store, history = DiesBeforeAcceptance(), MemorySession("h")
         run = await LedgerRun.open(checked(["FORBIDDEN"], asked, checks, refuse=None),
-                                   run_id="r", history=history, store=store)
+                                   run_id="r", history=history, store=store,
+                                   buffered=False)
         with pytest.raises(Crash):
             await run.run("hi")
         for _ in range(2):
             run = await LedgerRun.open(checked(["FORBIDDEN", "fine"], asked, checks),
-                                       run_id="r", history=history, store=store)
+                                       run_id="r", history=history, store=store,
+                                       buffered=False)
             with pytest.raises(RecordedOutputRefused):
                 await run.run()
             assert run.controller.step is Step.FINALIZING

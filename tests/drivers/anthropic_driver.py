@@ -323,9 +323,9 @@ def _messages(folder: Path, name: str, via: str, *, ledger: bool, crash_tool: bo
     tool = sync_charge_tool(Effects(folder, name), crash=crash_tool)
     history: list[Any] = [{"role": "user", "content": "pay 7"}]
     params: dict[str, Any] = {"model": "claude-test", "max_tokens": 64}
-    opened = MessageToolLedger.open(
+    opened = MessageToolLedger.open(  # one append per event: the kills fall between them
         MESSAGES_RUN, [tool], store=SQLiteEventStore(folder / "events.db"),
-        owner=name) if ledger else None
+        owner=name, buffered=False) if ledger else None
     answer: dict[str, Any] = {"name": name, "outcome": "done", "error": None}
     try:
         if via == "runner":

@@ -195,7 +195,8 @@ async def _open(folder: Path, effect: Effects, *, responses: list[Any],
     return await AgentRun.open(
         the_agent or agent(effect, responses=responses, crash=crash), run_id=RUN_ID,
         session=session or SQLiteSession(SESSION_ID, folder / "session.db"),
-        store=SQLiteEventStore(folder / "events.db"), owner=effect.name, take_over=take_over)
+        store=SQLiteEventStore(folder / "events.db"), owner=effect.name, take_over=take_over,
+        buffered=False)  # one append per event: each kill falls between two of them
 
 
 def _state(folder: Path) -> str | None:

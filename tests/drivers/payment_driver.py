@@ -127,7 +127,8 @@ async def main(folder: Path, boundary: str, verify: bool) -> dict[str, Any]:
         first = boundary != "none"  # the first attempt; "none" resumes the stored run
         result = await Runner.run(agent(folder, boundary, verify),
                                   "charge me 7" if first else None, store=store,
-                                  run_id=RUN_ID, hooks=_Hooks(boundary), owner="driver")
+                                  run_id=RUN_ID, hooks=_Hooks(boundary), owner="driver",
+                                  buffered=False)  # one append per event: "after-record"
     except ControlError as error:
         return {"error": type(error).__name__}
     finally:

@@ -112,7 +112,8 @@ async def _open(folder: Path, effect: Effects, *, tool: str = "charge", call_id:
     return await LedgerRun.open(billing(effect, tool=tool, call_id=call_id, crash=crash),
                                 run_id=RUN_ID,
                                 history=SQLiteSession(HISTORY_ID, folder / "history.db"),
-                                store=SQLiteEventStore(folder / "events.db"), owner=effect.name)
+                                store=SQLiteEventStore(folder / "events.db"), owner=effect.name,
+                                buffered=False)  # one append per event, as the rows say
 
 
 async def pause(folder: Path) -> None:
@@ -240,7 +241,7 @@ async def mixed(folder: Path, command: str, name: str, extra: list[str]) -> dict
                               else SQLiteSession(HISTORY_ID, folder / "history.db"))
     run = await LedgerRun.open(mixed_agent(effect), run_id=RUN_ID, history=history,
                                store=SQLiteEventStore(folder / "events.db"), owner=name,
-                               take_over="take-over" in extra)
+                               take_over="take-over" in extra, buffered=False)
     try:
         result = await run.run("charge me 7" if command == "mixed-pause" else None)
         if command == "mixed-pause":
