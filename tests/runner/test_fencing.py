@@ -101,6 +101,33 @@ def test_a_superseded_attempt_runs_no_effect_after_the_model_call(
 
 
 
+@pytest.mark.parametrize("buffered", [False, True], ids=["per-event", "buffered"])
+@pytest.mark.parametrize("kind", ["sqlite", "async-sqlite"])
+def test_a_rival_claim_before_the_model_call_stops_it(tmp_path: Path, buffered: bool,
+                                                      kind: str) -> None:
+    """Superseded while ``on_llm_start`` runs (the hook passed its fence): the model call
+    after it, which no flush precedes (DESIGN §7.7), is fenced, and never made."""
+    counters = Counters()
+    store, rival = _stores(tmp_path, kind)
+
+    class RivalInTheHook(CountingHooks):
+        async def on_llm_start(self, agent: Agent) -> None:
+            await super().on_llm_start(agent)
+            rival()
+
+    model = ScriptedModel([ModelResponse(output="the answer")])
+    agent = Agent("a", model)
+    # the run exists in the store before the attempt (a rival can only claim a stored run)
+    RunController.start(run_id=RUN, session_id="s", store=SQLiteEventStore(
+        tmp_path / "events.db"))
+    with pytest.raises(ConcurrencyConflict):
+        asyncio.run(Runner.run(agent, "hi", session=MemorySession("s"), store=store,
+                               run_id=RUN, hooks=RivalInTheHook(counters),
+                               buffered=buffered))
+    assert dict(counters.hooks) == {"agent_start": 1, "model_start": 1}
+    assert model.calls == 0
+
+
 @pytest.mark.invariant("I1")
 @pytest.mark.parametrize("buffered", [False, True], ids=["per-event", "buffered"])
 def test_a_rival_claim_during_a_hook_stops_the_guardrails_after_it(
