@@ -644,6 +644,16 @@ class RunController:
         goes in the same transaction, and is applied only if it lands."""
         self._landed(self._journal.flush())
 
+    def _buffer_attempt(self) -> bool:
+        """Buffer from now on, a controller a runner handed back between its attempts
+        (`_between_attempts`), for the next attempt a runner runs with it (DESIGN §7.7).
+        A controller its caller bound per event stays so. Whether it switched."""
+        journal = self._journal
+        if not journal.between or journal.buffered:
+            return False
+        journal.buffered = True  # (per event, everything recorded is flushed already)
+        return True
+
     def _between_attempts(self) -> None:
         """Append each event as it is recorded from now on (a sync store), once nothing is
         left buffered: what a runner that buffered its attempt hands back, so a decision
@@ -653,6 +663,7 @@ class RunController:
         if (journal.buffered and journal.store is not None and not is_async(journal.store)
                 and self.unflushed == 0):
             journal.buffered = False
+            journal.between = True
 
     async def flush_async(self) -> None:
         """`flush` for any store: awaits an async store's append, calls a sync one."""

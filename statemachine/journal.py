@@ -146,8 +146,9 @@ class PendingCommit:
 class Journal:
     """The log of one run and its way to the store (see the module's docstring)."""
 
-    __slots__ = ("buffered", "events", "flushed", "limits", "origin", "pending_snapshot",
-                 "size", "snapshot_at", "state", "stopped", "store", "version", "write")
+    __slots__ = ("between", "buffered", "events", "flushed", "limits", "origin",
+                 "pending_snapshot", "size", "snapshot_at", "state", "stopped", "store",
+                 "version", "write")
 
     def __init__(self, state: RunState, events: list[ev.Event], *, store: EventStore | None,
                  limits: Limits, size: int | None = None) -> None:
@@ -167,6 +168,9 @@ class Journal:
         / `flush_async` in one transaction (always so for an async store)."""
         self.flushed = self.version
         """How many events the store holds (the version the next flush expects)."""
+        self.between = False
+        """Per event between a runner's attempts and buffered within them: set by
+        `RunController._between_attempts`, read by `RunController._buffer_attempt`."""
         self.pending_snapshot: dict[str, JSON] | None = None
         self.snapshot_at = self.base
         self.write: PendingCommit | None = None

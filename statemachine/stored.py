@@ -347,8 +347,8 @@ def decode_rows(run_id: str, rows: Rows, first: int) -> Loaded:
 @attrs.frozen
 class SessionWrite:
     """A publication's Session items, handed to a store with the publication's commit
-    event so both land in one transaction (DESIGN §6.7): a store whose ``append`` takes
-    ``session_write=`` (the PostgreSQL stores) writes ``items`` to the Session
+    event so both land in one transaction (DESIGN §6.7, §7.7): a store whose ``append``
+    takes ``session_write=`` (the PostgreSQL and SQLite stores) writes ``items`` to the Session
     ``session_id``, tagged with ``publication_id``, in the append's own transaction. Build
     one for `RunController.publication_committed` (``statemachine.runner.publish`` does
     when the Session shares the store's database)."""

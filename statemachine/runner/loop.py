@@ -413,9 +413,12 @@ class Runner:
         an effect needs them durable: before a tool body, with each Session write, at the
         attempt's end (DESIGN §7.7). By default (``buffered=None``) the controller it
         hands back then appends each event as it is recorded (on a sync store), so a
-        decision taken on it is durable when the call returns; ``buffered=True`` keeps
-        it buffered (flush before acknowledging a decision); ``buffered=False`` appends
-        each event as it is recorded, in the attempt too.
+        decision taken on it is durable when the call returns, and it buffers again for
+        the next attempt it is handed in for (``controller=``; one its caller bound per
+        event stays so);
+        ``buffered=True`` keeps a run it binds buffered (flush before acknowledging a
+        decision); ``buffered=False`` appends each event as it is recorded, in the
+        attempt too.
 
         Raises, before any work: `RunNotResumable`, `ToolInDoubt`, `ConcurrencyConflict`
         (another process claimed the run first), `PublicationUnsettled` (another run left
@@ -451,12 +454,15 @@ class Runner:
                                        policy=policy, buffered=buffered is not False)
         loop = _AgentLoop(agent, c, _session_for(c, session), hooks or RunHooks(), emit,
                           take_over)
+        # buffered within the attempt, per event after it (unless told either): a
+        # controller this runner handed back buffers its next attempt again
+        switched = buffered is None and controller is not None and c._buffer_attempt()
         try:
             async with Attempt(c, resumes=resumed, owner=owner, lease=lease,
                                verifiers=agent.verifiers()):  # claim first, flush last
                 return await loop.run(_input_items(input))
         finally:
-            if buffered is None and controller is None:
+            if buffered is None and (controller is None or switched):
                 c._between_attempts()
 
 
