@@ -213,6 +213,7 @@ EXTRA_ROWS: tuple[tuple[str, str, str], ...] = (
      "bench_row"),
     ("durable one-tool turn beside LangGraph's SqliteSaver (sync)", "bench.durable_rows",
      "langgraph_row"),
+    ("kill -9 right after the tool, then resume", "bench.durable_rows", "crash_row"),
 )
 
 

@@ -35,7 +35,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -198,8 +202,9 @@ def bench_row(args: Any = None) -> dict[str, Any]:
             "verdict": "met" if best and max(best) <= TARGET else "missed", "rows": rows}
 
 
-def _langgraph_turns(folder: Path, turns: int) -> tuple[float, float]:
-    """LangGraph's median seconds and commits per durable one-tool turn."""
+def _langgraph_app(path: Path, pay: Callable[[int], str]) -> tuple[Any, Any]:
+    """LangGraph's one-tool turn, checkpointed by ``SqliteSaver`` in ``path``: the graph
+    compiled, and its connection."""
     import operator
     import sqlite3
     from typing import Annotated, TypedDict
@@ -212,8 +217,6 @@ def _langgraph_turns(folder: Path, turns: int) -> tuple[float, float]:
     State = TypedDict(  # noqa: UP013
         "State", {"messages": Annotated[list[dict[str, Any]], operator.add]})
 
-    ran: list[int] = []
-
     def model(state: Any) -> dict[str, Any]:
         if any(m.get("role") == "tool" for m in state["messages"]):
             return {"messages": [{"role": "assistant", "content": "paid 7"}]}
@@ -221,8 +224,7 @@ def _langgraph_turns(folder: Path, turns: int) -> tuple[float, float]:
             "id": "p1", "name": "pay", "args": {"amount": 7}}}]}
 
     def tools(state: Any) -> dict[str, Any]:
-        ran.append(7)
-        return {"messages": [{"role": "tool", "content": "paid 7", "id": "p1"}]}
+        return {"messages": [{"role": "tool", "content": pay(7), "id": "p1"}]}
 
     def route(state: Any) -> str:
         return "tools" if "tool_call" in state["messages"][-1] else END
@@ -233,9 +235,20 @@ def _langgraph_turns(folder: Path, turns: int) -> tuple[float, float]:
     graph.add_edge(START, "model")
     graph.add_conditional_edges("model", route, ["tools", END])
     graph.add_edge("tools", "model")
-    conn = sqlite3.connect(folder / "langgraph.db", check_same_thread=False)
+    conn = sqlite3.connect(path, check_same_thread=False)
+    return graph.compile(checkpointer=SqliteSaver(conn)), conn
+
+
+def _langgraph_turns(folder: Path, turns: int) -> tuple[float, float]:
+    """LangGraph's median seconds and commits per durable one-tool turn."""
+    ran: list[int] = []
+
+    def pay(amount: int) -> str:
+        ran.append(amount)
+        return f"paid {amount}"
+
+    app, conn = _langgraph_app(folder / "langgraph.db", pay)
     statements: list[str] = []
-    app = graph.compile(checkpointer=SqliteSaver(conn))
     app.invoke({"messages": [{"role": "user", "content": "warm up"}]},
                {"configurable": {"thread_id": "warm-up"}}, durability="sync")
     ran.clear()
@@ -273,5 +286,93 @@ def langgraph_row(args: Any = None) -> dict[str, Any]:
         "verdict": "met" if ratio <= LANGGRAPH_RATIO else "missed"}
 
 
+# ------------------------------------------------------------------ kill -9 after the tool
+
+SYSTEMS = ("ours", "langgraph")
+
+
+def _paying(folder: Path, die: bool) -> Callable[[int], str]:
+    """The tool: one fsynced line per payment in DIR/payments (then, with ``die``, the
+    process kills itself: after the effect, before anything records it)."""
+
+    def pay(amount: int) -> str:
+        with (folder / "payments").open("a") as out:
+            out.write(f"paid {amount}\n")
+            out.flush()
+            os.fsync(out.fileno())
+        if die:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return f"paid {amount}"
+
+    return pay
+
+
+def _crash_child(system: str, folder: Path, die: bool) -> str:
+    """One attempt of ``system``'s durable turn in ``folder`` (the first with ``die``,
+    killed inside the tool; then the resume). What the resume ended with."""
+    pay = _paying(folder, die)
+    if system == "langgraph":
+        app, conn = _langgraph_app(folder / "langgraph.db", pay)
+        config = {"configurable": {"thread_id": "t"}}
+        start = {"messages": [{"role": "user", "content": "pay 7"}]} if die else None
+        done = app.invoke(start, config, durability="sync")
+        conn.close()
+        return str(done["messages"][-1].get("content"))
+    from statemachine import ControlError
+    from statemachine.runner import Agent, FunctionTool, ModelResponse, Runner
+    from statemachine.sessions import SQLiteSession
+    from statemachine.stores import SQLiteEventStore
+    from statemachine.testing import ScriptedModel
+
+    model = ScriptedModel([ModelResponse((("p1", "pay", {"amount": 7}),)),
+                           ModelResponse(output="paid 7")])
+    agent = Agent("payer", model, (FunctionTool("pay", pay),))
+    store = SQLiteEventStore(folder / "events.db")
+    session = SQLiteSession("s", folder / "events.db")
+    try:
+        result = asyncio.run(Runner.run(agent, "pay 7" if die else None, session=session,
+                                        store=store, run_id="r"))
+    except ControlError as error:
+        return type(error).__name__
+    return str(result.final_output)
+
+
+def crash_row(args: Any = None) -> dict[str, Any]:
+    """Each system's durable turn killed (-9) right after the tool's effect, then resumed
+    in a new process: how many times the tool ran, and how the resume ended."""
+    found: dict[str, Any] = {}
+    for system in SYSTEMS:
+        if system == "langgraph":
+            try:
+                import langgraph.checkpoint.sqlite  # noqa: F401
+            except ImportError:
+                found[system] = "skipped: langgraph-checkpoint-sqlite is not installed"
+                continue
+        with tempfile.TemporaryDirectory() as folder:
+            for die in (True, False):
+                done = subprocess.run(
+                    [sys.executable, "-m", "bench.durable_rows", "--crash-child", system,
+                     folder, "die" if die else "resume"], capture_output=True, text=True,
+                    timeout=120, check=False)
+                if die and done.returncode != -signal.SIGKILL:
+                    raise RuntimeError(f"{system}: the first attempt was not killed: "
+                                       f"{done.stderr[-500:]}")
+            if done.returncode != 0:
+                raise RuntimeError(f"{system}: the resume failed: {done.stderr[-500:]}")
+            payments = (Path(folder) / "payments").read_text().splitlines()
+            found[system] = {"tool_ran": len(payments), "resume": done.stdout.strip()}
+    ours = found["ours"]
+    summary = "; ".join(f"{name}: the tool ran {row['tool_ran']}x, the resume said "
+                        f"{row['resume']}" if isinstance(row, dict) else f"{name}: {row}"
+                        for name, row in found.items())
+    return {"summary": summary, "systems": found,
+            "target": "ours never runs the tool twice (a crash after it leaves it in doubt)",
+            "verdict": "met" if ours["tool_ran"] == 1 else "missed"}
+
+
 if __name__ == "__main__":
-    print(json.dumps({"durable": bench_row(), "langgraph": langgraph_row()}, indent=2))
+    if sys.argv[1:2] == ["--crash-child"]:
+        print(_crash_child(sys.argv[2], Path(sys.argv[3]), sys.argv[4] == "die"))
+    else:
+        print(json.dumps({"durable": bench_row(), "langgraph": langgraph_row(),
+                          "crash": crash_row()}, indent=2))
