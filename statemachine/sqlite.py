@@ -790,8 +790,9 @@ class SQLiteEventStore:
 
     def _drop_connection(self) -> None:
         conn, self._conn = self._conn, None
-        with contextlib.suppress(sqlite3.Error):
-            conn.close()
+        if conn is not None:  # (a group's appends each drop it after a failed COMMIT)
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()
 
     def _classify(self, failed: CommitFailed, batch_id: str, doing: str,
                   **where: Any) -> None:
