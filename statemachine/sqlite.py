@@ -1206,10 +1206,11 @@ class AsyncSQLiteEventStore:
             for i in where:
                 outcomes[i] = error
         for (_, done), outcome in zip(taken, outcomes, strict=True):
-            if outcome is None:
-                done.set_result(None)
-            else:
-                done.set_exception(outcome)
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                if outcome is None:
+                    done.set_result(None)
+                else:
+                    done.set_exception(outcome)
 
     def _refuse_waiting(self) -> None:
         while self._waiting:
