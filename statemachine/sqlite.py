@@ -18,6 +18,7 @@ The stores are also importable from `statemachine.stores` (and `SQLiteEventStore
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import functools
@@ -27,7 +28,7 @@ import sqlite3
 import threading
 import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 from urllib.parse import quote
 
 from statemachine import codec
@@ -311,6 +312,22 @@ all written without time, so NULL is what the column would hold)."""
 _SIDE_FILES = ("-wal", "-shm", "-journal")
 
 
+_APPEND = "append to the event store"
+
+
+class _Prepared(NamedTuple):
+    """One append checked and encoded (`SQLiteEventStore._prepare`), before any I/O."""
+
+    run_id: str
+    events: tuple[Event, ...]
+    expected: int
+    batch_id: str
+    rows: list[tuple[str, int, str, str]]
+    kept: tuple[str, int, str, str] | None
+    fold: tuple[Step, ReadModel] | None
+    items: list[tuple[str, str]] | None
+
+
 class SQLiteEventStore:
     """A store on a real SQLite database file: WAL, ``synchronous=FULL``, every append in
     one ``BEGIN IMMEDIATE`` transaction, UNIQUE(run_id, seq).
@@ -402,8 +419,9 @@ class SQLiteEventStore:
         self._has_runs = self._has_digests = self._has_versions = True
         self._has_updated_at = self._has_leases = self._has_read_models = True
         self.commits = 0
-        """How many appends this object committed (each one transaction, one fsync of the
-        write-ahead log): what the bench counts as durable writes."""
+        """How many write transactions of appends this object committed (each one fsync
+        of the write-ahead log: an `append`'s, or an `append_group`'s of several appends):
+        what the bench counts as durable writes."""
         if readonly:
             self._open_readonly()
             return
@@ -614,12 +632,37 @@ class SQLiteEventStore:
         rows in this file (`SQLiteSession` on the same file, which shares this
         transaction: ``shares_transaction_with``) in the append's own transaction, so a
         publication's items and its commit land together or not at all (DESIGN §7.7)."""
+        a = self._prepare(run_id, events, expected_version, snapshot, step, read_model,
+                          session_write)
         where: dict[str, Any] = {"run_id": run_id}
-        doing = "append to the event store"
+        with self._lock:
+            self._check(_APPEND, **where)
+            try:
+                conn = self._live()
+                with write_transaction(conn):
+                    self._write(conn, a)
+            except CommitFailed as failed:
+                self._classify(failed, a.batch_id, _APPEND, **where)
+            except (sqlite3.Error, OSError) as error:  # before COMMIT: nothing landed
+                self._settle_connection()
+                raise failure(error, self.path, outcome=Outcome.NOT_WRITTEN, doing=_APPEND,
+                              **where) from error
+            except BaseException:
+                self._settle_connection()
+                raise
+            # the file was deleted or replaced during the append: it went into the void
+            self._check(_APPEND, outcome=Outcome.UNKNOWN, **where)
+            self.commits += 1
+
+    def _prepare(self, run_id: str, events: Sequence[Event], expected_version: int,
+                 snapshot: Snapshot | None, step: Step | None, read_model: ReadModel | None,
+                 session_write: SessionWrite | None) -> _Prepared:
+        """One append checked (`ValueError`, `TypeError`; `StorageError` when read-only)
+        and encoded, before any lock or I/O."""
         if self.readonly:
-            raise StorageError(f"cannot {doing}: {shown(self.path)} is open "
+            raise StorageError(f"cannot {_APPEND}: {shown(self.path)} is open "
                                "read-only; nothing was written", outcome=Outcome.NOT_WRITTEN,
-                               **where)
+                               run_id=run_id)
         batch_id = uuid.uuid4().hex
         rows = [(run_id, event.seq, batch_id, dumps(codec.encode_event(event)))
                 for event in events]
@@ -632,49 +675,114 @@ class SQLiteEventStore:
             text = dumps(snapshot)
             kept = (run_id, expected_version, text, digest(text))
         fold = to_index(run_id, events, step, read_model, expected_version)
+        return _Prepared(run_id, tuple(events), expected_version, batch_id, rows, kept, fold,
+                         items)
+
+    def _write(self, conn: sqlite3.Connection, a: _Prepared) -> None:
+        """The body of one append, inside a write transaction (its own, or a group's
+        savepoint): the version check against the log and its head, the rows, the
+        snapshot, the head (its lease checked: `LeaseHeld`) and the Session's items.
+        A refusal raises (`ConcurrencyConflict`, `SchemaError`); the caller rolls back."""
+        run_id, expected_version = a.run_id, a.expected
+        try:
+            last, head = conn.execute(
+                "SELECT (SELECT MAX(seq) FROM events WHERE run_id = ?), "
+                "(SELECT version FROM runs WHERE run_id = ?)",
+                (run_id, run_id)).fetchone()
+            version = 0 if last is None else last + 1
+            # never on top of lost rows: the log must be as long as its head says
+            _checked(run_id, head, version, Loaded([]), "append")
+            if version != expected_version:
+                raise conflict(run_id, expected_version, version)
+            conn.executemany(
+                "INSERT INTO events (run_id, seq, batch_id, body) VALUES (?, ?, ?, ?)",
+                a.rows)
+            if a.kept is not None:
+                conn.execute(
+                    "INSERT OR REPLACE INTO snapshots (run_id, version, body, digest) "
+                    "VALUES (?, ?, ?, ?)", a.kept)
+            if a.events:
+                self._keep_head(conn, run_id, a.events, expected_version, a.fold)
+            if a.items is not None:
+                conn.execute(_SESSION_TABLE)
+                conn.execute(_SESSION_INDEX)
+                conn.executemany("INSERT INTO session_items (session_id, body) "
+                                 "VALUES (?, ?)", a.items)
+        except sqlite3.IntegrityError:  # UNIQUE(run_id, seq): another writer got there
+            raise conflict(run_id, expected_version, expected_version + 1) from None
+
+    def append_group(self, group: Sequence[_Prepared]) -> list[BaseException | None]:
+        """Several prepared appends (`_prepare`) in ONE write transaction, one COMMIT (one
+        fsync): group commit, what `AsyncSQLiteEventStore` does with the appends waiting
+        together (DESIGN §7.7). Each runs `_write` inside a savepoint of its own, in
+        order, so two appends of one run behave as if serialized (the second sees the
+        first's rows, or, if the first was refused, what is really there); a refused one
+        is rolled back to its savepoint and fails alone. The answer: each append's
+        outcome, None for landed, else its error (what `append` would raise). A COMMIT
+        that fails is decided for each append as `append` decides it (`_classify`: its
+        batch read back). `commits` counts the group's one transaction."""
+        outcomes: list[BaseException | None] = [None] * len(group)
         with self._lock:
-            self._check(doing, **where)
+            try:
+                self._check(_APPEND)
+            except StorageError as refused:
+                return [self._again(refused, a) for a in group]
+            written: list[int] = []
             try:
                 conn = self._live()
-                with write_transaction(conn):
-                    last, head = conn.execute(
-                        "SELECT (SELECT MAX(seq) FROM events WHERE run_id = ?), "
-                        "(SELECT version FROM runs WHERE run_id = ?)",
-                        (run_id, run_id)).fetchone()
-                    version = 0 if last is None else last + 1
-                    # never on top of lost rows: the log must be as long as its head says
-                    _checked(run_id, head, version, Loaded([]), "append")
-                    if version != expected_version:
-                        raise conflict(run_id, expected_version, version)
-                    conn.executemany(
-                        "INSERT INTO events (run_id, seq, batch_id, body) VALUES (?, ?, ?, ?)",
-                        rows)
-                    if kept is not None:
-                        conn.execute(
-                            "INSERT OR REPLACE INTO snapshots (run_id, version, body, digest) "
-                            "VALUES (?, ?, ?, ?)", kept)
-                    if events:
-                        self._keep_head(conn, run_id, events, expected_version, fold)
-                    if items is not None:
-                        conn.execute(_SESSION_TABLE)
-                        conn.execute(_SESSION_INDEX)
-                        conn.executemany("INSERT INTO session_items (session_id, body) "
-                                         "VALUES (?, ?)", items)
-            except sqlite3.IntegrityError:
+                conn.execute("BEGIN IMMEDIATE")
+                for i, a in enumerate(group):
+                    conn.execute("SAVEPOINT one_append")
+                    try:
+                        self._write(conn, a)
+                    except Exception as error:
+                        conn.execute("ROLLBACK TO one_append")
+                        if not conn.in_transaction:  # SQLite rolled it all back itself
+                            raise
+                        outcomes[i] = (failure(error, self.path, outcome=Outcome.NOT_WRITTEN,
+                                               doing=_APPEND, run_id=a.run_id)
+                                       if isinstance(error, (sqlite3.Error, OSError))
+                                       else error)
+                    else:
+                        written.append(i)
+                    conn.execute("RELEASE one_append")
+                if not written:
+                    conn.execute("ROLLBACK")
+                    return outcomes
+            except BaseException as error:  # the transaction itself failed: nothing landed
+                with contextlib.suppress(sqlite3.Error):
+                    if self._conn is not None and self._conn.in_transaction:
+                        self._conn.execute("ROLLBACK")
                 self._settle_connection()
-                raise conflict(run_id, expected_version, expected_version + 1) from None
-            except CommitFailed as failed:
-                self._classify(failed, batch_id, doing, **where)
-            except (sqlite3.Error, OSError) as error:  # before COMMIT: nothing landed
-                self._settle_connection()
-                raise failure(error, self.path, outcome=Outcome.NOT_WRITTEN, doing=doing,
-                              **where) from error
-            except BaseException:
-                self._settle_connection()
-                raise
-            # the file was deleted or replaced during the append: it went into the void
-            self._check(doing, outcome=Outcome.UNKNOWN, **where)
-            self.commits += 1
+                return [failure(error, self.path, outcome=Outcome.NOT_WRITTEN,
+                                doing=_APPEND, run_id=a.run_id)
+                        if isinstance(error, (sqlite3.Error, OSError)) else error
+                        for a in group]
+            try:
+                conn.execute("COMMIT")
+            except sqlite3.Error as error:
+                failed = CommitFailed(str(error))
+                failed.__cause__ = error
+                for i in written:  # each decided by its own batch, read back
+                    try:
+                        self._classify(failed, group[i].batch_id, _APPEND,
+                                       run_id=group[i].run_id)
+                    except StorageError as undecided:
+                        outcomes[i] = undecided
+            landed = [i for i in written if outcomes[i] is None]
+            for i in landed:  # the file was deleted or replaced meanwhile: into the void
+                try:
+                    self._check(_APPEND, outcome=Outcome.UNKNOWN, run_id=group[i].run_id)
+                except StorageError as lost:
+                    outcomes[i] = lost
+            if landed:
+                self.commits += 1
+        return outcomes
+
+    @staticmethod
+    def _again(error: StorageError, a: _Prepared) -> StorageError:
+        """``error`` (said of the store, not of one run) for the append ``a``."""
+        return StorageError(error.reason, outcome=error.outcome, run_id=a.run_id)
 
     def _settle_connection(self) -> None:
         """After a failed write: a connection left inside a transaction (its ROLLBACK
@@ -684,8 +792,9 @@ class SQLiteEventStore:
 
     def _drop_connection(self) -> None:
         conn, self._conn = self._conn, None
-        with contextlib.suppress(sqlite3.Error):
-            conn.close()
+        if conn is not None:  # (a group's appends each drop it after a failed COMMIT)
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()
 
     def _classify(self, failed: CommitFailed, batch_id: str, doing: str,
                   **where: Any) -> None:
@@ -991,10 +1100,28 @@ def _at_rest(name: str) -> tuple[int, int, int, int] | None:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
+GROUP_LIMIT = 64
+"""The most appends `AsyncSQLiteEventStore` writes in one group (one transaction)."""
+
+
 class AsyncSQLiteEventStore:
     """The async face of `SQLiteEventStore` (an `AsyncEventStore`): every call runs the
     sync store's method on one worker thread of its own, so an asyncio runner's event loop
-    never waits for a lock or an fsync. Calls are serialized on that thread, in order."""
+    never waits for a lock or an fsync. Calls run on that thread one at a time, in order,
+    except that appends are group-committed.
+
+    Group commit (DESIGN §7.7): the appends waiting when the worker thread becomes free
+    (at most `GROUP_LIMIT`, in the order they were made) are written in one transaction,
+    one COMMIT and so one fsync for all of them (`SQLiteEventStore.append_group`): each in
+    a savepoint of its own, so one run's refusal (a version conflict, `LeaseHeld`) fails
+    only that append, two appends of one run behave as if serialized, and each caller
+    gets its own append's outcome. ``commits`` counts one commit per group.
+    ``group_commit=False`` writes each append in its own transaction, as the sync store
+    does (the bench's comparison). A sync store whose ``append`` is overridden (a test's
+    recording store set as ``sync``) is called one append at a time, through it.
+
+    An append cancelled before its group is taken is never written; once taken, it lands
+    or fails with its group, whether its caller still waits or not."""
 
     keeps_leases = True
     """Leases are checked and moved in each append's transaction (`stored.next_lease`):
@@ -1003,10 +1130,16 @@ class AsyncSQLiteEventStore:
     """Each append keeps the run's `ReadModel` (``read_model=``) in its head, beside the
     step, in the append's transaction (`stores.keeps_read_models`)."""
 
-    def __init__(self, path: str | os.PathLike[str], *, timeout: float = 30.0) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, timeout: float = 30.0,
+                 group_commit: bool = True) -> None:
         self.sync = SQLiteEventStore(path, timeout=timeout)
+        self.group_commit = group_commit
         self._worker = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="statemachine-sqlite")
+        self._queue_lock = threading.Lock()
+        self._waiting: collections.deque[tuple[_Call, concurrent.futures.Future[None]]] = (
+            collections.deque())
+        self._draining = False
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -1017,12 +1150,77 @@ class AsyncSQLiteEventStore:
                      snapshot: Snapshot | None = None, step: Step | None = None,
                      read_model: ReadModel | None = None,
                      session_write: SessionWrite | None = None) -> None:
-        """`SQLiteEventStore.append`, off the event loop."""
-        options: dict[str, Any] = {"snapshot": snapshot, "step": step,
-                                   "read_model": read_model}
-        if session_write is not None:  # (a wrapped sync store may not name it)
-            options["session_write"] = session_write
-        await self._call(self.sync.append, run_id, events, expected_version, **options)
+        """`SQLiteEventStore.append`, off the event loop (group-committed: see the
+        class)."""
+        if not (self.group_commit
+                and getattr(type(self.sync), "append", None) is SQLiteEventStore.append):
+            options: dict[str, Any] = {"snapshot": snapshot, "step": step,
+                                       "read_model": read_model}
+            if session_write is not None:  # (a wrapped sync store may not name it)
+                options["session_write"] = session_write
+            await self._call(self.sync.append, run_id, events, expected_version, **options)
+            return
+        call = _Call(run_id, events, expected_version, snapshot, step, read_model,
+                     session_write)
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._queue_lock:
+            self._waiting.append((call, done))
+            if not self._draining:
+                try:
+                    self._worker.submit(self._drain)
+                except RuntimeError:  # the worker was shut down: the store is closed
+                    self._waiting.pop()
+                    raise
+                self._draining = True
+        await asyncio.wrap_future(done)
+
+    def _drain(self) -> None:
+        """On the worker thread: write the appends waiting now as one group, and leave
+        the ones that come meanwhile (or past `GROUP_LIMIT`) to the next."""
+        taken: list[tuple[_Call, concurrent.futures.Future[None]]] = []
+        with self._queue_lock:
+            while self._waiting and len(taken) < GROUP_LIMIT:
+                call, done = self._waiting.popleft()
+                if done.set_running_or_notify_cancel():  # cancelled before taken: dropped
+                    taken.append((call, done))
+            self._draining = bool(self._waiting)
+            if self._draining:  # after the calls queued meanwhile, in order
+                try:
+                    self._worker.submit(self._drain)
+                except RuntimeError:  # shut down: nothing more is written
+                    self._draining = False
+                    self._refuse_waiting()
+        if not taken:
+            return
+        outcomes: list[BaseException | None] = [None] * len(taken)
+        group: list[_Prepared] = []
+        where: list[int] = []
+        for i, (call, _) in enumerate(taken):
+            try:
+                group.append(self.sync._prepare(*call))
+                where.append(i)
+            except BaseException as refused:
+                outcomes[i] = refused
+        try:
+            for i, outcome in zip(where, self.sync.append_group(group), strict=True):
+                outcomes[i] = outcome
+        except BaseException as error:  # never leave a caller waiting
+            for i in where:
+                outcomes[i] = error
+        for (_, done), outcome in zip(taken, outcomes, strict=True):
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                if outcome is None:
+                    done.set_result(None)
+                else:
+                    done.set_exception(outcome)
+
+    def _refuse_waiting(self) -> None:
+        while self._waiting:
+            call, done = self._waiting.popleft()
+            if done.set_running_or_notify_cancel():
+                done.set_exception(StorageError(f"cannot {_APPEND}: the event store is "
+                                                "closed", outcome=Outcome.NOT_WRITTEN,
+                                                run_id=call.run_id))
 
     @property
     def path(self) -> str:
@@ -1030,7 +1228,7 @@ class AsyncSQLiteEventStore:
 
     @property
     def commits(self) -> int:
-        """As `SQLiteEventStore.commits`."""
+        """As `SQLiteEventStore.commits` (one per group of appends)."""
         return self.sync.commits
 
     async def load(self, run_id: str) -> list[Event]:
@@ -1050,6 +1248,18 @@ class AsyncSQLiteEventStore:
     async def close(self) -> None:
         await self._call(self.sync.close)
         self._worker.shutdown(wait=False)
+
+
+class _Call(NamedTuple):
+    """An append's arguments, as `SQLiteEventStore._prepare` takes them."""
+
+    run_id: str
+    events: Sequence[Event]
+    expected: int
+    snapshot: Snapshot | None
+    step: Step | None
+    read_model: ReadModel | None
+    session_write: SessionWrite | None
 
 
 # ------------------------------------------------------------------------ the Session
