@@ -95,7 +95,14 @@ def bench_row(args: Any = None) -> dict[str, Any]:
     wall = {g: statistics.median(w for w, _ in measured[g]) for g in measured}
     per_run = {g: statistics.median(c for _, c in measured[g]) for g in measured}
     speedup = wall[False] / wall[True]
+    met = speedup >= SPEEDUP and per_run[True] <= COMMITS_PER_RUN
     return {
+        "summary": f"{runs} one-tool turns in flight: {wall[True] * 1000:.1f} ms grouped, "
+                   f"{wall[False] * 1000:.1f} ms apart ({speedup:.2f}x), "
+                   f"{per_run[True]:.2f} commits per run grouped, {per_run[False]:.2f} "
+                   f"apart (one commit: {commit_ms:.3f} ms)",
+        "target": f">= {SPEEDUP}x faster, <= {COMMITS_PER_RUN} commits per run",
+        "verdict": "met" if met else "missed",
         "runs": runs, "repeats": repeats, "commit_ms": round(commit_ms, 3),
         "grouped": {"wall_ms": round(wall[True] * 1000, 1),
                     "commits_per_run": round(per_run[True], 2)},
