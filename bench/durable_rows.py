@@ -286,6 +286,74 @@ def langgraph_row(args: Any = None) -> dict[str, Any]:
         "verdict": "met" if ratio <= LANGGRAPH_RATIO else "missed"}
 
 
+# ------------------------------------------------------------------ through pydantic-ai
+
+
+async def _pydantic_turn(store: Any, history: Any, run_id: str, buffered: bool) -> None:
+    from pydantic_ai import Agent
+    from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
+    from pydantic_ai.models.function import AgentInfo, FunctionModel
+
+    from statemachine.adapters.pydantic_ai import LedgerRun
+
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        if any(isinstance(message, ModelResponse) for message in messages):
+            return ModelResponse(parts=[TextPart("paid 7")])
+        return ModelResponse(parts=[ToolCallPart("pay", {"amount": 7}, tool_call_id="p1")])
+
+    agent: Agent[None, str] = Agent(FunctionModel(respond))
+    ran: list[int] = []
+
+    @agent.tool_plain
+    def pay(amount: int) -> str:
+        ran.append(amount)
+        return f"paid {amount}"
+
+    run = await LedgerRun.open(agent, run_id=run_id, history=history, store=store,
+                               buffered=buffered)
+    done = await run.run("pay 7")
+    if done.output != "paid 7" or ran != [7]:
+        raise RuntimeError(f"the pydantic-ai turn went wrong: {done.output!r}, ran {ran}")
+
+
+def pydantic_ai_row(args: Any = None) -> dict[str, Any]:
+    """The durable one-tool turn through the pydantic-ai adapter (`LedgerRun`, its
+    history a `SQLiteSession`) on SQLite, in the three ways of `bench_row`, counted by
+    the stores. ImportError without pydantic-ai."""
+    import pydantic_ai  # noqa: F401
+
+    from statemachine.sessions import SQLiteSession
+    from statemachine.stores import SQLiteEventStore
+
+    turns = getattr(args, "turns", None) or (5 if getattr(args, "quick", False) else TURNS)
+    rows: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for index, mode in enumerate(MODES):
+            place = Path(folder) / f"p-{index}"
+            place.mkdir()
+            store = SQLiteEventStore(place / "events.db")
+            histories, times = [], []
+            for i in range(turns):
+                where = place / ("events.db" if mode.endswith("shared") else "history.db")
+                history = SQLiteSession(f"h-{i}", where)
+                histories.append(history)
+                start = time.perf_counter()
+                asyncio.run(_pydantic_turn(store, history, f"run-{i}",
+                                           mode.startswith("buffered")))
+                times.append(time.perf_counter() - start)
+            commits = store.commits + sum(h.commits for h in histories)
+            store.close()
+            for history in histories:
+                history.close()
+            rows[mode] = {"writes_per_turn": round(commits / turns, 2),
+                          "turn_ms": round(statistics.median(times) * 1000, 2)}
+    best = rows[MODES[-1]]["writes_per_turn"]
+    return {"summary": "; ".join(f"{mode} {row['writes_per_turn']} writes, "
+                                 f"{row['turn_ms']} ms" for mode, row in rows.items()),
+            "rows": rows, "target": f"<= {TARGET} durable writes per one-tool turn",
+            "verdict": "met" if best <= TARGET else "missed"}
+
+
 # ------------------------------------------------------------------ kill -9 after the tool
 
 SYSTEMS = ("ours", "langgraph")

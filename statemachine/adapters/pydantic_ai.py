@@ -732,11 +732,13 @@ class LedgerRun:
                 run_id=c.run_id, step=c.step, action="add_input")
         if deferred_tool_results is not None:
             self._record_decisions(deferred_tool_results)  # refused while unsettled
-        await self._flush()  # decisions are durable before anything acts on them
+            await self._flush()  # decisions are durable before anything acts on them
         if new_run:
             await one_writer(c, self._history)
+        unsettled = c.step is Step.UNSETTLED
         await settle_unsettled(c, self._history, take_over=self.take_over, how=_TAKE_OVER)
-        await self._flush()
+        if unsettled:  # what settling recorded (a new run's start waits for an effect)
+            await self._flush()
         messages = await self._messages(message_history)
         if c.step in (Step.TOOLS, Step.INTERRUPTION):
             messages = await self._write_proposals(messages)
