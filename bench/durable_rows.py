@@ -42,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +84,17 @@ async def _turn(store: Any, session: Any, run_id: str, buffered: bool) -> None:
         raise RuntimeError(f"the turn went wrong: {result.step}, ran {ran}, {kinds}")
 
 
-def _sqlite(folder: Path, mode: str, turns: int) -> dict[str, Any]:
+Turn = Callable[[Any, Any, str, bool], Coroutine[Any, Any, None]]
+
+
+def _turns(args: Any) -> int:
+    return getattr(args, "turns", None) or (5 if getattr(args, "quick", False) else TURNS)
+
+
+def _sqlite(folder: Path, mode: str, turns: int, turn: Turn | None = None) -> dict[str, Any]:
+    """``turns`` one-tool turns (``turn``: the reference runner's by default) on one
+    SQLite store in ``folder``, each with a Session of its own, in ``mode``: the
+    writes per turn the store and the Sessions committed, and the median time."""
     from statemachine.sessions import SQLiteSession
     from statemachine.stores import SQLiteEventStore
 
@@ -98,7 +108,7 @@ def _sqlite(folder: Path, mode: str, turns: int) -> dict[str, Any]:
             raise RuntimeError(f"{mode}: the Session does not share as it should")
         sessions.append(session)
         start = time.perf_counter()
-        asyncio.run(_turn(store, session, f"run-{i}", mode.startswith("buffered")))
+        asyncio.run((turn or _turn)(store, session, f"run-{i}", mode.startswith("buffered")))
         times.append(time.perf_counter() - start)
     commits = store.commits + sum(s.commits for s in sessions)
     store.close()
@@ -169,7 +179,7 @@ def _server(args: Any) -> Iterator[tuple[str | None, Callable[[], Any], str]]:
 
 
 def bench_row(args: Any = None) -> dict[str, Any]:
-    turns = getattr(args, "turns", None) or (5 if getattr(args, "quick", False) else TURNS)
+    turns = _turns(args)
     rows: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as folder:
         for index, mode in enumerate(MODES):
@@ -270,7 +280,7 @@ def _langgraph_turns(folder: Path, turns: int) -> tuple[float, float]:
 
 
 def langgraph_row(args: Any = None) -> dict[str, Any]:
-    turns = getattr(args, "turns", None) or (5 if getattr(args, "quick", False) else TURNS)
+    turns = _turns(args)
     with tempfile.TemporaryDirectory() as folder:
         theirs_s, theirs_commits = _langgraph_turns(Path(folder), turns)
         ours = _sqlite(Path(folder), MODES[-1], turns)
@@ -322,31 +332,13 @@ def pydantic_ai_row(args: Any = None) -> dict[str, Any]:
     the stores. ImportError without pydantic-ai."""
     import pydantic_ai  # noqa: F401
 
-    from statemachine.sessions import SQLiteSession
-    from statemachine.stores import SQLiteEventStore
-
-    turns = getattr(args, "turns", None) or (5 if getattr(args, "quick", False) else TURNS)
+    turns = _turns(args)
     rows: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as folder:
         for index, mode in enumerate(MODES):
             place = Path(folder) / f"p-{index}"
             place.mkdir()
-            store = SQLiteEventStore(place / "events.db")
-            histories, times = [], []
-            for i in range(turns):
-                where = place / ("events.db" if mode.endswith("shared") else "history.db")
-                history = SQLiteSession(f"h-{i}", where)
-                histories.append(history)
-                start = time.perf_counter()
-                asyncio.run(_pydantic_turn(store, history, f"run-{i}",
-                                           mode.startswith("buffered")))
-                times.append(time.perf_counter() - start)
-            commits = store.commits + sum(h.commits for h in histories)
-            store.close()
-            for history in histories:
-                history.close()
-            rows[mode] = {"writes_per_turn": round(commits / turns, 2),
-                          "turn_ms": round(statistics.median(times) * 1000, 2)}
+            rows[mode] = _sqlite(place, mode, turns, _pydantic_turn)
     best = rows[MODES[-1]]["writes_per_turn"]
     return {"summary": "; ".join(f"{mode} {row['writes_per_turn']} writes, "
                                  f"{row['turn_ms']} ms" for mode, row in rows.items()),
