@@ -189,10 +189,10 @@ def create_app(console: Console) -> Starlette:
     async def diagram(request: Request) -> Response:
         run_id = request.query_params.get("id", "")
         try:
-            found = await run_in_threadpool(views.run_page, console.reads, run_id)
+            drawn = await run_in_threadpool(views.run_diagram, console.reads, run_id)
         except RunNotFound:
             return Response("no such run", status_code=404, media_type="text/plain")
-        return Response(found.diagram, media_type="image/svg+xml")
+        return Response(drawn, media_type="image/svg+xml")
 
     async def stylesheet(request: Request) -> Response:
         return Response((HERE / "static" / "console.css").read_text(encoding="utf-8"),

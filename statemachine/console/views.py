@@ -21,7 +21,7 @@ from statemachine.blocker import BlockerKind, Waiting
 from statemachine.cli.describe import decision_note, describe
 from statemachine.cli.operate import moment
 from statemachine.controller import RunController
-from statemachine.diagrams import run_path, run_svg
+from statemachine.diagrams import RunPath, run_path, run_svg
 from statemachine.stored import RunHead
 from statemachine.values import LIVE_STEPS, Step
 
@@ -157,10 +157,9 @@ def _detail(event: ev.Event) -> str:
     return ""
 
 
-def timeline(events: Sequence[ev.Event]) -> tuple[tuple[Moment, ...], int]:
-    """The newest `TIMELINE_EVENTS` events with their steps before and after, and how
-    many older ones are not listed."""
-    path = run_path(events)
+def timeline(events: Sequence[ev.Event], path: RunPath) -> tuple[tuple[Moment, ...], int]:
+    """The newest `TIMELINE_EVENTS` events with their steps before and after (``path``:
+    the log's `run_path`), and how many older ones are not listed."""
     found = [Moment(0, type(events[0]).__name__, moment(events[0].at), None, None,
                     Step.RUN_AGAIN.name, "")]
     for event, (source, dest, _) in zip(events[1:], path.moves, strict=True):
@@ -205,18 +204,24 @@ class RunPage:
         return found[1]
 
 
+def run_diagram(store: Any, run_id: str) -> str:
+    """The run's drawing alone (`run_svg`); `RunNotFound` as `run_page`."""
+    return run_svg(run_path(RunController.load(store, run_id).events))
+
+
 def run_page(store: Any, run_id: str) -> RunPage:
     """`RunNotFound` for a run the store does not hold."""
     c = RunController.load(store, run_id)
     events = c.events
     info = describe(c)
-    moments, hidden = timeline(events)
+    path = run_path(events)
+    moments, hidden = timeline(events, path)
     waiting = c.waiting
     return RunPage(
         c.run_id, c.version, c.step.name, c.step in LIVE_STEPS, info,
         {call["call_id"]: tuple(decision_note(d) for d in call["decisions"])
          for call in info["ledger"]},
-        moments, hidden, run_svg(run_path(events)),
+        moments, hidden, run_svg(path),
         tuple(w for w in waiting if w.kind == "approval"),
         tuple(w for w in waiting if w.kind == "in_doubt"),
         {view.call.call_id: json.dumps(view.call.arguments, indent=2, ensure_ascii=False)
