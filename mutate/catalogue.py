@@ -71,7 +71,8 @@ _RUNNER = ("tests/runner/test_one_writer.py", "tests/runner/test_runner_promises
            "tests/core/test_tool_interrupted.py", "tests/runner/test_streaming.py",
            "tests/runner/test_partial_approval.py", "tests/runner/test_crash_hooks.py",
            "tests/core/test_claim.py", "tests/storage/test_durability.py",
-           "tests/runner/test_fencing.py", "tests/runner/test_verifiers.py")
+           "tests/runner/test_fencing.py", "tests/runner/test_verifiers.py",
+           "tests/runner/test_riding.py")
 _CODEC = ("tests/core/test_codec.py", "tests/core/test_limits.py",
           "tests/core/test_keyed_chain.py", "tests/core/test_decoding.py",
           "tests/core/test_controller.py")
@@ -92,7 +93,8 @@ _CONTROLLER = ("tests/core/test_copies.py", "tests/storage/test_leases.py", *_CO
                "tests/storage/test_read_models.py",
                "tests/storage/test_storage_faults.py",
                "tests/storage/test_snapshots.py", "tests/core/test_tool_interrupted.py",
-               _WORLDS, "tests/storage/test_durability.py", "tests/runner/test_fencing.py")
+               _WORLDS, "tests/storage/test_durability.py", "tests/runner/test_fencing.py",
+               "tests/runner/test_riding.py")
 
 _OPENAI_AGENTS_MCP = "tests/adapters/test_openai_agents_mcp.py"
 _OPENAI_AGENTS = (*(f"tests/adapters/test_openai_agents.py::{test}" for test in (
@@ -571,6 +573,13 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("CT28", 'and "\\x00" not in value):', "and True):",
        "an ASCII text field holding a NUL passes the controller's fast check"),
     # -------------------------------------------------------------------- journal
+    _m("JO27", "        self.riding.clear()\n", "",
+       "a Session write that rode is written again by the next flush"),
+    _m("JO28", "        writes = list(self.riding)  #", "        writes = []  #",
+       "a flush drops the Session writes that ride with it"),
+    _m("JO29", "        return self.buffered and (not self.riding or many_session_writes(self.store))",
+       "        return self.buffered",
+       "a commit rides behind another on a store that takes one Session write per append"),
     _m("JO01", "max_events - RESERVED_EVENTS - max(_FINISHING.values()))",
        "max_events - RESERVED_EVENTS - 1)",
        "the hot path skips the room check too close to max_events"),
@@ -922,7 +931,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("LP02", "if c.max_turns is not None and c.turns >= c.max_turns:",
        "if c.max_turns is not None and c.turns > c.max_turns:",
        "max_turns checked off by one"),
-    _m("LP03", "        await c.fence_async()\n", "",
+    _m("LP03", "        await c.fence_async()\n        try:\n            response",
+       "        try:\n            response",
        "the model is called by an attempt another has superseded"),
     _m("LP04", "                await c.flush_async()  # an effect boundary: the start is "
                "durable first\n", "",
@@ -953,11 +963,19 @@ CATALOGUE: tuple[Mutant, ...] = (
                   "INTERRUPTION, and no final output is ever accepted before INTERRUPTION "
                   "(accepting one leads only to FINAL_OUTPUT, then COMPLETED or a terminal "
                   "step), so final_output is None there either way"),
-    _m("LP15", "                await c.fence_async()  # a superseded attempt runs no hook (I1)\n",
+    _m("LP15", "                await _before_user_code(c)  # a superseded attempt runs no hook "
+               "(I1)\n",
        "                pass\n",
        "a superseded attempt runs its hooks (on_llm_end after another's claim)"),
-    _m("LP16", "        await c.fence_async()  # a superseded attempt runs no guardrail (I1)\n",
+    _m("LP16", "        await _before_user_code(c)  # a superseded attempt runs no guardrail "
+               "(I1)\n",
        "", "a superseded attempt runs its guardrails"),
+    _m("LP19", "    if c.riding_items:\n        await c.flush_async()\n    else:\n"
+               "        await c.fence_async()\n", "    await c.fence_async()\n",
+       "a hook reads the Session without the publications that ride to the next flush"),
+    _m("LP20", "        items = await history(c, self.session)",
+       "        items = await self.session.get_items()",
+       "the model is sent the Session without what rides to the next flush"),
     # ------------------------------------------------------------- runner/attempt
     _m("AT01", "            c.claim(self.owner, lease=self.lease)\n", "",
        "a resumed attempt does not claim the run (§6.3)"),
@@ -977,8 +995,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("PU01", 'elif kind == "function_call" and call_id not in answered:',
        'elif kind == "function_call":',
        "one_writer blocks on a call that has its output"),
-    _m("PU02", "history = await session.get_items(limit=len(items) + 1)",
-       "history = await session.get_items(limit=len(items))",
+    _m("PU02", "tail = await history(controller, session, limit=len(items) + 1)",
+       "tail = await history(controller, session, limit=len(items))",
        "publish reads one history item too few"),
     _m("PU03", "    await controller.flush_async()  # an effect boundary: the staged envelope "
                "is durable\n", "",
@@ -994,8 +1012,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        "a cancelled write is reported as failed (it may still land)"),
     _m("PU06", '    _same_session(controller, session, "settle")\n', "",
        "settle reconciles against a Session that is not the run's"),
-    _m("PU07", "decision = controller.reconcile(await session.get_items(limit=limit),",
-       "decision = controller.reconcile(await session.get_items(),",
+    _m("PU07", "decision = controller.reconcile(await history(controller, session, limit=limit),",
+       "decision = controller.reconcile(await history(controller, session),",
        "settle reads the whole Session",
        equivalent="reconcile reads only the last read_limit items of what it is given"),
     _m("PU08", "    for item in reversed(tail):", "    for item in tail:",
@@ -1003,6 +1021,11 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("PU09", "                and writer.owner is not None and event.owner != writer.owner)",
        "                and writer.owner is not None)",
        "a worker that claims again under the same owner takes its own write over"),
+    _m("PU12", "    riding = list(controller.riding_items)\n", "    riding: list[JSON] = []\n",
+       "a staging reads the Session without the publications that ride to the next flush"),
+    _m("PU13", "    if controller.riding_items and not many_session_writes(controller.store):\n",
+       "    if False:\n",
+       "a store that takes one Session write per append is handed a second that rides"),
     _m("PU10", "        return (writer is not None and writer.lease is not None\n",
        "        return (writer is not None\n",
        "a writer that took no lease is taken over by the next claimant"),

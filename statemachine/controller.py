@@ -79,6 +79,7 @@ from statemachine.stores import (
     AsyncEventStore,
     MemoryEventStore,
     SessionWrite,
+    many_session_writes,
     takes_session_write,
 )
 from statemachine.structured_logging import run_logger, switch
@@ -605,13 +606,25 @@ class RunController:
             self._logged(event, before)
         return dest
 
-    def _commit_with(self, action: str, write: SessionWrite) -> None:
+    def _commit_with(self, action: str, write: SessionWrite, ride: bool) -> None:
         """`_record` for a commit event that carries its Session write: checked now, then
         held by the journal for the append that writes it with the items (a sync store's
         happens here, an async one's at the next `flush_async`), and applied only once
-        that append landed, so a failed append leaves this controller as it was."""
+        that append landed, so a failed append leaves this controller as it was. With
+        ``ride`` on a buffered journal: recorded and applied now, like any buffered event,
+        its items going with the next flush (`Journal.ride`)."""
         s = self._state
         journal = self._journal
+        if ride and journal.may_ride():
+            self._record(action, ev.PublicationCommitted(journal.version, at=self._clock()))
+            journal.ride(write)
+            self._attempt = None
+            return
+        if journal.riding and not many_session_writes(journal.store):
+            # (this store writes one Session write per append: the riding one goes first)
+            if is_async(journal.store):
+                journal.refuse_waiting(action)
+            self.flush()
         event = ev.PublicationCommitted(self._journal.version, at=self._clock())
         at = event.at
         if type(at) is not int or not 0 <= at <= _MAX_AT:
@@ -631,6 +644,15 @@ class RunController:
             self._attempt = None
             if switch.enabled:
                 self._logged(commit.event, commit.source)
+
+    @property
+    def riding_items(self) -> tuple[JSON, ...]:
+        """The Session items of commits recorded with ``ride=True`` that the next flush
+        writes (empty once it did), copies in order: they follow what the run's Session
+        holds."""
+        limit = self._journal.limits.max_depth
+        return tuple(detach(item, limit) for write in self._journal.riding
+                     for item in write.items)
 
     def flush(self) -> None:
         """Append the events this controller buffered, as one transaction with the
@@ -1069,7 +1091,8 @@ class RunController:
             self._refuse(InvalidTransition, action,
                          "no publication attempt is open in this controller")
 
-    def publication_committed(self, *, session_write: SessionWrite | None = None) -> None:
+    def publication_committed(self, *, session_write: SessionWrite | None = None,
+                              ride: bool = False) -> None:
         """The write this controller attempted succeeded: settle the envelope, publish
         its guardrail results and enter the continuation.
 
@@ -1088,12 +1111,24 @@ class RunController:
         raises, nothing of the items was written either, the controller is as it was and
         its attempt stays open — report ``publication_failed`` after an `Outcome.NOT_WRITTEN`
         `StorageError`; after a `ConcurrencyConflict` or an unknown outcome load the run
-        again (the log shows whether the pair landed)."""
+        again (the log shows whether the pair landed).
+
+        ``ride=True`` (with ``session_write``) lets the pair wait for the next flush of a
+        buffered controller (DESIGN §7.7: a result rides with the run's next write): the
+        commit is recorded and applied now, like any buffered event, and the next flush's
+        append writes the items with it, in one transaction; until then they are in
+        `riding_items`, which whoever reads the Session for the run (the model's history,
+        the next staging) must add to what the Session holds (`runner.publish.history`
+        does). A crash before that flush loses both, as it loses every buffered event.
+        Per event, or when a write already rides and the store writes one per append, it
+        is written as without ``ride``."""
         action = "publication_committed"
         self._gate(action, action)
         self._own_attempt(action)
+        if type(ride) is not bool:
+            self._refuse(SchemaError, action, "ride must be a bool")
         if session_write is not None:
-            self._commit_with(action, self._session_write(action, session_write))
+            self._commit_with(action, self._session_write(action, session_write), ride)
             return
         self._record(action, ev.PublicationCommitted(self._journal.version, at=self._clock()))
         self._attempt = None

@@ -8,7 +8,8 @@ journal keeps what was recorded and sees it into the store:
 * the store binding: one append per command, or buffered until `flush` (always so for an
   async store), one transaction per effect boundary;
 * the commit that waits for its append together with the Session items it carries
-  (`hold_commit`), applied only once both landed;
+  (`hold_commit`), applied only once both landed; or, buffered, the Session writes that
+  ride with the next flush behind commits already applied (`ride`);
 * the snapshots handed to the store, every `Limits.snapshot_every` events;
 * the room left under the run's `Limits`, with the reserves that let any run settle and
   close (`room_for`, `check_count`);
@@ -58,6 +59,7 @@ from statemachine.stores import (
     keeps_read_models,
     load_latest_measured,
     load_measured,
+    many_session_writes,
     restored,
     snapshot_ignored,
 )
@@ -147,8 +149,8 @@ class Journal:
     """The log of one run and its way to the store (see the module's docstring)."""
 
     __slots__ = ("between", "buffered", "events", "flushed", "limits", "origin",
-                 "pending_snapshot", "size", "snapshot_at", "state", "stopped", "store",
-                 "version", "write")
+                 "pending_snapshot", "riding", "size", "snapshot_at", "state", "stopped",
+                 "store", "version", "write")
 
     def __init__(self, state: RunState, events: list[ev.Event], *, store: EventStore | None,
                  limits: Limits, size: int | None = None) -> None:
@@ -175,6 +177,9 @@ class Journal:
         self.snapshot_at = self.base
         self.write: PendingCommit | None = None
         """A commit waiting with its Session write for the append that writes both."""
+        self.riding: list[SessionWrite] = []
+        """The Session writes of commits recorded (and applied) in the buffer, in order:
+        the next flush's append writes them with the events (`ride`)."""
         self.stopped: tuple[type[ControlError], str] | None = None
         """Why every command is refused until the run is loaded again: an append whose
         outcome is unknown, or buffered events the store refused (another writer moved
@@ -463,6 +468,19 @@ class Journal:
         self.write = commit
         return None if is_async(store) else self.flush()
 
+    def ride(self, write: SessionWrite) -> None:
+        """Let ``write`` (the Session items of the commit event just buffered) go with the
+        next flush's append, in its transaction (DESIGN §7.7: a result rides with the
+        run's next write). Only a buffered journal, whose store writes several Session
+        writes in one append when one already rides (`many_session_writes`)."""
+        assert self.may_ride()
+        self.riding.append(write)
+
+    def may_ride(self) -> bool:
+        """Whether a commit's Session write may wait for the next flush: the journal
+        buffers, and its store writes several writes in one append when one rides."""
+        return self.buffered and (not self.riding or many_session_writes(self.store))
+
     # ------------------------------------------------------------------- flushing
 
     def flush(self) -> PendingCommit | None:
@@ -509,10 +527,13 @@ class Journal:
             options["step"] = self.state.step
         events = self.events[self.flushed - self.base:]
         commit = self.write
+        writes = list(self.riding)  # (their commits are among the buffered events)
         if commit is not None:  # a commit event with its Session write: one transaction
             events.append(commit.event)
             options["step"] = commit.dest
-            options["session_write"] = commit.write
+            writes.append(commit.write)
+        if writes:
+            options["session_write"] = writes[0] if len(writes) == 1 else tuple(writes)
         if keeps_read_models(store):
             options["read_model"] = read_model(
                 self.state, settled_to=None if commit is None else commit.dest)
@@ -523,6 +544,7 @@ class Journal:
             self.snapshot_at = self.flushed
         self.flushed += count
         self.pending_snapshot = None
+        self.riding.clear()
         commit, self.write = self.write, None
         if commit is not None:  # the commit and its items landed: apply the commit
             self.state.apply(commit.event, commit.dest)

@@ -53,6 +53,7 @@ from statemachine.stored import (
     kept_model,
     next_lease,
     now_micros,
+    session_writes,
     snapshot_ignored,
     started_session,
     takes_session_write,
@@ -405,6 +406,8 @@ class SQLiteEventStore:
     keeps_read_models = True
     """Each append keeps the run's `ReadModel` (``read_model=``) in its head, beside the
     step, in the append's transaction (`stores.keeps_read_models`)."""
+    many_session_writes = True
+    """``append`` takes a tuple of `SessionWrite` (`stores.many_session_writes`)."""
 
     def __init__(self, path: str | os.PathLike[str], *, timeout: float = 30.0,
                  readonly: bool = False, leave_shm: bool = False) -> None:
@@ -627,11 +630,14 @@ class SQLiteEventStore:
     def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
                snapshot: Snapshot | None = None, step: Step | None = None,
                read_model: ReadModel | None = None,
-               session_write: SessionWrite | None = None) -> None:
+               session_write: SessionWrite | tuple[SessionWrite, ...] | None = None
+               ) -> None:
         """`IndexedStore.append`; with ``session_write``, its items go to its Session's
         rows in this file (`SQLiteSession` on the same file, which shares this
         transaction: ``shares_transaction_with``) in the append's own transaction, so a
-        publication's items and its commit land together or not at all (DESIGN §7.7)."""
+        publication's items and its commit land together or not at all (DESIGN §7.7). A
+        tuple of writes (`many_session_writes`) writes each in order, in the same
+        transaction."""
         a = self._prepare(run_id, events, expected_version, snapshot, step, read_model,
                           session_write)
         where: dict[str, Any] = {"run_id": run_id}
@@ -656,7 +662,8 @@ class SQLiteEventStore:
 
     def _prepare(self, run_id: str, events: Sequence[Event], expected_version: int,
                  snapshot: Snapshot | None, step: Step | None, read_model: ReadModel | None,
-                 session_write: SessionWrite | None) -> _Prepared:
+                 session_write: SessionWrite | tuple[SessionWrite, ...] | None
+                 ) -> _Prepared:
         """One append checked (`ValueError`, `TypeError`; `StorageError` when read-only)
         and encoded, before any lock or I/O."""
         if self.readonly:
@@ -1129,6 +1136,8 @@ class AsyncSQLiteEventStore:
     keeps_read_models = True
     """Each append keeps the run's `ReadModel` (``read_model=``) in its head, beside the
     step, in the append's transaction (`stores.keeps_read_models`)."""
+    many_session_writes = True
+    """``append`` takes a tuple of `SessionWrite` (`stores.many_session_writes`)."""
 
     def __init__(self, path: str | os.PathLike[str], *, timeout: float = 30.0,
                  group_commit: bool = True) -> None:
@@ -1149,7 +1158,8 @@ class AsyncSQLiteEventStore:
     async def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
                      snapshot: Snapshot | None = None, step: Step | None = None,
                      read_model: ReadModel | None = None,
-                     session_write: SessionWrite | None = None) -> None:
+                     session_write: SessionWrite | tuple[SessionWrite, ...] | None = None
+                     ) -> None:
         """`SQLiteEventStore.append`, off the event loop (group-committed: see the
         class)."""
         if not (self.group_commit
@@ -1259,7 +1269,7 @@ class _Call(NamedTuple):
     snapshot: Snapshot | None
     step: Step | None
     read_model: ReadModel | None
-    session_write: SessionWrite | None
+    session_write: SessionWrite | tuple[SessionWrite, ...] | None
 
 
 # ------------------------------------------------------------------------ the Session
@@ -1271,15 +1281,16 @@ _SESSION_INDEX = ("CREATE INDEX IF NOT EXISTS session_items_by_session "
                   "ON session_items (session_id, id)")
 
 
-def _session_rows(write: SessionWrite, events: Sequence[Event]) -> list[tuple[str, str]]:
-    """A ``session_write``'s rows (detached JSON text), checked before any I/O."""
-    if type(write) is not SessionWrite:
-        raise TypeError("session_write must be a SessionWrite")
+def _session_rows(write: SessionWrite | tuple[SessionWrite, ...],
+                  events: Sequence[Event]) -> list[tuple[str, str]]:
+    """The rows of a ``session_write`` (one, or a tuple of them in order) as detached JSON
+    text, checked before any I/O."""
+    writes = session_writes(write)
     if not events:  # the read-back after a lost COMMIT finds a batch by its events
         raise ValueError("a session_write needs events to carry it")
-    if type(write.session_id) is not str:
+    if any(type(one.session_id) is not str for one in writes):
         raise TypeError("session_id must be a str")
-    return [(write.session_id, dumps(detach(item))) for item in write.items]
+    return [(one.session_id, dumps(detach(item))) for one in writes for item in one.items]
 
 
 class SQLiteSession:

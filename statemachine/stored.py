@@ -368,6 +368,28 @@ def takes_session_write(store: object) -> bool:
     return _append_takes(store, "session_write", _TAKES_WRITE)
 
 
+def many_session_writes(store: object) -> bool:
+    """Whether ``store``'s ``append`` takes a tuple of `SessionWrite` as ``session_write=``
+    (several publications' items in one transaction, in order): a store says so with a
+    true ``many_session_writes`` attribute (the SQLite and PostgreSQL stores do). A run
+    on any other store that takes ``session_write=`` lets one write ride at a time."""
+    return getattr(store, "many_session_writes", False) is True and takes_session_write(store)
+
+
+def session_writes(value: object) -> tuple[SessionWrite, ...]:
+    """An append's ``session_write=`` as the writes it holds, in order: one `SessionWrite`
+    or a non-empty tuple of them (`TypeError`/`ValueError` otherwise, before any I/O)."""
+    if type(value) is SessionWrite:
+        return (value,)
+    if type(value) is not tuple:
+        raise TypeError("session_write must be a SessionWrite or a tuple of them")
+    if not value:
+        raise ValueError("session_write must hold at least one SessionWrite")
+    if any(type(write) is not SessionWrite for write in value):
+        raise TypeError("session_write must be a SessionWrite or a tuple of them")
+    return value
+
+
 def _append_takes(store: object, parameter: str, cache: dict[type, bool]) -> bool:
     """Whether ``store``'s ``append`` has ``parameter`` (cached per class in ``cache``)."""
     kind = type(store)

@@ -51,7 +51,7 @@ from statemachine.stored import (
     to_index,
     verified_snapshot,
 )
-from statemachine.stores import SessionWrite
+from statemachine.stores import SessionWrite, session_writes
 from statemachine.values import Step
 
 if TYPE_CHECKING:
@@ -406,13 +406,13 @@ class PreparedAppend:
     params: dict[str, Any]
     snapshot: tuple[str, int, str, str] | None
     batch_id: str
-    items: dict[str, Any] | None = None
-    """The ``session_write``'s rows, written in the same transaction."""
+    items: tuple[dict[str, Any], ...] | None = None
+    """The rows of each ``session_write``, in order, written in the same transaction."""
 
 
 def prepare(run_id: str, events: Sequence[Event], expected_version: int,
             snapshot: Snapshot | None, step: Step | None,
-            session_write: SessionWrite | None = None,
+            session_write: SessionWrite | tuple[SessionWrite, ...] | None = None,
             read_model: ReadModel | None = None) -> PreparedAppend:
     """One append, prepared before any I/O: checked (`ValueError`, `TypeError`), its
     events and snapshot encoded, its head's fields read off its events."""
@@ -421,12 +421,11 @@ def prepare(run_id: str, events: Sequence[Event], expected_version: int,
                          "expected_version")
     items = None
     if session_write is not None:
-        if type(session_write) is not SessionWrite:
-            raise TypeError("session_write must be a SessionWrite")
+        writes = session_writes(session_write)
         if not events:  # the read-back after a lost COMMIT finds a batch by its events
             raise ValueError("a session_write needs events to carry it")
-        items = session_rows(session_write.session_id, session_write.publication_id,
-                             session_write.items)
+        items = tuple(session_rows(write.session_id, write.publication_id, write.items)
+                      for write in writes)
     batch_id = uuid.uuid4().hex
     bodies = [dumps(codec.encode_event(event)) for event in events]
     kept = None
@@ -479,8 +478,8 @@ def append_steps(sql: Sql, a: PreparedAppend) -> Op[None]:
         version = 0 if row is None else row[0]
         if version != a.expected:
             raise lost_race(a.run_id, a.expected, version)
-    if a.items is not None:
-        yield Query(sql.add_items, a.items)
+    for rows in a.items or ():
+        yield Query(sql.add_items, rows)
     if a.snapshot is not None:
         yield Query(sql.snapshot, a.snapshot)
 

@@ -261,17 +261,20 @@ class PostgresEventStore(_Client):
     keeps_read_models = True
     """Each append keeps the run's `ReadModel` (``read_model=``) in its head, beside the
     step, in the append's transaction (`stores.keeps_read_models`)."""
+    many_session_writes = True
+    """``append`` takes a tuple of `SessionWrite` (`stores.many_session_writes`)."""
 
     # ---------------------------------------------------------------- writing
 
     def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
                snapshot: Snapshot | None = None, step: Step | None = None,
-               session_write: SessionWrite | None = None,
+               session_write: SessionWrite | tuple[SessionWrite, ...] | None = None,
                read_model: ReadModel | None = None) -> None:
         """`IndexedStore.append`; with ``session_write``, its items go to its Session (the
         ``session_items`` table the PostgreSQL Sessions read, tagged with its publication
         id) in the same transaction as ``events``: both land or neither does, and a lost
-        COMMIT answer is decided for both by reading the batch back. ``read_model``: the
+        COMMIT answer is decided for both by reading the batch back. A tuple of writes
+        (`many_session_writes`) writes each in order, in the same transaction. ``read_model``: the
         run's `ReadModel` after ``events``, kept in its head beside ``step`` (without
         both, after a run's first append, the head is left unfolded)."""
         where = {"run_id": run_id}

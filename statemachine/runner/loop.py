@@ -43,7 +43,7 @@ from statemachine.runner.agents import (
     Verdict,
 )
 from statemachine.runner.attempt import Attempt, interrupted, maybe_await
-from statemachine.runner.publish import one_writer, publish, settle, writer_gone
+from statemachine.runner.publish import history, one_writer, publish, settle, writer_gone
 from statemachine.sessions import MemorySession, Session
 from statemachine.stores import AsyncEventStore, EventStore
 from statemachine.values import Action, CallView, Execute, Phase, RecoveryPolicy, Step, ToolCall
@@ -89,7 +89,7 @@ class _AgentLoop:
         await one_writer(c, self.session)  # §6.4: never write over another run's batch
         if input_items:
             c.add_input(list(input_items))
-            await publish(c, self.session, list(input_items))
+            await publish(c, self.session, list(input_items), ride=True)
         progress: tuple[int, Action] | None = None
         while True:
             action = c.next_action()
@@ -154,7 +154,7 @@ class _AgentLoop:
         c = self.controller
         if not c.hook_done(hook, call_id=call_id):
             if type(self.hooks) is not RunHooks:  # (the library's own hooks do nothing)
-                await c.fence_async()  # a superseded attempt runs no hook (I1)
+                await _before_user_code(c)  # a superseded attempt runs no hook (I1)
             await call()
             c.hook_ran(hook, call_id=call_id)
 
@@ -167,14 +167,14 @@ class _AgentLoop:
                 raise MaxTurnsExceeded(f"agent {agent.name!r} used its {c.max_turns} turns")
             c.begin_model_call()
         await self._hook("model_start", lambda: self.hooks.on_llm_start(agent))
-        history = await self.session.get_items()
+        items = await history(c, self.session)  # (with what rides to the next flush)
         # a model call needs no flush of its own (DESIGN §7.7): a crash before its
         # response calls the model again, which no invariant forbids; what it proposes
         # is made durable before any tool body runs. This attempt must still hold the
         # run, though (one read, no write)
         await c.fence_async()
         try:
-            response = await agent.model.respond(history, agent)
+            response = await agent.model.respond(items, agent)
         except Exception as error:
             c.model_failed(error)
             raise
@@ -195,7 +195,7 @@ class _AgentLoop:
         recorded = c.recorded_guardrail(name, stage=stage, call_id=call_id)
         if recorded is not None:
             return Verdict(recorded.result["behavior"], recorded.result["message"])
-        await c.fence_async()  # a superseded attempt runs no guardrail (I1)
+        await _before_user_code(c)  # a superseded attempt runs no guardrail (I1)
         outcome: Verdict = await maybe_await(check())
         c.guardrail_evaluated(name, outcome.as_json(), stage=stage, call_id=call_id)
         return outcome
@@ -312,10 +312,21 @@ class _AgentLoop:
         if c.step is Step.FINAL_OUTPUT:
             items.append({"role": "assistant", "content": c.final_output})
         await self._emit(StreamEvent("publish", {"items": len(items), "call_ids": list(ids)}))
-        await publish(c, self.session, items, call_ids=ids)
+        await publish(c, self.session, items, call_ids=ids, ride=True)
 
 
 _NONE = object()
+
+
+async def _before_user_code(c: RunController) -> None:
+    """Before a hook or a guardrail (code of the user's, which may read the Session):
+    the publications that ride to the next flush are written first, so it reads the
+    Session as the run sees it; else one read that this attempt still holds the run.
+    Either way a superseded attempt is refused (`ConcurrencyConflict`)."""
+    if c.riding_items:
+        await c.flush_async()
+    else:
+        await c.fence_async()
 
 
 # ----------------------------------------------------------------------- the API

@@ -21,7 +21,13 @@ from statemachine.errors import (
 from statemachine.events import RunClaimed
 from statemachine.payloads import JSON
 from statemachine.sessions import Session
-from statemachine.stores import AsyncEventStore, SessionWrite, indexes_runs, takes_session_write
+from statemachine.stores import (
+    AsyncEventStore,
+    SessionWrite,
+    indexes_runs,
+    many_session_writes,
+    takes_session_write,
+)
 from statemachine.values import Acknowledge, Append, Step
 
 TAIL_ITEMS = 16
@@ -59,7 +65,7 @@ async def one_writer(controller: RunController, session: Session) -> None:
                 f"{c.session_id!r}: settle it (reconcile), or abandon it and repair the "
                 "Session, before another run writes there",
                 run_id=c.run_id, step=c.step, action="run")
-    dangling = _unanswered_call(await session.get_items(limit=TAIL_ITEMS))
+    dangling = _unanswered_call(await history(c, session, limit=TAIL_ITEMS))
     if dangling is not None:
         raise PublicationUnsettled(
             f"the Session ends with call {dangling!r} that has no output: settle or repair "
@@ -91,9 +97,27 @@ def _same_session(controller: RunController, session: Session, action: str) -> N
             run_id=controller.run_id, step=controller.step, action=action)
 
 
+async def history(controller: RunController, session: Session,
+                  limit: int | None = None) -> list[JSON]:
+    """The run's Session as the run sees it: what ``session`` holds, then the items of
+    the publications that ride with the controller's next flush (`riding_items`: they are
+    committed in the run and land with its next append); the last ``limit`` of them.
+    Whoever reads a run's Session while it publishes with ``ride=True`` reads it here."""
+    riding = list(controller.riding_items)
+    if limit is not None and len(riding) >= limit:
+        return riding[len(riding) - limit:] if limit > 0 else []
+    held = await session.get_items(limit=None if limit is None else limit - len(riding))
+    return [*held, *riding]
+
+
 async def publish(controller: RunController, session: Session, items: list[JSON], *,
-                  call_ids: list[str] | None = None) -> None:
+                  call_ids: list[str] | None = None, ride: bool = False) -> None:
     """Stage ``items`` (reading just enough of the Session's tail), write them, report.
+
+    ``ride=True``: a Session that shares the store's transaction is written by the
+    controller's next flush, with the commit (DESIGN §7.7; `RunController.
+    publication_committed`); read the Session through `history` until then. Any other
+    Session is written at once, as without it.
 
     A write that raises an `Exception` is reported with ``publication_failed`` and the
     original error propagates (I6). A cancelled write (`asyncio.CancelledError`, or any
@@ -101,9 +125,11 @@ async def publish(controller: RunController, session: Session, items: list[JSON]
     open and a later attempt must reconcile (or, fail-closed, cannot go on).
     `ReconcileRejected` before staging for a Session that is not the run's."""
     _same_session(controller, session, "publish")
-    history = await session.get_items(limit=len(items) + 1)
-    controller.stage_publication(items, history, call_ids=call_ids)
-    await _write(controller, session, items)
+    if controller.riding_items and not many_session_writes(controller.store):
+        await controller.flush_async()  # (its store writes one Session write per append)
+    tail = await history(controller, session, limit=len(items) + 1)
+    controller.stage_publication(items, tail, call_ids=call_ids)
+    await _write(controller, session, items, ride=ride)
 
 
 async def settle(controller: RunController, session: Session, *,
@@ -115,8 +141,8 @@ async def settle(controller: RunController, session: Session, *,
     _same_session(controller, session, "settle")
     envelope = controller.envelope
     limit = envelope.read_limit if envelope is not None else 1
-    decision = controller.reconcile(await session.get_items(limit=limit), session.session_id,
-                                    take_over=take_over)
+    decision = controller.reconcile(await history(controller, session, limit=limit),
+                                    session.session_id, take_over=take_over)
     if isinstance(decision, Append):
         await _write(controller, session, list(decision.items))
     return decision
@@ -158,7 +184,8 @@ def writer_gone(controller: RunController, session: Session) -> bool:
     return False
 
 
-async def _write(controller: RunController, session: Session, items: list[JSON]) -> None:
+async def _write(controller: RunController, session: Session, items: list[JSON], *,
+                 ride: bool = False) -> None:
     """Write the attempt's batch, then report. Its publication id is ``run_id:seq`` (the
     seq of the event that opened the attempt). A Session that shares the run's store's
     database (``shares_transaction_with(store)``: `PostgresSession`, `SQLiteSession` on
@@ -178,8 +205,9 @@ async def _write(controller: RunController, session: Session, items: list[JSON])
         # the store happens before it
         write = SessionWrite(session.session_id, publication_id, tuple(items))
         try:
-            controller.publication_committed(session_write=write)
-            await controller.flush_async()  # an async store appends the pair here
+            controller.publication_committed(session_write=write, ride=ride)
+            if controller.holds_attempt:  # (riding, it is committed: the next flush writes it)
+                await controller.flush_async()  # an async store appends the pair here
         except asyncio.CancelledError:
             raise
         except Exception as error:

@@ -60,7 +60,12 @@ from statemachine.runner import (
     Verdict,
 )
 from statemachine.sessions import Session, SQLiteSession
-from statemachine.stores import AsyncSQLiteEventStore, SessionWrite, SQLiteEventStore
+from statemachine.stores import (
+    AsyncSQLiteEventStore,
+    SessionWrite,
+    SQLiteEventStore,
+    session_writes,
+)
 from statemachine.values import Phase
 from tests.drivers.crash_driver import EffectHooks, Effects, HistoryModel, Ticks, append_line
 
@@ -115,11 +120,17 @@ class TickingStore(SQLiteEventStore):
         self.checker = checker
 
     def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
-               session_write: SessionWrite | None = None, **options: Any) -> None:
+               session_write: SessionWrite | tuple[SessionWrite, ...] | None = None,
+               **options: Any) -> None:
         self.ticks(f"flush-before {_names(events)}")
-        if session_write is not None:  # the Session's write, in this append
+        if session_write is not None:  # the Session's writes, in this append
             if self.checker is not None:
-                self.checker.write(list(session_write.items), events)
+                # each write's batch is staged by the events before its own commit
+                commits = [i for i, e in enumerate(events)
+                           if type(e).__name__ == "PublicationCommitted"]
+                writes = session_writes(session_write)
+                for write, at in zip(writes, commits[-len(writes):], strict=True):
+                    self.checker.write(list(write.items), events[:at])
             options["session_write"] = session_write
         super().append(run_id, events, expected_version, **options)
         self.ticks(f"flush-after {_names(events)}")
@@ -165,11 +176,10 @@ class Checker:
 
     def write(self, items: list[JSON], landing: Sequence[Event] = ()) -> None:
         """The batch is staged (or reconciled) with exactly ``items``, its attempt open,
-        in the durable log, or in the events ``landing`` in the same transaction as the
-        write (a Session written with the store's append: its commit event excluded)."""
-        ahead = [e for e in landing if type(e).__name__ != "PublicationCommitted"]
+        in the durable log, or in the events ``landing`` before its commit in the same
+        transaction as the write (a Session written with the store's append)."""
         self._check("session write", lambda s: s.attempt_seq is not None
-                    and s.envelope is not None and list(s.envelope.items) == items, ahead)
+                    and s.envelope is not None and list(s.envelope.items) == items, landing)
 
 
 class TickingSession(SQLiteSession):

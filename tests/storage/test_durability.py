@@ -136,7 +136,7 @@ class RecordingSQLite(SQLiteEventStore):
     def append(self, run_id: str, events: Sequence[ev.Event], expected_version: int, *,
                snapshot: Snapshot | None = None, step: Step | None = None,
                read_model: ReadModel | None = None,
-               session_write: SessionWrite | None = None) -> None:
+               session_write: SessionWrite | tuple[SessionWrite, ...] | None = None) -> None:
         self.record.append(events, expected_version, snapshot)
         super().append(run_id, events, expected_version, snapshot=snapshot, step=step,
                        read_model=read_model, session_write=session_write)

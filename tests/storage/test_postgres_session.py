@@ -396,7 +396,8 @@ class _KillsTheWrite(PostgresEventStore):
     armed = False
     carrying = False
 
-    def append(self, *args: Any, session_write: SessionWrite | None = None,
+    def append(self, *args: Any,
+               session_write: SessionWrite | tuple[SessionWrite, ...] | None = None,
                **options: Any) -> None:
         self.carrying = session_write is not None
         super().append(*args, session_write=session_write, **options)
@@ -477,7 +478,8 @@ def test_a_lost_commit_answer_is_decided_for_both_by_one_read_back(
         arm = False
         carrying = False
 
-        def append(self, *args: Any, session_write: SessionWrite | None = None,
+        def append(self, *args: Any,
+                   session_write: SessionWrite | tuple[SessionWrite, ...] | None = None,
                    **options: Any) -> None:
             self.carrying = session_write is not None
             super().append(*args, session_write=session_write, **options)

@@ -1,0 +1,361 @@
+"""A publication's Session write rides with the run's next flush (DESIGN §7.7): with the
+Session in the store's own database, a buffered run writes a publication's items with
+its next append instead of at once, so a one-tool turn (input, model, tool, result,
+answer) is two durable writes: the one before the tool body, and the one at the
+attempt's end. Until that flush the items are the run's `riding_items`: the model, the
+next staging and the user's hooks see the Session with them, and a failed or lost flush
+loses them together with their commits, never one without the other.
+
+Every expectation here is written out from the turn itself (what the user typed, the
+call, its output, the answer), not read from what the library recorded."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from statemachine import RunController, SchemaError, Step
+from statemachine import events as ev
+from statemachine.errors import Outcome, RunNotFound, StorageError, ToolInDoubt
+from statemachine.postgres import (
+    AsyncPostgresEventStore,
+    AsyncPostgresSession,
+    PostgresEventStore,
+    PostgresSession,
+)
+from statemachine.runner import Agent, ModelResponse, RunHooks, Runner
+from statemachine.runner.publish import publish
+from statemachine.sessions import SQLiteSession
+from statemachine.stores import AsyncSQLiteEventStore, SessionWrite, SQLiteEventStore
+from statemachine.testing import Counters, ScriptedModel, counted_tool
+
+USER = {"role": "user", "content": "charge 7"}
+CALL = {"type": "function_call", "call_id": "c1", "name": "charge", "arguments": {"x": 7}}
+OUTPUT = {"type": "function_call_output", "call_id": "c1", "output": "charged 7"}
+ANSWER = {"role": "assistant", "content": "charged"}
+SEEN = [[USER], [USER, CALL, OUTPUT]]
+"""What the model is sent at its two calls: the input, then the input, the call and its
+output (the answer is the second call's response)."""
+SESSION_AFTER = [USER, CALL, OUTPUT, ANSWER]
+
+
+class SeeingModel(ScriptedModel):
+    """A scripted model that keeps the history each call was sent."""
+
+    def __init__(self, responses: Sequence[ModelResponse]) -> None:
+        super().__init__(responses)
+        self.seen: list[list[Any]] = []
+
+    async def respond(self, history: list[Any], agent: Agent) -> ModelResponse:
+        self.seen.append(list(history))
+        return await super().respond(history, agent)
+
+
+def _agent(counters: Counters) -> tuple[Agent, SeeingModel]:
+    charge = counted_tool(counters, "charge", lambda x: f"charged {x}")
+    model = SeeingModel([ModelResponse((("c1", "charge", {"x": 7}),)),
+                         ModelResponse(output="charged")])
+    return Agent("billing", model, (charge,)), model
+
+
+class Appends:
+    """What a store's appends carried: per append, the kind of its ``session_write``."""
+
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+
+    def note(self, session_write: Any) -> None:
+        self.writes.append("none" if session_write is None else
+                           f"tuple of {len(session_write)}" if isinstance(session_write, tuple)
+                           else "one")
+
+
+def _counting(base: type[Any], appends: Appends, *, many: bool = True) -> type[Any]:
+    """``base`` whose appends are noted in ``appends`` (and, ``many=False``, a store that
+    says it takes one Session write per append)."""
+    if asyncio.iscoroutinefunction(base.append):
+        async def append_async(self: Any, *args: Any, session_write: Any = None,
+                               **options: Any) -> None:
+            appends.note(session_write)
+            if session_write is not None:
+                options["session_write"] = session_write
+            await base.append(self, *args, **options)
+        body: dict[str, Any] = {"append": append_async}
+    else:
+        def append(self: Any, *args: Any, session_write: Any = None, **options: Any) -> None:
+            appends.note(session_write)
+            if session_write is not None:
+                options["session_write"] = session_write
+            base.append(self, *args, **options)
+        body = {"append": append}
+    body["many_session_writes"] = many
+    return type(f"Counting{base.__name__}", (base,), body)
+
+
+@pytest.fixture(params=["sqlite", "sqlite-async", "postgres", "postgres-async"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """A store class, how to open it and its Session on the same database."""
+    kind = request.param
+    if kind.startswith("postgres"):
+        request.applymarker(pytest.mark.postgres)
+        dsn = request.getfixturevalue("pg_dsn")
+        schema = request.getfixturevalue("pg_schema")
+
+        def reader() -> PostgresEventStore:
+            return PostgresEventStore(dsn, schema=schema, readonly=True)
+
+        if kind == "postgres":
+            yield {"store": PostgresEventStore, "args": (dsn,), "kw": {"schema": schema},
+                   "session": lambda: PostgresSession(dsn, "s", schema=schema),
+                   "dsn": dsn, "schema": schema, "reader": reader}
+        else:
+            yield {"store": AsyncPostgresEventStore, "args": (dsn,),
+                   "kw": {"schema": schema},
+                   "session": lambda: AsyncPostgresSession(dsn, "s", schema=schema),
+                   "dsn": dsn, "schema": schema, "reader": reader}
+        return
+    path = tmp_path / "events.db"
+    yield {"store": AsyncSQLiteEventStore if kind == "sqlite-async" else SQLiteEventStore,
+           "args": (path,), "kw": {}, "session": lambda: SQLiteSession("s", path),
+           "reader": lambda: SQLiteEventStore(path, readonly=True)}
+
+
+async def _close(*things: Any) -> None:
+    for thing in things:
+        closed = thing.close()
+        if asyncio.iscoroutine(closed):
+            await closed
+
+
+def _turn(backend: dict[str, Any], *, many: bool = True, hooks: RunHooks | None = None,
+          ) -> dict[str, Any]:
+    counters = Counters()
+    agent, model = _agent(counters)
+    appends = Appends()
+    store = _counting(backend["store"], appends, many=many)(*backend["args"], **backend["kw"])
+
+    async def go() -> dict[str, Any]:
+        session = backend["session"]()
+        assert session.shares_transaction_with(store)
+        options: dict[str, Any] = {} if hooks is None else {"hooks": hooks}
+        result = await Runner.run(agent, "charge 7", session=session, store=store,
+                                  run_id="r", **options)
+        items = await session.get_items()
+        await _close(session, store)
+        return {"result": result, "items": items}
+
+    found = asyncio.run(go())
+    found.update(counters=counters.tools, seen=model.seen, appends=appends.writes)
+    return found
+
+
+def test_a_one_tool_turn_is_two_writes_and_the_model_sees_what_rides(
+        backend: dict[str, Any]) -> None:
+    turn = _turn(backend)
+    assert turn["result"].step is Step.COMPLETED
+    assert turn["counters"] == {"charge": 1}
+    assert turn["seen"] == SEEN  # the input, then its call and output, before they landed
+    assert turn["items"] == SESSION_AFTER  # every item once, in order
+    # the input rides with the tool's start; the result and the answer with the end
+    assert turn["appends"] == ["one", "tuple of 2"]
+    reader = backend["reader"]()
+    try:
+        log = reader.load("r")
+    finally:
+        reader.close()
+    assert sum(type(e) is ev.PublicationCommitted for e in log) == 3
+    if "dsn" in backend:  # each publication's items are tagged with its own id
+        assert _publication_ids(backend) == _staged_ids(log)
+
+
+def _publication_ids(backend: dict[str, Any]) -> list[str]:
+    with psycopg.connect(backend["dsn"], autocommit=True) as conn:
+        rows = conn.execute(f"SELECT publication_id FROM {backend['schema']}.session_items "
+                            "ORDER BY id").fetchall()
+    return [row[0] for row in rows]
+
+
+def _staged_ids(log: list[ev.Event]) -> list[str]:
+    """The publication id of each Session item the turn writes: the input (one item), the
+    call and its output (two), the answer (one), each under its staging's seq."""
+    staged = [e.seq for e in log if type(e) is ev.PublicationStaged]
+    assert len(staged) == 3
+    return [f"r:{staged[0]}", f"r:{staged[1]}", f"r:{staged[1]}", f"r:{staged[2]}"]
+
+
+class ReadingHooks(RunHooks):
+    """Hooks that read the run's Session each time the model is about to be called."""
+
+    def __init__(self) -> None:
+        self.session: Any = None
+        self.read: list[list[Any]] = []
+
+    async def on_llm_start(self, agent: Agent) -> None:
+        self.read.append(list(await self.session.get_items()))
+
+
+def test_a_hook_reads_the_session_as_the_run_sees_it(backend: dict[str, Any]) -> None:
+    hooks = ReadingHooks()
+    opened = backend["session"]
+    backend = {**backend, "session": lambda: _kept(hooks, opened())}
+    turn = _turn(backend, hooks=hooks)
+    assert hooks.read == SEEN  # what rode was written before the user's code ran
+    assert turn["items"] == SESSION_AFTER
+
+
+def _kept(hooks: ReadingHooks, session: Any) -> Any:
+    hooks.session = session
+    return session
+
+
+def test_a_store_that_takes_one_session_write_per_append_never_gets_two(
+        backend: dict[str, Any]) -> None:
+    turn = _turn(backend, many=False)
+    assert "tuple" not in " ".join(turn["appends"])
+    assert turn["appends"] == ["one", "one", "one"]  # the answer no longer rides with the result
+    assert turn["seen"] == SEEN
+    assert turn["items"] == SESSION_AFTER
+
+
+class Failing(SQLiteEventStore):
+    """Refuses its appends that carry a Session write (``times`` of them), before
+    writing anything."""
+
+    times = 1_000
+
+    def append(self, *args: Any, session_write: Any = None, **options: Any) -> None:
+        if session_write is not None and self.times:
+            self.times -= 1
+            raise StorageError("the disk is full (injected)", outcome=Outcome.NOT_WRITTEN)
+        if session_write is not None:
+            options["session_write"] = session_write
+        super().append(*args, **options)
+
+
+def test_a_flush_not_written_writes_neither_the_items_nor_their_commit(
+        tmp_path: Path) -> None:
+    counters = Counters()
+    agent, _ = _agent(counters)
+    path = tmp_path / "events.db"
+    store = Failing(path)
+    session = SQLiteSession("s", path)
+    with pytest.raises(StorageError):
+        asyncio.run(Runner.run(agent, "charge 7", session=session, store=store, run_id="r"))
+    assert counters.tools == {}  # the flush before the tool failed: the tool never ran
+    assert asyncio.run(session.get_items()) == []  # neither the input nor its commit
+    with pytest.raises(RunNotFound):
+        RunController.load(SQLiteEventStore(path, readonly=True), "r")
+
+
+def test_a_retried_flush_writes_what_rides_once(tmp_path: Path) -> None:
+    path = tmp_path / "events.db"
+    store = Failing(path)
+    store.times = 1
+    session = SQLiteSession("s", path)
+    c = RunController.start(run_id="r", session_id="s", store=store, buffered=True)
+    c.add_input([USER])
+    asyncio.run(publish(c, session, [USER], ride=True))
+    assert c.riding_items == (USER,)
+    with pytest.raises(StorageError):
+        c.flush()
+    assert asyncio.run(session.get_items()) == []
+    assert c.riding_items == (USER,)  # kept for the retry
+    c.flush()
+    assert c.riding_items == ()
+    assert asyncio.run(session.get_items()) == [USER]
+    log = SQLiteEventStore(path, readonly=True).load("r")
+    assert [type(e) for e in log][-2:] == [ev.PublicationStaged, ev.PublicationCommitted]
+    c.flush()  # nothing left: no second write of the items
+    assert asyncio.run(session.get_items()) == [USER]
+
+
+def test_what_rides_is_handed_out_as_copies(tmp_path: Path) -> None:
+    path = tmp_path / "events.db"
+    store = SQLiteEventStore(path)
+    session = SQLiteSession("s", path)
+    c = RunController.start(run_id="r", session_id="s", store=store, buffered=True)
+    c.add_input([{"role": "user", "content": "hi"}])
+    asyncio.run(publish(c, session, [{"role": "user", "content": "hi"}], ride=True))
+    copy = c.riding_items[0]
+    assert isinstance(copy, dict)
+    copy["content"] = "changed"
+    c.flush()
+    assert asyncio.run(session.get_items()) == [{"role": "user", "content": "hi"}]
+
+
+def test_per_event_a_ride_is_written_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "events.db"
+    store = SQLiteEventStore(path)
+    session = SQLiteSession("s", path)
+    c = RunController.start(run_id="r", session_id="s", store=store)
+    c.add_input([USER])
+    asyncio.run(publish(c, session, [USER], ride=True))
+    assert c.riding_items == ()
+    assert asyncio.run(session.get_items()) == [USER]
+
+
+def test_ride_must_be_a_bool(tmp_path: Path) -> None:
+    path = tmp_path / "events.db"
+    c = RunController.start(run_id="r", session_id="s", store=SQLiteEventStore(path),
+                            buffered=True)
+    c.add_input([USER])
+    c.stage_publication([USER], [])
+    write = SessionWrite("s", c.publication_id or "", (USER,))
+    with pytest.raises(SchemaError, match="ride"):
+        c.publication_committed(session_write=write, ride=1)  # type: ignore[arg-type]
+    assert c.holds_attempt
+    assert c.riding_items == ()
+
+
+def test_a_crash_before_the_flush_leaves_the_call_in_doubt_never_run_again(
+        tmp_path: Path) -> None:
+    """The result rides past the tool: a process that dies after the tool and before the
+    end's flush has the tool's start durable and its result lost, so the run is in
+    doubt (fail closed), and the Session holds only the input."""
+    counters = Counters()
+    path = tmp_path / "events.db"
+
+    class Dying(SQLiteEventStore):
+        def append(self, *args: Any, **options: Any) -> None:
+            if counters.tools:  # the tool ran: this process dies before its next write
+                raise KeyboardInterrupt
+            super().append(*args, **options)
+
+    agent, _ = _agent(counters)
+    with pytest.raises(KeyboardInterrupt):
+        asyncio.run(Runner.run(agent, "charge 7", session=SQLiteSession("s", path),
+                               store=Dying(path), run_id="r"))
+    assert counters.tools == {"charge": 1}
+    again, _ = _agent(counters)
+    with pytest.raises(ToolInDoubt):
+        asyncio.run(Runner.run(again, session=SQLiteSession("s", path),
+                               store=SQLiteEventStore(path), run_id="r"))
+    assert counters.tools == {"charge": 1}
+    assert asyncio.run(SQLiteSession("s", path).get_items()) == [USER]
+
+
+@pytest.mark.parametrize("many", [True, False])
+def test_a_controller_hands_a_store_only_the_session_writes_it_takes(
+        tmp_path: Path, many: bool) -> None:
+    """Two publications committed with ``ride=True`` and no flush between (the controller
+    used directly): a store that takes several Session writes per append gets both in
+    one, any other gets the first written before the second is held."""
+    path = tmp_path / "events.db"
+    appends = Appends()
+    store = _counting(SQLiteEventStore, appends, many=many)(path)
+    session = SQLiteSession("s", path)
+    c = RunController.start(run_id="r", session_id="s", store=store, buffered=True)
+    first, second = {"role": "user", "content": "one"}, {"role": "user", "content": "two"}
+    for item, tail in ((first, []), (second, [first])):
+        c.add_input([item])
+        c.stage_publication([item], tail)
+        c.publication_committed(session_write=SessionWrite("s", c.publication_id or "",
+                                                           (item,)), ride=True)
+    c.flush()
+    assert appends.writes == (["tuple of 2"] if many else ["one", "one"])
+    assert asyncio.run(session.get_items()) == [first, second]
