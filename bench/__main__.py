@@ -213,6 +213,8 @@ EXTRA_ROWS: tuple[tuple[str, str, str], ...] = (
      "bench_row"),
     ("durable writes per one-tool turn, pydantic-ai adapter", "bench.durable_rows",
      "pydantic_ai_row"),
+    ("durable one-tool turn, openai-agents adapter beside the SDK alone",
+     "bench.durable_rows", "openai_agents_row"),
     ("durable one-tool turn beside LangGraph's SqliteSaver (sync)", "bench.durable_rows",
      "langgraph_row"),
     ("kill -9 right after the tool, then resume", "bench.durable_rows", "crash_row"),

@@ -27,6 +27,11 @@ off its connection's statements (``COMMIT``); after a crash between its tool and
 checkpoint LangGraph runs the tool again, this library does not (the issue's kill -9
 measurements). ImportError without LangGraph.
 
+`pydantic_ai_row` and `openai_agents_row`: the same turn through the pydantic-ai and the
+openai-agents adapters; the latter beside the SDK alone with its own ``SQLiteSession``
+(its writes counted as the Session's transactions), with the CPU time per turn
+(``time.process_time``, the process's threads included) against the SDK alone's.
+
 Usage: ``python -m bench.durable_rows`` prints the rows as JSON.
 """
 
@@ -346,6 +351,125 @@ def pydantic_ai_row(args: Any = None) -> dict[str, Any]:
             "verdict": "met" if best <= TARGET else "missed"}
 
 
+# --------------------------------------------------------------- through openai-agents
+
+OPENAI_MODES = ("SDK alone, its SQLiteSession", "ours per event, the SDK's SQLiteSession",
+                "ours buffered, the SDK's SQLiteSession",
+                "ours buffered, our SQLiteSession in the store's file")
+CPU_RATIO = 1.3
+
+
+def _openai_agent(ran: list[int]) -> Any:
+    from agents import Agent, function_tool
+    from agents.testing import ScriptedModel, assistant_message, function_call
+
+    def pay(amount: int) -> str:
+        ran.append(amount)
+        return f"paid {amount}"
+
+    model = ScriptedModel([[function_call("pay", {"amount": 7}, call_id="p1")],
+                           [assistant_message("paid 7")]])
+    return Agent("payer", model=model, tools=[function_tool(pay)])
+
+
+def _sdk_session(session_id: str, path: Path, counted: list[int]) -> Any:
+    """The SDK's own `SQLiteSession` on a file, its transactions counted in ``counted``
+    (each of its writes is one: ``add_items``, ``pop_item``, ``clear_session``)."""
+    from agents import SQLiteSession
+
+    class Counted(SQLiteSession):
+        async def add_items(self, items: Any) -> None:
+            counted[0] += 1
+            await super().add_items(items)
+
+        async def pop_item(self) -> Any:
+            counted[0] += 1
+            return await super().pop_item()
+
+        async def clear_session(self) -> None:
+            counted[0] += 1
+            await super().clear_session()
+
+    return Counted(session_id, path)
+
+
+def _openai_turns(folder: Path, mode: str, turns: int) -> dict[str, Any]:
+    """``turns`` durable one-tool turns through openai-agents in ``mode`` (after one that
+    warms up): the writes per turn (the store's commits and the Session's), the median
+    wall time and the median CPU time (this process's, its threads included) per turn."""
+    from agents import RunConfig, Runner
+
+    from statemachine.adapters.openai_agents import AgentRun
+    from statemachine.sessions import SQLiteSession
+    from statemachine.stores import SQLiteEventStore
+
+    config = RunConfig(tracing_disabled=True)
+    store = None if mode == OPENAI_MODES[0] else SQLiteEventStore(folder / "events.db")
+    shared = mode.endswith("store's file")
+    counted = [0]  # the SDK Sessions' transactions
+    times, cpus = [], []
+    commits = 0
+    for i in range(turns + 1):
+        ran: list[int] = []
+        agent = _openai_agent(ran)
+        session = (SQLiteSession(f"s-{i}", folder / "events.db") if shared
+                   else _sdk_session(f"s-{i}", folder / "session.db", counted))
+        before = counted[0] + (store.commits if store is not None else 0)
+        start, cpu = time.perf_counter(), time.process_time()
+
+        async def turn(agent: Any, session: Any, run_id: str) -> Any:
+            if store is None:
+                return (await Runner.run(agent, "pay 7", session=session,
+                                         run_config=config)).final_output
+            run = await AgentRun.open(agent, run_id=run_id, session=session,
+                                      store=store, buffered=not mode.startswith("ours per"))
+            return (await run.run("pay 7", run_config=config)).final_output
+
+        output = asyncio.run(turn(agent, session, f"run-{i}"))
+        elapsed, used = time.perf_counter() - start, time.process_time() - cpu
+        if output != "paid 7" or ran != [7]:
+            raise RuntimeError(f"{mode}: the turn went wrong: {output!r}, ran {ran}")
+        if i:  # (the first warms up)
+            times.append(elapsed)
+            cpus.append(used)
+            commits += (counted[0] + (store.commits if store is not None else 0) - before
+                        + getattr(session, "commits", 0))
+        session.close()
+    if store is not None:
+        store.close()
+    return {"writes_per_turn": round(commits / turns, 2),
+            "turn_ms": round(statistics.median(times) * 1000, 2),
+            "cpu_ms": round(statistics.median(cpus) * 1000, 2)}
+
+
+def openai_agents_row(args: Any = None) -> dict[str, Any]:
+    """The durable one-tool turn through the openai-agents adapter (`AgentRun`) on
+    SQLite beside the SDK alone with its own `SQLiteSession`: writes counted by the
+    stores and Sessions, wall and CPU time per turn. ImportError without openai-agents."""
+    import agents  # noqa: F401
+
+    turns = _turns(args)
+    rows: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for index, mode in enumerate(OPENAI_MODES):
+            place = Path(folder) / f"oa-{index}"
+            place.mkdir()
+            rows[mode] = _openai_turns(place, mode, turns)
+    alone, best = rows[OPENAI_MODES[0]], rows[OPENAI_MODES[-1]]
+    cpu = round(best["cpu_ms"] / alone["cpu_ms"], 2)
+    for mode in OPENAI_MODES[1:]:
+        rows[mode]["verdict"] = "met" if rows[mode]["writes_per_turn"] <= TARGET else "missed"
+    return {"summary": "; ".join(f"{mode} {row['writes_per_turn']} writes, "
+                                 f"{row['turn_ms']} ms, {row['cpu_ms']} ms CPU"
+                                 for mode, row in rows.items())
+                       + f"; CPU per turn {cpu}x the SDK alone's",
+            "rows": rows, "cpu_vs_sdk_alone": cpu,
+            "target": f"<= {TARGET} durable writes per one-tool turn; CPU per turn <= "
+                      f"{CPU_RATIO}x the SDK alone's",
+            "verdict": "met" if best["writes_per_turn"] <= TARGET and cpu <= CPU_RATIO
+                       else "missed"}
+
+
 # ------------------------------------------------------------------ kill -9 after the tool
 
 SYSTEMS = ("ours", "langgraph")
@@ -435,4 +559,6 @@ if __name__ == "__main__":
         print(_crash_child(sys.argv[2], Path(sys.argv[3]), sys.argv[4] == "die"))
     else:
         print(json.dumps({"durable": bench_row(), "langgraph": langgraph_row(),
-                          "crash": crash_row()}, indent=2))
+                          "pydantic_ai": pydantic_ai_row(),
+                          "openai_agents": openai_agents_row(), "crash": crash_row()},
+                         indent=2))

@@ -577,7 +577,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        "a Session write that rode is written again by the next flush"),
     _m("JO28", "        writes = list(self.riding)  #", "        writes = []  #",
        "a flush drops the Session writes that ride with it"),
-    _m("JO29", "        return self.buffered and (not self.riding or many_session_writes(self.store))",
+    _m("JO29", "        return self.buffered and (not self.riding or "
+               "many_session_writes(self.store))",
        "        return self.buffered",
        "a commit rides behind another on a store that takes one Session write per append"),
     _m("JO01", "max_events - RESERVED_EVENTS - max(_FINISHING.values()))",
@@ -973,7 +974,7 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("LP19", "    if c.riding_items:\n        await c.flush_async()\n    else:\n"
                "        await c.fence_async()\n", "    await c.fence_async()\n",
        "a hook reads the Session without the publications that ride to the next flush"),
-    _m("LP20", "        items = await history(c, self.session)",
+    _m("LP20", "        items = await run_history(c, self.session)",
        "        items = await self.session.get_items()",
        "the model is sent the Session without what rides to the next flush"),
     # ------------------------------------------------------------- runner/attempt
@@ -995,8 +996,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("PU01", 'elif kind == "function_call" and call_id not in answered:',
        'elif kind == "function_call":',
        "one_writer blocks on a call that has its output"),
-    _m("PU02", "tail = await history(controller, session, limit=len(items) + 1)",
-       "tail = await history(controller, session, limit=len(items))",
+    _m("PU02", "tail = await run_history(controller, session, limit=len(items) + 1)",
+       "tail = await run_history(controller, session, limit=len(items))",
        "publish reads one history item too few"),
     _m("PU03", "    await controller.flush_async()  # an effect boundary: the staged envelope "
                "is durable\n", "",
@@ -1012,8 +1013,9 @@ CATALOGUE: tuple[Mutant, ...] = (
        "a cancelled write is reported as failed (it may still land)"),
     _m("PU06", '    _same_session(controller, session, "settle")\n', "",
        "settle reconciles against a Session that is not the run's"),
-    _m("PU07", "decision = controller.reconcile(await history(controller, session, limit=limit),",
-       "decision = controller.reconcile(await history(controller, session),",
+    _m("PU07", "decision = controller.reconcile(await run_history(controller, session, "
+               "limit=limit),",
+       "decision = controller.reconcile(await run_history(controller, session),",
        "settle reads the whole Session",
        equivalent="reconcile reads only the last read_limit items of what it is given"),
     _m("PU08", "    for item in reversed(tail):", "    for item in tail:",

@@ -1118,7 +1118,7 @@ class RunController:
         commit is recorded and applied now, like any buffered event, and the next flush's
         append writes the items with it, in one transaction; until then they are in
         `riding_items`, which whoever reads the Session for the run (the model's history,
-        the next staging) must add to what the Session holds (`runner.publish.history`
+        the next staging) must add to what the Session holds (`runner.publish.run_history`
         does). A crash before that flush loses both, as it loses every buffered event.
         Per event, or when a write already rides and the store writes one per append, it
         is written as without ``ride``."""

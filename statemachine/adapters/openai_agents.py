@@ -172,7 +172,7 @@ from statemachine.errors import (
 from statemachine.events import HandedOff, PublicationStaged
 from statemachine.payloads import JSON, fingerprint_of, json_size
 from statemachine.runner.attempt import Attempt, interrupted, maybe_await
-from statemachine.runner.publish import one_writer, publish
+from statemachine.runner.publish import one_writer, publish, run_history
 from statemachine.stores import AsyncEventStore, EventStore
 from statemachine.values import Action, Phase, RecoveryPolicy, Resolution, Step, ToolCall
 from statemachine.verifiers import Verifier, context_of, running, tool_context
@@ -336,7 +336,9 @@ class LedgerSession:
         self.session_settings = getattr(inner, "session_settings", None)
 
     async def get_items(self, limit: int | None = None) -> list[Any]:
-        return list(await self.inner.get_items(limit))
+        """The Session's items with the run's publications that ride to its next flush
+        (`runner.publish.run_history`): the SDK builds the model's input from these."""
+        return list(await run_history(self._run.controller, self.inner, limit))
 
     async def add_items(self, items: list[Any]) -> None:
         run = self._run
@@ -353,7 +355,10 @@ class LedgerSession:
         version = c.version
         try:
             async with run._flush_lock:  # publish flushes the staged envelope itself
-                await publish(c, self.inner, batch, call_ids=call_ids)
+                # a Session in the store's database: the write rides with the run's next
+                # flush (before a tool body, or at the attempt's end); the SDK reads it
+                # back through get_items, which adds what rides
+                await publish(c, self.inner, batch, call_ids=call_ids, ride=True)
         except BaseException as error:
             run._write_error = error
             raise
@@ -363,11 +368,21 @@ class LedgerSession:
 
     async def pop_item(self) -> Any:
         self._refuse_unsettled("pop_item")
+        await self._written_through()
         return await self.inner.pop_item()
 
     async def clear_session(self) -> None:
         self._refuse_unsettled("clear_session")
+        await self._written_through()
         await self.inner.clear_session()
+
+    async def _written_through(self) -> None:
+        """Write what rides to the next flush first: the Session must hold every item
+        the run committed before one is taken off it."""
+        run = self._run
+        if run.controller.riding_items:
+            async with run._flush_lock:
+                await run.controller.flush_async()
 
     def _refuse_unsettled(self, action: str) -> None:
         c = self._run.controller
@@ -1341,9 +1356,11 @@ class AgentRun:
         if new_items:
             c.add_input(new_items)  # PublicationUnsettled while a write is unsettled
         self._fresh_input = bool(new_items) and not new_run
+        unsettled = c.step is Step.UNSETTLED
         await settle_unsettled(c, self._inner_session, take_over=self.take_over,
                                how=_TAKE_OVER)
-        await self._flush()
+        if unsettled:  # the settlement is durable before anything goes on from it; a new
+            await self._flush()  # run's start and input wait for its first effect (§7.7)
         # input recorded by an attempt that stopped before writing it goes to the SDK now
         # (its write publishes it, before anything else)
         new_items = list(c.unpublished_input)

@@ -182,7 +182,7 @@ from statemachine.errors import (
 from statemachine.journal import is_async
 from statemachine.payloads import DEFAULT_MAX_BYTES, JSON, json_size
 from statemachine.runner.attempt import Attempt, interrupted
-from statemachine.runner.publish import one_writer, publish
+from statemachine.runner.publish import one_writer, publish, run_history
 from statemachine.sessions import MemorySession, Session
 from statemachine.stores import AsyncEventStore, EventStore
 from statemachine.values import Phase, RecoveryPolicy, Resolution, Step, ToolCall
@@ -803,8 +803,8 @@ class LedgerRun:
 
     async def _messages(self, given: Sequence[ModelMessage] | None) -> list[ModelMessage]:
         """The run's messages: read from its history, else the ones the caller gave."""
-        if self.history is not None:
-            return _messages(await self._history.get_items())
+        if self.history is not None:  # (with what rides to the run's next flush)
+            return _messages(await run_history(self.controller, self._history))
         return list(given or ())
 
     async def _write_proposals(self, messages: list[ModelMessage]) -> list[ModelMessage]:
@@ -896,7 +896,11 @@ class LedgerRun:
                 "results are owed but pydantic-ai added no message carrying them",
                 run_id=c.run_id, step=c.step, action="publish")
         async with self._flush_lock:
-            await publish(c, self._history, _messages_json(messages), call_ids=owed)
+            # with the history in the store's database, its write rides with the run's
+            # next flush (the one before a tool body, or the attempt's end): pydantic-ai
+            # sends the model its messages from memory, never from the history
+            await publish(c, self._history, _messages_json(messages), call_ids=owed,
+                          ride=True)
         self._published += len(messages)
 
     def _answer_unrun(self, messages: Sequence[ModelMessage]) -> None:

@@ -43,7 +43,7 @@ from statemachine.runner.agents import (
     Verdict,
 )
 from statemachine.runner.attempt import Attempt, interrupted, maybe_await
-from statemachine.runner.publish import history, one_writer, publish, settle, writer_gone
+from statemachine.runner.publish import one_writer, publish, run_history, settle, writer_gone
 from statemachine.sessions import MemorySession, Session
 from statemachine.stores import AsyncEventStore, EventStore
 from statemachine.values import Action, CallView, Execute, Phase, RecoveryPolicy, Step, ToolCall
@@ -167,7 +167,7 @@ class _AgentLoop:
                 raise MaxTurnsExceeded(f"agent {agent.name!r} used its {c.max_turns} turns")
             c.begin_model_call()
         await self._hook("model_start", lambda: self.hooks.on_llm_start(agent))
-        items = await history(c, self.session)  # (with what rides to the next flush)
+        items = await run_history(c, self.session)  # (with what rides to the next flush)
         # a model call needs no flush of its own (DESIGN §7.7): a crash before its
         # response calls the model again, which no invariant forbids; what it proposes
         # is made durable before any tool body runs. This attempt must still hold the

@@ -65,7 +65,7 @@ async def one_writer(controller: RunController, session: Session) -> None:
                 f"{c.session_id!r}: settle it (reconcile), or abandon it and repair the "
                 "Session, before another run writes there",
                 run_id=c.run_id, step=c.step, action="run")
-    dangling = _unanswered_call(await history(c, session, limit=TAIL_ITEMS))
+    dangling = _unanswered_call(await run_history(c, session, limit=TAIL_ITEMS))
     if dangling is not None:
         raise PublicationUnsettled(
             f"the Session ends with call {dangling!r} that has no output: settle or repair "
@@ -97,7 +97,7 @@ def _same_session(controller: RunController, session: Session, action: str) -> N
             run_id=controller.run_id, step=controller.step, action=action)
 
 
-async def history(controller: RunController, session: Session,
+async def run_history(controller: RunController, session: Session,
                   limit: int | None = None) -> list[JSON]:
     """The run's Session as the run sees it: what ``session`` holds, then the items of
     the publications that ride with the controller's next flush (`riding_items`: they are
@@ -116,7 +116,7 @@ async def publish(controller: RunController, session: Session, items: list[JSON]
 
     ``ride=True``: a Session that shares the store's transaction is written by the
     controller's next flush, with the commit (DESIGN §7.7; `RunController.
-    publication_committed`); read the Session through `history` until then. Any other
+    publication_committed`); read the Session through `run_history` until then. Any other
     Session is written at once, as without it.
 
     A write that raises an `Exception` is reported with ``publication_failed`` and the
@@ -127,7 +127,7 @@ async def publish(controller: RunController, session: Session, items: list[JSON]
     _same_session(controller, session, "publish")
     if controller.riding_items and not many_session_writes(controller.store):
         await controller.flush_async()  # (its store writes one Session write per append)
-    tail = await history(controller, session, limit=len(items) + 1)
+    tail = await run_history(controller, session, limit=len(items) + 1)
     controller.stage_publication(items, tail, call_ids=call_ids)
     await _write(controller, session, items, ride=ride)
 
@@ -141,7 +141,7 @@ async def settle(controller: RunController, session: Session, *,
     _same_session(controller, session, "settle")
     envelope = controller.envelope
     limit = envelope.read_limit if envelope is not None else 1
-    decision = controller.reconcile(await history(controller, session, limit=limit),
+    decision = controller.reconcile(await run_history(controller, session, limit=limit),
                                     session.session_id, take_over=take_over)
     if isinstance(decision, Append):
         await _write(controller, session, list(decision.items))
