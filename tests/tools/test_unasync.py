@@ -80,6 +80,11 @@ def test_an_async_only_block_is_left_out_of_the_sync_module() -> None:
     assert unasync.unasync(source).endswith("\n\n\nclass _Client:\n"
                                             "    def go(self) -> None:\n"
                                             "        self._alone()\n")
+    aio = unasync.SOURCE.read_text(encoding="utf-8")
+    assert "# unasync: async only" in aio  # the store's group commit
+    generated = unasync.TARGET.read_text(encoding="utf-8")
+    assert "group_commit" not in generated
+    assert "SAVEPOINT" not in generated
 
 
 @pytest.mark.parametrize("body", [
