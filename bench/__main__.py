@@ -220,6 +220,8 @@ EXTRA_ROWS: tuple[tuple[str, str, str], ...] = (
     ("kill -9 right after the tool, then resume", "bench.durable_rows", "crash_row"),
     ("group commit: 64 one-tool turns in flight, async SQLite", "bench.group_commit_rows",
      "bench_row"),
+    ("group commit: 64 one-tool turns in flight, async PostgreSQL",
+     "bench.group_commit_rows", "postgres_row"),
 )
 
 

@@ -13,6 +13,11 @@ module docstring is replaced by one saying where the file comes from, and the pl
 ``await``, ``asyncio`` or ``Async`` is refused: ``aio.py`` used something the rules do not
 know, so add a rule (or write it another way) rather than let an async call into the
 sync code.
+
+Code that only the async store has (group commit: the sync store has no concurrent
+appends) sits between a line ``# unasync: async only`` and a line ``# unasync: end``
+(each alone on its line, at any indent): those lines, the markers included, are left out
+of ``sync.py``, so what is around them must read as code without them.
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ RULES: tuple[tuple[str, str], ...] = (
 )
 """(pattern, replacement), applied in order to every line (`re.sub`, multiline)."""
 
+ASYNC_ONLY = re.compile(r"[ ]*# unasync: async only")
+END = re.compile(r"[ ]*# unasync: end")
+
 LEFT_OVER = re.compile(r"\basync\b|\bawait\b|Async|asyncio")
 
 DOCSTRING = '''"""The sync PostgreSQL event store and Session, on psycopg's ``Connection``.
@@ -71,7 +79,8 @@ def unasync(source: str) -> str:
             and isinstance(first.value.value, str)):
         raise Unconverted("the async module must open with its docstring")
     lines = _rewritten(source)
-    body = "\n".join(lines[first.end_lineno:])
+    start = first.end_lineno or 0
+    body = "\n".join(_without_async_only(lines[start:], start))
     text = f"{DOCSTRING}\n{_sorted_imports(body)}"
     left = [f"  {number}: {line.strip()}" for number, line in
             enumerate(text.split("\n"), start=1) if LEFT_OVER.search(line)]
@@ -79,6 +88,28 @@ def unasync(source: str) -> str:
         raise Unconverted("the rules leave async code in the sync module:\n"
                           + "\n".join(left))
     return text
+
+
+def _without_async_only(lines: list[str], before: int = 0) -> list[str]:
+    """``lines`` (the first of them line ``before + 1`` of the source) without their
+    async-only blocks, the markers included; a marker out of place is refused."""
+    kept: list[str] = []
+    inside: int | None = None
+    for number, line in enumerate(lines, start=before + 1):
+        if ASYNC_ONLY.fullmatch(line):
+            if inside is not None:
+                raise Unconverted(f"line {number}: an async-only block inside the one "
+                                  f"opened on line {inside}")
+            inside = number
+        elif END.fullmatch(line):
+            if inside is None:
+                raise Unconverted(f"line {number}: '# unasync: end' closes no block")
+            inside = None
+        elif inside is None:
+            kept.append(line)
+    if inside is not None:
+        raise Unconverted(f"line {inside}: an async-only block that never ends")
+    return kept
 
 
 def _rewrite(text: str) -> str:

@@ -73,7 +73,11 @@ round trip; an append with a snapshot or Session items is ``BEGIN`` and its firs
 statement, pipelined, the others, then ``COMMIT``), serialized by a lock: share a sync
 store between threads freely (a ``threading.Lock``), use an async one from one event loop
 (an ``asyncio.Lock``), or give each worker its own. A process forked while a store is
-open leaves the parent's connection alone (the child opens its own).
+open leaves the parent's connection alone (the child opens its own). The async store
+group-commits (DESIGN §7.7; ``group_commit=False`` turns it off): the appends waiting
+while its connection is busy are written by one writer task in one transaction, each in
+a savepoint of its own, so one COMMIT (one WAL flush) carries many runs' appends and one
+run's refusal fails only its own; a group of one is the lone append above.
 
 The code: ``aio.py`` holds the async store and Session, written by hand; ``sync.py``
 holds the sync ones, generated from it by ``tools/unasync.py`` (never edit it; ``just

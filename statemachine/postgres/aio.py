@@ -65,10 +65,35 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+BEGIN = ("BEGIN",)
+"""What `run_statements` runs first to open a transaction."""
+
 
 # ------------------------------------------------------------------------- driver
 
 
+# unasync: async only
+GROUP_LIMIT = 64
+"""The most appends `AsyncPostgresEventStore` writes in one group (one transaction): a
+writing savepoint takes a subtransaction id, and a transaction holding more than 64 makes
+every other session's snapshot look them up in pg_subtrans (its subtransaction cache
+overflows)."""
+
+
+def _in_transaction(conn: psycopg.AsyncConnection[Any]) -> bool:
+    """The connection is up and inside its transaction (failed or not)."""
+    status = conn.info.transaction_status
+    return (not conn.closed and not conn.broken
+            and status in (psycopg.pq.TransactionStatus.INTRANS,
+                           psycopg.pq.TransactionStatus.INERROR))
+
+
+def _again(error: StorageError, a: PreparedAppend) -> StorageError:
+    """``error`` (the group's, or another append's of it) for the append ``a``."""
+    return StorageError(error.reason, outcome=error.outcome, run_id=a.run_id)
+
+
+# unasync: end
 async def answer(cursor: psycopg.AsyncCursor[Any], want: str) -> Any:
     """What a `steps.Query` wants back from its cursor."""
     if want == "rowcount":
@@ -81,13 +106,14 @@ async def answer(cursor: psycopg.AsyncCursor[Any], want: str) -> Any:
 
 
 async def run_statements(conn: psycopg.AsyncConnection[Any], op: Op[T], *,
-                         begin: bool = False) -> T:
+                         begin: Sequence[str] = ()) -> T:
     """Run the statements ``op`` yields on ``conn``, sending each its answer, and return
-    what ``op`` returns; with ``begin``, open a transaction first (pipelined with the
-    first statement where libpq can)."""
+    what ``op`` returns; ``begin``: statements to run first (``BEGIN``, which opens a
+    transaction), pipelined with the first statement where libpq can."""
     if begin and not PIPELINE:
-        await conn.execute("BEGIN")
-        begin = False
+        for statement in begin:
+            await conn.execute(statement)
+        begin = ()
     reply: Any = None
     while True:
         try:
@@ -95,10 +121,11 @@ async def run_statements(conn: psycopg.AsyncConnection[Any], op: Op[T], *,
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
         if begin:
-            begin = False
             async with conn.pipeline():
-                await conn.execute("BEGIN")
+                for statement in begin:
+                    await conn.execute(statement)
                 cursor = await conn.execute(q.sql, q.params)
+            begin = ()
         else:
             cursor = await conn.execute(q.sql, q.params)
         reply = await answer(cursor, q.want)
@@ -212,7 +239,7 @@ class _AsyncClient(Base):
         async with self._lock:
             conn = await self._live(doing, **where)
             try:
-                result = await run_statements(conn, op, begin=True)
+                result = await run_statements(conn, op, begin=BEGIN)
                 await self._before_commit()
             except BACKEND_ERRORS as error:
                 await self._settle()
@@ -264,7 +291,37 @@ class AsyncPostgresEventStore(_AsyncClient):
     step, in the append's transaction (`stores.keeps_read_models`)."""
     many_session_writes = True
     """``append`` takes a tuple of `SessionWrite` (`stores.many_session_writes`)."""
+    commits = 0
+    """How many transactions of appends this store committed (counting one whose COMMIT
+    answer was lost but whose batch the read-back found): durable writes, one WAL flush
+    each."""
 
+    # unasync: async only
+    def __init__(self, dsn: str, *, schema: str = "statemachine", readonly: bool = False,
+                 readback_timeout: float = 10.0,
+                 lock_timeout: float | None = LOCK_TIMEOUT, group_commit: bool = True
+                 ) -> None:
+        """Group commit (DESIGN §7.7; ``group_commit=True``, the default): the appends
+        made while the store's connection is busy wait, and are then written together by
+        one writer task, at most `GROUP_LIMIT` of them, in one transaction, one COMMIT,
+        one WAL flush (`commits` counts one): each in a savepoint of its own, in the
+        order of their run ids (two stores' groups never wait for each other in a
+        cycle; two appends of one run keep their order and behave as if serialized), so
+        one run's refusal (a version conflict, `LeaseHeld`, a lock it waited for too
+        long, an error of the server) rolls back to its savepoint and fails only that
+        append. A COMMIT that raised is decided for each append of the group as a lone
+        append's would be: its batch read back after the fence. A group of one is a lone
+        append: events alone are one statement, no savepoint. An append cancelled before
+        its group is taken is never written; once taken, it lands or fails with its
+        group, whether its caller still waits or not. ``group_commit=False``: each
+        append is a transaction of its own, as in the sync store."""
+        super().__init__(dsn, schema=schema, readonly=readonly,
+                         readback_timeout=readback_timeout, lock_timeout=lock_timeout)
+        self.group_commit = group_commit
+        self._waiting: list[tuple[PreparedAppend, asyncio.Future[None]]] = []
+        self._writer: asyncio.Task[None] | None = None
+
+    # unasync: end
     # ---------------------------------------------------------------- writing
 
     async def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
@@ -274,45 +331,58 @@ class AsyncPostgresEventStore(_AsyncClient):
         """`IndexedStore.append`; with ``session_write``, its items go to its Session (the
         ``session_items`` table the PostgreSQL Sessions read, tagged with its publication
         id) in the same transaction as ``events``: both land or neither does, and a lost
-        COMMIT answer is decided for both by reading the batch back. A tuple of writes
-        (`many_session_writes`) writes each in order, in the same transaction. ``read_model``: the
-        run's `ReadModel` after ``events``, kept in its head beside ``step`` (without
-        both, after a run's first append, the head is left unfolded)."""
-        where = {"run_id": run_id}
+        COMMIT answer is decided for both by reading the batch back; a tuple of writes
+        (`many_session_writes`) writes each in order, in the same transaction.
+        ``read_model``: the run's `ReadModel` after ``events``, kept in its head beside
+        ``step`` (without both, after a run's first append, the head is left
+        unfolded)."""
         if self.readonly:
             raise self._refused_readonly(APPEND, run_id)
         prepared = prepare(run_id, events, expected_version, snapshot, step, session_write,
                            read_model)
+        # unasync: async only
+        if self.group_commit:
+            await self._in_group(prepared)
+            return
+        # unasync: end
         async with self._lock:
-            conn = await self._live(APPEND, **where)
-            if one_statement(prepared):
-                await self._append_one(conn, prepared)
-                await self._after_commit()
-                return
-            try:
-                await run_statements(conn, append_steps(self._sql, prepared), begin=True)
-                await self._before_commit()
-            except ConcurrencyConflict:
-                await self._settle()
-                raise
-            except psycopg.errors.UniqueViolation:  # the log is ahead of its head
-                await self._settle()
-                raise lost_race(run_id, expected_version, expected_version + 1) from None
-            except BACKEND_ERRORS as error:  # before COMMIT: the transaction did not commit
-                await self._settle()
-                raise self._failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
-                                    **where) from error
-            except BaseException:
-                await self._settle()
-                raise
-            try:
-                await conn.execute("COMMIT")
-            except psycopg.Error as error:
-                await self._classify(error, prepared)
-            except BaseException:  # interrupted or cancelled while committing: never reused
-                await self._drop()
-                raise
+            await self._append_alone(prepared)
         await self._after_commit()
+
+    async def _append_alone(self, prepared: PreparedAppend) -> None:
+        """One append in a transaction of its own (events alone: one statement), under
+        the lock its caller holds."""
+        where = {"run_id": prepared.run_id}
+        conn = await self._live(APPEND, **where)
+        if one_statement(prepared):
+            await self._append_one(conn, prepared)
+            self.commits += 1
+            return
+        try:
+            await run_statements(conn, append_steps(self._sql, prepared), begin=BEGIN)
+            await self._before_commit()
+        except ConcurrencyConflict:
+            await self._settle()
+            raise
+        except psycopg.errors.UniqueViolation:  # the log is ahead of its head
+            await self._settle()
+            raise lost_race(prepared.run_id, prepared.expected,
+                            prepared.expected + 1) from None
+        except BACKEND_ERRORS as error:  # before COMMIT: the transaction did not commit
+            await self._settle()
+            raise self._failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                                **where) from error
+        except BaseException:
+            await self._settle()
+            raise
+        try:
+            await conn.execute("COMMIT")
+        except psycopg.Error as error:
+            await self._classify(error, prepared)
+        except BaseException:  # interrupted or cancelled while committing: never reused
+            await self._drop()
+            raise
+        self.commits += 1
 
     async def _append_one(self, conn: psycopg.AsyncConnection[Any], a: PreparedAppend
                           ) -> None:
@@ -351,10 +421,12 @@ class AsyncPostgresEventStore(_AsyncClient):
                                     **where) from error
             raise refusal(a, row)
 
-    async def _classify(self, error: psycopg.Error, prepared: PreparedAppend) -> None:
+    async def _classify(self, error: psycopg.Error, prepared: PreparedAppend, *,
+                        in_transaction: bool = False) -> None:
         """The connection was lost with a COMMIT in flight: fence and read the batch back
         on a fresh connection. Found: appended (return). Not found: ``"not_written"``.
-        Undecidable: ``"unknown"``."""
+        Undecidable: ``"unknown"``. ``in_transaction``: the append was not its own
+        statement but ran in a transaction (BEGIN ... COMMIT) of several statements."""
         where = {"run_id": prepared.run_id}
         backend = self._backend
         await self._drop()  # closing it ends whatever is left of the transaction server-side
@@ -365,11 +437,129 @@ class AsyncPostgresEventStore(_AsyncClient):
                                 **where) from self._cause(probe_error)
         if landed:
             return
-        decided = fenced or not one_statement(prepared)
+        decided = fenced or not one_statement(prepared) or in_transaction
         raise self._failure(error, doing=APPEND,
                             outcome=Outcome.NOT_WRITTEN if decided else Outcome.UNKNOWN,
                       **where) from error
 
+    # unasync: async only
+    async def _in_group(self, prepared: PreparedAppend) -> None:
+        """Queue ``prepared`` for the writer task (started if none runs) and wait for its
+        group's outcome."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append((prepared, done))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write_groups())
+        await done  # cancelled here before the writer took it: it is dropped
+
+    async def _write_groups(self) -> None:
+        """The writer task: while appends wait, take the ones waiting once the lock is
+        free (at most `GROUP_LIMIT`, in the order they were made; a cancelled one is
+        dropped) and write them as one group; each caller gets its own outcome."""
+        while self._waiting:
+            async with self._lock:
+                taken: list[tuple[PreparedAppend, asyncio.Future[None]]] = []
+                while self._waiting and len(taken) < GROUP_LIMIT:
+                    prepared, done = self._waiting.pop(0)
+                    if not done.done():
+                        taken.append((prepared, done))
+                if not taken:
+                    continue
+                try:
+                    outcomes = await self._append_group([prepared for prepared, _ in taken])
+                except Exception as error:  # never leave a caller waiting
+                    outcomes = [error] * len(taken)
+                except BaseException:  # the writer itself was cancelled (the loop ends)
+                    for _, done in [*taken, *self._waiting]:
+                        done.cancel()
+                    self._waiting.clear()
+                    raise
+            if any(outcome is None for outcome in outcomes):
+                await self._after_commit()
+            for (_, done), outcome in zip(taken, outcomes, strict=True):
+                if done.done():  # its caller was cancelled after the group was taken
+                    continue
+                if outcome is None:
+                    done.set_result(None)
+                else:
+                    done.set_exception(outcome)
+
+    async def _append_group(self, group: Sequence[PreparedAppend]
+                            ) -> list[BaseException | None]:
+        """Several appends in ONE transaction (see ``group_commit``); each one's outcome:
+        None for landed, else the error a lone append would raise. A group of one is
+        a lone append (`_append_alone`)."""
+        if len(group) == 1:
+            try:
+                await self._append_alone(group[0])
+            except Exception as error:
+                return [error]
+            return [None]
+        outcomes: list[BaseException | None] = [None] * len(group)
+        try:
+            conn = await self._live(APPEND)
+        except StorageError as error:
+            return [_again(error, a) for a in group]
+        written: list[int] = []
+        begin = ("BEGIN", "SAVEPOINT one_append")
+        try:
+            for i in sorted(range(len(group)), key=lambda j: group[j].run_id):
+                try:
+                    await run_statements(conn, append_steps(self._sql, group[i]),
+                                         begin=begin)
+                except Exception as error:
+                    outcomes[i] = self._append_error(error, group[i])
+                    if not _in_transaction(conn):  # the group's transaction is lost
+                        raise
+                    await conn.execute("ROLLBACK TO SAVEPOINT one_append")
+                else:
+                    written.append(i)
+                begin = ("RELEASE SAVEPOINT one_append", "SAVEPOINT one_append")
+            if not written:
+                await conn.execute("ROLLBACK")
+                return outcomes
+            await self._before_commit()
+        except Exception as error:  # before COMMIT: nothing of the group landed
+            await self._settle()
+            return [self._append_error(error, a, lost=True) if outcome is None else outcome
+                    for a, outcome in zip(group, outcomes, strict=True)]
+        except BaseException:
+            await self._settle()
+            raise
+        try:
+            await conn.execute("COMMIT")
+        except psycopg.Error as error:  # each decided by its own batch, read back
+            undecided: StorageError | None = None
+            for i in written:
+                try:
+                    if undecided is not None:  # one transaction: as undecidable
+                        raise _again(undecided, group[i])
+                    await self._classify(error, group[i], in_transaction=True)
+                except StorageError as failed:
+                    outcomes[i] = failed
+                    if failed.outcome == Outcome.UNKNOWN:
+                        undecided = failed
+        except BaseException:  # interrupted or cancelled while committing: never reused
+            await self._drop()
+            raise
+        if any(outcomes[i] is None for i in written):
+            self.commits += 1
+        return outcomes
+
+    def _append_error(self, error: Exception, a: PreparedAppend, *, lost: bool = False
+                      ) -> Exception:
+        """What a lone append raises for ``error``, met before its COMMIT (``lost``: by
+        the group's transaction, not by ``a``'s own statements)."""
+        if isinstance(error, psycopg.errors.UniqueViolation) and not lost:
+            return lost_race(a.run_id, a.expected, a.expected + 1)
+        if isinstance(error, BACKEND_ERRORS):
+            failed = self._failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                                   run_id=a.run_id)
+            failed.__cause__ = error
+            return failed
+        return error
+
+    # unasync: end
     async def _landed(self, prepared: PreparedAppend, backend: Backend | None
                       ) -> tuple[bool, bool]:
         """(fenced, landed): see the package's docstring."""

@@ -64,6 +64,9 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+BEGIN = ("BEGIN",)
+"""What `run_statements` runs first to open a transaction."""
+
 
 # ------------------------------------------------------------------------- driver
 
@@ -80,13 +83,14 @@ def answer(cursor: psycopg.Cursor[Any], want: str) -> Any:
 
 
 def run_statements(conn: psycopg.Connection[Any], op: Op[T], *,
-                   begin: bool = False) -> T:
+                   begin: Sequence[str] = ()) -> T:
     """Run the statements ``op`` yields on ``conn``, sending each its answer, and return
-    what ``op`` returns; with ``begin``, open a transaction first (pipelined with the
-    first statement where libpq can)."""
+    what ``op`` returns; ``begin``: statements to run first (``BEGIN``, which opens a
+    transaction), pipelined with the first statement where libpq can."""
     if begin and not PIPELINE:
-        conn.execute("BEGIN")
-        begin = False
+        for statement in begin:
+            conn.execute(statement)
+        begin = ()
     reply: Any = None
     while True:
         try:
@@ -94,10 +98,11 @@ def run_statements(conn: psycopg.Connection[Any], op: Op[T], *,
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
         if begin:
-            begin = False
             with conn.pipeline():
-                conn.execute("BEGIN")
+                for statement in begin:
+                    conn.execute(statement)
                 cursor = conn.execute(q.sql, q.params)
+            begin = ()
         else:
             cursor = conn.execute(q.sql, q.params)
         reply = answer(cursor, q.want)
@@ -211,7 +216,7 @@ class _Client(Base):
         with self._lock:
             conn = self._live(doing, **where)
             try:
-                result = run_statements(conn, op, begin=True)
+                result = run_statements(conn, op, begin=BEGIN)
                 self._before_commit()
             except BACKEND_ERRORS as error:
                 self._settle()
@@ -263,6 +268,10 @@ class PostgresEventStore(_Client):
     step, in the append's transaction (`stores.keeps_read_models`)."""
     many_session_writes = True
     """``append`` takes a tuple of `SessionWrite` (`stores.many_session_writes`)."""
+    commits = 0
+    """How many transactions of appends this store committed (counting one whose COMMIT
+    answer was lost but whose batch the read-back found): durable writes, one WAL flush
+    each."""
 
     # ---------------------------------------------------------------- writing
 
@@ -273,45 +282,53 @@ class PostgresEventStore(_Client):
         """`IndexedStore.append`; with ``session_write``, its items go to its Session (the
         ``session_items`` table the PostgreSQL Sessions read, tagged with its publication
         id) in the same transaction as ``events``: both land or neither does, and a lost
-        COMMIT answer is decided for both by reading the batch back. A tuple of writes
-        (`many_session_writes`) writes each in order, in the same transaction. ``read_model``: the
-        run's `ReadModel` after ``events``, kept in its head beside ``step`` (without
-        both, after a run's first append, the head is left unfolded)."""
-        where = {"run_id": run_id}
+        COMMIT answer is decided for both by reading the batch back; a tuple of writes
+        (`many_session_writes`) writes each in order, in the same transaction.
+        ``read_model``: the run's `ReadModel` after ``events``, kept in its head beside
+        ``step`` (without both, after a run's first append, the head is left
+        unfolded)."""
         if self.readonly:
             raise self._refused_readonly(APPEND, run_id)
         prepared = prepare(run_id, events, expected_version, snapshot, step, session_write,
                            read_model)
         with self._lock:
-            conn = self._live(APPEND, **where)
-            if one_statement(prepared):
-                self._append_one(conn, prepared)
-                self._after_commit()
-                return
-            try:
-                run_statements(conn, append_steps(self._sql, prepared), begin=True)
-                self._before_commit()
-            except ConcurrencyConflict:
-                self._settle()
-                raise
-            except psycopg.errors.UniqueViolation:  # the log is ahead of its head
-                self._settle()
-                raise lost_race(run_id, expected_version, expected_version + 1) from None
-            except BACKEND_ERRORS as error:  # before COMMIT: the transaction did not commit
-                self._settle()
-                raise self._failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
-                                    **where) from error
-            except BaseException:
-                self._settle()
-                raise
-            try:
-                conn.execute("COMMIT")
-            except psycopg.Error as error:
-                self._classify(error, prepared)
-            except BaseException:  # interrupted or cancelled while committing: never reused
-                self._drop()
-                raise
+            self._append_alone(prepared)
         self._after_commit()
+
+    def _append_alone(self, prepared: PreparedAppend) -> None:
+        """One append in a transaction of its own (events alone: one statement), under
+        the lock its caller holds."""
+        where = {"run_id": prepared.run_id}
+        conn = self._live(APPEND, **where)
+        if one_statement(prepared):
+            self._append_one(conn, prepared)
+            self.commits += 1
+            return
+        try:
+            run_statements(conn, append_steps(self._sql, prepared), begin=BEGIN)
+            self._before_commit()
+        except ConcurrencyConflict:
+            self._settle()
+            raise
+        except psycopg.errors.UniqueViolation:  # the log is ahead of its head
+            self._settle()
+            raise lost_race(prepared.run_id, prepared.expected,
+                            prepared.expected + 1) from None
+        except BACKEND_ERRORS as error:  # before COMMIT: the transaction did not commit
+            self._settle()
+            raise self._failure(error, doing=APPEND, outcome=Outcome.NOT_WRITTEN,
+                                **where) from error
+        except BaseException:
+            self._settle()
+            raise
+        try:
+            conn.execute("COMMIT")
+        except psycopg.Error as error:
+            self._classify(error, prepared)
+        except BaseException:  # interrupted or cancelled while committing: never reused
+            self._drop()
+            raise
+        self.commits += 1
 
     def _append_one(self, conn: psycopg.Connection[Any], a: PreparedAppend
                     ) -> None:
@@ -350,10 +367,12 @@ class PostgresEventStore(_Client):
                                     **where) from error
             raise refusal(a, row)
 
-    def _classify(self, error: psycopg.Error, prepared: PreparedAppend) -> None:
+    def _classify(self, error: psycopg.Error, prepared: PreparedAppend, *,
+                  in_transaction: bool = False) -> None:
         """The connection was lost with a COMMIT in flight: fence and read the batch back
         on a fresh connection. Found: appended (return). Not found: ``"not_written"``.
-        Undecidable: ``"unknown"``."""
+        Undecidable: ``"unknown"``. ``in_transaction``: the append was not its own
+        statement but ran in a transaction (BEGIN ... COMMIT) of several statements."""
         where = {"run_id": prepared.run_id}
         backend = self._backend
         self._drop()  # closing it ends whatever is left of the transaction server-side
@@ -364,7 +383,7 @@ class PostgresEventStore(_Client):
                                 **where) from self._cause(probe_error)
         if landed:
             return
-        decided = fenced or not one_statement(prepared)
+        decided = fenced or not one_statement(prepared) or in_transaction
         raise self._failure(error, doing=APPEND,
                             outcome=Outcome.NOT_WRITTEN if decided else Outcome.UNKNOWN,
                       **where) from error

@@ -3,7 +3,8 @@ together are folded into one transaction, one COMMIT (one fsync); one run's refu
 version conflict, `LeaseHeld`) fails only that run's append; two appends of one run in a
 group behave as if serialized; a COMMIT that fails is decided per append by reading its
 batch back; a process killed with SIGKILL while groups commit loses nothing it was told
-had landed, and writes nothing twice.
+had landed, and writes nothing twice. (The async PostgreSQL store's group commit:
+``test_postgres_group_commit.py``.)
 
 The deterministic tests hold the store's worker (``_hold``) while the appends queue, so
 that all of them are one group: the store's ``commits`` then moves by exactly one.
@@ -27,7 +28,6 @@ import pytest
 from statemachine import ConcurrencyConflict, LeaseHeld, RunController, ToolCall
 from statemachine import events as ev
 from statemachine.errors import StorageError
-from statemachine.postgres import AsyncPostgresEventStore
 from statemachine.stores import AsyncSQLiteEventStore, SQLiteEventStore
 from statemachine.testing.invariants import check_log
 from tests.drivers.crash_driver import Ticks, append_line
@@ -405,10 +405,3 @@ def test_a_kill_while_groups_commit_loses_no_acknowledged_append_and_repeats_not
     print(f"\n{TRIALS} trials, {killed} killed mid-run, {acknowledged} appends "
           "acknowledged, all found")
     assert killed >= TRIALS // 2
-
-
-# ---------------------------------------------------------------- (e) PostgreSQL
-
-
-def _pg(pg_dsn: str, pg_schema: str, **options: Any) -> AsyncPostgresEventStore:
-    return AsyncPostgresEventStore(pg_dsn, schema=pg_schema, **options)

@@ -62,3 +62,35 @@ def test_async_code_the_rules_do_not_know_is_refused(line: str) -> None:
     source = f'"""doc"""\n\n\ndef f():\n{line}\n'
     with pytest.raises(unasync.Unconverted, match="async code"):
         unasync.unasync(source)
+
+
+def test_an_async_only_block_is_left_out_of_the_sync_module() -> None:
+    source = ('"""doc"""\n\n\n'
+              "class _AsyncClient:\n"
+              "    # unasync: async only\n"
+              "    def __init__(self, group_commit: bool = True) -> None:\n"
+              "        self._writer: asyncio.Task[None] | None = None\n\n"
+              "    # unasync: end\n"
+              "    async def go(self) -> None:\n"
+              "        # unasync: async only\n"
+              "        if self.group_commit:\n"
+              "            return await self._in_group()\n"
+              "        # unasync: end\n"
+              "        await self._alone()\n")
+    assert unasync.unasync(source).endswith("\n\n\nclass _Client:\n"
+                                            "    def go(self) -> None:\n"
+                                            "        self._alone()\n")
+    aio = unasync.SOURCE.read_text(encoding="utf-8")
+    assert "# unasync: async only" in aio  # the store's group commit
+    generated = unasync.TARGET.read_text(encoding="utf-8")
+    assert "group_commit" not in generated
+    assert "SAVEPOINT" not in generated
+
+
+@pytest.mark.parametrize("body", [
+    "    # unasync: async only\n    x = 1\n",  # never ends
+    "    x = 1\n    # unasync: end\n",  # closes nothing
+    "    # unasync: async only\n    # unasync: async only\n    # unasync: end\n    x = 1\n"])
+def test_a_marker_out_of_place_is_refused(body: str) -> None:
+    with pytest.raises(unasync.Unconverted, match="block"):
+        unasync.unasync(f'"""doc"""\n\n\ndef f():\n{body}')
