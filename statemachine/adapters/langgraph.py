@@ -404,12 +404,6 @@ class ToolLedger:
                 "their own namespace, which the ledger does not follow): the call did not "
                 "run", feature="subgraphs with their own tool nodes", run_id=run_id,
                 action="begin_tool")
-        triggers = (config.get("metadata") or {}).get("langgraph_triggers") or ()
-        if any(str(trigger).startswith("__pregel_push") for trigger in triggers):
-            raise UnsupportedFeature(
-                "a tool node reached by Send (one call per task) is not carried: the call "
-                "did not run", feature="Send fan-out to tools", run_id=run_id,
-                action="begin_tool")
         return run_id, call_id, call
 
     def _before(self, request: Any) -> tuple[RunController, str, Mapping[str, Any],
@@ -420,7 +414,14 @@ class ToolLedger:
         with self._lock:
             c = self.controller(run_id)
             if c.phase(call_id) is None:
-                batch = self._batch(request.state, call_id) or [call]
+                batch = self._batch(request.state, call_id)
+                if not batch:
+                    raise UnsupportedFeature(
+                        f"call {call_id!r} is in no AIMessage of the state the tool node "
+                        "was given (a Send of a tool call made outside the model's reply, "
+                        "or a state without its messages): it cannot be entered with its "
+                        "batch; it did not run", feature="Send fan-out of calls outside "
+                        "the model's reply", run_id=run_id, action="begin_tool")
                 self._enter(c, batch)
             phase = c.phase(call_id)
             if phase in (Phase.REJECTED, Phase.COMPLETED, Phase.PUBLISHED):
@@ -525,8 +526,7 @@ class ToolLedger:
 
     # ------------------------------------------------------------------- decisions
 
-    def review(self, state: Any, config: Mapping[str, Any] | None = None
-               ) -> dict[str, Any] | None:
+    def review(self, state: Any) -> dict[str, Any] | None:
         """A graph node (or the body of `LedgerMiddleware.after_model`) put between the
         model and the tool node: the last ``AIMessage``'s calls entered in the ledger,
         and one ``interrupt()`` for those awaiting a decision, its value
@@ -545,14 +545,14 @@ class ToolLedger:
         last = messages[-1] if messages else None
         if not isinstance(last, AIMessage) or not last.tool_calls:
             return None
-        run_id = self.run_id_of(config if config is not None else get_config())
+        run_id = self.run_id_of(get_config())
         with self._lock:
             c = self.controller(run_id)
             self._enter(c, last.tool_calls)
-        calls: list[dict[str, Any]] = [dict(call) for call in last.tool_calls]
-        edited = False
+        refused: list[str] = []
         while True:
             with self._lock:
+                calls = _current(c, last.tool_calls)
                 pending = [call for call in calls
                            if c.phase(call["id"]) is Phase.AWAITING]
                 shown = [{"call_id": call["id"], "name": call["name"],
@@ -560,13 +560,19 @@ class ToolLedger:
                          for call in pending]
             if not pending:
                 break
-            answer = interrupt({"run_id": run_id, "pending": shown})
+            asked: dict[str, Any] = {"run_id": run_id, "pending": shown}
+            if refused:
+                asked["refused"] = refused
+            answer = interrupt(asked)
             with self._lock:
                 c = self.controller(run_id)
-                replaced = self._decide(c, calls, answer)
-            if replaced:
-                edited = True
-        if not edited:
+                try:
+                    self._decide(c, calls, answer)
+                except InvalidTransition as refusal:  # nothing recorded: asked again
+                    refused = [refusal.reason]
+                else:
+                    refused = []
+        if [call["id"] for call in calls] == [call["id"] for call in last.tool_calls]:
             return None
         return {"messages": [last.model_copy(update={"tool_calls": calls})]}
 
@@ -648,7 +654,12 @@ class ToolLedger:
             old = call["id"]
             if c.phase(old) is not Phase.SKIPPED and old not in edits:
                 continue  # rejected: answered with its rejection under its own id
-            new_id = _new_id(c, old, proposed)
+            new_id = _successor(old)
+            if c.phase(new_id) is not None:
+                raise InvalidTransition(
+                    f"call {old!r} cannot be proposed again as {new_id!r}, which the ledger "
+                    "already holds: nothing was recorded", run_id=c.run_id, step=c.step,
+                    action="model_responded")
             args = dict(edits[old]["args"]) if old in edits else call.get("args") or {}
             calls[index] = {**call, "id": new_id, "args": args}
             origin[new_id] = old
@@ -675,14 +686,28 @@ def _agrees(c: RunController, call_id: str, kind: str) -> bool:
     return recorded[-1] == "rejected"
 
 
-def _new_id(c: RunController, call_id: str, taken: Sequence[ToolCall]) -> str:
-    """The id under which call ``call_id`` is proposed again: new to the ledger."""
-    base = call_id.rsplit("-edit", 1)[0]
-    used = {call.call_id for call in taken}
-    number = 1
-    while c.phase(f"{base}-edit{number}") is not None or f"{base}-edit{number}" in used:
-        number += 1
-    return f"{base}-edit{number}"
+def _successor(call_id: str) -> str:
+    """The id under which call ``call_id`` is proposed again after an edit of its batch:
+    ``x`` becomes ``x-edit1``, ``x-edit1`` becomes ``x-edit2`` (so a review run again
+    from its start finds each call's successor in the ledger)."""
+    base, _, number = call_id.rpartition("-edit")
+    if base and number.isdigit():
+        return f"{base}-edit{int(number) + 1}"
+    return f"{call_id}-edit1"
+
+
+def _current(c: RunController, calls: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``calls`` with each call an edit overtook replaced by its successor, as the ledger
+    recorded it (its arguments the edited ones)."""
+    current: list[dict[str, Any]] = []
+    for call in calls:
+        now = dict(call)
+        while (c.phase(now["id"]) in (Phase.SKIPPED, Phase.REJECTED, Phase.PUBLISHED)
+               and c.phase(_successor(now["id"])) is not None):
+            recorded = c.call(_successor(now["id"])).call
+            now = {**now, "id": recorded.call_id, "args": recorded.arguments}
+        current.append(now)
+    return current
 
 
 def _passing_refusals(handling: Any) -> Callable[[Exception], str]:

@@ -1,0 +1,476 @@
+"""The LangGraph / LangChain adapter (DESIGN §7.4, issue 29), in one process: each field
+report run on LangGraph alone and through the adapter, the same graph, a scripted chat
+model, tools that append a line to an fsynced file. What ran is counted from that file;
+the expected count is what the scenario says must happen (a rejected call never runs, an
+approved one runs once), never what a ledger recorded.
+
+The kill -9 rows and the two resumer processes are in test_langgraph_durability.py.
+Under CI a missing ``langgraph`` package fails this module instead of skipping it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+try:
+    import langgraph  # noqa: F401
+except ImportError:  # pragma: no cover - CI installs the extra
+    if os.environ.get("CI"):
+        raise
+    pytest.skip("langgraph is not installed (pip install -e '.[langgraph]')",
+                allow_module_level=True)
+
+from langchain.agents import create_agent
+from langchain.agents.middleware import HumanInTheLoopMiddleware
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+from langchain_core.tools import tool
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.checkpoint.sqlite import SqliteSaver
+from langgraph.graph import END, START, MessagesState, StateGraph
+from langgraph.prebuilt import ToolNode, tools_condition
+from langgraph.types import Command, interrupt
+
+from statemachine import (
+    ConcurrencyConflict,
+    InvalidTransition,
+    Resolution,
+    SQLiteEventStore,
+    ToolCall,
+    ToolInDoubt,
+    operator,
+    tool_context,
+)
+from statemachine.adapters import langgraph as adapter
+from statemachine.adapters.langgraph import (
+    LedgerMiddleware,
+    OneWriterSaver,
+    ToolLedger,
+    UnsupportedFeature,
+    decision,
+)
+from statemachine.values import Phase, Step
+from statemachine.verifiers import Completed, Unknown
+from tests.drivers.langgraph_driver import ScriptedModel, build, effect, effects, make_tools
+
+CONFIG: Any = {"configurable": {"thread_id": "t1"}}
+RUN = "langgraph:t1"
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> SQLiteEventStore:
+    return SQLiteEventStore(str(tmp_path / "ledger.db"))
+
+
+def _pending(result: dict[str, Any]) -> dict[str, str]:
+    """The fingerprints of the calls the ledger's review interrupt shows, by call id."""
+    (asked,) = result["__interrupt__"]
+    return {item["call_id"]: item["fingerprint"] for item in asked.value["pending"]}
+
+
+def _tool_messages(result: dict[str, Any]) -> list[tuple[str, Any]]:
+    return [(m.tool_call_id, m.content) for m in result["messages"]
+            if isinstance(m, ToolMessage)]
+
+
+# ------------------------------------------------------------ the field reports
+
+
+TWO = [[("charge", {"amount": 7}, "c1"), ("notify", {"to": "bob"}, "n1")], "done"]
+
+
+@pytest.mark.invariant("I1")
+def test_a_rejected_call_runs_on_langgraph_alone_and_never_through_the_ledger(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """Mixed decisions in one batch: approve charge, reject notify. LangGraph's review
+    pattern (a rejection answered with a ToolMessage, the batch then sent to its ToolNode)
+    runs the rejected call anyway; through the ledger it never runs, and every call of
+    the batch is answered exactly once."""
+    alone = tmp_path / "alone.txt"
+    graph = build("alone", make_tools(alone), ScriptedModel(script=TWO), InMemorySaver(),
+                  review=True)
+    graph.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    graph.invoke(Command(resume={"c1": "approve", "n1": "reject"}), CONFIG)
+    assert sorted(effects(alone)) == ["charge 7", "notify bob"]  # the rejected one ran
+
+    through = tmp_path / "ledger.txt"
+    ledger = ToolLedger(store, approvals=["charge", "notify"])
+    graph = build("ledger", make_tools(through), ScriptedModel(script=TWO),
+                  OneWriterSaver(InMemorySaver()), ledger=ledger, review=True)
+    prints = _pending(graph.invoke({"messages": [HumanMessage("go")]}, CONFIG))
+    result = graph.invoke(Command(resume={
+        "c1": decision("approve", prints["c1"]),
+        "n1": decision("reject", prints["n1"], message="not bob")}), CONFIG)
+    assert effects(through) == ["charge 7"]
+    assert _tool_messages(result) == [("c1", "charged 7"), ("n1", "not bob")]
+    assert result["messages"][-1].content == "done"
+
+
+@pytest.mark.invariant("I1")
+def test_an_edit_runs_unapproved_on_langgraph_alone_and_awaits_its_own_approval(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """An edit on LangChain's HumanInTheLoopMiddleware runs the edited arguments with no
+    approval of them; through the ledger the edit is a new call with its own fingerprint,
+    a resume carrying the old one is refused (nothing recorded), and it runs once
+    approved."""
+    script = [[("charge", {"amount": 7}, "c1")], "done"]
+    alone = tmp_path / "alone.txt"
+    agent: Any = create_agent(ScriptedModel(script=script), make_tools(alone),
+                              middleware=[HumanInTheLoopMiddleware(
+                                  interrupt_on={"charge": True})],
+                              checkpointer=InMemorySaver())
+    agent.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    agent.invoke(Command(resume={"decisions": [{"type": "edit", "edited_action": {
+        "name": "charge", "args": {"amount": 7000}}}]}), CONFIG)
+    assert effects(alone) == ["charge 7000"]  # never approved with these arguments
+
+    through = tmp_path / "ledger.txt"
+    ledger = ToolLedger(store, approvals=["charge"])
+    agent = create_agent(ScriptedModel(script=script), make_tools(through),
+                         middleware=[LedgerMiddleware(ledger)],
+                         checkpointer=OneWriterSaver(InMemorySaver()))
+    first = _pending(agent.invoke({"messages": [HumanMessage("go")]}, CONFIG))
+    edited = agent.invoke(Command(resume={"c1": decision("edit", first["c1"],
+                                                         args={"amount": 7000})}), CONFIG)
+    assert effects(through) == []
+    (asked,) = edited["__interrupt__"]
+    (item,) = asked.value["pending"]
+    assert (item["call_id"], item["args"]) == ("c1-edit1", {"amount": 7000})
+    assert item["fingerprint"] != first["c1"]
+    stale = agent.invoke(Command(resume={"c1-edit1": decision("approve", first["c1"])}),
+                         CONFIG)
+    assert "fingerprint" in stale["__interrupt__"][0].value["refused"][0]
+    assert effects(through) == []
+    done = agent.invoke(Command(resume={"c1-edit1": decision("approve",
+                                                             item["fingerprint"])}), CONFIG)
+    assert effects(through) == ["charge 7000"]
+    assert done["messages"][-1].content == "done"
+
+
+def test_parallel_interrupts_in_one_toolnode_rerun_an_approved_call_alone(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """Two calls of one ToolNode that each ``interrupt()`` for approval: LangGraph alone
+    surfaces them one at a time and re-runs the whole node on each resume, so the first
+    (approved) call runs again when the second is answered. Through the ledger one
+    review interrupt carries both (distinct call ids); the approved one runs once, the
+    rejected one never."""
+    path = tmp_path / "alone.txt"
+
+    @tool
+    def charge(amount: int) -> str:
+        """Charge."""
+        if interrupt({"charge": amount}) != "approve":
+            return "rejected"
+        effect(path, f"charge {amount}")
+        return f"charged {amount}"
+
+    script = [[("charge", {"amount": 7}, "a"), ("charge", {"amount": 8}, "b")], "done"]
+    model = ScriptedModel(script=script)
+    builder: Any = StateGraph(MessagesState)
+    builder.add_node("model", lambda state: {"messages": [model.invoke(state["messages"])]})
+    builder.add_node("tools", ToolNode([charge]))
+    builder.add_edge(START, "model")
+    builder.add_conditional_edges("model", tools_condition)
+    builder.add_edge("tools", "model")
+    graph = builder.compile(checkpointer=InMemorySaver())
+    result = graph.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    while result.get("__interrupt__"):
+        (asked,) = result["__interrupt__"]
+        answer = "approve" if asked.value["charge"] == 7 else "reject"
+        result = graph.invoke(Command(resume={asked.id: answer}), CONFIG)
+    assert effects(path) == ["charge 7", "charge 7"]  # approved once, ran twice
+
+    through = tmp_path / "ledger.txt"
+    ledger = ToolLedger(store, approvals=["charge"])
+    graph = build("ledger", make_tools(through), ScriptedModel(script=script),
+                  OneWriterSaver(InMemorySaver()), ledger=ledger, review=True)
+    prints = _pending(graph.invoke({"messages": [HumanMessage("go")]}, CONFIG))
+    assert sorted(prints) == ["a", "b"]
+    result = graph.invoke(Command(resume={"a": decision("approve", prints["a"]),
+                                          "b": decision("reject", prints["b"])}), CONFIG)
+    assert effects(through) == ["charge 7"]
+    assert [call_id for call_id, _ in _tool_messages(result)] == ["a", "b"]
+
+
+def _tools_state(calls: list[tuple[str, dict[str, Any], str]]) -> dict[str, Any]:
+    reply = AIMessage(content="", tool_calls=[
+        {"name": name, "args": args, "id": call_id, "type": "tool_call"}
+        for name, args, call_id in calls])
+    return {"messages": [HumanMessage("go"), reply]}
+
+
+def _graph_of(node: ToolNode, checkpointer: Any) -> Any:
+    builder: Any = StateGraph(MessagesState)
+    builder.add_node("tools", node)
+    builder.add_edge(START, "tools")
+    builder.add_edge("tools", END)
+    return builder.compile(checkpointer=checkpointer)
+
+
+@pytest.mark.invariant("I1", "I12")
+def test_a_tool_node_run_again_answers_from_the_ledger_byte_for_byte(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """A ToolNode run again on the same calls (a resume that re-executes it) runs each
+    tool again on LangGraph alone; through the ledger it answers each call from the
+    record, keyed by its id (two calls of one tool are two calls), with the same content
+    byte for byte."""
+    calls = [("charge", {"amount": 7}, "x"), ("charge", {"amount": 8}, "y")]
+    alone = tmp_path / "alone.txt"
+    graph = _graph_of(ToolNode(make_tools(alone)), InMemorySaver())
+    for thread in ("1", "2"):
+        graph.invoke(_tools_state(calls), {"configurable": {"thread_id": "t" + thread}})
+    assert len(effects(alone)) == 4
+
+    through = tmp_path / "ledger.txt"
+    ledger = ToolLedger(store, run_id="one-run")
+    graph = _graph_of(ledger.tool_node(make_tools(through)), InMemorySaver())
+    answers = [_tool_messages(graph.invoke(_tools_state(calls),
+                                           {"configurable": {"thread_id": "t" + thread}}))
+               for thread in ("1", "2")]
+    assert sorted(effects(through)) == ["charge 7", "charge 8"]
+    assert answers[0] == answers[1] == [("x", "charged 7"), ("y", "charged 8")]
+    fresh = ToolLedger(store, run_id="one-run")  # another process: from the store
+    graph = _graph_of(fresh.tool_node(make_tools(through)), InMemorySaver())
+    again = _tool_messages(graph.invoke(_tools_state(calls), {"configurable": {
+        "thread_id": "t3"}}))
+    assert again == answers[0]
+    assert len(effects(through)) == 2
+
+
+def test_the_async_tool_node_goes_through_the_same_ledger(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    through = tmp_path / "ledger.txt"
+    ledger = ToolLedger(store, run_id="one-run")
+    graph = _graph_of(ledger.tool_node(make_tools(through)), InMemorySaver())
+    state = _tools_state([("charge", {"amount": 7}, "x")])
+    for thread in ("1", "2"):
+        result = asyncio.run(graph.ainvoke(state, {"configurable": {"thread_id": thread}}))
+    assert effects(through) == ["charge 7"]
+    assert _tool_messages(result) == [("x", "charged 7")]
+
+
+@pytest.mark.invariant("I1")
+def test_a_tool_that_raises_is_recorded_failed_and_never_runs_again(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    path = tmp_path / "effects.txt"
+
+    @tool
+    def flaky(n: int) -> str:
+        """Fails after its effect."""
+        effect(path, f"flaky {n}")
+        raise RuntimeError("the service said no")
+
+    ledger = ToolLedger(store)
+    graph = _graph_of(ledger.tool_node([flaky]), InMemorySaver())
+    state = _tools_state([("flaky", {"n": 1}, "f")])
+    with pytest.raises(RuntimeError, match="said no"):  # as LangGraph alone raises it
+        graph.invoke(state, CONFIG)
+    result = graph.invoke(state, CONFIG)  # the retry the user makes
+    assert effects(path) == ["flaky 1"]
+    ((call_id, content),) = _tool_messages(result)
+    assert call_id == "f"
+    assert content == "Error: RuntimeError('the service said no')\n Please fix your mistakes."
+    assert result["messages"][-1].status == "error"
+
+    handled = ToolLedger(SQLiteEventStore(str(tmp_path / "handled.db")), run_id="h")
+    graph = _graph_of(handled.tool_node([flaky], handle_tool_errors=True), InMemorySaver())
+    first, second = (_tool_messages(graph.invoke(state, {"configurable": {
+        "thread_id": thread}})) for thread in ("h1", "h2"))
+    assert first == second
+    assert effects(path) == ["flaky 1", "flaky 1"]  # one run per ledger
+
+
+# ------------------------------------------------------------------ refusals
+
+
+def test_the_ledgers_refusals_pass_through_handle_tool_errors(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """A call in doubt is refused even under ``handle_tool_errors=True`` (LangGraph would
+    otherwise hand the model an error message it could answer by calling again)."""
+    path = tmp_path / "effects.txt"
+    ledger = ToolLedger(store)
+    c = ledger.controller(RUN)
+    c.begin_model_call()
+    c.model_responded([ToolCall("x", "charge", {"amount": 7})])
+    c.begin_tool("x")
+    c.flush()  # started, then "the process died"
+    ledger.forget()
+    graph = _graph_of(ledger.tool_node(make_tools(path), handle_tool_errors=True),
+                      InMemorySaver())
+    with pytest.raises(ToolInDoubt):
+        graph.invoke(_tools_state([("charge", {"amount": 7}, "x")]), CONFIG)
+    assert effects(path) == []
+
+
+def test_what_the_adapter_does_not_carry_is_refused_naming_it(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    path = tmp_path / "effects.txt"
+    ledger = ToolLedger(store)
+    graph = _graph_of(ledger.tool_node(make_tools(path)), InMemorySaver())
+    no_id: dict[str, Any] = {"messages": [AIMessage(content="", tool_calls=[
+        {"name": "charge", "args": {"amount": 1}, "id": None, "type": "tool_call"}])]}
+    with pytest.raises(UnsupportedFeature) as refused:
+        graph.invoke(no_id, CONFIG)
+    assert refused.value.feature == "tool calls without ids"
+
+    @tool
+    def asks(n: int) -> str:
+        """Interrupts inside its body."""
+        interrupt("may I?")
+        return "ok"
+
+    graph = _graph_of(ledger.tool_node([asks]), InMemorySaver())
+    with pytest.raises(UnsupportedFeature) as refused:
+        graph.invoke(_tools_state([("asks", {"n": 1}, "q")]), CONFIG)
+    assert refused.value.feature == "interrupt() inside a tool"
+
+    # a subgraph with its own tool node
+    inner = _graph_of(ledger.tool_node(make_tools(path)), None)
+    outer: Any = StateGraph(MessagesState)
+    outer.add_node("agent", inner)
+    outer.add_edge(START, "agent")
+    outer.add_edge("agent", END)
+    with pytest.raises(UnsupportedFeature) as refused:
+        outer.compile(checkpointer=InMemorySaver()).invoke(
+            _tools_state([("charge", {"amount": 3}, "s")]), {"configurable": {
+                "thread_id": "sub"}})
+    assert refused.value.feature == "subgraphs with their own tool nodes"
+    assert effects(path) == []
+
+    with pytest.raises(UnsupportedFeature) as refused:
+        ledger.tool_node(make_tools(path), wrap_tool_call=lambda r, h: h(r))
+    with pytest.raises(adapter.InvalidVerifier):
+        ToolLedger(store, tools=["charge"], verifiers={"nope": lambda context: Unknown()})
+
+
+def test_the_adapter_exports_what_users_need() -> None:
+    assert set(adapter.__all__) <= set(dir(adapter))
+    assert {"ToolLedger", "LedgerMiddleware", "OneWriterSaver", "decision",
+            "ToolInDoubt", "UnsupportedFeature"} <= set(adapter.__all__)
+
+
+# ---------------------------------------------------------- the operator surface
+
+
+@pytest.mark.invariant("I11")
+def test_a_call_in_doubt_is_listed_settled_by_the_operator_and_the_graph_goes_on(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    path = tmp_path / "effects.txt"
+    ledger = ToolLedger(store)
+    c = ledger.controller(RUN)
+    c.begin_model_call()
+    c.model_responded([ToolCall("x", "charge", {"amount": 7})])
+    c.begin_tool("x")
+    c.flush()
+    ledger.forget()
+    saver = SqliteSaver(sqlite3.connect(str(tmp_path / "checkpoints.db"),
+                                        check_same_thread=False))
+    graph = _graph_of(ledger.tool_node(make_tools(path)), saver)
+    state = _tools_state([("charge", {"amount": 7}, "x")])
+    with pytest.raises(ToolInDoubt):
+        graph.invoke(state, CONFIG)
+    (head,) = operator.runs(store, blocked=True)
+    assert head.run_id == RUN
+    (waiting,) = operator.inbox(store)
+    assert (waiting.call_id, waiting.kind) == ("x", "in_doubt")
+    operator.resolve(store, RUN, "x", outcome=Resolution.COMPLETED, output="charged 7 (seen "
+                     "on the bank's side)", by="ops", evidence="txn 42")
+    result = graph.invoke(state, CONFIG)
+    assert _tool_messages(result) == [("x", "charged 7 (seen on the bank's side)")]
+    assert effects(path) == []
+
+
+def test_an_approval_made_through_the_operator_lets_the_graph_go_on(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    path = tmp_path / "effects.txt"
+    ledger = ToolLedger(store, approvals=["charge"])
+    script = [[("charge", {"amount": 7}, "c1")], "done"]
+    graph = build("ledger", make_tools(path), ScriptedModel(script=script),
+                  OneWriterSaver(InMemorySaver()), ledger=ledger, review=True)
+    prints = _pending(graph.invoke({"messages": [HumanMessage("go")]}, CONFIG))
+    (waiting,) = operator.inbox(store)
+    assert (waiting.call_id, waiting.fingerprint) == ("c1", prints["c1"])
+    operator.approve(store, RUN, "c1", fingerprint=prints["c1"], by="ops")
+    result = graph.invoke(Command(resume={}), CONFIG)
+    assert effects(path) == ["charge 7"]
+    assert result["messages"][-1].content == "done"
+
+
+def test_verifiers_settle_a_call_in_doubt_and_bodies_see_their_idempotency_key(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    path = tmp_path / "effects.txt"
+    keys: list[str] = []
+
+    @tool
+    def charge(amount: int) -> str:
+        """Charge, with the call's idempotency key."""
+        keys.append(tool_context().idempotency_key)
+        effect(path, f"charge {amount}")
+        return f"charged {amount}"
+
+    c = ToolLedger(store).controller(RUN)
+    c.begin_model_call()
+    c.model_responded([ToolCall("x", "charge", {"amount": 7})])
+    c.begin_tool("x")
+    c.flush()  # started; the bank says it went through
+    key = c.idempotency_key("x")
+    ledger = ToolLedger(store, verifiers={"charge": lambda context: Completed(
+        f"charged 7 ({context.idempotency_key})")})
+    graph = _graph_of(ledger.tool_node([charge]), InMemorySaver())
+    result = graph.invoke(_tools_state([("charge", {"amount": 7}, "x")]), CONFIG)
+    assert _tool_messages(result) == [("x", f"charged 7 ({key})")]
+    assert effects(path) == []
+    graph.invoke(_tools_state([("charge", {"amount": 8}, "y")]), CONFIG)
+    reloaded = ToolLedger(store).controller(RUN)
+    assert keys == [reloaded.idempotency_key("y")]
+    assert reloaded.phase("x") is Phase.PUBLISHED
+
+
+# ---------------------------------------------------------------- one writer
+
+
+def test_two_resumers_of_one_checkpoint_one_goes_on(tmp_path: Path) -> None:
+    """Two graphs on one SqliteSaver resume the same checkpoint: LangGraph alone takes
+    both writes; the one-writer saver refuses the second (nothing written), and a resume
+    from an earlier checkpoint (time travel) is refused the same way."""
+    script = [[("charge", {"amount": 7}, "c1")], "done"]
+    outcomes = {}
+    for mode in ("alone", "ledger"):
+        path = tmp_path / f"{mode}.txt"
+        with SqliteSaver.from_conn_string(str(tmp_path / f"{mode}.db")) as saver:
+            shared: Any = saver if mode == "alone" else OneWriterSaver(saver)
+            ledger = ToolLedger(SQLiteEventStore(str(tmp_path / f"{mode}-ledger.db")),
+                                approvals=["charge"])
+            first = build(mode, make_tools(path), ScriptedModel(script=script), shared,
+                          ledger=ledger, review=True)
+            first.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+            paused = first.get_state(CONFIG).config
+            first.update_state(CONFIG, {"messages": []})  # the first resumer wrote
+            second = build(mode, make_tools(path), ScriptedModel(script=script), shared,
+                           ledger=ledger, review=True)
+            try:
+                second.update_state(paused, {"messages": []})
+                outcomes[mode] = "written"
+            except ConcurrencyConflict:
+                outcomes[mode] = "refused"
+    assert outcomes == {"alone": "written", "ledger": "refused"}
+
+
+def test_a_decision_for_a_call_the_ledger_does_not_hold_is_refused(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    script = [[("charge", {"amount": 7}, "c1")], "done"]
+    ledger = ToolLedger(store, approvals=["charge"])
+    graph = build("ledger", make_tools(tmp_path / "e.txt"), ScriptedModel(script=script),
+                  InMemorySaver(), ledger=ledger, review=True)
+    prints = _pending(graph.invoke({"messages": [HumanMessage("go")]}, CONFIG))
+    result = graph.invoke(Command(resume={"other": decision("approve", prints["c1"])}),
+                          CONFIG)
+    assert "does not hold" in result["__interrupt__"][0].value["refused"][0]
+    assert ToolLedger(store).controller(RUN).step is Step.INTERRUPTION
+    with pytest.raises(InvalidTransition):
+        ledger._decide(ledger.controller(RUN), [], {"c1": {"type": "maybe"}})
