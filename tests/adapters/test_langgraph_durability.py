@@ -114,12 +114,16 @@ def test_two_processes_resume_the_same_approval_at_once(tmp_path: Path, mode: st
     both; through the adapter one goes on and the other is refused before the tool."""
     code, told = _drive(tmp_path, mode, "start", "--review")
     assert (code, told["interrupted"]) == (0, True)
-    at = time.time() + 4.0
+    go = tmp_path / "go"
     command = [sys.executable, "-m", "tests.drivers.langgraph_driver", "--mode", mode,
-               "--folder", str(tmp_path), "--action", "approve", "--review", "--at",
-               str(at), "--sleep", "1.0"]
+               "--folder", str(tmp_path), "--action", "approve", "--review", "--go",
+               str(go), "--sleep", "1.0"]
     children = [subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("go.ready-*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)  # both read the paused thread; then they resume at once
+    go.touch()
     outcomes = []
     for child in children:
         out, err = child.communicate(timeout=120)

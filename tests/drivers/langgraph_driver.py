@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--action", choices=["start", "resume", "approve"], required=True)
     parser.add_argument("--kill", default="")
     parser.add_argument("--review", action="store_true")
-    parser.add_argument("--at", type=float, default=0.0)
+    parser.add_argument("--go", default="")
     parser.add_argument("--sleep", type=float, default=0.0)
     args = parser.parse_args(argv)
     folder = Path(args.folder)
@@ -223,8 +223,18 @@ def main(argv: list[str] | None = None) -> int:
     graph = build(args.mode, make_tools(path, sleep=args.sleep), ScriptedModel(script=SCRIPT),
                   saver, ledger=ledger, review=args.review)
     config = {"configurable": {"thread_id": "t1"}}
-    if args.at:
-        time.sleep(max(0.0, args.at - time.time()))
+    value: Any = None
+    if args.action == "approve":  # what the resumer saw paused, before the instant
+        (pending,) = graph.get_state(config).interrupts
+        if args.mode == "alone":
+            value = dict.fromkeys(pending.value["calls"], "approve")
+        else:
+            value = {item["call_id"]: decision("approve", item["fingerprint"])
+                     for item in pending.value["pending"]}
+    if args.go:  # ready: wait for the instant both resumers go
+        Path(args.go + f".ready-{os.getpid()}").touch()
+        while not Path(args.go).exists():
+            time.sleep(0.01)
     try:
         if args.action == "start":
             result = graph.invoke({"messages": [HumanMessage("charge me 7")]}, config,
@@ -232,13 +242,6 @@ def main(argv: list[str] | None = None) -> int:
         elif args.action == "resume":
             result = graph.invoke(None, config, durability="sync")
         else:
-            state = graph.get_state(config)
-            (pending,) = state.interrupts
-            if args.mode == "alone":
-                value: Any = dict.fromkeys(pending.value["calls"], "approve")
-            else:
-                value = {item["call_id"]: decision("approve", item["fingerprint"])
-                         for item in pending.value["pending"]}
             result = graph.invoke(Command(resume=value), config, durability="sync")
     except ControlError as refused:
         print(json.dumps({"refused": type(refused).__name__, "reason": refused.reason}))
