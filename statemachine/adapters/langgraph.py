@@ -79,17 +79,14 @@ from typing import Any, cast
 from statemachine.adapters import missing_extra
 
 try:
+    import langgraph  # noqa: F401  -- the error names the SDK, not one of its modules
+    from langchain.agents.middleware import AgentMiddleware
     from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
     from langgraph.checkpoint.base import BaseCheckpointSaver
     from langgraph.config import get_config
     from langgraph.errors import GraphBubbleUp
     from langgraph.prebuilt import ToolNode
     from langgraph.types import interrupt
-except ModuleNotFoundError as error:  # pragma: no cover - the extra is installed in CI
-    raise missing_extra(__name__, "langgraph", error) from error
-
-try:
-    from langchain.agents.middleware import AgentMiddleware
 except ModuleNotFoundError as error:  # pragma: no cover - the extra is installed in CI
     raise missing_extra(__name__, "langgraph", error) from error
 
