@@ -175,10 +175,14 @@ def _message(c: RunController, call_id: str, call: Mapping[str, Any]) -> ToolMes
     if settled is Resolution.FAILED:
         return ToolMessage(content=error_text(output), tool_call_id=call_id, name=name,
                            status="error")
-    if settled is Resolution.COMPLETED or not isinstance(output, dict) or (
-            "content" not in output):
+    if settled is Resolution.COMPLETED:
         content = output if isinstance(output, str | list) else json.dumps(output)
         return ToolMessage(content=content, tool_call_id=call_id, name=name)
+    if not isinstance(output, dict) or "content" not in output:
+        # the tool's own result is always a form; anything else is the failure recorded
+        # for a result the run could not keep (`record_result`)
+        return ToolMessage(content=error_text(output), tool_call_id=call_id, name=name,
+                           status="error")
     status = output.get("status")
     return ToolMessage(content=cast("Any", output["content"]), tool_call_id=call_id,
                        name=cast("Any", output.get("name", name)),

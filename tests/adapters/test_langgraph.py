@@ -474,3 +474,60 @@ def test_a_decision_for_a_call_the_ledger_does_not_hold_is_refused(
     assert ToolLedger(store).controller(RUN).step is Step.INTERRUPTION
     with pytest.raises(InvalidTransition):
         ledger._decide(ledger.controller(RUN), [], {"c1": {"type": "maybe"}})
+
+
+def test_a_rejection_answers_the_same_after_the_next_batch_published_it(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """Time travel by hand: the ToolNode of a batch run again after the graph went on to
+    the next batch (its results published) answers every call from the ledger: the
+    rejected one with its rejection, the approved one with its result; nothing runs."""
+    path = tmp_path / "effects.txt"
+    script = [*TWO[:1], [("notify", {"to": "ann"}, "n2")], "done"]
+    ledger = ToolLedger(store, approvals=["charge", "notify"])
+    graph = build("ledger", make_tools(path), ScriptedModel(script=script),
+                  InMemorySaver(), ledger=ledger, review=True)
+    prints = _pending(graph.invoke({"messages": [HumanMessage("go")]}, CONFIG))
+    prints = _pending(graph.invoke(Command(resume={
+        "c1": decision("approve", prints["c1"]),
+        "n1": decision("reject", prints["n1"], message="not bob")}), CONFIG))
+    graph.invoke(Command(resume={"n2": decision("approve", prints["n2"])}), CONFIG)
+    assert effects(path) == ["charge 7", "notify ann"]
+    assert ToolLedger(store).controller(RUN).phase("n1") is Phase.PUBLISHED
+    node = _graph_of(ledger.tool_node(make_tools(path)), InMemorySaver())
+    again = node.invoke(_tools_state([("charge", {"amount": 7}, "c1"),
+                                      ("notify", {"to": "bob"}, "n1")]), CONFIG)
+    assert _tool_messages(again) == [("c1", "charged 7"), ("n1", "not bob")]
+    assert [m.status for m in again["messages"] if isinstance(m, ToolMessage)] == [
+        "success", "error"]
+    assert effects(path) == ["charge 7", "notify ann"]
+
+
+@pytest.mark.postgres
+@pytest.mark.invariant("I1", "I11")
+def test_the_ledger_on_postgresql_answers_another_process_and_refuses_doubt(
+        tmp_path: Path, pg_dsn: str, pg_schema: str) -> None:
+    """The same ledger on the PostgreSQL store: a second ledger (another process's, on
+    its own connection) answers a finished call from the store without running it, a
+    call in doubt is refused there too, and the run is listed for the operator."""
+    from statemachine.postgres import PostgresEventStore
+
+    path = tmp_path / "effects.txt"
+    state = _tools_state([("charge", {"amount": 7}, "x")])
+    with PostgresEventStore(pg_dsn, schema=pg_schema) as first, \
+            PostgresEventStore(pg_dsn, schema=pg_schema) as second:
+        graph = _graph_of(ToolLedger(first).tool_node(make_tools(path)), InMemorySaver())
+        graph.invoke(state, CONFIG)
+        graph = _graph_of(ToolLedger(second).tool_node(make_tools(path)), InMemorySaver())
+        assert _tool_messages(graph.invoke(state, CONFIG)) == [("x", "charged 7")]
+        assert effects(path) == ["charge 7"]
+        doubtful = ToolLedger(first)
+        c = doubtful.controller(RUN)
+        doubtful._enter(c, [{"name": "charge", "args": {"amount": 8}, "id": "y"}])
+        c.begin_tool("y")
+        c.flush()
+        graph = _graph_of(ToolLedger(second).tool_node(make_tools(path)), InMemorySaver())
+        with pytest.raises(ToolInDoubt):
+            graph.invoke(_tools_state([("charge", {"amount": 8}, "y")]), CONFIG)
+        assert effects(path) == ["charge 7"]
+        (waiting,) = operator.inbox(second)
+        assert (waiting.run_id, waiting.call_id, waiting.kind) == (RUN, "y", "in_doubt")
