@@ -72,8 +72,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sqlite3
 import threading
-from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, cast
 
 from statemachine.adapters import missing_extra
@@ -774,10 +775,12 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
     nothing written. Of two resumers of the same checkpoint, the first to write goes on.
     This also refuses time travel (a fork from an earlier checkpoint).
 
-    The check and the write are one step in this process (a lock); across processes they
-    are two (the saver's own transaction is not shared), so two processes can still both
-    write in the instant between: the tool ledger is what keeps their tools at most once.
-    """
+    The check and the write are one step: in this process always (a lock around every
+    write of the saver); across processes for LangGraph's ``SqliteSaver``, whose
+    connection holds the database's write lock (``BEGIN IMMEDIATE``) from the check to
+    the write's commit. For another saver shared by several processes they are two steps,
+    and two processes can both write in the instant between them: the tool ledger is what
+    keeps their tools at most once there."""
 
     def __init__(self, saver: BaseCheckpointSaver) -> None:  # type: ignore[type-arg]
         super().__init__(serde=saver.serde)
@@ -801,11 +804,31 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
                 "resumer wrote first, or this is a fork from an earlier checkpoint); "
                 "nothing was written", action="checkpoint_put")
 
-    @contextlib.contextmanager
-    def _one_writer(self, config: Any) -> Iterator[None]:
+    def _sqlite(self) -> sqlite3.Connection | None:
+        """The connection of LangGraph's ``SqliteSaver`` (None for another saver)."""
+        conn = getattr(self.saver, "conn", None)
+        if (type(self.saver).__module__.startswith("langgraph.checkpoint.sqlite")
+                and isinstance(conn, sqlite3.Connection)):
+            return conn
+        return None
+
+    def put(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any) -> Any:
         with self._lock:
-            self._check(config, self._latest(config))
-            yield
+            conn = self._sqlite()
+            saver: Any = self.saver
+            if conn is not None:
+                with saver.cursor(transaction=False):
+                    pass  # its tables exist: creating them would commit our transaction
+                with saver.lock:
+                    conn.execute("BEGIN IMMEDIATE")  # the write lock, until the commit
+            try:
+                self._check(config, self._latest(config))
+                return self.saver.put(config, checkpoint, metadata, new_versions)
+            finally:
+                if conn is not None:
+                    with saver.lock:
+                        if conn.in_transaction:  # refused, or the put raised
+                            conn.rollback()
 
     def get_tuple(self, config: Any) -> Any:
         return self.saver.get_tuple(config)
@@ -813,15 +836,13 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
     def list(self, config: Any, **options: Any) -> Any:
         return self.saver.list(config, **options)
 
-    def put(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any) -> Any:
-        with self._one_writer(config):
-            return self.saver.put(config, checkpoint, metadata, new_versions)
-
     def put_writes(self, config: Any, writes: Any, task_id: str, task_path: str = "") -> None:
-        self.saver.put_writes(config, writes, task_id, task_path)
+        with self._lock:  # a write of its own would commit a put's open transaction
+            self.saver.put_writes(config, writes, task_id, task_path)
 
     def delete_thread(self, thread_id: str) -> None:
-        self.saver.delete_thread(thread_id)
+        with self._lock:
+            self.saver.delete_thread(thread_id)
 
     async def aget_tuple(self, config: Any) -> Any:
         return await self.saver.aget_tuple(config)

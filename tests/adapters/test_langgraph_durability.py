@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -106,6 +107,52 @@ def test_a_call_in_doubt_settled_from_the_cli_lets_the_graph_go_on(
     assert len(effects(tmp_path / "effects.txt")) == charges
 
 
+def _at_once(tmp_path: Path, mode: str, action: str, *extra: str) -> list[tuple[int, Any]]:
+    """Two driver processes doing ``action`` on the paused thread at one signal, once
+    both have read it: their exit codes and what they printed."""
+    go = tmp_path / "go"
+    command = [sys.executable, "-m", "tests.drivers.langgraph_driver", "--mode", mode,
+               "--folder", str(tmp_path), "--action", action, "--review", "--go",
+               str(go), *extra]
+    children = [subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("go.ready-*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)  # both read the paused thread; then they go at once
+    go.touch()
+    outcomes = []
+    for child in children:
+        out, err = child.communicate(timeout=120)
+        assert child.returncode in (0, 3), err
+        told = json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
+        outcomes.append((child.returncode, told))
+    return outcomes
+
+
+@pytest.mark.invariant("I7")
+@pytest.mark.parametrize("mode", ["alone", "ledger"])
+def test_two_processes_write_a_checkpoint_onto_the_same_parent(tmp_path: Path,
+                                                               mode: str) -> None:
+    """Two processes write a checkpoint onto the same paused one at once (each takes a
+    while between reading the thread and writing). On LangGraph's SqliteSaver alone both
+    land: the thread forks. Through `OneWriterSaver` the check and the write hold the
+    database's write lock together: one lands, the other is refused, nothing written."""
+    code, _ = _drive(tmp_path, mode, "start", "--review")
+    assert code == 0
+    outcomes = _at_once(tmp_path, mode, "fork")
+    with sqlite3.connect(tmp_path / "checkpoints.db") as db:
+        parents = [row[0] for row in db.execute(
+            "SELECT parent_checkpoint_id FROM checkpoints WHERE checkpoint_ns = ''")]
+    (paused,) = {told["written"] for code, told in outcomes if code == 0}
+    children = parents.count(paused)
+    if mode == "alone":
+        assert children == 2
+        return
+    assert children == 1
+    assert sorted((code, told.get("refused")) for code, told in outcomes) == [
+        (0, None), (3, "ConcurrencyConflict")]
+
+
 @pytest.mark.invariant("I1", "I7")
 @pytest.mark.parametrize("mode", ["alone", "ledger"])
 def test_two_processes_resume_the_same_approval_at_once(tmp_path: Path, mode: str) -> None:
@@ -114,22 +161,8 @@ def test_two_processes_resume_the_same_approval_at_once(tmp_path: Path, mode: st
     both; through the adapter one goes on and the other is refused before the tool."""
     code, told = _drive(tmp_path, mode, "start", "--review")
     assert (code, told["interrupted"]) == (0, True)
-    go = tmp_path / "go"
-    command = [sys.executable, "-m", "tests.drivers.langgraph_driver", "--mode", mode,
-               "--folder", str(tmp_path), "--action", "approve", "--review", "--go",
-               str(go), "--sleep", "1.0"]
-    children = [subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    deadline = time.monotonic() + 60
-    while len(list(tmp_path.glob("go.ready-*"))) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)  # both read the paused thread; then they resume at once
-    go.touch()
-    outcomes = []
-    for child in children:
-        out, err = child.communicate(timeout=120)
-        told = json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
-        outcomes.append((child.returncode, told.get("refused")))
-        assert child.returncode in (0, 3), err
+    outcomes = [(code, told.get("refused"))
+                for code, told in _at_once(tmp_path, mode, "approve", "--sleep", "1.0")]
     ran = len(effects(tmp_path / "effects.txt"))
     if mode == "alone":
         assert ran == 2

@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=["alone", "ledger"], required=True)
     parser.add_argument("--folder", required=True)
-    parser.add_argument("--action", choices=["start", "resume", "approve"], required=True)
+    parser.add_argument("--action", choices=["start", "resume", "approve", "fork"], required=True)
     parser.add_argument("--kill", default="")
     parser.add_argument("--review", action="store_true")
     parser.add_argument("--go", default="")
@@ -224,6 +224,16 @@ def main(argv: list[str] | None = None) -> int:
                   saver, ledger=ledger, review=args.review)
     config = {"configurable": {"thread_id": "t1"}}
     value: Any = None
+    paused = graph.get_state(config).config  # what a resumer saw, before the instant
+    if args.action == "fork":  # each check of the thread's latest takes a while
+        reads = saver.saver.get_tuple if args.mode == "ledger" else saver.get_tuple
+
+        def slow(config: Any) -> Any:
+            found = reads(config)
+            time.sleep(1.0)
+            return found
+
+        (saver.saver if args.mode == "ledger" else saver).get_tuple = slow
     if args.action == "approve":  # what the resumer saw paused, before the instant
         (pending,) = graph.get_state(config).interrupts
         if args.mode == "alone":
@@ -241,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
                                   durability="sync")
         elif args.action == "resume":
             result = graph.invoke(None, config, durability="sync")
+        elif args.action == "fork":
+            graph.update_state(paused, {"messages": [AIMessage(f"writer {os.getpid()}")]})
+            print(json.dumps({"written": paused["configurable"]["checkpoint_id"]}))
+            return 0
         else:
             result = graph.invoke(Command(resume=value), config, durability="sync")
     except ControlError as refused:
