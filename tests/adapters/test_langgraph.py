@@ -531,3 +531,39 @@ def test_the_ledger_on_postgresql_answers_another_process_and_refuses_doubt(
         assert effects(path) == ["charge 7"]
         (waiting,) = operator.inbox(second)
         assert (waiting.run_id, waiting.call_id, waiting.kind) == (RUN, "y", "in_doubt")
+
+
+def test_create_agent_async_with_approvals_goes_through_the_ledger(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """``agent.ainvoke``: the middleware's ``aafter_model`` review and ``awrap_tool_call``."""
+    path = tmp_path / "effects.txt"
+    ledger = ToolLedger(store, approvals=["charge"])
+    agent: Any = create_agent(ScriptedModel(script=TWO), make_tools(path),
+                              middleware=[LedgerMiddleware(ledger)],
+                              checkpointer=OneWriterSaver(InMemorySaver()))
+
+    async def go() -> dict[str, Any]:
+        prints = _pending(await agent.ainvoke({"messages": [HumanMessage("go")]}, CONFIG))
+        assert list(prints) == ["c1"]  # notify needs no approval
+        return dict(await agent.ainvoke(Command(resume={
+            "c1": decision("reject", prints["c1"])}), CONFIG))
+
+    result = asyncio.run(go())
+    assert effects(path) == ["notify bob"]
+    assert sorted(_tool_messages(result)) == [("c1", adapter.REJECTED),
+                                              ("n1", "notified bob")]
+
+
+def test_an_idempotent_tool_runs_again_after_a_start_that_never_finished(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    path = tmp_path / "effects.txt"
+    c = ToolLedger(store).controller(RUN)
+    c.begin_model_call()
+    c.model_responded([ToolCall("n", "notify", {"to": "bob"}, idempotent=True)])
+    c.begin_tool("n")
+    c.flush()  # started, then "the process died"
+    ledger = ToolLedger(store, idempotent=["notify"])
+    graph = _graph_of(ledger.tool_node(make_tools(path)), InMemorySaver())
+    result = graph.invoke(_tools_state([("notify", {"to": "bob"}, "n")]), CONFIG)
+    assert _tool_messages(result) == [("n", "notified bob")]
+    assert effects(path) == ["notify bob"]
