@@ -286,7 +286,7 @@ class ToolLedger:
             if c is not None:
                 try:
                     c.fence()
-                except ConcurrencyConflict:
+                except ControlError:  # another process wrote, or this copy stopped
                     c = None
             if c is None:
                 c = self._open(run_id)
@@ -452,7 +452,11 @@ class ToolLedger:
                     "was recorded as failed", feature="tools returning Command",
                     run_id=c.run_id, step=c.step, action="tool_completed")
             kept, _ = record_result(c, call_id, _form(result))
-            c.flush()  # the result is durable before LangGraph checkpoints it
+            try:
+                c.flush()  # the result is durable before LangGraph checkpoints it
+            except BaseException:  # not durable: the call is in doubt on the next load
+                self._runs.pop(c.run_id, None)
+                raise
             return result if kept else _message(c, call_id, call)
 
     def _raised(self, c: RunController, call_id: str, call: Mapping[str, Any],
