@@ -82,8 +82,9 @@ from statemachine.adapters import missing_extra
 try:
     import langgraph  # noqa: F401  -- the error names the SDK, not one of its modules
     from langchain.agents.middleware import AgentMiddleware
-    from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
+    from langchain_core.messages import AIMessage, BaseMessage, ToolMessage, message_to_dict
     from langgraph.checkpoint.base import BaseCheckpointSaver
+    from langgraph.checkpoint.memory import InMemorySaver
     from langgraph.config import get_config
     from langgraph.errors import GraphBubbleUp
     from langgraph.prebuilt import ToolNode
@@ -107,6 +108,7 @@ from statemachine.errors import (
     ConcurrencyConflict,
     ControlError,
     InvalidTransition,
+    PublicationUnsettled,
     RunNotFound,
     ToolInDoubt,
 )
@@ -259,6 +261,9 @@ class ToolLedger:
         self.owner = owner
         self._lock = threading.RLock()
         self._runs: dict[str, RunController] = {}
+        self.publishes_to: OneWriterSaver | None = None
+        """The checkpointer whose writes are this ledger's publications (set by
+        ``OneWriterSaver(saver, ledger=...)``); None: a private history."""
 
     # ------------------------------------------------------------------ the runs
 
@@ -367,8 +372,8 @@ class ToolLedger:
         """A run a process left ``UNSETTLED`` (an older log): the ledger's private history
         is rebuilt empty in each process, so no write of the dead attempt can land
         anywhere, and taking it over is safe."""
-        if c.step is not Step.UNSETTLED:
-            return
+        if c.step is not Step.UNSETTLED or self.publishes_to is not None:
+            return  # a checkpoint's write is reconciled by the next write (OneWriterSaver)
         if isinstance(c.reconcile([], c.session_id, take_over=True), Append):
             c.publication_committed()
         c.flush()
@@ -772,6 +777,24 @@ class LedgerMiddleware(AgentMiddleware):
 # ---------------------------------------------------------------------- checkpointer
 
 
+def _head(config: Mapping[str, Any]) -> Any:
+    """The config naming the latest checkpoint of ``config``'s thread and namespace."""
+    configurable = config.get("configurable") or {}
+    return {"configurable": {"thread_id": configurable.get("thread_id"),
+                             "checkpoint_ns": configurable.get("checkpoint_ns", "")}}
+
+
+def _channel_messages(checkpoint: Any) -> list[BaseMessage]:
+    values = (checkpoint or {}).get("channel_values") or {}
+    found = values.get("messages")
+    return list(found) if isinstance(found, list) else []
+
+
+def _messages_json(messages: Sequence[BaseMessage]) -> list[JSON]:
+    """The graph's messages as the plain JSON the ledger's publications keep."""
+    return [plain(message_to_dict(message), fallback=_as_text) for message in messages]
+
+
 class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
     """Any LangGraph checkpointer (``InMemorySaver``, ``SqliteSaver``, ...) with one writer
     per thread: a ``put`` whose parent (the checkpoint the writer resumed from) is not the
@@ -786,17 +809,24 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
     and two processes can both write in the instant between them: the tool ledger is what
     keeps their tools at most once there."""
 
-    def __init__(self, saver: BaseCheckpointSaver) -> None:  # type: ignore[type-arg]
+    def __init__(self, saver: BaseCheckpointSaver,  # type: ignore[type-arg]
+                 *, ledger: ToolLedger | None = None) -> None:
         super().__init__(serde=saver.serde)
         self.saver = saver
         self._lock = threading.Lock()
-
-    def _latest(self, config: Mapping[str, Any]) -> str | None:
-        configurable = config.get("configurable") or {}
-        found = self.saver.get_tuple({"configurable": {
-            "thread_id": configurable.get("thread_id"),
-            "checkpoint_ns": configurable.get("checkpoint_ns", "")}})
-        return None if found is None else found.checkpoint["id"]
+        if ledger is not None and self._sqlite() is None and (
+                type(saver) is not InMemorySaver):
+            raise UnsupportedFeature(
+                f"the checkpoint writes of a {type(saver).__name__} cannot be the ledger's "
+                "publications: only SqliteSaver (its write lock spans the check, the "
+                "staging and the write) and InMemorySaver (one process) are carried; "
+                "pass no ledger", feature="publications on this checkpointer",
+                action="open")
+        self.ledger = ledger
+        """With a ledger, each checkpoint that adds the ``ToolMessage`` of a call whose
+        result the ledger has not published is that batch's staged publication."""
+        if ledger is not None:
+            ledger.publishes_to = self
 
     def _check(self, config: Mapping[str, Any], latest: str | None) -> None:
         configurable = config.get("configurable") or {}
@@ -826,13 +856,78 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
                 with saver.lock:
                     conn.execute("BEGIN IMMEDIATE")  # the write lock, until the commit
             try:
-                self._check(config, self._latest(config))
-                return self.saver.put(config, checkpoint, metadata, new_versions)
+                found = self.saver.get_tuple(_head(config))
+                self._check(config, None if found is None else found.checkpoint["id"])
+                if self.ledger is None:
+                    return self.saver.put(config, checkpoint, metadata, new_versions)
+                return self._publishing(config, checkpoint, metadata, new_versions, found)
             finally:
                 if conn is not None:
                     with saver.lock:
                         if conn.in_transaction:  # refused, or the put raised
                             conn.rollback()
+
+    def _publishing(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any,
+                    parent: Any) -> Any:
+        """The ``put`` of a checkpoint as the ledger's staged publication of the results
+        it adds (the graph's history is the Session): staged (durable) before the write,
+        committed after it, recorded failed when it raises; an earlier write left
+        unsettled is reconciled first against the thread's latest messages (this runs
+        under the saver's write lock, so no other writer can still land it)."""
+        ledger = self.ledger
+        assert ledger is not None
+        put = self.saver.put
+        configurable = config.get("configurable") or {}
+        if "|" in str(configurable.get("checkpoint_ns") or ""):
+            return put(config, checkpoint, metadata, new_versions)
+        before = _channel_messages(None if parent is None else parent.checkpoint)
+        after = _channel_messages(checkpoint)
+        added = after[len(before):]
+        if [m.id for m in after[:len(before)]] != [m.id for m in before]:
+            added = []  # not an append (a message replaced): nothing published here
+        results = [m.tool_call_id for m in added if isinstance(m, ToolMessage)]
+        with ledger._lock:
+            c = ledger.controller(ledger.run_id_of(config))
+            if c.step is Step.UNSETTLED:  # a write that failed, or a writer that died
+                envelope = c.envelope
+                assert envelope is not None
+                if isinstance(c.reconcile(_messages_json(before), c.session_id,
+                                          take_over=True), Append):
+                    # the write did not land; this one must carry the same results
+                    # (LangGraph re-ran the node: the ledger answered from its record)
+                    if sorted(results) != sorted(envelope.call_ids):
+                        raise PublicationUnsettled(
+                            "a checkpoint write that carried tool results did not land, "
+                            "and this write does not carry them again: resume the thread "
+                            "from its latest checkpoint; nothing was written",
+                            run_id=c.run_id, step=c.step, action="checkpoint_put")
+                    return self._written(c, put, config, checkpoint, metadata,
+                                         new_versions)
+                c.flush()  # acknowledged: the write had landed
+            owed = set(c.unpublished_call_ids())
+            answered = [call_id for call_id in results if call_id in owed]
+            if not answered or owed - set(answered):
+                return put(config, checkpoint, metadata, new_versions)
+            c.stage_publication(_messages_json(added), _messages_json(before),
+                                call_ids=[i for i in c.unpublished_call_ids()
+                                          if i in answered])
+            c.flush()  # the envelope is durable before the write
+            return self._written(c, put, config, checkpoint, metadata, new_versions)
+
+    @staticmethod
+    def _written(c: RunController, put: Callable[..., Any], *args: Any) -> Any:
+        """The checkpoint written as the publication ``c`` holds open: committed once it
+        is written, recorded failed (the write's own error propagating) when it raises."""
+        try:
+            result = put(*args)
+        except Exception as error:
+            with contextlib.suppress(ControlError):  # the write's own error wins (I6)
+                c.publication_failed(error)
+                c.flush()
+            raise
+        c.publication_committed()
+        c.flush()
+        return result
 
     def get_tuple(self, config: Any) -> Any:
         return self.saver.get_tuple(config)

@@ -567,3 +567,61 @@ def test_an_idempotent_tool_runs_again_after_a_start_that_never_finished(
     result = graph.invoke(_tools_state([("notify", {"to": "bob"}, "n")]), CONFIG)
     assert _tool_messages(result) == [("n", "notified bob")]
     assert effects(path) == ["notify bob"]
+
+
+class _FailingPut:
+    """Wraps a saver's ``put``: the first checkpoint holding a ToolMessage fails, after
+    it landed (``landed=True``) or before."""
+
+    def __init__(self, saver: Any, *, landed: bool) -> None:
+        self.armed, self.put, self.landed = True, saver.put, landed
+        saver.put = self
+
+    def __call__(self, config: Any, checkpoint: Any, metadata: Any, versions: Any) -> Any:
+        messages = checkpoint["channel_values"].get("messages") or []
+        if self.armed and any(isinstance(m, ToolMessage) for m in messages):
+            self.armed = False
+            if self.landed:
+                self.put(config, checkpoint, metadata, versions)
+            raise OSError("injected: the checkpoint write failed")
+        return self.put(config, checkpoint, metadata, versions)
+
+
+@pytest.mark.invariant("I1", "I6", "I12")
+@pytest.mark.parametrize("landed", [True, False], ids=["landed-then-raised", "not-landed"])
+def test_a_failed_checkpoint_write_of_results_is_reconciled_by_the_next_write(
+        tmp_path: Path, store: SQLiteEventStore, landed: bool) -> None:
+    """With ``OneWriterSaver(saver, ledger=ledger)`` the checkpoint that adds a batch's
+    ToolMessages is the batch's staged publication. A write that raises (its own error
+    reaching the caller) is reconciled by the next one: acknowledged when it had landed,
+    written again by LangGraph (the result answered from the ledger) when it had not.
+    The tool runs once; the result is published once."""
+    path = tmp_path / "effects.txt"
+    ledger = ToolLedger(store)
+    inner = SqliteSaver(sqlite3.connect(str(tmp_path / "checkpoints.db"),
+                                        check_same_thread=False))
+    _FailingPut(inner, landed=landed)
+    graph = build("ledger", make_tools(path), ScriptedModel(script=SCRIPT_ONE),
+                  OneWriterSaver(inner, ledger=ledger), ledger=ledger)
+    with pytest.raises(OSError, match="injected"):
+        graph.invoke({"messages": [HumanMessage("go")]}, CONFIG, durability="sync")
+    assert ToolLedger(store).controller(RUN).step is Step.UNSETTLED
+    result = graph.invoke(None, CONFIG, durability="sync")
+    assert result["messages"][-1].content == "done"
+    assert effects(path) == ["charge 7"]
+    c = ToolLedger(store).controller(RUN)
+    kinds = [type(event).__name__ for event in c.events
+             if "Publication" in type(event).__name__ or "Reconciled" in type(event).__name__]
+    assert kinds == (["PublicationStaged", "PublicationFailed", "ReconciledAcknowledge"]
+                     if landed else ["PublicationStaged", "PublicationFailed",
+                                     "ReconciledAppend", "PublicationCommitted"])
+    assert c.phase("call-charge") is Phase.PUBLISHED
+    with pytest.raises(UnsupportedFeature):
+        OneWriterSaver(_Unknown(), ledger=ToolLedger(store))
+
+
+class _Unknown(InMemorySaver):
+    """A saver the ledger's publications do not know (not LangGraph's own)."""
+
+
+SCRIPT_ONE: list[Any] = [[("charge", {"amount": 7}, "call-charge")], "done"]

@@ -32,6 +32,9 @@ except ImportError:  # pragma: no cover - CI installs the extra
     pytest.skip("langgraph is not installed (pip install -e '.[langgraph]')",
                 allow_module_level=True)
 
+from statemachine import RunController, SQLiteEventStore
+from statemachine import events as ev
+from statemachine.values import Phase
 from tests.drivers.langgraph_driver import effects
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,6 +51,9 @@ effect may or may not have happened), and the resumed run must say so, never gue
 LANGGRAPH_ALONE_RERUNS = {"before-effect", "after-effect", "after-tool"}
 """Where LangGraph alone, resumed, runs the tools node again (measured: its own saved
 writes are what stops a re-run, and these kills come before them)."""
+LANGGRAPH_ALONE_MAY_RERUN = {"before-put"}
+"""Where it depends on timing (measured: LangGraph saves the tools' writes on a
+background thread, which a kill at the checkpoint write may come before)."""
 
 
 def _drive(folder: Path, mode: str, action: str, *extra: str) -> tuple[int, dict[str, Any]]:
@@ -62,7 +68,7 @@ def _drive(folder: Path, mode: str, action: str, *extra: str) -> tuple[int, dict
 
 
 @pytest.mark.invariant("I1", "I11")
-@pytest.mark.parametrize("mode", ["alone", "ledger"])
+@pytest.mark.parametrize("mode", ["alone", "ledger", "history"])
 @pytest.mark.parametrize("point", list(EFFECT_BEFORE_THE_KILL))
 def test_kill_9_around_a_tool_then_resume_in_a_fresh_process(
         tmp_path: Path, point: str, mode: str) -> None:
@@ -72,15 +78,23 @@ def test_kill_9_around_a_tool_then_resume_in_a_fresh_process(
     code, told = _drive(tmp_path, mode, "resume")
     ran = len(effects(tmp_path / "effects.txt"))
     if mode == "alone":
-        reran = point in LANGGRAPH_ALONE_RERUNS
-        assert ran == EFFECT_BEFORE_THE_KILL[point] + reran  # twice after the effect
+        if point in LANGGRAPH_ALONE_MAY_RERUN:
+            assert ran in (1, 2)
+        else:
+            reran = point in LANGGRAPH_ALONE_RERUNS
+            assert ran == EFFECT_BEFORE_THE_KILL[point] + reran  # twice after the effect
         assert code == 0
         return
     assert ran == EFFECT_BEFORE_THE_KILL[point]  # at most once, never again
     if point in IN_DOUBT:
         assert (code, told["refused"]) == (3, "ToolInDoubt")
-    else:
-        assert (code, told["last"]) == (0, "done")
+        return
+    assert (code, told["last"]) == (0, "done")
+    if mode == "history":  # the result's checkpoint write settled: published once
+        c = RunController.load(SQLiteEventStore(str(tmp_path / "ledger.db")), RUN)
+        assert c.phase("call-charge") is Phase.PUBLISHED
+        settled = (ev.PublicationCommitted, ev.ReconciledAcknowledge)
+        assert sum(isinstance(event, settled) for event in c.events) == 1
 
 
 @pytest.mark.invariant("I11")
@@ -154,7 +168,7 @@ def test_two_processes_write_a_checkpoint_onto_the_same_parent(tmp_path: Path,
 
 
 @pytest.mark.invariant("I1", "I7")
-@pytest.mark.parametrize("mode", ["alone", "ledger"])
+@pytest.mark.parametrize("mode", ["alone", "ledger", "history"])
 def test_two_processes_resume_the_same_approval_at_once(tmp_path: Path, mode: str) -> None:
     """The thread paused for the charge's approval; two processes approve and resume it
     at the same instant (the tool takes a while). LangGraph alone runs the charge in

@@ -7,7 +7,8 @@ process answers as the dead one would have), tools that append one line to an ef
 file and fsync it before returning (what ran is counted from the file, never from a
 ledger), and the graph ``model → [review →] tools → model``. ``mode`` ``alone`` is
 LangGraph by itself (its ``ToolNode``, a plain review node that interrupts); ``ledger``
-is the same graph through `statemachine.adapters.langgraph`.
+is the same graph through `statemachine.adapters.langgraph`; ``history`` also makes the
+checkpoint writes the ledger's publications (``OneWriterSaver(saver, ledger=...)``).
 
 Kill points (``--kill``): ``before-effect`` and ``after-effect`` inside the tool body,
 ``after-tool`` when LangGraph saves the tools' writes (before them), ``before-put`` when
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     from statemachine.adapters.langgraph import OneWriterSaver, ToolLedger, decision
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["alone", "ledger"], required=True)
+    parser.add_argument("--mode", choices=["alone", "ledger", "history"], required=True)
     parser.add_argument("--folder", required=True)
     parser.add_argument("--action", choices=["start", "resume", "approve", "fork"], required=True)
     parser.add_argument("--kill", default="")
@@ -216,24 +217,24 @@ def main(argv: list[str] | None = None) -> int:
     saver: Any = SqliteSaver(connection)
     KillingSaver(saver, path)
     ledger = None
-    if args.mode == "ledger":
-        saver = OneWriterSaver(saver)
+    if args.mode != "alone":
         ledger = ToolLedger(SQLiteEventStore(str(folder / "ledger.db")),
                             approvals=["charge"] if args.review else ())
-    graph = build(args.mode, make_tools(path, sleep=args.sleep), ScriptedModel(script=SCRIPT),
-                  saver, ledger=ledger, review=args.review)
+        saver = OneWriterSaver(saver, ledger=ledger if args.mode == "history" else None)
+    graph = build("alone" if ledger is None else "ledger", make_tools(path, sleep=args.sleep),
+                  ScriptedModel(script=SCRIPT), saver, ledger=ledger, review=args.review)
     config = {"configurable": {"thread_id": "t1"}}
     value: Any = None
     paused = graph.get_state(config).config  # what a resumer saw, before the instant
     if args.action == "fork":  # each check of the thread's latest takes a while
-        reads = saver.saver.get_tuple if args.mode == "ledger" else saver.get_tuple
+        reads = saver.saver.get_tuple if ledger is not None else saver.get_tuple
 
         def slow(config: Any) -> Any:
             found = reads(config)
             time.sleep(1.0)
             return found
 
-        (saver.saver if args.mode == "ledger" else saver).get_tuple = slow
+        (saver.saver if ledger is not None else saver).get_tuple = slow
     if args.action == "approve":  # what the resumer saw paused, before the instant
         (pending,) = graph.get_state(config).interrupts
         if args.mode == "alone":
