@@ -1,7 +1,9 @@
 """A LangChain agent (``create_agent``) with the tool ledger underneath, offline.
 
 The agent's model (a scripted chat model: it asks for ``charge(amount=7)``, then reports
-the result) runs on LangGraph's own ``SqliteSaver``, wrapped by ``OneWriterSaver``; the
+the result) runs on LangGraph's own ``SqliteSaver``, wrapped by ``OneWriterSaver`` (one
+writer per thread; the checkpoint writes that carry tool results are the ledger's
+publications); the
 ``LedgerMiddleware`` puts every tool call through a ``ToolLedger`` on a SQLite event
 store, and asks for approval of ``charge`` (one ``interrupt()`` per batch, each call shown
 with its fingerprint). The first process approves and resumes; the charge goes through
@@ -84,7 +86,7 @@ def agent(folder: Path, *, die_after_charging: bool) -> Any:
     ledger = ToolLedger(SQLiteEventStore(str(folder / "events.db")), approvals=["charge"])
     saver = SqliteSaver(sqlite3.connect(folder / "checkpoints.db", check_same_thread=False))
     return create_agent(Scripted(), [charge], middleware=[LedgerMiddleware(ledger)],
-                        checkpointer=OneWriterSaver(saver))
+                        checkpointer=OneWriterSaver(saver, ledger=ledger))
 
 
 def first_process(folder: Path) -> None:

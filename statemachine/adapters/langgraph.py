@@ -36,7 +36,15 @@ or `LedgerMiddleware.after_model`  named in ``approvals``: each pending call is 
                                    (or the CLI) are honoured on the next resume
 `OneWriterSaver(saver)`            a checkpoint ``put`` whose parent is not the thread's
                                    latest checkpoint is refused (`ConcurrencyConflict`): of
-                                   two resumers of one checkpoint one goes on
+                                   two resumers of one checkpoint one goes on. With
+                                   ``ledger=``, the ``put`` that adds a batch's
+                                   ``ToolMessage`` items is the batch's staged publication (the
+                                   graph's messages are the Session): staged durably before
+                                   the write, committed after it; after a ``put`` that
+                                   raised or a writer that died, the next ``put`` reconciles
+                                   it against the thread's latest messages (acknowledged when
+                                   it had landed; else LangGraph writes the batch again, the
+                                   results answered from the ledger, and that write commits)
 =================================  ==========================================================
 
 Every attempt on a run that already exists (the first ledger call of a process, or after
@@ -62,10 +70,10 @@ body ran); an async event store; a ToolNode whose ``handle_tool_errors`` would t
 ledger's refusals into tool messages (`ToolLedger.tool_node` builds one that lets them
 through). Time travel (resuming from a checkpoint that is not the thread's latest) is
 refused by `OneWriterSaver`; without it, the ledger still answers a completed call from
-the cache and refuses a call in doubt. The checkpointer's messages are not the ledger's
-Session: the ledger publishes each batch's results into a private history once the next
-batch arrives (bookkeeping that settles in one append), and does not reconcile the
-checkpoint's messages after a failed ``put``.
+the cache and refuses a call in doubt. Without ``OneWriterSaver(..., ledger=)`` (or on a
+checkpointer other than LangGraph's ``SqliteSaver`` and ``InMemorySaver``, refused there)
+the ledger publishes each batch's results into a private history once the next batch
+arrives (bookkeeping that settles in one append).
 """
 
 from __future__ import annotations
