@@ -540,7 +540,7 @@ def test_create_agent_async_with_approvals_goes_through_the_ledger(
     ledger = ToolLedger(store, approvals=["charge"])
     agent: Any = create_agent(ScriptedModel(script=TWO), make_tools(path),
                               middleware=[LedgerMiddleware(ledger)],
-                              checkpointer=OneWriterSaver(InMemorySaver()))
+                              checkpointer=OneWriterSaver(InMemorySaver(), ledger=ledger))
 
     async def go() -> dict[str, Any]:
         prints = _pending(await agent.ainvoke({"messages": [HumanMessage("go")]}, CONFIG))
@@ -552,6 +552,9 @@ def test_create_agent_async_with_approvals_goes_through_the_ledger(
     assert effects(path) == ["notify bob"]
     assert sorted(_tool_messages(result)) == [("c1", adapter.REJECTED),
                                               ("n1", "notified bob")]
+    c = ToolLedger(store).controller(RUN)  # the results' checkpoint was their publication
+    assert [type(e).__name__ for e in c.events if "Publication" in type(e).__name__] == [
+        "PublicationStaged", "PublicationCommitted"]
 
 
 def test_an_idempotent_tool_runs_again_after_a_start_that_never_finished(
