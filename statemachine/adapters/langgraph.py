@@ -30,10 +30,13 @@ awrap_tool_call=)``, or            ``AIMessage`` holding it) is entered in the l
 or `LedgerMiddleware.after_model`  named in ``approvals``: each pending call is shown with its
                                    fingerprint, and each decision of the resume value
                                    (``Command(resume={call_id: decision})``) must carry the
-                                   fingerprint of the call it decides; an ``edit`` rejects the
-                                   call and proposes a new one (a new id) that needs its own
-                                   approval; decisions taken through `statemachine.operator`
-                                   (or the CLI) are honoured on the next resume
+                                   fingerprint of the call it decides (a refused value is
+                                   asked again, nothing recorded); an ``edit`` rejects the
+                                   call and proposes a new one (``<id>-edit1``) that needs
+                                   its own approval, the batch's other calls not yet run
+                                   proposed again with it (a handoff skips the old ids);
+                                   decisions taken through `statemachine.operator` (or the
+                                   CLI) are honoured on the next resume
 `OneWriterSaver(saver)`            a checkpoint ``put`` whose parent is not the thread's
                                    latest checkpoint is refused (`ConcurrencyConflict`): of
                                    two resumers of one checkpoint one goes on. With
@@ -62,14 +65,16 @@ instead of running the body again. Only a body that ends without an answer (a ki
 ``BaseException``) leaves its call in doubt.
 
 What it does not carry (refused with `UnsupportedFeature`, naming the feature, before
-anything is recorded or run): tool calls without an id; a ToolNode reached by ``Send``
-(fan-out of single calls); tool nodes inside subgraphs (a checkpoint namespace);
-``interrupt()`` inside a tool body (LangGraph re-runs the body on resume: the ledger
-leaves the call in doubt); a tool returning a ``Command`` (recorded as failed after its
-body ran); an async event store; a ToolNode whose ``handle_tool_errors`` would turn the
-ledger's refusals into tool messages (`ToolLedger.tool_node` builds one that lets them
-through). Time travel (resuming from a checkpoint that is not the thread's latest) is
-refused by `OneWriterSaver`; without it, the ledger still answers a completed call from
+anything is recorded or run): tool calls without an id; a ``Send`` of a tool call that no
+``AIMessage`` of the state holds (``create_agent``'s own ``Send`` per call is carried: the
+call is entered with its batch); tool nodes inside subgraphs (a nested checkpoint
+namespace); ``interrupt()`` inside a tool body (LangGraph re-runs the body on resume: the
+call is left in doubt, for the operator); a tool returning a ``Command`` (recorded as
+failed, its body having run); an async event store. Not refused, but to know: a ToolNode
+you build yourself with ``handle_tool_errors=True`` turns the ledger's refusals into tool
+messages; `ToolLedger.tool_node` builds one that lets them through. Time travel
+(resuming from a checkpoint that is not the thread's latest) is refused by
+`OneWriterSaver`; without it, the ledger still answers a completed call from
 the cache and refuses a call in doubt. Without ``OneWriterSaver(..., ledger=)`` (or on a
 checkpointer other than LangGraph's ``SqliteSaver`` and ``InMemorySaver``, refused there)
 the ledger publishes each batch's results into a private history once the next batch
