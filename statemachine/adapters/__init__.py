@@ -8,6 +8,8 @@ name, so importing this package never imports an SDK:
   installed with ``agent-statemachine[openai-agents]``.
 * `statemachine.adapters.pydantic_ai` — Pydantic AI (``pydantic-ai-slim``), installed
   with ``agent-statemachine[pydantic-ai]``.
+* `statemachine.adapters.langgraph` — LangGraph and LangChain agents (``langgraph``,
+  ``langchain``), installed with ``agent-statemachine[langgraph]``.
 
 Importing an adapter whose SDK is missing raises `MissingExtra` (a
 `ModuleNotFoundError`) naming the extra to install. The core never imports this package.

@@ -13,7 +13,8 @@ from statemachine.adapters import MissingExtra
 
 ADAPTERS = [("openai_agents", "agents", "openai-agents"),
             ("anthropic", "anthropic", "anthropic"),
-            ("pydantic_ai", "pydantic_ai", "pydantic-ai")]
+            ("pydantic_ai", "pydantic_ai", "pydantic-ai"),
+            ("langgraph", "langgraph", "langgraph")]
 
 
 @pytest.mark.parametrize(("adapter", "sdk", "extra"), ADAPTERS)

@@ -1,0 +1,982 @@
+"""LangGraph and LangChain agents (PyPI ``langgraph``, ``langchain``) with the control
+core's tool ledger underneath (DESIGN §2.4, §6.8, §7.4). Install with
+``pip install 'agent-statemachine[langgraph]'`` (tested on langgraph 1.2.x,
+langchain 1.5.x, langgraph-checkpoint-sqlite 3.1.x).
+
+Theory of operation
+-------------------
+LangGraph re-executes a node from its start whenever a thread is resumed from a
+checkpoint: after a crash between a tool's effect and the next checkpoint write, after an
+``interrupt()``, after a second process resumes the same thread. `ToolLedger` makes the
+tool calls of a thread a run of a `RunController` bound to an event store (SQLite or
+PostgreSQL), one run per thread (run id ``f"{prefix}{thread_id}"``), and sits at the
+seams LangGraph publishes:
+
+=================================  ==========================================================
+LangGraph / LangChain seam         what the ledger does
+=================================  ==========================================================
+``ToolNode(wrap_tool_call=,         keyed by the tool call id: an unknown call's batch (the
+awrap_tool_call=)``, or            ``AIMessage`` holding it) is entered in the ledger; its
+`LedgerMiddleware` in              start is durable (flushed) before the body runs; the
+``create_agent(middleware=)``      result is recorded and flushed before LangGraph sees it. A
+                                   completed call answers from the ledger (the same
+                                   ``ToolMessage`` content, byte for byte), never re-runs; a
+                                   started, unfinished call is in doubt (`ToolInDoubt`); a
+                                   rejected call answers with its rejection, never runs; a
+                                   call awaiting a decision, or asked to run with arguments
+                                   other than the ones its approval binds, is refused
+                                   (`InvalidTransition`)
+`ToolLedger.review` (a graph node) one ``interrupt()`` per batch for the calls of the tools
+or `LedgerMiddleware.after_model`  named in ``approvals``: each pending call is shown with its
+                                   fingerprint, and each decision of the resume value
+                                   (``Command(resume={call_id: decision})``) must carry the
+                                   fingerprint of the call it decides (a refused value is
+                                   asked again, nothing recorded); an ``edit`` rejects the
+                                   call and proposes a new one (``<id>-edit1``) that needs
+                                   its own approval, the batch's other calls not yet run
+                                   proposed again with it (a handoff skips the old ids);
+                                   decisions taken through `statemachine.operator` (or the
+                                   CLI) are honoured on the next resume
+`OneWriterSaver(saver)`            a checkpoint ``put`` whose parent is not the thread's
+                                   latest checkpoint is refused (`ConcurrencyConflict`): of
+                                   two resumers of one checkpoint one goes on. With
+                                   ``ledger=``, the ``put`` that adds a batch's
+                                   ``ToolMessage`` items is the batch's staged publication (the
+                                   graph's messages are the Session): staged durably before
+                                   the write, committed after it; after a ``put`` that
+                                   raised or a writer that died, the next ``put`` reconciles
+                                   it against the thread's latest messages (acknowledged when
+                                   it had landed; else LangGraph writes the batch again, the
+                                   results answered from the ledger, and that write commits)
+=================================  ==========================================================
+
+Every attempt on a run that already exists (the first ledger call of a process, or after
+another process wrote to the run) records ``claim`` first and makes it durable: of two
+processes that loaded the same version, one goes on and the other gets
+`ConcurrencyConflict` before any tool runs. Right after the claim, the verifiers given to
+the ledger (by tool name, DESIGN §7.3) are asked about the calls of their tools in doubt;
+every body runs inside its call's `statemachine.tool_context` (its idempotency key).
+
+A tool that raises: with ``handle_tool_errors`` set on the ToolNode, LangGraph turns the
+error into an error ``ToolMessage``, which is recorded like any result; otherwise the
+error propagates out of the graph (as with LangGraph alone) and is recorded as an error
+``ToolMessage`` (LangGraph's own error text), which the next attempt sends the model
+instead of running the body again. Only a body that ends without an answer (a kill, a
+``BaseException``) leaves its call in doubt.
+
+What it does not carry (refused with `UnsupportedFeature`, naming the feature, before
+anything is recorded or run): tool calls without an id; a ``Send`` of a tool call that no
+``AIMessage`` of the state holds (``create_agent``'s own ``Send`` per call is carried: the
+call is entered with its batch); tool nodes inside subgraphs (a nested checkpoint
+namespace); ``interrupt()`` inside a tool body (LangGraph re-runs the body on resume: the
+call is left in doubt, for the operator); a tool returning a ``Command`` (recorded as
+failed, its body having run); an async event store. Not refused, but to know: a ToolNode
+you build yourself with ``handle_tool_errors=True`` turns the ledger's refusals into tool
+messages; `ToolLedger.tool_node` builds one that lets them through. Time travel
+(resuming from a checkpoint that is not the thread's latest) is refused by
+`OneWriterSaver`; without it, the ledger still answers a completed call from
+the cache and refuses a call in doubt. Without ``OneWriterSaver(..., ledger=)`` (or on a
+checkpointer other than LangGraph's ``SqliteSaver`` and ``InMemorySaver``, refused there)
+the ledger publishes each batch's results into a private history once the next batch
+arrives (bookkeeping that settles in one append).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import threading
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from typing import Any, cast
+
+from statemachine.adapters import missing_extra
+
+try:
+    import langgraph  # noqa: F401  -- the error names the SDK, not one of its modules
+    from langchain.agents.middleware import AgentMiddleware
+    from langchain_core.messages import AIMessage, BaseMessage, ToolMessage, message_to_dict
+    from langgraph.checkpoint.base import BaseCheckpointSaver
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.config import get_config
+    from langgraph.errors import GraphBubbleUp
+    from langgraph.prebuilt import ToolNode
+    from langgraph.types import interrupt
+except ModuleNotFoundError as error:  # pragma: no cover - the extra is installed in CI
+    raise missing_extra(__name__, "langgraph", error) from error
+
+from statemachine.adapters._calls import (
+    InvalidVerifier,
+    UnsupportedFeature,
+    Walk,
+    begin_call,
+    checked_verifiers,
+    error_text,
+    plain,
+    record_result,
+    resolution,
+)
+from statemachine.controller import RunController
+from statemachine.errors import (
+    ConcurrencyConflict,
+    ControlError,
+    InvalidTransition,
+    PublicationUnsettled,
+    RunNotFound,
+    ToolInDoubt,
+)
+from statemachine.journal import is_async
+from statemachine.payloads import JSON
+from statemachine.runner.attempt import interrupted
+from statemachine.stores import EventStore
+from statemachine.values import Append, Phase, Resolution, Step, ToolCall
+from statemachine.verifiers import Verifier, context_of, running, verify_in_doubt
+
+__all__ = [
+    "InvalidVerifier",
+    "LedgerMiddleware",
+    "OneWriterSaver",
+    "ToolInDoubt",
+    "ToolLedger",
+    "UnsupportedFeature",
+    "decision",
+]
+
+ERROR_TEMPLATE = "Error: {error}\n Please fix your mistakes."
+"""The text LangGraph's ToolNode sends the model for a tool error it handles (its
+``handle_tool_errors=True``): the ledger records a raised error in the same words."""
+
+REJECTED = "The call was rejected and did not run."
+"""What the model is told of a rejected call whose rejection gave no message."""
+
+
+# ------------------------------------------------------------------ plain JSON forms
+
+
+def _as_text(value: Any, walk: Walk | None) -> JSON:
+    """The `plain` fallback: a pydantic model as its JSON form, anything else as text."""
+    dump = getattr(value, "model_dump", None)
+    if walk is not None and callable(dump):
+        return walk(dump(mode="json"))
+    return str(value)
+
+
+def _arguments(call: Mapping[str, Any]) -> JSON:
+    return plain(call.get("args") or {}, fallback=_as_text)
+
+
+def _form(message: ToolMessage) -> JSON:
+    """What the ledger keeps of a tool's ``ToolMessage``: its content, status and name
+    (and its artifact, as plain JSON), from which the same message is rebuilt."""
+    form: dict[str, JSON] = {"content": plain(message.content, fallback=_as_text),
+                             "status": message.status, "name": message.name}
+    if message.artifact is not None:
+        form["artifact"] = plain(message.artifact, fallback=_as_text)
+    return form
+
+
+def _message(c: RunController, call_id: str, call: Mapping[str, Any]) -> ToolMessage:
+    """The recorded result of call ``call_id`` as the ``ToolMessage`` LangGraph gets: the
+    tool's own (rebuilt from `_form`), an operator's or a verifier's word (``COMPLETED``:
+    its output as the content; ``FAILED``: an error message), or a rejection."""
+    view = c.call(call_id)
+    name = call.get("name") or view.call.name
+    if view.phase is Phase.REJECTED or (view.phase is Phase.PUBLISHED and view.decisions
+                                        and view.decisions[-1].kind == "rejected"
+                                        and view.starts == 0):
+        text = REJECTED if view.result is None else error_text(view.result)
+        return ToolMessage(content=text, tool_call_id=call_id, name=name, status="error")
+    settled = resolution(c, call_id)
+    output = view.result
+    if settled is Resolution.FAILED:
+        return ToolMessage(content=error_text(output), tool_call_id=call_id, name=name,
+                           status="error")
+    if settled is Resolution.COMPLETED:
+        content = output if isinstance(output, str | list) else json.dumps(output)
+        return ToolMessage(content=content, tool_call_id=call_id, name=name)
+    if not isinstance(output, dict) or "content" not in output:
+        # the tool's own result is always a form; anything else is the failure recorded
+        # for a result the run could not keep (`record_result`)
+        return ToolMessage(content=error_text(output), tool_call_id=call_id, name=name,
+                           status="error")
+    status = output.get("status")
+    return ToolMessage(content=cast("Any", output["content"]), tool_call_id=call_id,
+                       name=cast("Any", output.get("name", name)),
+                       status="error" if status == "error" else "success",
+                       artifact=output.get("artifact"))
+
+
+def decision(kind: str, fingerprint: str, *, args: Mapping[str, Any] | None = None,
+             message: str | None = None) -> dict[str, Any]:
+    """One decision of a resume value (``Command(resume={call_id: decision(...)})``):
+    ``kind`` ``"approve"``, ``"reject"`` (``message``: what the model is told) or
+    ``"edit"`` (``args``: the arguments of the new call that replaces it, which needs its
+    own approval); ``fingerprint`` is the one the interrupt showed for the call."""
+    made: dict[str, Any] = {"type": kind, "fingerprint": fingerprint}
+    if args is not None:
+        made["args"] = dict(args)
+    if message is not None:
+        made["message"] = message
+    return made
+
+
+# ------------------------------------------------------------------------ the ledger
+
+
+def _messages_of(state: Any) -> list[BaseMessage]:
+    if isinstance(state, list):
+        return state
+    if isinstance(state, Mapping):
+        found = state.get("messages")
+    else:
+        found = getattr(state, "messages", None)
+    return list(found) if isinstance(found, list) else []
+
+
+class ToolLedger:
+    """The tool calls of LangGraph threads, through one event store (DESIGN §7.4).
+
+    Use it as ``ToolNode(tools, wrap_tool_call=ledger.wrap_tool_call,
+    awrap_tool_call=ledger.awrap_tool_call)`` (or `tool_node`, which also lets the
+    ledger's refusals through ``handle_tool_errors``), or through `LedgerMiddleware` in
+    ``create_agent``; put `review` before the tool node for the tools that need approval.
+    Keep it outside (before) any retry middleware: a retry of a call the ledger holds
+    answers from the ledger.
+
+    ``store`` is a sync `EventStore` (`SQLiteEventStore`, the PostgreSQL store);
+    ``prefix`` makes a thread's run id (``f"{prefix}{thread_id}"``), or ``run_id`` names
+    one run for every thread. ``approvals`` names the tools whose calls need a decision,
+    ``idempotent`` the tools that may run again after a crash inside them, ``verifiers``
+    (by tool name, sync) the tools whose calls in doubt can be asked about. ``owner`` is
+    recorded by every claim.
+
+    Refused when built (`InvalidVerifier`, `UnsupportedFeature`): a verifier for no tool
+    of ``tools`` (when given) or for an idempotent tool, and an async store."""
+
+    def __init__(self, store: EventStore, *, prefix: str = "langgraph:",
+                 run_id: str | None = None, approvals: Collection[str] = (),
+                 idempotent: Collection[str] = (),
+                 verifiers: Mapping[str, Verifier] | None = None,
+                 tools: Collection[str] | None = None, owner: str | None = None) -> None:
+        if is_async(store):
+            raise UnsupportedFeature(
+                "an async event store is not carried: LangGraph's ToolNode runs a sync "
+                "wrapper on worker threads; use the sync store of the same database",
+                feature="async event stores", run_id=run_id, action="open")
+        named = set(tools) if tools is not None else set(verifiers or ())
+        self.verifiers = checked_verifiers(verifiers, named, idempotent=idempotent,
+                                           run_id=run_id, sync_only="a sync verifier")
+        self.store = store
+        self.prefix = prefix
+        self.run_id = run_id
+        self.approvals = frozenset(approvals)
+        self.idempotent = frozenset(idempotent)
+        self.owner = owner
+        self._lock = threading.RLock()
+        self._runs: dict[str, RunController] = {}
+        self.publishes_to: OneWriterSaver | None = None
+        """The checkpointer whose writes are this ledger's publications (set by
+        ``OneWriterSaver(saver, ledger=...)``); None: a private history."""
+
+    # ------------------------------------------------------------------ the runs
+
+    def run_id_of(self, config: Mapping[str, Any] | None) -> str:
+        """The run id of the thread ``config`` names (LangGraph's ``thread_id``)."""
+        if self.run_id is not None:
+            return self.run_id
+        configurable = (config or {}).get("configurable") or {}
+        thread = configurable.get("thread_id")
+        if thread is None:
+            raise UnsupportedFeature(
+                "a graph run without a thread_id (no checkpointer, or no "
+                "config={'configurable': {'thread_id': ...}}) has no run to ledger: give "
+                "the ledger a run_id, or run the graph on a thread",
+                feature="graphs without a thread", action="open")
+        return f"{self.prefix}{thread}"
+
+    def controller(self, run_id: str) -> RunController:
+        """The run's controller as this process holds it: loaded (and claimed, its
+        verifiers asked) when the store holds the run and this process does not, or holds
+        a stale copy (another process wrote since); started when the store does not hold
+        it. `ConcurrencyConflict` when another attempt claimed the same version first."""
+        with self._lock:
+            c = self._runs.get(run_id)
+            if c is not None:
+                try:
+                    c.fence()
+                except ControlError:  # another process wrote, or this copy stopped
+                    c = None
+            if c is None:
+                c = self._open(run_id)
+                self._runs[run_id] = c
+            return c
+
+    def _open(self, run_id: str) -> RunController:
+        try:
+            c = RunController.load(self.store, run_id, buffered=True)
+        except RunNotFound:
+            return RunController.start(run_id=run_id, session_id=None, store=self.store,
+                                       buffered=True)
+        doubtful = c.in_doubt()
+        verifiable = [call_id for call_id in doubtful
+                      if c.call(call_id).call.name in self.verifiers]
+        if doubtful and not verifiable:
+            c.resume()  # ToolInDoubt before the claim: a stuck run gains no claim
+        c.claim(self.owner)
+        c.flush()  # durable before any effect: of two resumers, one goes on
+        if verifiable:
+            verify_in_doubt(c, self.verifiers)
+            c.flush()
+        return c
+
+    def forget(self, run_id: str | None = None) -> None:
+        """Drop this process's copy of a run (all of them with None): the next call loads
+        it from the store again (and claims it)."""
+        with self._lock:
+            if run_id is None:
+                self._runs.clear()
+            else:
+                self._runs.pop(run_id, None)
+
+    # ------------------------------------------------------------------- batches
+
+    def _batch(self, state: Any, call_id: str) -> list[Mapping[str, Any]]:
+        """The tool calls of the ``AIMessage`` that holds call ``call_id``."""
+        for message in reversed(_messages_of(state)):
+            if isinstance(message, AIMessage) and any(
+                    call.get("id") == call_id for call in message.tool_calls):
+                return list(message.tool_calls)
+        return []
+
+    def _enter(self, c: RunController, calls: Sequence[Mapping[str, Any]]) -> None:
+        """Enter a batch of calls the ledger has not seen, as one model response: the
+        results of the batch before it published first (each batch's results are in the
+        graph's messages by the time the model proposed the next one)."""
+        ids = [call.get("id") for call in calls]
+        if any(not isinstance(call_id, str) or not call_id for call_id in ids):
+            raise UnsupportedFeature(
+                "a tool call without an id cannot be keyed in the ledger (the model or a "
+                "middleware made it): nothing ran", feature="tool calls without ids",
+                run_id=c.run_id, step=c.step, action="begin_tool")
+        if len(set(ids)) != len(ids):
+            raise InvalidTransition(
+                "a batch holds the same tool call id twice: nothing ran",
+                run_id=c.run_id, step=c.step, action="model_responded")
+        known = [call_id for call_id in ids if c.phase(cast("str", call_id)) is not None]
+        if known:
+            if len(known) == len(ids):
+                return
+            raise InvalidTransition(
+                f"a batch reuses call id(s) {known!r} the ledger already holds beside new "
+                "ones: nothing ran", run_id=c.run_id, step=c.step, action="model_responded")
+        self._settle(c)
+        if c.in_doubt():
+            c.resume()  # ToolInDoubt: a call of an earlier batch never finished
+        self._publish_owed(c)
+        c.begin_model_call()
+        c.model_responded([
+            ToolCall(cast("str", call["id"]), str(call.get("name")), _arguments(call),
+                     needs_approval=call.get("name") in self.approvals,
+                     idempotent=call.get("name") in self.idempotent)
+            for call in calls])
+        c.flush()
+
+    def _settle(self, c: RunController) -> None:
+        """A run a process left ``UNSETTLED`` (an older log): the ledger's private history
+        is rebuilt empty in each process, so no write of the dead attempt can land
+        anywhere, and taking it over is safe."""
+        if c.step is not Step.UNSETTLED or self.publishes_to is not None:
+            return  # a checkpoint's write is reconciled by the next write (OneWriterSaver)
+        if isinstance(c.reconcile([], c.session_id, take_over=True), Append):
+            c.publication_committed()
+        c.flush()
+
+    def _publish_owed(self, c: RunController) -> None:
+        """Publish the recorded results (and rejections) of the earlier batch, staged and
+        committed in one append: the graph's checkpoint holds the messages themselves."""
+        owed = list(c.unpublished_call_ids())
+        if c.step in (Step.TOOLS, Step.INTERRUPTION) and owed:
+            items: list[JSON] = [{"type": "tool", "tool_call_id": call_id,
+                                  "result": c.call(call_id).result} for call_id in owed]
+            c.stage_publication(items, [], call_ids=owed, whole=True)
+            c.publication_committed()
+        if c.step in (Step.TOOLS, Step.INTERRUPTION):
+            raise InvalidTransition(
+                "the graph moved on to a new batch while calls of the earlier one never "
+                "ran (approved, not started): nothing ran", run_id=c.run_id, step=c.step,
+                action="begin_model_call")
+
+    # -------------------------------------------------------------- one tool call
+
+    def _where(self, request: Any) -> tuple[str, str, Mapping[str, Any]]:
+        call = request.tool_call
+        call_id = call.get("id")
+        config = getattr(getattr(request, "runtime", None), "config", None) or {}
+        run_id = self.run_id_of(config)
+        if not isinstance(call_id, str) or not call_id:
+            raise UnsupportedFeature(
+                "a tool call without an id cannot be keyed in the ledger: it did not run",
+                feature="tool calls without ids", run_id=run_id, action="begin_tool")
+        configurable = config.get("configurable") or {}
+        if "|" in str(configurable.get("checkpoint_ns") or ""):  # a task of a subgraph
+            raise UnsupportedFeature(
+                "a tool node inside a subgraph is not carried (its checkpoints live in "
+                "their own namespace, which the ledger does not follow): the call did not "
+                "run", feature="subgraphs with their own tool nodes", run_id=run_id,
+                action="begin_tool")
+        return run_id, call_id, call
+
+    def _before(self, request: Any) -> tuple[RunController, str, Mapping[str, Any],
+                                             ToolMessage | None]:
+        """Under the lock: the call entered, and its recorded answer (the body must not
+        run) or its start made durable (None: run the body now)."""
+        run_id, call_id, call = self._where(request)
+        with self._lock:
+            c = self.controller(run_id)
+            if c.phase(call_id) is None:
+                batch = self._batch(request.state, call_id)
+                if not batch:
+                    raise UnsupportedFeature(
+                        f"call {call_id!r} is in no AIMessage of the state the tool node "
+                        "was given (a Send of a tool call made outside the model's reply, "
+                        "or a state without its messages): it cannot be entered with its "
+                        "batch; it did not run", feature="Send fan-out of calls outside "
+                        "the model's reply", run_id=run_id, action="begin_tool")
+                self._enter(c, batch)
+            phase = c.phase(call_id)
+            if phase in (Phase.REJECTED, Phase.COMPLETED, Phase.PUBLISHED):
+                return c, call_id, call, _message(c, call_id, call)
+            done, _ = begin_call(c, call_id, _arguments(call))
+            if done:
+                return c, call_id, call, _message(c, call_id, call)
+            try:
+                c.flush()  # an effect boundary: the start is durable before the body
+            except BaseException:
+                self._runs.pop(run_id, None)
+                raise
+            return c, call_id, call, None
+
+    def _after(self, c: RunController, call_id: str, call: Mapping[str, Any],
+               result: Any) -> Any:
+        with self._lock:
+            if not isinstance(result, ToolMessage):
+                text = ("the tool returned a Command (or something else than a "
+                        "ToolMessage), which this adapter does not carry")
+                record_result(c, call_id, {"content": ERROR_TEMPLATE.format(error=text),
+                                           "status": "error", "name": call.get("name")})
+                c.flush()
+                raise UnsupportedFeature(
+                    f"call {call_id!r} returned {type(result).__name__}: {text}; its result "
+                    "was recorded as failed", feature="tools returning Command",
+                    run_id=c.run_id, step=c.step, action="tool_completed")
+            kept, _ = record_result(c, call_id, _form(result))
+            try:
+                c.flush()  # the result is durable before LangGraph checkpoints it
+            except BaseException:  # not durable: the call is in doubt on the next load
+                self._runs.pop(c.run_id, None)
+                raise
+            return result if kept else _message(c, call_id, call)
+
+    def _raised(self, c: RunController, call_id: str, call: Mapping[str, Any],
+                error: BaseException) -> BaseException:
+        """What to raise for a body that raised ``error``; records what it means."""
+        with self._lock:
+            if isinstance(error, GraphBubbleUp):
+                interrupted(c, call_id)
+                c.flush()
+                return UnsupportedFeature(
+                    f"call {call_id!r} called interrupt() inside its body, which LangGraph "
+                    "runs again from its start on resume: it is left in doubt; decide "
+                    "calls with ToolLedger.review instead, and settle this one with "
+                    "statemachine.operator.resolve", feature="interrupt() inside a tool",
+                    run_id=c.run_id, step=c.step, action="tool_completed")
+            if isinstance(error, Exception):
+                record_result(c, call_id, {
+                    "content": ERROR_TEMPLATE.format(error=repr(error)), "status": "error",
+                    "name": call.get("name")})
+                with contextlib.suppress(ControlError):
+                    c.flush()
+                return error
+            interrupted(c, call_id)
+            return error
+
+    def wrap_tool_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
+        """LangGraph's ``ToolNode(wrap_tool_call=)``: one call through the ledger."""
+        c, call_id, call, answer = self._before(request)
+        if answer is not None:
+            return answer
+        try:
+            with running(context_of(c, call_id)):
+                result = handler(request)
+        except BaseException as error:
+            raised = self._raised(c, call_id, call, error)
+            if raised is error:
+                raise
+            raise raised from error
+        return self._after(c, call_id, call, result)
+
+    async def awrap_tool_call(self, request: Any,
+                              handler: Callable[[Any], Awaitable[Any]]) -> Any:
+        """LangGraph's ``ToolNode(awrap_tool_call=)``: one call through the ledger."""
+        c, call_id, call, answer = self._before(request)
+        if answer is not None:
+            return answer
+        try:
+            with running(context_of(c, call_id)):
+                result = await handler(request)
+        except BaseException as error:
+            raised = self._raised(c, call_id, call, error)
+            if raised is error:
+                raise
+            raise raised from error
+        return self._after(c, call_id, call, result)
+
+    def tool_node(self, tools: Sequence[Any], **options: Any) -> ToolNode:
+        """A ``ToolNode`` over ``tools`` with this ledger's wrappers. Its
+        ``handle_tool_errors`` (LangGraph's, default or yours) applies to the tools'
+        errors, never to the ledger's refusals (a call in doubt is not turned into a tool
+        message the model could answer by calling again)."""
+        if "wrap_tool_call" in options or "awrap_tool_call" in options:
+            raise UnsupportedFeature(
+                "tool_node installs the ledger's own wrap_tool_call/awrap_tool_call; put "
+                "other wrappers inside it (create_agent middleware after LedgerMiddleware)",
+                feature="other tool-call wrappers around the ledger", action="open")
+        node = ToolNode(tools, wrap_tool_call=self.wrap_tool_call,
+                        awrap_tool_call=self.awrap_tool_call, **options)
+        handling = node._handle_tool_errors
+        if handling is not False:
+            node._handle_tool_errors = _passing_refusals(handling)
+        return node
+
+    # ------------------------------------------------------------------- decisions
+
+    def review(self, state: Any) -> dict[str, Any] | None:
+        """A graph node (or the body of `LedgerMiddleware.after_model`) put between the
+        model and the tool node: the last ``AIMessage``'s calls entered in the ledger,
+        and one ``interrupt()`` for those awaiting a decision, its value
+        ``{"run_id": ..., "pending": [{"call_id", "name", "args", "fingerprint"}, ...]}``.
+        Resume with ``Command(resume={call_id: decision(...)})``: every decision is
+        checked (the call awaits one, the fingerprint is the call's) before any is
+        recorded, and made durable before the graph goes on. A call without a decision in
+        the value (or decided through the operator meanwhile) is taken from the ledger;
+        one still undecided is asked again. Returns the ``AIMessage`` with each edited
+        call replaced by its new call (or None when nothing was edited).
+
+        Refused (`InvalidTransition`, nothing recorded): a fingerprint that is not the
+        call's, a decision for a call not awaiting one that contradicts the ledger, an
+        unknown decision type."""
+        messages = _messages_of(state)
+        last = messages[-1] if messages else None
+        if not isinstance(last, AIMessage) or not last.tool_calls:
+            return None
+        run_id = self.run_id_of(get_config())
+        with self._lock:
+            c = self.controller(run_id)
+            self._enter(c, last.tool_calls)
+        refused: list[str] = []
+        while True:
+            with self._lock:
+                calls = _current(c, last.tool_calls)
+                pending = [call for call in calls
+                           if c.phase(call["id"]) is Phase.AWAITING]
+                shown = [{"call_id": call["id"], "name": call["name"],
+                          "args": _arguments(call), "fingerprint": c.fingerprint(call["id"])}
+                         for call in pending]
+            if not pending:
+                break
+            asked: dict[str, Any] = {"run_id": run_id, "pending": shown}
+            if refused:
+                asked["refused"] = refused
+            answer = interrupt(asked)
+            with self._lock:
+                c = self.controller(run_id)
+                try:
+                    self._decide(c, calls, answer)
+                except InvalidTransition as refusal:  # nothing recorded: asked again
+                    refused = [refusal.reason]
+                else:
+                    refused = []
+        if [call["id"] for call in calls] == [call["id"] for call in last.tool_calls]:
+            return None
+        return {"messages": [last.model_copy(update={"tool_calls": calls})]}
+
+    def _decide(self, c: RunController, calls: list[dict[str, Any]], answer: Any) -> bool:
+        """Record the decisions of ``answer`` for ``calls`` (checked first, all of them);
+        an edit replaces its call in ``calls`` by a new call awaiting its own approval.
+        Whether a call was edited."""
+        if not isinstance(answer, Mapping):
+            raise InvalidTransition(
+                "a resume value must map call ids to decisions (statemachine.adapters."
+                "langgraph.decision): nothing was recorded", run_id=c.run_id, step=c.step,
+                action="approve")
+        planned: list[tuple[str, str, Mapping[str, Any]]] = []
+        for call_id, made in answer.items():
+            kind = made.get("type") if isinstance(made, Mapping) else None
+            if kind not in ("approve", "reject", "edit"):
+                raise InvalidTransition(
+                    f"the decision for call {call_id!r} is not approve, reject or edit: "
+                    "nothing was recorded", run_id=c.run_id, step=c.step, action="approve")
+            assert isinstance(made, Mapping)
+            if c.phase(call_id) is None:
+                raise InvalidTransition(
+                    f"a decision names call {call_id!r}, which the ledger does not hold: "
+                    "nothing was recorded", run_id=c.run_id, step=c.step, action="approve")
+            if made.get("fingerprint") != c.fingerprint(call_id):
+                raise InvalidTransition(
+                    f"the decision for call {call_id!r} carries a fingerprint that is not "
+                    "the call's (it decides other arguments, or another call): nothing was "
+                    "recorded", run_id=c.run_id, step=c.step, action="approve")
+            if c.phase(call_id) is not Phase.AWAITING:
+                if _agrees(c, call_id, kind):
+                    continue  # a decision recorded before (a replayed resume value)
+                raise InvalidTransition(
+                    f"call {call_id!r} was already decided otherwise (in the ledger, by an "
+                    "earlier resume or the operator): nothing was recorded",
+                    run_id=c.run_id, step=c.step, action="approve")
+            if kind == "edit" and not isinstance(made.get("args"), Mapping):
+                raise InvalidTransition(
+                    f"the edit of call {call_id!r} gives no args: nothing was recorded",
+                    run_id=c.run_id, step=c.step, action="approve")
+            planned.append((call_id, kind, made))
+        edits = {call_id: made for call_id, kind, made in planned if kind == "edit"}
+        for call_id, kind, made in planned:
+            fingerprint = c.fingerprint(call_id)
+            if kind == "approve" and not edits:
+                c.approve(call_id, fingerprint=fingerprint)
+            elif kind == "reject":
+                message = made.get("message")
+                c.reject(call_id, message if isinstance(message, str) else REJECTED,
+                         fingerprint=fingerprint)
+            elif kind == "edit":
+                c.reject(call_id, "edited: replaced by a new call that needs its own "
+                         "approval", fingerprint=fingerprint)
+        if edits:
+            self._repropose(c, calls, edits, {call_id for call_id, kind, _ in planned
+                                              if kind == "approve"})
+        c.flush()  # decisions are durable before anything acts on them
+        return bool(edits)
+
+    def _repropose(self, c: RunController, calls: list[dict[str, Any]],
+                   edits: Mapping[str, Mapping[str, Any]], approving: set[str]) -> None:
+        """An edit is a new proposal: the batch's calls not yet run are overtaken (a
+        handoff skips them; none ever runs under its old id) and proposed again under new
+        ids, the edited ones with their new arguments and awaiting their own approval; a
+        call approved with the same arguments (same fingerprint) keeps its approval.
+        ``calls`` is rewritten in place (the ``AIMessage`` the graph goes on with)."""
+        approved = {call["id"] for call in calls
+                    if c.phase(call["id"]) is Phase.APPROVED
+                    and c.call(call["id"]).call.needs_approval} | approving
+        c.handoff("edited tool calls: a new proposal")
+        owed = list(c.unpublished_call_ids())
+        items: list[JSON] = [{"type": "tool", "tool_call_id": call_id,
+                              "result": c.call(call_id).result} for call_id in owed]
+        c.stage_publication(items, [], call_ids=owed, whole=True)
+        c.publication_committed()
+        proposed: list[ToolCall] = []
+        origin: dict[str, str] = {}
+        for index, call in enumerate(calls):
+            old = call["id"]
+            if c.phase(old) is not Phase.SKIPPED and old not in edits:
+                continue  # rejected: answered with its rejection under its own id
+            new_id = _successor(old)
+            if c.phase(new_id) is not None:
+                raise InvalidTransition(
+                    f"call {old!r} cannot be proposed again as {new_id!r}, which the ledger "
+                    "already holds: nothing was recorded", run_id=c.run_id, step=c.step,
+                    action="model_responded")
+            args = dict(edits[old]["args"]) if old in edits else call.get("args") or {}
+            calls[index] = {**call, "id": new_id, "args": args}
+            origin[new_id] = old
+            proposed.append(ToolCall(new_id, str(call["name"]), _arguments(calls[index]),
+                                     needs_approval=old in edits or call["name"] in
+                                     self.approvals,
+                                     idempotent=call["name"] in self.idempotent))
+        c.begin_model_call()
+        c.model_responded(proposed)
+        for new in proposed:
+            old = origin[new.call_id]
+            if new.needs_approval and old in approved and old not in edits:
+                c.approve(new.call_id, fingerprint=c.fingerprint(new.call_id))
+
+
+def _agrees(c: RunController, call_id: str, kind: str) -> bool:
+    """Whether the ledger's decision of ``call_id`` is the one ``kind`` asks for."""
+    view = c.call(call_id)
+    recorded = [d.kind for d in view.decisions if d.kind in ("approved", "rejected")]
+    if not recorded:
+        return False
+    if kind == "approve":
+        return recorded[-1] == "approved"
+    return recorded[-1] == "rejected"
+
+
+def _successor(call_id: str) -> str:
+    """The id under which call ``call_id`` is proposed again after an edit of its batch:
+    ``x`` becomes ``x-edit1``, ``x-edit1`` becomes ``x-edit2`` (so a review run again
+    from its start finds each call's successor in the ledger)."""
+    base, _, number = call_id.rpartition("-edit")
+    if base and number.isdigit():
+        return f"{base}-edit{int(number) + 1}"
+    return f"{call_id}-edit1"
+
+
+def _current(c: RunController, calls: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``calls`` with each call an edit overtook replaced by its successor, as the ledger
+    recorded it (its arguments the edited ones)."""
+    current: list[dict[str, Any]] = []
+    for call in calls:
+        now = dict(call)
+        while (c.phase(now["id"]) in (Phase.SKIPPED, Phase.REJECTED, Phase.PUBLISHED)
+               and c.phase(_successor(now["id"])) is not None):
+            recorded = c.call(_successor(now["id"])).call
+            now = {**now, "id": recorded.call_id, "args": recorded.arguments}
+        current.append(now)
+    return current
+
+
+def _passing_refusals(handling: Any) -> Callable[[Exception], str]:
+    """``handle_tool_errors`` that raises the ledger's refusals on and handles every other
+    error as ``handling`` (LangGraph's setting: True, a text, a callable, exception
+    types) does."""
+
+    def handle(error: Exception) -> str:
+        if isinstance(error, ControlError):
+            raise error
+        if handling is True:
+            return ERROR_TEMPLATE.format(error=repr(error))
+        if isinstance(handling, str):
+            return handling
+        if isinstance(handling, type | tuple):
+            if isinstance(error, handling):
+                return ERROR_TEMPLATE.format(error=repr(error))
+            raise error
+        if callable(handling):
+            return str(handling(error))
+        raise error
+
+    return handle
+
+
+# ------------------------------------------------------------------------ middleware
+
+
+class LedgerMiddleware(AgentMiddleware):
+    """The ledger in LangChain's ``create_agent(middleware=[LedgerMiddleware(ledger),
+    ...])``: ``wrap_tool_call`` / ``awrap_tool_call`` put every tool call through it, and
+    ``after_model`` reviews the calls of the tools the ledger's ``approvals`` names (one
+    interrupt per batch, `ToolLedger.review`). Put it first: the middleware after it
+    (retries, say) run inside the ledger."""
+
+    def __init__(self, ledger: ToolLedger) -> None:
+        super().__init__()
+        self.ledger = ledger
+
+    def after_model(self, state: Any, runtime: Any) -> dict[str, Any] | None:
+        if not self.ledger.approvals:
+            return None
+        return self.ledger.review(state)
+
+    async def aafter_model(self, state: Any, runtime: Any) -> dict[str, Any] | None:
+        return self.after_model(state, runtime)
+
+    def wrap_tool_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
+        return self.ledger.wrap_tool_call(request, handler)
+
+    async def awrap_tool_call(self, request: Any,
+                              handler: Callable[[Any], Awaitable[Any]]) -> Any:
+        return await self.ledger.awrap_tool_call(request, handler)
+
+
+# ---------------------------------------------------------------------- checkpointer
+
+
+def _head(config: Mapping[str, Any]) -> Any:
+    """The config naming the latest checkpoint of ``config``'s thread and namespace."""
+    configurable = config.get("configurable") or {}
+    return {"configurable": {"thread_id": configurable.get("thread_id"),
+                             "checkpoint_ns": configurable.get("checkpoint_ns", "")}}
+
+
+def _channel_messages(checkpoint: Any) -> list[BaseMessage]:
+    values = (checkpoint or {}).get("channel_values") or {}
+    found = values.get("messages")
+    return list(found) if isinstance(found, list) else []
+
+
+def _messages_json(messages: Sequence[BaseMessage]) -> list[JSON]:
+    """The graph's messages as the plain JSON the ledger's publications keep."""
+    return [plain(message_to_dict(message), fallback=_as_text) for message in messages]
+
+
+class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
+    """Any LangGraph checkpointer (``InMemorySaver``, ``SqliteSaver``, ...) with one writer
+    per thread: a ``put`` whose parent (the checkpoint the writer resumed from) is not the
+    thread's latest checkpoint in its namespace is refused with `ConcurrencyConflict`,
+    nothing written. Of two resumers of the same checkpoint, the first to write goes on.
+    This also refuses time travel (a fork from an earlier checkpoint).
+
+    The check and the write are one step: in this process always (a lock around every
+    write of the saver); across processes for LangGraph's ``SqliteSaver``, whose
+    connection holds the database's write lock (``BEGIN IMMEDIATE``) from the check to
+    the write's commit. For another saver shared by several processes they are two steps,
+    and two processes can both write in the instant between them: the tool ledger is what
+    keeps their tools at most once there."""
+
+    def __init__(self, saver: BaseCheckpointSaver,  # type: ignore[type-arg]
+                 *, ledger: ToolLedger | None = None) -> None:
+        super().__init__(serde=saver.serde)
+        self.saver = saver
+        self._lock = threading.Lock()
+        if ledger is not None and self._sqlite() is None and (
+                type(saver) is not InMemorySaver):
+            raise UnsupportedFeature(
+                f"the checkpoint writes of a {type(saver).__name__} cannot be the ledger's "
+                "publications: only SqliteSaver (its write lock spans the check, the "
+                "staging and the write) and InMemorySaver (one process) are carried; "
+                "pass no ledger", feature="publications on this checkpointer",
+                action="open")
+        self.ledger = ledger
+        """With a ledger, each checkpoint that adds the ``ToolMessage`` of a call whose
+        result the ledger has not published is that batch's staged publication."""
+        if ledger is not None:
+            ledger.publishes_to = self
+
+    def _check(self, config: Mapping[str, Any], latest: str | None) -> None:
+        configurable = config.get("configurable") or {}
+        parent = configurable.get("checkpoint_id")
+        if latest is not None and parent != latest:
+            raise ConcurrencyConflict(
+                f"thread {configurable.get('thread_id')!r} moved on: this writer resumed "
+                f"from checkpoint {parent!r}, and the thread's latest is {latest!r} (another "
+                "resumer wrote first, or this is a fork from an earlier checkpoint); "
+                "nothing was written", action="checkpoint_put")
+
+    def _sqlite(self) -> sqlite3.Connection | None:
+        """The connection of LangGraph's ``SqliteSaver`` (None for another saver)."""
+        conn = getattr(self.saver, "conn", None)
+        if (type(self.saver).__module__.startswith("langgraph.checkpoint.sqlite")
+                and isinstance(conn, sqlite3.Connection)):
+            return conn
+        return None
+
+    def put(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any) -> Any:
+        with self._lock:
+            conn = self._sqlite()
+            saver: Any = self.saver
+            if conn is not None:
+                with saver.cursor(transaction=False):
+                    pass  # its tables exist: creating them would commit our transaction
+                with saver.lock:
+                    conn.execute("BEGIN IMMEDIATE")  # the write lock, until the commit
+            try:
+                found = self.saver.get_tuple(_head(config))
+                self._check(config, None if found is None else found.checkpoint["id"])
+                if self.ledger is None:
+                    return self.saver.put(config, checkpoint, metadata, new_versions)
+                return self._publishing(config, checkpoint, metadata, new_versions, found)
+            finally:
+                if conn is not None:
+                    with saver.lock:
+                        if conn.in_transaction:  # refused, or the put raised
+                            conn.rollback()
+
+    def _publishing(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any,
+                    parent: Any) -> Any:
+        """The ``put`` of a checkpoint as the ledger's staged publication of the results
+        it adds (the graph's history is the Session): staged (durable) before the write,
+        committed after it, recorded failed when it raises; an earlier write left
+        unsettled is reconciled first against the thread's latest messages (this runs
+        under the saver's write lock, so no other writer can still land it)."""
+        ledger = self.ledger
+        assert ledger is not None
+        put = self.saver.put
+        configurable = config.get("configurable") or {}
+        if "|" in str(configurable.get("checkpoint_ns") or ""):
+            return put(config, checkpoint, metadata, new_versions)
+        before = _channel_messages(None if parent is None else parent.checkpoint)
+        after = _channel_messages(checkpoint)
+        added = after[len(before):]
+        if [m.id for m in after[:len(before)]] != [m.id for m in before]:
+            added = []  # not an append (a message replaced): nothing published here
+        results = [m.tool_call_id for m in added if isinstance(m, ToolMessage)]
+        with ledger._lock:
+            c = ledger.controller(ledger.run_id_of(config))
+            if c.step is Step.UNSETTLED:  # a write that failed, or a writer that died
+                envelope = c.envelope
+                assert envelope is not None
+                if isinstance(c.reconcile(_messages_json(before), c.session_id,
+                                          take_over=True), Append):
+                    # the write did not land; this one must carry the same results
+                    # (LangGraph re-ran the node: the ledger answered from its record)
+                    if sorted(results) != sorted(envelope.call_ids):
+                        raise PublicationUnsettled(
+                            "a checkpoint write that carried tool results did not land, "
+                            "and this write does not carry them again: resume the thread "
+                            "from its latest checkpoint; nothing was written",
+                            run_id=c.run_id, step=c.step, action="checkpoint_put")
+                    return self._written(c, put, config, checkpoint, metadata,
+                                         new_versions)
+                c.flush()  # acknowledged: the write had landed
+            owed = set(c.unpublished_call_ids())
+            answered = [call_id for call_id in results if call_id in owed]
+            if not answered or owed - set(answered):
+                return put(config, checkpoint, metadata, new_versions)
+            c.stage_publication(_messages_json(added), _messages_json(before),
+                                call_ids=[i for i in c.unpublished_call_ids()
+                                          if i in answered])
+            c.flush()  # the envelope is durable before the write
+            return self._written(c, put, config, checkpoint, metadata, new_versions)
+
+    @staticmethod
+    def _written(c: RunController, put: Callable[..., Any], *args: Any) -> Any:
+        """The checkpoint written as the publication ``c`` holds open: committed once it
+        is written, recorded failed (the write's own error propagating) when it raises."""
+        try:
+            result = put(*args)
+        except Exception as error:
+            with contextlib.suppress(ControlError):  # the write's own error wins (I6)
+                c.publication_failed(error)
+                c.flush()
+            raise
+        c.publication_committed()
+        c.flush()
+        return result
+
+    def get_tuple(self, config: Any) -> Any:
+        return self.saver.get_tuple(config)
+
+    def list(self, config: Any, **options: Any) -> Any:
+        return self.saver.list(config, **options)
+
+    def put_writes(self, config: Any, writes: Any, task_id: str, task_path: str = "") -> None:
+        with self._lock:  # a write of its own would commit a put's open transaction
+            self.saver.put_writes(config, writes, task_id, task_path)
+
+    def delete_thread(self, thread_id: str) -> None:
+        with self._lock:
+            self.saver.delete_thread(thread_id)
+
+    async def aget_tuple(self, config: Any) -> Any:
+        return await self.saver.aget_tuple(config)
+
+    async def alist(self, config: Any, **options: Any) -> Any:
+        async for item in self.saver.alist(config, **options):
+            yield item
+
+    async def aput(self, config: Any, checkpoint: Any, metadata: Any,
+                   new_versions: Any) -> Any:
+        if self.ledger is not None:  # an in-memory saver: its put is the same, one step
+            return self.put(config, checkpoint, metadata, new_versions)
+        found = await self.saver.aget_tuple(_head(config))
+        self._check(config, None if found is None else found.checkpoint["id"])
+        return await self.saver.aput(config, checkpoint, metadata, new_versions)
+
+    async def aput_writes(self, config: Any, writes: Any, task_id: str,
+                          task_path: str = "") -> None:
+        await self.saver.aput_writes(config, writes, task_id, task_path)
+
+    async def adelete_thread(self, thread_id: str) -> None:
+        await self.saver.adelete_thread(thread_id)
+
+    def get_next_version(self, current: Any, channel: Any) -> Any:
+        return self.saver.get_next_version(current, channel)

@@ -1,0 +1,630 @@
+"""The LangGraph / LangChain adapter (DESIGN §7.4, issue 29), in one process: each field
+report run on LangGraph alone and through the adapter, the same graph, a scripted chat
+model, tools that append a line to an fsynced file. What ran is counted from that file;
+the expected count is what the scenario says must happen (a rejected call never runs, an
+approved one runs once), never what a ledger recorded.
+
+The kill -9 rows and the two resumer processes are in test_langgraph_durability.py.
+Under CI a missing ``langgraph`` package fails this module instead of skipping it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+try:
+    import langgraph  # noqa: F401
+except ImportError:  # pragma: no cover - CI installs the extra
+    if os.environ.get("CI"):
+        raise
+    pytest.skip("langgraph is not installed (pip install -e '.[langgraph]')",
+                allow_module_level=True)
+
+from langchain.agents import create_agent
+from langchain.agents.middleware import HumanInTheLoopMiddleware
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+from langchain_core.tools import tool
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.checkpoint.sqlite import SqliteSaver
+from langgraph.graph import END, START, MessagesState, StateGraph
+from langgraph.prebuilt import ToolNode, tools_condition
+from langgraph.types import Command, interrupt
+
+from statemachine import (
+    ConcurrencyConflict,
+    InvalidTransition,
+    Resolution,
+    SQLiteEventStore,
+    ToolCall,
+    ToolInDoubt,
+    operator,
+    tool_context,
+)
+from statemachine.adapters import langgraph as adapter
+from statemachine.adapters.langgraph import (
+    LedgerMiddleware,
+    OneWriterSaver,
+    ToolLedger,
+    UnsupportedFeature,
+    decision,
+)
+from statemachine.values import Phase, Step
+from statemachine.verifiers import Completed, Unknown
+from tests.drivers.langgraph_driver import ScriptedModel, build, effect, effects, make_tools
+
+CONFIG: Any = {"configurable": {"thread_id": "t1"}}
+RUN = "langgraph:t1"
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> SQLiteEventStore:
+    return SQLiteEventStore(str(tmp_path / "ledger.db"))
+
+
+def _pending(result: dict[str, Any]) -> dict[str, str]:
+    """The fingerprints of the calls the ledger's review interrupt shows, by call id."""
+    (asked,) = result["__interrupt__"]
+    return {item["call_id"]: item["fingerprint"] for item in asked.value["pending"]}
+
+
+def _tool_messages(result: dict[str, Any]) -> list[tuple[str, Any]]:
+    return [(m.tool_call_id, m.content) for m in result["messages"]
+            if isinstance(m, ToolMessage)]
+
+
+# ------------------------------------------------------------ the field reports
+
+
+TWO = [[("charge", {"amount": 7}, "c1"), ("notify", {"to": "bob"}, "n1")], "done"]
+
+
+@pytest.mark.invariant("I1")
+def test_a_rejected_call_runs_on_langgraph_alone_and_never_through_the_ledger(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """Mixed decisions in one batch: approve charge, reject notify. LangGraph's review
+    pattern (a rejection answered with a ToolMessage, the batch then sent to its ToolNode)
+    runs the rejected call anyway; through the ledger it never runs, and every call of
+    the batch is answered exactly once."""
+    alone = tmp_path / "alone.txt"
+    graph = build("alone", make_tools(alone), ScriptedModel(script=TWO), InMemorySaver(),
+                  review=True)
+    graph.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    graph.invoke(Command(resume={"c1": "approve", "n1": "reject"}), CONFIG)
+    assert sorted(effects(alone)) == ["charge 7", "notify bob"]  # the rejected one ran
+
+    through = tmp_path / "ledger.txt"
+    ledger = ToolLedger(store, approvals=["charge", "notify"])
+    graph = build("ledger", make_tools(through), ScriptedModel(script=TWO),
+                  OneWriterSaver(InMemorySaver()), ledger=ledger, review=True)
+    prints = _pending(graph.invoke({"messages": [HumanMessage("go")]}, CONFIG))
+    result = graph.invoke(Command(resume={
+        "c1": decision("approve", prints["c1"]),
+        "n1": decision("reject", prints["n1"], message="not bob")}), CONFIG)
+    assert effects(through) == ["charge 7"]
+    assert _tool_messages(result) == [("c1", "charged 7"), ("n1", "not bob")]
+    assert result["messages"][-1].content == "done"
+
+
+@pytest.mark.invariant("I1")
+def test_an_edit_runs_unapproved_on_langgraph_alone_and_awaits_its_own_approval(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """An edit on LangChain's HumanInTheLoopMiddleware runs the edited arguments with no
+    approval of them; through the ledger the edit is a new call with its own fingerprint,
+    a resume carrying the old one is refused (nothing recorded), and it runs once
+    approved."""
+    script = [[("charge", {"amount": 7}, "c1")], "done"]
+    alone = tmp_path / "alone.txt"
+    agent: Any = create_agent(ScriptedModel(script=script), make_tools(alone),
+                              middleware=[HumanInTheLoopMiddleware(
+                                  interrupt_on={"charge": True})],
+                              checkpointer=InMemorySaver())
+    agent.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    agent.invoke(Command(resume={"decisions": [{"type": "edit", "edited_action": {
+        "name": "charge", "args": {"amount": 7000}}}]}), CONFIG)
+    assert effects(alone) == ["charge 7000"]  # never approved with these arguments
+
+    through = tmp_path / "ledger.txt"
+    ledger = ToolLedger(store, approvals=["charge"])
+    agent = create_agent(ScriptedModel(script=script), make_tools(through),
+                         middleware=[LedgerMiddleware(ledger)],
+                         checkpointer=OneWriterSaver(InMemorySaver()))
+    first = _pending(agent.invoke({"messages": [HumanMessage("go")]}, CONFIG))
+    edited = agent.invoke(Command(resume={"c1": decision("edit", first["c1"],
+                                                         args={"amount": 7000})}), CONFIG)
+    assert effects(through) == []
+    (asked,) = edited["__interrupt__"]
+    (item,) = asked.value["pending"]
+    assert (item["call_id"], item["args"]) == ("c1-edit1", {"amount": 7000})
+    assert item["fingerprint"] != first["c1"]
+    stale = agent.invoke(Command(resume={"c1-edit1": decision("approve", first["c1"])}),
+                         CONFIG)
+    assert "fingerprint" in stale["__interrupt__"][0].value["refused"][0]
+    assert effects(through) == []
+    done = agent.invoke(Command(resume={"c1-edit1": decision("approve",
+                                                             item["fingerprint"])}), CONFIG)
+    assert effects(through) == ["charge 7000"]
+    assert done["messages"][-1].content == "done"
+
+
+def test_parallel_interrupts_in_one_toolnode_rerun_an_approved_call_alone(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """Two calls of one ToolNode that each ``interrupt()`` for approval: LangGraph alone
+    surfaces them one at a time and re-runs the whole node on each resume, so the first
+    (approved) call runs again when the second is answered. Through the ledger one
+    review interrupt carries both (distinct call ids); the approved one runs once, the
+    rejected one never."""
+    path = tmp_path / "alone.txt"
+
+    @tool
+    def charge(amount: int) -> str:
+        """Charge."""
+        if interrupt({"charge": amount}) != "approve":
+            return "rejected"
+        effect(path, f"charge {amount}")
+        return f"charged {amount}"
+
+    script = [[("charge", {"amount": 7}, "a"), ("charge", {"amount": 8}, "b")], "done"]
+    model = ScriptedModel(script=script)
+    builder: Any = StateGraph(MessagesState)
+    builder.add_node("model", lambda state: {"messages": [model.invoke(state["messages"])]})
+    builder.add_node("tools", ToolNode([charge]))
+    builder.add_edge(START, "model")
+    builder.add_conditional_edges("model", tools_condition)
+    builder.add_edge("tools", "model")
+    graph = builder.compile(checkpointer=InMemorySaver())
+    result = graph.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    while result.get("__interrupt__"):
+        (asked,) = result["__interrupt__"]
+        answer = "approve" if asked.value["charge"] == 7 else "reject"
+        result = graph.invoke(Command(resume={asked.id: answer}), CONFIG)
+    assert effects(path) == ["charge 7", "charge 7"]  # approved once, ran twice
+
+    through = tmp_path / "ledger.txt"
+    ledger = ToolLedger(store, approvals=["charge"])
+    graph = build("ledger", make_tools(through), ScriptedModel(script=script),
+                  OneWriterSaver(InMemorySaver()), ledger=ledger, review=True)
+    prints = _pending(graph.invoke({"messages": [HumanMessage("go")]}, CONFIG))
+    assert sorted(prints) == ["a", "b"]
+    result = graph.invoke(Command(resume={"a": decision("approve", prints["a"]),
+                                          "b": decision("reject", prints["b"])}), CONFIG)
+    assert effects(through) == ["charge 7"]
+    assert [call_id for call_id, _ in _tool_messages(result)] == ["a", "b"]
+
+
+def _tools_state(calls: list[tuple[str, dict[str, Any], str]]) -> dict[str, Any]:
+    reply = AIMessage(content="", tool_calls=[
+        {"name": name, "args": args, "id": call_id, "type": "tool_call"}
+        for name, args, call_id in calls])
+    return {"messages": [HumanMessage("go"), reply]}
+
+
+def _graph_of(node: ToolNode, checkpointer: Any) -> Any:
+    builder: Any = StateGraph(MessagesState)
+    builder.add_node("tools", node)
+    builder.add_edge(START, "tools")
+    builder.add_edge("tools", END)
+    return builder.compile(checkpointer=checkpointer)
+
+
+@pytest.mark.invariant("I1", "I12")
+def test_a_tool_node_run_again_answers_from_the_ledger_byte_for_byte(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """A ToolNode run again on the same calls (a resume that re-executes it) runs each
+    tool again on LangGraph alone; through the ledger it answers each call from the
+    record, keyed by its id (two calls of one tool are two calls), with the same content
+    byte for byte."""
+    calls = [("charge", {"amount": 7}, "x"), ("charge", {"amount": 8}, "y")]
+    alone = tmp_path / "alone.txt"
+    graph = _graph_of(ToolNode(make_tools(alone)), InMemorySaver())
+    for thread in ("1", "2"):
+        graph.invoke(_tools_state(calls), {"configurable": {"thread_id": "t" + thread}})
+    assert len(effects(alone)) == 4
+
+    through = tmp_path / "ledger.txt"
+    ledger = ToolLedger(store, run_id="one-run")
+    graph = _graph_of(ledger.tool_node(make_tools(through)), InMemorySaver())
+    answers = [_tool_messages(graph.invoke(_tools_state(calls),
+                                           {"configurable": {"thread_id": "t" + thread}}))
+               for thread in ("1", "2")]
+    assert sorted(effects(through)) == ["charge 7", "charge 8"]
+    assert answers[0] == answers[1] == [("x", "charged 7"), ("y", "charged 8")]
+    fresh = ToolLedger(store, run_id="one-run")  # another process: from the store
+    graph = _graph_of(fresh.tool_node(make_tools(through)), InMemorySaver())
+    again = _tool_messages(graph.invoke(_tools_state(calls), {"configurable": {
+        "thread_id": "t3"}}))
+    assert again == answers[0]
+    assert len(effects(through)) == 2
+
+
+def test_the_async_tool_node_goes_through_the_same_ledger(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    through = tmp_path / "ledger.txt"
+    ledger = ToolLedger(store, run_id="one-run")
+    graph = _graph_of(ledger.tool_node(make_tools(through)), InMemorySaver())
+    state = _tools_state([("charge", {"amount": 7}, "x")])
+    for thread in ("1", "2"):
+        result = asyncio.run(graph.ainvoke(state, {"configurable": {"thread_id": thread}}))
+    assert effects(through) == ["charge 7"]
+    assert _tool_messages(result) == [("x", "charged 7")]
+
+
+@pytest.mark.invariant("I1")
+def test_a_tool_that_raises_is_recorded_failed_and_never_runs_again(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    path = tmp_path / "effects.txt"
+
+    @tool
+    def flaky(n: int) -> str:
+        """Fails after its effect."""
+        effect(path, f"flaky {n}")
+        raise RuntimeError("the service said no")
+
+    ledger = ToolLedger(store)
+    graph = _graph_of(ledger.tool_node([flaky]), InMemorySaver())
+    state = _tools_state([("flaky", {"n": 1}, "f")])
+    with pytest.raises(RuntimeError, match="said no"):  # as LangGraph alone raises it
+        graph.invoke(state, CONFIG)
+    result = graph.invoke(state, CONFIG)  # the retry the user makes
+    assert effects(path) == ["flaky 1"]
+    ((call_id, content),) = _tool_messages(result)
+    assert call_id == "f"
+    assert content == "Error: RuntimeError('the service said no')\n Please fix your mistakes."
+    assert result["messages"][-1].status == "error"
+
+    handled = ToolLedger(SQLiteEventStore(str(tmp_path / "handled.db")), run_id="h")
+    graph = _graph_of(handled.tool_node([flaky], handle_tool_errors=True), InMemorySaver())
+    first, second = (_tool_messages(graph.invoke(state, {"configurable": {
+        "thread_id": thread}})) for thread in ("h1", "h2"))
+    assert first == second
+    assert effects(path) == ["flaky 1", "flaky 1"]  # one run per ledger
+
+
+# ------------------------------------------------------------------ refusals
+
+
+def test_the_ledgers_refusals_pass_through_handle_tool_errors(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """A call in doubt is refused even under ``handle_tool_errors=True`` (LangGraph would
+    otherwise hand the model an error message it could answer by calling again)."""
+    path = tmp_path / "effects.txt"
+    ledger = ToolLedger(store)
+    c = ledger.controller(RUN)
+    c.begin_model_call()
+    c.model_responded([ToolCall("x", "charge", {"amount": 7})])
+    c.begin_tool("x")
+    c.flush()  # started, then "the process died"
+    ledger.forget()
+    graph = _graph_of(ledger.tool_node(make_tools(path), handle_tool_errors=True),
+                      InMemorySaver())
+    with pytest.raises(ToolInDoubt):
+        graph.invoke(_tools_state([("charge", {"amount": 7}, "x")]), CONFIG)
+    assert effects(path) == []
+
+
+def test_what_the_adapter_does_not_carry_is_refused_naming_it(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    path = tmp_path / "effects.txt"
+    ledger = ToolLedger(store)
+    graph = _graph_of(ledger.tool_node(make_tools(path)), InMemorySaver())
+    no_id: dict[str, Any] = {"messages": [AIMessage(content="", tool_calls=[
+        {"name": "charge", "args": {"amount": 1}, "id": None, "type": "tool_call"}])]}
+    with pytest.raises(UnsupportedFeature) as refused:
+        graph.invoke(no_id, CONFIG)
+    assert refused.value.feature == "tool calls without ids"
+
+    @tool
+    def asks(n: int) -> str:
+        """Interrupts inside its body."""
+        interrupt("may I?")
+        return "ok"
+
+    graph = _graph_of(ledger.tool_node([asks]), InMemorySaver())
+    with pytest.raises(UnsupportedFeature) as refused:
+        graph.invoke(_tools_state([("asks", {"n": 1}, "q")]), CONFIG)
+    assert refused.value.feature == "interrupt() inside a tool"
+
+    # a subgraph with its own tool node
+    inner = _graph_of(ledger.tool_node(make_tools(path)), None)
+    outer: Any = StateGraph(MessagesState)
+    outer.add_node("agent", inner)
+    outer.add_edge(START, "agent")
+    outer.add_edge("agent", END)
+    with pytest.raises(UnsupportedFeature) as refused:
+        outer.compile(checkpointer=InMemorySaver()).invoke(
+            _tools_state([("charge", {"amount": 3}, "s")]), {"configurable": {
+                "thread_id": "sub"}})
+    assert refused.value.feature == "subgraphs with their own tool nodes"
+    assert effects(path) == []
+
+    with pytest.raises(UnsupportedFeature) as refused:
+        ledger.tool_node(make_tools(path), wrap_tool_call=lambda r, h: h(r))
+    with pytest.raises(adapter.InvalidVerifier):
+        ToolLedger(store, tools=["charge"], verifiers={"nope": lambda context: Unknown()})
+
+
+def test_the_adapter_exports_what_users_need() -> None:
+    assert set(adapter.__all__) <= set(dir(adapter))
+    assert {"ToolLedger", "LedgerMiddleware", "OneWriterSaver", "decision",
+            "ToolInDoubt", "UnsupportedFeature"} <= set(adapter.__all__)
+
+
+# ---------------------------------------------------------- the operator surface
+
+
+@pytest.mark.invariant("I11")
+def test_a_call_in_doubt_is_listed_settled_by_the_operator_and_the_graph_goes_on(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    path = tmp_path / "effects.txt"
+    ledger = ToolLedger(store)
+    c = ledger.controller(RUN)
+    c.begin_model_call()
+    c.model_responded([ToolCall("x", "charge", {"amount": 7})])
+    c.begin_tool("x")
+    c.flush()
+    ledger.forget()
+    saver = SqliteSaver(sqlite3.connect(str(tmp_path / "checkpoints.db"),
+                                        check_same_thread=False))
+    graph = _graph_of(ledger.tool_node(make_tools(path)), saver)
+    state = _tools_state([("charge", {"amount": 7}, "x")])
+    with pytest.raises(ToolInDoubt):
+        graph.invoke(state, CONFIG)
+    (head,) = operator.runs(store, blocked=True)
+    assert head.run_id == RUN
+    (waiting,) = operator.inbox(store)
+    assert (waiting.call_id, waiting.kind) == ("x", "in_doubt")
+    operator.resolve(store, RUN, "x", outcome=Resolution.COMPLETED, output="charged 7 (seen "
+                     "on the bank's side)", by="ops", evidence="txn 42")
+    result = graph.invoke(state, CONFIG)
+    assert _tool_messages(result) == [("x", "charged 7 (seen on the bank's side)")]
+    assert effects(path) == []
+
+
+def test_an_approval_made_through_the_operator_lets_the_graph_go_on(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    path = tmp_path / "effects.txt"
+    ledger = ToolLedger(store, approvals=["charge"])
+    script = [[("charge", {"amount": 7}, "c1")], "done"]
+    graph = build("ledger", make_tools(path), ScriptedModel(script=script),
+                  OneWriterSaver(InMemorySaver()), ledger=ledger, review=True)
+    prints = _pending(graph.invoke({"messages": [HumanMessage("go")]}, CONFIG))
+    (waiting,) = operator.inbox(store)
+    assert (waiting.call_id, waiting.fingerprint) == ("c1", prints["c1"])
+    operator.approve(store, RUN, "c1", fingerprint=prints["c1"], by="ops")
+    result = graph.invoke(Command(resume={}), CONFIG)
+    assert effects(path) == ["charge 7"]
+    assert result["messages"][-1].content == "done"
+
+
+def test_verifiers_settle_a_call_in_doubt_and_bodies_see_their_idempotency_key(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    path = tmp_path / "effects.txt"
+    keys: list[str] = []
+
+    @tool
+    def charge(amount: int) -> str:
+        """Charge, with the call's idempotency key."""
+        keys.append(tool_context().idempotency_key)
+        effect(path, f"charge {amount}")
+        return f"charged {amount}"
+
+    c = ToolLedger(store).controller(RUN)
+    c.begin_model_call()
+    c.model_responded([ToolCall("x", "charge", {"amount": 7})])
+    c.begin_tool("x")
+    c.flush()  # started; the bank says it went through
+    key = c.idempotency_key("x")
+    ledger = ToolLedger(store, verifiers={"charge": lambda context: Completed(
+        f"charged 7 ({context.idempotency_key})")})
+    graph = _graph_of(ledger.tool_node([charge]), InMemorySaver())
+    result = graph.invoke(_tools_state([("charge", {"amount": 7}, "x")]), CONFIG)
+    assert _tool_messages(result) == [("x", f"charged 7 ({key})")]
+    assert effects(path) == []
+    graph.invoke(_tools_state([("charge", {"amount": 8}, "y")]), CONFIG)
+    reloaded = ToolLedger(store).controller(RUN)
+    assert keys == [reloaded.idempotency_key("y")]
+    assert reloaded.phase("x") is Phase.PUBLISHED
+
+
+# ---------------------------------------------------------------- one writer
+
+
+def test_two_resumers_of_one_checkpoint_one_goes_on(tmp_path: Path) -> None:
+    """Two graphs on one SqliteSaver resume the same checkpoint: LangGraph alone takes
+    both writes; the one-writer saver refuses the second (nothing written), and a resume
+    from an earlier checkpoint (time travel) is refused the same way."""
+    script = [[("charge", {"amount": 7}, "c1")], "done"]
+    outcomes = {}
+    for mode in ("alone", "ledger"):
+        path = tmp_path / f"{mode}.txt"
+        with SqliteSaver.from_conn_string(str(tmp_path / f"{mode}.db")) as saver:
+            shared: Any = saver if mode == "alone" else OneWriterSaver(saver)
+            ledger = ToolLedger(SQLiteEventStore(str(tmp_path / f"{mode}-ledger.db")),
+                                approvals=["charge"])
+            first = build(mode, make_tools(path), ScriptedModel(script=script), shared,
+                          ledger=ledger, review=True)
+            first.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+            paused = first.get_state(CONFIG).config
+            first.update_state(CONFIG, {"messages": []})  # the first resumer wrote
+            second = build(mode, make_tools(path), ScriptedModel(script=script), shared,
+                           ledger=ledger, review=True)
+            try:
+                second.update_state(paused, {"messages": []})
+                outcomes[mode] = "written"
+            except ConcurrencyConflict:
+                outcomes[mode] = "refused"
+    assert outcomes == {"alone": "written", "ledger": "refused"}
+
+
+def test_a_decision_for_a_call_the_ledger_does_not_hold_is_refused(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    script = [[("charge", {"amount": 7}, "c1")], "done"]
+    ledger = ToolLedger(store, approvals=["charge"])
+    graph = build("ledger", make_tools(tmp_path / "e.txt"), ScriptedModel(script=script),
+                  InMemorySaver(), ledger=ledger, review=True)
+    prints = _pending(graph.invoke({"messages": [HumanMessage("go")]}, CONFIG))
+    result = graph.invoke(Command(resume={"other": decision("approve", prints["c1"])}),
+                          CONFIG)
+    assert "does not hold" in result["__interrupt__"][0].value["refused"][0]
+    assert ToolLedger(store).controller(RUN).step is Step.INTERRUPTION
+    with pytest.raises(InvalidTransition):
+        ledger._decide(ledger.controller(RUN), [], {"c1": {"type": "maybe"}})
+
+
+def test_a_rejection_answers_the_same_after_the_next_batch_published_it(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """Time travel by hand: the ToolNode of a batch run again after the graph went on to
+    the next batch (its results published) answers every call from the ledger: the
+    rejected one with its rejection, the approved one with its result; nothing runs."""
+    path = tmp_path / "effects.txt"
+    script = [*TWO[:1], [("notify", {"to": "ann"}, "n2")], "done"]
+    ledger = ToolLedger(store, approvals=["charge", "notify"])
+    graph = build("ledger", make_tools(path), ScriptedModel(script=script),
+                  InMemorySaver(), ledger=ledger, review=True)
+    prints = _pending(graph.invoke({"messages": [HumanMessage("go")]}, CONFIG))
+    prints = _pending(graph.invoke(Command(resume={
+        "c1": decision("approve", prints["c1"]),
+        "n1": decision("reject", prints["n1"], message="not bob")}), CONFIG))
+    graph.invoke(Command(resume={"n2": decision("approve", prints["n2"])}), CONFIG)
+    assert effects(path) == ["charge 7", "notify ann"]
+    assert ToolLedger(store).controller(RUN).phase("n1") is Phase.PUBLISHED
+    node = _graph_of(ledger.tool_node(make_tools(path)), InMemorySaver())
+    again = node.invoke(_tools_state([("charge", {"amount": 7}, "c1"),
+                                      ("notify", {"to": "bob"}, "n1")]), CONFIG)
+    assert _tool_messages(again) == [("c1", "charged 7"), ("n1", "not bob")]
+    assert [m.status for m in again["messages"] if isinstance(m, ToolMessage)] == [
+        "success", "error"]
+    assert effects(path) == ["charge 7", "notify ann"]
+
+
+@pytest.mark.postgres
+@pytest.mark.invariant("I1", "I11")
+def test_the_ledger_on_postgresql_answers_another_process_and_refuses_doubt(
+        tmp_path: Path, pg_dsn: str, pg_schema: str) -> None:
+    """The same ledger on the PostgreSQL store: a second ledger (another process's, on
+    its own connection) answers a finished call from the store without running it, a
+    call in doubt is refused there too, and the run is listed for the operator."""
+    from statemachine.postgres import PostgresEventStore
+
+    path = tmp_path / "effects.txt"
+    state = _tools_state([("charge", {"amount": 7}, "x")])
+    with PostgresEventStore(pg_dsn, schema=pg_schema) as first, \
+            PostgresEventStore(pg_dsn, schema=pg_schema) as second:
+        graph = _graph_of(ToolLedger(first).tool_node(make_tools(path)), InMemorySaver())
+        graph.invoke(state, CONFIG)
+        graph = _graph_of(ToolLedger(second).tool_node(make_tools(path)), InMemorySaver())
+        assert _tool_messages(graph.invoke(state, CONFIG)) == [("x", "charged 7")]
+        assert effects(path) == ["charge 7"]
+        doubtful = ToolLedger(first)
+        c = doubtful.controller(RUN)
+        doubtful._enter(c, [{"name": "charge", "args": {"amount": 8}, "id": "y"}])
+        c.begin_tool("y")
+        c.flush()
+        graph = _graph_of(ToolLedger(second).tool_node(make_tools(path)), InMemorySaver())
+        with pytest.raises(ToolInDoubt):
+            graph.invoke(_tools_state([("charge", {"amount": 8}, "y")]), CONFIG)
+        assert effects(path) == ["charge 7"]
+        (waiting,) = operator.inbox(second)
+        assert (waiting.run_id, waiting.call_id, waiting.kind) == (RUN, "y", "in_doubt")
+
+
+def test_create_agent_async_with_approvals_goes_through_the_ledger(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """``agent.ainvoke``: the middleware's ``aafter_model`` review and ``awrap_tool_call``."""
+    path = tmp_path / "effects.txt"
+    ledger = ToolLedger(store, approvals=["charge"])
+    agent: Any = create_agent(ScriptedModel(script=TWO), make_tools(path),
+                              middleware=[LedgerMiddleware(ledger)],
+                              checkpointer=OneWriterSaver(InMemorySaver(), ledger=ledger))
+
+    async def go() -> dict[str, Any]:
+        prints = _pending(await agent.ainvoke({"messages": [HumanMessage("go")]}, CONFIG))
+        assert list(prints) == ["c1"]  # notify needs no approval
+        return dict(await agent.ainvoke(Command(resume={
+            "c1": decision("reject", prints["c1"])}), CONFIG))
+
+    result = asyncio.run(go())
+    assert effects(path) == ["notify bob"]
+    assert sorted(_tool_messages(result)) == [("c1", adapter.REJECTED),
+                                              ("n1", "notified bob")]
+    c = ToolLedger(store).controller(RUN)  # the results' checkpoint was their publication
+    assert [type(e).__name__ for e in c.events if "Publication" in type(e).__name__] == [
+        "PublicationStaged", "PublicationCommitted"]
+
+
+def test_an_idempotent_tool_runs_again_after_a_start_that_never_finished(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    path = tmp_path / "effects.txt"
+    c = ToolLedger(store).controller(RUN)
+    c.begin_model_call()
+    c.model_responded([ToolCall("n", "notify", {"to": "bob"}, idempotent=True)])
+    c.begin_tool("n")
+    c.flush()  # started, then "the process died"
+    ledger = ToolLedger(store, idempotent=["notify"])
+    graph = _graph_of(ledger.tool_node(make_tools(path)), InMemorySaver())
+    result = graph.invoke(_tools_state([("notify", {"to": "bob"}, "n")]), CONFIG)
+    assert _tool_messages(result) == [("n", "notified bob")]
+    assert effects(path) == ["notify bob"]
+
+
+class _FailingPut:
+    """Wraps a saver's ``put``: the first checkpoint holding a ToolMessage fails, after
+    it landed (``landed=True``) or before."""
+
+    def __init__(self, saver: Any, *, landed: bool) -> None:
+        self.armed, self.put, self.landed = True, saver.put, landed
+        saver.put = self
+
+    def __call__(self, config: Any, checkpoint: Any, metadata: Any, versions: Any) -> Any:
+        messages = checkpoint["channel_values"].get("messages") or []
+        if self.armed and any(isinstance(m, ToolMessage) for m in messages):
+            self.armed = False
+            if self.landed:
+                self.put(config, checkpoint, metadata, versions)
+            raise OSError("injected: the checkpoint write failed")
+        return self.put(config, checkpoint, metadata, versions)
+
+
+@pytest.mark.invariant("I1", "I6", "I12")
+@pytest.mark.parametrize("landed", [True, False], ids=["landed-then-raised", "not-landed"])
+def test_a_failed_checkpoint_write_of_results_is_reconciled_by_the_next_write(
+        tmp_path: Path, store: SQLiteEventStore, landed: bool) -> None:
+    """With ``OneWriterSaver(saver, ledger=ledger)`` the checkpoint that adds a batch's
+    ToolMessages is the batch's staged publication. A write that raises (its own error
+    reaching the caller) is reconciled by the next one: acknowledged when it had landed,
+    written again by LangGraph (the result answered from the ledger) when it had not.
+    The tool runs once; the result is published once."""
+    path = tmp_path / "effects.txt"
+    ledger = ToolLedger(store)
+    inner = SqliteSaver(sqlite3.connect(str(tmp_path / "checkpoints.db"),
+                                        check_same_thread=False))
+    _FailingPut(inner, landed=landed)
+    graph = build("ledger", make_tools(path), ScriptedModel(script=SCRIPT_ONE),
+                  OneWriterSaver(inner, ledger=ledger), ledger=ledger)
+    with pytest.raises(OSError, match="injected"):
+        graph.invoke({"messages": [HumanMessage("go")]}, CONFIG, durability="sync")
+    assert ToolLedger(store).controller(RUN).step is Step.UNSETTLED
+    result = graph.invoke(None, CONFIG, durability="sync")
+    assert result["messages"][-1].content == "done"
+    assert effects(path) == ["charge 7"]
+    c = ToolLedger(store).controller(RUN)
+    kinds = [type(event).__name__ for event in c.events
+             if "Publication" in type(event).__name__ or "Reconciled" in type(event).__name__]
+    assert kinds == (["PublicationStaged", "PublicationFailed", "ReconciledAcknowledge"]
+                     if landed else ["PublicationStaged", "PublicationFailed",
+                                     "ReconciledAppend", "PublicationCommitted"])
+    assert c.phase("call-charge") is Phase.PUBLISHED
+    with pytest.raises(UnsupportedFeature):
+        OneWriterSaver(_Unknown(), ledger=ToolLedger(store))
+
+
+class _Unknown(InMemorySaver):
+    """A saver the ledger's publications do not know (not LangGraph's own)."""
+
+
+SCRIPT_ONE: list[Any] = [[("charge", {"amount": 7}, "call-charge")], "done"]
