@@ -217,6 +217,8 @@ EXTRA_ROWS: tuple[tuple[str, str, str], ...] = (
      "bench.durable_rows", "openai_agents_row"),
     ("durable one-tool turn beside LangGraph's SqliteSaver (sync)", "bench.durable_rows",
      "langgraph_row"),
+    ("durable one-tool turn beside DBOS (SQLite system database)", "bench.durable_rows",
+     "dbos_row"),
     ("kill -9 right after the tool, then resume", "bench.durable_rows", "crash_row"),
     ("group commit: 64 one-tool turns in flight, async SQLite", "bench.group_commit_rows",
      "bench_row"),

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import os
 import signal
@@ -351,6 +352,105 @@ def pydantic_ai_row(args: Any = None) -> dict[str, Any]:
             "verdict": "met" if best <= TARGET else "missed"}
 
 
+# ------------------------------------------------------------------ beside DBOS
+
+
+def _dbos_app(path: Path, pay: Callable[[int], str]) -> Callable[[str], str]:
+    """DBOS's one-tool turn on a SQLite system database in ``path``: a workflow whose
+    model calls (scripted: one tool call, then the answer) and tool are steps, the way
+    DBOS's docs make an agent durable. DBOS is launched here (one per process)."""
+    from dbos import DBOS
+
+    DBOS(config={"name": "statemachine-bench", "system_database_url": f"sqlite:///{path}"})
+
+    def respond(history: list[dict[str, Any]]) -> dict[str, Any]:
+        if any(message.get("role") == "tool" for message in history):
+            return {"role": "assistant", "content": "paid 7"}
+        return {"role": "assistant", "tool_call": {"name": "pay", "args": {"amount": 7}}}
+
+    model = DBOS.step()(respond)
+    tool = DBOS.step()(pay)
+
+    def agent(text: str) -> str:
+        history: list[dict[str, Any]] = [{"role": "user", "content": text}]
+        while True:
+            reply = model(history)
+            history.append(reply)
+            if "tool_call" not in reply:
+                return str(reply["content"])
+            history.append({"role": "tool",
+                            "content": tool(reply["tool_call"]["args"]["amount"])})
+
+    turn = DBOS.workflow()(agent)
+    DBOS.launch()
+    typed: Callable[[str], str] = turn
+    return typed
+
+
+def _dbos_turns(folder: Path, turns: int) -> tuple[float, float]:
+    """DBOS's median seconds and commits per durable one-tool turn, in a process of its
+    own (DBOS is one per process): its commits counted off SQLAlchemy's engines."""
+    done = subprocess.run([sys.executable, "-m", "bench.durable_rows", "--dbos-turns",
+                           str(folder), str(turns)], capture_output=True, text=True,
+                          timeout=300, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"DBOS's turns failed: {done.stderr[-800:]}")
+    seconds, commits = json.loads(done.stdout.strip().splitlines()[-1])
+    return float(seconds), float(commits)
+
+
+def _dbos_child(folder: Path, turns: int) -> None:
+    from dbos import DBOS
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    commits = [0]
+
+    def committed(connection: Any) -> None:
+        commits[0] += 1
+
+    ran: list[int] = []
+
+    def pay(amount: int) -> str:
+        ran.append(amount)
+        return f"paid {amount}"
+
+    turn = _dbos_app(folder / "dbos.db", pay)
+    turn("warm up")
+    ran.clear()
+    event.listen(Engine, "commit", committed)
+    times = []
+    for _ in range(turns):
+        start = time.perf_counter()
+        if turn("pay 7") != "paid 7":
+            raise RuntimeError("DBOS's turn went wrong")
+        times.append(time.perf_counter() - start)
+    event.remove(Engine, "commit", committed)
+    DBOS.destroy()
+    if ran != [7] * turns:
+        raise RuntimeError(f"DBOS ran the tool {len(ran)} times in {turns} turns")
+    print(json.dumps([statistics.median(times), commits[0] / turns]))
+
+
+def dbos_row(args: Any = None) -> dict[str, Any]:
+    """The durable turn through the reference runner beside DBOS (PyPI ``dbos``, the
+    ``bench`` extra) on a SQLite system database. ImportError without DBOS."""
+    import dbos  # noqa: F401
+
+    turns = _turns(args)
+    with tempfile.TemporaryDirectory() as folder:
+        theirs_s, theirs_commits = _dbos_turns(Path(folder), turns)
+        ours = _sqlite(Path(folder), MODES[-1], turns)
+    ratio = ours["turn_ms"] / (theirs_s * 1000)
+    return {"summary": f"ours {ours['turn_ms']} ms and {ours['writes_per_turn']} commits "
+                       f"per turn; DBOS {theirs_s * 1000:.2f} ms and {theirs_commits:.1f} "
+                       f"commits, re-running the tool step after a crash: {ratio:.2f}x "
+                       "its time",
+            "ratio": round(ratio, 2), "turns": turns, "dbos_commits": theirs_commits,
+            "target": "reported (DESIGN §7.9 compares the writes; DBOS is at-least-once)",
+            "verdict": "report only"}
+
+
 # --------------------------------------------------------------- through openai-agents
 
 OPENAI_MODES = ("SDK alone, its SQLiteSession", "ours per event, the SDK's SQLiteSession",
@@ -472,7 +572,7 @@ def openai_agents_row(args: Any = None) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ kill -9 after the tool
 
-SYSTEMS = ("ours", "langgraph")
+SYSTEMS = ("ours", "langgraph", "dbos")
 
 
 def _paying(folder: Path, die: bool) -> Callable[[int], str]:
@@ -495,6 +595,15 @@ def _crash_child(system: str, folder: Path, die: bool) -> str:
     """One attempt of ``system``'s durable turn in ``folder`` (the first with ``die``,
     killed inside the tool; then the resume). What the resume ended with."""
     pay = _paying(folder, die)
+    if system == "dbos":
+        from dbos import DBOS, SetWorkflowID
+
+        turn = _dbos_app(folder / "dbos.db", pay)
+        if die:
+            with SetWorkflowID("t"):
+                return turn("pay 7")
+        # the launch recovered the pending workflow: wait for it
+        return str(DBOS.retrieve_workflow("t").get_result())
     if system == "langgraph":
         app, conn = _langgraph_app(folder / "langgraph.db", pay)
         config = {"configurable": {"thread_id": "t"}}
@@ -526,11 +635,12 @@ def crash_row(args: Any = None) -> dict[str, Any]:
     in a new process: how many times the tool ran, and how the resume ended."""
     found: dict[str, Any] = {}
     for system in SYSTEMS:
-        if system == "langgraph":
+        needs = {"langgraph": "langgraph.checkpoint.sqlite", "dbos": "dbos"}.get(system)
+        if needs is not None:
             try:
-                import langgraph.checkpoint.sqlite  # noqa: F401
+                importlib.import_module(needs)
             except ImportError:
-                found[system] = "skipped: langgraph-checkpoint-sqlite is not installed"
+                found[system] = f"skipped: {needs} is not installed"
                 continue
         with tempfile.TemporaryDirectory() as folder:
             for die in (True, False):
@@ -557,8 +667,11 @@ def crash_row(args: Any = None) -> dict[str, Any]:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--crash-child"]:
         print(_crash_child(sys.argv[2], Path(sys.argv[3]), sys.argv[4] == "die"))
+    elif sys.argv[1:2] == ["--dbos-turns"]:
+        _dbos_child(Path(sys.argv[2]), int(sys.argv[3]))
     else:
         print(json.dumps({"durable": bench_row(), "langgraph": langgraph_row(),
                           "pydantic_ai": pydantic_ai_row(),
-                          "openai_agents": openai_agents_row(), "crash": crash_row()},
+                          "openai_agents": openai_agents_row(), "dbos": dbos_row(),
+                          "crash": crash_row()},
                          indent=2))
