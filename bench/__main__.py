@@ -107,9 +107,11 @@ COMMANDS: dict[str, tuple[Setup, Step, str, str, Callable[[RunController], Any],
 # them from here. Each is a ratio measured in the same run (DESIGN §5), never a time.
 
 TARGETS: dict[str, str] = {
-    "command": "<= 2.5x the floor, >= 4x faster than transitions",
+    "command": "a regression guard, reported (rev 6 asked <= 2.5x the floor, >= 4x faster "
+               "than transitions; the core is under 1% of a durable turn, DESIGN §7.9)",
     "sqlite_store": ">= 0.8x a bare sqlite3 loop",
-    "load": "JSON >= 200k ev/s, SQLite replay >= 150k ev/s; O(1) in length from a snapshot",
+    "load": "a regression guard, reported (rev 6 asked JSON >= 200k ev/s, SQLite replay "
+            ">= 150k ev/s; O(1) in length from a snapshot)",
     "memory": "<= 2 KB beyond payloads",
     "fuzz": "report only (more steps per CI minute is more safety)",
     "scenario": "<= 1/5 of LangGraph's time (and of openai-agents')",
@@ -117,10 +119,6 @@ TARGETS: dict[str, str] = {
     "large": "linear: at twice the size, at most 1.5x twice the time",
     "elapsed": "--quick < 20 s, the full bench < 60 s (a quiet 2-core machine)",
 }
-COMMAND_OVER_FLOOR = 2.5
-TRANSITIONS_OVER_COMMAND = 4.0
-JSON_EVENTS_PER_S = 200_000
-SQLITE_EVENTS_PER_S = 150_000
 IDLE_BYTES = 2048
 THEIRS_OVER_OURS = 5.0
 ROUNDTRIP_OVER_OURS = 10.0
@@ -139,15 +137,12 @@ def _judge(row: dict[str, Any], target: str, ok: bool | None) -> dict[str, Any]:
 
 def judge(report: dict[str, Any]) -> dict[str, Any]:
     """Give every row of ``report`` its ``target`` and ``verdict`` (in place)."""
-    for row in report["command"]:
-        _judge(row, TARGETS["command"],
-               row["controller_over_floor"] <= COMMAND_OVER_FLOOR
-               and row["transitions_over_controller"] >= TRANSITIONS_OVER_COMMAND)
+    for row in report["command"]:  # (guards without a verdict since rev 7, DESIGN §7.9)
+        _judge(row, TARGETS["command"], None)
     st = report["sqlite_store"]
     _judge(st, TARGETS["sqlite_store"], st["store_over_bare"] >= 0.8)
     for row in report["load"]:
-        _judge(row, TARGETS["load"], row["json_events_per_s"] >= JSON_EVENTS_PER_S
-               and row["sqlite_replay_events_per_s"] >= SQLITE_EVENTS_PER_S)
+        _judge(row, TARGETS["load"], None)
     mem = report["memory"]
     _judge(mem, TARGETS["memory"], mem["bytes_per_run_beyond_payloads"] <= IDLE_BYTES)
     _judge(report["fuzz"], TARGETS["fuzz"], None)

@@ -1,5 +1,6 @@
 """The reference async runner that embeds `RunController` (`Runner`, `Agent`,
-`FunctionTool`...), the Session writers (`publish`, `settle`) and the remote tool executor
+`FunctionTool`...), the Session writers (`publish`, `settle`; `run_history` is the
+Session as a run that publishes with ``ride=True`` sees it) and the remote tool executor
 (`RemoteToolExecutor`). Read `statemachine.runner.loop` as the guide to embedding the
 core in your own runner."""
 
@@ -20,7 +21,7 @@ from statemachine.runner.agents import (
     reject_content,
 )
 from statemachine.runner.loop import Runner, RunResultStreaming
-from statemachine.runner.publish import publish, settle
+from statemachine.runner.publish import publish, run_history, settle
 from statemachine.runner.remote import (
     AlreadyAnswered,
     DispatchedToolCall,
@@ -56,5 +57,6 @@ __all__ = [
     "Verdict",
     "publish",
     "reject_content",
+    "run_history",
     "settle",
 ]

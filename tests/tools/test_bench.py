@@ -180,22 +180,23 @@ def test_every_row_of_the_json_report_carries_its_target_and_verdict(
     assert report["elapsed"]["total_s"] >= sum(report["elapsed"]["sections_s"].values()) - 0.1
 
 
-@pytest.mark.parametrize(("over_floor", "faster", "verdict"), [
-    (2.5, 4.0, "met"), (2.49, 9.0, "met"), (2.51, 9.0, "missed"), (1.0, 3.99, "missed")])
-def test_a_command_row_is_met_within_2_5x_the_floor_and_4x_faster_than_transitions(
-        report: dict[str, Any], over_floor: float, faster: float, verdict: str) -> None:
+@pytest.mark.parametrize(("over_floor", "faster"), [(1.0, 9.0), (9.0, 1.0)])
+def test_a_command_row_is_a_guard_reported_without_a_verdict(
+        report: dict[str, Any], over_floor: float, faster: float) -> None:
+    """DESIGN §7.9: the core command and loading rows stay as regression guards,
+    reported with their ratios, judged neither met nor missed."""
     judged = _judged(report, command__0__controller_over_floor=over_floor,
                      command__0__transitions_over_controller=faster)
-    assert judged["command"][0]["verdict"] == verdict
+    assert judged["command"][0]["verdict"] == "reported"
+    assert judged["command"][0]["controller_over_floor"] == over_floor
 
 
-@pytest.mark.parametrize(("json_rate", "sqlite_rate", "verdict"), [
-    (200_000, 150_000, "met"), (199_999, 10**6, "missed"), (10**6, 149_999, "missed")])
-def test_a_load_row_needs_200k_from_json_and_150k_from_sqlite(
-        report: dict[str, Any], json_rate: int, sqlite_rate: int, verdict: str) -> None:
+@pytest.mark.parametrize(("json_rate", "sqlite_rate"), [(10**6, 10**6), (1, 1)])
+def test_a_load_row_is_a_guard_reported_without_a_verdict(
+        report: dict[str, Any], json_rate: int, sqlite_rate: int) -> None:
     judged = _judged(report, load__0__json_events_per_s=json_rate,
                      load__0__sqlite_replay_events_per_s=sqlite_rate)
-    assert judged["load"][0]["verdict"] == verdict
+    assert judged["load"][0]["verdict"] == "reported"
 
 
 def test_the_other_targets(report: dict[str, Any]) -> None:
@@ -238,7 +239,7 @@ def test_the_markdown_table_shows_each_verdict(report: dict[str, Any]) -> None:
     assert "| idle run in memory | 4000 B beyond payloads | <= 2 KB beyond payloads: " \
         "**missed** |" in table
     assert f"| `{next(iter(COMMANDS))}` |" in table
-    assert "faster than transitions: **met** |" in table
+    assert "DESIGN §7.9): **reported** |" in table  # a guard: its ratios, no verdict
     assert "| the bench itself |" in table
 
 
