@@ -290,20 +290,36 @@ def _langgraph_turns(folder: Path, turns: int) -> tuple[float, float]:
 
 
 def langgraph_row(args: Any = None) -> dict[str, Any]:
+    """The durable turn beside LangGraph's: through the openai-agents adapter (our
+    `SQLiteSession` in the store's file; DESIGN §7.9's target) and through the reference
+    runner. ImportError without LangGraph; the adapter's ratio is None without
+    openai-agents."""
     turns = _turns(args)
     with tempfile.TemporaryDirectory() as folder:
         theirs_s, theirs_commits = _langgraph_turns(Path(folder), turns)
         ours = _sqlite(Path(folder), MODES[-1], turns)
-    ratio = ours["turn_ms"] / (theirs_s * 1000)
+        adapter: dict[str, Any] | None = None
+        with contextlib.suppress(ImportError):
+            place = Path(folder) / "openai-agents"
+            place.mkdir()
+            adapter = _openai_turns(place, OPENAI_MODES[-1], turns)
+    theirs_ms = theirs_s * 1000
+    ratio = ours["turn_ms"] / theirs_ms
+    through = None if adapter is None else adapter["turn_ms"] / theirs_ms
+    judged = through if through is not None else ratio
+    adapter_text = ("" if adapter is None else
+                    f"the openai-agents adapter {adapter['turn_ms']} ms and "
+                    f"{adapter['writes_per_turn']} commits ({through:.2f}x); ")
     return {
-        "summary": f"ours {ours['turn_ms']} ms and {ours['writes_per_turn']} commits per "
-                   f"turn, never re-running the tool; LangGraph {theirs_s * 1000:.2f} ms "
-                   f"and {theirs_commits:.1f} commits, re-running it after a crash: "
-                   f"{ratio:.2f}x its time",
-        "ratio": round(ratio, 2), "turns": turns,
-        "target": f"<= {LANGGRAPH_RATIO}x LangGraph's time (the reference runner; DESIGN "
-                  "§7.9 asks it of the openai-agents adapter)",
-        "verdict": "met" if ratio <= LANGGRAPH_RATIO else "missed"}
+        "summary": f"{adapter_text}the reference runner {ours['turn_ms']} ms and "
+                   f"{ours['writes_per_turn']} commits ({ratio:.2f}x), never re-running the "
+                   f"tool; LangGraph {theirs_ms:.2f} ms and {theirs_commits:.1f} commits, "
+                   "re-running it after a crash",
+        "ratio": round(judged, 2), "reference_runner_ratio": round(ratio, 2),
+        "turns": turns,
+        "target": f"<= {LANGGRAPH_RATIO}x LangGraph's time, through the openai-agents "
+                  "adapter (the reference runner's when openai-agents is missing)",
+        "verdict": "met" if judged <= LANGGRAPH_RATIO else "missed"}
 
 
 # ------------------------------------------------------------------ through pydantic-ai
