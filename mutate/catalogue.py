@@ -206,7 +206,8 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     # sync.py is generated from aio.py and not regenerated for a mutant: only the async
     # store and Session run one planted in aio.py
     "statemachine/postgres/aio.py": (*_POSTGRES,
-                                     "tests/storage/test_postgres_group_commit.py"),
+                                     "tests/storage/test_postgres_group_commit.py",
+                                     "tests/storage/test_group_commit.py"),
     "statemachine/runner/loop.py": _RUNNER,
     "statemachine/runner/attempt.py": (*_RUNNER, "tests/storage/test_leases.py"),
     "statemachine/runner/publish.py": (*_RUNNER, "tests/storage/test_leases.py"),

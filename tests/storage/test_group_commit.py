@@ -28,6 +28,7 @@ import pytest
 from statemachine import ConcurrencyConflict, LeaseHeld, RunController, ToolCall
 from statemachine import events as ev
 from statemachine.errors import StorageError
+from statemachine.postgres import AsyncPostgresEventStore
 from statemachine.stores import AsyncSQLiteEventStore, SQLiteEventStore
 from statemachine.testing.invariants import check_log
 from tests.drivers.crash_driver import Ticks, append_line
@@ -106,6 +107,38 @@ def _sqlite(tmp_path: Path, **options: Any) -> AsyncSQLiteEventStore:
     return AsyncSQLiteEventStore(tmp_path / "events.db", **options)
 
 
+def _pg(pg_dsn: str, pg_schema: str, **options: Any) -> AsyncPostgresEventStore:
+    return AsyncPostgresEventStore(pg_dsn, schema=pg_schema, **options)
+
+
+@contextlib.asynccontextmanager
+async def _hold_pg(store: AsyncPostgresEventStore) -> AsyncIterator[None]:
+    """Hold the PostgreSQL store's lock in the body, so every append made there waits,
+    and the waiting ones are taken as one group when it is let go."""
+    async with store._lock:
+        yield
+        await asyncio.sleep(0.05)  # every append of the body is queued by now
+
+
+class Grouped:
+    """An async store that group-commits, and how to hold it while appends queue."""
+
+    def __init__(self, open_store: Callable[[], Any],
+                 hold: Callable[[Any], contextlib.AbstractAsyncContextManager[None]]) -> None:
+        self.open = open_store
+        self.hold = hold
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def grouped(request: pytest.FixtureRequest, tmp_path: Path) -> Grouped:
+    """The tests both stores must pass: the async SQLite store, the async PostgreSQL
+    store (its own tests: ``test_postgres_group_commit.py``)."""
+    if request.param == "sqlite":
+        return Grouped(lambda: _sqlite(tmp_path), _hold)
+    dsn, schema = request.getfixturevalue("pg_dsn"), request.getfixturevalue("pg_schema")
+    return Grouped(lambda: _pg(dsn, schema), _hold_pg)
+
+
 # ------------------------------------------------------------ (a) fewer commits
 
 
@@ -134,11 +167,11 @@ def test_64_concurrent_runs_land_in_far_fewer_commits_than_appends(tmp_path: Pat
     assert all(c.version == 2 + 2 * TOOLS + 2 for c in controllers)
 
 
-def test_two_appends_of_one_run_in_one_group_behave_as_if_serialized(tmp_path: Path) -> None:
+def test_two_appends_of_one_run_in_one_group_behave_as_if_serialized(grouped: Grouped) -> None:
     # the second sees the first's rows; a refused first leaves the second checked against
     # what is really there
     async def go() -> None:
-        store = _sqlite(tmp_path)
+        store = grouped.open()
         recorded = RunController.start(run_id="r", session_id=None)  # in memory
         recorded.begin_model_call()
         recorded.model_responded([ToolCall("t1", "echo", {}), ToolCall("t2", "echo", {})])
@@ -147,7 +180,7 @@ def test_two_appends_of_one_run_in_one_group_behave_as_if_serialized(tmp_path: P
         events = list(recorded.events)
         assert len(events) == 5
         before = store.commits
-        async with _hold(store):
+        async with grouped.hold(store):
             calls = [store.append("r", events[:2], 0), store.append("r", events[2:], 2)]
             first, second = [asyncio.ensure_future(c) for c in calls]
         assert await _outcomes([first, second]) == [None, None]
@@ -157,7 +190,7 @@ def test_two_appends_of_one_run_in_one_group_behave_as_if_serialized(tmp_path: P
         recorded.begin_tool("t2")
         more = list(recorded.events)[5:]
         before = store.commits
-        async with _hold(store):
+        async with grouped.hold(store):
             stale = asyncio.ensure_future(store.append("r", events[2:], 2))
             right = asyncio.ensure_future(store.append("r", more, 5))
             again = asyncio.ensure_future(store.append("r", more, 5))  # now behind
@@ -176,9 +209,9 @@ def test_two_appends_of_one_run_in_one_group_behave_as_if_serialized(tmp_path: P
 # ----------------------------------------------- (b), (c) one run's refusal is its own
 
 
-def test_a_version_conflict_in_one_group_fails_only_that_runs_append(tmp_path: Path) -> None:
+def test_a_version_conflict_in_one_group_fails_only_that_runs_append(grouped: Grouped) -> None:
     async def go() -> None:
-        store = _sqlite(tmp_path)
+        store = grouped.open()
         run_ids = [f"run-{i}" for i in range(8)]
         controllers = await _paused(store, run_ids)
         # another controller moves run-3's log: run-3's controller is now behind
@@ -187,7 +220,7 @@ def test_a_version_conflict_in_one_group_fails_only_that_runs_append(tmp_path: P
         await rival.flush_async()
         moved = list(await store.load("run-3"))
         before = store.commits
-        async with _hold(store):
+        async with grouped.hold(store):
             flushes = [asyncio.ensure_future(c.flush_async()) for c in controllers]
         outcomes = await _outcomes(flushes)
         assert store.commits == before + 1  # one group
@@ -205,9 +238,9 @@ def test_a_version_conflict_in_one_group_fails_only_that_runs_append(tmp_path: P
     asyncio.run(go())
 
 
-def test_a_lease_refusal_in_one_group_fails_only_that_runs_append(tmp_path: Path) -> None:
+def test_a_lease_refusal_in_one_group_fails_only_that_runs_append(grouped: Grouped) -> None:
     async def go() -> None:
-        store = _sqlite(tmp_path)
+        store = grouped.open()
         run_ids = [f"run-{i}" for i in range(8)]
         controllers = await _paused(store, run_ids)
         holder = await RunController.load_async(store, "run-5")
@@ -220,7 +253,7 @@ def test_a_lease_refusal_in_one_group_fails_only_that_runs_append(tmp_path: Path
             c.claim("worker-b", lease=30)
             claims.append(c)
         before = store.commits
-        async with _hold(store):
+        async with grouped.hold(store):
             flushes = [asyncio.ensure_future(c.flush_async()) for c in claims]
         outcomes = await _outcomes(flushes)
         assert store.commits == before + 1

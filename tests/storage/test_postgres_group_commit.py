@@ -15,20 +15,19 @@ that all of them are one group: the store's ``commits`` then moves by exactly on
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import random
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 
-from statemachine import ConcurrencyConflict, LeaseHeld, RunController, ToolCall, codec
+from statemachine import ConcurrencyConflict, RunController, codec
 from statemachine import events as ev
 from statemachine.errors import StorageError
 from statemachine.postgres import AsyncPostgresEventStore, AsyncPostgresSession, PostgresEventStore
@@ -36,7 +35,17 @@ from statemachine.stores import SessionWrite
 from statemachine.testing.invariants import check_log
 from tests.drivers.crash_driver import Ticks, append_line
 from tests.drivers.durability_driver import run_forked
-from tests.storage.test_group_commit import FLUSHES, RUNS, TOOLS, _drive, _lines, _outcomes, _paused
+from tests.storage.test_group_commit import (
+    FLUSHES,
+    RUNS,
+    TOOLS,
+    _drive,
+    _lines,
+    _outcomes,
+    _paused,
+    _pg,
+)
+from tests.storage.test_group_commit import _hold_pg as _hold
 from tests.storage.test_postgres import _admin, _Proxy
 
 pytestmark = pytest.mark.postgres
@@ -47,19 +56,6 @@ def proxy(pg_dsn: str) -> Iterator[_Proxy]:
     opened = _Proxy(pg_dsn)
     yield opened
     opened.close()
-
-
-def _pg(pg_dsn: str, pg_schema: str, **options: Any) -> AsyncPostgresEventStore:
-    return AsyncPostgresEventStore(pg_dsn, schema=pg_schema, **options)
-
-
-@contextlib.asynccontextmanager
-async def _hold(store: AsyncPostgresEventStore) -> AsyncIterator[None]:
-    """Hold the store's lock in the body, so every append made there waits, and the
-    waiting ones are taken as one group when it is let go."""
-    async with store._lock:
-        yield
-        await asyncio.sleep(0.05)  # every append of the body is queued by now
 
 
 def _xact_commits(dsn: str) -> int:
@@ -121,45 +117,6 @@ def test_64_concurrent_runs_land_in_far_fewer_commits_than_appends(pg_dsn: str,
     assert grouped <= grouped_counted <= grouped + 20
 
 
-def test_two_appends_of_one_run_in_one_group_behave_as_if_serialized(
-        pg_dsn: str, pg_schema: str) -> None:
-    async def go() -> None:
-        store = _pg(pg_dsn, pg_schema)
-        recorded = RunController.start(run_id="r", session_id=None)  # in memory
-        recorded.begin_model_call()
-        recorded.model_responded([ToolCall("t1", "echo", {}), ToolCall("t2", "echo", {})])
-        recorded.begin_tool("t1")
-        recorded.tool_completed("t1", "one")
-        events = list(recorded.events)
-        await store.version("r")
-        before = store.commits
-        async with _hold(store):
-            first = asyncio.ensure_future(store.append("r", events[:2], 0))
-            second = asyncio.ensure_future(store.append("r", events[2:], 2))
-        assert await _outcomes([first, second]) == [None, None]
-        assert store.commits == before + 1
-        assert await store.load("r") == events
-        # a stale append first (expects 2, the log is at 5), then the right one, then
-        # the right one again (now behind)
-        recorded.begin_tool("t2")
-        more = list(recorded.events)[5:]
-        before = store.commits
-        async with _hold(store):
-            stale = asyncio.ensure_future(store.append("r", events[2:], 2))
-            right = asyncio.ensure_future(store.append("r", more, 5))
-            again = asyncio.ensure_future(store.append("r", more, 5))
-        stale_error, landed, behind = await _outcomes([stale, right, again])
-        assert isinstance(stale_error, ConcurrencyConflict)
-        assert landed is None
-        assert isinstance(behind, ConcurrencyConflict)
-        assert store.commits == before + 1
-        assert await store.load("r") == list(recorded.events)
-        check_log(await store.load("r"))
-        await store.close()
-
-    asyncio.run(go())
-
-
 def test_without_group_commit_each_append_is_its_own_transaction(pg_dsn: str,
                                                                  pg_schema: str) -> None:
     async def go() -> None:
@@ -176,70 +133,6 @@ def test_without_group_commit_each_append_is_its_own_transaction(pg_dsn: str,
 
 
 # ----------------------------------------------- (b), (c) one run's refusal is its own
-
-
-def test_a_version_conflict_in_one_group_fails_only_that_runs_append(
-        pg_dsn: str, pg_schema: str) -> None:
-    async def go() -> None:
-        store = _pg(pg_dsn, pg_schema)
-        run_ids = [f"run-{i}" for i in range(8)]
-        controllers = await _paused(store, run_ids)
-        # another controller moves run-3's log: run-3's controller is now behind
-        rival = await RunController.load_async(store, "run-3")
-        rival.claim("rival")
-        await rival.flush_async()
-        moved = list(await store.load("run-3"))
-        before = store.commits
-        async with _hold(store):
-            flushes = [asyncio.ensure_future(c.flush_async()) for c in controllers]
-        outcomes = await _outcomes(flushes)
-        assert store.commits == before + 1  # one group
-        for run_id, c, outcome in zip(run_ids, controllers, outcomes, strict=True):
-            if run_id == "run-3":
-                assert type(outcome) is ConcurrencyConflict
-                assert outcome.run_id == "run-3"
-                assert await store.load(run_id) == moved  # nothing of it landed
-            else:
-                assert outcome is None
-                assert await store.load(run_id) == list(c.events)
-        await store.close()
-
-    asyncio.run(go())
-
-
-def test_a_lease_refusal_in_one_group_fails_only_that_runs_append(
-        pg_dsn: str, pg_schema: str) -> None:
-    async def go() -> None:
-        store = _pg(pg_dsn, pg_schema)
-        run_ids = [f"run-{i}" for i in range(8)]
-        await _paused(store, run_ids)
-        holder = await RunController.load_async(store, "run-5")
-        holder.claim("worker-a", lease=30)
-        await holder.flush_async()
-        held = list(await store.load("run-5"))
-        claims = []
-        for run_id in run_ids:  # every run claimed by worker-b, in one group
-            c = await RunController.load_async(store, run_id)
-            c.claim("worker-b", lease=30)
-            claims.append(c)
-        before = store.commits
-        async with _hold(store):
-            flushes = [asyncio.ensure_future(c.flush_async()) for c in claims]
-        outcomes = await _outcomes(flushes)
-        assert store.commits == before + 1
-        for run_id, c, outcome in zip(run_ids, claims, outcomes, strict=True):
-            if run_id == "run-5":
-                assert isinstance(outcome, LeaseHeld)
-                assert (outcome.owner, outcome.run_id) == ("worker-a", "run-5")
-                assert await store.load(run_id) == held
-            else:
-                assert outcome is None
-                assert await store.load(run_id) == list(c.events)
-        heads = {h.run_id: h.lease_owner for h in await store.list_runs()}
-        assert heads == {r: "worker-a" if r == "run-5" else "worker-b" for r in run_ids}
-        await store.close()
-
-    asyncio.run(go())
 
 
 def test_two_stores_groups_over_the_same_runs_never_deadlock(pg_dsn: str,
