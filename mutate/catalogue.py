@@ -157,7 +157,7 @@ _VERIFIERS_OA = ("tests/adapters/test_openai_agents_verifiers.py::"
                  "test_a_verifier_of_a_tool_a_handoff_reaches_is_taken",
                  "tests/adapters/test_openai_agents_verifiers.py::"
                  "test_a_kill_around_the_charge_ends_with_one_charge_or_in_doubt"
-                 "[after-charge-True]")
+                 "[after-return-True]")
 _VERIFIERS_PD = ("tests/adapters/test_pydantic_ai_verifiers.py::"
                  "test_tool_context_inside_sync_async_and_threaded_bodies",
                  "tests/adapters/test_pydantic_ai_verifiers.py::"
@@ -166,7 +166,7 @@ _VERIFIERS_PD = ("tests/adapters/test_pydantic_ai_verifiers.py::"
                  "test_a_verifier_of_a_tool_of_a_toolset_is_taken",
                  "tests/adapters/test_pydantic_ai_verifiers.py::"
                  "test_a_kill_around_the_charge_ends_with_one_charge_or_in_doubt"
-                 "[after-charge-True]")
+                 "[after-return-True]")
 _VERIFIERS_AN = ("tests/adapters/test_anthropic_verifiers.py::"
                  "test_tool_context_inside_the_session_runners_bodies",
                  "tests/adapters/test_anthropic_verifiers.py::"
@@ -179,7 +179,7 @@ _VERIFIERS_AN = ("tests/adapters/test_anthropic_verifiers.py::"
                  "test_a_verifier_it_cannot_use_is_refused_at_open",
                  "tests/adapters/test_anthropic_verifiers.py::"
                  "test_a_kill_around_the_charge_ends_with_one_charge_or_in_doubt"
-                 "[anthropic-session-c1-after-charge-True]")
+                 "[anthropic-session-c1-after-return-True]")
 """The adapters' tool_context() and verifiers, fastest first (the in-process tests and one
 kill -9 row each; every row runs in `just test`): ahead of each adapter's long files, so a
 mutant of this code is killed well within its time."""
@@ -1497,6 +1497,9 @@ CATALOGUE: tuple[Mutant, ...] = (
                "                block = execute(use)",
        "            if True:  # tool_context() in the body\n                block = execute(use)",
        "a messages ledger's sync tool body runs without its call's tool_context"),
+    _m("AN28", "        self.controller.fence()\n        reply = resource.create(**params)",
+       "        reply = resource.create(**params)",
+       "a superseded messages ledger still asks the model (no fence before the request)"),
     _m("AN26", "            with running(context_of(c, call_id)):  # tool_context() in the body\n"
                "                block = await execute(use)",
        "            if True:  # tool_context() in the body\n"

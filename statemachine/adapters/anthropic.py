@@ -936,10 +936,15 @@ class MessageToolLedger:
         request gets its recorded final reply, nothing sent (``replayed``)."""
         messages = list(params.get("messages") or ())
         recorded = self._recorded(messages, stream=bool(params.get("stream")))
-        self.controller.flush()  # an effect boundary (or the recorded end made durable)
         if recorded is not None:
+            self.controller.flush()  # the recorded end made durable
             return _reply(recorded)
         self._before_request(messages)
+        # a model call needs no flush of its own (DESIGN §7.7): a crash before its reply
+        # asks the model again, and the results the request carries ride with the next
+        # write (lost with it, their calls are in doubt, never run again); this ledger
+        # must still hold the run, though (one read, no write)
+        self.controller.fence()
         reply = resource.create(**params)
         if self._after_reply(messages, reply):
             self.controller.flush()  # the end of the conversation is durable
@@ -949,10 +954,11 @@ class MessageToolLedger:
         """`create` for an async client."""
         messages = list(params.get("messages") or ())
         recorded = self._recorded(messages, stream=bool(params.get("stream")))
-        await self.controller.flush_async()
         if recorded is not None:
+            await self.controller.flush_async()
             return _reply(recorded)
         self._before_request(messages)
+        await self.controller.fence_async()  # (no flush before a model call: `create`)
         reply = await resource.create(**params)
         if self._after_reply(messages, reply):
             await self.controller.flush_async()

@@ -47,6 +47,7 @@ from anthropic.lib.environments import SessionToolRunner
 from anthropic.lib.tools import beta_async_tool, beta_tool
 
 from statemachine import (
+    ConcurrencyConflict,
     InvalidTransition,
     MemoryEventStore,
     Phase,
@@ -484,6 +485,37 @@ def test_a_restarted_loop_answers_a_finished_call_from_the_store(tmp_path: Path,
             second.run_tools(reply)
     else:
         assert second.run_tools(reply) == answered
+    assert effects.lines() == ["p charge 7"]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_superseded_messages_ledger_sends_no_request(tmp_path: Path,
+                                                       asynchronous: bool) -> None:
+    """A request needs no flush of its own (DESIGN §7.7), but the ledger must still hold
+    the run: once another process claimed it, the first ledger's next request is refused
+    (`ConcurrencyConflict`) before anything is sent."""
+    effects = Effects(tmp_path, "p")
+    model = FakeModel()
+    store = SQLiteEventStore(tmp_path / "events.db")
+    tools = [sync_charge(effects)]
+    first = MessageToolLedger.open("m", tools, store=store, owner="first")
+    reply = first.create(model.client().messages, model="claude-test", max_tokens=64,
+                         messages=[{"role": "user", "content": "pay 7"}])
+    answered = first.run_tools(reply)  # the tool's start was flushed: the run exists
+    MessageToolLedger.open("m", tools, store=SQLiteEventStore(tmp_path / "events.db"),
+                           owner="second")  # claims it
+    request = [{"role": "user", "content": "pay 7"},
+               {"role": "assistant", "content": reply.content}, answered]
+    params: dict[str, Any] = {"model": "claude-test", "max_tokens": 64, "messages": request}
+    if asynchronous:
+        client = AsyncAnthropic(api_key="test-key", max_retries=0, http_client=httpx2.AsyncClient(
+            transport=httpx2.MockTransport(model.handle)))
+        with pytest.raises(ConcurrencyConflict):
+            asyncio.run(first.acreate(client.messages, **params))
+    else:
+        with pytest.raises(ConcurrencyConflict):
+            first.create(model.client().messages, **params)
+    assert len(model.requests) == 1  # the second request was never sent
     assert effects.lines() == ["p charge 7"]
 
 

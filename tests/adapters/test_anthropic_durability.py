@@ -181,8 +181,13 @@ def test_the_boundary_test_catches_a_ledger_that_skips_the_flush_before_a_tool(
     folder.mkdir()
     result = driver.fork(folder, scenario, "buffered", None, broken=True)
     assert result is not None
-    assert [line.split(" ran ")[0] for line in driver.violations(folder)] == [
-        "tool tu_pay", "tool tu_lookup"]
+    noted = [line.split(" ran ")[0] for line in driver.violations(folder)]
+    # (a messages loop's request makes nothing durable of its own: with no durable start,
+    # it also carries the results of calls the log does not hold)
+    carried = ["the result of tu_pay was sent with its call None",
+               "the result of tu_lookup was sent with its call None"]
+    assert noted == ["tool tu_pay", "tool tu_lookup",
+                     *(carried if scenario == "messages" else [])]
     inside = result["ticks"].index("effect tool pay") + 1
     folder = kill_root / f"broken-{scenario}"
     folder.mkdir()
