@@ -125,12 +125,7 @@ class TickingStore(SQLiteEventStore):
         self.ticks(f"flush-before {_names(events)}")
         if session_write is not None:  # the Session's writes, in this append
             if self.checker is not None:
-                # each write's batch is staged by the events before its own commit
-                commits = [i for i, e in enumerate(events)
-                           if type(e).__name__ == "PublicationCommitted"]
-                writes = session_writes(session_write)
-                for write, at in zip(writes, commits[-len(writes):], strict=True):
-                    self.checker.write(list(write.items), events[:at])
+                self.checker.riding(session_write, events)
             options["session_write"] = session_write
         super().append(run_id, events, expected_version, **options)
         self.ticks(f"flush-after {_names(events)}")
@@ -173,6 +168,16 @@ class Checker:
     def model(self) -> None:
         """A model call needs no durable record first (DESIGN §7.7): a crash before its
         response calls the model again, which no invariant forbids; nothing is checked."""
+
+    def riding(self, session_write: SessionWrite | tuple[SessionWrite, ...],
+               events: Sequence[Event]) -> None:
+        """`write` for each Session write an append carries with ``events``: its batch is
+        staged by the durable log and the events before its own commit event."""
+        commits = [i for i, e in enumerate(events)
+                   if type(e).__name__ == "PublicationCommitted"]
+        writes = session_writes(session_write)
+        for write, at in zip(writes, commits[-len(writes):], strict=True):
+            self.write(list(write.items), events[:at])
 
     def write(self, items: list[JSON], landing: Sequence[Event] = ()) -> None:
         """The batch is staged (or reconciled) with exactly ``items``, its attempt open,

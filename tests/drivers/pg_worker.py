@@ -203,7 +203,7 @@ class TickingPostgresStore(PostgresEventStore):
                                    "read_model": read_model}
         if session_write is not None:  # the Session write: its envelope must be durable,
             # or land in this very transaction (DESIGN §7.7)
-            self.checker.write(list(session_write.items), events)
+            self.checker.riding(session_write, events)
             options["session_write"] = session_write
         super().append(run_id, events, expected_version, **options)
         self.ticks(f"flush-after {names}")
