@@ -98,7 +98,7 @@ def _same_session(controller: RunController, session: Session, action: str) -> N
 
 
 async def run_history(controller: RunController, session: Session,
-                  limit: int | None = None) -> list[JSON]:
+                      limit: int | None = None) -> list[JSON]:
     """The run's Session as the run sees it: what ``session`` holds, then the items of
     the publications that ride with the controller's next flush (`riding_items`: they are
     committed in the run and land with its next append); the last ``limit`` of them.
