@@ -197,6 +197,86 @@ def test_parallel_interrupts_in_one_toolnode_rerun_an_approved_call_alone(
     assert [call_id for call_id, _ in _tool_messages(result)] == ["a", "b"]
 
 
+LOOP = [[("charge", {"amount": n}, f"c{n}")] for n in (1, 2, 3)] + ["done"]
+
+
+def _loop_graph(path: Path, checkpointer: Any, ledger: ToolLedger | None = None) -> Any:
+    """One node that is the whole agent loop (model, approval, tools, again), as users
+    write it around ``interrupt()``: each turn's calls are approved inside the loop,
+    then run. Without ``ledger``: LangGraph's interrupt and ToolNode; with it: the
+    ledger's review and tool node, called from the same loop."""
+    model = ScriptedModel(script=LOOP)
+    tools = make_tools(path)
+    node = ToolNode(tools) if ledger is None else ledger.tool_node(tools)
+
+    def agent(state: MessagesState) -> dict[str, Any]:
+        messages = list(state["messages"])
+        start = len(messages)
+        while True:
+            reply = model.invoke(messages)
+            messages.append(reply)
+            if not isinstance(reply, AIMessage) or not reply.tool_calls:
+                return {"messages": messages[start:]}
+            if ledger is None:
+                decisions = interrupt({"calls": [call["id"] for call in reply.tool_calls]})
+                assert set(decisions.values()) == {"approve"}
+            else:
+                ledger.review({"messages": messages})
+            messages.extend(node.invoke({"messages": messages})["messages"])
+
+    builder: Any = StateGraph(MessagesState)
+    builder.add_node("agent", agent)
+    builder.add_edge(START, "agent")
+    builder.add_edge("agent", END)
+    return builder.compile(checkpointer=checkpointer)
+
+
+@pytest.mark.invariant("I1")
+def test_interrupts_in_a_loop_rerun_every_earlier_approved_call_alone(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """langgraph #7780, "interrupt() in a loop will cause extra resumes": a node that
+    calls ``interrupt()`` inside a loop is run again from its start on every resume, each
+    earlier ``interrupt()`` answered with its recorded value, so whatever the loop did
+    after the earlier answers is done again (measured on langgraph 1.2.x: still so). With
+    a tool call after each approval, LangGraph alone runs the k-th of n approved calls
+    n - k + 1 times (three approvals, three calls: 1 + 2 + 3 = 6 charges). What should
+    happen: each approved call runs once (3). Through the ledger, the same loop's earlier
+    calls answer from the record by their ids (their ToolMessages the same), and the
+    review of an earlier turn finds its calls decided and asks nothing (the resume values
+    LangGraph replays to the later interrupts name calls already decided the same way:
+    nothing new is recorded)."""
+    alone = tmp_path / "alone.txt"
+    graph = _loop_graph(alone, InMemorySaver())
+    result = graph.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    asked = 0
+    while result.get("__interrupt__"):
+        (pending,) = result["__interrupt__"]
+        asked += 1
+        result = graph.invoke(Command(resume=dict.fromkeys(pending.value["calls"],
+                                                           "approve")), CONFIG)
+    assert asked == 3
+    assert effects(alone) == ["charge 1", "charge 1", "charge 2",
+                              "charge 1", "charge 2", "charge 3"]
+    assert result["messages"][-1].content == "done"
+
+    through = tmp_path / "ledger.txt"
+    ledger = ToolLedger(store, approvals=["charge"])
+    graph = _loop_graph(through, OneWriterSaver(InMemorySaver()), ledger)
+    result = graph.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    shown = []
+    while result.get("__interrupt__"):
+        prints = _pending(result)
+        shown.append(sorted(prints))
+        result = graph.invoke(Command(resume={
+            call_id: decision("approve", fingerprint)
+            for call_id, fingerprint in prints.items()}), CONFIG)
+    assert shown == [["c1"], ["c2"], ["c3"]]  # each call asked about once
+    assert effects(through) == ["charge 1", "charge 2", "charge 3"]
+    assert _tool_messages(result) == [("c1", "charged 1"), ("c2", "charged 2"),
+                                      ("c3", "charged 3")]
+    assert result["messages"][-1].content == "done"
+
+
 def _tools_state(calls: list[tuple[str, dict[str, Any], str]]) -> dict[str, Any]:
     reply = AIMessage(content="", tool_calls=[
         {"name": name, "args": args, "id": call_id, "type": "tool_call"}
