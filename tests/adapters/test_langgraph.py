@@ -14,7 +14,7 @@ import asyncio
 import os
 import sqlite3
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -708,3 +708,78 @@ class _Unknown(InMemorySaver):
 
 
 SCRIPT_ONE: list[Any] = [[("charge", {"amount": 7}, "call-charge")], "done"]
+
+
+class _CommitThenFail:
+    """Wraps a PostgresSaver: the ``COMMIT`` that ends the transaction of the first
+    checkpoint holding a ToolMessage lands, then raises, as a connection lost before the
+    server's answer would."""
+
+    def __init__(self, saver: Any) -> None:
+        self.armed, self.failing = True, False
+        self.put, self.execute = saver.put, saver.conn.execute
+        saver.put, saver.conn.execute = self.putting, self.executing
+
+    def putting(self, config: Any, checkpoint: Any, metadata: Any, versions: Any) -> Any:
+        messages = checkpoint["channel_values"].get("messages") or []
+        if self.armed and any(isinstance(m, ToolMessage) for m in messages):
+            self.armed, self.failing = False, True
+        return self.put(config, checkpoint, metadata, versions)
+
+    def executing(self, query: Any, *args: Any, **options: Any) -> Any:
+        done = self.execute(query, *args, **options)
+        if self.failing and query == "COMMIT":
+            self.failing = False
+            raise OSError("injected: the commit's answer was lost")
+        return done
+
+
+@pytest.mark.postgres
+@pytest.mark.invariant("I1", "I6", "I12")
+@pytest.mark.parametrize("landed", [True, False], ids=["committed-then-raised",
+                                                       "not-landed"])
+def test_a_failed_checkpoint_write_on_postgres_saver_is_reconciled_by_the_next_write(
+        tmp_path: Path, store: SQLiteEventStore, pg_dsn: str, pg_schema: str,
+        landed: bool) -> None:
+    """The same on LangGraph's PostgresSaver, whose write (the check and the put in one
+    transaction, under a lock on the thread) fails before its commit (rolled back: not
+    landed) or after it (the commit landed, its answer lost). The next write reconciles
+    it: written again, the result answered from the ledger, or acknowledged. The tool
+    runs once; the thread's checkpoints hold its result once."""
+    from psycopg_pool import ConnectionPool
+
+    from tests.drivers.langgraph_driver import postgres_saver
+
+    path = tmp_path / "effects.txt"
+    ledger = ToolLedger(store)
+    inner = postgres_saver(pg_dsn, pg_schema)
+    if landed:
+        _CommitThenFail(inner)
+    else:
+        _FailingPut(inner, landed=False)
+    saver = OneWriterSaver(inner, ledger=ledger)
+    graph = build("ledger", make_tools(path), ScriptedModel(script=SCRIPT_ONE), saver,
+                  ledger=ledger)
+    with pytest.raises(OSError, match="injected"):
+        graph.invoke({"messages": [HumanMessage("go")]}, CONFIG, durability="sync")
+    assert ToolLedger(store).controller(RUN).step is Step.UNSETTLED
+    result = graph.invoke(None, CONFIG, durability="sync")
+    assert result["messages"][-1].content == "done"
+    assert effects(path) == ["charge 7"]
+    assert [m.tool_call_id for m in result["messages"] if isinstance(m, ToolMessage)] == [
+        "call-charge"]
+    c = ToolLedger(store).controller(RUN)
+    kinds = [type(event).__name__ for event in c.events
+             if "Publication" in type(event).__name__ or "Reconciled" in type(event).__name__]
+    assert kinds == (["PublicationStaged", "PublicationFailed", "ReconciledAcknowledge"]
+                     if landed else ["PublicationStaged", "PublicationFailed",
+                                     "ReconciledAppend", "PublicationCommitted"])
+    assert c.phase("call-charge") is Phase.PUBLISHED
+    assert inner.conn.info.transaction_status.name == "IDLE"
+
+    from langgraph.checkpoint.postgres import PostgresSaver
+
+    with ConnectionPool(pg_dsn, open=True, min_size=1, max_size=1) as pool, \
+            pytest.raises(UnsupportedFeature, match="PostgresSaver on one psycopg") as no:
+        OneWriterSaver(PostgresSaver(cast("Any", pool)), ledger=ToolLedger(store))
+    assert no.value.feature == "publications on this checkpointer"
