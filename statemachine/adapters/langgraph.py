@@ -1,7 +1,7 @@
 """LangGraph and LangChain agents (PyPI ``langgraph``, ``langchain``) with the control
 core's tool ledger underneath (DESIGN §2.4, §6.8, §7.4). Install with
 ``pip install 'agent-statemachine[langgraph]'`` (tested on langgraph 1.2.x,
-langchain 1.5.x, langgraph-checkpoint-sqlite 3.1.x).
+langchain 1.5.x, langgraph-checkpoint-sqlite 3.1.x, langgraph-checkpoint-postgres 3.2.x).
 
 Theory of operation
 -------------------
@@ -39,7 +39,10 @@ or `LedgerMiddleware.after_model`  named in ``approvals``: each pending call is 
                                    CLI) are honoured on the next resume
 `OneWriterSaver(saver)`            a checkpoint ``put`` whose parent is not the thread's
                                    latest checkpoint is refused (`ConcurrencyConflict`): of
-                                   two resumers of one checkpoint one goes on. With
+                                   two resumers of one checkpoint one goes on (across
+                                   processes on ``SqliteSaver``, its write lock, and on
+                                   ``PostgresSaver`` on one connection, an advisory lock
+                                   on the thread in the write's transaction). With
                                    ``ledger=``, the ``put`` that adds a batch's
                                    ``ToolMessage`` items is the batch's staged publication (the
                                    graph's messages are the Session): staged durably before
@@ -76,9 +79,11 @@ messages; `ToolLedger.tool_node` builds one that lets them through. Time travel
 (resuming from a checkpoint that is not the thread's latest) is refused by
 `OneWriterSaver`; without it, the ledger still answers a completed call from
 the cache and refuses a call in doubt. Without ``OneWriterSaver(..., ledger=)`` (or on a
-checkpointer other than LangGraph's ``SqliteSaver`` and ``InMemorySaver``, refused there)
-the ledger publishes each batch's results into a private history once the next batch
-arrives (bookkeeping that settles in one append).
+checkpointer other than LangGraph's ``SqliteSaver``, ``PostgresSaver`` on one psycopg
+``Connection`` without a pipeline, and ``InMemorySaver``, refused there: a
+``PostgresSaver`` on a connection pool among them) the ledger publishes each batch's
+results into a private history once the next batch arrives (bookkeeping that settles
+in one append).
 """
 
 from __future__ import annotations
@@ -818,23 +823,30 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
     The check and the write are one step: in this process always (a lock around every
     write of the saver); across processes for LangGraph's ``SqliteSaver``, whose
     connection holds the database's write lock (``BEGIN IMMEDIATE``) from the check to
-    the write's commit. For another saver shared by several processes they are two steps,
-    and two processes can both write in the instant between them: the tool ledger is what
-    keeps their tools at most once there."""
+    the write's commit, and for its ``PostgresSaver`` on one psycopg ``Connection`` in
+    autocommit mode without a pipeline (what ``PostgresSaver.from_conn_string`` makes):
+    the check and the write run in one transaction that first takes a transaction-level
+    advisory lock on the thread and namespace (``pg_advisory_xact_lock``), so a second
+    writer of the thread waits for the first one's commit and then finds the thread
+    moved on. For another saver shared by several processes (a ``PostgresSaver`` on a
+    connection pool or a pipeline among them) they are two steps, and two processes can
+    both write in the instant between them: the tool ledger is what keeps their tools at
+    most once there."""
 
     def __init__(self, saver: BaseCheckpointSaver,  # type: ignore[type-arg]
                  *, ledger: ToolLedger | None = None) -> None:
         super().__init__(serde=saver.serde)
         self.saver = saver
         self._lock = threading.Lock()
-        if ledger is not None and self._sqlite() is None and (
+        if ledger is not None and self._sqlite() is None and self._postgres() is None and (
                 type(saver) is not InMemorySaver):
             raise UnsupportedFeature(
                 f"the checkpoint writes of a {type(saver).__name__} cannot be the ledger's "
                 "publications: only SqliteSaver (its write lock spans the check, the "
-                "staging and the write) and InMemorySaver (one process) are carried; "
-                "pass no ledger", feature="publications on this checkpointer",
-                action="open")
+                "staging and the write), PostgresSaver on one psycopg Connection without "
+                "a pipeline (a lock on the thread, in the transaction of the write) and "
+                "InMemorySaver (one process) are carried; pass no ledger",
+                feature="publications on this checkpointer", action="open")
         self.ledger = ledger
         """With a ledger, each checkpoint that adds the ``ToolMessage`` of a call whose
         result the ledger has not published is that batch's staged publication."""
@@ -859,37 +871,77 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
             return conn
         return None
 
+    def _postgres(self) -> Any:
+        """The psycopg ``Connection`` of LangGraph's ``PostgresSaver`` when the check and
+        the write can share its transaction (None for another saver, its shallow one and
+        subclasses among them, a connection pool, whose every statement may take another
+        connection, a pipeline, or a connection not in autocommit mode)."""
+        saver: Any = self.saver
+        if type(saver).__module__ != "langgraph.checkpoint.postgres":
+            return None
+        import psycopg
+        from langgraph.checkpoint.postgres import PostgresSaver
+
+        conn = getattr(saver, "conn", None)
+        if (type(saver) is PostgresSaver and isinstance(conn, psycopg.Connection)
+                and saver.pipe is None and conn.autocommit):
+            return conn
+        return None
+
     def put(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any) -> Any:
         with self._lock:
             conn = self._sqlite()
+            pg = self._postgres()
             saver: Any = self.saver
             if conn is not None:
                 with saver.cursor(transaction=False):
                     pass  # its tables exist: creating them would commit our transaction
                 with saver.lock:
                     conn.execute("BEGIN IMMEDIATE")  # the write lock, until the commit
+
+            def write(*args: Any) -> Any:
+                """The saver's put, committed: SqliteSaver's commits itself (ending
+                ``BEGIN IMMEDIATE``); PostgresSaver's ends the transaction here."""
+                written = saver.put(*args)
+                if pg is not None:
+                    with saver.lock:
+                        pg.execute("COMMIT")
+                return written
+
             try:
+                if pg is not None:
+                    configurable = config.get("configurable") or {}
+                    with saver.lock:  # a lock on the thread, until the commit or rollback
+                        pg.execute("BEGIN")
+                        pg.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+                                   (json.dumps(["langgraph", configurable.get("thread_id"),
+                                                configurable.get("checkpoint_ns", "")]),))
                 found = self.saver.get_tuple(_head(config))
                 self._check(config, None if found is None else found.checkpoint["id"])
                 if self.ledger is None:
-                    return self.saver.put(config, checkpoint, metadata, new_versions)
-                return self._publishing(config, checkpoint, metadata, new_versions, found)
+                    return write(config, checkpoint, metadata, new_versions)
+                return self._publishing(config, checkpoint, metadata, new_versions, found,
+                                        write)
             finally:
                 if conn is not None:
                     with saver.lock:
                         if conn.in_transaction:  # refused, or the put raised
                             conn.rollback()
+                elif pg is not None and pg.info.transaction_status.name != "IDLE":
+                    # refused, or it raised: the error that got here wins over this one
+                    with saver.lock, contextlib.suppress(Exception):
+                        pg.execute("ROLLBACK")
 
     def _publishing(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any,
-                    parent: Any) -> Any:
+                    parent: Any, put: Callable[..., Any]) -> Any:
         """The ``put`` of a checkpoint as the ledger's staged publication of the results
         it adds (the graph's history is the Session): staged (durable) before the write,
         committed after it, recorded failed when it raises; an earlier write left
         unsettled is reconciled first against the thread's latest messages (this runs
-        under the saver's write lock, so no other writer can still land it)."""
+        under the saver's write lock, or PostgreSQL's lock on the thread, so no other
+        writer can still land it). ``put`` is the saver's write, committed."""
         ledger = self.ledger
         assert ledger is not None
-        put = self.saver.put
         configurable = config.get("configurable") or {}
         if "|" in str(configurable.get("checkpoint_ns") or ""):
             return put(config, checkpoint, metadata, new_versions)

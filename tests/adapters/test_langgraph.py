@@ -14,7 +14,7 @@ import asyncio
 import os
 import sqlite3
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -195,6 +195,86 @@ def test_parallel_interrupts_in_one_toolnode_rerun_an_approved_call_alone(
                                           "b": decision("reject", prints["b"])}), CONFIG)
     assert effects(through) == ["charge 7"]
     assert [call_id for call_id, _ in _tool_messages(result)] == ["a", "b"]
+
+
+LOOP = [[("charge", {"amount": n}, f"c{n}")] for n in (1, 2, 3)] + ["done"]
+
+
+def _loop_graph(path: Path, checkpointer: Any, ledger: ToolLedger | None = None) -> Any:
+    """One node that is the whole agent loop (model, approval, tools, again), as users
+    write it around ``interrupt()``: each turn's calls are approved inside the loop,
+    then run. Without ``ledger``: LangGraph's interrupt and ToolNode; with it: the
+    ledger's review and tool node, called from the same loop."""
+    model = ScriptedModel(script=LOOP)
+    tools = make_tools(path)
+    node = ToolNode(tools) if ledger is None else ledger.tool_node(tools)
+
+    def agent(state: MessagesState) -> dict[str, Any]:
+        messages = list(state["messages"])
+        start = len(messages)
+        while True:
+            reply = model.invoke(messages)
+            messages.append(reply)
+            if not isinstance(reply, AIMessage) or not reply.tool_calls:
+                return {"messages": messages[start:]}
+            if ledger is None:
+                decisions = interrupt({"calls": [call["id"] for call in reply.tool_calls]})
+                assert set(decisions.values()) == {"approve"}
+            else:
+                ledger.review({"messages": messages})
+            messages.extend(node.invoke({"messages": messages})["messages"])
+
+    builder: Any = StateGraph(MessagesState)
+    builder.add_node("agent", agent)
+    builder.add_edge(START, "agent")
+    builder.add_edge("agent", END)
+    return builder.compile(checkpointer=checkpointer)
+
+
+@pytest.mark.invariant("I1")
+def test_interrupts_in_a_loop_rerun_every_earlier_approved_call_alone(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """langgraph #7780, "interrupt() in a loop will cause extra resumes": a node that
+    calls ``interrupt()`` inside a loop is run again from its start on every resume, each
+    earlier ``interrupt()`` answered with its recorded value, so whatever the loop did
+    after the earlier answers is done again (measured on langgraph 1.2.x: still so). With
+    a tool call after each approval, LangGraph alone runs the k-th of n approved calls
+    n - k + 1 times (three approvals, three calls: 1 + 2 + 3 = 6 charges). What should
+    happen: each approved call runs once (3). Through the ledger, the same loop's earlier
+    calls answer from the record by their ids (their ToolMessages the same), and the
+    review of an earlier turn finds its calls decided and asks nothing (the resume values
+    LangGraph replays to the later interrupts name calls already decided the same way:
+    nothing new is recorded)."""
+    alone = tmp_path / "alone.txt"
+    graph = _loop_graph(alone, InMemorySaver())
+    result = graph.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    asked = 0
+    while result.get("__interrupt__"):
+        (pending,) = result["__interrupt__"]
+        asked += 1
+        result = graph.invoke(Command(resume=dict.fromkeys(pending.value["calls"],
+                                                           "approve")), CONFIG)
+    assert asked == 3
+    assert effects(alone) == ["charge 1", "charge 1", "charge 2",
+                              "charge 1", "charge 2", "charge 3"]
+    assert result["messages"][-1].content == "done"
+
+    through = tmp_path / "ledger.txt"
+    ledger = ToolLedger(store, approvals=["charge"])
+    graph = _loop_graph(through, OneWriterSaver(InMemorySaver()), ledger)
+    result = graph.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    shown = []
+    while result.get("__interrupt__"):
+        prints = _pending(result)
+        shown.append(sorted(prints))
+        result = graph.invoke(Command(resume={
+            call_id: decision("approve", fingerprint)
+            for call_id, fingerprint in prints.items()}), CONFIG)
+    assert shown == [["c1"], ["c2"], ["c3"]]  # each call asked about once
+    assert effects(through) == ["charge 1", "charge 2", "charge 3"]
+    assert _tool_messages(result) == [("c1", "charged 1"), ("c2", "charged 2"),
+                                      ("c3", "charged 3")]
+    assert result["messages"][-1].content == "done"
 
 
 def _tools_state(calls: list[tuple[str, dict[str, Any], str]]) -> dict[str, Any]:
@@ -628,3 +708,78 @@ class _Unknown(InMemorySaver):
 
 
 SCRIPT_ONE: list[Any] = [[("charge", {"amount": 7}, "call-charge")], "done"]
+
+
+class _CommitThenFail:
+    """Wraps a PostgresSaver: the ``COMMIT`` that ends the transaction of the first
+    checkpoint holding a ToolMessage lands, then raises, as a connection lost before the
+    server's answer would."""
+
+    def __init__(self, saver: Any) -> None:
+        self.armed, self.failing = True, False
+        self.put, self.execute = saver.put, saver.conn.execute
+        saver.put, saver.conn.execute = self.putting, self.executing
+
+    def putting(self, config: Any, checkpoint: Any, metadata: Any, versions: Any) -> Any:
+        messages = checkpoint["channel_values"].get("messages") or []
+        if self.armed and any(isinstance(m, ToolMessage) for m in messages):
+            self.armed, self.failing = False, True
+        return self.put(config, checkpoint, metadata, versions)
+
+    def executing(self, query: Any, *args: Any, **options: Any) -> Any:
+        done = self.execute(query, *args, **options)
+        if self.failing and query == "COMMIT":
+            self.failing = False
+            raise OSError("injected: the commit's answer was lost")
+        return done
+
+
+@pytest.mark.postgres
+@pytest.mark.invariant("I1", "I6", "I12")
+@pytest.mark.parametrize("landed", [True, False], ids=["committed-then-raised",
+                                                       "not-landed"])
+def test_a_failed_checkpoint_write_on_postgres_saver_is_reconciled_by_the_next_write(
+        tmp_path: Path, store: SQLiteEventStore, pg_dsn: str, pg_schema: str,
+        landed: bool) -> None:
+    """The same on LangGraph's PostgresSaver, whose write (the check and the put in one
+    transaction, under a lock on the thread) fails before its commit (rolled back: not
+    landed) or after it (the commit landed, its answer lost). The next write reconciles
+    it: written again, the result answered from the ledger, or acknowledged. The tool
+    runs once; the thread's checkpoints hold its result once."""
+    from psycopg_pool import ConnectionPool
+
+    from tests.drivers.langgraph_driver import postgres_saver
+
+    path = tmp_path / "effects.txt"
+    ledger = ToolLedger(store)
+    inner = postgres_saver(pg_dsn, pg_schema)
+    if landed:
+        _CommitThenFail(inner)
+    else:
+        _FailingPut(inner, landed=False)
+    saver = OneWriterSaver(inner, ledger=ledger)
+    graph = build("ledger", make_tools(path), ScriptedModel(script=SCRIPT_ONE), saver,
+                  ledger=ledger)
+    with pytest.raises(OSError, match="injected"):
+        graph.invoke({"messages": [HumanMessage("go")]}, CONFIG, durability="sync")
+    assert ToolLedger(store).controller(RUN).step is Step.UNSETTLED
+    result = graph.invoke(None, CONFIG, durability="sync")
+    assert result["messages"][-1].content == "done"
+    assert effects(path) == ["charge 7"]
+    assert [m.tool_call_id for m in result["messages"] if isinstance(m, ToolMessage)] == [
+        "call-charge"]
+    c = ToolLedger(store).controller(RUN)
+    kinds = [type(event).__name__ for event in c.events
+             if "Publication" in type(event).__name__ or "Reconciled" in type(event).__name__]
+    assert kinds == (["PublicationStaged", "PublicationFailed", "ReconciledAcknowledge"]
+                     if landed else ["PublicationStaged", "PublicationFailed",
+                                     "ReconciledAppend", "PublicationCommitted"])
+    assert c.phase("call-charge") is Phase.PUBLISHED
+    assert inner.conn.info.transaction_status.name == "IDLE"
+
+    from langgraph.checkpoint.postgres import PostgresSaver
+
+    with ConnectionPool(pg_dsn, open=True, min_size=1, max_size=1) as pool, \
+            pytest.raises(UnsupportedFeature, match="PostgresSaver on one psycopg") as no:
+        OneWriterSaver(PostgresSaver(cast("Any", pool)), ledger=ToolLedger(store))
+    assert no.value.feature == "publications on this checkpointer"

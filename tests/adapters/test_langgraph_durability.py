@@ -72,10 +72,14 @@ def _drive(folder: Path, mode: str, action: str, *extra: str) -> tuple[int, dict
 @pytest.mark.parametrize("point", list(EFFECT_BEFORE_THE_KILL))
 def test_kill_9_around_a_tool_then_resume_in_a_fresh_process(
         tmp_path: Path, point: str, mode: str) -> None:
-    code, _ = _drive(tmp_path, mode, "start", "--kill", point)
+    _kill_then_resume(tmp_path, point, mode)
+
+
+def _kill_then_resume(tmp_path: Path, point: str, mode: str, *extra: str) -> None:
+    code, _ = _drive(tmp_path, mode, "start", "--kill", point, *extra)
     assert code == -9
     assert len(effects(tmp_path / "effects.txt")) == EFFECT_BEFORE_THE_KILL[point]
-    code, told = _drive(tmp_path, mode, "resume")
+    code, told = _drive(tmp_path, mode, "resume", *extra)
     ran = len(effects(tmp_path / "effects.txt"))
     if mode == "alone":
         if point in LANGGRAPH_ALONE_MAY_RERUN:
@@ -186,3 +190,53 @@ def test_two_processes_resume_the_same_approval_at_once(tmp_path: Path, mode: st
     assert sorted(code for code, _ in outcomes) == [0, 3]
     assert {refused for _, refused in outcomes} - {None} <= {"ConcurrencyConflict",
                                                             "ToolInDoubt"}
+
+
+# ------------------------------------------------------- LangGraph's PostgresSaver
+
+
+def _children_on_postgres(dsn: str, schema: str) -> list[Any]:
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as db:
+        return [row[0] for row in db.execute(
+            f'SELECT parent_checkpoint_id FROM "{schema}".checkpoints '
+            "WHERE checkpoint_ns = ''")]
+
+
+@pytest.mark.postgres
+@pytest.mark.invariant("I7")
+@pytest.mark.parametrize("mode", ["alone", "ledger", "history"])
+def test_two_processes_write_a_checkpoint_onto_the_same_parent_on_postgres(
+        tmp_path: Path, mode: str, pg_dsn: str, pg_schema: str) -> None:
+    """The same race on LangGraph's PostgresSaver (one connection per process, as its
+    ``from_conn_string`` opens it). Alone both writes land: the thread forks. Through
+    `OneWriterSaver` (with the ledger's publications or without) the check and the write
+    share one transaction that holds an advisory lock on the thread: the second writer
+    waits for the first's commit, finds the thread moved on, and is refused."""
+    on_pg = ("--pg-dsn", pg_dsn, "--pg-schema", pg_schema)
+    code, _ = _drive(tmp_path, mode, "start", "--review", *on_pg)
+    assert code == 0
+    outcomes = _at_once(tmp_path, mode, "fork", *on_pg)
+    (paused,) = {told["written"] for code, told in outcomes if code == 0}
+    children = _children_on_postgres(pg_dsn, pg_schema).count(paused)
+    if mode == "alone":
+        assert children == 2
+        return
+    assert children == 1
+    assert sorted((code, told.get("refused")) for code, told in outcomes) == [
+        (0, None), (3, "ConcurrencyConflict")]
+
+
+@pytest.mark.postgres
+@pytest.mark.invariant("I1", "I11")
+@pytest.mark.parametrize("mode", ["alone", "history"])
+@pytest.mark.parametrize("point", list(EFFECT_BEFORE_THE_KILL))
+def test_kill_9_around_a_tool_on_postgres_saver_then_resume(
+        tmp_path: Path, point: str, mode: str, pg_dsn: str, pg_schema: str) -> None:
+    """The kill -9 rows on LangGraph's PostgresSaver, the checkpoint writes the ledger's
+    publications: the same counts as on SqliteSaver. Through `OneWriterSaver` a kill at
+    ``after-put`` comes after the write's statements and before its transaction's commit
+    (the server rolls it back, its lock on the thread with it): the resumed run writes
+    the checkpoint again, which reconciles the publication once."""
+    _kill_then_resume(tmp_path, point, mode, "--pg-dsn", pg_dsn, "--pg-schema", pg_schema)

@@ -13,6 +13,9 @@ checkpoint writes the ledger's publications (``OneWriterSaver(saver, ledger=...)
 Kill points (``--kill``): ``before-effect`` and ``after-effect`` inside the tool body,
 ``after-tool`` when LangGraph saves the tools' writes (before them), ``before-put`` when
 it writes the checkpoint after them (before it), ``after-put`` right after that write.
+The checkpointer is LangGraph's ``SqliteSaver``, or its ``PostgresSaver`` with
+``--pg-dsn`` (tables in ``--pg-schema``); there, through `OneWriterSaver`, ``after-put``
+comes after the write's statements and before its transaction's commit.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
@@ -192,6 +195,22 @@ def _holds_tool_result(checkpoint: Any) -> bool:
 SCRIPT: list[Any] = [[("charge", {"amount": 7}, "call-charge")], "done"]
 
 
+def postgres_saver(dsn: str, schema: str) -> Any:
+    """LangGraph's ``PostgresSaver`` on one connection (as its ``from_conn_string`` opens
+    it) whose tables live in ``schema`` (created here; its tables set up)."""
+    import psycopg
+    from langgraph.checkpoint.postgres import PostgresSaver
+    from psycopg.rows import dict_row
+
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+    conn = psycopg.connect(dsn, autocommit=True, prepare_threshold=0,
+                           row_factory=dict_row, options=f"-c search_path={schema}")
+    saver = PostgresSaver(cast("Any", conn))
+    saver.setup()
+    return saver
+
+
 def main(argv: list[str] | None = None) -> int:
     from langgraph.checkpoint.sqlite import SqliteSaver
 
@@ -206,15 +225,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--review", action="store_true")
     parser.add_argument("--go", default="")
     parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--pg-dsn", default="", help="PostgresSaver on this server")
+    parser.add_argument("--pg-schema", default="", help="its schema (search_path)")
     args = parser.parse_args(argv)
     folder = Path(args.folder)
     KILL["point"] = args.kill
     path = folder / "effects.txt"
     import sqlite3
 
-    connection = sqlite3.connect(folder / "checkpoints.db", check_same_thread=False,
-                                 timeout=30)
-    saver: Any = SqliteSaver(connection)
+    saver: Any
+    if args.pg_dsn:
+        saver = postgres_saver(args.pg_dsn, args.pg_schema)
+    else:
+        connection = sqlite3.connect(folder / "checkpoints.db", check_same_thread=False,
+                                     timeout=30)
+        saver = SqliteSaver(connection)
     KillingSaver(saver, path)
     ledger = None
     if args.mode != "alone":
