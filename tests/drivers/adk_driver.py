@@ -10,9 +10,10 @@ file, never from a ledger), ADK's ``Runner`` on a session service. ``mode`` ``al
 ADK by itself; ``ledger`` is the same runner with `LedgerPlugin` and
 `OneWriterSessionService`.
 
-Kill points (``--kill``): ``before-tool`` (the ledger's start is durable, the body has not
-run), ``after-effect`` inside the body once its line is durable, ``before-append`` when
-the session service is asked to append the function responses (before it).
+Kill points (``--kill``): ``before-effect`` inside the body before its line (through the
+ledger its start is durable), ``after-effect`` inside the body once its line is durable,
+``before-append`` when the session service is asked to append the function responses
+(before it).
 """
 
 from __future__ import annotations
@@ -226,6 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _child(folder: Path, mode: str, wait_for: str) -> int:
+    from google.adk.errors import StaleSessionError
     from google.adk.sessions.sqlite_session_service import SqliteSessionService
 
     from statemachine import ConcurrencyConflict, SQLiteEventStore, ToolInDoubt
@@ -261,6 +263,8 @@ async def _child(folder: Path, mode: str, wait_for: str) -> int:
         outcome["result"] = "in_doubt"
     except ConcurrencyConflict:
         outcome["result"] = "conflict"
+    except StaleSessionError:  # ADK's own check of a second writer, at its append
+        outcome["result"] = "stale"
     (folder / f"outcome-{os.getpid()}.json").write_text(json.dumps(outcome))
     return 0
 
