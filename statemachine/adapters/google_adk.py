@@ -36,8 +36,9 @@ ADK seam                         what the ledger does
 ``require_confirmation``         the call awaits a decision in the ledger; the confirmation
                                  request ADK shows carries the call's fingerprint in its
                                  ``payload``, and a confirmation is taken only with that
-                                 fingerprint in its own payload (`confirmation` builds it);
-                                 one with another fingerprint, or contradicting a decision
+                                 fingerprint in its own payload (`confirmation` builds it;
+                                 a rejection needs none); one with another fingerprint, a
+                                 confirming one without it, or one contradicting a decision
                                  the ledger holds (`statemachine.operator`, the CLI), is
                                  refused (`InvalidTransition`), nothing recorded
 ``tool_context.                  a body that asks for confirmation is taken to have done
@@ -66,8 +67,9 @@ failed call once with a fresh session below the plugin callbacks, so a non-idemp
 call could run twice unseen), agents used as tools (``AgentTool``: the inner agent's tool
 calls would run outside this run's ledger), workflow agents (``ParallelAgent``,
 ``LoopAgent``, ``SequentialAgent``) and sub-agents (their calls would interleave in one
-run), live (bidirectional) streaming, and a run whose tools the plugin cannot list.
-Refused at the call: a function call without an id.
+run), and live (bidirectional) streaming. Refused at the call: a function call without an
+id. ADK wraps whatever a plugin callback raises in a ``RuntimeError``; `run_async` and
+`refusal` give back the ledger's own error.
 """
 
 from __future__ import annotations
@@ -566,6 +568,7 @@ class LedgerPlugin(BasePlugin):
             self._reset(call_id)
             if call_id in (tool_context.actions.requested_tool_confirmations or {}):
                 # the body asked for its confirmation: ADK runs it again once confirmed
+                c.tool_interrupted(call_id)
                 c.resolve_in_doubt(call_id, outcome=Resolution.NOT_EXECUTED,
                                    by="adk:request_confirmation")
                 c.flush()

@@ -478,3 +478,40 @@ def test_an_async_store_is_refused_when_the_plugin_is_built(tmp_path: Path) -> N
         LedgerPlugin(AsyncSQLiteEventStore(str(tmp_path / "ledger.db")))  # type: ignore[arg-type]
     assert refused.value.feature == "async event stores"
     assert Step.RUN_AGAIN  # the module's names import
+
+
+@pytest.mark.invariant("I1")
+@pytest.mark.parametrize("mode", ["alone", "ledger"])
+def test_a_body_asking_for_its_confirmation_runs_its_effect_once(tmp_path: Path,
+                                                                 mode: str) -> None:
+    """``tool_context.request_confirmation()`` inside a body: the first run asks and does
+    nothing; once confirmed ADK runs the body again, which then acts (once)."""
+    from google.adk.tools.function_tool import FunctionTool
+
+    w = World(tmp_path, mode, [("p1", "pay", {"amount": 9})], [])
+
+    def pay(amount: int, tool_context: Any) -> dict[str, Any]:
+        """Pay, after asking."""
+        if tool_context.tool_confirmation is None:
+            tool_context.request_confirmation(hint="pay?")
+            return {"status": "asked"}
+        world.effect(w.effects, f"pay {amount}")
+        return {"paid": amount}
+
+    agent = w.runner.agent
+    assert isinstance(agent, LlmAgent)
+    agent.tools.append(FunctionTool(pay))
+
+    async def scenario() -> None:
+        await w.open()
+        asked = confirmation_requests(await run(w.runner, text("go")))
+        request, _ = asked["p1"]
+        await run(w.runner, response(request, "adk_request_confirmation",
+                                     {"confirmed": True}))
+
+    asyncio.run(scenario())
+    assert w.ran() == ["pay 9"]
+    if mode == "ledger":
+        c = RunController.load(w.store, RUN)
+        assert c.phase("p1") is Phase.PUBLISHED
+        assert c.call("p1").starts == 2
