@@ -84,6 +84,18 @@ def context_of(controller: RunController, call_id: str) -> ToolContext:
                        max(starts, 1))
 
 
+def entered(context: ToolContext) -> contextvars.Token[ToolContext]:
+    """Make ``context`` what `tool_context` returns from now on in the current context
+    (for an SDK whose callbacks before and after a body are two calls, each call's
+    body in a context of its own); the token undoes it (``left``)."""
+    return _CURRENT.set(context)
+
+
+def left(token: contextvars.Token[ToolContext]) -> None:
+    """Undo `entered` (``token``, from the same context)."""
+    _CURRENT.reset(token)
+
+
 @contextlib.contextmanager
 def running(context: ToolContext) -> Iterator[ToolContext]:
     """Make ``context`` what `tool_context` returns inside the block (a tool's body)."""

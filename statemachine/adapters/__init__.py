@@ -10,6 +10,8 @@ name, so importing this package never imports an SDK:
   with ``agent-statemachine[pydantic-ai]``.
 * `statemachine.adapters.langgraph` — LangGraph and LangChain agents (``langgraph``,
   ``langchain``), installed with ``agent-statemachine[langgraph]``.
+* `statemachine.adapters.google_adk` — Google ADK agents (``google-adk``), installed with
+  ``agent-statemachine[google-adk]``.
 
 Importing an adapter whose SDK is missing raises `MissingExtra` (a
 `ModuleNotFoundError`) naming the extra to install. The core never imports this package.

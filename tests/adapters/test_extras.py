@@ -14,7 +14,8 @@ from statemachine.adapters import MissingExtra
 ADAPTERS = [("openai_agents", "agents", "openai-agents"),
             ("anthropic", "anthropic", "anthropic"),
             ("pydantic_ai", "pydantic_ai", "pydantic-ai"),
-            ("langgraph", "langgraph", "langgraph")]
+            ("langgraph", "langgraph", "langgraph"),
+            ("google_adk", "google.adk", "google-adk")]
 
 
 @pytest.mark.parametrize(("adapter", "sdk", "extra"), ADAPTERS)

@@ -1,0 +1,703 @@
+"""Google ADK agents (PyPI ``google-adk``) with the control core's tool ledger underneath
+(DESIGN §2.4, §6.8, §7.4). Install with ``pip install 'agent-statemachine[google-adk]'``
+(tested on google-adk 2.13.x).
+
+Theory of operation
+-------------------
+ADK runs each function call of a model response through a plugin's tool callbacks, and
+runs a call again whenever a session is resumed with a function response that names it:
+a confirmation (``adk_request_confirmation``), the late result of a long-running tool, a
+resumed invocation. `LedgerPlugin` makes the function calls of an ADK session a run of a
+`RunController` bound to an event store (SQLite or PostgreSQL), one run per session (run
+id ``f"{prefix}{app_name}/{user_id}/{session_id}"``), keyed by ADK's
+``function_call_id``:
+
+===============================  ===========================================================
+ADK seam                         what the ledger does
+===============================  ===========================================================
+``before_tool_callback``         an unknown call's batch (the session event holding its
+                                 function calls) is entered in the ledger; a completed call
+                                 answers with its recorded response (the body never runs
+                                 again: finishing one long-running tool, a replayed
+                                 confirmation or a resumed invocation re-run nothing); a
+                                 started, unfinished call is in doubt (`ToolInDoubt`, after
+                                 its verifier was asked); a call asked to run with other
+                                 arguments than the recorded ones (which its confirmation
+                                 binds) is refused (`InvalidTransition`); otherwise its start
+                                 is made durable (flushed) before the body runs, inside its
+                                 `statemachine.tool_context` (its idempotency key)
+``after_tool_callback``          the response is recorded and flushed before ADK turns it
+                                 into an event (a value that is not JSON is kept as its
+                                 text, and ADK is given the recorded form, so a resent
+                                 response is the same)
+``on_tool_error_callback``       an exception of the body is recorded as the call's error
+                                 (``{"error": "<Type>: <message>"}``) and propagates as with
+                                 ADK alone; a cancelled body leaves its call in doubt
+``require_confirmation``         the call awaits a decision in the ledger; the confirmation
+                                 request ADK shows carries the call's fingerprint in its
+                                 ``payload``, and a confirmation is taken only with that
+                                 fingerprint in its own payload (`confirmation` builds it;
+                                 a rejection needs none); one with another fingerprint, a
+                                 confirming one without it, or one contradicting a decision
+                                 the ledger holds (`statemachine.operator`, the CLI), is
+                                 refused (`InvalidTransition`), nothing recorded
+``tool_context.                  a body that asks for confirmation is taken to have done
+request_confirmation``           nothing before asking (recorded ``NOT_EXECUTED`` by
+                                 ``adk:request_confirmation``): ADK runs it again once
+                                 confirmed, with the same arguments and idempotency key
+`OneWriterSessionService`        around any ``BaseSessionService``: an ``append_event`` from
+                                 a session copy that is not the session's latest is refused
+                                 (`ConcurrencyConflict`), nothing written; the event that
+                                 carries function responses the ledger holds unpublished is
+                                 their staged publication (durable before the write,
+                                 committed after, recorded failed when it raises; a write
+                                 left unsettled is reconciled against the stored events by
+                                 the next append)
+===============================  ===========================================================
+
+Every attempt on a run that already exists (the first ledger call of a process, or after
+another process wrote to the run) records ``claim`` first and makes it durable: of two
+processes that loaded the same version, one goes on and the other gets
+`ConcurrencyConflict` before any tool runs. Right after the claim the verifiers (by tool
+name, DESIGN §7.3) are asked about the calls of their tools in doubt.
+
+Refused when a run opens (``before_run_callback``, `UnsupportedFeature` naming the
+feature, nothing recorded or run): MCP toolsets and tools (ADK's MCP tool retries a
+failed call once with a fresh session below the plugin callbacks, so a non-idempotent
+call could run twice unseen), agents used as tools (``AgentTool``: the inner agent's tool
+calls would run outside this run's ledger), workflow agents (``ParallelAgent``,
+``LoopAgent``, ``SequentialAgent``) and sub-agents (their calls would interleave in one
+run), and live (bidirectional) streaming. Refused at the call: a function call without an
+id. ADK wraps whatever a plugin callback raises in a ``RuntimeError``; `run_async` and
+`refusal` give back the ledger's own error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import json
+import threading
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from typing import Any
+
+from statemachine.adapters import missing_extra
+
+try:
+    import google.adk  # noqa: F401  -- the error names the SDK, not one of its modules
+    from google.adk.agents import LlmAgent
+    from google.adk.agents.readonly_context import ReadonlyContext
+    from google.adk.events.event import Event
+    from google.adk.plugins.base_plugin import BasePlugin
+    from google.adk.sessions.base_session_service import BaseSessionService
+    from google.adk.tools.agent_tool import AgentTool
+    from google.adk.tools.base_tool import BaseTool
+    from google.adk.tools.base_toolset import BaseToolset
+    from google.genai import types
+except ModuleNotFoundError as error:  # pragma: no cover - the extra is installed in CI
+    raise missing_extra(__name__, "google-adk", error) from error
+
+from statemachine.adapters._calls import (
+    InvalidVerifier,
+    UnsupportedFeature,
+    Walk,
+    begin_call,
+    checked_verifiers,
+    error_text,
+    plain,
+    record_result,
+    resolution,
+)
+from statemachine.controller import RunController
+from statemachine.errors import (
+    ConcurrencyConflict,
+    ControlError,
+    InvalidTransition,
+    RunNotFound,
+    ToolInDoubt,
+)
+from statemachine.journal import is_async
+from statemachine.payloads import JSON
+from statemachine.runner.attempt import interrupted
+from statemachine.stores import EventStore
+from statemachine.values import Append, Phase, Resolution, Step, ToolCall
+from statemachine.verifiers import Verifier, context_of, entered, left, verify_in_doubt
+
+__all__ = [
+    "InvalidVerifier",
+    "LedgerPlugin",
+    "OneWriterSessionService",
+    "ToolInDoubt",
+    "UnsupportedFeature",
+    "confirmation",
+    "refusal",
+    "run_async",
+]
+
+CONFIRMATION = "adk_request_confirmation"
+"""The name of the function call ADK emits to ask for a tool call's confirmation."""
+
+ASK_CONFIRMATION = "This tool call requires confirmation, please approve or reject."
+REJECTED = "This tool call is rejected."
+"""ADK's own answers to a call awaiting confirmation and to a rejected one."""
+
+
+# ------------------------------------------------------------------ plain JSON forms
+
+
+def _as_text(value: Any, walk: Walk | None) -> JSON:
+    """The `plain` fallback: a pydantic model as its JSON form, anything else as text."""
+    dump = getattr(value, "model_dump", None)
+    if walk is not None and callable(dump):
+        return walk(dump(mode="json"))
+    return str(value)
+
+
+def _arguments(args: Mapping[str, Any] | None) -> JSON:
+    return plain(dict(args or {}), fallback=_as_text)
+
+
+def confirmation(confirmation_call_id: str, *, fingerprint: str, confirmed: bool = True,
+                 role: str = "user") -> types.Content:
+    """The message that answers ADK's confirmation request ``confirmation_call_id`` (the
+    id of its ``adk_request_confirmation`` function call) for the call whose
+    ``fingerprint`` the request's payload showed: pass it as ``new_message``."""
+    return types.Content(role=role, parts=[types.Part(
+        function_response=types.FunctionResponse(
+            id=confirmation_call_id, name=CONFIRMATION,
+            response={"confirmed": confirmed, "payload": {"fingerprint": fingerprint}}))])
+
+
+def _payload_fingerprint(payload: Any) -> str | None:
+    if isinstance(payload, Mapping):
+        found = payload.get("fingerprint")
+        return found if isinstance(found, str) else None
+    return None
+
+
+def refusal(error: BaseException) -> BaseException:
+    """The ledger's own refusal (a `ControlError`) inside ``error``, or ``error`` itself.
+    ADK wraps whatever a plugin callback raises in a ``RuntimeError`` (the original
+    chained as its ``__cause__``)."""
+    found: BaseException | None = error
+    while found is not None:
+        if isinstance(found, ControlError):
+            return found
+        found = found.__cause__
+    return error
+
+
+async def run_async(runner: Any, **options: Any) -> AsyncIterator[Any]:
+    """``runner.run_async(**options)``, its events, with the ledger's refusals raised as
+    themselves (`ToolInDoubt`, `ConcurrencyConflict`, `UnsupportedFeature`, ...) rather
+    than inside ADK's ``RuntimeError`` (`refusal`)."""
+    try:
+        async for event in runner.run_async(**options):
+            yield event
+    except Exception as error:
+        found = refusal(error)
+        if found is error:
+            raise
+        raise found from error
+
+
+# ------------------------------------------------------------------------ the plugin
+
+
+def _run_id(prefix: str, session: Any) -> str:
+    return f"{prefix}{session.app_name}/{session.user_id}/{session.id}"
+
+
+class LedgerPlugin(BasePlugin):
+    """The function calls of ADK sessions, through one event store (DESIGN §7.4).
+
+    Give it to the runner first: ``Runner(..., plugins=[LedgerPlugin(store), ...])`` (a
+    plugin before it that answers a call would bypass the ledger). ``store`` is a sync
+    `EventStore` (`SQLiteEventStore`, the PostgreSQL store); ``prefix`` makes a session's
+    run id. ``idempotent`` names the tools that may run again after a crash inside them,
+    ``verifiers`` (by tool name, sync) the tools whose calls in doubt can be asked about.
+    ``owner`` is recorded by every claim.
+
+    Refused when built (`InvalidVerifier`, `UnsupportedFeature`): a verifier for no tool
+    of ``tools`` (when given) or for an idempotent tool, and an async store."""
+
+    def __init__(self, store: EventStore, *, prefix: str = "adk:",
+                 idempotent: Collection[str] = (),
+                 verifiers: Mapping[str, Verifier] | None = None,
+                 tools: Collection[str] | None = None, owner: str | None = None,
+                 name: str = "statemachine_ledger") -> None:
+        super().__init__(name=name)
+        if is_async(store):
+            raise UnsupportedFeature(
+                "an async event store is not carried: ADK runs sync tool bodies on worker "
+                "threads beside the callbacks; use the sync store of the same database",
+                feature="async event stores", action="open")
+        named = set(tools) if tools is not None else set(verifiers or ())
+        self.verifiers = checked_verifiers(verifiers, named, idempotent=idempotent,
+                                           sync_only="a sync verifier")
+        self.store = store
+        self.prefix = prefix
+        self.idempotent = frozenset(idempotent)
+        self.owner = owner
+        self._lock = threading.RLock()
+        self._runs: dict[str, RunController] = {}
+        self._bodies: dict[str, contextvars.Token[Any]] = {}
+
+    # ------------------------------------------------------------------ the runs
+
+    def run_id_of(self, session: Any) -> str:
+        """The run id of an ADK ``Session``."""
+        return _run_id(self.prefix, session)
+
+    def controller(self, run_id: str) -> RunController:
+        """The run's controller as this process holds it: loaded (and claimed, its
+        verifiers asked) when the store holds the run and this process does not, or holds
+        a stale copy (another process wrote since); started when the store does not hold
+        it. `ConcurrencyConflict` when another attempt claimed the same version first."""
+        with self._lock:
+            c = self._runs.get(run_id)
+            if c is not None:
+                try:
+                    c.fence()
+                except ControlError:  # another process wrote, or this copy stopped
+                    c = None
+            if c is None:
+                c = self._open(run_id)
+                self._runs[run_id] = c
+            return c
+
+    def _open(self, run_id: str) -> RunController:
+        try:
+            c = RunController.load(self.store, run_id, buffered=True)
+        except RunNotFound:
+            return RunController.start(run_id=run_id, session_id=None, store=self.store,
+                                       buffered=True)
+        doubtful = c.in_doubt()
+        verifiable = [call_id for call_id in doubtful
+                      if c.call(call_id).call.name in self.verifiers]
+        if doubtful and not verifiable:
+            c.resume()  # ToolInDoubt before the claim: a stuck run gains no claim
+        c.claim(self.owner)
+        c.flush()  # durable before any effect: of two resumers, one goes on
+        if verifiable:
+            verify_in_doubt(c, self.verifiers)
+            c.flush()
+        return c
+
+    def forget(self, run_id: str | None = None) -> None:
+        """Drop this process's copy of a run (all of them with None): the next call loads
+        it from the store again (and claims it)."""
+        with self._lock:
+            if run_id is None:
+                self._runs.clear()
+            else:
+                self._runs.pop(run_id, None)
+
+    # ------------------------------------------------------------- opening a run
+
+    async def before_run_callback(self, *, invocation_context: Any) -> None:
+        """Refuse what this adapter cannot carry (`UnsupportedFeature`) before the run
+        does anything."""
+        run_id = self.run_id_of(invocation_context.session)
+        mode = getattr(invocation_context.run_config, "streaming_mode", None)
+        live = getattr(invocation_context, "live_request_queue", None) is not None
+        if live or getattr(mode, "name", None) == "BIDI":
+            raise UnsupportedFeature(
+                "live (bidirectional) streaming is not carried: its tool calls run outside "
+                "the plugin's ordered callbacks; run the agent with run_async",
+                feature="live streaming", run_id=run_id, action="open")
+        await self._check_agent(invocation_context.agent, invocation_context, run_id)
+        with self._lock:
+            c = self.controller(run_id)
+        if c.step is Step.UNSETTLED:
+            await self._reconcile(c, invocation_context)
+
+    async def _reconcile(self, c: RunController, invocation_context: Any) -> None:
+        """A session append left unsettled (it raised, or its writer died) reconciled
+        against the session's events as the runner just read them: acknowledged when it
+        had landed; else the staged event is appended again (through the runner's session
+        service) and the publication committed. Another tail is `ReconcileRejected`."""
+        session = invocation_context.session
+        history = [_event_json(e) for e in session.events]
+        with self._lock:
+            decision = c.reconcile(history, c.session_id, take_over=True)
+            c.flush()
+        if not isinstance(decision, Append):
+            return
+        service = invocation_context.session_service
+        inner = service.service if isinstance(service, OneWriterSessionService) else service
+        try:
+            for item in decision.items:
+                await inner.append_event(session, Event.model_validate(item))
+        except Exception as error:
+            with self._lock, contextlib.suppress(ControlError):
+                c.publication_failed(error)
+                c.flush()
+            raise
+        with self._lock:
+            c.publication_committed()
+            c.flush()
+
+    async def _check_agent(self, agent: Any, invocation_context: Any, run_id: str) -> None:
+        if not isinstance(agent, LlmAgent):
+            raise UnsupportedFeature(
+                f"agent {getattr(agent, 'name', agent)!r} is a {type(agent).__name__}: only "
+                "an LlmAgent is carried (workflow agents run their sub-agents' tool calls "
+                "side by side or again, which one run per session cannot order)",
+                feature=f"{type(agent).__name__} agents", run_id=run_id, action="open")
+        if agent.sub_agents:
+            raise UnsupportedFeature(
+                f"agent {agent.name!r} has sub-agents: transfers between agents are not "
+                "carried (each agent's calls would share one run without an order)",
+                feature="sub-agents", run_id=run_id, action="open")
+        for tool in agent.tools:
+            if isinstance(tool, BaseToolset):
+                self._refuse_toolset(tool, run_id)
+        for tool in await agent.canonical_tools(ReadonlyContext(invocation_context)):
+            self._refuse_tool(tool, run_id)
+
+    @staticmethod
+    def _refuse_toolset(toolset: Any, run_id: str) -> None:
+        kind = type(toolset).__name__
+        if "Mcp" in kind or "MCP" in kind:
+            raise UnsupportedFeature(
+                f"{kind} is not carried: ADK's MCP tool retries a failed call once with a "
+                "fresh session below the plugin callbacks, so a non-idempotent call could "
+                "reach the server twice without the ledger seeing it",
+                feature="MCP toolsets", run_id=run_id, action="open")
+
+    @staticmethod
+    def _refuse_tool(tool: Any, run_id: str) -> None:
+        kind = type(tool).__name__
+        if "Mcp" in kind or "MCP" in kind:
+            raise UnsupportedFeature(
+                f"tool {tool.name!r} is an {kind}: ADK's MCP tool retries a failed call "
+                "once with a fresh session below the plugin callbacks, so a non-idempotent "
+                "call could reach the server twice without the ledger seeing it",
+                feature="MCP tools", run_id=run_id, action="open")
+        if isinstance(tool, AgentTool) or getattr(tool, "_defers_response", False):
+            raise UnsupportedFeature(
+                f"tool {tool.name!r} is an agent used as a tool ({kind}): its inner agent's "
+                "tool calls would run outside this run's ledger",
+                feature="agents as tools", run_id=run_id, action="open")
+
+    # ------------------------------------------------------------------- batches
+
+    @staticmethod
+    def _batch(session: Any, call_id: str) -> list[types.FunctionCall]:
+        """The function calls of the session event that holds call ``call_id``."""
+        for event in reversed(list(session.events)):
+            calls = [call for call in event.get_function_calls()
+                     if call.name != CONFIRMATION]
+            if any(call.id == call_id for call in calls):
+                return calls
+        return []
+
+    async def _enter(self, c: RunController, calls: Sequence[types.FunctionCall],
+                     tools: Mapping[str, Any], tool_context: Any) -> None:
+        """Enter a batch of calls the ledger has not seen, as one model response: the
+        results of the batch before it published first."""
+        ids = [call.id for call in calls]
+        if any(not isinstance(call_id, str) or not call_id for call_id in ids):
+            raise UnsupportedFeature(
+                "a function call without an id cannot be keyed in the ledger: nothing ran",
+                feature="function calls without ids", run_id=c.run_id, step=c.step,
+                action="begin_tool")
+        if len(set(ids)) != len(ids):
+            raise InvalidTransition("a batch holds the same function call id twice: "
+                                    "nothing ran", run_id=c.run_id, step=c.step,
+                                    action="model_responded")
+        known = [call_id for call_id in ids if c.phase(str(call_id)) is not None]
+        if known:
+            if len(known) == len(ids):
+                return
+            raise InvalidTransition(
+                f"a batch reuses call id(s) {known!r} the ledger already holds beside new "
+                "ones: nothing ran", run_id=c.run_id, step=c.step, action="model_responded")
+        if c.in_doubt():
+            c.resume()  # ToolInDoubt: a call of an earlier batch never finished
+        self._publish_owed(c)
+        proposed = []
+        for call in calls:
+            name = str(call.name)
+            tool = tools.get(name)
+            needs = False
+            if tool is not None:
+                needs = await tool.check_require_confirmation(dict(call.args or {}),
+                                                              tool_context) is True
+            proposed.append(ToolCall(str(call.id), name, _arguments(call.args),
+                                     needs_approval=needs, idempotent=name in self.idempotent))
+        c.begin_model_call()
+        c.model_responded(proposed)
+        c.flush()  # the proposal (and its decisions to come) is durable
+
+    @staticmethod
+    def _publish_owed(c: RunController) -> None:
+        """Publish the recorded results of the earlier batch in the ledger's own history
+        (staged and committed in one append: ADK's session holds the events themselves).
+        Calls of the earlier batch never run (a confirmation never given) are skipped by
+        the handoff to the new batch."""
+        owed = list(c.unpublished_call_ids())
+        if c.step in (Step.TOOLS, Step.INTERRUPTION) and owed:
+            items: list[JSON] = [{"type": "function_response", "id": call_id,
+                                  "result": c.call(call_id).result} for call_id in owed]
+            c.stage_publication(items, [], call_ids=owed, whole=True)
+            c.publication_committed()
+        if c.step is Step.INTERRUPTION:  # a confirmation never given: the call is skipped
+            c.handoff("a new batch of function calls")
+        elif c.step is Step.TOOLS:
+            raise InvalidTransition(
+                "the model moved on to a new batch while calls of the earlier one never "
+                "ran (confirmed, not started): nothing ran", run_id=c.run_id, step=c.step,
+                action="begin_model_call")
+
+    # -------------------------------------------------------------- one tool call
+
+    @staticmethod
+    def _answer(c: RunController, call_id: str) -> dict[str, Any]:
+        """The recorded response of call ``call_id`` as the dict ADK gets: the tool's own,
+        an operator's or a verifier's word, or a rejection."""
+        view = c.call(call_id)
+        if view.phase is Phase.REJECTED or (view.phase is Phase.PUBLISHED and view.decisions
+                                            and view.decisions[-1].kind == "rejected"
+                                            and view.starts == 0):
+            text = REJECTED if view.result is None else error_text(view.result)
+            return {"error": text}
+        settled = resolution(c, call_id)
+        output = view.result
+        if settled is Resolution.FAILED:
+            return {"error": error_text(output)}
+        if settled is Resolution.COMPLETED:
+            return output if isinstance(output, dict) else {"result": output}
+        if isinstance(output, dict):
+            return output
+        return {"result": output}
+
+    async def before_tool_callback(self, *, tool: BaseTool, tool_args: dict[str, Any],
+                                   tool_context: Any) -> dict[str, Any] | None:
+        call_id = tool_context.function_call_id
+        session = tool_context.session
+        run_id = self.run_id_of(session)
+        if not isinstance(call_id, str) or not call_id:
+            raise UnsupportedFeature(
+                "a function call without an id cannot be keyed in the ledger: it did not "
+                "run", feature="function calls without ids", run_id=run_id,
+                action="begin_tool")
+        invocation = tool_context._invocation_context
+        tools = {t.name: t for t in await invocation.agent.canonical_tools(
+            ReadonlyContext(invocation))}
+        with self._lock:
+            c = self.controller(run_id)
+            if c.phase(call_id) is None:
+                batch = self._batch(session, call_id)
+                if not batch:
+                    raise UnsupportedFeature(
+                        f"call {call_id!r} is in no event of the session: it cannot be "
+                        "entered with its batch; it did not run",
+                        feature="function calls outside the session", run_id=run_id,
+                        action="begin_tool")
+                await self._enter(c, batch, tools, tool_context)
+            answer = self._decided(c, call_id, tool_context)
+            if answer is not None:
+                return answer
+            phase = c.phase(call_id)
+            if phase in (Phase.REJECTED, Phase.COMPLETED, Phase.PUBLISHED):
+                return self._answer(c, call_id)
+            done, _ = begin_call(c, call_id, _arguments(tool_args))
+            if done:
+                return self._answer(c, call_id)
+            try:
+                c.flush()  # an effect boundary: the start is durable before the body
+            except BaseException:
+                self._runs.pop(run_id, None)
+                raise
+            # tool_context() in the body: ADK runs each call in a task of its own
+            self._bodies[call_id] = entered(context_of(c, call_id))
+            return None
+
+    def _decided(self, c: RunController, call_id: str,
+                 tool_context: Any) -> dict[str, Any] | None:
+        """A call awaiting its confirmation: asked for it (its fingerprint in the
+        request's payload), or the confirmation ADK brought recorded as the decision.
+        None when the call may go on."""
+        view = c.call(call_id)
+        if not view.call.needs_approval:
+            return None
+        fingerprint = c.fingerprint(call_id)
+        given = tool_context.tool_confirmation
+        if given is None:
+            if view.phase is Phase.AWAITING:
+                tool_context.request_confirmation(
+                    hint=f"Please approve or reject the tool call {view.call.name}() by "
+                         "responding with a FunctionResponse with an expected "
+                         "ToolConfirmation payload (its fingerprint).",
+                    payload={"fingerprint": fingerprint})
+                return {"error": ASK_CONFIRMATION}
+            return None  # decided in the ledger (the operator): the ledger's word goes on
+        if _payload_fingerprint(given.payload) not in (fingerprint, None) or (
+                given.confirmed and _payload_fingerprint(given.payload) != fingerprint):
+            raise InvalidTransition(
+                f"the confirmation of call {call_id!r} does not carry the call's fingerprint "
+                "(it confirms other arguments, another call, or none shown): nothing was "
+                "recorded; answer with statemachine.adapters.google_adk.confirmation",
+                run_id=c.run_id, step=c.step, action="approve")
+        if view.phase is Phase.AWAITING:
+            if given.confirmed:
+                c.approve(call_id, fingerprint=fingerprint, by="adk:confirmation")
+            else:
+                c.reject(call_id, REJECTED, fingerprint=fingerprint, by="adk:confirmation")
+            c.flush()  # the decision is durable before anything acts on it
+            return None if given.confirmed else {"error": REJECTED}
+        recorded = [d.kind for d in view.decisions if d.kind in ("approved", "rejected")]
+        if recorded and (recorded[-1] == "approved") != bool(given.confirmed):
+            raise InvalidTransition(
+                f"call {call_id!r} was already decided otherwise (by the operator or an "
+                "earlier confirmation): nothing was recorded", run_id=c.run_id,
+                step=c.step, action="approve")
+        return None
+
+    async def after_tool_callback(self, *, tool: BaseTool, tool_args: dict[str, Any],
+                                  tool_context: Any,
+                                  result: dict[str, Any]) -> dict[str, Any] | None:
+        call_id = tool_context.function_call_id
+        with self._lock:
+            c = self._runs.get(self.run_id_of(tool_context.session))
+            if c is None or call_id not in c.in_flight:
+                return None  # answered from the ledger, or asked for its confirmation
+            self._reset(call_id)
+            if call_id in (tool_context.actions.requested_tool_confirmations or {}):
+                # the body asked for its confirmation: ADK runs it again once confirmed
+                c.tool_interrupted(call_id)
+                c.resolve_in_doubt(call_id, outcome=Resolution.NOT_EXECUTED,
+                                   by="adk:request_confirmation")
+                c.flush()
+                return None
+            kept, recorded = record_result(c, call_id, plain(result, fallback=_as_text))
+            try:
+                c.flush()  # the result is durable before ADK makes it an event
+            except BaseException:  # not durable: the call is in doubt on the next load
+                self._runs.pop(c.run_id, None)
+                raise
+            if not kept:
+                return {"error": error_text(recorded)}
+            return None if recorded == result else self._answer(c, call_id)
+
+    async def on_tool_error_callback(self, *, tool: BaseTool, tool_args: dict[str, Any],
+                                     tool_context: Any,
+                                     error: BaseException) -> dict[str, Any] | None:
+        call_id = tool_context.function_call_id
+        with self._lock:
+            c = self._runs.get(self.run_id_of(tool_context.session))
+            if c is None or call_id not in c.in_flight:
+                return None
+            self._reset(call_id)
+            if not isinstance(error, Exception):  # cancelled: the effect may have happened
+                interrupted(c, call_id)
+                return None
+            record_result(c, call_id, {"error": f"{type(error).__name__}: {error}"})
+            with contextlib.suppress(ControlError):
+                c.flush()
+            return None  # the error propagates, as with ADK alone
+
+    def _reset(self, call_id: str) -> None:
+        token = self._bodies.pop(call_id, None)
+        if token is not None:
+            with contextlib.suppress(ValueError):  # entered in another context
+                left(token)
+
+
+# ---------------------------------------------------------------- the session service
+
+
+def _event_json(event: Any) -> JSON:
+    return plain(json.loads(event.model_dump_json(exclude_none=True)), fallback=_as_text)
+
+
+def _response_ids(event: Any) -> list[str]:
+    return [str(r.id) for r in event.get_function_responses() if r.id]
+
+
+class OneWriterSessionService(BaseSessionService):
+    """Any ADK session service with one writer per session: an ``append_event`` made on
+    a session copy whose last event is not the stored session's last event (another
+    runner appended since this one read the session) is refused with
+    `ConcurrencyConflict`, nothing written. In this process the check and the write are
+    one step (a lock per session); across processes they are two, and the tool ledger is
+    what keeps the tools at most once there.
+
+    With ``plugin=`` (the runner's `LedgerPlugin`), the event carrying function responses
+    whose results the ledger has not published is that batch's staged publication."""
+
+    def __init__(self, service: BaseSessionService, *,
+                 plugin: LedgerPlugin | None = None) -> None:
+        self.service = service
+        self.plugin = plugin
+        self._locks: dict[tuple[str, str, str], asyncio.Lock] = {}
+
+    async def create_session(self, **options: Any) -> Any:
+        return await self.service.create_session(**options)
+
+    async def get_session(self, **options: Any) -> Any:
+        return await self.service.get_session(**options)
+
+    async def list_sessions(self, **options: Any) -> Any:
+        return await self.service.list_sessions(**options)
+
+    async def delete_session(self, **options: Any) -> None:
+        await self.service.delete_session(**options)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.service, name)
+
+    async def append_event(self, session: Any, event: Any) -> Any:
+        if getattr(event, "partial", False):
+            return await self.service.append_event(session, event)
+        key = (session.app_name, session.user_id, session.id)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            stored = await self.service.get_session(
+                app_name=session.app_name, user_id=session.user_id, session_id=session.id)
+            if stored is not None and stored is not session:
+                theirs = stored.events[-1].id if stored.events else None
+                ours = session.events[-1].id if session.events else None
+                if theirs != ours and not any(e.id == event.id for e in stored.events):
+                    raise ConcurrencyConflict(
+                        f"session {session.id!r} moved on: this writer read it up to event "
+                        f"{ours!r}, and its latest is {theirs!r} (another runner appended "
+                        "first); nothing was written", action="append_event")
+            if self.plugin is None:
+                return await self.service.append_event(session, event)
+            return await self._publishing(session, event, stored)
+
+    async def _publishing(self, session: Any, event: Any, stored: Any) -> Any:
+        """The append of ``event`` as the staged publication of the function responses
+        it carries that the ledger holds unpublished (all of them, or it is written as
+        it is): staged (durable) before the write, committed after it, recorded failed
+        when it raises (the write's own error propagating)."""
+        plugin = self.plugin
+        assert plugin is not None
+        ids = _response_ids(event)
+        with plugin._lock:
+            c = plugin._runs.get(plugin.run_id_of(session))
+            owed = set(c.unpublished_call_ids()) if c is not None else set()
+            answered = [call_id for call_id in ids if call_id in owed]
+            if (c is None or not answered or owed - set(answered)
+                    or c.step is Step.UNSETTLED):
+                return await self.service.append_event(session, event)
+            history = [_event_json(e) for e in (stored.events if stored is not None
+                                                else session.events)]
+            c.stage_publication([_event_json(event)], history, call_ids=answered,
+                                whole=True)
+            c.flush()  # the envelope is durable before the write
+        try:
+            written = await self.service.append_event(session, event)
+        except Exception as error:
+            with plugin._lock, contextlib.suppress(ControlError):  # its error wins (I6)
+                c.publication_failed(error)
+                c.flush()
+            raise
+        with plugin._lock:
+            c.publication_committed()
+            c.flush()
+        return written

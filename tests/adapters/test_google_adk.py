@@ -1,0 +1,517 @@
+"""The Google ADK adapter (DESIGN §7.4, issue 30), in one process: each field report run
+on ADK alone (its ``InMemorySessionService`` and ``Runner``) and through the adapter, the
+same agent, a scripted model, tools that append a line to an fsynced file. What ran is
+counted from that file; the expected count is what the scenario says must happen (a
+confirmed call runs once, a rejected one never), never what a ledger recorded.
+
+The kill -9 rows and the two resumer processes are in test_google_adk_durability.py.
+Under CI a missing ``google-adk`` package fails this module instead of skipping it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+try:
+    import google.adk  # noqa: F401
+except ImportError:  # pragma: no cover - CI installs the extra
+    if os.environ.get("CI"):
+        raise
+    pytest.skip("google-adk is not installed (pip install -e '.[google-adk]')",
+                allow_module_level=True)
+
+from google.adk.agents import LlmAgent, ParallelAgent
+from google.adk.sessions import InMemorySessionService
+from google.adk.sessions.base_session_service import BaseSessionService
+from google.adk.tools.agent_tool import AgentTool
+from google.adk.tools.mcp_tool import McpToolset
+from google.adk.tools.mcp_tool.mcp_session_manager import StdioConnectionParams
+from mcp import StdioServerParameters
+
+from statemachine import (
+    ConcurrencyConflict,
+    InvalidTransition,
+    Resolution,
+    RunController,
+    SQLiteEventStore,
+    ToolInDoubt,
+    operator,
+)
+from statemachine.adapters.google_adk import (
+    LedgerPlugin,
+    OneWriterSessionService,
+    UnsupportedFeature,
+    confirmation,
+)
+from statemachine.errors import RunNotFound
+from statemachine.values import Phase, Step
+from tests.drivers import adk_driver as world
+from tests.drivers.adk_driver import (
+    APP,
+    RUN,
+    SESSION,
+    USER,
+    Call,
+    DieBeforeAppend,
+    ScriptedModel,
+    build,
+    confirmation_requests,
+    effects,
+    response,
+    run,
+    text,
+)
+
+logging.getLogger("google_adk").setLevel(logging.ERROR)
+CHARGE: Call = ("c1", "charge", {"amount": 5})
+
+
+class World:
+    """One scenario's world: the effects file, and ADK's runner alone or through the
+    ledger (a `LedgerPlugin` on a SQLite store, `OneWriterSessionService` around the
+    session service)."""
+
+    def __init__(self, folder: Path, mode: str, script: list[Call], tools: list[str], *,
+                 service: BaseSessionService | None = None, resumable: bool = False) -> None:
+        self.effects = folder / "effects.txt"
+        self.store = SQLiteEventStore(str(folder / "ledger.db"))
+        inner = service if service is not None else InMemorySessionService()
+        self.plugin: LedgerPlugin | None = None
+        plugins = []
+        if mode == "ledger":
+            self.plugin = LedgerPlugin(self.store)
+            plugins.append(self.plugin)
+            inner = OneWriterSessionService(inner, plugin=self.plugin)
+        self.runner, self.service, self.model = build(self.effects, script, tools=tools,
+                                                      service=inner, plugins=plugins,
+                                                      resumable=resumable)
+
+    async def open(self) -> None:
+        await self.service.create_session(app_name=APP, user_id=USER, session_id=SESSION)
+
+    def ran(self) -> list[str]:
+        return effects(self.effects)
+
+    async def responses(self) -> list[str]:
+        """The function response ids in the stored session, in order."""
+        session = await self.service.get_session(app_name=APP, user_id=USER,
+                                                 session_id=SESSION)
+        assert session is not None
+        return [str(r.id) for e in session.events for r in e.get_function_responses()]
+
+
+class LosesAppend(DieBeforeAppend):
+    """The first append of function responses raises; ``landed``: after writing it
+    (commit-then-raise), else before (nothing written)."""
+
+    def __init__(self, service: BaseSessionService, *, landed: bool) -> None:
+        super().__init__(service)
+        self.landed = landed
+        self.failed = False
+
+    async def append_event(self, session: Any, event: Any) -> Any:
+        if event.get_function_responses() and not self.failed:
+            self.failed = True
+            if self.landed:
+                await self.service.append_event(session, event)
+            raise OSError("the append's acknowledgement was lost")
+        return await self.service.append_event(session, event)
+
+
+async def _noting(runner: Any, seen: list[str]) -> None:
+    """One run of ``"go"``, noting each event's invocation id in ``seen`` (to resume it
+    after the run raised)."""
+    async for event in runner.run_async(user_id=USER, session_id=SESSION,
+                                        new_message=text("go")):
+        seen.append(event.invocation_id)
+
+
+# --------------------------------------------------------------------- field reports
+
+
+@pytest.mark.invariant("I1", "I3", "I7", "I12")
+@pytest.mark.parametrize("landed", [False, True], ids=["append-not-written",
+                                                       "append-written-then-raised"])
+@pytest.mark.parametrize("mode", ["alone", "ledger"])
+def test_a_resumed_invocation_after_a_failed_append_reruns_the_tool_alone_only(
+        tmp_path: Path, mode: str, landed: bool) -> None:
+    """PR #6733 / #5064's shape: the function response's append raises, the invocation
+    is resumed. ADK alone runs the charge again when nothing was written (measured: 2);
+    through the ledger it ran once, and the session holds its response exactly once."""
+    w = World(tmp_path, mode, [CHARGE], ["charge"],
+              service=LosesAppend(InMemorySessionService(), landed=landed), resumable=True)
+
+    async def scenario() -> None:
+        await w.open()
+        seen: list[str] = []
+        with pytest.raises(OSError, match="acknowledgement was lost"):  # I6: its own error
+            await _noting(w.runner, seen)
+        await run(w.runner, None, invocation_id=seen[-1])
+        assert await w.responses() == ["c1"]  # I3: one copy
+
+    asyncio.run(scenario())
+    expected = 2 if mode == "alone" and not landed else 1
+    assert w.ran() == ["charge 5"] * expected
+    if mode == "ledger":
+        c = RunController.load(w.store, RUN)
+        assert c.phase("c1") is Phase.PUBLISHED
+
+
+@pytest.mark.invariant("I1", "I7")
+@pytest.mark.parametrize("mode", ["alone", "ledger"])
+def test_two_concurrent_resumes_of_one_confirmation_run_the_tool_twice_alone_only(
+        tmp_path: Path, mode: str) -> None:
+    """#4751: two resumes of the same confirmation at once. ADK alone runs the wire twice
+    (measured); through the adapter one goes on, the other gets `ConcurrencyConflict`."""
+    w = World(tmp_path, mode, [("w1", "wire", {"amount": 7})], ["wire"])
+
+    async def scenario() -> list[Any]:
+        await w.open()
+        asked = confirmation_requests(await run(w.runner, text("go")))
+        request, payload = asked["w1"]
+        message = response(request, "adk_request_confirmation",
+                           {"confirmed": True, "payload": payload})
+        outcomes: list[Any] = await asyncio.gather(
+            run(w.runner, message), run(w.runner, message), return_exceptions=True)
+        return outcomes
+
+    outcomes = asyncio.run(scenario())
+    if mode == "alone":
+        assert w.ran() == ["wire 7", "wire 7"]
+    else:
+        assert w.ran() == ["wire 7"]
+        assert [type(o) for o in outcomes].count(ConcurrencyConflict) == 1
+
+
+@pytest.mark.invariant("I1", "I12")
+@pytest.mark.parametrize("mode", ["alone", "ledger"])
+def test_finishing_one_long_running_tool_never_reruns_another(tmp_path: Path,
+                                                              mode: str) -> None:
+    """#5450: two long-running tickets; the client finishes one, then the other, then
+    sends the first one's result again. Each ticket was opened once (ADK 2.13 alone: also
+    once, measured; the report was against older versions)."""
+    w = World(tmp_path, mode, [("t1", "ticket", {"title": "a"}),
+                               ("t2", "ticket", {"title": "b"})], ["ticket"])
+
+    async def scenario() -> None:
+        await w.open()
+        await run(w.runner, text("go"))
+        await run(w.runner, response("t1", "ticket", {"status": "done"}))
+        await run(w.runner, response("t2", "ticket", {"status": "done"}))
+        await run(w.runner, response("t1", "ticket", {"status": "done"}))
+
+    asyncio.run(scenario())
+    assert sorted(w.ran()) == ["ticket a", "ticket b"]
+
+
+@pytest.mark.invariant("I1", "I5")
+@pytest.mark.parametrize("mode", ["alone", "ledger"])
+def test_a_confirmed_call_runs_once_and_the_run_goes_on(tmp_path: Path, mode: str) -> None:
+    """#5064: resuming with the confirmation runs the call once and the run goes on to
+    its answer; the same confirmation sent again runs nothing. A sibling that needed no
+    confirmation (PR #6733) is not run again by the confirmation's resume."""
+    w = World(tmp_path, mode, [CHARGE, ("w1", "wire", {"amount": 7})], ["charge", "wire"])
+
+    async def scenario() -> list[Any]:
+        await w.open()
+        asked = confirmation_requests(await run(w.runner, text("go")))
+        request, payload = asked["w1"]
+        message = response(request, "adk_request_confirmation",
+                           {"confirmed": True, "payload": payload})
+        answered = await run(w.runner, message)
+        await run(w.runner, message)
+        return answered
+
+    answered = asyncio.run(scenario())
+    assert sorted(w.ran()) == ["charge 5", "wire 7"]
+    assert any(part.text == "done" for event in answered if event.content
+               for part in event.content.parts or ())
+    if mode == "ledger":
+        c = RunController.load(w.store, RUN)
+        assert c.call("w1").decisions[-1].kind == "approved"
+        assert c.call("w1").decisions[-1].by == "adk:confirmation"
+
+
+@pytest.mark.invariant("I1", "I5")
+@pytest.mark.parametrize("mode", ["alone", "ledger"])
+def test_a_confirmation_showing_another_calls_fingerprint_is_refused(tmp_path: Path,
+                                                                    mode: str) -> None:
+    """PR #5545: resumed calls not tied to the call that was shown. Two wires, 7 and 700;
+    the human confirms what the first request showed, sent as the answer to the second.
+    ADK alone wires 700 (measured); through the adapter the confirmation does not carry
+    the 700 call's fingerprint and is refused: nothing ran, nothing recorded."""
+    w = World(tmp_path, mode, [("w1", "wire", {"amount": 7}),
+                               ("w2", "wire", {"amount": 700})], ["wire"])
+
+    async def scenario() -> None:
+        await w.open()
+        asked = confirmation_requests(await run(w.runner, text("go")))
+        _, shown = asked["w1"]
+        request, _ = asked["w2"]
+        message = response(request, "adk_request_confirmation",
+                           {"confirmed": True, "payload": shown})
+        if mode == "alone":
+            await run(w.runner, message)
+            return
+        before = RunController.load(w.store, RUN).events
+        with pytest.raises(InvalidTransition, match="fingerprint"):
+            await run(w.runner, message)
+        assert RunController.load(w.store, RUN).events[len(before):] == ()
+        assert RunController.load(w.store, RUN).phase("w2") is Phase.AWAITING
+
+    asyncio.run(scenario())
+    assert w.ran() == (["wire 700"] if mode == "alone" else [])
+
+
+# ------------------------------------------------------------------- the ledger's rules
+
+
+def test_the_confirmation_request_shows_the_fingerprint_and_a_rejection_never_runs(
+        tmp_path: Path) -> None:
+    w = World(tmp_path, "ledger", [("w1", "wire", {"amount": 7})], ["wire"])
+
+    async def scenario() -> None:
+        await w.open()
+        asked = confirmation_requests(await run(w.runner, text("go")))
+        request, payload = asked["w1"]
+        c = RunController.load(w.store, RUN)
+        assert payload == {"fingerprint": c.fingerprint("w1")}
+        (item,) = operator.inbox(w.store)
+        assert item.run_id == RUN
+        assert item.call_id == "w1"
+        assert item.fingerprint == c.fingerprint("w1")
+        await run(w.runner, confirmation(request, fingerprint=payload["fingerprint"],
+                                         confirmed=False))
+
+    asyncio.run(scenario())
+    assert w.ran() == []
+    c = RunController.load(w.store, RUN)
+    assert c.call("w1").decisions[-1].kind == "rejected"
+    assert operator.inbox(w.store) == []
+
+
+def test_a_decision_through_the_operator_is_honoured_and_a_contradiction_refused(
+        tmp_path: Path) -> None:
+    """``statemachine.operator.approve`` (or the CLI) decides the call; the confirmation
+    that lets ADK go on must agree with it."""
+    w = World(tmp_path, "ledger", [("w1", "wire", {"amount": 7})], ["wire"])
+    assert w.plugin is not None
+
+    async def scenario() -> None:
+        await w.open()
+        asked = confirmation_requests(await run(w.runner, text("go")))
+        request, payload = asked["w1"]
+        operator.approve(w.store, RUN, "w1", fingerprint=payload["fingerprint"], by="ops")
+        with pytest.raises(InvalidTransition, match="decided otherwise"):
+            await run(w.runner, confirmation(request, fingerprint=payload["fingerprint"],
+                                             confirmed=False))
+        assert w.ran() == []
+        await run(w.runner, confirmation(request, fingerprint=payload["fingerprint"]))
+
+    asyncio.run(scenario())
+    assert w.ran() == ["wire 7"]
+    (run_head,) = operator.runs(w.store)
+    assert run_head.run_id == RUN
+
+
+def test_the_body_sees_its_idempotency_key(tmp_path: Path) -> None:
+    w = World(tmp_path, "ledger", [CHARGE], ["charge"])
+    world.KEYS.clear()
+
+    async def scenario() -> None:
+        await w.open()
+        await run(w.runner, text("go"))
+
+    asyncio.run(scenario())
+    assert [RunController.load(w.store, RUN).idempotency_key("c1")] == world.KEYS
+
+
+@pytest.mark.invariant("I1", "I12")
+def test_a_tool_that_raised_is_answered_from_the_ledger_when_resumed(tmp_path: Path) -> None:
+    """The body's exception propagates as with ADK alone and is recorded as the call's
+    error: the resumed invocation answers with it, never running the body again."""
+    w = World(tmp_path, "ledger", [("r1", "refund", {"amount": -1})], ["refund"],
+              resumable=True)
+
+    async def scenario() -> None:
+        await w.open()
+        seen: list[str] = []
+        with pytest.raises(ValueError, match="negative refund"):
+            await _noting(w.runner, seen)
+        await run(w.runner, None, invocation_id=seen[-1])
+
+    asyncio.run(scenario())
+    assert w.ran() == ["refund -1"]
+    c = RunController.load(w.store, RUN)
+    assert c.call("r1").result == {"error": "ValueError: negative refund"}
+
+
+@pytest.mark.invariant("I11")
+def test_a_call_in_doubt_refuses_the_run_until_the_operator_resolves_it(
+        tmp_path: Path) -> None:
+    """A start made durable with no result (the process died in the body: here its
+    record is left so by a run stopped in the body) refuses every run with `ToolInDoubt`
+    before anything runs; ``operator.resolve`` lets the agent go on with its output."""
+    w = World(tmp_path, "ledger", [CHARGE], ["charge"], resumable=True)
+    assert w.plugin is not None
+    plugin = w.plugin
+
+    async def scenario() -> None:
+        await w.open()
+        world.KILL["point"] = "before-effect"
+        try:
+            with pytest.raises(StopInBody):
+                await _noting(w.runner, [])
+        finally:
+            world.KILL["point"] = ""
+        plugin.forget()  # a fresh process: the store's record only
+        with pytest.raises(ToolInDoubt):
+            await run(w.runner, text("again"))
+        assert w.ran() == []
+        operator.resolve(w.store, RUN, "c1", outcome=Resolution.COMPLETED,
+                         output={"charged": 5}, by="ops", evidence="pay_1")
+        plugin.forget()
+        session = await w.service.get_session(app_name=APP, user_id=USER,
+                                              session_id=SESSION)
+        assert session is not None
+        invocation = next(e.invocation_id for e in session.events if e.get_function_calls())
+        answered = await run(w.runner, None, invocation_id=invocation)
+        assert any(r.response == {"charged": 5} for e in answered
+                   for r in e.get_function_responses())
+
+    asyncio.run(scenario())
+    assert w.ran() == []  # the operator's word: the body never ran
+    assert RunController.load(w.store, RUN).phase("c1") is Phase.PUBLISHED
+
+
+class StopInBody(BaseException):
+    """Stands for the process dying inside the body (no result, no error recorded)."""
+
+
+@pytest.fixture(autouse=True)
+def _stop_in_body(monkeypatch: pytest.MonkeyPatch) -> None:
+    def die_at(point: str) -> None:
+        if world.KILL["point"] == point:
+            raise StopInBody(point)
+
+    monkeypatch.setattr(world, "die_at", die_at)
+
+
+@pytest.mark.invariant("I7")
+def test_a_second_writer_of_a_session_is_refused(tmp_path: Path) -> None:
+    """`OneWriterSessionService`: an append from a session copy another writer has moved
+    past is refused, nothing written."""
+    inner = InMemorySessionService()
+    service = OneWriterSessionService(inner)
+
+    async def scenario() -> None:
+        from google.adk.events.event import Event
+        from google.genai import types
+
+        await service.create_session(app_name=APP, user_id=USER, session_id=SESSION)
+        first = await service.get_session(app_name=APP, user_id=USER, session_id=SESSION)
+        second = await service.get_session(app_name=APP, user_id=USER, session_id=SESSION)
+        assert first is not None
+        assert second is not None
+        await service.append_event(first, Event(author="user", content=types.Content(
+            role="user", parts=[types.Part(text="one")])))
+        with pytest.raises(ConcurrencyConflict, match="moved on"):
+            await service.append_event(second, Event(author="user", content=types.Content(
+                role="user", parts=[types.Part(text="two")])))
+        stored = await inner.get_session(app_name=APP, user_id=USER, session_id=SESSION)
+        assert stored is not None
+        assert [(e.content.parts or [])[0].text for e in stored.events if e.content] == ["one"]
+
+    asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------------- refusals
+
+
+def _mcp() -> Any:
+    return McpToolset(connection_params=StdioConnectionParams(
+        server_params=StdioServerParameters(command="true", args=[])))
+
+
+@pytest.mark.parametrize(("feature", "agent"), [
+    ("MCP toolsets", lambda model: LlmAgent(name="agent", model=model, tools=[_mcp()])),
+    ("agents as tools", lambda model: LlmAgent(name="agent", model=model, tools=[
+        AgentTool(LlmAgent(name="inner", model=ScriptedModel()))])),
+    ("ParallelAgent agents", lambda model: ParallelAgent(name="agent", sub_agents=[
+        LlmAgent(name="inner", model=model)])),
+    ("sub-agents", lambda model: LlmAgent(name="agent", model=model, sub_agents=[
+        LlmAgent(name="inner", model=ScriptedModel())])),
+], ids=["mcp", "agent-tool", "parallel-agent", "sub-agents"])
+def test_what_the_adapter_cannot_carry_is_refused_when_the_run_opens(
+        tmp_path: Path, feature: str, agent: Any) -> None:
+    from google.adk.apps import App
+    from google.adk.runners import Runner
+
+    store = SQLiteEventStore(str(tmp_path / "ledger.db"))
+    model = ScriptedModel(script=[CHARGE])
+    service = InMemorySessionService()
+    runner = Runner(app=App(name=APP, root_agent=agent(model),
+                            plugins=[LedgerPlugin(store)]), session_service=service)
+
+    async def scenario() -> None:
+        await service.create_session(app_name=APP, user_id=USER, session_id=SESSION)
+        with pytest.raises(UnsupportedFeature) as refused:
+            await run(runner, text("go"))
+        assert refused.value.feature == feature
+
+    asyncio.run(scenario())
+    assert model.requests == 0
+    with pytest.raises(RunNotFound):
+        RunController.load(store, RUN)
+
+
+def test_an_async_store_is_refused_when_the_plugin_is_built(tmp_path: Path) -> None:
+    from statemachine.sqlite import AsyncSQLiteEventStore
+
+    with pytest.raises(UnsupportedFeature) as refused:
+        LedgerPlugin(AsyncSQLiteEventStore(str(tmp_path / "ledger.db")))  # type: ignore[arg-type]
+    assert refused.value.feature == "async event stores"
+    assert Step.RUN_AGAIN  # the module's names import
+
+
+@pytest.mark.invariant("I1")
+@pytest.mark.parametrize("mode", ["alone", "ledger"])
+def test_a_body_asking_for_its_confirmation_runs_its_effect_once(tmp_path: Path,
+                                                                 mode: str) -> None:
+    """``tool_context.request_confirmation()`` inside a body: the first run asks and does
+    nothing; once confirmed ADK runs the body again, which then acts (once)."""
+    from google.adk.tools.function_tool import FunctionTool
+
+    w = World(tmp_path, mode, [("p1", "pay", {"amount": 9})], [])
+
+    def pay(amount: int, tool_context: Any) -> dict[str, Any]:
+        """Pay, after asking."""
+        if tool_context.tool_confirmation is None:
+            tool_context.request_confirmation(hint="pay?")
+            return {"status": "asked"}
+        world.effect(w.effects, f"pay {amount}")
+        return {"paid": amount}
+
+    agent = w.runner.agent
+    assert isinstance(agent, LlmAgent)
+    agent.tools.append(FunctionTool(pay))
+
+    async def scenario() -> None:
+        await w.open()
+        asked = confirmation_requests(await run(w.runner, text("go")))
+        request, _ = asked["p1"]
+        await run(w.runner, response(request, "adk_request_confirmation",
+                                     {"confirmed": True}))
+
+    asyncio.run(scenario())
+    assert w.ran() == ["pay 9"]
+    if mode == "ledger":
+        c = RunController.load(w.store, RUN)
+        assert c.phase("p1") is Phase.PUBLISHED
+        assert c.call("p1").starts == 2
