@@ -51,6 +51,7 @@ from statemachine.adapters.google_adk import (
 )
 from statemachine.errors import RunNotFound
 from statemachine.values import Phase, Step
+from statemachine.verifiers import Completed, NotExecuted, Unknown
 from tests.drivers import adk_driver as world
 from tests.drivers.adk_driver import (
     APP,
@@ -78,14 +79,15 @@ class World:
     session service)."""
 
     def __init__(self, folder: Path, mode: str, script: list[Call], tools: list[str], *,
-                 service: BaseSessionService | None = None, resumable: bool = False) -> None:
+                 service: BaseSessionService | None = None, resumable: bool = False,
+                 verifiers: dict[str, Any] | None = None) -> None:
         self.effects = folder / "effects.txt"
         self.store = SQLiteEventStore(str(folder / "ledger.db"))
         inner = service if service is not None else InMemorySessionService()
         self.plugin: LedgerPlugin | None = None
         plugins = []
         if mode == "ledger":
-            self.plugin = LedgerPlugin(self.store)
+            self.plugin = LedgerPlugin(self.store, verifiers=verifiers)
             plugins.append(self.plugin)
             inner = OneWriterSessionService(inner, plugin=self.plugin)
         self.runner, self.service, self.model = build(self.effects, script, tools=tools,
@@ -388,6 +390,58 @@ def test_a_call_in_doubt_refuses_the_run_until_the_operator_resolves_it(
     asyncio.run(scenario())
     assert w.ran() == []  # the operator's word: the body never ran
     assert RunController.load(w.store, RUN).phase("c1") is Phase.PUBLISHED
+
+
+@pytest.mark.invariant("I11")
+@pytest.mark.parametrize("answer", ["completed", "not-executed", "unknown"])
+def test_a_verifier_settles_a_call_in_doubt_when_the_run_is_claimed(
+        tmp_path: Path, answer: str) -> None:
+    """The process died in the body (its start durable, no result): the next run's claim
+    asks the tool's verifier (DESIGN §7.3). `Completed`: its output is the call's result
+    and the body never runs; `NotExecuted`: the body runs once; `Unknown`: the call stays
+    in doubt and the run is refused (`ToolInDoubt`), nothing run."""
+    asked: list[str] = []
+
+    def verify(context: Any) -> Any:
+        asked.append(context.call_id)
+        return {"completed": Completed({"charged": 5}), "not-executed": NotExecuted(),
+                "unknown": Unknown()}[answer]
+
+    w = World(tmp_path, "ledger", [CHARGE], ["charge"], resumable=True,
+              verifiers={"charge": verify})
+    assert w.plugin is not None
+    plugin = w.plugin
+
+    async def scenario() -> None:
+        await w.open()
+        world.KILL["point"] = "before-effect"
+        try:
+            with pytest.raises(StopInBody):
+                await _noting(w.runner, [])
+        finally:
+            world.KILL["point"] = ""
+        assert asked == []  # nothing was in doubt at the first claim
+        plugin.forget()  # a fresh process: the store's record only
+        session = await w.service.get_session(app_name=APP, user_id=USER,
+                                              session_id=SESSION)
+        assert session is not None
+        invocation = next(e.invocation_id for e in session.events if e.get_function_calls())
+        if answer == "unknown":
+            with pytest.raises(ToolInDoubt):
+                await run(w.runner, None, invocation_id=invocation)
+            return
+        answered = await run(w.runner, None, invocation_id=invocation)
+        responses = [r.response for e in answered for r in e.get_function_responses()]
+        if answer == "completed":
+            assert {"charged": 5} in responses
+
+    asyncio.run(scenario())
+    assert asked == ["c1"]
+    # the body: never after Completed or Unknown (the kill came before its effect), once
+    # after NotExecuted
+    assert len(w.ran()) == (1 if answer == "not-executed" else 0)
+    phase = RunController.load(w.store, RUN).phase("c1")
+    assert (phase is Phase.STARTED) == (answer == "unknown")
 
 
 class StopInBody(BaseException):
