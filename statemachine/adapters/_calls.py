@@ -29,6 +29,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import threading
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -40,14 +41,16 @@ from statemachine.errors import (
     ControlError,
     InvalidTransition,
     ReconcileRejected,
+    RunNotFound,
     RunNotResumable,
     SchemaError,
 )
 from statemachine.payloads import JSON, canonical_json
 from statemachine.runner.publish import settle
 from statemachine.sessions import Session
+from statemachine.stores import EventStore
 from statemachine.values import Phase, Resend, Resolution, Step
-from statemachine.verifiers import Verifier, context_of, running
+from statemachine.verifiers import Verifier, context_of, running, verify_in_doubt
 
 
 class UnsupportedFeature(ControlError, ValueError):
@@ -468,3 +471,60 @@ async def decide_async(c: RunController, owner: str | None, command: Command, *,
     await flush()
     command(c)
     await flush()
+
+
+class HeldRuns:
+    """This process's copies of the runs an adapter keeps one per thread or session (the
+    LangGraph `ToolLedger`, the ADK `LedgerPlugin`): the class sets ``store``, ``owner``,
+    ``verifiers`` (checked), ``_lock`` (an `RLock`) and ``_runs``."""
+
+    store: EventStore
+    owner: str | None
+    verifiers: Mapping[str, Verifier]
+    _lock: threading.RLock
+    _runs: dict[str, RunController]
+
+    def controller(self, run_id: str) -> RunController:
+        """The run's controller as this process holds it: loaded (and claimed, its
+        verifiers asked) when the store holds the run and this process does not, or holds
+        a stale copy (another process wrote since); started when the store does not hold
+        it. `ConcurrencyConflict` when another attempt claimed the same version first."""
+        with self._lock:
+            c = self._runs.get(run_id)
+            if c is not None:
+                try:
+                    c.fence()
+                except ControlError:  # another process wrote, or this copy stopped
+                    c = None
+            if c is None:
+                c = self._open(run_id)
+                self._runs[run_id] = c
+            return c
+
+    def _open(self, run_id: str) -> RunController:
+        try:
+            c = RunController.load(self.store, run_id, buffered=True)
+        except RunNotFound:
+            return RunController.start(run_id=run_id, session_id=None, store=self.store,
+                                       buffered=True)
+        doubtful = c.in_doubt()
+        verifiable = [call_id for call_id in doubtful
+                      if c.call(call_id).call.name in self.verifiers]
+        if doubtful and not verifiable:
+            c.resume()  # ToolInDoubt before the claim: a stuck run gains no claim
+        c.claim(self.owner)
+        c.flush()  # durable before any effect: of two resumers, one goes on
+        if verifiable:
+            verify_in_doubt(c, self.verifiers)
+            c.flush()
+        return c
+
+    def forget(self, run_id: str | None = None) -> None:
+        """Drop this process's copy of a run (all of them with None): the next call loads
+        it from the store again (and claims it)."""
+        with self._lock:
+            if run_id is None:
+                self._runs.clear()
+            else:
+                self._runs.pop(run_id, None)
+

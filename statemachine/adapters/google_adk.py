@@ -99,6 +99,7 @@ except ModuleNotFoundError as error:  # pragma: no cover - the extra is installe
     raise missing_extra(__name__, "google-adk", error) from error
 
 from statemachine.adapters._calls import (
+    HeldRuns,
     InvalidVerifier,
     UnsupportedFeature,
     Walk,
@@ -114,7 +115,6 @@ from statemachine.errors import (
     ConcurrencyConflict,
     ControlError,
     InvalidTransition,
-    RunNotFound,
     ToolInDoubt,
 )
 from statemachine.journal import is_async
@@ -122,7 +122,7 @@ from statemachine.payloads import JSON
 from statemachine.runner.attempt import interrupted
 from statemachine.stores import EventStore
 from statemachine.values import Append, Phase, Resolution, Step, ToolCall
-from statemachine.verifiers import Verifier, context_of, entered, left, verify_in_doubt
+from statemachine.verifiers import Verifier, context_of, entered, left
 
 __all__ = [
     "InvalidVerifier",
@@ -209,7 +209,7 @@ def _run_id(prefix: str, session: Any) -> str:
     return f"{prefix}{session.app_name}/{session.user_id}/{session.id}"
 
 
-class LedgerPlugin(BasePlugin):
+class LedgerPlugin(HeldRuns, BasePlugin):
     """The function calls of ADK sessions, through one event store (DESIGN §7.4).
 
     Give it to the runner first: ``Runner(..., plugins=[LedgerPlugin(store), ...])`` (a
@@ -250,49 +250,6 @@ class LedgerPlugin(BasePlugin):
         """The run id of an ADK ``Session``."""
         return _run_id(self.prefix, session)
 
-    def controller(self, run_id: str) -> RunController:
-        """The run's controller as this process holds it: loaded (and claimed, its
-        verifiers asked) when the store holds the run and this process does not, or holds
-        a stale copy (another process wrote since); started when the store does not hold
-        it. `ConcurrencyConflict` when another attempt claimed the same version first."""
-        with self._lock:
-            c = self._runs.get(run_id)
-            if c is not None:
-                try:
-                    c.fence()
-                except ControlError:  # another process wrote, or this copy stopped
-                    c = None
-            if c is None:
-                c = self._open(run_id)
-                self._runs[run_id] = c
-            return c
-
-    def _open(self, run_id: str) -> RunController:
-        try:
-            c = RunController.load(self.store, run_id, buffered=True)
-        except RunNotFound:
-            return RunController.start(run_id=run_id, session_id=None, store=self.store,
-                                       buffered=True)
-        doubtful = c.in_doubt()
-        verifiable = [call_id for call_id in doubtful
-                      if c.call(call_id).call.name in self.verifiers]
-        if doubtful and not verifiable:
-            c.resume()  # ToolInDoubt before the claim: a stuck run gains no claim
-        c.claim(self.owner)
-        c.flush()  # durable before any effect: of two resumers, one goes on
-        if verifiable:
-            verify_in_doubt(c, self.verifiers)
-            c.flush()
-        return c
-
-    def forget(self, run_id: str | None = None) -> None:
-        """Drop this process's copy of a run (all of them with None): the next call loads
-        it from the store again (and claims it)."""
-        with self._lock:
-            if run_id is None:
-                self._runs.clear()
-            else:
-                self._runs.pop(run_id, None)
 
     # ------------------------------------------------------------- opening a run
 

@@ -111,6 +111,7 @@ except ModuleNotFoundError as error:  # pragma: no cover - the extra is installe
     raise missing_extra(__name__, "langgraph", error) from error
 
 from statemachine.adapters._calls import (
+    HeldRuns,
     InvalidVerifier,
     UnsupportedFeature,
     Walk,
@@ -127,7 +128,6 @@ from statemachine.errors import (
     ControlError,
     InvalidTransition,
     PublicationUnsettled,
-    RunNotFound,
     ToolInDoubt,
 )
 from statemachine.journal import is_async
@@ -135,7 +135,7 @@ from statemachine.payloads import JSON
 from statemachine.runner.attempt import interrupted
 from statemachine.stores import EventStore
 from statemachine.values import Append, Phase, Resolution, Step, ToolCall
-from statemachine.verifiers import Verifier, context_of, running, verify_in_doubt
+from statemachine.verifiers import Verifier, context_of, running
 
 __all__ = [
     "InvalidVerifier",
@@ -238,7 +238,7 @@ def _messages_of(state: Any) -> list[BaseMessage]:
     return list(found) if isinstance(found, list) else []
 
 
-class ToolLedger:
+class ToolLedger(HeldRuns):
     """The tool calls of LangGraph threads, through one event store (DESIGN §7.4).
 
     Use it as ``ToolNode(tools, wrap_tool_call=ledger.wrap_tool_call,
@@ -299,49 +299,6 @@ class ToolLedger:
                 feature="graphs without a thread", action="open")
         return f"{self.prefix}{thread}"
 
-    def controller(self, run_id: str) -> RunController:
-        """The run's controller as this process holds it: loaded (and claimed, its
-        verifiers asked) when the store holds the run and this process does not, or holds
-        a stale copy (another process wrote since); started when the store does not hold
-        it. `ConcurrencyConflict` when another attempt claimed the same version first."""
-        with self._lock:
-            c = self._runs.get(run_id)
-            if c is not None:
-                try:
-                    c.fence()
-                except ControlError:  # another process wrote, or this copy stopped
-                    c = None
-            if c is None:
-                c = self._open(run_id)
-                self._runs[run_id] = c
-            return c
-
-    def _open(self, run_id: str) -> RunController:
-        try:
-            c = RunController.load(self.store, run_id, buffered=True)
-        except RunNotFound:
-            return RunController.start(run_id=run_id, session_id=None, store=self.store,
-                                       buffered=True)
-        doubtful = c.in_doubt()
-        verifiable = [call_id for call_id in doubtful
-                      if c.call(call_id).call.name in self.verifiers]
-        if doubtful and not verifiable:
-            c.resume()  # ToolInDoubt before the claim: a stuck run gains no claim
-        c.claim(self.owner)
-        c.flush()  # durable before any effect: of two resumers, one goes on
-        if verifiable:
-            verify_in_doubt(c, self.verifiers)
-            c.flush()
-        return c
-
-    def forget(self, run_id: str | None = None) -> None:
-        """Drop this process's copy of a run (all of them with None): the next call loads
-        it from the store again (and claims it)."""
-        with self._lock:
-            if run_id is None:
-                self._runs.clear()
-            else:
-                self._runs.pop(run_id, None)
 
     # ------------------------------------------------------------------- batches
 
