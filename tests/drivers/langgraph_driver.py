@@ -11,7 +11,9 @@ is the same graph through `statemachine.adapters.langgraph`; ``history`` also ma
 checkpoint writes the ledger's publications (``OneWriterSaver(saver, ledger=...)``).
 
 Kill points (``--kill``): ``before-effect`` and ``after-effect`` inside the tool body,
-``after-tool`` when LangGraph saves the tools' writes (before them), ``before-put`` when
+``after-tool`` when LangGraph saves the tools' writes or the checkpoint holding their
+result, whichever comes first (before it: LangGraph writes them on two threads, in no
+fixed order), ``before-put`` when
 it writes the checkpoint after them (before it), ``after-put`` right after that write.
 The checkpointer is LangGraph's ``SqliteSaver``, or its ``PostgresSaver`` with
 ``--pg-dsn`` (tables in ``--pg-schema``); there, through `OneWriterSaver`, ``after-put``
@@ -171,7 +173,8 @@ class KillingSaver:
 
         def putting(config: Any, checkpoint: Any, metadata: Any, versions: Any) -> Any:
             after_tools = effects(path) and _holds_tool_result(checkpoint)
-            if after_tools:
+            if after_tools:  # LangGraph may write this checkpoint before the tools'
+                die_at("after-tool")  # writes (two threads): die before either is saved
                 die_at("before-put")
             done = put(config, checkpoint, metadata, versions)
             if after_tools:
