@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import attrs
 
-from statemachine import codec
+from statemachine import codec, telemetry
 from statemachine import events as ev
 from statemachine.blocker import Blocker, Waiting, read_model
 from statemachine.envelope import Envelope, FindingKind, classify, measure_frontier
@@ -127,7 +127,7 @@ def wall_clock() -> int:
 class RunController:
     """The control core of one run. Create with `start`, `load` or `from_json`."""
 
-    __slots__ = ("_attempt", "_clock", "_in_flight", "_journal", "_state")
+    __slots__ = ("_attempt", "_clock", "_in_flight", "_journal", "_spans", "_state")
 
     def __init__(self, journal: Journal, clock: Callable[[], int] | None = None) -> None:
         self._journal = journal
@@ -136,6 +136,7 @@ class RunController:
         """Read once per event recorded here (its ``at``), never by replay."""
         self._attempt: int | None = None
         self._in_flight: dict[str, None] = {}  # a set, in the 64 bytes of an empty dict
+        self._spans: telemetry.Spans | None = None  # its open spans, once telemetry is on
 
     # ----------------------------------------------------------- creating a run
 
@@ -705,10 +706,24 @@ class RunController:
         await self._journal.fence_async()
 
     def _logged(self, event: ev.Event, before: Step | None) -> None:
-        if switch.enabled:
-            run_logger(self._state.run_id).info(
+        s = self._state
+        if switch.logging:
+            run_logger(s.run_id).info(
                 type(event).__name__, seq=event.seq,
-                **{"from": before.value if before else None, "to": self._state.step.value})
+                **{"from": before.value if before else None, "to": s.step.value})
+        if switch.telemetry:
+            call_id = getattr(event, "call_id", None)
+            self._telemetry().recorded(event, before, s.step,
+                                       None if call_id is None else self._tool_name(call_id))
+
+    def _telemetry(self) -> telemetry.Spans:
+        if self._spans is None:
+            self._spans = telemetry.Spans(self._state.run_id)
+        return self._spans
+
+    def _tool_name(self, call_id: str) -> str:
+        record = self._state.calls.get(call_id)
+        return "" if record is None else record.call.name
 
     # ----------------------------------------------------------------- the model
 
@@ -857,6 +872,9 @@ class RunController:
         return self.next_action()
 
     def _refuse_in_doubt(self, action: str, call_id: str) -> NoReturn:
+        if switch.telemetry:
+            telemetry.answered(self._state.run_id, call_id, self._tool_name(call_id),
+                               "refused_in_doubt")
         raise ToolInDoubt(
             f"call {excerpt(call_id)} was started and never completed; it is not re-run (I11). "
             "Record its outcome with resolve_in_doubt, or abandon the run",
@@ -875,6 +893,8 @@ class RunController:
         record = self._state.calls.get(call_id)
         if record is not None:
             if record.phase is Phase.COMPLETED:
+                if switch.telemetry:
+                    telemetry.answered(self._state.run_id, call_id, record.call.name, "resent")
                 return Resend(call_id, copy_plain(record.result))
             if record.phase is Phase.STARTED:
                 if call_id in self._in_flight:
@@ -915,6 +935,8 @@ class RunController:
             self._refuse(InvalidTransition, action,
                          f"call {excerpt(call_id)} is not in flight in this controller")
         self._in_flight.pop(call_id, None)
+        if self._spans is not None:
+            self._spans.interrupted(call_id)
 
     def resolve_in_doubt(self, call_id: str, output: JSON = None, *,
                          outcome: Resolution = Resolution.COMPLETED, by: str | None = None,
@@ -1214,6 +1236,7 @@ class RunController:
             return Acknowledge()
         if finding.kind is FindingKind.APPEND:
             if s.attempt_seq is not None and not take_over:
+                self._reconcile_rejected()
                 self._refuse(
                     ReconcileRejected, action,
                     "the Session is at the pre-write frontier but an attempt may still be "
@@ -1225,12 +1248,15 @@ class RunController:
             self._record(action, event)
             self._attempt = event.seq
             return Append(items)
+        self._reconcile_rejected()
         self._refuse(ReconcileRejected, action,
                      f"{finding.explain(envelope)}. The envelope is kept; the completed tool "
                      "must not be re-run")
         return None
 
-
+    def _reconcile_rejected(self) -> None:
+        if switch.telemetry:
+            telemetry.rejected(self._state.run_id)
 
 
 _BAD_CLOCK = ("the run's clock must return an int of microseconds since the Unix epoch, "

@@ -24,6 +24,7 @@ import asyncio
 from collections.abc import Callable, Collection
 from typing import Any, TypedDict, Unpack
 
+from statemachine import telemetry
 from statemachine.blocker import Waiting
 from statemachine.controller import RunController
 from statemachine.errors import (
@@ -110,11 +111,12 @@ def _act(store: EventStore, run_id: str, action: str, by: str, command: Command,
          clock: Clock, limits: Limits, *, settling: bool = False) -> RunController:
     _who(action, by, run_id)
     seen, rest = _loading(limits, run_id)
-    c = RunController.load(store, run_id, buffered=True, clock=clock, **rest)
-    _fresh(c, seen)
-    _claim(c, by, settling=settling)
-    command(c)
-    c.flush()
+    with telemetry.command_span(action, run_id, by):
+        c = RunController.load(store, run_id, buffered=True, clock=clock, **rest)
+        _fresh(c, seen)
+        _claim(c, by, settling=settling)
+        command(c)
+        c.flush()
     return c
 
 
@@ -126,11 +128,12 @@ async def _act_async(store: AsyncEventStore | EventStore, run_id: str, action: s
                                        by, command, clock, limits, settling=settling)
     _who(action, by, run_id)
     seen, rest = _loading(limits, run_id)
-    c = await RunController.load_async(store, run_id, buffered=True, clock=clock, **rest)
-    _fresh(c, seen)
-    _claim(c, by, settling=settling)
-    command(c)
-    await c.flush_async()
+    with telemetry.command_span(action, run_id, by):
+        c = await RunController.load_async(store, run_id, buffered=True, clock=clock, **rest)
+        _fresh(c, seen)
+        _claim(c, by, settling=settling)
+        command(c)
+        await c.flush_async()
     return c
 
 

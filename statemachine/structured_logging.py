@@ -20,7 +20,20 @@ import structlog
 
 
 class _Switch:
+    """What watches recorded events: ``logging`` (this module), ``telemetry``
+    (`statemachine.telemetry`); ``enabled`` when either does (the one read a silent core
+    pays per event)."""
+
+    logging = False
+    telemetry = False
     enabled = False
+
+    def turn(self, *, logging: bool | None = None, telemetry: bool | None = None) -> None:
+        if logging is not None:
+            self.logging = logging
+        if telemetry is not None:
+            self.telemetry = telemetry
+        self.enabled = self.logging or self.telemetry
 
 
 switch = _Switch()
@@ -42,11 +55,11 @@ def enable_logging(*, json: bool = False, stream: Any = None) -> None:
         cache_logger_on_first_use=False,
     )
     run_logger.cache_clear()  # loggers bound before are bound to the old configuration
-    switch.enabled = True
+    switch.turn(logging=True)
 
 
 def disable_logging() -> None:
-    switch.enabled = False
+    switch.turn(logging=False)
 
 
 @functools.lru_cache(maxsize=256)

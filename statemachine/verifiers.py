@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from statemachine import telemetry
 from statemachine.payloads import JSON
 from statemachine.values import Resolution
 
@@ -104,6 +105,17 @@ def running(context: ToolContext) -> Iterator[ToolContext]:
         yield context
     finally:
         _CURRENT.reset(token)
+
+
+@contextlib.contextmanager
+def running_call(controller: RunController, call_id: str) -> Iterator[ToolContext]:
+    """The body of ``call_id``, which ``controller`` just started: its `ToolContext` is
+    what `tool_context` returns inside the block, and its ``execute_tool`` span, when
+    telemetry is on, the current span (so the body's own spans nest under it)."""
+    # (the controller's open spans are its own; only the body's block is lent them)
+    with running(context_of(controller, call_id)) as context, \
+            telemetry.inside(controller._spans, call_id):
+        yield context
 
 
 @attrs.frozen

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator, Iterator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -59,6 +60,27 @@ settings.load_profile(
 
 
 # ------------------------------------------------------------------ PostgreSQL (§6.7)
+
+
+@pytest.fixture
+def traced() -> Iterator[Any]:
+    """Telemetry on (`statemachine.telemetry`) through OpenTelemetry's SDK with its
+    in-memory exporter (tests/otel.py), off again after the test: a `tests.otel.Traced`.
+    Under CI a missing ``opentelemetry-sdk`` fails the test instead of skipping it."""
+    try:
+        from tests import otel
+    except ImportError:  # pragma: no cover - CI installs it (the dev extra)
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("opentelemetry-sdk is not installed (pip install -e '.[dev]')")
+    from statemachine.telemetry import disable_telemetry, enable_telemetry
+
+    traced = otel.Traced()
+    enable_telemetry(otel.provider())
+    try:
+        yield traced
+    finally:
+        disable_telemetry()
 
 
 @pytest.fixture(scope="session")

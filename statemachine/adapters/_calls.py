@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from statemachine import events as ev
-from statemachine import sizes
+from statemachine import sizes, telemetry
 from statemachine.controller import RunController
 from statemachine.errors import (
     ConfigurationError,
@@ -49,8 +49,9 @@ from statemachine.payloads import JSON, canonical_json
 from statemachine.runner.publish import settle
 from statemachine.sessions import Session
 from statemachine.stores import EventStore
+from statemachine.structured_logging import switch
 from statemachine.values import Phase, Resend, Resolution, Step
-from statemachine.verifiers import Verifier, context_of, running, verify_in_doubt
+from statemachine.verifiers import Verifier, running_call, verify_in_doubt
 
 
 class UnsupportedFeature(ControlError, ValueError):
@@ -185,6 +186,8 @@ def begin_call(c: RunController, call_id: str, arguments: JSON, *,
     its batch takes beside its result)."""
     view = c.call(call_id)
     if view.phase is Phase.PUBLISHED:
+        if switch.telemetry:
+            telemetry.answered(c.run_id, call_id, view.call.name, "resent")
         return True, view.result
     if not _same_json(arguments, view.call.arguments):
         raise InvalidTransition(
@@ -241,7 +244,7 @@ async def run_call(c: RunController, call_id: str, arguments: JSON, *,
         return cached
     await flush()
     try:
-        with running(context_of(c, call_id)):  # tool_context() in the body
+        with running_call(c, call_id):  # tool_context() in the body
             output = await body()
     except answers as error:
         record_result(c, call_id, answer(error) if answer is not None else

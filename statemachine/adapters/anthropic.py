@@ -160,8 +160,7 @@ from statemachine.structured_logging import run_logger, switch
 from statemachine.values import Phase, Resolution, Step, ToolCall
 from statemachine.verifiers import (
     Verifier,
-    context_of,
-    running,
+    running_call,
     verify_in_doubt,
     verify_in_doubt_async,
 )
@@ -461,7 +460,7 @@ def _end_recorded(c: RunController) -> bool:
 
 
 def _replayed(c: RunController, what: str) -> None:
-    if switch.enabled:
+    if switch.logging:
         run_logger(c.run_id).info("replayed", action=what,
                                   note="the run completed earlier: its recorded result, "
                                        "nothing sent, no tool run")
@@ -697,7 +696,7 @@ class LedgerSessionToolRunner(SessionToolRunner):
         try:
             await c.flush_async()  # an effect boundary: the start is durable first
             sendable = _SendableTool(tool)
-            with running(context_of(c, call_id)):  # tool_context() in the body
+            with running_call(c, call_id):  # tool_context() in the body
                 result_event, recorded = await super()._call_tool(cast(Any, sendable), ev,
                                                                   input_)
             if not sendable.answered and call_id not in self._idempotent:
@@ -1052,7 +1051,7 @@ class MessageToolLedger:
             return cached  # it ran: the cached result, never a second run
         try:
             c.flush()  # an effect boundary: the start is durable first
-            with running(context_of(c, call_id)):  # tool_context() in the body
+            with running_call(c, call_id):  # tool_context() in the body
                 block = execute(use)
             return _record(c, call_id, block, self._failure_for(call_id))[0]
         except BaseException:
@@ -1066,7 +1065,7 @@ class MessageToolLedger:
             return cached
         try:
             await c.flush_async()
-            with running(context_of(c, call_id)):  # tool_context() in the body
+            with running_call(c, call_id):  # tool_context() in the body
                 block = await execute(use)
             return _record(c, call_id, block, self._failure_for(call_id))[0]
         except BaseException:

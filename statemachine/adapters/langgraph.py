@@ -135,7 +135,7 @@ from statemachine.payloads import JSON
 from statemachine.runner.attempt import interrupted
 from statemachine.stores import EventStore
 from statemachine.values import Append, Phase, Resolution, Step, ToolCall
-from statemachine.verifiers import Verifier, context_of, running
+from statemachine.verifiers import Verifier, running_call
 
 __all__ = [
     "InvalidVerifier",
@@ -468,7 +468,7 @@ class ToolLedger(HeldRuns):
         if answer is not None:
             return answer
         try:
-            with running(context_of(c, call_id)):
+            with running_call(c, call_id):
                 result = handler(request)
         except BaseException as error:
             raised = self._raised(c, call_id, call, error)
@@ -484,7 +484,7 @@ class ToolLedger(HeldRuns):
         if answer is not None:
             return answer
         try:
-            with running(context_of(c, call_id)):
+            with running_call(c, call_id):
                 result = await handler(request)
         except BaseException as error:
             raised = self._raised(c, call_id, call, error)

@@ -175,7 +175,7 @@ from statemachine.runner.attempt import Attempt, interrupted, maybe_await
 from statemachine.runner.publish import one_writer, publish, run_history
 from statemachine.stores import AsyncEventStore, EventStore
 from statemachine.values import Action, Phase, RecoveryPolicy, Resolution, Step, ToolCall
-from statemachine.verifiers import Verifier, context_of, running, tool_context
+from statemachine.verifiers import Verifier, running_call, tool_context
 
 __all__ = [
     "AgentRun",
@@ -1679,7 +1679,7 @@ class AgentRun:
         await self._flush()  # durable before the request is sent
         self._lost.pop(call_id, None)
         try:
-            with running(context_of(c, call_id)):
+            with running_call(c, call_id):
                 output = await inner(ctx, input)
         except Exception as error:  # the SDK raises the failure (failure_error_function=None)
             if call_id not in self._lost:  # the server's answer: recorded as the SDK sends it

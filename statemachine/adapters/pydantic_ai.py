@@ -186,7 +186,7 @@ from statemachine.runner.publish import one_writer, publish, run_history
 from statemachine.sessions import MemorySession, Session
 from statemachine.stores import AsyncEventStore, EventStore
 from statemachine.values import Phase, RecoveryPolicy, Resolution, Step, ToolCall
-from statemachine.verifiers import Verifier, context_of, running
+from statemachine.verifiers import Verifier, running_call
 
 __all__ = [
     "ConversationStoreHistory",
@@ -1042,7 +1042,7 @@ class LedgerRun:
         await self._flush()  # an effect boundary: the start is durable before the body
         raised: Exception | None = None
         try:
-            with running(context_of(c, call_id)):  # tool_context() in the body
+            with running_call(c, call_id):  # tool_context() in the body
                 output = await handler(args)
         except ToolRetryError as retry:  # the tool's answer: the model is asked again
             if _timed_out(retry):

@@ -267,12 +267,12 @@ def run_demo(folder: Path | None) -> int:
     structlog.configure(processors=[_transcript],
                         logger_factory=structlog.PrintLoggerFactory(),
                         cache_logger_on_first_use=False)
-    log.switch.enabled = True
+    log.switch.turn(logging=True)
     demo = Demo(folder)
     try:
         asyncio.run(demo.play())
     finally:
-        log.switch.enabled = False
+        log.switch.turn(logging=False)
         structlog.reset_defaults()
         demo.store.close()
     print("\n invariant | checked                                                     | holds")

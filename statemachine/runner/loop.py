@@ -26,6 +26,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequen
 from functools import partial
 from typing import Any
 
+from statemachine import telemetry
 from statemachine.controller import RunController
 from statemachine.errors import ControlError, RunNotFound
 from statemachine.payloads import JSON
@@ -47,7 +48,7 @@ from statemachine.runner.publish import one_writer, publish, run_history, settle
 from statemachine.sessions import MemorySession, Session
 from statemachine.stores import AsyncEventStore, EventStore
 from statemachine.values import Action, CallView, Execute, Phase, RecoveryPolicy, Step, ToolCall
-from statemachine.verifiers import context_of, running
+from statemachine.verifiers import running_call
 
 
 def _result(c: RunController) -> RunResult:
@@ -259,7 +260,7 @@ class _AgentLoop:
                          call.call_id)
         await self.controller.fence_async()  # the start hook may have waited: still ours
         try:
-            with running(context_of(self.controller, call.call_id)):  # tool_context()
+            with running_call(self.controller, call.call_id):  # tool_context()
                 output: JSON = await maybe_await(tool.function(**decision.call.arguments))
         except Exception as error:  # a tool's failure is its output
             output = f"tool error: {type(error).__name__}"
@@ -460,21 +461,23 @@ class Runner:
                    hooks: RunHooks | None, take_over: bool, emit: Emit | AsyncEmit,
                    owner: str | None = None, buffered: bool | None = None,
                    lease: float | None = None) -> RunResult:
-        c, resumed = await _controller(agent, session=session, controller=controller,
-                                       state=state, store=store, run_id=run_id,
-                                       policy=policy, buffered=buffered is not False)
-        loop = _AgentLoop(agent, c, _session_for(c, session), hooks or RunHooks(), emit,
-                          take_over)
-        # buffered within the attempt, per event after it (unless told either): a
-        # controller this runner handed back buffers its next attempt again
-        switched = buffered is None and controller is not None and c._buffer_attempt()
-        try:
-            async with Attempt(c, resumes=resumed, owner=owner, lease=lease,
-                               verifiers=agent.verifiers()):  # claim first, flush last
-                return await loop.run(_input_items(input))
-        finally:
-            if buffered is None and (controller is None or switched):
-                c._between_attempts()
+        with telemetry.agent_span(agent.name) as span:
+            c, resumed = await _controller(agent, session=session, controller=controller,
+                                           state=state, store=store, run_id=run_id,
+                                           policy=policy, buffered=buffered is not False)
+            telemetry.of_run(span, c.run_id)
+            loop = _AgentLoop(agent, c, _session_for(c, session), hooks or RunHooks(), emit,
+                              take_over)
+            # buffered within the attempt, per event after it (unless told either): a
+            # controller this runner handed back buffers its next attempt again
+            switched = buffered is None and controller is not None and c._buffer_attempt()
+            try:
+                async with Attempt(c, resumes=resumed, owner=owner, lease=lease,
+                                   verifiers=agent.verifiers()):  # claim first, flush last
+                    return await loop.run(_input_items(input))
+            finally:
+                if buffered is None and (controller is None or switched):
+                    c._between_attempts()
 
 
 _LAST_KINDS = frozenset({"final_output", "interruption"})

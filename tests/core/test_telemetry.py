@@ -1,0 +1,326 @@
+"""OpenTelemetry spans (DESIGN §7.6, issue 31) through the reference runner, the operator
+and a bare controller, read back from OpenTelemetry's own SDK and its in-memory exporter.
+
+The expected trees are written out from each scenario (what the agent does, what a crash
+leaves, what the operator says), never read from the log the library recorded: a turn
+with one tool has one ``execute_tool`` span, a resumed call that ran before has none,
+the publications are the input, the call with its output, and the answer."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.trace import StatusCode
+
+from statemachine import (
+    ConfigurationError,
+    ReconcileRejected,
+    Resolution,
+    RunController,
+    SQLiteEventStore,
+    Step,
+    ToolInDoubt,
+    operator,
+)
+from statemachine.runner import Agent, ModelResponse, Runner
+from statemachine.sessions import MemorySession, SQLiteSession
+from statemachine.telemetry import disable_telemetry, enable_telemetry
+from statemachine.testing import Counters, FlakySession, InjectedWriteError, ScriptedModel, counted_tool
+from tests.otel import Traced, attributes
+
+USER = "charge me 7"
+RUN = "run-1"
+
+
+def _agent(counters: Counters, *, approval: bool = False, notify: bool = False,
+           resumed: bool = False) -> Agent:
+    """The billing agent: the model asks for the charge (and the notice), then answers;
+    ``resumed``: a model asked only after the calls were made (it answers)."""
+    def charge(x: int) -> str:  # the body opens a span of its own, as a traced client does
+        with trace.get_tracer("tests.billing").start_as_current_span("charge body"):
+            return f"charged {x}"
+
+    tools = [counted_tool(counters, "charge", charge, needs_approval=approval)]
+    calls: list[tuple[str, str, dict[str, Any]]] = [("c1", "charge", {"x": 7})]
+    if notify:
+        tools.append(counted_tool(counters, "notify", lambda: "notified",
+                                  needs_approval=approval))
+        calls.append(("c2", "notify", {}))
+    model = ScriptedModel([ModelResponse(tuple(calls)), ModelResponse(output="charged")][
+        1 if resumed else 0:])
+    return Agent("billing", model, tuple(tools))
+
+
+def _chain(traced: Traced, first_seq: int = 0) -> list[dict[str, Any]]:
+    """The transition events, checked to be one unbroken walk of the run: seq after
+    seq from ``first_seq``, each starting where the one before ended."""
+    events = traced.transitions()
+    assert [e["statemachine.seq"] for e in events] == list(
+        range(first_seq, first_seq + len(events)))
+    for before, after in zip(events, events[1:], strict=False):
+        assert after["statemachine.from"] == before["statemachine.to"]
+    return events
+
+
+def _no_payloads(traced: Traced, *payloads: str) -> None:
+    """No attribute value holds any of ``payloads`` (arguments, results, items, the
+    model's words, fingerprints)."""
+    for value in traced.values():
+        for payload in payloads:
+            assert payload not in str(value), (payload, value)
+
+
+def test_a_one_tool_turn_through_the_runner_is_one_tree(traced: Traced) -> None:
+    counters = Counters()
+    result = asyncio.run(Runner.run(_agent(counters), USER, session=MemorySession("s1")))
+    assert result.step is Step.COMPLETED
+    (root,) = [span for span in traced.spans if span.parent is None]
+    assert root.name == "invoke_agent billing"
+    assert dict(root.attributes or {}) == {
+        "gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": "billing",
+        "statemachine.run_id": result.controller.run_id}
+    (tool,) = traced.named("execute_tool")
+    assert tool.name == "execute_tool charge"
+    assert dict(tool.attributes or {}) == {
+        "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "charge",
+        "gen_ai.tool.call.id": "c1", "gen_ai.tool.type": "function",
+        "statemachine.run_id": result.controller.run_id,
+        "statemachine.tool.outcome": "executed"}
+    assert traced.ancestors(tool) == ["invoke_agent billing"]
+    (body,) = traced.named("charge body")
+    assert traced.ancestors(body) == ["execute_tool charge", "invoke_agent billing"]
+    # the input, the call with its output, the answer: three writes, each committed
+    published = traced.named("statemachine.publish")
+    assert attributes(published, "statemachine.publication.via",
+                      "statemachine.publication.items", "statemachine.publication.outcome"
+                      ) == [("staged", 1, "committed"), ("staged", 2, "committed"),
+                            ("staged", 1, "committed")]
+    assert all(traced.ancestors(span) == ["invoke_agent billing"] for span in published)
+    events = _chain(traced)
+    assert events[0]["statemachine.event"] == "RunStarted"
+    assert events[-1]["statemachine.to"] == "completed"
+    on_tool = [e["statemachine.event"] for e in events if e["span"] == "execute_tool charge"]
+    assert on_tool == ["ToolStarted", "ToolCompleted"]
+    on_publish = [e["statemachine.event"] for e in events if e["span"] == "statemachine.publish"]
+    assert on_publish == ["PublicationStaged", "PublicationCommitted"] * 3
+    _no_payloads(traced, USER, "charged 7", '"x"', "charged",
+                 result.controller.fingerprint("c1"))
+
+
+def test_loading_or_replaying_a_log_emits_nothing(tmp_path: Path, traced: Traced) -> None:
+    store = SQLiteEventStore(tmp_path / "events.db")
+    session = SQLiteSession("s1", tmp_path / "session.db")
+    result = asyncio.run(Runner.run(_agent(Counters()), USER, session=session, store=store,
+                                    run_id=RUN))
+    assert traced.spans
+    traced.clear()
+    loaded = RunController.load(store, RUN)
+    RunController.from_json(result.controller.to_json())
+    asyncio.run(RunController.load_async(store, RUN))
+    assert loaded.step is Step.COMPLETED
+    assert traced.spans == ()
+
+
+def test_off_emits_nothing_and_on_needs_opentelemetry(
+        traced: Traced, monkeypatch: pytest.MonkeyPatch) -> None:
+    disable_telemetry()
+    asyncio.run(Runner.run(_agent(Counters()), USER, session=MemorySession("s1")))
+    assert [span.name for span in traced.spans] == ["charge body"]  # the tool's own only
+    monkeypatch.setitem(sys.modules, "opentelemetry", None)  # not installed
+    with pytest.raises(ConfigurationError, match=r"\[otel\]"):
+        enable_telemetry()
+
+
+def test_the_seed_scenario_a_failed_write_then_a_resume_that_acknowledges_it(
+        tmp_path: Path, traced: Traced) -> None:
+    """Both calls approved; the write of their results lands and then raises; a fresh
+    process reloads the run and resumes: the batch is found written (acknowledged),
+    nothing runs again, the model answers."""
+    counters = Counters()
+    agent = _agent(counters, approval=True, notify=True)
+    store = SQLiteEventStore(tmp_path / "events.db")
+    session = SQLiteSession("s1", tmp_path / "session.db")
+    first = asyncio.run(Runner.run(agent, USER, session=session, store=store, run_id=RUN))
+    c = first.controller
+    for call_id in ("c1", "c2"):
+        operator.approve(store, RUN, call_id, fingerprint=c.fingerprint(call_id), by="alice")
+    traced.clear()
+    flaky = FlakySession(session, fail_on=1, outcome="commit_then_raise")
+    with pytest.raises(InjectedWriteError):
+        asyncio.run(Runner.run(agent, session=flaky, store=store, run_id=RUN))
+    ran = traced.named("execute_tool")
+    assert attributes(ran, "gen_ai.tool.call.id", "statemachine.tool.outcome") == [
+        ("c1", "executed"), ("c2", "executed")]
+    (failed,) = traced.named("statemachine.publish")
+    assert attributes([failed], "statemachine.publication.via",
+                      "statemachine.publication.items", "statemachine.publication.outcome",
+                      "error.type") == [("staged", 4, "failed", "InjectedWriteError")]
+    assert failed.status.status_code is StatusCode.ERROR
+    (attempt,) = [span for span in traced.spans if span.parent is None]
+    assert (attempt.name, (attempt.attributes or {})["error.type"]) == (
+        "invoke_agent billing", "InjectedWriteError")
+
+    traced.clear()
+    done = asyncio.run(Runner.run(agent, session=SQLiteSession("s1", tmp_path / "session.db"),
+                                  store=SQLiteEventStore(tmp_path / "events.db"), run_id=RUN))
+    assert done.step is Step.COMPLETED
+    assert counters.tools == {"charge": 1, "notify": 1}
+    assert traced.named("execute_tool") == []  # nothing ran, nothing was even asked to
+    published = traced.named("statemachine.publish")
+    assert attributes(published, "statemachine.publication.via",
+                      "statemachine.publication.outcome") == [
+        ("reconcile", "acknowledged"), ("staged", "committed")]
+    events = [e["statemachine.event"] for e in _chain(traced, first_seq=_seq_after(traced))]
+    assert events[0] == "RunClaimed"
+    assert "ReconciledAcknowledge" in events
+
+
+def _seq_after(traced: Traced) -> int:
+    return min(e["statemachine.seq"] for e in traced.transitions())
+
+
+def _left_in_doubt(tmp_path: Path, *, completed: bool = False) -> SQLiteEventStore:
+    """A run whose process died inside the charge (``completed``: after its result was
+    recorded, before its end hook ran and it was published): per-event appends, so each
+    is durable."""
+    store = SQLiteEventStore(tmp_path / "events.db")
+    agent = _agent(Counters(), approval=True)
+    first = asyncio.run(Runner.run(agent, USER, session=SQLiteSession("s1", tmp_path / "s.db"),
+                                   store=store, run_id=RUN, buffered=False))
+    c = RunController.load(store, RUN)
+    c.claim("dying")
+    c.approve("c1", fingerprint=first.controller.fingerprint("c1"))
+    c.resume()
+    c.begin_tool("c1")
+    c.hook_ran("tool_start", call_id="c1")  # what the runner records before the body
+    if completed:
+        c.tool_completed("c1", "charged 7")
+    return store
+
+
+def test_a_call_in_doubt_is_refused_then_settled_by_an_operator(
+        tmp_path: Path, traced: Traced) -> None:
+    store = _left_in_doubt(tmp_path)
+    traced.clear()
+    counters = Counters()
+    with pytest.raises(ToolInDoubt):
+        asyncio.run(Runner.run(_agent(counters, approval=True),
+                               session=SQLiteSession("s1", tmp_path / "s.db"), store=store,
+                               run_id=RUN))
+    assert counters.tools == {}
+    (refused,) = traced.named("execute_tool")
+    assert attributes([refused], "gen_ai.tool.call.id", "statemachine.tool.outcome",
+                      "error.type") == [("c1", "refused_in_doubt", "ToolInDoubt")]
+    assert refused.status.status_code is StatusCode.ERROR
+    assert traced.ancestors(refused) == ["invoke_agent billing"]
+
+    traced.clear()
+    operator.resolve(store, RUN, "c1", outcome=Resolution.COMPLETED, output="charged 7",
+                     by="alice", evidence="payment 991")
+    (command,) = traced.spans
+    assert command.name == "statemachine.resolve_in_doubt"
+    assert dict(command.attributes or {}) == {"statemachine.run_id": RUN,
+                                              "statemachine.actor": "alice"}
+    claimed, resolved = (dict(event.attributes or {}) for event in command.events)
+    assert (claimed["statemachine.event"], claimed["statemachine.actor"]) == (
+        "RunClaimed", "alice")
+    assert {key: resolved[key] for key in ("statemachine.event", "statemachine.actor",
+                                           "statemachine.resolution", "gen_ai.tool.call.id")
+            } == {"statemachine.event": "InDoubtResolved", "statemachine.actor": "alice",
+                  "statemachine.resolution": "completed", "gen_ai.tool.call.id": "c1"}
+    _no_payloads(traced, "payment 991", "charged 7")
+
+
+def test_a_recorded_result_is_published_from_the_log_and_its_body_never_runs(
+        tmp_path: Path, traced: Traced) -> None:
+    """The runner resumed after a death between the result and its publication: it
+    publishes the recorded result and asks nothing of the tool (no ``execute_tool``)."""
+    store = _left_in_doubt(tmp_path, completed=True)
+    traced.clear()
+    counters = Counters()
+    done = asyncio.run(Runner.run(_agent(counters, approval=True, resumed=True),
+                                  session=SQLiteSession("s1", tmp_path / "s.db"), store=store,
+                                  run_id=RUN))
+    assert done.step is Step.COMPLETED
+    assert counters.tools == {}
+    assert traced.named("execute_tool") == []
+    assert traced.named("charge body") == []
+    assert attributes(traced.named("statemachine.publish"), "statemachine.publication.items",
+                      "statemachine.publication.outcome") == [(2, "committed"),
+                                                              (1, "committed")]
+
+
+def test_a_call_asked_again_after_its_result_is_resent(traced: Traced) -> None:
+    c = _bare_run()
+    c.begin_tool("c1")
+    c.tool_completed("c1", "charged 7")
+    traced.clear()
+    assert type(c.begin_tool("c1")).__name__ == "Resend"
+    (resent,) = traced.spans
+    assert (resent.name, resent.status.status_code) == ("execute_tool charge", StatusCode.UNSET)
+    assert attributes([resent], "gen_ai.tool.call.id", "statemachine.tool.outcome") == [
+        ("c1", "resent")]
+    assert resent.events == ()  # nothing recorded
+
+
+def test_a_body_that_ends_without_a_result_leaves_an_interrupted_span(traced: Traced) -> None:
+    c = _bare_run()
+    c.begin_tool("c1")
+    c.tool_interrupted("c1")
+    (span,) = traced.named("execute_tool")
+    assert attributes([span], "statemachine.tool.outcome", "error.type") == [
+        ("interrupted", "interrupted")]
+    with pytest.raises(ToolInDoubt):
+        c.begin_tool("c1")  # now it answers as a reloaded controller would
+    assert attributes(traced.named("execute_tool"), "statemachine.tool.outcome") == [
+        ("interrupted",), ("refused_in_doubt",)]
+
+
+def _bare_run() -> RunController:
+    """A controller driven by hand, outside any span: one call to run."""
+    from statemachine import ToolCall
+
+    c = RunController.start(run_id=RUN, session_id="s1")
+    c.begin_model_call()
+    c.model_responded([ToolCall("c1", "charge", {"x": 7})])
+    return c
+
+
+def test_events_outside_any_span_get_a_record_span_each(traced: Traced) -> None:
+    _bare_run()
+    records = traced.named("statemachine.record")
+    assert [[dict(e.attributes or {})["statemachine.event"] for e in span.events]
+            for span in records] == [["RunStarted"], ["ModelCallBegun"], ["ModelResponded"]]
+    assert all(span.parent is None for span in records)
+
+
+def test_a_reconcile_that_refuses_the_tail_is_a_rejected_attempt(traced: Traced) -> None:
+    c = _bare_run()
+    c.begin_tool("c1")
+    c.tool_completed("c1", "charged 7")
+    items = [{"type": "function_call", "call_id": "c1"},
+             {"type": "function_call_output", "call_id": "c1", "output": "charged 7"}]
+    c.stage_publication(items, [], whole=True, call_ids=["c1"])
+    c.publication_failed(InjectedWriteError)
+    traced.clear()
+    with pytest.raises(ReconcileRejected):
+        c.reconcile([{"role": "user", "content": "something else"}, items[0]], "s1")
+    (span,) = traced.spans
+    assert attributes([span], "statemachine.publication.via",
+                      "statemachine.publication.outcome", "error.type") == [
+        ("reconcile", "rejected", "ReconcileRejected")]
+    assert span.status.status_code is StatusCode.ERROR
+    assert span.events == ()  # nothing was recorded
+    action = c.reconcile([], "s1")  # the Session is at the pre-write frontier: append
+    assert type(action).__name__ == "Append"
+    c.publication_committed()
+    (_, attempt) = traced.spans
+    assert attributes([attempt], "statemachine.publication.via",
+                      "statemachine.publication.outcome") == [("reconcile", "committed")]
+    assert [dict(e.attributes or {})["statemachine.event"] for e in attempt.events] == [
+        "ReconciledAppend", "PublicationCommitted"]
