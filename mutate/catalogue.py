@@ -512,9 +512,9 @@ CATALOGUE: tuple[Mutant, ...] = (
        "begin_tool of an in-doubt call is refused by the guard, not ToolInDoubt"),
     _m("CT08", "        self._in_flight[call_id] = None\n", "",
        "a started call is not held in flight"),
-    _m("CT09", "            if record.phase is Phase.COMPLETED:\n                return Resend(",
+    _m("CT09", "            if record.phase is Phase.COMPLETED:\n                if switch.telemetry:",
        "            if record.phase in (Phase.COMPLETED, Phase.PUBLISHED):\n"
-       "                return Resend(",
+       "                if switch.telemetry:",
        "a published call is re-sent"),
     _m("CT10", "at=self._clock()))\n        self._in_flight.pop(call_id, None)\n",
        "at=self._clock()))\n",
@@ -776,7 +776,7 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("AT07", "            if self._gated and doubtful and not verifiable:  # the gate refuses it",
        "            if self._gated and doubtful:  # the gate refuses it",
        "a call in doubt with a verifier is refused before its verifier is asked"),
-    _m("LP17", "            with running(context_of(self.controller, call.call_id)):  "
+    _m("LP17", "            with running_call(self.controller, call.call_id):  "
                "# tool_context()\n",
        "            if True:\n",
        "a tool body of the reference runner has no tool context (no idempotency key)"),
@@ -789,9 +789,9 @@ CATALOGUE: tuple[Mutant, ...] = (
        "an operator's command does not claim the run (a running attempt is not fenced)"),
     _m("OP03", "        if not (settling and c.step is Step.UNSETTLED):", "        if True:",
        "an unsettled run that fails closed can no longer be abandoned by an operator"),
-    _m("OP04", "    command(c)\n    c.flush()\n", "    command(c)\n",
+    _m("OP04", "        command(c)\n        c.flush()\n", "        command(c)\n",
        "the sync commands return before anything is durable"),
-    _m("OP05", "    command(c)\n    await c.flush_async()\n", "    command(c)\n",
+    _m("OP05", "        command(c)\n        await c.flush_async()\n", "        command(c)\n",
        "the async commands return before anything is durable"),
     _m("OP06", "    if type(fingerprint) is not str or not fingerprint:", "    if False:",
        "an approval without a fingerprint is not refused as such"),
@@ -1449,7 +1449,7 @@ CATALOGUE: tuple[Mutant, ...] = (
                "by=by))", "        decide(c, by, abandoning(reason, by=by))",
        "MessageToolLedger.abandon claims the run as nobody instead of its owner"),
     # ------------------------------------------- adapters: tool_context() and verifiers
-    _m("AC10", "        with running(context_of(c, call_id)):  # tool_context() in the body\n"
+    _m("AC10", "        with running_call(c, call_id):  # tool_context() in the body\n"
                "            output = await body()",
        "        if True:  # tool_context() in the body\n            output = await body()",
        "an async adapter's tool body runs without its call's tool_context (no key)"),
@@ -1474,7 +1474,7 @@ CATALOGUE: tuple[Mutant, ...] = (
        "flush=self._flush,\n                                verifiers={})",
        "LedgerRun's attempts never ask the verifiers: a call they could settle stays in "
        "doubt"),
-    _m("PD29", "            with running(context_of(c, call_id)):  # tool_context() in the body\n"
+    _m("PD29", "            with running_call(c, call_id):  # tool_context() in the body\n"
                "                output = await handler(args)",
        "            if True:  # tool_context() in the body\n"
                "                output = await handler(args)",
@@ -1483,7 +1483,7 @@ CATALOGUE: tuple[Mutant, ...] = (
        "a verifier of a function tool of the agent is refused as naming no tool"),
     _m("AN27", "owner=owner, verifiers=checked)", "owner=owner)",
        "the session runner's iterations never ask the verifiers"),
-    _m("AN22", "            with running(context_of(c, call_id)):  # tool_context() in the body\n"
+    _m("AN22", "            with running_call(c, call_id):  # tool_context() in the body\n"
                "                result_event",
        "            if True:  # tool_context() in the body\n                result_event",
        "a session runner's tool body runs without its call's tool_context (no key)"),
@@ -1493,14 +1493,14 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("AN24", "            if checked:\n                await verify_in_doubt_async(",
        "            if False:\n                await verify_in_doubt_async(",
        "MessageToolLedger.open_async never asks the verifiers"),
-    _m("AN25", "            with running(context_of(c, call_id)):  # tool_context() in the body\n"
+    _m("AN25", "            with running_call(c, call_id):  # tool_context() in the body\n"
                "                block = execute(use)",
        "            if True:  # tool_context() in the body\n                block = execute(use)",
        "a messages ledger's sync tool body runs without its call's tool_context"),
     _m("AN28", "        self.controller.fence()\n        reply = resource.create(**params)",
        "        reply = resource.create(**params)",
        "a superseded messages ledger still asks the model (no fence before the request)"),
-    _m("AN26", "            with running(context_of(c, call_id)):  # tool_context() in the body\n"
+    _m("AN26", "            with running_call(c, call_id):  # tool_context() in the body\n"
                "                block = await execute(use)",
        "            if True:  # tool_context() in the body\n"
                "                block = await execute(use)",
