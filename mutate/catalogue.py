@@ -512,7 +512,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        "begin_tool of an in-doubt call is refused by the guard, not ToolInDoubt"),
     _m("CT08", "        self._in_flight[call_id] = None\n", "",
        "a started call is not held in flight"),
-    _m("CT09", "            if record.phase is Phase.COMPLETED:\n                if switch.telemetry:",
+    _m("CT09", "            if record.phase is Phase.COMPLETED:\n"
+               "                if switch.telemetry:",
        "            if record.phase in (Phase.COMPLETED, Phase.PUBLISHED):\n"
        "                if switch.telemetry:",
        "a published call is re-sent"),

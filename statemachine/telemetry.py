@@ -9,7 +9,8 @@ attribute read per recorded event, as for `enable_logging`. On, a controller emi
   ``gen_ai.tool.type``), from the recorded start to the recorded result, with
   ``statemachine.tool.outcome``: ``executed``; ``interrupted`` (the body ended without a
   result: the call is now in doubt); ``resent`` (a recorded result answered instead, the
-  body never ran); ``refused_in_doubt`` (a started, unfinished call: nothing ran);
+  body never ran); ``rejected`` (an adapter answered with the call's rejection);
+  ``refused_in_doubt`` (a started, unfinished call: nothing ran);
 * a ``statemachine.publish`` span per publication attempt, with
   ``statemachine.publication.via`` (``staged``, ``reconcile`` or ``post``, a remote
   executor's per-call post) and ``statemachine.publication.outcome`` (``committed``,
@@ -178,8 +179,9 @@ def _publication(run_id: str, via: str, items: int | None) -> Span:
 
 
 def answered(run_id: str, call_id: str, tool: str, outcome: str) -> None:
-    """The ledger answered a call without running it: ``resent`` (its recorded result)
-    or ``refused_in_doubt`` (`ToolInDoubt`). Its span starts and ends here."""
+    """The ledger answered a call without running it: ``resent`` (its recorded result),
+    ``rejected`` or ``refused_in_doubt`` (`ToolInDoubt`). Its span starts and ends
+    here."""
     span = _tool_span(run_id, call_id, tool)
     span.set_attribute("statemachine.tool.outcome", outcome)
     if outcome == "refused_in_doubt":

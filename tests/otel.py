@@ -13,6 +13,8 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from statemachine.telemetry import SCOPE
+
 _EXPORTER = InMemorySpanExporter()
 _PROVIDER = TracerProvider()
 _PROVIDER.add_span_processor(SimpleSpanProcessor(_EXPORTER))
@@ -68,8 +70,12 @@ class Traced:
         return sorted(found, key=lambda event: event["statemachine.seq"])
 
     def values(self) -> Iterator[Any]:
-        """Every attribute value of every span and span event."""
+        """Every attribute value of every span and span event the library made (an SDK's
+        own spans carry what its instrumentation chose)."""
         for span in self.spans:
+            scope = span.instrumentation_scope
+            if scope is None or scope.name != SCOPE:
+                continue
             yield from (span.attributes or {}).values()
             for event in span.events:
                 yield from (event.attributes or {}).values()

@@ -186,8 +186,7 @@ def begin_call(c: RunController, call_id: str, arguments: JSON, *,
     its batch takes beside its result)."""
     view = c.call(call_id)
     if view.phase is Phase.PUBLISHED:
-        if switch.telemetry:
-            telemetry.answered(c.run_id, call_id, view.call.name, "resent")
+        answered(c, call_id)
         return True, view.result
     if not _same_json(arguments, view.call.arguments):
         raise InvalidTransition(
@@ -207,6 +206,16 @@ def begin_call(c: RunController, call_id: str, arguments: JSON, *,
     if isinstance(decision, Resend):
         return True, decision.result
     return False, None
+
+
+def answered(c: RunController, call_id: str) -> None:
+    """The ledger answers ``call_id`` from its record, the body not run: its
+    ``execute_tool`` span (when telemetry is on) says ``resent``, or ``rejected`` for a
+    rejection."""
+    if switch.telemetry:
+        view = c.call(call_id)
+        telemetry.answered(c.run_id, call_id, view.call.name,
+                           "rejected" if view.phase is Phase.REJECTED else "resent")
 
 
 def _same_json(asked: JSON, recorded: JSON) -> bool:

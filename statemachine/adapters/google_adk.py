@@ -103,6 +103,7 @@ from statemachine.adapters._calls import (
     InvalidVerifier,
     UnsupportedFeature,
     Walk,
+    answered,
     begin_call,
     checked_verifiers,
     error_text,
@@ -460,6 +461,7 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                 return answer
             phase = c.phase(call_id)
             if phase in (Phase.REJECTED, Phase.COMPLETED, Phase.PUBLISHED):
+                answered(c, call_id)
                 return self._answer(c, call_id)
             done, _ = begin_call(c, call_id, _arguments(tool_args))
             if done:

@@ -115,6 +115,7 @@ from statemachine.adapters._calls import (
     InvalidVerifier,
     UnsupportedFeature,
     Walk,
+    answered,
     begin_call,
     checked_verifiers,
     error_text,
@@ -407,6 +408,7 @@ class ToolLedger(HeldRuns):
                 self._enter(c, batch)
             phase = c.phase(call_id)
             if phase in (Phase.REJECTED, Phase.COMPLETED, Phase.PUBLISHED):
+                answered(c, call_id)
                 return c, call_id, call, _message(c, call_id, call)
             done, _ = begin_call(c, call_id, _arguments(call))
             if done:
