@@ -49,6 +49,7 @@ _FILES = {
     "IN": "statemachine/testing/invariants.py",
     "OP": "statemachine/operator.py",
     "VE": "statemachine/verifiers.py",
+    "TE": "statemachine/telemetry.py",
 }
 
 
@@ -233,6 +234,8 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
                                  "tests/tools/test_cli_operator.py"),
     "statemachine/testing/invariants.py": ("tests/core/test_resolution.py",
                                            "tests/core/test_invariants.py", _WORLDS),
+    "statemachine/telemetry.py": ("tests/core/test_telemetry.py",
+                                  "tests/adapters/test_telemetry_adapters.py"),
 }
 
 CATALOGUE: tuple[Mutant, ...] = (
@@ -1506,4 +1509,27 @@ CATALOGUE: tuple[Mutant, ...] = (
        "            if True:  # tool_context() in the body\n"
                "                block = await execute(use)",
        "a messages ledger's async tool body runs without its call's tool_context"),
+    # ------------------------------------------------------------------ telemetry
+    _m("TE01", "    span = None if spans is None or not switch.telemetry else "
+               "spans.calls.get(call_id)",
+       "    span = None",
+       "a tool body runs outside its execute_tool span (its own spans are not nested)"),
+    _m("TE02", "    if outcome == \"refused_in_doubt\":\n        _failed(span, \"ToolInDoubt\")",
+       "    if False:\n        _failed(span, \"ToolInDoubt\")",
+       "a call refused in doubt is not marked as an error"),
+    _m("TE03", "    error = getattr(event, \"error\", None)",
+       "    error = getattr(event, \"output\", None)",
+       "a payload (a result, an output) becomes an attribute"),
+    _m("TE04", "            span.set_attribute(\"statemachine.tool.outcome\", \"interrupted\")\n"
+               "            _failed(span, \"interrupted\")\n            span.end()",
+       "            span.set_attribute(\"statemachine.tool.outcome\", \"interrupted\")\n"
+               "            _failed(span, \"interrupted\")",
+       "an interrupted call's span never ends (never exported)"),
+    _m("TE05", "            case ev.PublicationCommitted() if self.publication is not None:",
+       "            case ev.PublicationCommitted() if False:",
+       "a committed publication's span never ends with its outcome"),
+    _m("TE06", "            if current.is_recording():",
+       "            if False:",
+       "transitions inside the SDK's or the runner's span get a record span each instead"),
+
 )
