@@ -219,6 +219,7 @@ EXTRA_ROWS: tuple[tuple[str, str, str], ...] = (
      "bench_row"),
     ("group commit: 64 one-tool turns in flight, async PostgreSQL",
      "bench.group_commit_rows", "postgres_row"),
+    ("telemetry off and on, one-tool turn in memory", "bench.telemetry_rows", "bench_row"),
 )
 
 

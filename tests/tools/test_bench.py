@@ -296,6 +296,20 @@ def _nested(depth: int) -> Any:
     return value
 
 
+def test_the_telemetry_row_counts_what_a_turn_emits() -> None:
+    """One one-tool turn on emits five spans (the attempt, the tool, the input's, the
+    result's and the answer's publications), and the row leaves telemetry off."""
+    from bench import telemetry_rows
+    from statemachine.structured_logging import switch
+
+    row = telemetry_rows.bench_row(options(["--quick"]))
+    assert row["spans_per_turn"] == 5
+    assert {"never_ms", "off_ms", "on_ms", "off_over_never", "on_over_never"} <= row.keys()
+    assert row["verdict"] == "reported"
+    assert not switch.telemetry
+    assert not switch.enabled
+
+
 @given(value=_VALUES, depth=st.sampled_from([1, 2, 3, 200]))
 def test_detach_equals_the_iterative_walk(value: Any, depth: int) -> None:
     fast = _outcome(lambda: payloads.detach(value, depth))
