@@ -34,6 +34,7 @@ from statemachine.stores import (
     SQLiteEventStore,
 )
 from statemachine.structured_logging import disable_logging, enable_logging
+from statemachine.telemetry import disable_telemetry, enable_telemetry
 from statemachine.values import (
     Acknowledge,
     Action,
@@ -96,7 +97,9 @@ __all__ = [
     "Unknown",
     "Waiting",
     "disable_logging",
+    "disable_telemetry",
     "enable_logging",
+    "enable_telemetry",
     "register_canonical",
     "tool_context",
 ]
