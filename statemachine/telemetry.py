@@ -39,9 +39,11 @@ are exception messages: an error is its type name (``error.type``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+import logging
+from collections.abc import Callable, Iterator
 from importlib import metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from statemachine import events as ev
 from statemachine.errors import ConfigurationError
@@ -64,6 +66,29 @@ class _Otel:
 
 
 _otel = _Otel()
+
+_log = logging.getLogger("statemachine.telemetry")
+_Hook = TypeVar("_Hook", bound=Callable[..., None])
+
+
+def _quiet(hook: _Hook) -> _Hook:
+    """``hook`` never raises: it runs after the controller recorded (or refused), so a
+    failing tracer or exporter must not make a command that happened look as if it had
+    not (a call started would look unstarted). The failure is logged, the span lost."""
+
+    @functools.wraps(hook)
+    def quiet(*args: Any, **kwargs: Any) -> None:
+        try:
+            hook(*args, **kwargs)
+        except Exception as error:  # (a BaseException is not telemetry's to swallow)
+            _lost(error)
+
+    return quiet  # type: ignore[return-value]
+
+
+def _lost(error: Exception) -> None:
+    _log.warning("telemetry failed (%s); the span is lost, the run goes on",
+                 type(error).__name__)
 
 
 def enable_telemetry(tracer_provider: TracerProvider | None = None) -> None:
@@ -91,23 +116,28 @@ def disable_telemetry() -> None:
     switch.turn(telemetry=False)
 
 
-def on() -> bool:
-    return switch.telemetry
-
-
 # ------------------------------------------------------------ spans around work
 
 
 @contextlib.contextmanager
-def _current(name: str, attributes: dict[str, Any]) -> Iterator[Span]:
+def _current(name: str, attributes: dict[str, Any]) -> Iterator[Span | None]:
+    """A span current inside the block; None (the block runs all the same) when the
+    tracer fails to make one."""
     tracer = _otel.tracer
     assert tracer is not None
-    with tracer.start_as_current_span(name, attributes=attributes, record_exception=False,
-                                      set_status_on_exception=False) as span:
+    with contextlib.ExitStack() as stack:
+        span: Span | None = None
+        try:
+            span = stack.enter_context(tracer.start_as_current_span(
+                name, attributes=attributes, record_exception=False,
+                set_status_on_exception=False))
+        except Exception as error:
+            _lost(error)
         try:
             yield span
         except BaseException as error:
-            _failed(span, type(error).__name__)
+            if span is not None:
+                _quiet(_failed)(span, type(error).__name__)
             raise
 
 
@@ -158,7 +188,6 @@ def _failed(span: Span, error_type: str) -> None:
 
 # ------------------------------------------------------ what a controller records
 
-
 def _tool_span(run_id: str, call_id: str, tool: str) -> Span:
     tracer = _otel.tracer
     assert tracer is not None
@@ -178,6 +207,7 @@ def _publication(run_id: str, via: str, items: int | None) -> Span:
     return tracer.start_span("statemachine.publish", attributes=attributes)
 
 
+@_quiet
 def answered(run_id: str, call_id: str, tool: str, outcome: str) -> None:
     """The ledger answered a call without running it: ``resent`` (its recorded result),
     ``rejected`` or ``refused_in_doubt`` (`ToolInDoubt`). Its span starts and ends
@@ -189,6 +219,7 @@ def answered(run_id: str, call_id: str, tool: str, outcome: str) -> None:
     span.end()
 
 
+@_quiet
 def rejected(run_id: str) -> None:
     """Reconcile refused the Session's tail (`ReconcileRejected`, nothing recorded): a
     reconcile attempt of its own, ended so (an attempt still open in the controller is
@@ -215,6 +246,7 @@ class Spans:
     def _tool_span(self, call_id: str, tool: str) -> Span:
         return _tool_span(self.run_id, call_id, tool)
 
+    @_quiet
     def interrupted(self, call_id: str) -> None:
         """The body ended without a result (`RunController.tool_interrupted`)."""
         span = self.calls.pop(call_id, None)
@@ -242,6 +274,7 @@ class Spans:
         self.publication = None
         return span
 
+    @_quiet
     def recorded(self, event: ev.Event, before: Step | None, after: Step,
                  tool: str | None) -> None:
         """``event`` was recorded (``before`` → ``after``); ``tool`` names its call's

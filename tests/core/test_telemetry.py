@@ -331,3 +331,30 @@ def test_a_reconcile_that_refuses_the_tail_is_a_rejected_attempt(traced: Traced)
                       "statemachine.publication.outcome") == [("reconcile", "committed")]
     assert [dict(e.attributes or {})["statemachine.event"] for e in attempt.events] == [
         "ReconciledAppend", "PublicationCommitted"]
+
+
+class _Broken:
+    """A tracer provider whose tracer raises on every span (a misconfigured exporter)."""
+
+    def get_tracer(self, *args: Any, **kwargs: Any) -> Any:
+        return self
+
+    def start_span(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the tracer is broken")
+
+    start_as_current_span = start_span
+
+
+def test_a_failing_tracer_never_fails_what_the_ledger_recorded(traced: Traced) -> None:
+    enable_telemetry(_Broken())  # type: ignore[arg-type]
+    c = _bare_run()  # recording goes on: each event's span is lost, not the event
+    assert type(c.begin_tool("c1")).__name__ == "Execute"
+    c.tool_interrupted("c1")
+    with pytest.raises(ToolInDoubt):  # the refusal, not the tracer's error
+        c.begin_tool("c1")
+    assert c.step is Step.TOOLS
+    assert [type(e).__name__ for e in c.events] == [
+        "RunStarted", "ModelCallBegun", "ModelResponded", "ToolStarted"]
+    counters = Counters()  # the runner's attempt and the operator's command go on too
+    result = asyncio.run(Runner.run(_agent(counters), USER, session=MemorySession("s1")))
+    assert (result.step, counters.tools) == (Step.COMPLETED, {"charge": 1})
