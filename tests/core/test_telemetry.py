@@ -9,6 +9,7 @@ the publications are the input, the call with its output, and the answer."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,13 @@ from statemachine import (
 from statemachine.runner import Agent, ModelResponse, Runner
 from statemachine.sessions import MemorySession, SQLiteSession
 from statemachine.telemetry import disable_telemetry, enable_telemetry
-from statemachine.testing import Counters, FlakySession, InjectedWriteError, ScriptedModel, counted_tool
+from statemachine.testing import (
+    Counters,
+    FlakySession,
+    InjectedWriteError,
+    ScriptedModel,
+    counted_tool,
+)
 from tests.otel import Traced, attributes
 
 USER = "charge me 7"
@@ -62,7 +69,7 @@ def _chain(traced: Traced, first_seq: int = 0) -> list[dict[str, Any]]:
     events = traced.transitions()
     assert [e["statemachine.seq"] for e in events] == list(
         range(first_seq, first_seq + len(events)))
-    for before, after in zip(events, events[1:], strict=False):
+    for before, after in itertools.pairwise(events):
         assert after["statemachine.from"] == before["statemachine.to"]
     return events
 
@@ -181,7 +188,7 @@ def test_the_seed_scenario_a_failed_write_then_a_resume_that_acknowledges_it(
 
 
 def _seq_after(traced: Traced) -> int:
-    return min(e["statemachine.seq"] for e in traced.transitions())
+    return int(min(e["statemachine.seq"] for e in traced.transitions()))
 
 
 def _left_in_doubt(tmp_path: Path, *, completed: bool = False) -> SQLiteEventStore:
