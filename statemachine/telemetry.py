@@ -39,6 +39,7 @@ are exception messages: an error is its type name (``error.type``).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import logging
 from collections.abc import Callable, Iterator
@@ -51,6 +52,7 @@ from statemachine.structured_logging import switch
 from statemachine.values import Step
 
 if TYPE_CHECKING:
+    from opentelemetry.context import Context
     from opentelemetry.trace import Span, Tracer, TracerProvider
 
 __all__ = ["disable_telemetry", "enable_telemetry"]
@@ -63,6 +65,8 @@ class _Otel:
     tracer: Tracer | None = None
     trace: Any = None
     """``opentelemetry.trace``, imported when telemetry is first enabled."""
+    context: Any = None
+    """``opentelemetry.context``, likewise."""
 
 
 _otel = _Otel()
@@ -96,7 +100,7 @@ def enable_telemetry(tracer_provider: TracerProvider | None = None) -> None:
     global one, which SDKs that trace use too). `ConfigurationError` without
     ``opentelemetry-api`` (``pip install 'agent-statemachine[otel]'``)."""
     try:
-        from opentelemetry import trace
+        from opentelemetry import context, trace
     except ImportError as missing:
         raise ConfigurationError(
             "telemetry needs opentelemetry-api: pip install 'agent-statemachine[otel]'"
@@ -108,12 +112,18 @@ def enable_telemetry(tracer_provider: TracerProvider | None = None) -> None:
         version = None
     _otel.tracer = provider.get_tracer(SCOPE, version)
     _otel.trace = trace
+    _otel.context = context
     switch.turn(telemetry=True)
 
 
 def disable_telemetry() -> None:
     """Emit nothing from now on (spans already open still end)."""
     switch.turn(telemetry=False)
+
+
+def on() -> bool:
+    """Whether telemetry is enabled."""
+    return switch.telemetry
 
 
 # ------------------------------------------------------------ spans around work
@@ -181,12 +191,62 @@ def command_span(command: str, run_id: str, actor: str) -> contextlib.AbstractCo
         "statemachine.run_id": run_id, "statemachine.actor": actor})
 
 
+class Mirrored:
+    """A span opened for a span of another tracing system (`mirror`), the current span
+    in the context that opened it until `end`."""
+
+    __slots__ = ("_here", "_token", "span")
+
+    def __init__(self, span: Span, token: contextvars.Token[Context],
+                 here: contextvars.Token[Span | None]) -> None:
+        self.span = span
+        self._token = token
+        self._here = here
+
+    def end(self, error_type: str | None = None) -> None:
+        """End the span (failed with ``error_type``, when given). It stops being the
+        current span only when it ends in the context that opened it: another context (a
+        task, a thread) cannot reset that one's."""
+        if error_type is not None:
+            _failed(self.span, error_type)
+        try:
+            _MIRRORED.reset(self._here)
+        except (ValueError, RuntimeError):  # another context's token, or reset already
+            pass
+        else:
+            _otel.context.detach(self._token)
+        self.span.end()
+
+
+_MIRRORED: contextvars.ContextVar[Span | None] = contextvars.ContextVar(
+    "statemachine_mirrored", default=None)
+"""Set beside each attach of a `Mirrored` span: resetting it tells, without touching
+OpenTelemetry's context, whether a span ends in the context that opened it."""
+
+
+def mirror(name: str, attributes: dict[str, Any], parent: Mirrored | None = None
+           ) -> Mirrored | None:
+    """A span ``name`` mirroring a span of another tracing system (openai-agents'), a
+    child of ``parent`` (else of the current span), made the current span here until
+    `Mirrored.end`; None when off. ``attributes`` name things, never payloads."""
+    if not switch.telemetry:
+        return None
+    tracer = _otel.tracer
+    assert tracer is not None
+    trace = _otel.trace
+    context = None if parent is None else trace.set_span_in_context(parent.span)
+    span = tracer.start_span(name, context=context, attributes=attributes)
+    token = _otel.context.attach(trace.set_span_in_context(span))
+    return Mirrored(span, token, _MIRRORED.set(span))
+
+
 def _failed(span: Span, error_type: str) -> None:
     span.set_attribute("error.type", error_type)
     span.set_status(_otel.trace.Status(_otel.trace.StatusCode.ERROR))
 
 
 # ------------------------------------------------------ what a controller records
+
 
 def _tool_span(run_id: str, call_id: str, tool: str) -> Span:
     tracer = _otel.tracer

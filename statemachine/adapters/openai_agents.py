@@ -78,16 +78,27 @@ handoff's ``on_handoff`` hooks run with its call, at most once (a crash between 
 call's record and its hooks skips them). A compaction-aware Session is written as a
 plain Session; input guardrails are recorded once per activation, so new input given to
 an existing run is checked again but its verdict is not recorded.
+
+Tracing: the SDK traces with its own system, not OpenTelemetry. `TracingBridge`, a
+trace processor (``agents.set_trace_processors([TracingBridge()])`` or
+``agents.add_trace_processor``), mirrors its traces and spans as OpenTelemetry spans
+through `statemachine.telemetry` (nothing when telemetry is off), each the current span
+while the SDK's is open: the ledger's ``execute_tool`` span of a function tool then sits
+under the SDK's function span, and what the ledger records during the SDK's run (its
+publications, its transitions) in the SDK's trace; what it records before the SDK runs
+(the run's start, its input, a claim) goes under the caller's current span, if any.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import copy
 import dataclasses
 import inspect
 import json
+import logging
 import math
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
@@ -95,6 +106,7 @@ from typing import Any, cast
 
 import attrs
 
+from statemachine import telemetry
 from statemachine.adapters import missing_extra
 
 try:
@@ -135,6 +147,15 @@ try:
     from agents.tool import default_tool_error_function
     from agents.tool_context import ToolContext
     from agents.tool_guardrails import ToolInputGuardrailData, ToolOutputGuardrailData
+    from agents.tracing import (
+        AgentSpanData,
+        FunctionSpanData,
+        GenerationSpanData,
+        ResponseSpanData,
+        Trace,
+        TracingProcessor,
+    )
+    from agents.tracing import Span as SDKSpan
     from openai.types.responses import Response, ResponseCompletedEvent, ResponseOutputItem
     from pydantic import TypeAdapter
 except ModuleNotFoundError as error:  # pragma: no cover - the extra is installed in CI
@@ -185,6 +206,7 @@ __all__ = [
     "LedgerSession",
     "ModelStreamIncomplete",
     "SDKStateRequired",
+    "TracingBridge",
     "UnsupportedFeature",
 ]
 
@@ -193,6 +215,7 @@ _MID_TURN = frozenset({Step.INTERRUPTION, Step.TOOLS, Step.FINALIZING, Step.FINA
 response, leads back into them."""
 _TAKE_OVER = "AgentRun.open(..., take_over=True)"
 _OUTPUT_ITEM: TypeAdapter[Any] = TypeAdapter(ResponseOutputItem)
+_log = logging.getLogger(__name__)
 
 
 class SDKStateRequired(ControlError):
@@ -1856,3 +1879,109 @@ class AgentRunStreaming:
             if self._error is error:
                 raise
             raise self._error from None
+
+
+# --------------------------------------------------------------------- tracing
+
+
+class TracingBridge(TracingProcessor):
+    """openai-agents' traces and spans mirrored as OpenTelemetry spans, through
+    `statemachine.telemetry` (so nothing when telemetry is off): install it with
+    ``agents.set_trace_processors([TracingBridge()])`` (instead of the SDK's exporter) or
+    ``agents.add_trace_processor(TracingBridge())`` (beside it).
+
+    A trace is a span named as the trace (``Agent workflow``), a child of the span
+    current where it starts; each SDK span a child of its parent's mirror (else its
+    trace's): ``invoke_agent {agent}``, ``execute_tool {tool}``, ``chat`` (a generation
+    or a response), else the span data's type (``turn``, ``handoff``, ``guardrail``...).
+    Each is the current OpenTelemetry span while its SDK span is open, in the context it
+    started in, so what the ledger records inside the SDK's function span (its
+    ``execute_tool`` span, the body's own spans) nests under it, in one trace. A trace
+    the SDK resumes (a run resumed from its `RunState` in the process that started it)
+    is not started again: its spans go on under the ended trace's span (the bridge keeps
+    the last `KEPT_TRACES` ended ones). An SDK
+    span that ended with an error ends failed, ``error.type`` ``_OTHER``: the SDK records
+    an error's message, never its type, and messages, inputs and outputs are never
+    attributes. The bridge never raises into the SDK: a failure is logged (its type)."""
+
+    KEPT_TRACES = 256
+    """How many ended traces a resumed trace's spans may still go under."""
+
+    def __init__(self) -> None:
+        self._traces: dict[str, telemetry.Mirrored] = {}
+        self._ended: collections.OrderedDict[str, telemetry.Mirrored] = (
+            collections.OrderedDict())
+        self._spans: dict[str, telemetry.Mirrored] = {}
+
+    def on_trace_start(self, trace: Trace) -> None:
+        try:
+            opened = telemetry.mirror(trace.name, {"openai_agents.trace_id": trace.trace_id})
+            if opened is not None:
+                self._traces[trace.trace_id] = opened
+        except Exception as error:
+            _bridge_failed("on_trace_start", error)
+
+    def on_trace_end(self, trace: Trace) -> None:
+        try:
+            opened = self._traces.pop(trace.trace_id, None)
+            if opened is not None:
+                opened.end()
+                self._ended[trace.trace_id] = opened
+                while len(self._ended) > self.KEPT_TRACES:
+                    self._ended.popitem(last=False)
+        except Exception as error:
+            _bridge_failed("on_trace_end", error)
+
+    def on_span_start(self, span: SDKSpan[Any]) -> None:
+        try:
+            if not telemetry.on():
+                return
+            parent = self._spans.get(span.parent_id) if span.parent_id else None
+            if parent is None:
+                parent = self._traces.get(span.trace_id) or self._ended.get(span.trace_id)
+            name, attributes = _mirrored_as(span.span_data)
+            opened = telemetry.mirror(name, attributes, parent)
+            if opened is not None:
+                self._spans[span.span_id] = opened
+        except Exception as error:
+            _bridge_failed("on_span_start", error)
+
+    def on_span_end(self, span: SDKSpan[Any]) -> None:
+        try:
+            opened = self._spans.pop(span.span_id, None)
+            if opened is not None:
+                opened.end("_OTHER" if span.error is not None else None)
+        except Exception as error:
+            _bridge_failed("on_span_end", error)
+
+    def shutdown(self) -> None:
+        """Nothing to flush: the tracer provider exports the spans."""
+
+    def force_flush(self) -> None:
+        """Nothing to flush: the tracer provider exports the spans."""
+
+
+def _mirrored_as(data: Any) -> tuple[str, dict[str, Any]]:
+    """The mirror's name and attributes for an SDK span's data: names, never payloads."""
+    kind = str(data.type)
+    attributes: dict[str, Any] = {"openai_agents.span_type": kind}
+    if isinstance(data, AgentSpanData):
+        attributes.update({"gen_ai.operation.name": "invoke_agent",
+                           "gen_ai.agent.name": data.name})
+        return f"invoke_agent {data.name}", attributes
+    if isinstance(data, FunctionSpanData):
+        attributes.update({"gen_ai.operation.name": "execute_tool",
+                           "gen_ai.tool.name": data.name, "gen_ai.tool.type": "function"})
+        return f"execute_tool {data.name}", attributes
+    if isinstance(data, GenerationSpanData | ResponseSpanData):
+        attributes["gen_ai.operation.name"] = "chat"
+        model = getattr(data, "model", None)
+        if isinstance(model, str):
+            attributes["gen_ai.request.model"] = model
+        return "chat", attributes
+    return kind, attributes
+
+
+def _bridge_failed(where: str, error: Exception) -> None:
+    _log.warning("TracingBridge.%s failed (%s); the SDK's run goes on", where,
+                 type(error).__name__)
