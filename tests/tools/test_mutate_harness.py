@@ -17,6 +17,7 @@ from mutate import (
     StaleMutant,
     apply,
     check_catalogue,
+    harness,
     module_of,
     run_mutant,
     score,
@@ -122,3 +123,18 @@ def test_equivalent_mutants_are_not_run_and_do_not_count() -> None:
                                                       result]
     assert score(results) == pytest.approx(0.9)
     assert score([result]) is None
+
+
+def test_a_structural_test_never_runs_in_a_selection() -> None:
+    """The tests that read the source text (`harness.STRUCTURAL`) are left out of every
+    selection, even one naming them: only behaviour kills a mutant."""
+    for test in (harness.STRUCTURAL[0] + "::test_the_catalogue_describes_the_current_tree",
+                 harness.STRUCTURAL[-1]):
+        code, _, output = harness.run_selection(harness.ROOT, [test], 120)
+        assert code == 5, output  # pytest: no test ran
+    code, _, output = harness.run_selection(
+        harness.ROOT, ["tests/tools/test_unasync.py::"
+                       "test_an_async_only_block_is_left_out_of_the_sync_module"], 120)
+    assert code == 0, output  # a behaviour test beside it still runs
+    named = {test for selection in SELECTIONS.values() for test in selection}
+    assert not {test for test in named if test.startswith(harness.STRUCTURAL)}
