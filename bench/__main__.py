@@ -357,12 +357,13 @@ FULL: dict[str, Any] = {
     "idle_runs": 5000, "fuzz_examples": 20, "turns": 500, "batch_items": [5000, 10_000],
     "event_mb": [0.5, 1.0], "pg_appends": 200, "scenarios": 10, "lag_runs": 50,
     "workers": [1, 2, 4], "worker_runs": 10, "adapter_calls": 50, "adapter_repeats": 3,
+    "durable_turns": 20,
 }
 QUICK: dict[str, Any] = {
     "runs": 300, "repeats": 3, "appends": 200, "sizes": [100, 2000], "idle_runs": 2000,
     "fuzz_examples": 3, "turns": 50, "batch_items": [1000, 2000], "event_mb": [0.1, 0.2],
     "pg_appends": 100, "scenarios": 2, "lag_runs": 10, "workers": [1, 2],
-    "worker_runs": 2, "adapter_calls": 10, "adapter_repeats": 2,
+    "worker_runs": 2, "adapter_calls": 10, "adapter_repeats": 2, "durable_turns": 5,
 }
 
 
@@ -395,6 +396,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--adapter-calls", type=int,
         help="tool calls per run of the Anthropic adapter row (50; quick 10)")
     add("--adapter-repeats", type=int, help="repeats of the adapter rows (3; quick 2)")
+    add("--durable-turns", type=int,
+        help="one-tool turns per system of the durable rows (20; quick 5)")
     return parser
 
 

@@ -96,7 +96,10 @@ Turn = Callable[[Any, Any, str, bool], Coroutine[Any, Any, None]]
 
 
 def _turns(args: Any) -> int:
-    return getattr(args, "turns", None) or (5 if getattr(args, "quick", False) else TURNS)
+    """The durable rows' turns per system (``--durable-turns``; not ``--turns``, the
+    paused run's length)."""
+    return getattr(args, "durable_turns", None) or (
+        5 if getattr(args, "quick", False) else TURNS)
 
 
 def _sqlite(folder: Path, mode: str, turns: int, turn: Turn | None = None) -> dict[str, Any]:
