@@ -226,11 +226,12 @@ EXTRA_ROWS: tuple[tuple[str, str, str], ...] = (
 def measure_extra(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for key, module, function in EXTRA_ROWS:
+        began = time.perf_counter()
         try:
             row = dict(getattr(importlib.import_module(module), function)(args))
         except ImportError as exc:
             row = {"skipped": f"skipped: {exc.name or module} is not installed"}
-        rows.append({"row": key, **row})
+        rows.append({"row": key, **row, "elapsed_s": round(time.perf_counter() - began, 2)})
     return rows
 
 
@@ -437,19 +438,23 @@ def main(argv: list[str] | None = None) -> int:
     seconds: dict[str, float] = {}
     cpu: dict[str, float] = {}
     began_cpu = time.process_time()
-    for key, measure_section in sections:
-        start, start_cpu = time.perf_counter(), time.process_time()
-        report[key] = measure_section()
-        seconds[key] = round(time.perf_counter() - start, 2)
-        cpu[key] = round(time.process_time() - start_cpu, 2)
-    start, start_cpu = time.perf_counter(), time.process_time()
+    # one PostgreSQL server for every row that uses one (a throwaway cluster is started
+    # once, not once per row)
     with backends.postgres(args.pg_dsn, enabled=not args.no_pg) as pg:
+        if pg.dsn is not None:
+            args.pg_dsn = pg.dsn
+        for key, measure_section in sections:
+            start, start_cpu = time.perf_counter(), time.process_time()
+            report[key] = measure_section()
+            seconds[key] = round(time.perf_counter() - start, 2)
+            cpu[key] = round(time.process_time() - start_cpu, 2)
+        start, start_cpu = time.perf_counter(), time.process_time()
         report.update(backends.measure_all(
             pg, pg_appends=args.pg_appends, repeats=max(1, min(3, half)),
             scenarios=args.scenarios, lag_runs=args.lag_runs, workers=tuple(args.workers),
             worker_runs=args.worker_runs))
-    seconds["backends"] = round(time.perf_counter() - start, 2)
-    cpu["backends"] = round(time.process_time() - start_cpu, 2)
+        seconds["backends"] = round(time.perf_counter() - start, 2)
+        cpu["backends"] = round(time.process_time() - start_cpu, 2)
     # wall time is the target; this process's CPU time beside it shows how much of the
     # wall a shared machine added (worker processes and the server are not counted)
     report["elapsed"] = {"total_s": round(time.perf_counter() - began, 2),

@@ -48,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +57,6 @@ LANGGRAPH_RATIO = 1.2
 CPU_RATIO = 1.3
 """CPU per turn through an adapter against the SDK alone's (DESIGN §7.9)."""
 TURNS = 20
-STATS_DELAY = 1.5
-"""Seconds for PostgreSQL's backends to report their WAL counts (they do at most once a
-second, and when they end)."""
 MODES = ("per event, Session apart", "buffered, Session apart", "buffered, Session shared")
 
 
@@ -131,15 +128,39 @@ def _sqlite(folder: Path, mode: str, turns: int, turn: Turn | None = None) -> di
             "cpu_ms": round(statistics.median(cpus) * 1000, 2)}
 
 
-def _wal_syncs(dsn: str) -> int:
-    """The server's WAL flushes so far. Backends report their counts when they go idle
-    or end (at most once a second), so this waits for the ones that just closed."""
+def _wal_syncs(dsn: str, ended: Iterable[int]) -> int:
+    """The server's WAL flushes so far, once the server processes ``ended`` (closed
+    connections' backends) are gone: a backend reports its counts as it ends, before it
+    leaves ``pg_stat_activity``, so what they did is all counted."""
     import psycopg
 
-    time.sleep(STATS_DELAY)
+    pids = list(ended)
+    deadline = time.monotonic() + 30
     with psycopg.connect(dsn, autocommit=True) as conn:
+        while (pids and time.monotonic() < deadline
+               and conn.execute("SELECT 1 FROM pg_stat_activity WHERE pid = ANY(%s)",
+                                (pids,)).fetchone()):
+            time.sleep(0.005)
         row = conn.execute("SELECT wal_sync FROM pg_stat_wal").fetchone()
     return int(row[0]) if row else 0
+
+
+def _pid(opened: Any) -> list[int]:
+    """The backend of a PostgreSQL store's or Session's connection, if it has one open."""
+    conn = getattr(opened, "_conn", None)
+    return [] if conn is None or conn.closed else [conn.info.backend_pid]
+
+
+def _counting_from(dsn: str, schema: str) -> int:
+    """The WAL flushes so far, the schema's tables made first by a connection that then
+    ends (its flushes counted before, never in what follows)."""
+    from statemachine.postgres import PostgresEventStore
+
+    setup = PostgresEventStore(dsn, schema=schema)
+    setup.run_ids(limit=1)
+    ended = _pid(setup)
+    setup.close()
+    return _wal_syncs(dsn, ended)
 
 
 def _postgres(dsn: str, schema: str, mode: str, turns: int,
@@ -147,12 +168,11 @@ def _postgres(dsn: str, schema: str, mode: str, turns: int,
     """`_sqlite` on PostgreSQL: the server's WAL flushes per turn, and the median time."""
     from statemachine.postgres import PostgresEventStore, PostgresSession
 
+    before = _counting_from(dsn, schema)  # the schema exists before anything is counted
     store = PostgresEventStore(dsn, schema=schema)
     shared = mode.endswith("shared")
     sessions: list[Any] = []
     times = []
-    store.run_ids(limit=1)  # the schema exists before anything is counted
-    before = _wal_syncs(dsn)
     for i in range(turns):
         session: Any = PostgresSession(dsn, f"s-{i}", schema=schema)
         if not shared:
@@ -161,10 +181,11 @@ def _postgres(dsn: str, schema: str, mode: str, turns: int,
         start = time.perf_counter()
         asyncio.run((turn or _turn)(store, session, f"run-{i}", mode.startswith("buffered")))
         times.append(time.perf_counter() - start)
+    ended = [pid for opened in (store, *sessions) for pid in _pid(opened)]
     store.close()  # a backend reports its counts when it ends
     for session in sessions:
         session.close()
-    syncs = _wal_syncs(dsn) - before
+    syncs = _wal_syncs(dsn, ended) - before
     return {"writes_per_turn": round(syncs / turns, 2),
             "turn_ms": round(statistics.median(times) * 1000, 2)}
 
@@ -592,19 +613,18 @@ def _openai_turns(folder: Path, mode: str, turns: int,
         from statemachine.postgres import PostgresEventStore, PostgresSession
 
         dsn, schema = pg
+        syncs = _counting_from(dsn, schema)  # the schema exists before anything is counted
         store = PostgresEventStore(dsn, schema=schema)
-        store.run_ids(limit=1)  # the schema exists before anything is counted
     counted = [0]  # the SDK Sessions' transactions
     times, cpus = [], []
     commits = 0
+    ended: list[int] = []  # the backends of the Sessions closed so far
     for i in range(turns + 1):
         ran: list[int] = []
         agent = _openai_agent(ran)
         session = (PostgresSession(dsn, f"s-{i}", schema=schema) if pg is not None
                    else SQLiteSession(f"s-{i}", folder / "events.db") if shared
                    else _sdk_session(f"s-{i}", folder / "session.db", counted))
-        if i == 1 and pg is not None:
-            syncs = _wal_syncs(dsn)
         before = counted[0] + (store.commits if store is not None and pg is None else 0)
         start, cpu = time.perf_counter(), time.process_time()
 
@@ -626,11 +646,17 @@ def _openai_turns(folder: Path, mode: str, turns: int,
             if pg is None:
                 commits += (counted[0] + (store.commits if store is not None else 0) - before
                             + getattr(session, "commits", 0))
+        if pg is not None:
+            ended += _pid(session)
         session.close()
     if store is not None:
+        if pg is not None:
+            ended += _pid(store)
         store.close()
-    if pg is not None:
-        commits = _wal_syncs(dsn) - syncs
+    if pg is not None:  # (the server's count takes the turn that warms up in too)
+        return {"writes_per_turn": round((_wal_syncs(dsn, ended) - syncs) / (turns + 1), 2),
+                "turn_ms": round(statistics.median(times) * 1000, 2),
+                "cpu_ms": round(statistics.median(cpus) * 1000, 2)}
     return {"writes_per_turn": round(commits / turns, 2),
             "turn_ms": round(statistics.median(times) * 1000, 2),
             "cpu_ms": round(statistics.median(cpus) * 1000, 2)}

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.durable_rows import _turn
+from bench.durable_rows import _turn, _wal_syncs
 
 RUNS = 64
 SPEEDUP = 3.0
@@ -160,21 +160,6 @@ async def _pg_turns(dsn: str, schema: str, runs: int, group_commit: bool
             await session.close()
     syncs = _wal_syncs(dsn, pids) - before
     return wall, commits / runs, syncs / runs
-
-
-def _wal_syncs(dsn: str, ended: Any) -> int:
-    """The server's WAL flushes so far, once the server processes ``ended`` are gone (a
-    process reports its counts when it ends)."""
-    import psycopg
-
-    deadline = time.monotonic() + 30
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        while (list(ended) and time.monotonic() < deadline
-               and conn.execute("SELECT 1 FROM pg_stat_activity WHERE pid = ANY(%s)",
-                                (list(ended),)).fetchone()):
-            time.sleep(0.01)
-        row = conn.execute("SELECT wal_sync FROM pg_stat_wal").fetchone()
-    return int(row[0]) if row else 0
 
 
 def _pg_commit_ms(dsn: str, schema: str) -> float:
