@@ -365,6 +365,32 @@ def test_a_tool_that_raises_is_recorded_failed_and_never_runs_again(
     assert effects(path) == ["flaky 1", "flaky 1"]  # one run per ledger
 
 
+@pytest.mark.invariant("I1")
+def test_a_tool_that_raised_is_answered_with_its_error_in_the_next_process(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """The error a body raised (its effect done) is durable when the graph raises it: a
+    retry in another process (a fresh ledger on the same store, nothing else written in
+    between) answers with the error, never running the body again nor refusing the call
+    as in doubt."""
+    path = tmp_path / "effects.txt"
+
+    @tool
+    def flaky(n: int) -> str:
+        """Fails after its effect."""
+        effect(path, f"flaky {n}")
+        raise RuntimeError("the service said no")
+
+    state = _tools_state([("flaky", {"n": 1}, "f")])
+    graph = _graph_of(ToolLedger(store).tool_node([flaky]), InMemorySaver())
+    with pytest.raises(RuntimeError, match="said no"):
+        graph.invoke(state, CONFIG)
+    graph = _graph_of(ToolLedger(store).tool_node([flaky]), InMemorySaver())
+    ((call_id, content),) = _tool_messages(graph.invoke(state, CONFIG))
+    assert (call_id, content) == (
+        "f", "Error: RuntimeError('the service said no')\n Please fix your mistakes.")
+    assert effects(path) == ["flaky 1"]
+
+
 # ------------------------------------------------------------------ refusals
 
 
