@@ -567,6 +567,43 @@ def test_two_resumers_of_one_checkpoint_one_goes_on(tmp_path: Path) -> None:
     assert outcomes == {"alone": "written", "ledger": "refused"}
 
 
+class _AsyncSaver(InMemorySaver):
+    """An in-memory saver whose async reads and writes yield to the event loop, as
+    LangGraph's async savers (AsyncSqliteSaver, AsyncPostgresSaver) do."""
+
+    async def aget_tuple(self, config: Any) -> Any:
+        await asyncio.sleep(0.01)
+        return self.get_tuple(config)
+
+    async def aput(self, config: Any, checkpoint: Any, metadata: Any,
+                   new_versions: Any) -> Any:
+        await asyncio.sleep(0)
+        return self.put(config, checkpoint, metadata, new_versions)
+
+
+@pytest.mark.xfail(strict=True, reason="OneWriterSaver.aput checks the parent and writes "
+                   "with an await between them and no lock: two async resumers in one "
+                   "process both write")
+def test_two_async_resumers_of_one_checkpoint_in_one_process_one_goes_on() -> None:
+    """The class promises one writer per thread in this process always; the sync put
+    keeps it (a lock around the check and the write), the async put does not."""
+    builder: Any = StateGraph(MessagesState)
+    builder.add_node("step", lambda state: {"messages": []})
+    builder.add_edge(START, "step")
+    builder.add_edge("step", END)
+    graph = builder.compile(checkpointer=OneWriterSaver(_AsyncSaver()))
+    graph.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    paused = graph.get_state(CONFIG).config
+
+    async def both() -> list[Any]:
+        return list(await asyncio.gather(
+            graph.aupdate_state(paused, {"messages": []}),
+            graph.aupdate_state(paused, {"messages": []}), return_exceptions=True))
+
+    outcomes = asyncio.run(both())
+    assert sorted(type(o).__name__ for o in outcomes) == ["ConcurrencyConflict", "dict"]
+
+
 def test_a_decision_for_a_call_the_ledger_does_not_hold_is_refused(
         tmp_path: Path, store: SQLiteEventStore) -> None:
     script = [[("charge", {"amount": 7}, "c1")], "done"]
