@@ -46,6 +46,8 @@ _FILES = {
     "MC": "statemachine/adapters/_mcp.py",
     "PD": "statemachine/adapters/pydantic_ai.py",
     "AN": "statemachine/adapters/anthropic.py",
+    "LG": "statemachine/adapters/langgraph.py",
+    "GA": "statemachine/adapters/google_adk.py",
     "IN": "statemachine/testing/invariants.py",
     "OP": "statemachine/operator.py",
     "VE": "statemachine/verifiers.py",
@@ -229,6 +231,11 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
         "tests/adapters/test_pydantic_ai.py", "tests/adapters/test_pydantic_ai_settled.py"),
     "statemachine/adapters/anthropic.py": (*_VERIFIERS_AN, "tests/adapters/test_anthropic.py",
                                            "tests/adapters/test_anthropic_settled.py"),
+    # the durability files run each row in fresh processes (kill -9, two resumers): last
+    "statemachine/adapters/langgraph.py": ("tests/adapters/test_langgraph.py",
+                                           "tests/adapters/test_langgraph_durability.py"),
+    "statemachine/adapters/google_adk.py": ("tests/adapters/test_google_adk.py",
+                                            "tests/adapters/test_google_adk_durability.py"),
     "statemachine/verifiers.py": ("tests/runner/test_verifiers.py",),
     "statemachine/operator.py": ("tests/storage/test_operator.py",
                                  "tests/tools/test_cli_operator.py"),
@@ -1509,6 +1516,144 @@ CATALOGUE: tuple[Mutant, ...] = (
        "            if True:  # tool_context() in the body\n"
                "                block = await execute(use)",
        "a messages ledger's async tool body runs without its call's tool_context"),
+    # ------------------------------------------------------------------- langgraph
+    _m("LG01", "                c.flush()  # an effect boundary: the start is durable before "
+               "the body\n",
+       "                pass  # an effect boundary: the start is durable before the body\n",
+       "a LangGraph call's start is not flushed before its body runs"),
+    _m("LG02", "        c, call_id, call, answer = self._before(request)\n"
+               "        if answer is not None:\n            return answer\n        try:\n"
+               "            with running_call(c, call_id):\n"
+               "                result = handler(request)",
+       "        c, call_id, call, answer = self._before(request)\n        try:\n"
+       "            with running_call(c, call_id):\n                result = handler(request)",
+       "wrap_tool_call drops the ledger's answer: a completed, published or rejected call "
+       "runs its body again"),
+    _m("LG03", "                c.reject(call_id, message if isinstance(message, str) else "
+               "REJECTED,\n                         fingerprint=fingerprint)",
+       "                c.approve(call_id, fingerprint=fingerprint)",
+       "a review's reject is recorded as an approval: the rejected call runs"),
+    _m("LG04", "                with contextlib.suppress(ControlError):\n"
+               "                    c.flush()\n                return error",
+       "                return error",
+       "the error a LangGraph body raised is recorded but never flushed: the next process "
+       "finds the call in doubt"),
+    _m("LG05", "            if made.get(\"fingerprint\") != c.fingerprint(call_id):",
+       "            if False:",
+       "a review decision's fingerprint is never compared: a stale approval binds to other "
+       "arguments"),
+    _m("LG06", "            if new.needs_approval and old in approved and old not in edits:",
+       "            if new.needs_approval:",
+       "an edit's re-proposed calls are all approved, the edited one with them: it runs "
+       "without its own approval"),
+    _m("LG07", "        if latest is not None and parent != latest:", "        if False:",
+       "OneWriterSaver never checks the parent: two resumers of one checkpoint both write"),
+    _m("LG08", "                    conn.execute(\"BEGIN IMMEDIATE\")  # the write lock, until "
+               "the commit",
+       "                    pass  # the write lock, until the commit",
+       "OneWriterSaver on SqliteSaver takes no write lock: another process writes between "
+       "the check and the put"),
+    _m("LG09", "        c.publication_committed()\n        c.flush()\n        return result",
+       "        c.flush()\n        return result",
+       "a checkpoint write that carried a batch's results never commits its publication"),
+    _m("LG10", "                                if i in answered])\n"
+               "            c.flush()  # the envelope is durable before the write\n",
+       "                                if i in answered])\n",
+       "the publication staged for a checkpoint write is not flushed before the write"),
+    _m("LG11", "        if \"|\" in str(configurable.get(\"checkpoint_ns\") or \"\"):  # a task "
+               "of a subgraph",
+       "        if False:  # a task of a subgraph",
+       "a tool node inside a subgraph is not refused"),
+    _m("LG12", "        self.verifiers = checked_verifiers(verifiers, named, "
+               "idempotent=idempotent,\n                                           "
+               "run_id=run_id, sync_only=\"a sync verifier\")",
+       "        checked_verifiers(verifiers, named, idempotent=idempotent,\n"
+       "                          run_id=run_id, sync_only=\"a sync verifier\")\n"
+       "        self.verifiers = {}",
+       "the ToolLedger checks its verifiers, then never asks them: a call they could settle "
+       "stays in doubt"),
+    _m("LG13", "            with running_call(c, call_id):\n                result = "
+               "handler(request)",
+       "            if True:\n                result = handler(request)",
+       "a LangGraph sync tool body runs without its call's tool_context (no key)"),
+    _m("LG14", "                c.flush()  # the result is durable before LangGraph "
+               "checkpoints it",
+       "                pass  # the result is durable before LangGraph checkpoints it",
+       "a LangGraph call's result is not flushed before LangGraph checkpoints it"),
+    _m("LG15", "        if handling is not False:\n            node._handle_tool_errors = "
+               "_passing_refusals(handling)",
+       "        if False:\n            node._handle_tool_errors = _passing_refusals(handling)",
+       "tool_node lets handle_tool_errors turn the ledger's refusals (a call in doubt) into "
+       "a tool message the model can answer by calling again"),
+    # ------------------------------------------------------------------ google-adk
+    _m("GA01", "                c.flush()  # an effect boundary: the start is durable before "
+               "the body\n",
+       "                pass  # an effect boundary: the start is durable before the body\n",
+       "an ADK call's start is not flushed before its body runs"),
+    _m("GA02", "                answered(c, call_id)\n                return self._answer(c, "
+               "call_id)\n            done, _ = begin_call",
+       "                answered(c, call_id)\n                return None\n"
+       "            done, _ = begin_call",
+       "before_tool_callback lets a completed, published or rejected call through to its "
+       "body"),
+    _m("GA03", "            return None if given.confirmed else {\"error\": REJECTED}",
+       "            return None",
+       "a confirmation that rejects is recorded, then the call runs anyway",
+       equivalent="ADK's own confirmation gate (apply_confirmation_gate, after the plugin's "
+                  "before_tool_callback) answers a rejected confirmation with the same "
+                  "{'error': REJECTED} before the body, and refuses a confirmation for a "
+                  "call whose tool no longer requires one: the body never runs either way"),
+    _m("GA04", "        if _payload_fingerprint(given.payload) not in (fingerprint, None) or (",
+       "        if False and (",
+       "a confirmation's fingerprint is never compared: one shown for another call "
+       "confirms this one"),
+    _m("GA05", "                given.confirmed and _payload_fingerprint(given.payload) != "
+               "fingerprint):",
+       "                False):",
+       "a confirmation that shows no fingerprint is accepted as an approval"),
+    _m("GA06", "        if recorded and (recorded[-1] == \"approved\") != "
+               "bool(given.confirmed):",
+       "        if False:",
+       "a confirmation contradicting the ledger's decision (the operator's) is not refused"),
+    _m("GA07", "                if theirs != ours and not any(e.id == event.id for e in "
+               "stored.events):",
+       "                if False:",
+       "OneWriterSessionService never checks the session's last event: two writers both "
+       "append"),
+    _m("GA08", "                                whole=True)\n"
+               "            c.flush()  # the envelope is durable before the write\n",
+       "                                whole=True)\n",
+       "the publication staged for a session append is not flushed before the append"),
+    _m("GA09", "        with plugin._lock:\n            c.publication_committed()\n"
+               "            c.flush()\n        return written",
+       "        with plugin._lock:\n            c.flush()\n        return written",
+       "a session append that carried a batch's responses never commits its publication"),
+    _m("GA10", "        if c.step is Step.UNSETTLED:\n"
+               "            await self._reconcile(c, invocation_context)",
+       "        if False:\n            await self._reconcile(c, invocation_context)",
+       "a run left unsettled by a failed session append is never reconciled when it opens"),
+    _m("GA11", "        if \"Mcp\" in kind or \"MCP\" in kind:\n            raise "
+               "UnsupportedFeature(\n                f\"{kind} is not carried",
+       "        if False:\n            raise UnsupportedFeature(\n"
+       "                f\"{kind} is not carried",
+       "an MCP toolset is not refused when the run opens"),
+    _m("GA12", "        if agent.sub_agents:", "        if False:",
+       "an agent with sub-agents is not refused when the run opens"),
+    _m("GA13", "        self.verifiers = checked_verifiers(verifiers, named, "
+               "idempotent=idempotent,\n                                           "
+               "sync_only=\"a sync verifier\")",
+       "        checked_verifiers(verifiers, named, idempotent=idempotent,\n"
+       "                          sync_only=\"a sync verifier\")\n"
+       "        self.verifiers = {}",
+       "the LedgerPlugin checks its verifiers, then never asks them: a call they could "
+       "settle stays in doubt"),
+    _m("GA14", "            self._bodies[call_id] = entered(context_of(c, call_id))",
+       "            pass",
+       "an ADK tool body runs without its call's tool_context (no key)"),
+    _m("GA15", "                c.flush()  # the result is durable before ADK makes it an "
+               "event",
+       "                pass  # the result is durable before ADK makes it an event",
+       "an ADK call's result is not flushed before ADK makes it an event"),
     # ------------------------------------------------------------------ telemetry
     _m("TE01", "    span = None if spans is None or not switch.telemetry else "
                "spans.calls.get(call_id)",

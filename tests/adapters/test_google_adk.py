@@ -569,3 +569,31 @@ def test_a_body_asking_for_its_confirmation_runs_its_effect_once(tmp_path: Path,
         c = RunController.load(w.store, RUN)
         assert c.phase("p1") is Phase.PUBLISHED
         assert c.call("p1").starts == 2
+
+
+@pytest.mark.invariant("I1", "I5")
+@pytest.mark.parametrize("mode", ["alone", "ledger"])
+def test_a_confirmation_showing_no_fingerprint_confirms_nothing(tmp_path: Path,
+                                                                mode: str) -> None:
+    """A client that answers the request with ``{"confirmed": True}`` and no payload (it
+    never looked at what was shown): ADK alone wires (measured); through the adapter the
+    confirmation confirms no arguments and is refused, nothing ran; the confirmation
+    carrying the shown fingerprint then wires once."""
+    w = World(tmp_path, mode, [("w1", "wire", {"amount": 7})], ["wire"])
+
+    async def scenario() -> None:
+        await w.open()
+        asked = confirmation_requests(await run(w.runner, text("go")))
+        request, payload = asked["w1"]
+        blind = response(request, "adk_request_confirmation", {"confirmed": True})
+        if mode == "alone":
+            await run(w.runner, blind)
+            return
+        with pytest.raises(InvalidTransition, match="fingerprint"):
+            await run(w.runner, blind)
+        assert w.ran() == []
+        await run(w.runner, confirmation(request, fingerprint=payload["fingerprint"]))
+
+    asyncio.run(scenario())
+    assert w.ran() == ["wire 7"]
+

@@ -365,6 +365,32 @@ def test_a_tool_that_raises_is_recorded_failed_and_never_runs_again(
     assert effects(path) == ["flaky 1", "flaky 1"]  # one run per ledger
 
 
+@pytest.mark.invariant("I1")
+def test_a_tool_that_raised_is_answered_with_its_error_in_the_next_process(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """The error a body raised (its effect done) is durable when the graph raises it: a
+    retry in another process (a fresh ledger on the same store, nothing else written in
+    between) answers with the error, never running the body again nor refusing the call
+    as in doubt."""
+    path = tmp_path / "effects.txt"
+
+    @tool
+    def flaky(n: int) -> str:
+        """Fails after its effect."""
+        effect(path, f"flaky {n}")
+        raise RuntimeError("the service said no")
+
+    state = _tools_state([("flaky", {"n": 1}, "f")])
+    graph = _graph_of(ToolLedger(store).tool_node([flaky]), InMemorySaver())
+    with pytest.raises(RuntimeError, match="said no"):
+        graph.invoke(state, CONFIG)
+    graph = _graph_of(ToolLedger(store).tool_node([flaky]), InMemorySaver())
+    ((call_id, content),) = _tool_messages(graph.invoke(state, CONFIG))
+    assert (call_id, content) == (
+        "f", "Error: RuntimeError('the service said no')\n Please fix your mistakes.")
+    assert effects(path) == ["flaky 1"]
+
+
 # ------------------------------------------------------------------ refusals
 
 
@@ -539,6 +565,43 @@ def test_two_resumers_of_one_checkpoint_one_goes_on(tmp_path: Path) -> None:
             except ConcurrencyConflict:
                 outcomes[mode] = "refused"
     assert outcomes == {"alone": "written", "ledger": "refused"}
+
+
+class _AsyncSaver(InMemorySaver):
+    """An in-memory saver whose async reads and writes yield to the event loop, as
+    LangGraph's async savers (AsyncSqliteSaver, AsyncPostgresSaver) do."""
+
+    async def aget_tuple(self, config: Any) -> Any:
+        await asyncio.sleep(0.01)
+        return self.get_tuple(config)
+
+    async def aput(self, config: Any, checkpoint: Any, metadata: Any,
+                   new_versions: Any) -> Any:
+        await asyncio.sleep(0)
+        return self.put(config, checkpoint, metadata, new_versions)
+
+
+@pytest.mark.xfail(strict=True, reason="OneWriterSaver.aput checks the parent and writes "
+                   "with an await between them and no lock: two async resumers in one "
+                   "process both write")
+def test_two_async_resumers_of_one_checkpoint_in_one_process_one_goes_on() -> None:
+    """The class promises one writer per thread in this process always; the sync put
+    keeps it (a lock around the check and the write), the async put does not."""
+    builder: Any = StateGraph(MessagesState)
+    builder.add_node("step", lambda state: {"messages": []})
+    builder.add_edge(START, "step")
+    builder.add_edge("step", END)
+    graph = builder.compile(checkpointer=OneWriterSaver(_AsyncSaver()))
+    graph.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    paused = graph.get_state(CONFIG).config
+
+    async def both() -> list[Any]:
+        return list(await asyncio.gather(
+            graph.aupdate_state(paused, {"messages": []}),
+            graph.aupdate_state(paused, {"messages": []}), return_exceptions=True))
+
+    outcomes = asyncio.run(both())
+    assert sorted(type(o).__name__ for o in outcomes) == ["ConcurrencyConflict", "dict"]
 
 
 def test_a_decision_for_a_call_the_ledger_does_not_hold_is_refused(
