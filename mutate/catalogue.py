@@ -1585,6 +1585,10 @@ CATALOGUE: tuple[Mutant, ...] = (
        "        if False:\n            node._handle_tool_errors = _passing_refusals(handling)",
        "tool_node lets handle_tool_errors turn the ledger's refusals (a call in doubt) into "
        "a tool message the model can answer by calling again"),
+    _m("LG16", "        async with self._async_lock():  # the check and the write, one step",
+       "        if True:  # the check and the write, one step",
+       "OneWriterSaver.aput checks the parent and writes with no lock between: two async "
+       "resumers in one process both write"),
     # ------------------------------------------------------------------ google-adk
     _m("GA01", "                c.flush()  # an effect boundary: the start is durable before "
                "the body\n",

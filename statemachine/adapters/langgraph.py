@@ -88,10 +88,12 @@ in one append).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import sqlite3
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, cast
 
@@ -797,6 +799,8 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
         super().__init__(serde=saver.serde)
         self.saver = saver
         self._lock = threading.Lock()
+        self._async_locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop,
+                                                     asyncio.Lock] = weakref.WeakKeyDictionary()
         if ledger is not None and self._sqlite() is None and self._postgres() is None and (
                 type(saver) is not InMemorySaver):
             raise UnsupportedFeature(
@@ -978,9 +982,20 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
                    new_versions: Any) -> Any:
         if self.ledger is not None:  # an in-memory saver: its put is the same, one step
             return self.put(config, checkpoint, metadata, new_versions)
-        found = await self.saver.aget_tuple(_head(config))
-        self._check(config, None if found is None else found.checkpoint["id"])
-        return await self.saver.aput(config, checkpoint, metadata, new_versions)
+        async with self._async_lock():  # the check and the write, one step here too
+            found = await self.saver.aget_tuple(_head(config))
+            self._check(config, None if found is None else found.checkpoint["id"])
+            return await self.saver.aput(config, checkpoint, metadata, new_versions)
+
+    def _async_lock(self) -> asyncio.Lock:
+        """The lock of `aput` on the running event loop (an asyncio lock serves one
+        loop; a saver shared by threads with loops of their own gets one per loop)."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            lock = self._async_locks.get(loop)
+            if lock is None:
+                lock = self._async_locks[loop] = asyncio.Lock()
+        return lock
 
     async def aput_writes(self, config: Any, writes: Any, task_id: str,
                           task_path: str = "") -> None:
