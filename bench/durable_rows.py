@@ -38,6 +38,7 @@ Usage: ``python -m bench.durable_rows`` prints the rows as JSON.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import importlib
 import json
@@ -758,31 +759,36 @@ def _crash_child(system: str, folder: Path, die: bool) -> str:
     return str(result.final_output)
 
 
+def _crash_system(system: str) -> dict[str, Any] | str:
+    """One system's turn killed right after the tool, then resumed in a new process."""
+    needs = {"langgraph": "langgraph.checkpoint.sqlite", "dbos": "dbos"}.get(system)
+    if needs is not None:
+        try:
+            importlib.import_module(needs)
+        except ImportError:
+            return f"skipped: {needs} is not installed"
+    with tempfile.TemporaryDirectory() as folder:
+        for die in (True, False):
+            done = subprocess.run(
+                [sys.executable, "-m", "bench.durable_rows", "--crash-child", system,
+                 folder, "die" if die else "resume"], capture_output=True, text=True,
+                timeout=120, check=False)
+            if die and done.returncode != -signal.SIGKILL:
+                raise RuntimeError(f"{system}: the first attempt was not killed: "
+                                   f"{done.stderr[-500:]}")
+        if done.returncode != 0:
+            raise RuntimeError(f"{system}: the resume failed: {done.stderr[-500:]}")
+        payments = (Path(folder) / "payments").read_text().splitlines()
+        return {"tool_ran": len(payments), "resume": done.stdout.strip()}
+
+
 def crash_row(args: Any = None) -> dict[str, Any]:
     """Each system's durable turn killed (-9) right after the tool's effect, then resumed
-    in a new process: how many times the tool ran, and how the resume ended."""
-    found: dict[str, Any] = {}
-    for system in SYSTEMS:
-        needs = {"langgraph": "langgraph.checkpoint.sqlite", "dbos": "dbos"}.get(system)
-        if needs is not None:
-            try:
-                importlib.import_module(needs)
-            except ImportError:
-                found[system] = f"skipped: {needs} is not installed"
-                continue
-        with tempfile.TemporaryDirectory() as folder:
-            for die in (True, False):
-                done = subprocess.run(
-                    [sys.executable, "-m", "bench.durable_rows", "--crash-child", system,
-                     folder, "die" if die else "resume"], capture_output=True, text=True,
-                    timeout=120, check=False)
-                if die and done.returncode != -signal.SIGKILL:
-                    raise RuntimeError(f"{system}: the first attempt was not killed: "
-                                       f"{done.stderr[-500:]}")
-            if done.returncode != 0:
-                raise RuntimeError(f"{system}: the resume failed: {done.stderr[-500:]}")
-            payments = (Path(folder) / "payments").read_text().splitlines()
-            found[system] = {"tool_ran": len(payments), "resume": done.stdout.strip()}
+    in a new process: how many times the tool ran, and how the resume ended. The systems
+    go side by side (each its own folder and processes, its kill before its resume)."""
+    with concurrent.futures.ThreadPoolExecutor(len(SYSTEMS)) as pool:
+        found: dict[str, Any] = dict(zip(SYSTEMS, pool.map(_crash_system, SYSTEMS),
+                                         strict=True))
     ours = found["ours"]
     summary = "; ".join(f"{name}: the tool ran {row['tool_ran']}x, the resume said "
                         f"{row['resume']}" if isinstance(row, dict) else f"{name}: {row}"

@@ -11,11 +11,12 @@ checked as there. Durable writes are counted by the store and the Sessions thems
 transaction, one fsync of the write-ahead log.
 
 Targets: with group commit, the 64 turns take 3 times less wall time or better, and 2 or
-fewer commits per run. The median of ``repeats`` rounds (3 unless told) is shown. The
-speed-up is bounded by what a commit's fsync costs on the machine against the runner's
-own work per turn, so the row also shows ``commit_ms``: one one-row WAL transaction with
-``synchronous=FULL`` in the same folder (median of 200); where that is a fraction of a
-millisecond (a disk with a write cache), the runner's CPU dominates both sides.
+fewer commits per run. The median of ``repeats`` rounds (3 unless told; 1 with
+``--quick``) is shown. The speed-up is bounded by what a commit's fsync costs on the
+machine against the runner's own work per turn, so the row also shows ``commit_ms``:
+one one-row WAL transaction with ``synchronous=FULL`` in the same folder (median of
+200); where that is a fraction of a millisecond (a disk with a write cache), the
+runner's CPU dominates both sides.
 
 `postgres_row`: the same on one `AsyncPostgresEventStore` (each turn's
 `AsyncPostgresSession` in the store's schema, so its items ride in the store's appends),
@@ -95,7 +96,8 @@ def _commit_ms(folder: Path) -> float:
 
 def bench_row(args: Any = None) -> dict[str, Any]:
     runs = RUNS  # (not --runs: the fresh runs of the command rows, 1000 of them)
-    repeats = max(1, getattr(args, "repeats", None) or 3)
+    repeats = 1 if getattr(args, "quick", False) else max(1, getattr(args, "repeats", None)
+                                                          or 3)
     measured: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
     with tempfile.TemporaryDirectory() as folder:
         commit_ms = _commit_ms(Path(folder))
