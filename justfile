@@ -32,7 +32,7 @@ bench *args:
 # verifiers at all four boundaries; CI runs their core rows).
 fuzz depth="7" *args:
     {{python}} -m statemachine explore --depth "$1"
-    HYPOTHESIS_PROFILE=fuzz {{python}} -m pytest -s tests/kit/test_worlds.py \
+    HYPOTHESIS_PROFILE=fuzz {{python}} -m pytest -s tests/kit/test_worlds.py tests/kit/test_corners.py \
         tests/core/test_machine.py tests/core/test_codec.py tests/core/test_envelope.py \
         tests/runner/test_remote.py tests/core/test_decoding.py tests/core/test_refusals.py \
         "${@:2}"

@@ -64,7 +64,8 @@ _CORE = ("tests/core/test_controller.py", "tests/core/test_invariants.py",
          "tests/core/test_bad_input.py", "tests/core/test_payloads.py",
          "tests/core/test_partial_approval.py", "tests/core/test_codec.py",
          "tests/core/test_limits.py", "tests/core/test_machine.py",
-         "tests/core/test_forged_logs.py", "tests/core/test_resolution.py")
+         "tests/core/test_forged_logs.py", "tests/core/test_resolution.py",
+         "tests/kit/test_corners.py")
 _PD22_COMMENT = ("                    # (not isinstance(store, AsyncEventStore): a runtime "
                  "protocol checks\n                    # names only, and a sync store has the "
                  "same names)\n                    controller = await RunController.")
@@ -430,6 +431,9 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("ST23", 'state.turns, state.model_calls = data["turns"], data["model_calls"]',
        'state.turns = data["turns"]',
        "restoring a snapshot forgets the model call count"),
+    _m("ST24", "                if record.phase in (Phase.AWAITING, Phase.APPROVED):",
+       "                if record.phase is Phase.AWAITING:",
+       "a handoff (or a final output) keeps an approved, unstarted call runnable"),
     # ------------------------------------------------------------------- envelope
     _m("EN01", "    low = m + 1\n    if high < low:\n", "    low = m\n    if high < low:\n",
        "read_limit searched from len(B), not len(B) + 1"),

@@ -1,15 +1,23 @@
 """The test kit: fakes for the seed scenarios (`ScriptedModel`, `FlakySession`,
 `FakeRemote`, counters), the log checker (`check_log`), explorable worlds (`ScriptWorld`
 checks every step against an `Oracle` computed from its `Script`, and that the run can
-finish), the exhaustive
-explorer and the Hypothesis kit (`random_run` and `RandomRun`: random reachable runs), and
-the contract suites every store and Session backend runs (`statemachine.testing.contracts`).
+finish), the corner generators (`handoff_cases`, each case played by `play_handoff`
+against what the case says), the exhaustive explorer and the Hypothesis kit
+(`random_run` and `RandomRun`: random reachable runs), and the contract suites every
+store and Session backend runs (`statemachine.testing.contracts`).
 Install with the ``testing`` extra."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from statemachine.testing.corners import (
+    CALL_PHASES,
+    CaseFailed,
+    HandoffCase,
+    handoff_cases,
+    play_handoff,
+)
 from statemachine.testing.explore import ExploreReport, explore, world_state_machine
 from statemachine.testing.fakes import (
     Counters,
@@ -46,14 +54,17 @@ if TYPE_CHECKING:
     from statemachine.testing.random_runs import RandomRun, random_run
 
 __all__ = [
+    "CALL_PHASES",
     "FAULTS",
     "SCRIPT_FAULTS",
     "TOOL_KINDS",
+    "CaseFailed",
     "Counters",
     "CountingHooks",
     "ExploreReport",
     "FakeRemote",
     "FlakySession",
+    "HandoffCase",
     "InjectedWriteError",
     "InvariantViolation",
     "ListSession",
@@ -76,6 +87,8 @@ __all__ = [
     "check_log",
     "counted_tool",
     "explore",
+    "handoff_cases",
+    "play_handoff",
     "random_run",
     "settled",
     "world_state_machine",
