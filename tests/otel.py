@@ -69,6 +69,13 @@ class Traced:
                  for event in span.events if event.name == "statemachine.transition"]
         return sorted(found, key=lambda event: event["statemachine.seq"])
 
+    def assert_no_payloads(self, *payloads: str) -> None:
+        """No attribute value of the library's spans holds any of ``payloads``
+        (arguments, results, items, the model's words, fingerprints)."""
+        for value in self.values():
+            for payload in payloads:
+                assert payload not in str(value), (payload, value)
+
     def values(self) -> Iterator[Any]:
         """Every attribute value of every span and span event the library made (an SDK's
         own spans carry what its instrumentation chose)."""

@@ -60,12 +60,6 @@ def _ours(traced: Traced) -> list[Any]:
             if OUTCOME in (span.attributes or {})]
 
 
-def _no_payloads(traced: Traced, *payloads: str) -> None:
-    for value in traced.values():
-        for payload in payloads:
-            assert payload not in str(value), (payload, value)
-
-
 # ------------------------------------------------------------------- pydantic-ai
 
 
@@ -115,7 +109,7 @@ def test_pydantic_ai_spans_nest_under_its_instrumentation(traced: Traced) -> Non
     assert ran == Counter({"lookup 1": 1, "charge 7": 1})
     assert attributes(_ours(traced), "gen_ai.tool.call.id", OUTCOME) == [
         ("c2", "resent"), ("c1", "resent")]
-    _no_payloads(traced, "found 1", "charged 7", '"x"', '"i"')
+    traced.assert_no_payloads("found 1", "charged 7", '"x"', '"i"')
 
 
 # ------------------------------------------------------------------------ ADK
@@ -135,7 +129,7 @@ def test_adk_spans_nest_under_its_own_tool_span(tmp_path: Path, traced: Traced) 
         ("charge", "c1", "executed")]
     assert traced.ancestors(ours)[:2] == ["execute_tool charge", "invoke_agent agent"]
     assert OUTCOME not in (traced.parent_of(ours).attributes or {})  # type: ignore[union-attr]
-    _no_payloads(traced, "amount", "charged")
+    traced.assert_no_payloads("amount", "charged")
 
 
 def test_adk_a_call_in_doubt_is_refused_and_settled_by_an_operator(
@@ -200,7 +194,7 @@ def test_langgraph_spans_nest_under_the_callers_span(tmp_path: Path, traced: Tra
         ("call-charge", "executed"), ("call-charge", "resent")]
     assert traced.ancestors(first) == ["request t1"]
     assert traced.ancestors(second) == ["request t2"]
-    _no_payloads(traced, "charge me 7", "charged 7", "amount")
+    traced.assert_no_payloads("charge me 7", "charged 7", "amount")
 
 
 # -------------------------------------------------------------- Anthropic SDK
@@ -218,4 +212,4 @@ def test_anthropic_a_retried_turn_is_resent_under_the_callers_span(
     assert attributes(_ours(traced), "gen_ai.tool.call.id", OUTCOME) == [
         ("tu_1", "executed"), ("tu_1", "resent")]
     assert all(traced.ancestors(span) == ["turn"] for span in _ours(traced))
-    _no_payloads(traced, "pay 7", "charged 7")
+    traced.assert_no_payloads("pay 7", "charged 7")

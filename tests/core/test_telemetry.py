@@ -74,14 +74,6 @@ def _chain(traced: Traced, first_seq: int = 0) -> list[dict[str, Any]]:
     return events
 
 
-def _no_payloads(traced: Traced, *payloads: str) -> None:
-    """No attribute value holds any of ``payloads`` (arguments, results, items, the
-    model's words, fingerprints)."""
-    for value in traced.values():
-        for payload in payloads:
-            assert payload not in str(value), (payload, value)
-
-
 def test_a_one_tool_turn_through_the_runner_is_one_tree(traced: Traced) -> None:
     counters = Counters()
     result = asyncio.run(Runner.run(_agent(counters), USER, session=MemorySession("s1")))
@@ -115,8 +107,8 @@ def test_a_one_tool_turn_through_the_runner_is_one_tree(traced: Traced) -> None:
     assert on_tool == ["ToolStarted", "ToolCompleted"]
     on_publish = [e["statemachine.event"] for e in events if e["span"] == "statemachine.publish"]
     assert on_publish == ["PublicationStaged", "PublicationCommitted"] * 3
-    _no_payloads(traced, USER, "charged 7", '"x"', "charged",
-                 result.controller.fingerprint("c1"))
+    traced.assert_no_payloads(USER, "charged 7", '"x"', "charged",
+                              result.controller.fingerprint("c1"))
 
 
 def test_loading_or_replaying_a_log_emits_nothing(tmp_path: Path, traced: Traced) -> None:
@@ -240,7 +232,7 @@ def test_a_call_in_doubt_is_refused_then_settled_by_an_operator(
                                            "statemachine.resolution", "gen_ai.tool.call.id")
             } == {"statemachine.event": "InDoubtResolved", "statemachine.actor": "alice",
                   "statemachine.resolution": "completed", "gen_ai.tool.call.id": "c1"}
-    _no_payloads(traced, "payment 991", "charged 7")
+    traced.assert_no_payloads("payment 991", "charged 7")
 
 
 def test_a_recorded_result_is_published_from_the_log_and_its_body_never_runs(
