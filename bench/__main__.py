@@ -364,7 +364,7 @@ QUICK: dict[str, Any] = {
     "runs": 300, "repeats": 3, "appends": 200, "sizes": [100, 2000], "idle_runs": 2000,
     "fuzz_examples": 3, "turns": 50, "batch_items": [1000, 2000], "event_mb": [0.1, 0.2],
     "pg_appends": 100, "scenarios": 2, "lag_runs": 10, "workers": [1, 2],
-    "worker_runs": 2, "adapter_calls": 10, "adapter_repeats": 2, "durable_turns": 5,
+    "worker_runs": 2, "adapter_calls": 10, "adapter_repeats": 1, "durable_turns": 5,
 }
 
 
@@ -396,7 +396,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--worker-runs", type=int, help="seed scenarios per worker process (10; quick 2)")
     add("--adapter-calls", type=int,
         help="tool calls per run of the Anthropic adapter row (50; quick 10)")
-    add("--adapter-repeats", type=int, help="repeats of the adapter rows (3; quick 2)")
+    add("--adapter-repeats", type=int, help="repeats of the adapter rows (3; quick 1)")
     add("--durable-turns", type=int,
         help="one-tool turns per system of the durable rows (20; quick 5)")
     return parser
