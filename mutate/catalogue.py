@@ -1593,6 +1593,9 @@ CATALOGUE: tuple[Mutant, ...] = (
        "        if True:  # the check and the write, one step",
        "OneWriterSaver.aput checks the parent and writes with no lock between: two async "
        "resumers in one process both write"),
+    _m("LG17", "                if not batch:\n                    raise UnsupportedFeature(",
+       "                if False:\n                    raise UnsupportedFeature(",
+       "a Send of a call no AIMessage holds is entered as an empty batch instead of refused"),
     # ------------------------------------------------------------------ google-adk
     _m("GA01", "                c.flush()  # an effect boundary: the start is durable before "
                "the body\n",

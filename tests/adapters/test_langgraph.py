@@ -34,7 +34,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
-from langgraph.types import Command, interrupt
+from langgraph.types import Command, Send, interrupt
 
 from statemachine import (
     ConcurrencyConflict,
@@ -844,3 +844,40 @@ def test_a_failed_checkpoint_write_on_postgres_saver_is_reconciled_by_the_next_w
             pytest.raises(UnsupportedFeature, match="PostgresSaver on one psycopg") as no:
         OneWriterSaver(PostgresSaver(cast("Any", pool)), ledger=ToolLedger(store))
     assert no.value.feature == "publications on this checkpointer"
+
+
+def _sent_graph(node: Any) -> Any:
+    """A graph whose first node sends the tools node a call no AIMessage holds (a tool
+    call made outside the model's reply, as a fan-out node might)."""
+
+    def fan(state: MessagesState) -> Any:
+        call = {"name": "charge", "args": {"amount": 7}, "id": "sent-1", "type": "tool_call"}
+        return [Send("tools", {"__type": "tool_call_with_context", "tool_call": call,
+                               "state": state})]
+
+    builder: Any = StateGraph(MessagesState)
+    builder.add_node("start", lambda state: {"messages": []})
+    builder.add_node("tools", node)
+    builder.add_edge(START, "start")
+    builder.add_conditional_edges("start", fan, ["tools"])
+    builder.add_edge("tools", END)
+    return builder.compile(checkpointer=InMemorySaver())
+
+
+@pytest.mark.parametrize("mode", ["alone", "ledger"])
+def test_a_send_of_a_call_outside_the_models_reply_is_refused_before_it_runs(
+        tmp_path: Path, store: SQLiteEventStore, mode: str) -> None:
+    """LangGraph alone runs a call a node sends to the tools node; the ledger cannot enter
+    it with a batch (no AIMessage holds it), so it refuses it, naming the feature, and
+    the tool never runs."""
+    path = tmp_path / "effects.txt"
+    if mode == "alone":
+        _sent_graph(ToolNode(make_tools(path))).invoke({"messages": [HumanMessage("go")]},
+                                                       CONFIG)
+        assert effects(path) == ["charge 7"]
+        return
+    graph = _sent_graph(ToolLedger(store).tool_node(make_tools(path)))
+    with pytest.raises(UnsupportedFeature) as refused:
+        graph.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    assert refused.value.feature == "Send fan-out of calls outside the model's reply"
+    assert effects(path) == []
