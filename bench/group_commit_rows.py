@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.durable_rows import _turn, _wal_syncs
+from bench.durable_rows import _pid, _turn, _wal_syncs
 
 RUNS = 64
 SPEEDUP = 3.0
@@ -149,7 +149,7 @@ async def _pg_turns(dsn: str, schema: str, runs: int, group_commit: bool
         await store.version("-")  # every connection open, the tables made, before the clock
         for session in sessions:
             await session.get_items()
-        pids = [opened._conn.info.backend_pid for opened in (store, *sessions)]
+        pids = [pid for opened in (store, *sessions) for pid in _pid(opened)]
         before = _wal_syncs(dsn, ())
         start = time.perf_counter()
         await asyncio.gather(*[_turn(store, session, f"run-{i}", True)

@@ -121,11 +121,6 @@ def disable_telemetry() -> None:
     switch.turn(telemetry=False)
 
 
-def on() -> bool:
-    """Whether telemetry is enabled."""
-    return switch.telemetry
-
-
 # ------------------------------------------------------------ spans around work
 
 
@@ -303,9 +298,6 @@ class Spans:
         self.calls: dict[str, Span] = {}
         self.publication: Span | None = None
 
-    def _tool_span(self, call_id: str, tool: str) -> Span:
-        return _tool_span(self.run_id, call_id, tool)
-
     @_quiet
     def interrupted(self, call_id: str) -> None:
         """The body ended without a result (`RunController.tool_interrupted`)."""
@@ -314,9 +306,6 @@ class Spans:
             span.set_attribute("statemachine.tool.outcome", "interrupted")
             _failed(span, "interrupted")
             span.end()
-
-    def _publication(self, via: str, items: int | None) -> Span:
-        return _publication(self.run_id, via, items)
 
     def _opened(self, span: Span) -> Span:
         """``span`` is the publication attempt now; one still open (its write's outcome
@@ -330,7 +319,7 @@ class Spans:
     def _settled(self) -> Span:
         """The open publication attempt, which the event settles (one of its own when
         none is open here)."""
-        span = self.publication or self._publication("reconcile", None)
+        span = self.publication or _publication(self.run_id, "reconcile", None)
         self.publication = None
         return span
 
@@ -344,16 +333,16 @@ class Spans:
         ends = False
         match event:
             case ev.ToolStarted(call_id=call_id):
-                span = self.calls[call_id] = self._tool_span(call_id, tool or "")
+                span = self.calls[call_id] = _tool_span(self.run_id, call_id, tool or "")
             case ev.ToolCompleted(call_id=call_id):
                 span = self.calls.pop(call_id, None)
                 if span is not None:
                     span.set_attribute("statemachine.tool.outcome", "executed")
                     ends = True
             case ev.PublicationStaged(items=items):
-                span = self._opened(self._publication("staged", len(items)))
+                span = self._opened(_publication(self.run_id, "staged", len(items)))
             case ev.ReconciledAppend():
-                span = self._opened(self._publication("reconcile", None))
+                span = self._opened(_publication(self.run_id, "reconcile", None))
             case ev.ReconciledAcknowledge():
                 span, outcome = self._settled(), "acknowledged"
             case ev.PublicationCommitted() if self.publication is not None:
@@ -362,7 +351,7 @@ class Spans:
                 span, outcome = self._settled(), "failed"
                 _failed(span, error)
             case ev.ResultPosted(call_id=call_id) | ev.ResultPostFailed(call_id=call_id):
-                span = self._publication("post", 1)
+                span = _publication(self.run_id, "post", 1)
                 span.set_attribute("gen_ai.tool.call.id", call_id)
                 outcome = "committed" if isinstance(event, ev.ResultPosted) else "failed"
                 if isinstance(event, ev.ResultPostFailed):

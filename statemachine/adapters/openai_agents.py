@@ -1934,8 +1934,6 @@ class TracingBridge(TracingProcessor):
 
     def on_span_start(self, span: SDKSpan[Any]) -> None:
         try:
-            if not telemetry.on():
-                return
             parent = self._spans.get(span.parent_id) if span.parent_id else None
             if parent is None:
                 parent = self._traces.get(span.trace_id) or self._ended.get(span.trace_id)
