@@ -496,17 +496,26 @@ class HeldRuns:
     _lock: threading.RLock
     _runs: dict[str, RunController]
 
-    def controller(self, run_id: str) -> RunController:
+    def controller(self, run_id: str, *, reopen: bool = True) -> RunController:
         """The run's controller as this process holds it: loaded (and claimed, its
         verifiers asked) when the store holds the run and this process does not, or holds
         a stale copy (another process wrote since); started when the store does not hold
-        it. `ConcurrencyConflict` when another attempt claimed the same version first."""
+        it. `ConcurrencyConflict` when another attempt claimed the same version first.
+
+        ``reopen=False`` is for a callback inside an attempt that already holds the run
+        (an ADK tool callback after the invocation's ``before_run_callback``): a held
+        copy that another process wrote past means a later attempt claimed the run, so
+        this one was superseded and gets `ConcurrencyConflict` (the copy stays stopped:
+        the next attempt loads the run again). Claiming it back would supersede the
+        newer attempt in turn, and of two resumers neither would go on."""
         with self._lock:
             c = self._runs.get(run_id)
             if c is not None:
                 try:
                     c.fence()
                 except ControlError:  # another process wrote, or this copy stopped
+                    if not reopen:
+                        raise
                     c = None
             if c is None:
                 c = self._open(run_id)

@@ -446,7 +446,7 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         tools = {t.name: t for t in await invocation.agent.canonical_tools(
             ReadonlyContext(invocation))}
         with self._lock:
-            c = self.controller(run_id)
+            c = self.controller(run_id, reopen=False)  # superseded: refused, not reclaimed
             if c.phase(call_id) is None:
                 batch = self._batch(session, call_id)
                 if not batch:
@@ -615,6 +615,7 @@ class OneWriterSessionService(BaseSessionService):
         key = (session.app_name, session.user_id, session.id)
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
+            self._fence(session, event)
             stored = await self.service.get_session(
                 app_name=session.app_name, user_id=session.user_id, session_id=session.id)
             if stored is not None and stored is not session:
@@ -628,6 +629,21 @@ class OneWriterSessionService(BaseSessionService):
             if self.plugin is None:
                 return await self.service.append_event(session, event)
             return await self._publishing(session, event, stored)
+
+    def _fence(self, session: Any, event: Any) -> None:
+        """Refuse (`ConcurrencyConflict`, nothing written) an event of an invocation whose
+        run another process claimed since this one did: a superseded attempt writes
+        nothing to the session, not even the error event ADK appends for the refusal
+        that stopped it, so the attempt that superseded it can go on. A user's message
+        is not fenced: it opens an invocation, whose ``before_run_callback`` loads the
+        run again."""
+        plugin = self.plugin
+        if plugin is None or getattr(event, "author", None) == "user":
+            return
+        with plugin._lock:
+            held = plugin._runs.get(plugin.run_id_of(session))
+            if held is not None:
+                held.fence()
 
     async def _publishing(self, session: Any, event: Any, stored: Any) -> Any:
         """The append of ``event`` as the staged publication of the function responses

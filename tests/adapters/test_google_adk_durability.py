@@ -13,12 +13,14 @@ Under CI a missing ``google-adk`` package fails this module instead of skipping 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,9 +32,13 @@ except ImportError:  # pragma: no cover - CI installs the extra
     pytest.skip("google-adk is not installed (pip install -e '.[google-adk]')",
                 allow_module_level=True)
 
-from statemachine import RunController, SQLiteEventStore
+from google.adk.plugins.base_plugin import BasePlugin
+from google.adk.runners import Runner
+from google.adk.sessions.base_session_service import BaseSessionService
+
+from statemachine import ConcurrencyConflict, RunController, SQLiteEventStore
 from statemachine.values import Phase
-from tests.drivers.adk_driver import RUN, effects
+from tests.drivers.adk_driver import APP, RUN, SESSION, USER, build, effects, run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -113,3 +119,113 @@ def test_two_resumers_of_a_killed_session_charge_at_most_once_through_the_ledger
     assert ran == ["charge 5"]
     assert set(_outcomes(tmp_path)) <= {"ok", "conflict", "stale"}
     assert "ok" in _outcomes(tmp_path)
+
+
+class _Held(BasePlugin):
+    """After the ledger's ``before_run_callback`` (its claim): says so, then waits."""
+
+    def __init__(self) -> None:
+        super().__init__(name="held")
+        self.claimed = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def before_run_callback(self, *, invocation_context: Any) -> None:
+        self.claimed.set()
+        await self.go.wait()
+
+
+class _HeldWrite(BaseSessionService):
+    """ADK's session service; once a function response is written, says so and waits
+    (the writer is between its session write and the ledger's commit)."""
+
+    def __init__(self, service: BaseSessionService) -> None:
+        self.service = service
+        self.written = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def create_session(self, **options: Any) -> Any:
+        return await self.service.create_session(**options)
+
+    async def get_session(self, **options: Any) -> Any:
+        return await self.service.get_session(**options)
+
+    async def list_sessions(self, **options: Any) -> Any:
+        return await self.service.list_sessions(**options)
+
+    async def delete_session(self, **options: Any) -> None:
+        await self.service.delete_session(**options)
+
+    async def append_event(self, session: Any, event: Any) -> Any:
+        written = await self.service.append_event(session, event)
+        if event.get_function_responses() and not event.partial:
+            self.written.set()
+            await self.go.wait()
+        return written
+
+
+@pytest.mark.invariant("I1", "I7")
+def test_a_resumer_superseded_by_a_later_claim_writes_nothing_and_the_later_one_goes_on(
+        tmp_path: Path) -> None:
+    """The schedule that left both resumers refused (seen in CI): A claims the killed
+    run, B reads the session and claims after it (B supersedes A), then A reaches its
+    tool callback. A must stop there, writing nothing (neither the function response
+    nor ADK's error event for the refusal), so that B goes on. Reclaiming the run at
+    A's tool callback (the bug) superseded B in turn: A wrote the response and lost its
+    commit to B's claim, B's append found the session moved on, and neither went on.
+    Two runners in one process, each with its own ledger store and ADK session service
+    on the same files, stand for the two processes; the gates fix the order."""
+    from google.adk.sessions.sqlite_session_service import SqliteSessionService
+
+    from statemachine.adapters.google_adk import LedgerPlugin, OneWriterSessionService
+
+    assert _drive(tmp_path, "ledger", "--kill", "before-append") == -9
+    path = tmp_path / "effects.txt"
+
+    def side() -> tuple[Runner, _Held, _HeldWrite]:
+        held = _Held()
+        inner = _HeldWrite(SqliteSessionService(str(tmp_path / "sessions.db")))
+        plugin = LedgerPlugin(SQLiteEventStore(str(tmp_path / "ledger.db")))
+        runner, _, _ = build(path, [("c1", "charge", {"amount": 5})], tools=["charge"],
+                             service=OneWriterSessionService(inner, plugin=plugin),
+                             plugins=[plugin, held], resumable=True)
+        return runner, held, inner
+
+    async def resume(runner: Runner) -> str:
+        session = await runner.session_service.get_session(
+            app_name=APP, user_id=USER, session_id=SESSION)
+        assert session is not None
+        pending = [e.invocation_id for e in session.events if e.get_function_calls()]
+        try:
+            await run(runner, None, invocation_id=pending[-1])
+        except ConcurrencyConflict:
+            return "conflict"
+        return "ok"
+
+    async def scenario() -> tuple[str, str]:
+        (ra, a, a_writes), (rb, b, b_writes) = side(), side()
+        b_writes.go.set()
+        first = asyncio.create_task(resume(ra))
+        await a.claimed.wait()
+        later = asyncio.create_task(resume(rb))
+        await b.claimed.wait()  # B read the session and claimed after A
+        a.go.set()
+        wrote = asyncio.create_task(a_writes.written.wait())
+        await asyncio.wait({first, wrote}, return_when=asyncio.FIRST_COMPLETED)
+        b.go.set()
+        b_outcome = await later
+        a_writes.go.set()
+        a_outcome = await first
+        wrote.cancel()
+        return a_outcome, b_outcome
+
+    a_outcome, b_outcome = asyncio.run(scenario())
+    assert effects(path) == ["charge 5"]  # the charge before the kill, never again
+    assert (a_outcome, b_outcome) == ("conflict", "ok")
+
+    async def stored() -> Any:
+        return await SqliteSessionService(str(tmp_path / "sessions.db")).get_session(
+            app_name=APP, user_id=USER, session_id=SESSION)
+
+    events = asyncio.run(stored()).events
+    assert [r.id for e in events for r in e.get_function_responses()] == ["c1"]
+    assert not [e for e in events if e.error_code]  # A wrote no error event

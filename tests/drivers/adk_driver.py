@@ -259,12 +259,12 @@ async def _child(folder: Path, mode: str, wait_for: str) -> int:
         else:
             await run(runner, text("go"))
         outcome["result"] = "ok"
-    except ToolInDoubt:
-        outcome["result"] = "in_doubt"
-    except ConcurrencyConflict:
-        outcome["result"] = "conflict"
-    except StaleSessionError:  # ADK's own check of a second writer, at its append
-        outcome["result"] = "stale"
+    except ToolInDoubt as error:
+        outcome.update(result="in_doubt", error=repr(error))
+    except ConcurrencyConflict as error:
+        outcome.update(result="conflict", error=repr(error))
+    except StaleSessionError as error:  # ADK's own check of a second writer, at its append
+        outcome.update(result="stale", error=repr(error))
     (folder / f"outcome-{os.getpid()}.json").write_text(json.dumps(outcome))
     return 0
 
