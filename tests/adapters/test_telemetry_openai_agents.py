@@ -5,10 +5,11 @@ answers, the spans are read back from OpenTelemetry's SDK and its in-memory expo
 
 The expected trees come from each scenario: a caller's request runs one turn in which
 the model asks for ``charge(x=7)`` and then answers; the SDK's trace sits under the
-caller's span, its function span under its agent span, the ledger's
-``execute_tool charge`` span under the function span and the body's own span under the
-ledger's. A resumed turn whose call was recorded before asks the ledger again and is
-answered ``resent``, under the bridged spans, the body never running again.
+caller's span, its function span under its agent span; the function span is the call's
+one ``execute_tool charge`` span, the ledger's attributes and events joined to it (the
+SDK traces the execution: the ledger opens no second span), and the body's own span sits
+under it. A resumed turn whose call was recorded before asks the ledger again and is
+answered ``resent``, on the bridged function span, the body never running again.
 
 The SDK's trace processors and its tracing switch are global: each test installs only
 the bridge (so the SDK's own exporter, which would reach for the network, is not
@@ -127,7 +128,7 @@ def _bridged(traced: Traced, name: str, kind: str) -> list[ReadableSpan]:
 
 
 def _ours(traced: Traced) -> ReadableSpan:
-    """The ledger's ``execute_tool charge`` span (the bridged one has no outcome)."""
+    """The ``execute_tool charge`` span carrying the ledger's outcome."""
     (span,) = [span for span in traced.named("execute_tool charge")
                if "statemachine.tool.outcome" in (span.attributes or {})]
     return span
@@ -175,20 +176,20 @@ def test_a_one_tool_turn_is_one_trace_with_the_ledgers_span_under_the_sdks(
     agent_above = bridged.ancestors(agent)
     assert agent_above[-2:] == ["Agent workflow", "handle request"]
 
-    function = _function(bridged)
+    function = _function(bridged)  # the SDK's span of the call, the ledger's joined to it
     assert dict(function.attributes or {}) == {
         "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "charge",
-        "gen_ai.tool.type": "function", "openai_agents.span_type": "function"}
+        "gen_ai.tool.type": "function", "openai_agents.span_type": "function",
+        "gen_ai.tool.call.id": "c1", "statemachine.run_id": "bridged-run",
+        "statemachine.tool.outcome": "executed"}
     function_above = bridged.ancestors(function)
     assert function_above[function_above.index("invoke_agent billing"):] == [
         "invoke_agent billing", *agent_above]
-
-    ours = _ours(bridged)
-    assert attributes([ours], "gen_ai.tool.call.id", "statemachine.tool.outcome") == [
-        ("c1", "executed")]
-    assert _parent_is(ours, function)  # directly under the SDK's function span
+    assert bridged.named("execute_tool") == [function]  # one span for the one execution
+    assert [e["statemachine.event"] for e in bridged.transitions()
+            if e["span"] == "execute_tool charge"] == ["ToolStarted", "ToolCompleted"]
     (body,) = bridged.named("charge body")
-    assert _parent_is(body, ours)
+    assert _parent_is(body, function)
 
     # the model was asked twice (the call, then the answer): two generations, mirrored
     chats = _bridged(bridged, "chat", "generation")
@@ -287,9 +288,9 @@ def test_a_recorded_call_asked_again_is_resent_under_the_bridged_spans(
     resent = _ours(bridged)
     assert attributes([resent], "gen_ai.tool.call.id", "statemachine.tool.outcome") == [
         ("c1", "resent")]
-    function = _function(bridged)
-    assert _parent_is(resent, function)
-    assert "invoke_agent billing" in bridged.ancestors(function)
+    assert resent is _function(bridged)  # the SDK's function span says so, no other
+    assert bridged.named("execute_tool") == [resent]
+    assert "invoke_agent billing" in bridged.ancestors(resent)
     assert {span.context.trace_id for span in bridged.spans
             if span.name != "statemachine.record"} == {paused_trace}
 
