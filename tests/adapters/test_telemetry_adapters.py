@@ -34,19 +34,28 @@ except ImportError:  # pragma: no cover - CI installs the extras
 
 from langchain_core.messages import HumanMessage
 from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.types import Command
 from opentelemetry import trace
 from pydantic_ai import Agent
 from pydantic_ai.capabilities.instrumentation import Instrumentation
 from pydantic_ai.models.instrumented import InstrumentationSettings
 
-from statemachine import MemoryEventStore, Resolution, SQLiteEventStore, ToolInDoubt, operator
+from statemachine import (
+    MemoryEventStore,
+    Phase,
+    Resolution,
+    SQLiteEventStore,
+    ToolInDoubt,
+    operator,
+)
 from statemachine.adapters.anthropic import MessageToolLedger
-from statemachine.adapters.langgraph import ToolLedger
+from statemachine.adapters.langgraph import ToolLedger, decision
 from statemachine.adapters.pydantic_ai import LedgerRun
 from statemachine.sessions import MemorySession
 from statemachine.telemetry import SCOPE
 from tests import otel
 from tests.adapters import test_google_adk as adk
+from tests.adapters import test_langgraph as lg
 from tests.adapters.test_anthropic import FakeModel, _loop, sync_charge
 from tests.adapters.test_pydantic_ai import call, scripted
 from tests.drivers import adk_driver, langgraph_driver
@@ -205,6 +214,36 @@ def test_langgraph_spans_nest_under_the_callers_span(tmp_path: Path, traced: Tra
     assert traced.ancestors(first) == ["request t1"]
     assert traced.ancestors(second) == ["request t2"]
     traced.assert_no_payloads("charge me 7", "charged 7", "amount")
+
+
+def test_langgraph_a_rejection_says_rejected_before_and_after_its_publication(
+        tmp_path: Path, traced: Traced) -> None:
+    """charge (c1) approved, notify (n1) rejected; the next batch (n2) publishes their
+    results. The tool node of the first batch run again (time travel by hand, as in
+    tests/adapters/test_langgraph.py) answers both from the ledger: the charge's result
+    is resent, and the rejection, published now, is still a rejection. Nothing runs."""
+    path = tmp_path / "effects.txt"
+    script = [*lg.TWO[:1], [("notify", {"to": "ann"}, "n2")], "done"]
+    ledger = ToolLedger(SQLiteEventStore(tmp_path / "ledger.db"),
+                        approvals=["charge", "notify"])
+    graph = langgraph_driver.build("ledger", langgraph_driver.make_tools(path),
+                                   langgraph_driver.ScriptedModel(script=script),
+                                   InMemorySaver(), ledger=ledger, review=True)
+    prints = lg._pending(graph.invoke({"messages": [HumanMessage("go")]}, lg.CONFIG))
+    prints = lg._pending(graph.invoke(Command(resume={
+        "c1": decision("approve", prints["c1"]),
+        "n1": decision("reject", prints["n1"], message="not bob")}), lg.CONFIG))
+    assert sorted(attributes(_ours(traced), "gen_ai.tool.call.id", OUTCOME)) == [
+        ("c1", "executed"), ("n1", "rejected")]  # before its publication
+    graph.invoke(Command(resume={"n2": decision("approve", prints["n2"])}), lg.CONFIG)
+    assert ToolLedger(ledger.store).controller(lg.RUN).phase("n1") is Phase.PUBLISHED
+    traced.clear()
+    node = lg._graph_of(ledger.tool_node(langgraph_driver.make_tools(path)), InMemorySaver())
+    node.invoke(lg._tools_state([("charge", {"amount": 7}, "c1"),
+                                 ("notify", {"to": "bob"}, "n1")]), lg.CONFIG)
+    assert langgraph_driver.effects(path) == ["charge 7", "notify ann"]
+    assert sorted(attributes(_ours(traced), "gen_ai.tool.call.id", OUTCOME)) == [
+        ("c1", "resent"), ("n1", "rejected")]  # after its publication
 
 
 # -------------------------------------------------------------- Anthropic SDK
