@@ -38,7 +38,7 @@ from statemachine.testing import (
     ScriptedModel,
     counted_tool,
 )
-from tests.otel import Traced, attributes
+from tests.otel import Traced, attributes, dedent
 
 USER = "charge me 7"
 RUN = "run-1"
@@ -428,3 +428,114 @@ def test_a_span_that_is_not_the_sdks_of_this_call_gets_the_ledgers_span_under_it
     assert attributes([ours], "gen_ai.tool.call.id", "statemachine.tool.outcome") == [
         ("c1", "executed")]
     assert traced.parent_of(ours) is outer_done
+
+
+# --------------------------------- a write never reported, and per-call result posts
+
+
+def test_a_cancelled_write_stays_open_until_the_next_attempt_finds_it_written(
+        traced: Traced) -> None:
+    """The write of the call and its output is cancelled (it landed, the attempt never
+    heard): that attempt stays open, so its span does not end with its request. The next
+    attempt, on the same controller, takes the write over (the caller knows the cancelled
+    request has ended) and reconciles: the Session holds the batch, so the open attempt
+    ends acknowledged; had it found the frontier, that attempt would end unsettled and a
+    new one open (the next test). Nothing runs again."""
+    counters = Counters()
+    agent = _agent(counters)
+    session = FlakySession(MemorySession("s1"), fail_on=2, outcome="cancel")
+    c = RunController.start(run_id=RUN, session_id="s1")
+    tracer = trace.get_tracer("tests.caller")
+
+    async def first() -> None:
+        with tracer.start_as_current_span("request 1"), pytest.raises(asyncio.CancelledError):
+            await Runner.run(agent, USER, session=session, controller=c)
+
+    asyncio.run(first())
+    assert attributes(traced.named("statemachine.publish"), "statemachine.publication.items",
+                      "statemachine.publication.outcome") == [(1, "committed")]  # the input
+    with tracer.start_as_current_span("request 2"):
+        done = asyncio.run(Runner.run(agent, session=session, controller=c, take_over=True))
+    assert (done.step, counters.tools) == (Step.COMPLETED, {"charge": 1})
+    published = traced.named("statemachine.publish")
+    assert attributes(published, "statemachine.publication.via",
+                      "statemachine.publication.items", "statemachine.publication.outcome"
+                      ) == [("staged", 1, "committed"), ("staged", 2, "acknowledged"),
+                            ("staged", 1, "committed")]
+    cancelled = published[1]  # opened by the first request, settled by the second
+    assert traced.ancestors(cancelled) == ["invoke_agent billing", "request 1"]
+    assert [dict(e.attributes or {})["statemachine.event"] for e in cancelled.events] == [
+        "PublicationStaged", "ReconciledAcknowledge"]
+
+
+def test_an_attempt_left_open_ends_unsettled_when_a_reconcile_opens_the_next(
+        traced: Traced) -> None:
+    """A staged write cancelled before it could land (nothing written) and never
+    reported: the take-over reconcile finds the frontier and opens an attempt of its own
+    (Append), which ends the one left open as unsettled; the re-write commits."""
+    c = _bare_run()
+    c.begin_tool("c1")
+    c.tool_completed("c1", "charged 7")
+    items = [{"type": "function_call", "call_id": "c1"},
+             {"type": "function_call_output", "call_id": "c1", "output": "charged 7"}]
+    traced.clear()
+    c.stage_publication(items, [], whole=True, call_ids=["c1"])
+    assert traced.spans == ()  # the attempt is open: its span too
+    action = c.reconcile([], "s1", take_over=True)
+    assert type(action).__name__ == "Append"
+    (left,) = traced.named("statemachine.publish")
+    assert attributes([left], "statemachine.publication.via", "statemachine.publication.items",
+                      "statemachine.publication.outcome", "error.type") == [
+        ("staged", 2, "unsettled", None)]
+    assert left.status.status_code is StatusCode.UNSET  # nobody knows it failed
+    c.publication_committed()
+    _, taken = traced.named("statemachine.publish")
+    assert attributes([taken], "statemachine.publication.via",
+                      "statemachine.publication.outcome") == [("reconcile", "committed")]
+    assert [dict(e.attributes or {})["statemachine.event"] for e in taken.events] == [
+        "ReconciledAppend", "PublicationCommitted"]
+
+
+def test_a_remote_result_post_that_failed_is_posted_again_from_the_cache(
+        traced: Traced) -> None:
+    """The remote executor (statemachine.runner.remote): the first post of the charge's
+    result is refused for good, the stream drops; on the reconnect the ledger answers the
+    call from its record (resent) and the re-post lands. Each post is a publication of
+    its own (``post``, one item, naming the call), failed then committed."""
+    from contextlib import aclosing
+
+    from statemachine.runner import FunctionTool, RemoteToolExecutor
+    from statemachine.testing import FakeRemote
+
+    ran: list[str] = []
+    remote = FakeRemote([("toolu_1", "charge", {"x": 7})], disconnect_after=[1],
+                        post_outcomes={"toolu_1": ["permanent"]})
+
+    def charge(x: int) -> str:
+        ran.append("charge")
+        return f"charged {x}"
+
+    async def drain() -> list[bool]:
+        with trace.get_tracer("tests.caller").start_as_current_span("executor"):
+            c = RunController.start(run_id=RUN, session_id=None)
+            executor = RemoteToolExecutor(remote, [FunctionTool("charge", charge)],
+                                          controller=c, backoff=0)
+            async with aclosing(executor.run()) as stream:
+                return [call.posted async for call in stream]
+
+    assert asyncio.run(drain()) == [False, True]
+    assert ran == ["charge"]
+    assert traced.tree() == dedent("""
+        executor
+          · RunStarted ToolCallsReceived
+          execute_tool charge call=toolu_1 outcome=executed
+            · ToolStarted ToolCompleted
+          statemachine.publish call=toolu_1 via=post items=1 outcome=failed error=PermanentPostError
+            · ResultPostFailed
+          execute_tool charge call=toolu_1 outcome=resent
+          statemachine.publish call=toolu_1 via=post items=1 outcome=committed
+            · ResultPosted""")
+    traced.assert_conventions()
+    failed = traced.named("statemachine.publish")[0]
+    assert failed.status.status_code is StatusCode.ERROR
+    traced.assert_no_payloads("charged 7", '"x"')
