@@ -235,6 +235,40 @@ def test_a_call_in_doubt_is_refused_then_settled_by_an_operator(
     traced.assert_no_payloads("payment 991", "charged 7")
 
 
+def test_the_cli_emits_its_commands_spans_with_the_actor_when_the_environment_says_so(
+        tmp_path: Path, traced: Traced, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``statemachine resolve ... --by alice`` and ``abandon ... --by bob`` in a process
+    whose telemetry is off: with STATEMACHINE_TELEMETRY=1 the CLI turns it on (the global
+    tracer provider, here the tests' in-memory one) and each command is one span naming
+    its actor, its events on it; unset, nothing is emitted; any other value is refused."""
+    from statemachine.cli.main import main
+
+    store = _left_in_doubt(tmp_path)
+    where = ["--store", str(tmp_path / "events.db")]
+    disable_telemetry()
+    traced.clear()
+    assert main(["inbox", *where]) == 0  # (a read; and telemetry stays off)
+    assert traced.spans == ()
+    monkeypatch.setenv("STATEMACHINE_TELEMETRY", "yes")
+    assert main(["abandon", RUN, *where, "--by", "bob", "--reason", "x"]) == 2
+    assert "STATEMACHINE_TELEMETRY must be 1" in capsys.readouterr().err
+    assert RunController.load(store, RUN).step is Step.TOOLS  # nothing was done
+    monkeypatch.setenv("STATEMACHINE_TELEMETRY", "1")
+    assert main(["resolve", RUN, "c1", *where, "--by", "alice", "--completed",
+                 '"charged 7"', "--evidence", "payment 991"]) == 0
+    assert main(["abandon", RUN, *where, "--by", "bob", "--reason", "the customer left"]) == 0
+    assert traced.tree() == dedent("""
+        statemachine.resolve_in_doubt actor=alice
+          · RunClaimed InDoubtResolved
+        statemachine.abandon actor=bob
+          · RunClaimed Abandoned""")
+    for span, actor in zip(traced.named("statemachine."), ["alice", "bob"], strict=True):
+        assert [dict(e.attributes or {}).get("statemachine.actor") for e in span.events] == [
+            actor, actor]
+    traced.assert_no_payloads("payment 991", "charged 7", "the customer left")
+
+
 def test_a_recorded_result_is_published_from_the_log_and_its_body_never_runs(
         tmp_path: Path, traced: Traced) -> None:
     """The runner resumed after a death between the result and its publication: it
