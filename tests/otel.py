@@ -5,6 +5,7 @@ there), and readings of the finished spans as a tree."""
 
 from __future__ import annotations
 
+import itertools
 import textwrap
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -91,11 +92,16 @@ class Traced:
         return "\n".join(lines)
 
     def assert_conventions(self) -> None:
-        """Every span named for a GenAI operation (``execute_tool {tool}``,
-        ``invoke_agent {agent}``) says it in its attributes as the GenAI semantic
-        conventions ask: ``gen_ai.operation.name`` and the tool's (or agent's) name; every
-        ``execute_tool`` span carries its call id."""
+        """Every span of the library's, or an SDK's the library joined, named for a GenAI
+        operation (``execute_tool {tool}``, ``invoke_agent {agent}``) says it in its
+        attributes as the GenAI semantic conventions ask: ``gen_ai.operation.name`` and
+        the tool's (or agent's) name; every ``execute_tool`` span carries its call id. (An
+        SDK's other spans are its own business.)"""
         for span in self.spans:
+            scope = span.instrumentation_scope
+            if (scope is None or scope.name != SCOPE) and (
+                    "statemachine.tool.outcome" not in (span.attributes or {})):
+                continue
             operation, _, target = span.name.partition(" ")
             said = span.attributes or {}
             if operation == "execute_tool":
@@ -111,6 +117,17 @@ class Traced:
         found = [dict(event.attributes or {}, span=span.name) for span in self.spans
                  for event in span.events if event.name == "statemachine.transition"]
         return sorted(found, key=lambda event: event["statemachine.seq"])
+
+    def walk(self, first_seq: int = 0) -> list[dict[str, Any]]:
+        """The transition events (`transitions`), checked to be one unbroken walk of the
+        run: seq after seq from ``first_seq``, each starting where the one before
+        ended."""
+        events = self.transitions()
+        assert [e["statemachine.seq"] for e in events] == list(
+            range(first_seq, first_seq + len(events)))
+        for before, after in itertools.pairwise(events):
+            assert after["statemachine.from"] == before["statemachine.to"], (before, after)
+        return events
 
     def assert_no_payloads(self, *payloads: str) -> None:
         """No attribute value of the library's spans holds any of ``payloads``

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -32,11 +33,12 @@ except ImportError:  # pragma: no cover - CI installs the extras
     pytest.skip("the adapters' SDKs are not installed (pip install -e '.[dev]')",
                 allow_module_level=True)
 
+from google.adk.sessions import InMemorySessionService
 from langchain_core.messages import HumanMessage
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.types import Command
 from opentelemetry import trace
-from pydantic_ai import Agent
+from pydantic_ai import Agent, DeferredToolRequests
 from pydantic_ai.capabilities.instrumentation import Instrumentation
 from pydantic_ai.models.instrumented import InstrumentationSettings
 
@@ -44,15 +46,19 @@ from statemachine import (
     MemoryEventStore,
     Phase,
     Resolution,
+    RunController,
     SQLiteEventStore,
+    Step,
     ToolInDoubt,
     operator,
 )
 from statemachine.adapters.anthropic import MessageToolLedger
+from statemachine.adapters.google_adk import confirmation
 from statemachine.adapters.langgraph import ToolLedger, decision
 from statemachine.adapters.pydantic_ai import LedgerRun
 from statemachine.sessions import MemorySession
 from statemachine.telemetry import SCOPE
+from statemachine.testing import FlakySession, InjectedWriteError
 from tests import otel
 from tests.adapters import test_google_adk as adk
 from tests.adapters import test_langgraph as lg
@@ -131,6 +137,119 @@ def test_pydantic_ai_spans_are_its_instrumentations_joined(traced: Traced) -> No
     traced.assert_no_payloads("found 1", "charged 7", '"x"', '"i"')
 
 
+class _LosesARead(MemorySession):
+    """A history whose connection is lost on the first read after ``ran`` counts a
+    charge: the attempt stops with the charge's result recorded, before its write."""
+
+    def __init__(self, session_id: str, ran: Counter[str]) -> None:
+        super().__init__(session_id)
+        self.ran = ran
+        self.lost = False
+
+    async def get_items(self, limit: int | None = None) -> list[Any]:
+        if self.ran["charge 7"] and not self.lost:
+            self.lost = True
+            raise ConnectionError("the connection was lost")
+        return await super().get_items(limit)
+
+
+def test_pydantic_ai_the_seed_scenario_is_one_tree_per_request(traced: Traced) -> None:
+    """The model asks for lookup (no approval) and charge (approval) at once. Request 1:
+    lookup runs, the run pauses for charge; a reviewer approves it; request 2: charge runs
+    and the connection is lost before its result is written; request 3 (a new process):
+    pydantic-ai asks for charge again and the ledger resends the recorded result, whose
+    write lands and then raises; request 4: the write is found (acknowledged) and the
+    model answers. Each request is one tree under the caller's span: pydantic-ai's agent
+    and chat spans, its ``execute_tool`` span of each call (the ledger's outcome on it),
+    and each write a publication: the prompt and the model's calls inside its chat span
+    (written before the model is asked again), lookup's result when the run pauses and
+    the answer once pydantic-ai returned it (after its agent span), the reconcile first
+    thing in request 4."""
+    ran: Counter[str] = Counter()
+    settings = InstrumentationSettings(tracer_provider=otel.provider(), include_content=False)
+    model = scripted([[call("lookup", "c2", i=1), call("charge", "c1", x=7)]])
+    agent: Agent[None, Any] = Agent(model, output_type=[str, DeferredToolRequests],
+                                    capabilities=[Instrumentation(settings=settings)])
+
+    @agent.tool_plain(requires_approval=True)
+    async def charge(x: int) -> str:
+        ran[f"charge {x}"] += 1
+        return f"charged {x}"
+
+    @agent.tool_plain
+    def lookup(i: int) -> str:
+        ran[f"lookup {i}"] += 1
+        return f"found {i}"
+
+    store = MemoryEventStore()
+    history = FlakySession(_LosesARead("h", ran), fail_on=4,
+                           outcome="commit_then_raise")  # the 4th write: charge's result
+    caller = trace.get_tracer("tests.caller")
+
+    async def request(name: str, prompt: str | None = None) -> Any:
+        with caller.start_as_current_span(name):
+            run = await LedgerRun.open(agent, run_id="r", history=history, store=store)
+            return await run.run(prompt)
+
+    async def go() -> Any:
+        assert (await request("request 1", "charge me 7")).step is Step.INTERRUPTION
+        with caller.start_as_current_span("review"):
+            await (await LedgerRun.open(agent, run_id="r", history=history,
+                                        store=store)).approve("c1")
+        with pytest.raises(ConnectionError):
+            await request("request 2")
+        with pytest.raises(InjectedWriteError):
+            await request("request 3")
+        return await request("request 4")
+
+    done = asyncio.run(go())
+    assert done.step is Step.COMPLETED
+    assert sorted(done.output.split(" | ")) == ["charged 7", "done", "found 1"]
+    assert ran == Counter({"lookup 1": 1, "charge 7": 1})
+    assert traced.tree() == otel.dedent("""
+        request 1
+          · RunStarted
+          invoke_agent agent
+            chat function:respond:stream
+              · ModelCallBegun ModelResponded
+              statemachine.publish via=staged items=1 outcome=committed
+                · PublicationStaged PublicationCommitted
+              statemachine.publish via=staged items=1 outcome=committed
+                · PublicationStaged PublicationCommitted
+            execute_tool lookup call=c2 outcome=executed
+              · ToolStarted ToolCompleted
+          statemachine.publish via=staged items=1 outcome=committed
+            · PublicationStaged PublicationCommitted
+        review
+          · CallApproved
+        request 2
+          · RunClaimed Resumed
+          invoke_agent agent
+            execute_tool charge call=c1 outcome=executed
+              · ToolStarted ToolCompleted
+            chat function:respond:stream
+        request 3
+          · RunClaimed
+          invoke_agent agent
+            execute_tool charge call=c1 outcome=resent
+            chat function:respond:stream
+              statemachine.publish via=staged items=1 outcome=failed error=InjectedWriteError
+                · PublicationStaged PublicationFailed
+        request 4
+          · RunClaimed ModelResponded FinalOutputAccepted
+          statemachine.publish via=reconcile outcome=acknowledged
+            · ReconciledAcknowledge
+          invoke_agent agent
+            chat function:respond:stream
+              · ModelCallBegun
+          statemachine.publish via=staged items=1 outcome=committed
+            · PublicationStaged PublicationCommitted""")
+    assert _sdks(traced.named("execute_tool"))  # pydantic-ai's own, one per execution
+    traced.assert_conventions()
+    assert len(traced.walk()) == len(RunController.load(store, "r").events)
+    traced.assert_no_payloads("charge me 7", "charged 7", "found 1", '"x"', '"i"')
+
+
 # ------------------------------------------------------------------------ ADK
 
 
@@ -149,6 +268,107 @@ def test_adk_spans_are_its_own_tool_span_joined(tmp_path: Path, traced: Traced) 
     assert _sdks([tool])
     assert traced.ancestors(tool)[:1] == ["invoke_agent agent"]
     traced.assert_no_payloads("amount", "charged")
+
+
+class _LosesTheWiresAppend(adk_driver.DieBeforeAppend):
+    """The append of the wire's response (once the wire ran) raises, nothing written."""
+
+    def __init__(self, service: Any, effects: Path) -> None:
+        super().__init__(service)
+        self.effects = effects
+        self.failed = False
+
+    async def append_event(self, session: Any, event: Any) -> Any:
+        if (not self.failed and "wire 7" in adk_driver.effects(self.effects)
+                and any(r.id == "w1" for r in event.get_function_responses())):
+            self.failed = True
+            raise OSError("the append was lost")
+        return await self.service.append_event(session, event)
+
+
+def test_adk_the_seed_scenario_is_one_tree_per_request(tmp_path: Path,
+                                                       traced: Traced) -> None:
+    """The model asks for charge (no confirmation) and two wires (each needs one) at once.
+    Request 1: charge runs, ADK asks for both confirmations (the ledger runs nothing
+    there); request 2 rejects the 700 wire (answered with its rejection); request 3
+    confirms the 7 wire, which runs, and its response's append is lost, nothing written;
+    request 4 resumes the invocation: the ledger writes the recorded response again
+    (reconciled: append) and the model answers. Every call is ADK's own ``execute_tool``
+    span, the ledger's outcome and events on it (the model's batch enters the ledger at
+    the first tool callback, so its events sit there too); each append of function
+    responses is a publication under ADK's workflow span."""
+    script: list[adk_driver.Call] = [adk.CHARGE, ("w1", "wire", {"amount": 7}),
+                                     ("w2", "wire", {"amount": 700})]
+    w = adk.World(tmp_path, "ledger", script, ["charge", "wire"], resumable=True,
+                  service=_LosesTheWiresAppend(InMemorySessionService(),
+                                               tmp_path / "effects.txt"))
+    caller = trace.get_tracer("tests.caller")
+
+    async def go() -> None:
+        await w.open()
+        with caller.start_as_current_span("request 1"):
+            first = await adk_driver.run(w.runner, adk_driver.text("go"))
+        asked = adk_driver.confirmation_requests(first)
+        with caller.start_as_current_span("request 2"):
+            request, payload = asked["w2"]
+            await adk_driver.run(w.runner, confirmation(
+                request, fingerprint=payload["fingerprint"], confirmed=False))
+        request, payload = asked["w1"]
+        confirmed = confirmation(request, fingerprint=payload["fingerprint"], confirmed=True)
+        with caller.start_as_current_span("request 3"), pytest.raises(
+                OSError, match="append was lost"):
+            await adk_driver.run(w.runner, confirmed)
+        with caller.start_as_current_span("request 4"):
+            done = await adk_driver.run(w.runner, None,
+                                        invocation_id=first[-1].invocation_id)
+        assert any(part.text == "done" for event in done if event.content
+                   for part in event.content.parts or ())
+
+    asyncio.run(go())
+    assert w.ran() == ["charge 5", "wire 7"]
+    tree = re.sub(r"call=[0-9a-f-]{36}", "call=<its event id>", traced.tree())
+    assert tree == otel.dedent("""
+        request 1
+          invoke_workflow agent
+            · RunStarted
+            invoke_agent agent
+              generate_content scripted
+              execute_tool charge call=c1 outcome=executed
+                · ModelCallBegun ModelResponded Resumed ToolStarted ToolCompleted
+              execute_tool wire call=w1
+              execute_tool wire call=w2
+              execute_tool (merged) call=<its event id>
+            statemachine.publish via=staged items=1 outcome=committed
+              · PublicationStaged PublicationCommitted
+        request 2
+          invoke_workflow agent
+            invoke_agent agent
+              execute_tool wire call=w2 outcome=rejected error=TOOL_ERROR
+                · CallRejected
+            statemachine.publish via=staged items=1 outcome=committed
+              · PublicationStaged PublicationCommitted
+        request 3
+          invoke_workflow agent
+            invoke_agent agent
+              execute_tool wire call=w1 outcome=executed
+                · CallApproved Resumed ToolStarted ToolCompleted
+            statemachine.publish via=staged items=1 outcome=failed error=OSError
+              · PublicationStaged PublicationFailed
+        request 4
+          invoke_workflow agent
+            statemachine.publish via=reconcile outcome=committed
+              · ReconciledAppend PublicationCommitted
+            invoke_agent agent
+              generate_content scripted""")
+    assert _sdks(traced.named("execute_tool"))  # ADK's own, one per call it handled
+    traced.assert_conventions()
+    events = traced.walk()
+    assert len(events) == len(RunController.load(w.store, adk_driver.RUN).events)
+    decided = [(e["statemachine.event"], e["gen_ai.tool.call.id"], e["statemachine.actor"])
+               for e in events if e["statemachine.event"] in ("CallApproved", "CallRejected")]
+    assert decided == [("CallRejected", "w2", "adk:confirmation"),
+                       ("CallApproved", "w1", "adk:confirmation")]
+    traced.assert_no_payloads("amount", "wired", "charged")
 
 
 def test_adk_a_call_in_doubt_is_refused_and_settled_by_an_operator(

@@ -9,7 +9,6 @@ the publications are the input, the call with its output, and the answer."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import sys
 from pathlib import Path
 from typing import Any
@@ -63,17 +62,6 @@ def _agent(counters: Counters, *, approval: bool = False, notify: bool = False,
     return Agent("billing", model, tuple(tools))
 
 
-def _chain(traced: Traced, first_seq: int = 0) -> list[dict[str, Any]]:
-    """The transition events, checked to be one unbroken walk of the run: seq after
-    seq from ``first_seq``, each starting where the one before ended."""
-    events = traced.transitions()
-    assert [e["statemachine.seq"] for e in events] == list(
-        range(first_seq, first_seq + len(events)))
-    for before, after in itertools.pairwise(events):
-        assert after["statemachine.from"] == before["statemachine.to"]
-    return events
-
-
 def test_a_one_tool_turn_through_the_runner_is_one_tree(traced: Traced) -> None:
     counters = Counters()
     result = asyncio.run(Runner.run(_agent(counters), USER, session=MemorySession("s1")))
@@ -100,7 +88,7 @@ def test_a_one_tool_turn_through_the_runner_is_one_tree(traced: Traced) -> None:
                       ) == [("staged", 1, "committed"), ("staged", 2, "committed"),
                             ("staged", 1, "committed")]
     assert all(traced.ancestors(span) == ["invoke_agent billing"] for span in published)
-    events = _chain(traced)
+    events = traced.walk()
     assert events[0]["statemachine.event"] == "RunStarted"
     assert events[-1]["statemachine.to"] == "completed"
     on_tool = [e["statemachine.event"] for e in events if e["span"] == "execute_tool charge"]
@@ -174,7 +162,7 @@ def test_the_seed_scenario_a_failed_write_then_a_resume_that_acknowledges_it(
     assert attributes(published, "statemachine.publication.via",
                       "statemachine.publication.outcome") == [
         ("reconcile", "acknowledged"), ("staged", "committed")]
-    events = [e["statemachine.event"] for e in _chain(traced, first_seq=_seq_after(traced))]
+    events = [e["statemachine.event"] for e in traced.walk(first_seq=_seq_after(traced))]
     assert events[0] == "RunClaimed"
     assert "ReconciledAcknowledge" in events
 
