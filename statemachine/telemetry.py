@@ -11,11 +11,11 @@ attribute read per recorded event, as for `enable_logging`. On, a controller emi
   result: the call is now in doubt); ``resent`` (a recorded result answered instead, the
   body never ran); ``rejected`` (an adapter answered with the call's rejection);
   ``refused_in_doubt`` (a started, unfinished call: nothing ran). When an SDK already
-  traces the execution (the span current there is its own ``execute_tool {name}`` span of
-  the same call: `_sdk_tool_span`), the controller opens none: it adds its attributes and
-  events to the SDK's span, which it never ends nor marks failed (the SDK does both), so
-  each execution is one ``execute_tool`` span, as the conventions ask of a second
-  instrumentation that finds a tool already traced;
+  traces the execution (the span current there is its own span of the same call, an
+  ``execute_tool`` operation: `_sdk_tool_span`), the controller opens none: it adds its
+  attributes and events to the SDK's span, which it never ends nor marks failed (the SDK
+  does both), so each execution is one ``execute_tool`` span, as the conventions ask of a
+  second instrumentation that finds a tool already traced;
 * a ``statemachine.publish`` span per publication attempt, with
   ``statemachine.publication.via`` (``staged``, ``reconcile`` or ``post``, a remote
   executor's per-call post) and ``statemachine.publication.outcome`` (``committed``,
@@ -265,19 +265,31 @@ def _sdk_tool_span(run_id: str, call_id: str, tool: str) -> Span | None:
     second instrumentation that can tell a tool is traced already adds its attributes to
     that span instead of opening another, as their MCP client span does), and dashboards
     count and time tools by ``gen_ai.operation.name``: two nested spans would count each
-    call twice. Its span is the SDK's when it records, is named ``execute_tool {tool}``
-    (the name the conventions give), and what it already says (operation, tool, call id,
-    run) agrees."""
+    call twice.
+
+    The current span is the SDK's span of the call when it records, its attributes can be
+    read (an SDK span's; the API has no reading), it says it is a tool execution (its
+    ``gen_ai.operation.name`` is ``execute_tool`` and its ``gen_ai.tool.name`` is
+    ``tool``, as pydantic-ai's, openai-agents' through the bridge and the Anthropic SDK's
+    ``anthropic.custom_tool_use {tool}`` say from their start; or it is named
+    ``execute_tool {tool}``, the conventions' name, and says nothing else yet, as ADK's
+    until it ends), and whatever else it says (call id, run) agrees."""
     current: Span = _otel.trace.get_current_span()
-    if not current.is_recording() or getattr(current, "name", None) != f"execute_tool {tool}":
+    if not current.is_recording():
         return None
-    said = getattr(current, "attributes", None)  # an SDK span's; the API cannot read them
-    if said is None or said.get("statemachine.run_id", run_id) != run_id:
-        return None  # (another run's call of the same tool, running inside this one)
-    for key, value in (("gen_ai.operation.name", "execute_tool"), ("gen_ai.tool.name", tool),
-                       ("gen_ai.tool.call.id", call_id)):
-        if said.get(key, value) != value:
-            return None
+    said = getattr(current, "attributes", None)
+    if said is None:
+        return None
+    named = getattr(current, "name", None) == f"execute_tool {tool}"
+    operation = said.get("gen_ai.operation.name")
+    if operation is None and not named:
+        return None
+    if operation not in (None, "execute_tool") or said.get(
+            "gen_ai.tool.name", tool if named else None) != tool:
+        return None
+    if said.get("gen_ai.tool.call.id", call_id) != call_id or said.get(
+            "statemachine.run_id", run_id) != run_id:
+        return None  # (another call, or another run's call, running inside this one)
     if "gen_ai.tool.call.id" not in said:
         current.set_attribute("gen_ai.tool.call.id", call_id)
     current.set_attribute("statemachine.run_id", run_id)

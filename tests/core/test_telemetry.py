@@ -377,25 +377,28 @@ def test_a_failing_tracer_never_fails_what_the_ledger_recorded(traced: Traced) -
 # ------------------------------------- one span per execution under an SDK that traces
 
 
-def _sdk_span(**attributes: Any) -> Any:
-    """A span as an SDK that traces its tools opens around one (``execute_tool charge``,
-    the GenAI conventions' name), with ``attributes``; not yet current."""
-    return trace.get_tracer("tests.sdk").start_span("execute_tool charge",
-                                                    attributes=attributes)
+def _sdk_span(name: str = "execute_tool charge", **attributes: Any) -> Any:
+    """A span as an SDK that traces its tools opens around one (by default named as the
+    GenAI conventions name it), with ``attributes``; not yet current."""
+    return trace.get_tracer("tests.sdk").start_span(name, attributes=attributes)
 
 
-@pytest.mark.parametrize("said", [{}, {"gen_ai.operation.name": "execute_tool",
-                                       "gen_ai.tool.name": "charge",
-                                       "gen_ai.tool.call.id": "c1"}],
-                         ids=["named-only", "agreeing"])
+AGREEING = {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "charge",
+            "gen_ai.tool.call.id": "c1"}
+
+
+@pytest.mark.parametrize(("name", "said"), [
+    ("execute_tool charge", {}), ("execute_tool charge", AGREEING),
+    ("anthropic.custom_tool_use charge", AGREEING)],
+    ids=["named-only", "agreeing", "named-otherwise-agreeing"])
 def test_an_sdks_span_of_the_call_is_joined_never_ended_or_failed_by_the_ledger(
-        traced: Traced, said: dict[str, Any]) -> None:
+        traced: Traced, name: str, said: dict[str, Any]) -> None:
     """The SDK's span is current while the call starts, runs, is interrupted and is then
     refused in doubt: the ledger opens no span of its own, says each outcome on the SDK's
     span, and leaves its end and its status to the SDK (which sees the errors itself)."""
     c = _bare_run()
     traced.clear()
-    sdk = _sdk_span(**said)
+    sdk = _sdk_span(name, **said)
     with trace.use_span(sdk, end_on_exit=False):
         c.begin_tool("c1")
         c.tool_interrupted("c1")
@@ -405,7 +408,7 @@ def test_an_sdks_span_of_the_call_is_joined_never_ended_or_failed_by_the_ledger(
             c.begin_tool("c1")
     assert traced.spans == ()  # nothing ended: the ledger opened nothing
     sdk.end()
-    (only,) = traced.named("execute_tool charge")
+    (only,) = traced.named(name)
     assert len(traced.spans) == 1
     assert attributes([only], "gen_ai.tool.call.id", "statemachine.run_id",
                       "statemachine.tool.outcome", "error.type") == [
@@ -432,20 +435,26 @@ def test_an_sdks_span_of_a_completed_call_says_executed_and_stays_open(traced: T
         "ToolStarted", "ToolCompleted"]
 
 
-@pytest.mark.parametrize("said", [
-    {"gen_ai.tool.call.id": "c9"}, {"gen_ai.operation.name": "chat"},
-    {"gen_ai.tool.name": "refund"}, {"statemachine.run_id": "another run"}],
-    ids=["another-call", "another-operation", "another-tool", "another-runs"])
+@pytest.mark.parametrize(("name", "said"), [
+    ("execute_tool charge", {"gen_ai.tool.call.id": "c9"}),
+    ("execute_tool charge", {"gen_ai.operation.name": "chat"}),
+    ("execute_tool charge", {"gen_ai.tool.name": "refund"}),
+    ("execute_tool charge", {"statemachine.run_id": "another run"}),
+    ("anthropic.custom_tool_use refund", {**AGREEING, "gen_ai.tool.name": "refund"}),
+    ("tool charge", {"gen_ai.operation.name": "execute_tool"}),
+    ("tool charge", {"gen_ai.tool.name": "charge"})],
+    ids=["another-call", "another-operation", "another-tool", "another-runs",
+         "named-otherwise-another-tool", "no-tool-said", "no-operation-said"])
 def test_a_span_that_is_not_the_sdks_of_this_call_gets_the_ledgers_span_under_it(
-        traced: Traced, said: dict[str, Any]) -> None:
+        traced: Traced, name: str, said: dict[str, Any]) -> None:
     c = _bare_run()
     traced.clear()
-    outer = _sdk_span(**said)
+    outer = _sdk_span(name, **said)
     with trace.use_span(outer, end_on_exit=True):
         c.begin_tool("c1")
         c.tool_completed("c1", "charged 7")
     ours, outer_done = traced.spans
-    assert outer_done.name == "execute_tool charge"
+    assert outer_done.name == name
     assert "statemachine.tool.outcome" not in (outer_done.attributes or {})
     assert attributes([ours], "gen_ai.tool.call.id", "statemachine.tool.outcome") == [
         ("c1", "executed")]
