@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover - CI installs the extras
                 allow_module_level=True)
 
 from google.adk.sessions import InMemorySessionService
-from langchain_core.messages import HumanMessage
+from langchain_core.messages import HumanMessage, ToolMessage
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.types import Command
 from opentelemetry import trace
@@ -52,9 +52,9 @@ from statemachine import (
     ToolInDoubt,
     operator,
 )
-from statemachine.adapters.anthropic import MessageToolLedger
+from statemachine.adapters.anthropic import LedgerSessionToolRunner, MessageToolLedger
 from statemachine.adapters.google_adk import confirmation
-from statemachine.adapters.langgraph import ToolLedger, decision
+from statemachine.adapters.langgraph import OneWriterSaver, ToolLedger, decision
 from statemachine.adapters.pydantic_ai import LedgerRun
 from statemachine.sessions import MemorySession
 from statemachine.telemetry import SCOPE
@@ -62,9 +62,10 @@ from statemachine.testing import FlakySession, InjectedWriteError
 from tests import otel
 from tests.adapters import test_google_adk as adk
 from tests.adapters import test_langgraph as lg
-from tests.adapters.test_anthropic import FakeModel, _loop, sync_charge
+from tests.adapters.test_anthropic import FakeModel, _loop, counted_charge, drive, sync_charge
 from tests.adapters.test_pydantic_ai import call, scripted
 from tests.drivers import adk_driver, langgraph_driver
+from tests.drivers.anthropic_driver import SESSION_ID, FakeSession, PostFault, client_for, tool_use
 from tests.drivers.effects import Effects
 from tests.otel import Traced, attributes
 
@@ -436,6 +437,80 @@ def test_langgraph_spans_nest_under_the_callers_span(tmp_path: Path, traced: Tra
     traced.assert_no_payloads("charge me 7", "charged 7", "amount")
 
 
+class _LosesTheToolsStep:
+    """Wraps a saver: the step that adds the tools' ToolMessages is lost whole, the tools'
+    own writes and the checkpoint after them (each raises once, nothing saved), as when
+    the checkpointer's connection drops under that step."""
+
+    def __init__(self, saver: Any) -> None:
+        self.put, self.put_writes = saver.put, saver.put_writes
+        self.lost: set[str] = set()
+        saver.put, saver.put_writes = self.putting, self.writing
+
+    def _lose(self, what: str, values: list[Any]) -> None:
+        held = [v for value in values for v in (value if isinstance(value, list) else [value])]
+        if what not in self.lost and any(isinstance(v, ToolMessage) for v in held):
+            self.lost.add(what)
+            raise OSError(f"injected: the {what} was lost")
+
+    def writing(self, config: Any, writes: Any, task_id: str, task_path: str = "") -> Any:
+        self._lose("tools' writes", [value for _, value in writes])
+        return self.put_writes(config, writes, task_id, task_path)
+
+    def putting(self, config: Any, checkpoint: Any, metadata: Any, versions: Any) -> Any:
+        self._lose("checkpoint", checkpoint["channel_values"].get("messages") or [])
+        return self.put(config, checkpoint, metadata, versions)
+
+
+def test_langgraph_the_seed_scenario_is_one_tree_per_request(tmp_path: Path,
+                                                             traced: Traced) -> None:
+    """The graph ``model → review → tools → model`` on ``OneWriterSaver(ledger=)``, so
+    the checkpoint that adds the tools' results is their publication. Request 1: the model
+    asks for charge, the review enters it in the ledger and pauses for a decision;
+    request 2 approves it (resuming the graph): charge runs, and the step's writes are
+    lost, its checkpoint the failed publication; request 3 resumes: LangGraph runs the
+    tool node again, the ledger resends the recorded result, the checkpoint reconciles
+    the failed publication (nothing had landed: it is written, committed) and the model
+    answers. LangGraph does not trace with OpenTelemetry: everything sits under the
+    caller's span, the ledger's ``execute_tool`` span of each call among them."""
+    path = tmp_path / "effects.txt"
+    store = SQLiteEventStore(tmp_path / "ledger.db")
+    ledger = ToolLedger(store, approvals=["charge"])
+    inner = InMemorySaver()
+    _LosesTheToolsStep(inner)
+    graph = langgraph_driver.build(
+        "ledger", langgraph_driver.make_tools(path),
+        langgraph_driver.ScriptedModel(script=langgraph_driver.SCRIPT),
+        OneWriterSaver(inner, ledger=ledger), ledger=ledger, review=True)
+    caller = trace.get_tracer("tests.caller")
+    with caller.start_as_current_span("request 1"):
+        prints = lg._pending(graph.invoke({"messages": [HumanMessage("charge me 7")]},
+                                          lg.CONFIG, durability="sync"))
+    with caller.start_as_current_span("request 2"), pytest.raises(OSError, match="injected"):
+        graph.invoke(Command(resume={"call-charge": decision("approve", prints["call-charge"])}),
+                     lg.CONFIG, durability="sync")
+    with caller.start_as_current_span("request 3"):
+        done = graph.invoke(None, lg.CONFIG, durability="sync")
+    assert done["messages"][-1].content == "done"
+    assert langgraph_driver.effects(path) == ["charge 7"]
+    assert traced.tree() == otel.dedent("""
+        request 1
+          · RunStarted ModelCallBegun ModelResponded
+        request 2
+          · CallApproved Resumed
+          execute_tool charge call=call-charge outcome=executed
+            · ToolStarted ToolCompleted
+          statemachine.publish via=staged items=1 outcome=failed error=OSError
+            · PublicationStaged PublicationFailed
+        request 3
+          execute_tool charge call=call-charge outcome=resent
+          statemachine.publish via=reconcile outcome=committed
+            · ReconciledAppend PublicationCommitted""")
+    traced.assert_conventions()
+    assert len(traced.walk()) == len(RunController.load(store, lg.RUN).events)
+    traced.assert_no_payloads("charge me 7", "charged 7", "amount")
+
+
 def test_langgraph_a_rejection_says_rejected_before_and_after_its_publication(
         tmp_path: Path, traced: Traced) -> None:
     """charge (c1) approved, notify (n1) rejected; the next batch (n2) publishes their
@@ -469,16 +544,79 @@ def test_langgraph_a_rejection_says_rejected_before_and_after_its_publication(
 # -------------------------------------------------------------- Anthropic SDK
 
 
-def test_anthropic_a_retried_turn_is_resent_under_the_callers_span(
+def test_anthropic_messages_a_retried_turn_is_one_tree_under_the_callers_span(
         tmp_path: Path, traced: Traced) -> None:
+    """A ``messages.create`` loop (the caller runs the tools, so the SDK traces its
+    requests and no tool): the model asks for charge, which runs; the request carrying
+    its result fails (500) and the turn is retried, the result resent from the ledger;
+    that request lands, which posts the result, and its reply is final, which completes
+    the run. A failed request is no failed post: nothing says it did not reach the model.
+    The Anthropic SDK has no approvals to record here (its decisions are the server's)."""
     effects = Effects(tmp_path, "p")
     model = FakeModel(fail=[False, True])  # the request carrying the result fails once
     tools = [sync_charge(effects)]
-    ledger = MessageToolLedger.open("m", tools, store=SQLiteEventStore(tmp_path / "e.db"))
     with trace.get_tracer("tests.caller").start_as_current_span("turn"):
+        ledger = MessageToolLedger.open("m", tools, store=SQLiteEventStore(tmp_path / "e.db"))
         _loop(model.client(), ledger, tools, [{"role": "user", "content": "pay 7"}])
     assert effects.lines() == ["p charge 7"]
-    assert attributes(_ours(traced), "gen_ai.tool.call.id", OUTCOME) == [
-        ("tu_1", "executed"), ("tu_1", "resent")]
-    assert all(traced.ancestors(span) == ["turn"] for span in _ours(traced))
+    assert traced.tree() == otel.dedent("""
+        turn
+          · RunStarted ToolCallsReceived FinalOutputAccepted RunCompleted
+          anthropic.messages.create
+          execute_tool charge call=tu_1 outcome=executed
+            · ToolStarted ToolCompleted
+          anthropic.messages.create error=api_error
+          execute_tool charge call=tu_1 outcome=resent
+          anthropic.messages.create
+          statemachine.publish call=tu_1 via=post items=1 outcome=committed
+            · ResultPosted""")
+    traced.assert_conventions()
+    assert len(traced.walk()) == len(RunController.load(SQLiteEventStore(
+        tmp_path / "e.db"), "m").events)
     traced.assert_no_payloads("pay 7", "charged 7")
+
+
+def test_anthropic_managed_session_a_refused_post_is_one_tree_under_the_callers_span(
+        tmp_path: Path, traced: Traced) -> None:
+    """A managed session's tool runner (`LedgerSessionToolRunner`): the agent asks for
+    charge, which runs inside the SDK's own ``anthropic.custom_tool_use charge`` span (an
+    ``execute_tool`` operation: the ledger joins it, no second span); the post of its
+    result is refused and the stream drops; after the reconnect the SDK dispatches the
+    call again, the ledger answers it from the record (resent) and that post lands; the
+    session ends, which completes the run. Each post is a publication of its own."""
+    effects = Effects(tmp_path, "p")
+    server = FakeSession([tool_use("tu_1", "charge", {"x": 7})],
+                         faults=[PostFault("reject", then_drop_stream=True)])
+
+    async def go() -> list[tuple[str, bool, list[str]]]:
+        with trace.get_tracer("tests.caller").start_as_current_span("session"):
+            runner = await LedgerSessionToolRunner.open(
+                client_for(server), SESSION_ID, tools=[counted_charge(effects)],
+                store=MemoryEventStore(), run_id="s", max_idle=None)
+            return await drive(runner)
+
+    assert [(call_id, posted) for call_id, posted, _ in asyncio.run(go())] == [
+        ("tu_1", False), ("tu_1", True)]
+    assert effects.lines() == ["p charge 7"]
+    assert traced.tree() == otel.dedent("""
+        session
+          · RunStarted FinalOutputAccepted RunCompleted
+          anthropic.sessions.events.stream error=connection_error
+          anthropic.sessions.events.list
+          anthropic.custom_tool_use charge call=tu_1 outcome=executed
+            · ToolCallsReceived ToolStarted ToolCompleted
+          anthropic.sessions.events.send error=invalid_request_error
+          statemachine.publish call=tu_1 via=post items=1 outcome=failed error=ResultNotPosted
+            · ResultPostFailed
+          anthropic.sessions.events.stream
+          anthropic.sessions.events.list
+          anthropic.custom_tool_use charge call=tu_1 outcome=resent
+          anthropic.sessions.events.send
+          statemachine.publish call=tu_1 via=post items=1 outcome=committed
+            · ResultPosted""")
+    tools = [span for span in traced.spans
+             if (span.attributes or {}).get("gen_ai.operation.name") == "execute_tool"]
+    assert _sdks(tools)  # the SDK's, one per dispatch
+    traced.assert_conventions()
+    traced.walk()
+    traced.assert_no_payloads("charged 7", '"x"')
