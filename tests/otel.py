@@ -92,22 +92,25 @@ class Traced:
         return "\n".join(lines)
 
     def assert_conventions(self) -> None:
-        """Every span of the library's, or an SDK's the library joined, named for a GenAI
-        operation (``execute_tool {tool}``, ``invoke_agent {agent}``) says it in its
-        attributes as the GenAI semantic conventions ask: ``gen_ai.operation.name`` and
-        the tool's (or agent's) name; every ``execute_tool`` span carries its call id. (An
-        SDK's other spans are its own business.)"""
+        """Every span of the library's (the bridge's mirrors of an SDK's included), or an
+        SDK's the library joined, named for a GenAI operation (``execute_tool {tool}``,
+        ``invoke_agent {agent}``) says it in its attributes as the GenAI semantic
+        conventions ask: ``gen_ai.operation.name`` and the tool's (or agent's) name; every
+        span that carries the ledger's outcome carries its call id. (An SDK's other spans
+        are its own business.)"""
         for span in self.spans:
             scope = span.instrumentation_scope
-            if (scope is None or scope.name != SCOPE) and (
-                    "statemachine.tool.outcome" not in (span.attributes or {})):
+            said = span.attributes or {}
+            ledgers = "statemachine.tool.outcome" in said
+            if (scope is None or scope.name != SCOPE) and not ledgers:
                 continue
             operation, _, target = span.name.partition(" ")
-            said = span.attributes or {}
+            if ledgers:
+                assert said.get("gen_ai.operation.name") == "execute_tool", span.name
+                assert said.get("gen_ai.tool.call.id"), span.name
             if operation == "execute_tool":
                 assert (said.get("gen_ai.operation.name"), said.get("gen_ai.tool.name")) == (
                     "execute_tool", target), span.name
-                assert said.get("gen_ai.tool.call.id"), span.name
             elif operation == "invoke_agent":
                 assert said.get("gen_ai.operation.name") == "invoke_agent", span.name
 
