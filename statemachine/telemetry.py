@@ -17,12 +17,13 @@ attribute read per recorded event, as for `enable_logging`. On, a controller emi
   does both), so each execution is one ``execute_tool`` span, as the conventions ask of a
   second instrumentation that finds a tool already traced;
 * a ``statemachine.publish`` span per publication attempt, with
-  ``statemachine.publication.via`` (``staged``, ``reconcile`` or ``post``, a remote
-  executor's per-call post) and ``statemachine.publication.outcome`` (``committed``,
-  ``failed``, ``acknowledged``: reconcile found the batch written, ``rejected``: reconcile
-  refused), ``unsettled`` (its write's outcome was never reported, and a reconcile
-  opened the next attempt); an attempt reconcile opens (``Append``) ends with the write's
-  outcome;
+  ``statemachine.publication.via`` (``staged``, ``reconcile`` or ``post``: one call's
+  result posted, as the remote executor and the Anthropic adapter post them) and
+  ``statemachine.publication.outcome`` (``committed``, ``failed``, ``acknowledged``:
+  reconcile found the batch written, ``rejected``: reconcile refused, ``unsettled``: its
+  write's outcome was never reported, and a reconcile opened the next attempt); an
+  attempt reconcile opens (``Append``) ends with the write's outcome, and an attempt
+  still open when its controller is dropped never ends (so it is never exported);
 * a ``statemachine.transition`` span event per recorded event: ``statemachine.seq``,
   ``statemachine.from``, ``statemachine.to``, ``statemachine.event`` (its class), and
   ``statemachine.actor`` where the event names one (an approver, an operator, a claim's
@@ -32,9 +33,10 @@ attribute read per recorded event, as for `enable_logging`. On, a controller emi
 
 The reference runner opens an ``invoke_agent {agent}`` span per attempt and the operator
 commands (`statemachine.operator`, the CLI, the console) a ``statemachine.{command}`` span
-carrying ``statemachine.actor``. Every span is a child of the span current where it
-starts, so the spans sit under an SDK's own (pydantic-ai's instrumentation, ADK's
-tracing, openai-agents' through `adapters.openai_agents.TracingBridge`).
+carrying ``statemachine.actor`` (the CLI turns telemetry on when
+``STATEMACHINE_TELEMETRY=1``). Every span is a child of the span current where it starts,
+so the spans sit under an SDK's own (pydantic-ai's instrumentation, ADK's tracing, the
+Anthropic SDK's, openai-agents' through `adapters.openai_agents.TracingBridge`).
 
 Loading or replaying a log records nothing, so it emits nothing. Payloads (arguments,
 results, items, outputs, reasons, evidence) and fingerprints are never attributes, nor

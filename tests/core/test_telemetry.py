@@ -167,6 +167,62 @@ def test_the_seed_scenario_a_failed_write_then_a_resume_that_acknowledges_it(
     assert "ReconciledAcknowledge" in events
 
 
+def test_the_seed_scenario_through_the_runner_is_one_tree_per_request(
+        tmp_path: Path, traced: Traced) -> None:
+    """The same scenario, every span kept: request 1 writes the input and pauses for the
+    two approvals; the operator approves each (a command span of its own, naming alice);
+    request 2 runs both calls (the charge's body opens its own span under its call's) and
+    the write of their four items lands and raises; request 3 claims, finds the write
+    (acknowledged), asks the model, and writes the answer. Every event of each attempt
+    sits in its request's tree: the runner's ``invoke_agent`` span, its calls' and its
+    publications' spans; none gets a span of its own."""
+    counters = Counters()
+    agent = _agent(counters, approval=True, notify=True)
+    store = SQLiteEventStore(tmp_path / "events.db")
+    session = SQLiteSession("s1", tmp_path / "session.db")
+    caller = trace.get_tracer("tests.caller")
+    with caller.start_as_current_span("request 1"):
+        first = asyncio.run(Runner.run(agent, USER, session=session, store=store, run_id=RUN))
+    for call_id in ("c1", "c2"):
+        operator.approve(store, RUN, call_id, fingerprint=first.controller.fingerprint(call_id),
+                         by="alice")
+    flaky = FlakySession(session, fail_on=1, outcome="commit_then_raise")
+    with caller.start_as_current_span("request 2"), pytest.raises(InjectedWriteError):
+        asyncio.run(Runner.run(agent, session=flaky, store=store, run_id=RUN))
+    with caller.start_as_current_span("request 3"):
+        done = asyncio.run(Runner.run(agent, session=session, store=store, run_id=RUN))
+    assert (done.step, counters.tools) == (Step.COMPLETED, {"charge": 1, "notify": 1})
+    assert traced.tree() == dedent("""
+        request 1
+          invoke_agent billing
+            · RunStarted InputAdded HookRan ModelCallBegun HookRan HookRan ModelResponded
+            statemachine.publish via=staged items=1 outcome=committed
+              · PublicationStaged PublicationCommitted
+        statemachine.approve actor=alice
+          · RunClaimed CallApproved
+        statemachine.approve actor=alice
+          · RunClaimed CallApproved
+        request 2
+          invoke_agent billing error=InjectedWriteError
+            · RunClaimed Resumed HookRan HookRan HookRan HookRan
+            execute_tool charge call=c1 outcome=executed
+              · ToolStarted ToolCompleted
+              charge body
+            execute_tool notify call=c2 outcome=executed
+              · ToolStarted ToolCompleted
+            statemachine.publish via=staged items=4 outcome=failed error=InjectedWriteError
+              · PublicationStaged PublicationFailed
+        request 3
+          invoke_agent billing
+            · RunClaimed ModelCallBegun HookRan HookRan ModelResponded HookRan FinalOutputAccepted
+            statemachine.publish via=reconcile outcome=acknowledged
+              · ReconciledAcknowledge
+            statemachine.publish via=staged items=1 outcome=committed
+              · PublicationStaged PublicationCommitted""")
+    traced.assert_conventions()
+    assert len(traced.walk()) == len(RunController.load(store, RUN).events)
+
+
 def _seq_after(traced: Traced) -> int:
     return min(int(e["statemachine.seq"]) for e in traced.transitions())
 
