@@ -10,14 +10,20 @@ attribute read per recorded event, as for `enable_logging`. On, a controller emi
   ``statemachine.tool.outcome``: ``executed``; ``interrupted`` (the body ended without a
   result: the call is now in doubt); ``resent`` (a recorded result answered instead, the
   body never ran); ``rejected`` (an adapter answered with the call's rejection);
-  ``refused_in_doubt`` (a started, unfinished call: nothing ran);
+  ``refused_in_doubt`` (a started, unfinished call: nothing ran). When an SDK already
+  traces the execution (the span current there is its own span of the same call, an
+  ``execute_tool`` operation: `_sdk_tool_span`), the controller opens none: it adds its
+  attributes and events to the SDK's span, which it never ends nor marks failed (the SDK
+  does both), so each execution is one ``execute_tool`` span, as the conventions ask of a
+  second instrumentation that finds a tool already traced;
 * a ``statemachine.publish`` span per publication attempt, with
-  ``statemachine.publication.via`` (``staged``, ``reconcile`` or ``post``, a remote
-  executor's per-call post) and ``statemachine.publication.outcome`` (``committed``,
-  ``failed``, ``acknowledged``: reconcile found the batch written, ``rejected``: reconcile
-  refused), ``unsettled`` (its write's outcome was never reported, and a reconcile
-  opened the next attempt); an attempt reconcile opens (``Append``) ends with the write's
-  outcome;
+  ``statemachine.publication.via`` (``staged``, ``reconcile`` or ``post``: one call's
+  result posted, as the remote executor and the Anthropic adapter post them) and
+  ``statemachine.publication.outcome`` (``committed``, ``failed``, ``acknowledged``:
+  reconcile found the batch written, ``rejected``: reconcile refused, ``unsettled``: its
+  write's outcome was never reported, and a reconcile opened the next attempt); an
+  attempt reconcile opens (``Append``) ends with the write's outcome, and an attempt
+  still open when its controller is dropped never ends (so it is never exported);
 * a ``statemachine.transition`` span event per recorded event: ``statemachine.seq``,
   ``statemachine.from``, ``statemachine.to``, ``statemachine.event`` (its class), and
   ``statemachine.actor`` where the event names one (an approver, an operator, a claim's
@@ -27,9 +33,10 @@ attribute read per recorded event, as for `enable_logging`. On, a controller emi
 
 The reference runner opens an ``invoke_agent {agent}`` span per attempt and the operator
 commands (`statemachine.operator`, the CLI, the console) a ``statemachine.{command}`` span
-carrying ``statemachine.actor``. Every span is a child of the span current where it
-starts, so the spans sit under an SDK's own (pydantic-ai's instrumentation, ADK's
-tracing, openai-agents' through `adapters.openai_agents.TracingBridge`).
+carrying ``statemachine.actor`` (the CLI turns telemetry on when
+``STATEMACHINE_TELEMETRY=1``). Every span is a child of the span current where it starts,
+so the spans sit under an SDK's own (pydantic-ai's instrumentation, ADK's tracing, the
+Anthropic SDK's, openai-agents' through `adapters.openai_agents.TracingBridge`).
 
 Loading or replaying a log records nothing, so it emits nothing. Payloads (arguments,
 results, items, outputs, reasons, evidence) and fingerprints are never attributes, nor
@@ -252,6 +259,45 @@ def _tool_span(run_id: str, call_id: str, tool: str) -> Span:
         "statemachine.run_id": run_id})
 
 
+def _sdk_tool_span(run_id: str, call_id: str, tool: str) -> Span | None:
+    """The span current here when it is an SDK's own span of this very tool execution,
+    joined: it gets ``gen_ai.tool.call.id`` (when it has none) and ``statemachine.run_id``;
+    None when there is none, or when it cannot be told for sure (then the call gets a span
+    of its own). The GenAI conventions want one ``execute_tool`` span per execution (a
+    second instrumentation that can tell a tool is traced already adds its attributes to
+    that span instead of opening another, as their MCP client span does), and dashboards
+    count and time tools by ``gen_ai.operation.name``: two nested spans would count each
+    call twice.
+
+    The current span is the SDK's span of the call when it records, its attributes can be
+    read (an SDK span's; the API has no reading), it says it is a tool execution (its
+    ``gen_ai.operation.name`` is ``execute_tool`` and its ``gen_ai.tool.name`` is
+    ``tool``, as pydantic-ai's, openai-agents' through the bridge and the Anthropic SDK's
+    ``anthropic.custom_tool_use {tool}`` say from their start; or it is named
+    ``execute_tool {tool}``, the conventions' name, and says nothing else yet, as ADK's
+    until it ends), and whatever else it says (call id, run) agrees."""
+    current: Span = _otel.trace.get_current_span()
+    if not current.is_recording():
+        return None
+    said = getattr(current, "attributes", None)
+    if said is None:
+        return None
+    named = getattr(current, "name", None) == f"execute_tool {tool}"
+    operation = said.get("gen_ai.operation.name")
+    if operation is None and not named:
+        return None
+    if operation not in (None, "execute_tool") or said.get(
+            "gen_ai.tool.name", tool if named else None) != tool:
+        return None
+    if said.get("gen_ai.tool.call.id", call_id) != call_id or said.get(
+            "statemachine.run_id", run_id) != run_id:
+        return None  # (another call, or another run's call, running inside this one)
+    if "gen_ai.tool.call.id" not in said:
+        current.set_attribute("gen_ai.tool.call.id", call_id)
+    current.set_attribute("statemachine.run_id", run_id)
+    return current
+
+
 def _publication(run_id: str, via: str, items: int | None) -> Span:
     tracer = _otel.tracer
     assert tracer is not None
@@ -266,7 +312,11 @@ def _publication(run_id: str, via: str, items: int | None) -> Span:
 def answered(run_id: str, call_id: str, tool: str, outcome: str) -> None:
     """The ledger answered a call without running it: ``resent`` (its recorded result),
     ``rejected`` or ``refused_in_doubt`` (`ToolInDoubt`). Its span starts and ends
-    here."""
+    here, unless it is an SDK's (`_sdk_tool_span`): that one only says the outcome."""
+    sdk = _sdk_tool_span(run_id, call_id, tool)
+    if sdk is not None:
+        sdk.set_attribute("statemachine.tool.outcome", outcome)
+        return
     span = _tool_span(run_id, call_id, tool)
     span.set_attribute("statemachine.tool.outcome", outcome)
     if outcome == "refused_in_doubt":
@@ -291,11 +341,14 @@ class Spans:
     records with telemetry on; the spans die with it (a process killed mid-call never
     ends them, so they are never exported)."""
 
-    __slots__ = ("calls", "publication", "run_id")
+    __slots__ = ("calls", "joined", "publication", "run_id")
 
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
         self.calls: dict[str, Span] = {}
+        self.joined: set[str] = set()
+        """The calls whose span in `calls` is an SDK's (`_sdk_tool_span`): never ended
+        nor marked failed here."""
         self.publication: Span | None = None
 
     @_quiet
@@ -304,6 +357,9 @@ class Spans:
         span = self.calls.pop(call_id, None)
         if span is not None:
             span.set_attribute("statemachine.tool.outcome", "interrupted")
+            if call_id in self.joined:
+                self.joined.discard(call_id)
+                return
             _failed(span, "interrupted")
             span.end()
 
@@ -333,12 +389,18 @@ class Spans:
         ends = False
         match event:
             case ev.ToolStarted(call_id=call_id):
-                span = self.calls[call_id] = _tool_span(self.run_id, call_id, tool or "")
+                span = _sdk_tool_span(self.run_id, call_id, tool or "")
+                if span is None:
+                    span = _tool_span(self.run_id, call_id, tool or "")
+                else:
+                    self.joined.add(call_id)
+                self.calls[call_id] = span
             case ev.ToolCompleted(call_id=call_id):
                 span = self.calls.pop(call_id, None)
                 if span is not None:
                     span.set_attribute("statemachine.tool.outcome", "executed")
-                    ends = True
+                    ends = call_id not in self.joined
+                    self.joined.discard(call_id)
             case ev.PublicationStaged(items=items):
                 span = self._opened(_publication(self.run_id, "staged", len(items)))
             case ev.ReconciledAppend():

@@ -211,11 +211,15 @@ def begin_call(c: RunController, call_id: str, arguments: JSON, *,
 def answered(c: RunController, call_id: str) -> None:
     """The ledger answers ``call_id`` from its record, the body not run: its
     ``execute_tool`` span (when telemetry is on) says ``resent``, or ``rejected`` for a
-    rejection."""
+    rejection, published or not (a published call that never started and was last
+    decided ``rejected`` was published with its rejection)."""
     if switch.telemetry:
         view = c.call(call_id)
+        rejection = view.phase is Phase.REJECTED or (
+            view.phase is Phase.PUBLISHED and view.starts == 0 and bool(view.decisions)
+            and view.decisions[-1].kind == "rejected")
         telemetry.answered(c.run_id, call_id, view.call.name,
-                           "rejected" if view.phase is Phase.REJECTED else "resent")
+                           "rejected" if rejection else "resent")
 
 
 def _same_json(asked: JSON, recorded: JSON) -> bool:

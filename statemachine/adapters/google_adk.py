@@ -507,7 +507,10 @@ class LedgerPlugin(HeldRuns, BasePlugin):
             else:
                 c.reject(call_id, REJECTED, fingerprint=fingerprint, by="adk:confirmation")
             c.flush()  # the decision is durable before anything acts on it
-            return None if given.confirmed else {"error": REJECTED}
+            if given.confirmed:
+                return None
+            answered(c, call_id)  # answered with its rejection, never run
+            return {"error": REJECTED}
         recorded = [d.kind for d in view.decisions if d.kind in ("approved", "rejected")]
         if recorded and (recorded[-1] == "approved") != bool(given.confirmed):
             raise InvalidTransition(

@@ -352,7 +352,14 @@ DESCRIPTION = (
     "write one run, as --by.")
 EPILOG = ("Exit status: 0 when all is well; 1 when explore finds a counterexample or a "
           "demo check fails; 2 for any error, which is one line on stderr. "
+          "With STATEMACHINE_TELEMETRY=1 in the environment, the command emits OpenTelemetry "
+          "spans (an operator verb's carries its --by) through the global tracer provider, "
+          "the one opentelemetry-instrument sets up (needs the otel extra). "
           "Run 'statemachine COMMAND --help' for a command's options.")
+
+TELEMETRY = "STATEMACHINE_TELEMETRY"
+"""The environment variable that turns telemetry on for one command (``1``; ``0`` or
+unset: off)."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -463,12 +470,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args)
 
 
+def _telemetry() -> None:
+    """Turn telemetry on when `TELEMETRY` says ``1``: the process has no code of its own
+    to call `enable_telemetry`, so the environment says it, as OpenTelemetry's own
+    settings are given (the spans go to the global tracer provider, which an
+    ``opentelemetry-instrument statemachine ...`` run configures from ``OTEL_*``).
+    `ConfigurationError` without the otel extra; a value other than ``0`` or ``1`` is an
+    error rather than a guess."""
+    value = os.environ.get(TELEMETRY, "").strip()
+    if value in ("", "0"):
+        return
+    if value != "1":
+        raise UserError(f"{TELEMETRY} must be 1 (telemetry on) or 0 (off), not "
+                        f"{shown(value, 40)!r}")
+    from statemachine.telemetry import enable_telemetry
+
+    enable_telemetry()
+
+
 def _run(args: argparse.Namespace) -> int:
     from statemachine.diagrams import GraphvizFailed
     from statemachine.errors import ControlError
 
     command = args.command
     try:
+        _telemetry()
         return int(args.run(args))
     except UserError as error:
         return _fail(command, "error", str(error))

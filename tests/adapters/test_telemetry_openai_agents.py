@@ -5,10 +5,11 @@ answers, the spans are read back from OpenTelemetry's SDK and its in-memory expo
 
 The expected trees come from each scenario: a caller's request runs one turn in which
 the model asks for ``charge(x=7)`` and then answers; the SDK's trace sits under the
-caller's span, its function span under its agent span, the ledger's
-``execute_tool charge`` span under the function span and the body's own span under the
-ledger's. A resumed turn whose call was recorded before asks the ledger again and is
-answered ``resent``, under the bridged spans, the body never running again.
+caller's span, its function span under its agent span; the function span is the call's
+one ``execute_tool charge`` span, the ledger's attributes and events joined to it (the
+SDK traces the execution: the ledger opens no second span), and the body's own span sits
+under it. A resumed turn whose call was recorded before asks the ledger again and is
+answered ``resent``, on the bridged function span, the body never running again.
 
 The SDK's trace processors and its tracing switch are global: each test installs only
 the bridge (so the SDK's own exporter, which would reach for the network, is not
@@ -53,9 +54,11 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import StatusCode
 
-from statemachine import MemoryEventStore, Phase, Step, telemetry
+from statemachine import MemoryEventStore, Phase, RunController, Step, telemetry
 from statemachine.adapters.openai_agents import AgentRun, AgentRunResult, TracingBridge
 from statemachine.telemetry import disable_telemetry
+from statemachine.testing import FlakySession, InjectedWriteError
+from tests import otel
 from tests.adapters import test_openai_agents as adapter_tests
 from tests.adapters.test_openai_agents import Hooks
 from tests.otel import Traced, attributes
@@ -127,7 +130,7 @@ def _bridged(traced: Traced, name: str, kind: str) -> list[ReadableSpan]:
 
 
 def _ours(traced: Traced) -> ReadableSpan:
-    """The ledger's ``execute_tool charge`` span (the bridged one has no outcome)."""
+    """The ``execute_tool charge`` span carrying the ledger's outcome."""
     (span,) = [span for span in traced.named("execute_tool charge")
                if "statemachine.tool.outcome" in (span.attributes or {})]
     return span
@@ -175,20 +178,20 @@ def test_a_one_tool_turn_is_one_trace_with_the_ledgers_span_under_the_sdks(
     agent_above = bridged.ancestors(agent)
     assert agent_above[-2:] == ["Agent workflow", "handle request"]
 
-    function = _function(bridged)
+    function = _function(bridged)  # the SDK's span of the call, the ledger's joined to it
     assert dict(function.attributes or {}) == {
         "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "charge",
-        "gen_ai.tool.type": "function", "openai_agents.span_type": "function"}
+        "gen_ai.tool.type": "function", "openai_agents.span_type": "function",
+        "gen_ai.tool.call.id": "c1", "statemachine.run_id": "bridged-run",
+        "statemachine.tool.outcome": "executed"}
     function_above = bridged.ancestors(function)
     assert function_above[function_above.index("invoke_agent billing"):] == [
         "invoke_agent billing", *agent_above]
-
-    ours = _ours(bridged)
-    assert attributes([ours], "gen_ai.tool.call.id", "statemachine.tool.outcome") == [
-        ("c1", "executed")]
-    assert _parent_is(ours, function)  # directly under the SDK's function span
+    assert bridged.named("execute_tool") == [function]  # one span for the one execution
+    assert [e["statemachine.event"] for e in bridged.transitions()
+            if e["span"] == "execute_tool charge"] == ["ToolStarted", "ToolCompleted"]
     (body,) = bridged.named("charge body")
-    assert _parent_is(body, ours)
+    assert _parent_is(body, function)
 
     # the model was asked twice (the call, then the answer): two generations, mirrored
     chats = _bridged(bridged, "chat", "generation")
@@ -287,9 +290,9 @@ def test_a_recorded_call_asked_again_is_resent_under_the_bridged_spans(
     resent = _ours(bridged)
     assert attributes([resent], "gen_ai.tool.call.id", "statemachine.tool.outcome") == [
         ("c1", "resent")]
-    function = _function(bridged)
-    assert _parent_is(resent, function)
-    assert "invoke_agent billing" in bridged.ancestors(function)
+    assert resent is _function(bridged)  # the SDK's function span says so, no other
+    assert bridged.named("execute_tool") == [resent]
+    assert "invoke_agent billing" in bridged.ancestors(resent)
     assert {span.context.trace_id for span in bridged.spans
             if span.name != "statemachine.record"} == {paused_trace}
 
@@ -328,3 +331,113 @@ def test_a_bridge_that_fails_never_fails_the_run(
     assert "TracingBridge.on_span_start failed (RuntimeError); the SDK's run goes on" in messages
     assert not [m for m in messages if "no tracer today" in m]  # its type, not its message
     assert _ours(bridged)  # the ledger's own spans go on
+
+
+def test_the_seed_scenario_is_one_tree_per_request(bridged: Traced) -> None:
+    """The billing agent's charge needs approval. Request 1: the model asks for it and
+    the run pauses (the SDK opens its function span, finds the approval missing and runs
+    nothing: the ledger is not asked); a reviewer approves it; request 2 resumes from the
+    saved state: charge runs and its end hook raises before its result is written (the
+    SDK marks its function and agent spans failed); request 3 resumes again: the SDK asks
+    for charge, the ledger resends the recorded result, and the write of the call's output
+    lands and then raises; request 4: the claim's reconcile finds the write (acknowledged)
+    before the SDK starts, the model answers and the answer is written. Each request runs
+    under a trace of its own (``trace_id`` in its run config), so the SDK's trace sits
+    under the caller's span and the ledger's events recorded before the SDK starts (the
+    claim, the gate, the reconcile) on the caller's span itself; the call is one
+    ``execute_tool charge`` span each time the SDK runs it, the SDK's function span."""
+    effects: Counter[str] = Counter()
+
+    @function_tool(needs_approval=True)
+    def charge(x: int) -> str:
+        effects["tool charge"] += 1
+        return RESULT if x == 7 else "charged something else"
+
+    class FailingEndHook(Hooks):
+        async def on_tool_end(self, context: Any, agent: Any, tool: Any, result: Any) -> None:
+            await super().on_tool_end(context, agent, tool, result)
+            if self.effects[f"hook tool_end {tool.name}"] == 1:
+                raise RuntimeError("the end hook failed")
+
+    hooks = FailingEndHook(effects)
+    model = ScriptedModel([[function_call("charge", {"x": 7}, call_id="c1")],
+                           [assistant_message(ANSWER)]], emit_traces=True)
+    agent = Agent("billing", model=model, tools=[charge])
+    session: Any = FlakySession(SQLiteSession("bridged", ":memory:"),
+                                fail_on=10**9, outcome="commit_then_raise")
+    store = MemoryEventStore()
+    caller = trace.get_tracer("tests.caller")
+
+    async def request(n: int, *, state: str | None = None) -> AgentRunResult:
+        config = RunConfig(tracing_disabled=False, trace_id=f"trace_{n:032x}")
+        with caller.start_as_current_span(f"request {n}"):
+            run = await AgentRun.open(agent, run_id="r", session=session, store=store)
+            return await run.run(None if state else USER, state=state, hooks=hooks,
+                                 run_config=config)
+
+    async def go() -> AgentRunResult:
+        paused = await request(1)
+        assert paused.step is Step.INTERRUPTION
+        assert paused.state is not None
+        saved = paused.state.to_string()
+        with caller.start_as_current_span("review"):
+            await (await AgentRun.open(agent, run_id="r", session=session,
+                                       store=store)).approve("c1")
+        with pytest.raises(UserError, match="end hook failed"):
+            await request(2, state=saved)
+        session.fail_on = session.add_calls + 1  # the next write: the call's output
+        with pytest.raises(InjectedWriteError):
+            await request(3, state=saved)
+        return await request(4, state=saved)
+
+    done = asyncio.run(go())
+    assert (done.step, done.final_output) == (Step.COMPLETED, ANSWER)
+    assert effects["tool charge"] == 1
+    assert bridged.tree() == otel.dedent("""
+        request 1
+          · RunStarted InputAdded
+          Agent workflow
+            task
+              statemachine.publish via=staged items=1 outcome=committed
+                · PublicationStaged PublicationCommitted
+              invoke_agent billing
+                turn
+                  · HookRan HookRan ModelCallBegun ModelResponded
+                  chat
+                  execute_tool charge
+                statemachine.publish via=staged items=1 outcome=committed
+                  · PublicationStaged PublicationCommitted
+        review
+          · CallApproved
+        request 2
+          · RunClaimed Resumed
+          Agent workflow
+            task
+              invoke_agent billing error=_OTHER
+                execute_tool charge call=c1 outcome=executed error=_OTHER
+                  · HookRan ToolStarted ToolCompleted
+        request 3
+          · RunClaimed
+          Agent workflow
+            task
+              invoke_agent billing error=_OTHER
+                execute_tool charge call=c1 outcome=resent
+                  · HookRan
+                statemachine.publish via=staged items=1 outcome=failed error=InjectedWriteError
+                  · PublicationStaged PublicationFailed
+        request 4
+          · RunClaimed
+          statemachine.publish via=reconcile outcome=acknowledged
+            · ReconciledAcknowledge
+          Agent workflow
+            task
+              invoke_agent billing
+                · FinalOutputAccepted
+                turn
+                  · HookRan ModelCallBegun ModelResponded HookRan
+                  chat
+                statemachine.publish via=staged items=1 outcome=committed
+                  · PublicationStaged PublicationCommitted""")
+    bridged.assert_conventions()
+    assert len(bridged.walk()) == len(RunController.load(store, "r").events)
+    bridged.assert_no_payloads(USER, ARGUMENTS, '"x"', RESULT, ANSWER)

@@ -9,7 +9,6 @@ the publications are the input, the call with its output, and the answer."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ from statemachine.testing import (
     ScriptedModel,
     counted_tool,
 )
-from tests.otel import Traced, attributes
+from tests.otel import Traced, attributes, dedent
 
 USER = "charge me 7"
 RUN = "run-1"
@@ -61,17 +60,6 @@ def _agent(counters: Counters, *, approval: bool = False, notify: bool = False,
     model = ScriptedModel([ModelResponse(tuple(calls)), ModelResponse(output="charged")][
         1 if resumed else 0:])
     return Agent("billing", model, tuple(tools))
-
-
-def _chain(traced: Traced, first_seq: int = 0) -> list[dict[str, Any]]:
-    """The transition events, checked to be one unbroken walk of the run: seq after
-    seq from ``first_seq``, each starting where the one before ended."""
-    events = traced.transitions()
-    assert [e["statemachine.seq"] for e in events] == list(
-        range(first_seq, first_seq + len(events)))
-    for before, after in itertools.pairwise(events):
-        assert after["statemachine.from"] == before["statemachine.to"]
-    return events
 
 
 def test_a_one_tool_turn_through_the_runner_is_one_tree(traced: Traced) -> None:
@@ -100,7 +88,7 @@ def test_a_one_tool_turn_through_the_runner_is_one_tree(traced: Traced) -> None:
                       ) == [("staged", 1, "committed"), ("staged", 2, "committed"),
                             ("staged", 1, "committed")]
     assert all(traced.ancestors(span) == ["invoke_agent billing"] for span in published)
-    events = _chain(traced)
+    events = traced.walk()
     assert events[0]["statemachine.event"] == "RunStarted"
     assert events[-1]["statemachine.to"] == "completed"
     on_tool = [e["statemachine.event"] for e in events if e["span"] == "execute_tool charge"]
@@ -174,9 +162,65 @@ def test_the_seed_scenario_a_failed_write_then_a_resume_that_acknowledges_it(
     assert attributes(published, "statemachine.publication.via",
                       "statemachine.publication.outcome") == [
         ("reconcile", "acknowledged"), ("staged", "committed")]
-    events = [e["statemachine.event"] for e in _chain(traced, first_seq=_seq_after(traced))]
+    events = [e["statemachine.event"] for e in traced.walk(first_seq=_seq_after(traced))]
     assert events[0] == "RunClaimed"
     assert "ReconciledAcknowledge" in events
+
+
+def test_the_seed_scenario_through_the_runner_is_one_tree_per_request(
+        tmp_path: Path, traced: Traced) -> None:
+    """The same scenario, every span kept: request 1 writes the input and pauses for the
+    two approvals; the operator approves each (a command span of its own, naming alice);
+    request 2 runs both calls (the charge's body opens its own span under its call's) and
+    the write of their four items lands and raises; request 3 claims, finds the write
+    (acknowledged), asks the model, and writes the answer. Every event of each attempt
+    sits in its request's tree: the runner's ``invoke_agent`` span, its calls' and its
+    publications' spans; none gets a span of its own."""
+    counters = Counters()
+    agent = _agent(counters, approval=True, notify=True)
+    store = SQLiteEventStore(tmp_path / "events.db")
+    session = SQLiteSession("s1", tmp_path / "session.db")
+    caller = trace.get_tracer("tests.caller")
+    with caller.start_as_current_span("request 1"):
+        first = asyncio.run(Runner.run(agent, USER, session=session, store=store, run_id=RUN))
+    for call_id in ("c1", "c2"):
+        operator.approve(store, RUN, call_id, fingerprint=first.controller.fingerprint(call_id),
+                         by="alice")
+    flaky = FlakySession(session, fail_on=1, outcome="commit_then_raise")
+    with caller.start_as_current_span("request 2"), pytest.raises(InjectedWriteError):
+        asyncio.run(Runner.run(agent, session=flaky, store=store, run_id=RUN))
+    with caller.start_as_current_span("request 3"):
+        done = asyncio.run(Runner.run(agent, session=session, store=store, run_id=RUN))
+    assert (done.step, counters.tools) == (Step.COMPLETED, {"charge": 1, "notify": 1})
+    assert traced.tree() == dedent("""
+        request 1
+          invoke_agent billing
+            · RunStarted InputAdded HookRan ModelCallBegun HookRan HookRan ModelResponded
+            statemachine.publish via=staged items=1 outcome=committed
+              · PublicationStaged PublicationCommitted
+        statemachine.approve actor=alice
+          · RunClaimed CallApproved
+        statemachine.approve actor=alice
+          · RunClaimed CallApproved
+        request 2
+          invoke_agent billing error=InjectedWriteError
+            · RunClaimed Resumed HookRan HookRan HookRan HookRan
+            execute_tool charge call=c1 outcome=executed
+              · ToolStarted ToolCompleted
+              charge body
+            execute_tool notify call=c2 outcome=executed
+              · ToolStarted ToolCompleted
+            statemachine.publish via=staged items=4 outcome=failed error=InjectedWriteError
+              · PublicationStaged PublicationFailed
+        request 3
+          invoke_agent billing
+            · RunClaimed ModelCallBegun HookRan HookRan ModelResponded HookRan FinalOutputAccepted
+            statemachine.publish via=reconcile outcome=acknowledged
+              · ReconciledAcknowledge
+            statemachine.publish via=staged items=1 outcome=committed
+              · PublicationStaged PublicationCommitted""")
+    traced.assert_conventions()
+    assert len(traced.walk()) == len(RunController.load(store, RUN).events)
 
 
 def _seq_after(traced: Traced) -> int:
@@ -233,6 +277,40 @@ def test_a_call_in_doubt_is_refused_then_settled_by_an_operator(
             } == {"statemachine.event": "InDoubtResolved", "statemachine.actor": "alice",
                   "statemachine.resolution": "completed", "gen_ai.tool.call.id": "c1"}
     traced.assert_no_payloads("payment 991", "charged 7")
+
+
+def test_the_cli_emits_its_commands_spans_with_the_actor_when_the_environment_says_so(
+        tmp_path: Path, traced: Traced, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``statemachine resolve ... --by alice`` and ``abandon ... --by bob`` in a process
+    whose telemetry is off: with STATEMACHINE_TELEMETRY=1 the CLI turns it on (the global
+    tracer provider, here the tests' in-memory one) and each command is one span naming
+    its actor, its events on it; unset, nothing is emitted; any other value is refused."""
+    from statemachine.cli.main import main
+
+    store = _left_in_doubt(tmp_path)
+    where = ["--store", str(tmp_path / "events.db")]
+    disable_telemetry()
+    traced.clear()
+    assert main(["inbox", *where]) == 0  # (a read; and telemetry stays off)
+    assert traced.spans == ()
+    monkeypatch.setenv("STATEMACHINE_TELEMETRY", "yes")
+    assert main(["abandon", RUN, *where, "--by", "bob", "--reason", "x"]) == 2
+    assert "STATEMACHINE_TELEMETRY must be 1" in capsys.readouterr().err
+    assert RunController.load(store, RUN).step is Step.TOOLS  # nothing was done
+    monkeypatch.setenv("STATEMACHINE_TELEMETRY", "1")
+    assert main(["resolve", RUN, "c1", *where, "--by", "alice", "--completed",
+                 '"charged 7"', "--evidence", "payment 991"]) == 0
+    assert main(["abandon", RUN, *where, "--by", "bob", "--reason", "the customer left"]) == 0
+    assert traced.tree() == dedent("""
+        statemachine.resolve_in_doubt actor=alice
+          · RunClaimed InDoubtResolved
+        statemachine.abandon actor=bob
+          · RunClaimed Abandoned""")
+    for span, actor in zip(traced.named("statemachine."), ["alice", "bob"], strict=True):
+        assert [dict(e.attributes or {}).get("statemachine.actor") for e in span.events] == [
+            actor, actor]
+    traced.assert_no_payloads("payment 991", "charged 7", "the customer left")
 
 
 def test_a_recorded_result_is_published_from_the_log_and_its_body_never_runs(
@@ -350,3 +428,201 @@ def test_a_failing_tracer_never_fails_what_the_ledger_recorded(traced: Traced) -
     counters = Counters()  # the runner's attempt and the operator's command go on too
     result = asyncio.run(Runner.run(_agent(counters), USER, session=MemorySession("s1")))
     assert (result.step, counters.tools) == (Step.COMPLETED, {"charge": 1})
+
+
+# ------------------------------------- one span per execution under an SDK that traces
+
+
+def _sdk_span(name: str = "execute_tool charge", **attributes: Any) -> Any:
+    """A span as an SDK that traces its tools opens around one (by default named as the
+    GenAI conventions name it), with ``attributes``; not yet current."""
+    return trace.get_tracer("tests.sdk").start_span(name, attributes=attributes)
+
+
+AGREEING = {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "charge",
+            "gen_ai.tool.call.id": "c1"}
+
+
+@pytest.mark.parametrize(("name", "said"), [
+    ("execute_tool charge", {}), ("execute_tool charge", AGREEING),
+    ("anthropic.custom_tool_use charge", AGREEING)],
+    ids=["named-only", "agreeing", "named-otherwise-agreeing"])
+def test_an_sdks_span_of_the_call_is_joined_never_ended_or_failed_by_the_ledger(
+        traced: Traced, name: str, said: dict[str, Any]) -> None:
+    """The SDK's span is current while the call starts, runs, is interrupted and is then
+    refused in doubt: the ledger opens no span of its own, says each outcome on the SDK's
+    span, and leaves its end and its status to the SDK (which sees the errors itself)."""
+    c = _bare_run()
+    traced.clear()
+    sdk = _sdk_span(name, **said)
+    with trace.use_span(sdk, end_on_exit=False):
+        c.begin_tool("c1")
+        c.tool_interrupted("c1")
+        assert sdk.is_recording()  # the SDK's to end
+        assert (sdk.attributes or {})["statemachine.tool.outcome"] == "interrupted"
+        with pytest.raises(ToolInDoubt):
+            c.begin_tool("c1")
+    assert traced.spans == ()  # nothing ended: the ledger opened nothing
+    sdk.end()
+    (only,) = traced.named(name)
+    assert len(traced.spans) == 1
+    assert attributes([only], "gen_ai.tool.call.id", "statemachine.run_id",
+                      "statemachine.tool.outcome", "error.type") == [
+        ("c1", RUN, "refused_in_doubt", None)]
+    assert only.status.status_code is StatusCode.UNSET
+    assert [dict(e.attributes or {})["statemachine.event"] for e in only.events] == [
+        "ToolStarted"]
+
+
+def test_an_sdks_span_of_a_completed_call_says_executed_and_stays_open(traced: Traced) -> None:
+    c = _bare_run()
+    traced.clear()
+    sdk = _sdk_span(**{"gen_ai.operation.name": "execute_tool"})
+    with trace.use_span(sdk, end_on_exit=False):
+        c.begin_tool("c1")
+        c.tool_completed("c1", "charged 7")
+        assert type(c.begin_tool("c1")).__name__ == "Resend"  # asked again, same span
+    assert traced.spans == ()
+    sdk.end()
+    (only,) = traced.named("execute_tool charge")
+    assert len(traced.spans) == 1
+    assert attributes([only], "statemachine.tool.outcome") == [("resent",)]
+    assert [dict(e.attributes or {})["statemachine.event"] for e in only.events] == [
+        "ToolStarted", "ToolCompleted"]
+
+
+@pytest.mark.parametrize(("name", "said"), [
+    ("execute_tool charge", {"gen_ai.tool.call.id": "c9"}),
+    ("execute_tool charge", {"gen_ai.operation.name": "chat"}),
+    ("execute_tool charge", {"gen_ai.tool.name": "refund"}),
+    ("execute_tool charge", {"statemachine.run_id": "another run"}),
+    ("anthropic.custom_tool_use refund", {**AGREEING, "gen_ai.tool.name": "refund"}),
+    ("tool charge", {"gen_ai.operation.name": "execute_tool"}),
+    ("tool charge", {"gen_ai.tool.name": "charge"})],
+    ids=["another-call", "another-operation", "another-tool", "another-runs",
+         "named-otherwise-another-tool", "no-tool-said", "no-operation-said"])
+def test_a_span_that_is_not_the_sdks_of_this_call_gets_the_ledgers_span_under_it(
+        traced: Traced, name: str, said: dict[str, Any]) -> None:
+    c = _bare_run()
+    traced.clear()
+    outer = _sdk_span(name, **said)
+    with trace.use_span(outer, end_on_exit=True):
+        c.begin_tool("c1")
+        c.tool_completed("c1", "charged 7")
+    ours, outer_done = traced.spans
+    assert outer_done.name == name
+    assert "statemachine.tool.outcome" not in (outer_done.attributes or {})
+    assert attributes([ours], "gen_ai.tool.call.id", "statemachine.tool.outcome") == [
+        ("c1", "executed")]
+    assert traced.parent_of(ours) is outer_done
+
+
+# --------------------------------- a write never reported, and per-call result posts
+
+
+def test_a_cancelled_write_stays_open_until_the_next_attempt_finds_it_written(
+        traced: Traced) -> None:
+    """The write of the call and its output is cancelled (it landed, the attempt never
+    heard): that attempt stays open, so its span does not end with its request. The next
+    attempt, on the same controller, takes the write over (the caller knows the cancelled
+    request has ended) and reconciles: the Session holds the batch, so the open attempt
+    ends acknowledged; had it found the frontier, that attempt would end unsettled and a
+    new one open (the next test). Nothing runs again."""
+    counters = Counters()
+    agent = _agent(counters)
+    session = FlakySession(MemorySession("s1"), fail_on=2, outcome="cancel")
+    c = RunController.start(run_id=RUN, session_id="s1")
+    tracer = trace.get_tracer("tests.caller")
+
+    async def first() -> None:
+        with tracer.start_as_current_span("request 1"), pytest.raises(asyncio.CancelledError):
+            await Runner.run(agent, USER, session=session, controller=c)
+
+    asyncio.run(first())
+    assert attributes(traced.named("statemachine.publish"), "statemachine.publication.items",
+                      "statemachine.publication.outcome") == [(1, "committed")]  # the input
+    with tracer.start_as_current_span("request 2"):
+        done = asyncio.run(Runner.run(agent, session=session, controller=c, take_over=True))
+    assert (done.step, counters.tools) == (Step.COMPLETED, {"charge": 1})
+    published = traced.named("statemachine.publish")
+    assert attributes(published, "statemachine.publication.via",
+                      "statemachine.publication.items", "statemachine.publication.outcome"
+                      ) == [("staged", 1, "committed"), ("staged", 2, "acknowledged"),
+                            ("staged", 1, "committed")]
+    cancelled = published[1]  # opened by the first request, settled by the second
+    assert traced.ancestors(cancelled) == ["invoke_agent billing", "request 1"]
+    assert [dict(e.attributes or {})["statemachine.event"] for e in cancelled.events] == [
+        "PublicationStaged", "ReconciledAcknowledge"]
+
+
+def test_an_attempt_left_open_ends_unsettled_when_a_reconcile_opens_the_next(
+        traced: Traced) -> None:
+    """A staged write cancelled before it could land (nothing written) and never
+    reported: the take-over reconcile finds the frontier and opens an attempt of its own
+    (Append), which ends the one left open as unsettled; the re-write commits."""
+    c = _bare_run()
+    c.begin_tool("c1")
+    c.tool_completed("c1", "charged 7")
+    items = [{"type": "function_call", "call_id": "c1"},
+             {"type": "function_call_output", "call_id": "c1", "output": "charged 7"}]
+    traced.clear()
+    c.stage_publication(items, [], whole=True, call_ids=["c1"])
+    assert traced.spans == ()  # the attempt is open: its span too
+    action = c.reconcile([], "s1", take_over=True)
+    assert type(action).__name__ == "Append"
+    (left,) = traced.named("statemachine.publish")
+    assert attributes([left], "statemachine.publication.via", "statemachine.publication.items",
+                      "statemachine.publication.outcome", "error.type") == [
+        ("staged", 2, "unsettled", None)]
+    assert left.status.status_code is StatusCode.UNSET  # nobody knows it failed
+    c.publication_committed()
+    _, taken = traced.named("statemachine.publish")
+    assert attributes([taken], "statemachine.publication.via",
+                      "statemachine.publication.outcome") == [("reconcile", "committed")]
+    assert [dict(e.attributes or {})["statemachine.event"] for e in taken.events] == [
+        "ReconciledAppend", "PublicationCommitted"]
+
+
+def test_a_remote_result_post_that_failed_is_posted_again_from_the_cache(
+        traced: Traced) -> None:
+    """The remote executor (statemachine.runner.remote): the first post of the charge's
+    result is refused for good, the stream drops; on the reconnect the ledger answers the
+    call from its record (resent) and the re-post lands. Each post is a publication of
+    its own (``post``, one item, naming the call), failed then committed."""
+    from contextlib import aclosing
+
+    from statemachine.runner import FunctionTool, RemoteToolExecutor
+    from statemachine.testing import FakeRemote
+
+    ran: list[str] = []
+    remote = FakeRemote([("toolu_1", "charge", {"x": 7})], disconnect_after=[1],
+                        post_outcomes={"toolu_1": ["permanent"]})
+
+    def charge(x: int) -> str:
+        ran.append("charge")
+        return f"charged {x}"
+
+    async def drain() -> list[bool]:
+        with trace.get_tracer("tests.caller").start_as_current_span("executor"):
+            c = RunController.start(run_id=RUN, session_id=None)
+            executor = RemoteToolExecutor(remote, [FunctionTool("charge", charge)],
+                                          controller=c, backoff=0)
+            async with aclosing(executor.run()) as stream:
+                return [call.posted async for call in stream]
+
+    assert asyncio.run(drain()) == [False, True]
+    assert ran == ["charge"]
+    assert traced.tree() == dedent("""
+        executor
+          · RunStarted ToolCallsReceived
+          execute_tool charge call=toolu_1 outcome=executed
+            · ToolStarted ToolCompleted
+          statemachine.publish call=toolu_1 via=post items=1 outcome=failed error=PermanentPostError
+            · ResultPostFailed
+          execute_tool charge call=toolu_1 outcome=resent
+          statemachine.publish call=toolu_1 via=post items=1 outcome=committed
+            · ResultPosted""")
+    traced.assert_conventions()
+    failed = traced.named("statemachine.publish")[0]
+    assert failed.status.status_code is StatusCode.ERROR
+    traced.assert_no_payloads("charged 7", '"x"')
