@@ -400,7 +400,11 @@ class StaleSeen:
     sent: Sequence[tuple[str, JSON]]
     """The (call id, output) pairs of the last model request of the whole run."""
     written: Sequence[tuple[str, JSON]]
-    """The (call id, output) pairs the Session holds at the end."""
+    """The (call id, output) pairs the run's history holds at the end (every write the
+    run made, for a run whose caller carries its messages)."""
+    carried: Sequence[tuple[str, JSON]] | None = None
+    """The (call id, output) pairs of the messages the attempt handed back for its caller
+    to carry (None for an SDK whose Session is the history)."""
 
 
 def check_stale_state(case: StaleStateCase, seen: StaleSeen) -> None:
@@ -423,7 +427,10 @@ def check_stale_state(case: StaleStateCase, seen: StaleSeen) -> None:
     _expect(dict(seen.sent) == {case.call_id: case.result} and len(seen.sent) == 1,
             f"the last request carried {list(seen.sent)}; the one result, once")
     _expect(list(seen.written) == [(case.call_id, case.result)],
-            f"the Session holds {list(seen.written)}; the one result, once")
+            f"the history holds {list(seen.written)}; the one result, once")
+    if seen.carried is not None:
+        _expect(list(seen.carried) == [(case.call_id, case.result)],
+                f"the messages handed back hold {list(seen.carried)}; the one result, once")
 
 
 # ------------------------------------------------------------------ one writer
@@ -598,8 +605,9 @@ def boundary_of(events: Sequence[ev.Event], *, written: bool = False) -> Boundar
 @attrs.frozen
 class OutputCase:
     """A run whose model answers at once with a final output of ``shape``, crashed at
-    ``boundary`` and resumed (a new process, with ``take_over=True``: the crashed one is
-    gone) with the same request."""
+    ``boundary`` and resumed by a new process (with ``take_over=True``: the crashed one is
+    gone), given the request's input again only if the crashed attempt had not recorded
+    it."""
 
     shape: OutputShape
     boundary: Boundary
