@@ -969,6 +969,9 @@ class LedgerRun:
             kind = getattr(tool, "kind", "function")
             if kind == "output":
                 outputs.append({"output_tool": part.tool_name, "arguments": _arguments(part),
+                                # the JSON text pydantic-ai parses, whole: a NaN or an
+                                # infinity the plain form above cannot hold is kept
+                                "arguments_json": part.args_as_json_str(),
                                 "call_id": part.tool_call_id})
                 continue
             _refuse_external(c, [tool] if tool is not None else [], "model_responded")
@@ -1149,10 +1152,13 @@ def _last_prompt(c: RunController) -> list[JSON]:
 
 def _recorded_response(output: JSON) -> ModelResponse:
     """The model's recorded final response rebuilt for pydantic-ai: its text, or its call
-    of an output tool (with the recorded call id: what pydantic-ai writes for it)."""
+    of an output tool (with the recorded call id: what pydantic-ai writes for it), its
+    arguments as the JSON text the model answered (a log recorded before that text was
+    kept: their plain JSON form)."""
     if isinstance(output, dict) and isinstance(output.get("output_tool"), str):
         call_id, arguments = output.get("call_id"), output.get("arguments")
-        part = ToolCallPart(output["output_tool"],
+        text = output.get("arguments_json")
+        part = ToolCallPart(output["output_tool"], text if isinstance(text, str) else
                             arguments if isinstance(arguments, dict) else None)
         if isinstance(call_id, str):
             part.tool_call_id = call_id

@@ -587,14 +587,8 @@ async def _restart(case: OutputCase, appends: list[Any], items: list[Any], folde
                       model_calls=len(model.requests), written=_answers_written(history.items))
 
 
-NAN_BUG = pytest.mark.xfail(strict=True, reason="an output tool's arguments are recorded "
-                            "with a NaN as null: the recorded answer is refused after a crash")
-
-
 @pytest.mark.invariant("I9", "I10")
-@pytest.mark.parametrize("shape", [pytest.param(shape, id=shape.value,
-                                                marks=[NAN_BUG] if shape != TEXT else [])
-                                   for shape in OutputShape])
+@pytest.mark.parametrize("shape", OutputShape)
 def test_a_final_output_crashed_at_every_event_boundary(
         root: Path, shape: OutputShape, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(controller_module, "SNAPSHOT_EVERY", 1)  # a snapshot every event
