@@ -83,7 +83,6 @@ from statemachine.testing import (
     RecordedFaultCase,
     ReplyCase,
     ReplySeen,
-    StaleMove,
     StaleSeen,
     StaleStateCase,
     Structured,
@@ -396,16 +395,9 @@ async def _play_stale(case: StaleStateCase, folder: Path) -> StaleSeen:
                      carried=None if result is None else _returns(list(result.messages)))
 
 
-STALE_BUG = pytest.mark.xfail(strict=True, reason="messages older than the ledger are "
-                              "taken as the run's: a written result is written again, a "
-                              "completed run hands back the older messages")
-
-
 @pytest.mark.invariant("I1", "I12")
-@pytest.mark.parametrize("case", [
-    pytest.param(case, id=f"{case.moved}-{'reloaded' if case.reload else 'live'}",
-                 marks=[STALE_BUG] if case.moved in (WRITTEN, StaleMove.COMPLETED) else [])
-    for case in every_stale_state_case()])
+@pytest.mark.parametrize("case", every_stale_state_case(),
+                         ids=lambda c: f"{c.moved}-{'reloaded' if c.reload else 'live'}")
 def test_an_older_message_history_reused_after_the_run_moved_on(
         root: Path, case: StaleStateCase) -> None:
     check_stale_state(case, asyncio.run(_play_stale(case, _folder(root))))
