@@ -560,7 +560,7 @@ async def _restart(case: OutputCase, appends: list[Any], items: list[Any], folde
                       model_calls=len(model.requests), written=_answer_items(session.items))
 
 
-@pytest.mark.invariant("I9", "I10")
+@pytest.mark.invariant("I10")
 @pytest.mark.parametrize("shape", OutputShape)
 def test_a_final_output_crashed_at_every_event_boundary(
         root: Path, shape: OutputShape, monkeypatch: pytest.MonkeyPatch) -> None:
