@@ -225,6 +225,8 @@ class ReplySeen:
     written: Sequence[tuple[str, JSON]]
     """Every (call id, output) pair the Session (history) holds at the end."""
     completed: bool
+    refused_did: int = 0
+    """Tool bodies run and model requests made by the refused resume (none may be)."""
 
 
 def check_reply(case: ReplyCase, seen: ReplySeen) -> None:
@@ -232,6 +234,9 @@ def check_reply(case: ReplyCase, seen: ReplySeen) -> None:
     _expect(seen.refused_by == case.refused_by,
             f"the first resume was refused naming {seen.refused_by!r}; the case says "
             f"{case.refused_by!r} (kinds {case.kinds})")
+    _expect(seen.refused_did == 0, f"the refused resume ran {seen.refused_did} tool bodies "
+            "or model requests; a call in doubt refuses it before any (kinds "
+            f"{case.kinds})")
     runs = {i: seen.runs.get(i, 0) for i in case.ids}
     _expect(runs == case.runs_after, f"the bodies ran {runs} times from the first resume "
             f"on; the case says {case.runs_after} (kinds {case.kinds})")

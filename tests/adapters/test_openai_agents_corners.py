@@ -202,13 +202,14 @@ async def _play_reply(case: ReplyCase, folder: Path) -> ReplySeen:
     held.runs.clear()
     asked = len(model.calls)
 
-    refused_by = None
+    refused_by, refused_did = None, 0
     if case.reload:
         run = await opened()
     try:
         result = await run.run(run_config=CONFIG)
     except ToolInDoubt as refused:
         refused_by = refused.call_id
+        refused_did = sum(held.runs.values()) + len(model.calls) - asked
         for call_id in case.of_kind(IN_DOUBT):
             output = (case.settled_text(call_id) if case.settle is Resolution.COMPLETED
                       else None)
@@ -221,7 +222,7 @@ async def _play_reply(case: ReplyCase, folder: Path) -> ReplySeen:
                      sent=[pair for call in calls for pair in _outputs(list(call.input))],
                      model_calls=len(calls),
                      written=_outputs(list(await session.get_items())),
-                     completed=result.final_output == "done")
+                     completed=result.final_output == "done", refused_did=refused_did)
 
 
 def _case_id(case: ReplyCase) -> str:

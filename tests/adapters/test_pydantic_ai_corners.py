@@ -254,13 +254,14 @@ async def _play_reply(case: ReplyCase, folder: Path) -> ReplySeen:
     c.flush()
     asked = len(model.requests)
 
-    refused_by = None
+    refused_by, refused_did = None, 0
     if case.reload:
         run = await opened()
     try:
         result = await run.run()
     except ToolInDoubt as refused:
         refused_by = refused.call_id
+        refused_did = sum(runs.values()) + len(model.requests) - asked
         for call_id in case.of_kind(IN_DOUBT):
             output = (case.settled_text(call_id) if case.settle is Resolution.COMPLETED
                       else None)
@@ -271,7 +272,7 @@ async def _play_reply(case: ReplyCase, folder: Path) -> ReplySeen:
     return ReplySeen(refused_by=refused_by, runs=dict(runs), sent=model.sent(asked),
                      model_calls=len(model.requests) - asked,
                      written=_returns(await history.get_items()),
-                     completed=result.output == "done")
+                     completed=result.output == "done", refused_did=refused_did)
 
 
 def _case_id(case: ReplyCase) -> str:

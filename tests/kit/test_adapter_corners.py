@@ -83,6 +83,7 @@ def _seen(case: ReplyCase, **changes: Any) -> ReplySeen:
 
 @pytest.mark.parametrize("broken", [
     {"refused_by": None},  # the call in doubt was not refused
+    {"refused_did": 1},  # the refused resume ran a new call before refusing
     {"runs": {"c0": 1, "c1": 1, "c2": 0}},  # the cached call ran again
     {"runs": {"c0": 0, "c1": 0, "c2": 0}},  # the new call never ran
     {"model_calls": 2},  # the reply was asked again
