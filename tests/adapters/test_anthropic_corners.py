@@ -248,15 +248,11 @@ def _play_fault(case: RecordedFaultCase, folder: Path) -> FaultSeen:
                      completed=final is not None and final.content[0].text == "done")
 
 
-LOST_RESULT = pytest.mark.xfail(strict=True, reason="a failed request leaves the results it "
-                                "carried unflushed: a new ledger finds their calls in doubt")
-
-
 @pytest.mark.invariant("I6", "I12")
-@pytest.mark.parametrize("case", [
-    pytest.param(c, id=f"{c.fault}-x{c.repeats}-{'reloaded' if c.reload else 'live'}",
-                 marks=[LOST_RESULT] if c.reload else [])
-    for c in every_recorded_fault_case() if c.fault is RecordedFault.REQUEST_FAILED])
+@pytest.mark.parametrize("case", [c for c in every_recorded_fault_case()
+                                  if c.fault is RecordedFault.REQUEST_FAILED],
+                         ids=lambda c: f"{c.fault}-x{c.repeats}-"
+                         f"{'reloaded' if c.reload else 'live'}")
 def test_a_request_failing_after_the_result_was_recorded(root: Path,
                                                          case: RecordedFaultCase) -> None:
     check_recorded_fault(case, _play_fault(case, _folder(root)))
