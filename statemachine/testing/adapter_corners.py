@@ -144,6 +144,11 @@ class ReplyCase:
     def ids(self) -> list[str]:
         return [f"c{i}" for i in range(len(self.kinds))]
 
+    @property
+    def label(self) -> str:
+        """The kinds in order, as a test id: ``new-cached-in_doubt``."""
+        return "-".join(kind.value for kind in self.kinds)
+
     def kind(self, call_id: str) -> CallKind:
         return self.kinds[self.ids.index(call_id)]
 
@@ -233,13 +238,13 @@ def check_reply(case: ReplyCase, seen: ReplySeen) -> None:
     """`CaseFailed` unless ``seen`` is what ``case`` says must happen."""
     _expect(seen.refused_by == case.refused_by,
             f"the first resume was refused naming {seen.refused_by!r}; the case says "
-            f"{case.refused_by!r} (kinds {case.kinds})")
+            f"{case.refused_by!r} (kinds {case.label})")
     _expect(seen.refused_did == 0, f"the refused resume ran {seen.refused_did} tool bodies "
             "or model requests; a call in doubt refuses it before any (kinds "
-            f"{case.kinds})")
+            f"{case.label})")
     runs = {i: seen.runs.get(i, 0) for i in case.ids}
     _expect(runs == case.runs_after, f"the bodies ran {runs} times from the first resume "
-            f"on; the case says {case.runs_after} (kinds {case.kinds})")
+            f"on; the case says {case.runs_after} (kinds {case.label})")
     _expect(seen.model_calls == 1, f"the model was asked {seen.model_calls} times after the "
             "crash; only the next answer may be asked (the reply is never asked again)")
     for what, pairs in (("sent to the model", seen.sent), ("written", seen.written)):

@@ -192,8 +192,7 @@ def _play_reply(case: ReplyCase, folder: Path) -> ReplySeen:
 
 
 def _case_id(case: ReplyCase) -> str:
-    return "-".join(case.kinds) + f"-{case.settle.value}" + ("-reloaded" if case.reload
-                                                              else "-live")
+    return f"{case.label}-{case.settle.value}-{'reloaded' if case.reload else 'live'}"
 
 
 @pytest.mark.invariant("I11", "I12")
