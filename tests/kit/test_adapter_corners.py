@@ -116,7 +116,6 @@ def test_the_fault_and_stale_enumerators() -> None:
     assert [c.requests for c in faults if c.fault is RecordedFault.REQUEST_FAILED] == [
         3, 3, 4, 4]
     assert len(every_stale_state_case()) == 8
-    assert not any(case.refusal_allowed for case in every_stale_state_case())
 
 
 def test_one_writer_cases_expect_one_run_in_all() -> None:
