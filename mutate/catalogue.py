@@ -1512,8 +1512,9 @@ CATALOGUE: tuple[Mutant, ...] = (
                "                block = execute(use)",
        "            if True:  # tool_context() in the body\n                block = execute(use)",
        "a messages ledger's sync tool body runs without its call's tool_context"),
-    _m("AN28", "        self.controller.fence()\n        reply = resource.create(**params)",
-       "        reply = resource.create(**params)",
+    _m("AN28", "        self.controller.fence()\n        try:\n"
+               "            reply = resource.create(**params)",
+       "        try:\n            reply = resource.create(**params)",
        "a superseded messages ledger still asks the model (no fence before the request)"),
     _m("AN26", "            with running_call(c, call_id):  # tool_context() in the body\n"
                "                block = await execute(use)",

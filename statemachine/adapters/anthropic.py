@@ -46,7 +46,8 @@ Messages — `MessageToolLedger`
     again; ``ledger.create(client.messages, ...)`` refuses a history that holds a
     ``tool_use`` without its ``tool_result`` (`UnansweredToolUse`), and any request while a
     call is in doubt (`ToolInDoubt`), before anything is sent, and marks the results a
-    successful request carried as posted. ``ledger.attach(runner)`` puts the same ledger
+    successful request carried as posted; a request that fails makes the results it
+    carried durable before its error propagates. ``ledger.attach(runner)`` puts the same ledger
     under a ``client.beta.messages.tool_runner(...)`` runner (sync or async, streamed or
     not): each tool call it makes is ledgered by its ``tool_use`` id.
 
@@ -944,7 +945,16 @@ class MessageToolLedger:
         # write (lost with it, their calls are in doubt, never run again); this ledger
         # must still hold the run, though (one read, no write)
         self.controller.fence()
-        reply = resource.create(**params)
+        try:
+            reply = resource.create(**params)
+        except BaseException:
+            # the attempt ends with the request's error: what it recorded (the results
+            # the request carried) is made durable first, so the next attempt, in any
+            # process, answers their calls from the ledger instead of finding them in
+            # doubt; the request's own error is what propagates
+            with contextlib.suppress(ControlError):
+                self.controller.flush()
+            raise
         if self._after_reply(messages, reply):
             self.controller.flush()  # the end of the conversation is durable
         return reply
@@ -958,7 +968,12 @@ class MessageToolLedger:
             return _reply(recorded)
         self._before_request(messages)
         await self.controller.fence_async()  # (no flush before a model call: `create`)
-        reply = await resource.create(**params)
+        try:
+            reply = await resource.create(**params)
+        except BaseException:  # what the attempt recorded made durable (`create`)
+            with contextlib.suppress(ControlError):
+                await self.controller.flush_async()
+            raise
         if self._after_reply(messages, reply):
             await self.controller.flush_async()
         return reply

@@ -37,10 +37,13 @@ The messages are the conversation. With a ``history`` (any Session of
 pydantic-ai `ConversationStore`) every message is written there exactly once, each write a
 staged publication reconciled after a failure, and each attempt reads the run's messages
 back from it. Without one the run keeps a private history for its own bookkeeping and the
-caller carries the messages (``message_history=``), as with pydantic-ai alone. pydantic-ai
-merges the consecutive requests of a history it is given (a paused turn's results and the
-ones its resume adds are two): each attempt hands it the history in that merged form
-(``repair_messages``, its own first step), so what was written is counted in its terms.
+caller carries the messages (``message_history=``), as with pydantic-ai alone; messages of
+an earlier stop (saved before a crash, after which the run wrote more) are brought up to
+what the run's publications hold, and messages that are no stop of the run are refused
+(`HistoryMismatch`). pydantic-ai merges the consecutive requests of a history it is given
+(a paused turn's results and the ones its resume adds are two): each attempt hands it the
+history in that merged form (``repair_messages``, its own first step), so what was written
+is counted in its terms.
 
 Before pydantic-ai is called, an attempt on an existing run records ``claim`` (of two
 processes that loaded the same version one goes on, the other gets `ConcurrencyConflict`
@@ -180,7 +183,7 @@ from statemachine.errors import (
     ToolInDoubt,
 )
 from statemachine.journal import is_async
-from statemachine.payloads import DEFAULT_MAX_BYTES, JSON, json_size
+from statemachine.payloads import DEFAULT_MAX_BYTES, JSON, canonical_json, json_size
 from statemachine.runner.attempt import Attempt, interrupted
 from statemachine.runner.publish import one_writer, publish, run_history
 from statemachine.sessions import MemorySession, Session
@@ -224,7 +227,9 @@ class HistoryRequired(ControlError):
 class HistoryMismatch(ReconcileRejected):
     """The history the run was opened with is not the run's: another Session, none for a
     run that writes to one, or one for a run started without. Refused when the run is
-    opened, before anything is recorded; open it with its own history."""
+    opened, before anything is recorded; open it with its own history. For a run without
+    a history, also the messages given to `LedgerRun.run` (``message_history``) when they
+    are not the messages of any stop of the run: refused before anything runs."""
 
 
 class UnsupportedDeferral(ControlError, ValueError):
@@ -706,6 +711,8 @@ class LedgerRun:
         for capability in options.get("capabilities") or ():
             _refuse_rewriters(capability, c.run_id)
         _refuse_external_toolsets(options.get("toolsets") or (), c.run_id)
+        if self.history is None:
+            _carried(c, list(message_history or ()))  # HistoryMismatch before any record
         if c.step is Step.COMPLETED and deferred_tool_results is None:
             # a request retried after it completed: its recorded answer, nothing re-run;
             # other input is refused (RunNotResumable): a completed run takes none
@@ -802,10 +809,11 @@ class LedgerRun:
             raise told from None
 
     async def _messages(self, given: Sequence[ModelMessage] | None) -> list[ModelMessage]:
-        """The run's messages: read from its history, else the ones the caller gave."""
+        """The run's messages: read from its history, else the ones the caller gave
+        (`_carried`: brought up to what the run wrote since they were saved)."""
         if self.history is not None:  # (with what rides to the run's next flush)
             return _messages(await run_history(self.controller, self._history))
-        return list(given or ())
+        return _carried(self.controller, list(given or ()))
 
     async def _write_proposals(self, messages: list[ModelMessage]) -> list[ModelMessage]:
         """``messages`` with the calls the ledger holds and they lack: the model's response
@@ -969,6 +977,9 @@ class LedgerRun:
             kind = getattr(tool, "kind", "function")
             if kind == "output":
                 outputs.append({"output_tool": part.tool_name, "arguments": _arguments(part),
+                                # the JSON text pydantic-ai parses, whole: a NaN or an
+                                # infinity the plain form above cannot hold is kept
+                                "arguments_json": part.args_as_json_str(),
                                 "call_id": part.tool_call_id})
                 continue
             _refuse_external(c, [tool] if tool is not None else [], "model_responded")
@@ -1105,6 +1116,59 @@ class LedgerRun:
             raise
 
 
+def _written(c: RunController) -> list[list[JSON]]:
+    """The batches the run wrote, in order: the items of each publication it staged and
+    then settled (committed, or acknowledged by a reconcile)."""
+    batches: list[list[JSON]] = []
+    staged: list[JSON] | None = None
+    for event in c.events:
+        if isinstance(event, ev.PublicationStaged):
+            staged = list(event.items)
+        elif isinstance(event, ev.PublicationCommitted | ev.ReconciledAcknowledge):
+            if staged is not None:
+                batches.append(staged)
+            staged = None
+    return batches
+
+
+def _parts(items: Sequence[JSON]) -> list[bytes]:
+    """Messages in pydantic-ai's JSON form as the sequence of their parts (each with its
+    message's kind), canonical: the same however consecutive requests were merged."""
+    return [canonical_json([message.get("kind"), part]) for message in items
+            if isinstance(message, dict)
+            for part in cast("list[JSON]", message.get("parts") or [])]
+
+
+def _holds(found: list[bytes], block: list[bytes]) -> bool:
+    """Whether ``block`` occurs in ``found``, contiguous."""
+    size = len(block)
+    return any(found[i:i + size] == block for i in range(len(found) - size + 1)
+               if found[i] == block[0])
+
+
+def _carried(c: RunController, given: list[ModelMessage]) -> list[ModelMessage]:
+    """The messages a run without a history goes on from (its caller carries them, and
+    may hold only the ones of an earlier stop: it saved them, then the process died
+    after the run had written more). ``given`` when they hold everything the run wrote
+    (`_written`); when they end with only the first batches of it, ``given`` and the
+    batches written since, so nothing the run wrote is sent or written again;
+    `HistoryMismatch` (nothing recorded) when they hold no stop of the run."""
+    batches = _written(c)
+    if not given or not batches:
+        return given
+    theirs = _parts(_messages_json(given))
+    if _holds(theirs, _parts([item for batch in batches for item in batch])):
+        return given
+    for stop in range(len(batches) - 1, 0, -1):
+        head = _parts([item for batch in batches[:stop] for item in batch])
+        if head and theirs[-len(head):] == head:
+            return [*given, *_messages([item for batch in batches[stop:] for item in batch])]
+    raise HistoryMismatch(
+        "the messages given are not the messages of any stop of this run (they do not end "
+        "with what it wrote); pass the messages of its last stop (result.messages); "
+        "nothing was recorded", run_id=c.run_id, step=c.step, action="run")
+
+
 def _unanswered(messages: Sequence[ModelMessage]) -> list[str]:
     """The ids of tool calls in ``messages`` that no later part answers."""
     answered: set[str] = set()
@@ -1149,10 +1213,13 @@ def _last_prompt(c: RunController) -> list[JSON]:
 
 def _recorded_response(output: JSON) -> ModelResponse:
     """The model's recorded final response rebuilt for pydantic-ai: its text, or its call
-    of an output tool (with the recorded call id: what pydantic-ai writes for it)."""
+    of an output tool (with the recorded call id: what pydantic-ai writes for it), its
+    arguments as the JSON text the model answered (a log recorded before that text was
+    kept: their plain JSON form)."""
     if isinstance(output, dict) and isinstance(output.get("output_tool"), str):
         call_id, arguments = output.get("call_id"), output.get("arguments")
-        part = ToolCallPart(output["output_tool"],
+        text = output.get("arguments_json")
+        part = ToolCallPart(output["output_tool"], text if isinstance(text, str) else
                             arguments if isinstance(arguments, dict) else None)
         if isinstance(call_id, str):
             part.tool_call_id = call_id

@@ -427,6 +427,28 @@ def test_a_run_without_a_history_resumes_from_the_messages_it_is_given() -> None
     run_async(go())
 
 
+def test_messages_that_are_no_stop_of_a_run_without_a_history_are_refused() -> None:
+    """The messages of another run (not any stop of this one) are refused before anything
+    runs; the run's own older messages are brought up to what it wrote
+    (tests/adapters/test_pydantic_ai_corners.py plays every stage)."""
+
+    async def go() -> None:
+        ran: Counter[str] = Counter()
+        run = await LedgerRun.open(approval_agent(ran), run_id="nh", store=MemoryEventStore())
+        await run.run("charge me 7")
+        await run.approve("c1")
+        other = await LedgerRun.open(approval_agent(Counter()), run_id="other",
+                                     store=MemoryEventStore())
+        foreign = (await other.run("charge me 8")).messages
+        before = run.controller.events
+        with pytest.raises(HistoryMismatch, match="not the messages of any stop"):
+            await run.run(message_history=list(foreign))
+        assert run.controller.events == before  # refused before anything is recorded
+        assert ran == Counter({"lookup 1": 1})  # charge never ran
+
+    run_async(go())
+
+
 # --------------------------------------------- differential: cancelled inside a tool
 
 

@@ -1,0 +1,176 @@
+"""The SDK-neutral adapter corner cases of `statemachine.testing.adapter_corners` (the
+players that drive each SDK are in tests/adapters/test_*_corners.py): the module imports
+no SDK, the enumerators reach every corner they name, what each case expects is what its
+words say, and each check fails on an observation that breaks the case."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import attrs
+import pytest
+
+from statemachine import events as ev
+from statemachine.testing import (
+    Boundary,
+    CallKind,
+    CaseFailed,
+    OneWriterSeen,
+    OutputCase,
+    OutputSeen,
+    RecordedFault,
+    ReplyCase,
+    ReplySeen,
+    RivalPoint,
+    boundary_of,
+    check_one_writer,
+    check_output,
+    check_reply,
+    every_one_writer_case,
+    every_output_case,
+    every_recorded_fault_case,
+    every_reply_case,
+    every_stale_state_case,
+)
+from statemachine.values import Resolution, ToolCall
+
+SDKS = ("agents", "openai", "pydantic", "pydantic_ai", "anthropic", "langgraph",
+        "langchain", "langchain_core", "google")
+
+NEW, CACHED, IN_DOUBT = CallKind
+
+
+def test_the_generators_import_no_sdk() -> None:
+    code = ("import sys, statemachine.testing.adapter_corners; "
+            f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({SDKS!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_every_reply_case_holds_every_order_of_every_mix() -> None:
+    cases = every_reply_case(3)
+    kinds = {case.kinds for case in cases}
+    assert len(kinds) == 3 + 9 + 27
+    assert (NEW, CACHED, IN_DOUBT) in kinds
+    assert (IN_DOUBT, CACHED, NEW) in kinds
+    # the variants (the same object, NOT_EXECUTED) for every mix of up to two calls
+    assert ReplyCase((CACHED, IN_DOUBT), Resolution.NOT_EXECUTED, False) in cases
+    assert ReplyCase((NEW, NEW, NEW), Resolution.COMPLETED, True) in cases
+    assert len(cases) == len(set(cases))
+
+
+def test_a_reply_case_expects_what_its_kinds_say() -> None:
+    case = ReplyCase((NEW, IN_DOUBT, CACHED, IN_DOUBT))
+    assert case.refused_by == "c1"  # the first call in doubt
+    assert case.runs_after == {"c0": 1, "c1": 0, "c2": 0, "c3": 0}
+    assert case.sent == {"c0": case.result_text("c0"), "c1": case.settled_text("c1"),
+                         "c2": case.result_text("c2"), "c3": case.settled_text("c3")}
+    again = ReplyCase((IN_DOUBT,), Resolution.NOT_EXECUTED)
+    assert again.runs_after == {"c0": 1}
+    assert again.sent == {"c0": again.result_text("c0")}
+    assert ReplyCase((CACHED, NEW)).refused_by is None
+
+
+def _seen(case: ReplyCase, **changes: Any) -> ReplySeen:
+    pairs = list(case.sent.items())
+    seen = ReplySeen(refused_by=case.refused_by, runs=case.runs_after, sent=pairs,
+                     model_calls=1, written=pairs, completed=True)
+    return attrs.evolve(seen, **changes)
+
+
+@pytest.mark.parametrize("broken", [
+    {"refused_by": None},  # the call in doubt was not refused
+    {"refused_did": 1},  # the refused resume ran a new call before refusing
+    {"runs": {"c0": 1, "c1": 1, "c2": 0}},  # the cached call ran again
+    {"runs": {"c0": 0, "c1": 0, "c2": 0}},  # the new call never ran
+    {"model_calls": 2},  # the reply was asked again
+    {"written": []},  # nothing written
+    {"completed": False},
+])
+def test_check_reply_fails_on_an_observation_that_breaks_the_case(
+        broken: dict[str, Any]) -> None:
+    case = ReplyCase((NEW, CACHED, IN_DOUBT))
+    check_reply(case, _seen(case))  # the case's own outcome passes
+    with pytest.raises(CaseFailed):
+        check_reply(case, _seen(case, **broken))
+
+
+def test_check_reply_fails_on_a_duplicate_or_altered_output() -> None:
+    case = ReplyCase((CACHED, NEW))
+    pairs = list(case.sent.items())
+    with pytest.raises(CaseFailed, match="exactly once"):
+        check_reply(case, _seen(case, sent=[*pairs, pairs[0]]))
+    altered = [("c0", case.result_text("c0").replace("✓", "?")), pairs[1]]
+    with pytest.raises(CaseFailed, match="the case says"):
+        check_reply(case, _seen(case, written=altered))
+
+
+def test_the_fault_and_stale_enumerators() -> None:
+    faults = every_recorded_fault_case()
+    assert {case.fault for case in faults} == set(RecordedFault)
+    # a write that landed is acknowledged by the next attempt: it cannot fail twice
+    assert not [c for c in faults if c.fault is RecordedFault.WRITE_LANDED and c.repeats == 2]
+    assert [c.requests for c in faults if c.fault is RecordedFault.REQUEST_FAILED] == [
+        3, 3, 4, 4]
+    assert len(every_stale_state_case()) == 8
+
+
+def test_one_writer_cases_expect_one_run_in_all() -> None:
+    cases = {case.rival_at: case for case in every_one_writer_case()}
+    assert set(cases) == set(RivalPoint)
+    body = cases[RivalPoint.TOOL_BODY]
+    assert (body.first_runs, body.rival_outcome) == (1, "ToolInDoubt")
+    loaded = cases[RivalPoint.LOADED]
+    assert (loaded.first_runs, loaded.first_model_calls, loaded.rival_outcome) == (
+        0, 0, "completed")
+    seen = OneWriterSeen(first_outcome="ConcurrencyConflict", first_runs=0,
+                         first_model_calls=1, first_writes_after=0, rival_outcome="completed",
+                         rival_runs=1, written=[("c0", ReplyCase.result_text("c0"))])
+    check_one_writer(cases[RivalPoint.MODEL_CALL], seen)
+    with pytest.raises(CaseFailed, match="ran the tool 1 times"):
+        check_one_writer(cases[RivalPoint.MODEL_CALL],
+                         attrs.evolve(seen, first_runs=1))
+    with pytest.raises(CaseFailed, match="wrote"):
+        check_one_writer(cases[RivalPoint.MODEL_CALL],
+                         attrs.evolve(seen, first_writes_after=1))
+
+
+def test_boundary_of_reads_the_crash_point_from_event_types() -> None:
+    answered = ev.ModelResponded(3, (), "hi")
+    accepted = ev.FinalOutputAccepted(4, "hi", True)
+    staged = ev.PublicationStaged.__new__(ev.PublicationStaged)
+    committed = ev.PublicationCommitted.__new__(ev.PublicationCommitted)
+    with_calls = ev.ModelResponded(3, (ToolCall("c0", "pay", {}),), None)
+    assert boundary_of([]) is Boundary.BEFORE_ANSWER
+    assert boundary_of([with_calls]) is Boundary.BEFORE_ANSWER  # a reply with calls
+    assert boundary_of([answered]) is Boundary.ANSWERED
+    assert boundary_of([answered, accepted]) is Boundary.ACCEPTED
+    assert boundary_of([answered, accepted, staged]) is Boundary.STAGED
+    assert boundary_of([answered, accepted, staged], written=True) is Boundary.WRITTEN
+    assert boundary_of([answered, accepted, staged, committed]) is Boundary.COMPLETED
+
+
+def test_a_lossy_output_is_never_rebuilt_and_fails_closed_once_staged() -> None:
+    outcomes = {(case.shape.value, case.boundary.value): case.outcome
+                for case in every_output_case()}
+    assert outcomes["text", "staged"] == "completed"
+    assert outcomes["dataclass", "staged"] == outcomes["model", "written"] == "RunNotResumable"
+    assert outcomes["dataclass", "completed"] == "replayed"
+    lossy = OutputCase(every_output_case()[-1].shape, Boundary.COMPLETED)
+    recorded = {"amount": "7.10"}
+
+    class Rebuilt:
+        pass
+
+    seen = OutputSeen(outcome="replayed", output=recorded, recorded=recorded, lossless=False,
+                      model_calls=0, written=1)
+    check_output(lossy, seen, object(), output_type=Rebuilt)
+    with pytest.raises(CaseFailed, match=r"rebuilt|recorded form"):
+        check_output(lossy, attrs.evolve(seen, output=Rebuilt()),
+                     object(), output_type=Rebuilt)
+    with pytest.raises(CaseFailed, match="lossless"):
+        check_output(lossy, attrs.evolve(seen, lossless=True),
+                     object(), output_type=Rebuilt)
