@@ -69,7 +69,6 @@ from statemachine.testing.adapter_corners import (
     COMPLETED,
     DECIDED,
     IN_DOUBT,
-    RECORDED,
     WRITTEN,
 )
 from statemachine.values import Resolution
@@ -366,17 +365,8 @@ def _stale_id(played: tuple[StaleStateCase, str]) -> str:
             f"{'reloaded' if case.reload else 'live'}")
 
 
-def _stale_params() -> list[Any]:
-    broken = {RECORDED, WRITTEN}  # a request older than the ledger re-asked the model
-    return [pytest.param(played, marks=pytest.mark.xfail(
-        strict=True, reason="an older messages list without the reply is sent: the model "
-        "asks again under a new id and the tool runs twice"))
-        if played[0].before_reply and played[0].moved in broken else played
-        for played in STALE]
-
-
 @pytest.mark.invariant("I1", "I12")
-@pytest.mark.parametrize("played", _stale_params(), ids=_stale_id)
+@pytest.mark.parametrize("played", STALE, ids=_stale_id)
 def test_an_older_messages_list_reused_after_the_run_moved_on(
         root: Path, played: tuple[StaleStateCase, str]) -> None:
     case, via = played
