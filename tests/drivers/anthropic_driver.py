@@ -84,9 +84,30 @@ def tool_use(call_id: str, name: str, arguments: dict[str, Any]) -> dict[str, An
             "input": arguments, "processed_at": STAMP}
 
 
+def agent_tool_use(call_id: str, name: str, arguments: dict[str, Any], *,
+                   ask: bool = False) -> dict[str, Any]:
+    """A call of a built-in agent tool, gated behind the user's confirmation when ``ask``
+    (``evaluated_permission``: the SDK's runner holds it until a ``user.tool_confirmation``
+    allows it, `FakeSession.confirm`)."""
+    return {"type": "agent.tool_use", "id": call_id, "name": name, "input": arguments,
+            "processed_at": STAMP, "evaluated_permission": "ask" if ask else "allow"}
+
+
+def answered_id(event: dict[str, Any]) -> str | None:
+    """The call a result event answers (``user.custom_tool_result`` or
+    ``user.tool_result``); None for any other event."""
+    if event.get("type") == "user.custom_tool_result":
+        return event.get("custom_tool_use_id")
+    if event.get("type") == "user.tool_result":
+        return event.get("tool_use_id")
+    return None
+
+
 class FakeSession:
     """The server side of one managed session: ``calls`` are the agent's tool calls; once
-    every one of them is answered the session ends (``session.status_terminated``)."""
+    every one of them is answered the session ends (``session.status_terminated``).
+    ``refusing`` names calls whose result posts are rejected (400, nothing lands) for as
+    long as they are in it; ``on_stream`` is called as each live stream opens."""
 
     def __init__(self, calls: list[dict[str, Any]], *, path: Path | None = None,
                  faults: list[PostFault] | None = None,
@@ -96,6 +117,8 @@ class FakeSession:
         self.on_post = on_post
         self.posts: list[dict[str, Any]] = []
         self.stream_opens = 0
+        self.refusing: set[str] = set()
+        self.on_stream: Callable[[], None] | None = None
         self._changed = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drop = False
@@ -119,14 +142,20 @@ class FakeSession:
     def events(self) -> list[dict[str, Any]]:
         return list(self._load()["events"])
 
-    def results(self, call_id: str) -> list[dict[str, Any]]:
-        return [e for e in self.events if e.get("custom_tool_use_id") == call_id]
+    def results(self, call_id: str | None) -> list[dict[str, Any]]:
+        return [e for e in self.events if answered_id(e) == call_id]
+
+    def confirm(self, call_ids: list[str]) -> None:
+        """The user allows each of ``call_ids`` (``user.tool_confirmation``)."""
+        for call_id in call_ids:
+            self._append({"type": "user.tool_confirmation", "tool_use_id": call_id,
+                          "result": "allow"})
 
     def _append(self, event: dict[str, Any]) -> None:
         data = self._load()
         data["events"].append({**event, "id": f"sevt_{len(data['events'])}",
                                "processed_at": STAMP})
-        answered = {e.get("custom_tool_use_id") for e in data["events"]}
+        answered = {answered_id(e) for e in data["events"]}
         ended = any(e["type"] == "session.status_terminated" for e in data["events"])
         if not ended and all(call in answered for call in data["calls"]):
             data["events"].append({"type": "session.status_terminated",
@@ -156,8 +185,8 @@ class FakeSession:
         if fault is not None and fault.then_drop_stream:
             self._drop = True
             self._changed.set()
-        call_id = event.get("custom_tool_use_id")
-        if fault is not None and fault.kind == "reject":
+        call_id = answered_id(event)
+        if (fault is not None and fault.kind == "reject") or call_id in self.refusing:
             return _error(400, "invalid_request_error", "injected rejection")
         if fault is not None and fault.kind == "drop":
             raise httpx2.ConnectError("injected connection drop")
@@ -170,6 +199,8 @@ class FakeSession:
 
     def _stream(self) -> httpx2.Response:
         self.stream_opens += 1
+        if self.on_stream is not None:
+            self.on_stream()
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # an asyncio.Event belongs to one loop
             self._loop, self._changed = loop, asyncio.Event()
