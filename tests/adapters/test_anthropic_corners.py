@@ -10,8 +10,9 @@ Each case is checked against what the case alone says:
   calls answered one by one, in any order, then the call in doubt dying in its body;
   the new ones never reach the ledger. Then the run is resumed from the store or by the
   same object;
-* the request carrying a recorded result failing, once or twice (this adapter writes no
-  Session: its results reach the model by that request only);
+* the request carrying a recorded result failing, once or twice, through a ``create``
+  loop and through a tool runner (a new runner given the reply the failed one yielded):
+  this adapter writes no Session, its results reach the model by that request only;
 * the caller's messages saved when the reply came, or before its request, reused after
   the run moved on (the result recorded; the request carrying it failed; the run
   completed), through a ``create`` loop and through a tool runner given them; the model
@@ -282,7 +283,10 @@ def test_a_drawn_mix_of_new_cached_and_in_doubt_calls(root: Path, case: ReplyCas
 # ------------------------------------------------- a fault after a recorded result
 
 
-def _play_fault(case: RecordedFaultCase, folder: Path) -> FaultSeen:
+def _play_fault(case: RecordedFaultCase, folder: Path, via: str) -> FaultSeen:
+    """Through a ``create`` loop (the turn retried whole: its tools, then its request) or
+    a tool runner (the runner raises; a new one is given the reply it yielded, answered by
+    ``run_tools``)."""
     runs: Counter[str] = Counter()
     # the reply's request, then the request carrying the result fails `repeats` times
     model = Model(["c0"], fail=[False, *[True] * case.repeats])
@@ -295,35 +299,61 @@ def _play_fault(case: RecordedFaultCase, folder: Path) -> FaultSeen:
 
     ledger = opened()
     history: list[Any] = [{"role": "user", "content": "go"}]
-    reply = ledger.create(client.messages, messages=history, **PARAMS)
-    history.append({"role": "assistant", "content": reply.content})
     errors: list[BaseException] = []
     final = None
-    for attempt in range(case.repeats + 1):
-        if attempt and case.reload:
-            ledger = opened()
-        try:  # the turn retried whole: its tools, then its request
-            answer = ledger.run_tools(reply)
-            final = ledger.create(client.messages, messages=[*history, answer], **PARAMS)
-            history.append(answer)
-            break
-        except InternalServerError as error:
-            errors.append(error)
+    if via == "runner":
+        replies: list[Any] = []
+        for attempt in range(case.repeats + 1):
+            if attempt and case.reload:
+                ledger = opened()
+            messages = (history if not replies else
+                        [*history, replies[0].to_param(), ledger.run_tools(replies[0])])
+            try:
+                for message in ledger.attach(client.beta.messages.tool_runner(
+                        tools=tools, messages=messages, **PARAMS)):
+                    replies.append(message)
+                    final = message
+                break
+            except InternalServerError as error:
+                errors.append(error)
+        written = _results(model.requests[-1])
+    else:
+        reply = ledger.create(client.messages, messages=history, **PARAMS)
+        history.append({"role": "assistant", "content": reply.content})
+        for attempt in range(case.repeats + 1):
+            if attempt and case.reload:
+                ledger = opened()
+            try:  # the turn retried whole: its tools, then its request
+                answer = ledger.run_tools(reply)
+                final = ledger.create(client.messages, messages=[*history, answer],
+                                      **PARAMS)
+                history.append(answer)
+                break
+            except InternalServerError as error:
+                errors.append(error)
+        written = _results(history)
     return FaultSeen(errors=errors, injected=InternalServerError, runs=runs["c0"],
                      requests=[_results(messages) for messages in model.requests],
-                     answered=model.answered,
-                     written=_results(history),
+                     answered=model.answered, written=written,
                      completed=final is not None and final.content[0].text == "done")
 
 
+def _fault_params() -> list[Any]:
+    return [pytest.param(case, via, marks=pytest.mark.xfail(
+        strict=True, reason="a tool runner's failed request leaves the results it carried "
+        "unflushed: a new ledger finds their calls in doubt"))
+        if via == "runner" and case.reload else pytest.param(case, via)
+        for case in every_recorded_fault_case()
+        if case.fault is RecordedFault.REQUEST_FAILED for via in ("create", "runner")]
+
+
 @pytest.mark.invariant("I6", "I12")
-@pytest.mark.parametrize("case", [c for c in every_recorded_fault_case()
-                                  if c.fault is RecordedFault.REQUEST_FAILED],
-                         ids=lambda c: f"{c.fault}-x{c.repeats}-"
-                         f"{'reloaded' if c.reload else 'live'}")
-def test_a_request_failing_after_the_result_was_recorded(root: Path,
-                                                         case: RecordedFaultCase) -> None:
-    check_recorded_fault(case, _play_fault(case, _folder(root)))
+@pytest.mark.parametrize(("case", "via"), _fault_params(),
+                         ids=lambda x: x if isinstance(x, str) else f"{x.fault}-x{x.repeats}-"
+                         f"{'reloaded' if x.reload else 'live'}")
+def test_a_request_failing_after_the_result_was_recorded(root: Path, case: RecordedFaultCase,
+                                                         via: str) -> None:
+    check_recorded_fault(case, _play_fault(case, _folder(root), via))
 
 
 # ------------------------------------------------------ an older messages list, reused
