@@ -48,8 +48,9 @@ Messages — `MessageToolLedger`
     call is in doubt (`ToolInDoubt`), and a history older than the run, one lacking the
     ``tool_use`` of a call whose result is recorded and unsent (`StaleHistory`: the model
     would ask again under a new id, and the tool run twice), before anything is sent, and
-    marks the results a successful request carried as posted; a request that fails makes
-    the results it carried durable before its error propagates. ``ledger.attach(runner)``
+    marks the results a successful request carried as posted; a request that fails (an
+    attached runner's too) makes the results it carried durable before its error
+    propagates. ``ledger.attach(runner)``
     puts the same ledger under a ``client.beta.messages.tool_runner(...)`` runner (sync or
     async, streamed or not): each tool call it makes is ledgered by its ``tool_use`` id.
 
@@ -1180,11 +1181,16 @@ class MessageToolLedger:
                 await c.flush_async()
                 if recorded:
                     return
-                async with contextlib.aclosing(cast(AsyncGenerator[Any, None],
-                                                    steps())) as items:
-                    async for item in items:
-                        self._posted(runner._sent_messages)  # the request was sent
-                        yield item
+                try:
+                    async with contextlib.aclosing(cast(AsyncGenerator[Any, None],
+                                                        steps())) as items:
+                        async for item in items:
+                            self._posted(runner._sent_messages)  # the request was sent
+                            yield item
+                except BaseException:  # what the attempt recorded made durable (`create`)
+                    with contextlib.suppress(ControlError):
+                        await c.flush_async()
+                    raise
                 if not runner._closed:
                     self._after_reply(runner._sent_messages, await runner._get_last_message())
                 await c.flush_async()
@@ -1202,9 +1208,18 @@ class MessageToolLedger:
                 c.flush()
                 if recorded:
                     return
-                for item in cast(Generator[Any, None, None], steps()):
-                    self._posted(runner._sent_messages)  # the request was sent
-                    yield item
+                try:
+                    for item in cast(Generator[Any, None, None], steps()):
+                        self._posted(runner._sent_messages)  # the request was sent
+                        yield item
+                except BaseException:
+                    # a request (or a tool) failed: the results the attempt recorded, which
+                    # the request carried, are made durable before its error propagates,
+                    # so the next attempt, in any process, answers their calls from the
+                    # ledger instead of finding them in doubt (`create` does the same)
+                    with contextlib.suppress(ControlError):
+                        c.flush()
+                    raise
                 if not runner._closed:
                     self._after_reply(runner._sent_messages, runner._get_last_message())
                 c.flush()

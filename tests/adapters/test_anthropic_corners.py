@@ -338,17 +338,12 @@ def _play_fault(case: RecordedFaultCase, folder: Path, via: str) -> FaultSeen:
                      completed=final is not None and final.content[0].text == "done")
 
 
-def _fault_params() -> list[Any]:
-    return [pytest.param(case, via, marks=pytest.mark.xfail(
-        strict=True, reason="a tool runner's failed request leaves the results it carried "
-        "unflushed: a new ledger finds their calls in doubt"))
-        if via == "runner" and case.reload else pytest.param(case, via)
-        for case in every_recorded_fault_case()
-        if case.fault is RecordedFault.REQUEST_FAILED for via in ("create", "runner")]
+FAULTS = [(case, via) for case in every_recorded_fault_case()
+          if case.fault is RecordedFault.REQUEST_FAILED for via in ("create", "runner")]
 
 
 @pytest.mark.invariant("I6", "I12")
-@pytest.mark.parametrize(("case", "via"), _fault_params(),
+@pytest.mark.parametrize(("case", "via"), FAULTS,
                          ids=lambda x: x if isinstance(x, str) else f"{x.fault}-x{x.repeats}-"
                          f"{'reloaded' if x.reload else 'live'}")
 def test_a_request_failing_after_the_result_was_recorded(root: Path, case: RecordedFaultCase,
