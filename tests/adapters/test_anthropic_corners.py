@@ -11,7 +11,8 @@ Each case is checked against what the case alone says:
   the new ones never reach the ledger. Then the run is resumed from the store or by the
   same object;
 * the request carrying a recorded result failing, once or twice, through a ``create``
-  loop and through a tool runner (a new runner given the reply the failed one yielded):
+  loop and through a tool runner, sync and async (a new runner given the reply the failed
+  one yielded):
   this adapter writes no Session, its results reach the model by that request only;
 * the caller's messages saved when the reply came, or before its request, reused after
   the run moved on (the result recorded; the request carrying it failed; the run
@@ -32,6 +33,7 @@ Under CI a missing ``anthropic`` package fails this module instead of skipping i
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime
 import decimal
@@ -56,8 +58,8 @@ except ImportError:  # pragma: no cover - CI installs the extra
                 allow_module_level=True)
 
 import httpx2
-from anthropic import Anthropic, InternalServerError
-from anthropic.lib.tools import beta_tool
+from anthropic import Anthropic, AsyncAnthropic, InternalServerError
+from anthropic.lib.tools import beta_async_tool, beta_tool
 
 from statemachine import (
     ControlError,
@@ -180,6 +182,11 @@ class Model:
         return Anthropic(api_key="test-key", max_retries=0, http_client=httpx2.Client(
             transport=httpx2.MockTransport(self.handle)))
 
+    def async_client(self) -> AsyncAnthropic:
+        return AsyncAnthropic(api_key="test-key", max_retries=0,
+                              http_client=httpx2.AsyncClient(
+                                  transport=httpx2.MockTransport(self.handle)))
+
 
 class Crash(BaseException):
     """The process dying inside a tool body."""
@@ -196,6 +203,18 @@ def _work(runs: Counter[str], dying: set[str], *,
             during()
         if call_id in dying:
             raise Crash
+        return ReplyCase.result_text(call_id)
+
+    return work
+
+
+def _awork(runs: Counter[str]) -> Any:
+    """`_work` as an async tool, for an async runner."""
+    @beta_async_tool
+    async def work(n: int) -> str:
+        """Do the n-th piece of work."""
+        call_id = tool_context().call_id
+        runs[call_id] += 1
         return ReplyCase.result_text(call_id)
 
     return work
@@ -301,7 +320,32 @@ def _play_fault(case: RecordedFaultCase, folder: Path, via: str) -> FaultSeen:
     history: list[Any] = [{"role": "user", "content": "go"}]
     errors: list[BaseException] = []
     final = None
-    if via == "runner":
+    if via == "async-runner":
+        ledger.tools = {"work": _awork(runs)}
+
+        async def turns() -> Any:
+            replies: list[Any] = []
+            nonlocal ledger
+            for attempt in range(case.repeats + 1):
+                if attempt and case.reload:
+                    ledger = opened()
+                    ledger.tools = {"work": _awork(runs)}
+                messages = (history if not replies else [
+                    *history, replies[0].to_param(), await ledger.arun_tools(replies[0])])
+                try:
+                    async for message in ledger.attach(model.async_client().beta.messages
+                                                       .tool_runner(tools=[_awork(runs)],
+                                                                    messages=messages,
+                                                                    **PARAMS)):
+                        replies.append(message)
+                    return replies[-1]
+                except InternalServerError as error:
+                    errors.append(error)
+            return None
+
+        final = asyncio.run(turns())
+        written = _results(model.requests[-1])
+    elif via == "runner":
         replies: list[Any] = []
         for attempt in range(case.repeats + 1):
             if attempt and case.reload:
@@ -339,7 +383,8 @@ def _play_fault(case: RecordedFaultCase, folder: Path, via: str) -> FaultSeen:
 
 
 FAULTS = [(case, via) for case in every_recorded_fault_case()
-          if case.fault is RecordedFault.REQUEST_FAILED for via in ("create", "runner")]
+          if case.fault is RecordedFault.REQUEST_FAILED
+          for via in ("create", "runner", "async-runner")]
 
 
 @pytest.mark.invariant("I6", "I12")
