@@ -186,9 +186,12 @@ _Runner = TypeVar("_Runner", BetaToolRunner[Any], BetaStreamingToolRunner[Any],
 
 class UnansweredToolUse(ControlError):
     """The message history holds a ``tool_use`` block that no ``tool_result`` in the next
-    user message answers. Nothing was sent: the API would refuse the history, and a result
-    made up for a call that may have run would hide what happened. Answer the call (from
-    `MessageToolLedger.run_tools`, or `resolve_in_doubt` for a call in doubt) first."""
+    user message answers, or answers with a result the ledger does not hold (the call is
+    to run again: an idempotent call whose run was never recorded, or one resolved
+    ``NOT_EXECUTED``; a saved answer kept a result the ledger lost). Nothing was sent: the
+    API would refuse the history, and a result made up for a call that may have run would
+    hide what happened. Answer the call (from `MessageToolLedger.run_tools`, or
+    `resolve_in_doubt` for a call in doubt) first."""
 
 
 class StaleHistory(ControlError):
@@ -900,8 +903,12 @@ class MessageToolLedger:
 
     def check_history(self, messages: Iterable[Any]) -> None:
         """`UnansweredToolUse` unless every assistant ``tool_use`` is answered by a
-        ``tool_result`` in the user message right after it."""
+        ``tool_result`` in the user message right after it, and no ``tool_result`` answers
+        a call the ledger holds to run again (started by an earlier process that never
+        recorded its result, idempotent: so not in doubt; or resolved ``NOT_EXECUTED``):
+        such a result is not the ledger's, and with it sent the run could never end."""
         history = list(messages)
+        c = self.controller
         missing: list[str] = []
         for index, message in enumerate(history):
             if _field(message, "role") != "assistant":
@@ -909,8 +916,17 @@ class MessageToolLedger:
             answered = _result_ids(history[index + 1]) if index + 1 < len(history) else set()
             missing += [str(_field(block, "id")) for block in _tool_uses(
                 _field(message, "content")) if str(_field(block, "id")) not in answered]
+            unheld = sorted(call_id for call_id in answered
+                            if c.phase(call_id) in (Phase.STARTED, Phase.APPROVED)
+                            and call_id not in c.in_doubt())
+            if unheld:
+                raise UnansweredToolUse(
+                    f"the history answers {len(unheld)} call(s) with a result the ledger "
+                    f"does not hold (first: {excerpt(unheld[0])}): each is to run again "
+                    "(its run was never recorded, or it was resolved not executed); answer "
+                    "the reply with run_tools, never with a saved answer; nothing was sent",
+                    run_id=c.run_id, step=c.step, action="create")
         if missing:
-            c = self.controller
             doubt = [call_id for call_id in missing if call_id in c.in_doubt()]
             why = (f"; {len(doubt)} of them in doubt (started, never completed): record "
                    "their outcome with resolve_in_doubt, never re-run them") if doubt else ""
@@ -1236,6 +1252,7 @@ class MessageToolLedger:
         messages = list(runner._thread.messages)
         recorded = self._recorded(messages)
         if recorded is None:
+            self.check_history(messages)
             _refuse_in_doubt(self.controller, "create")
             _refuse_older(self.controller, messages)
             return False

@@ -571,8 +571,6 @@ def test_an_unanswered_tool_use_is_refused_before_anything_is_sent(tmp_path: Pat
     assert effects.lines() == []
 
 
-@pytest.mark.xfail(strict=True, reason="a saved answer holding a result the ledger lost "
-                   "is sent; the run then fails at its end, after each request")
 @pytest.mark.parametrize("via", ["create", "runner"])
 def test_a_saved_answer_holding_a_result_the_ledger_lost_is_refused(tmp_path: Path,
                                                                    via: str) -> None:
