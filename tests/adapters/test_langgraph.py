@@ -27,7 +27,11 @@ except ImportError:  # pragma: no cover - CI installs the extra
                 allow_module_level=True)
 
 from langchain.agents import create_agent
-from langchain.agents.middleware import HumanInTheLoopMiddleware
+from langchain.agents.middleware import (
+    AgentMiddleware,
+    HumanInTheLoopMiddleware,
+    ToolRetryMiddleware,
+)
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver
@@ -452,6 +456,112 @@ def test_what_the_adapter_does_not_carry_is_refused_naming_it(
         ledger.tool_node(make_tools(path), wrap_tool_call=lambda r, h: h(r))
     with pytest.raises(adapter.InvalidVerifier):
         ToolLedger(store, tools=["charge"], verifiers={"nope": lambda context: Unknown()})
+
+
+ONE = [[("charge", {"amount": 7}, "c1")], "done"]
+
+
+def _charging_then_failing(path: Path) -> Any:
+    """A charge whose effect happens, then the gateway times out (it raises)."""
+
+    @tool
+    def charge(amount: int) -> str:
+        """Charge the customer."""
+        effect(path, f"charge {amount}")
+        raise RuntimeError("gateway timeout after the charge")
+
+    return charge
+
+
+def _run(graph: Any, value: Any, run: str) -> Any:
+    """``graph.invoke(value, CONFIG)``, or its ``ainvoke`` in an event loop."""
+    if run == "ainvoke":
+        return asyncio.run(graph.ainvoke(value, CONFIG))
+    return graph.invoke(value, CONFIG)
+
+
+class _Twice(AgentMiddleware):
+    """A home-made retry: calls the rest of the chain a second time, whatever the first
+    answered."""
+
+    def wrap_tool_call(self, request: Any, handler: Any) -> Any:
+        handler(request)
+        return handler(request)
+
+
+@pytest.mark.invariant("I1")
+@pytest.mark.parametrize("run", ["invoke", "ainvoke"])
+@pytest.mark.parametrize("order", ["ledger-first", "ledger-last"])
+def test_retry_middleware_beside_the_ledger_is_refused_before_anything_runs(
+        tmp_path: Path, store: SQLiteEventStore, order: str, run: str) -> None:
+    """LangChain runs the first middleware of ``create_agent(middleware=[...])`` as the
+    outermost ``wrap_tool_call``. On create_agent alone ``ToolRetryMiddleware(max_retries=
+    2)`` runs a charge that raised after its effect three times. Beside the ledger, in
+    either order (inside it, it would run the body again under one recorded start;
+    outside it, it would only repeat the ledger's answer, or hand the model the ledger's
+    refusal as a tool message), it is refused before the agent's first model call,
+    naming it: the model is never asked, the tool never runs, nothing is recorded."""
+    def retry() -> ToolRetryMiddleware:
+        return ToolRetryMiddleware(max_retries=2, initial_delay=0, jitter=False)
+
+    alone = tmp_path / "alone.txt"
+    agent: Any = create_agent(ScriptedModel(script=ONE), [_charging_then_failing(alone)],
+                              middleware=[retry()], checkpointer=InMemorySaver())
+    agent.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    assert effects(alone) == ["charge 7"] * 3
+
+    through = tmp_path / "ledger.txt"
+    ledger = LedgerMiddleware(ToolLedger(store))
+    chain = [ledger, retry()] if order == "ledger-first" else [retry(), ledger]
+    agent = create_agent(ScriptedModel(script=ONE), [_charging_then_failing(through)],
+                         middleware=chain, checkpointer=InMemorySaver())
+    go: Any = {"messages": [HumanMessage("go")]}
+    with pytest.raises(UnsupportedFeature) as refused:
+        _run(agent, go, run)
+    assert refused.value.feature == "ToolRetryMiddleware"
+    assert effects(through) == []
+    assert operator.runs(store) == []
+    assert [m.type for m in agent.get_state(CONFIG).values["messages"]] == ["human"]
+
+
+@pytest.mark.invariant("I1")
+@pytest.mark.parametrize("order", ["ledger-first", "ledger-last"])
+def test_a_wrapper_that_calls_the_handler_twice_never_runs_a_body_twice(
+        tmp_path: Path, store: SQLiteEventStore, order: str) -> None:
+    """A tool-call middleware of the user's own that calls its handler twice: listed
+    after the ledger (inside it, between the ledger and the body) it is refused, named,
+    before anything runs; listed before it (outside), its second call reaches the ledger,
+    which answers from the record: the charge runs once and both answers are the same.
+    A ToolNode of the user's own whose wrapper hands the ledger another handler than the
+    node's own is refused at the tool call the same way."""
+    path = tmp_path / "effects.txt"
+    chain = [LedgerMiddleware(ToolLedger(store)), _Twice()]
+    if order == "ledger-last":
+        chain.reverse()
+    agent: Any = create_agent(ScriptedModel(script=ONE), make_tools(path), middleware=chain,
+                              checkpointer=InMemorySaver())
+    if order == "ledger-first":
+        with pytest.raises(UnsupportedFeature, match="_Twice") as refused:
+            agent.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+        assert refused.value.feature == "tool-call middleware inside the ledger"
+        assert effects(path) == []
+        assert [m.type for m in agent.get_state(CONFIG).values["messages"]] == ["human"]
+        return
+    result = agent.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    assert effects(path) == ["charge 7"]
+    assert _tool_messages(result) == [("c1", "charged 7")]
+    assert result["messages"][-1].content == "done"
+
+    ledger = ToolLedger(store, run_id="own-node")
+
+    def twice(request: Any, handler: Any) -> Any:
+        return ledger.wrap_tool_call(request, lambda r: (handler(r), handler(r))[1])
+
+    graph = _graph_of(ToolNode(make_tools(path), wrap_tool_call=twice), InMemorySaver())
+    with pytest.raises(UnsupportedFeature) as refused:
+        graph.invoke(_tools_state([("charge", {"amount": 8}, "x")]), CONFIG)
+    assert refused.value.feature == "tool-call middleware inside the ledger"
+    assert effects(path) == ["charge 7"]
 
 
 def test_the_adapter_exports_what_users_need() -> None:
