@@ -70,9 +70,10 @@ instead of running the body again. Only a body that ends without an answer (a ki
 What it does not carry (refused with `UnsupportedFeature`, naming the feature, before
 anything is recorded or run): a tool-call wrapper between the ledger and the body (a
 middleware listed after `LedgerMiddleware`: LangChain runs the first of the list as the
-outermost, and the ledger must be the innermost); ``ToolRetryMiddleware`` wherever it
-sits (refused before the agent's first model call, and at the tool node); tool calls
-without an id; a ``Send`` of a tool call that no
+outermost, and the ledger must be the innermost); ``ToolRetryMiddleware`` and
+``HumanInTheLoopMiddleware`` wherever they sit (refused before the agent's first model
+call, and at the tool node; decide calls with `ToolLedger.review`); tool calls without an
+id; a ``Send`` of a tool call that no
 ``AIMessage`` of the state holds (``create_agent``'s own ``Send`` per call is carried: the
 call is entered with its batch); tool nodes inside subgraphs (a nested checkpoint
 namespace); ``interrupt()`` inside a tool body (LangGraph re-runs the body on resume: the
@@ -105,7 +106,11 @@ from statemachine.adapters import missing_extra
 
 try:
     import langgraph  # noqa: F401  -- the error names the SDK, not one of its modules
-    from langchain.agents.middleware import AgentMiddleware, ToolRetryMiddleware
+    from langchain.agents.middleware import (
+        AgentMiddleware,
+        HumanInTheLoopMiddleware,
+        ToolRetryMiddleware,
+    )
     from langchain_core.messages import AIMessage, BaseMessage, ToolMessage, message_to_dict
     from langgraph.checkpoint.base import BaseCheckpointSaver
     from langgraph.checkpoint.memory import InMemorySaver
@@ -254,8 +259,9 @@ class ToolLedger(HeldRuns):
     ``create_agent``; put `review` before the tool node for the tools that need approval.
     The ledger must be the innermost tool-call wrapper (nothing between it and the body,
     which could run the body again under one recorded start); a wrapper around it that
-    calls it again is answered from the ledger. ``ToolRetryMiddleware`` is refused
-    wherever it sits (`UnsupportedFeature`, before anything runs).
+    calls it again is answered from the ledger. ``ToolRetryMiddleware`` and
+    ``HumanInTheLoopMiddleware`` are refused wherever they sit (`UnsupportedFeature`,
+    before anything runs).
 
     ``store`` is a sync `EventStore` (`SQLiteEventStore`, the PostgreSQL store);
     ``prefix`` makes a thread's run id (``f"{prefix}{thread_id}"``), or ``run_id`` names
@@ -722,6 +728,11 @@ REFUSED_MIDDLEWARE: tuple[tuple[type[Any], str], ...] = (
      "again under one recorded start, outside it it would only repeat the ledger's answer "
      "or hand the model the ledger's refusal (ToolInDoubt) as a tool message; retry "
      "inside the tool body instead, with its idempotency key (statemachine.tool_context)"),
+    (HumanInTheLoopMiddleware, "its decisions are bound to no call's fingerprint, and its "
+     "edit runs the reviewer's arguments under the model's call id with no approval of "
+     "them (langchain #40166); decide calls with the ledger's own review instead "
+     "(ToolLedger(approvals=[...]): LedgerMiddleware.after_model, ToolLedger.review), "
+     "where an edit is a new call that needs its own approval"),
 )
 """Middleware refused wherever it sits on a ledger's tool node, with why."""
 
@@ -876,9 +887,10 @@ class LedgerMiddleware(AgentMiddleware):
     middleware of the list as the outermost ``wrap_tool_call``, and the ledger must be
     the innermost, so that no wrapper runs a body again under the start it recorded (a
     wrapper before it that calls the handler again is answered from the ledger). Before
-    each model call the agent's tool node is checked: ``ToolRetryMiddleware`` anywhere,
-    or a tool-call middleware after this one, is refused (`UnsupportedFeature`, naming
-    it) before the model is asked or anything is recorded."""
+    each model call the agent's tool node is checked: ``ToolRetryMiddleware`` or
+    ``HumanInTheLoopMiddleware`` anywhere, or a tool-call middleware after this one, is
+    refused (`UnsupportedFeature`, naming it) before the model is asked or anything is
+    recorded."""
 
     def __init__(self, ledger: ToolLedger) -> None:
         super().__init__()

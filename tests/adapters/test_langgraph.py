@@ -564,6 +564,31 @@ def test_a_wrapper_that_calls_the_handler_twice_never_runs_a_body_twice(
     assert effects(path) == ["charge 7"]
 
 
+@pytest.mark.invariant("I1")
+@pytest.mark.parametrize("order", ["ledger-first", "ledger-last"])
+def test_human_in_the_loop_middleware_beside_the_ledger_is_refused_before_anything_runs(
+        tmp_path: Path, store: SQLiteEventStore, order: str) -> None:
+    """LangChain's HumanInTheLoopMiddleware beside the ledger: its decisions are bound to
+    no fingerprint, and its "edit" runs the reviewer's arguments under the model's call
+    id (langchain #40166: on create_agent alone an edit ran ``charge 7000``, never
+    approved with those arguments; the edit test above). In either order it is refused
+    before the agent's first model call, naming it and pointing to the ledger's own
+    review: the reviewer is never asked, the tool never runs, nothing is recorded."""
+    path = tmp_path / "effects.txt"
+    hitl = HumanInTheLoopMiddleware(interrupt_on={"charge": True})
+    ledger = LedgerMiddleware(ToolLedger(store, approvals=["charge"]))
+    chain = [ledger, hitl] if order == "ledger-first" else [hitl, ledger]
+    agent: Any = create_agent(ScriptedModel(script=ONE), make_tools(path), middleware=chain,
+                              checkpointer=InMemorySaver())
+    with pytest.raises(UnsupportedFeature, match="review") as refused:
+        agent.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    assert refused.value.feature == "HumanInTheLoopMiddleware"
+    assert agent.get_state(CONFIG).interrupts == ()
+    assert [m.type for m in agent.get_state(CONFIG).values["messages"]] == ["human"]
+    assert effects(path) == []
+    assert operator.runs(store) == []
+
+
 def test_the_adapter_exports_what_users_need() -> None:
     assert set(adapter.__all__) <= set(dir(adapter))
     assert {"ToolLedger", "LedgerMiddleware", "OneWriterSaver", "decision",
