@@ -77,8 +77,10 @@ id; a ``Send`` of a tool call that no
 ``AIMessage`` of the state holds (``create_agent``'s own ``Send`` per call is carried: the
 call is entered with its batch); tool nodes inside subgraphs (a nested checkpoint
 namespace); ``interrupt()`` inside a tool body (LangGraph re-runs the body on resume: the
-call is left in doubt, for the operator); a tool returning a ``Command`` (recorded as
-failed, its body having run); an async event store. Not refused, but to know: a ToolNode
+call is left in doubt, for the operator); a tool declared to return a ``Command`` (its
+function's return annotation; one that returns it undeclared is known only after its
+body ran, and is recorded as run, the Command not applied, then refused); an async event
+store. Not refused, but to know: a ToolNode
 you build yourself with ``handle_tool_errors=True`` turns the ledger's refusals into tool
 messages; `ToolLedger.tool_node` builds one that lets them through. Time travel
 (resuming from a checkpoint that is not the thread's latest) is refused by
@@ -96,8 +98,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import sqlite3
 import threading
+import typing
 import weakref
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, cast
@@ -117,7 +121,7 @@ try:
     from langgraph.config import get_config
     from langgraph.errors import GraphBubbleUp
     from langgraph.prebuilt import ToolNode
-    from langgraph.types import interrupt
+    from langgraph.types import Command, interrupt
 except ModuleNotFoundError as error:  # pragma: no cover - the extra is installed in CI
     raise missing_extra(__name__, "langgraph", error) from error
 
@@ -294,6 +298,9 @@ class ToolLedger(HeldRuns):
         self.owner = owner
         self._lock = threading.RLock()
         self._runs: dict[str, RunController] = {}
+        self._checked: weakref.WeakSet[ToolNode] = weakref.WeakSet()
+        """The tool nodes that passed `_check_tool_node` (a node's tools and wrappers do
+        not change once it is built)."""
         self.publishes_to: OneWriterSaver | None = None
         """The checkpointer whose writes are this ledger's publications (set by
         ``OneWriterSaver(saver, ledger=...)``); None: a private history."""
@@ -438,14 +445,18 @@ class ToolLedger(HeldRuns):
                result: Any) -> Any:
         with self._lock:
             if not isinstance(result, ToolMessage):
-                text = ("the tool returned a Command (or something else than a "
-                        "ToolMessage), which this adapter does not carry")
+                # known only now, its effect done: recorded as what happened (the body
+                # ran, its Command was not applied), so it is answered, never run again
+                text = (f"the tool ran, and returned a {type(result).__name__} (not a "
+                        "ToolMessage), which was not applied: this adapter does not carry "
+                        "a tool's Command")
                 record_result(c, call_id, {"content": ERROR_TEMPLATE.format(error=text),
                                            "status": "error", "name": call.get("name")})
                 c.flush()
                 raise UnsupportedFeature(
-                    f"call {call_id!r} returned {type(result).__name__}: {text}; its result "
-                    "was recorded as failed", feature="tools returning Command",
+                    f"call {call_id!r}: {text}; it is recorded as run, with this text for "
+                    "the model (declare the tool's return type, -> Command, to have it "
+                    "refused before it runs)", feature="tools returning Command",
                     run_id=c.run_id, step=c.step, action="tool_completed")
             kept, _ = record_result(c, call_id, _form(result))
             try:
@@ -515,7 +526,8 @@ class ToolLedger(HeldRuns):
         """A ``ToolNode`` over ``tools`` with this ledger's wrappers. Its
         ``handle_tool_errors`` (LangGraph's, default or yours) applies to the tools'
         errors, never to the ledger's refusals (a call in doubt is not turned into a tool
-        message the model could answer by calling again)."""
+        message the model could answer by calling again). A tool declared to return a
+        ``Command`` is refused here (`UnsupportedFeature`), before anything runs."""
         if "wrap_tool_call" in options or "awrap_tool_call" in options:
             raise UnsupportedFeature(
                 "tool_node installs the ledger's own wrap_tool_call/awrap_tool_call, the "
@@ -524,6 +536,7 @@ class ToolLedger(HeldRuns):
                 feature="other tool-call wrappers around the ledger", action="open")
         node = ToolNode(tools, wrap_tool_call=self.wrap_tool_call,
                         awrap_tool_call=self.awrap_tool_call, **options)
+        _check_tool_node(node, self)
         handling = node._handle_tool_errors
         if handling is not False:
             node._handle_tool_errors = _passing_refusals(handling)
@@ -815,8 +828,17 @@ def _wrappers(hook: Any) -> list[Any]:
 
 def _check_tool_node(node: ToolNode, ledger: ToolLedger) -> None:
     """Refuse a tool node that carries middleware of `REFUSED_MIDDLEWARE` (wherever it
-    sits), or a tool-call wrapper inside ``ledger`` (after it in ``create_agent``'s
-    list): nothing is recorded or run."""
+    sits), a tool-call wrapper inside ``ledger`` (after it in ``create_agent``'s list),
+    or a tool declared to return a ``Command``: nothing is recorded or run."""
+    if node in ledger._checked:
+        return
+    for name, candidate in node.tools_by_name.items():
+        if _declares_command(candidate):
+            raise UnsupportedFeature(
+                f"tool {name!r} is declared to return a Command, which updates the graph's "
+                "state: the ledger cannot keep it as a call's result, nor answer a call "
+                "with it again; return a ToolMessage or a value; nothing ran",
+                feature="tools returning Command", action="open")
     for hook in (node._wrap_tool_call, node._awrap_tool_call):
         owners = _wrappers(hook)
         for owner in owners:
@@ -830,6 +852,35 @@ def _check_tool_node(node: ToolNode, ledger: ToolLedger) -> None:
         if mine and mine[-1] != len(owners) - 1:
             _refuse_inside([getattr(owner, "__qualname__", type(owner).__name__)
                             for owner in owners[mine[-1] + 1:]])
+    ledger._checked.add(node)
+
+
+def _declares_command(candidate: Any) -> bool:
+    """Whether a tool's function (``func``/``coroutine``, or a ``BaseTool`` subclass's
+    ``_run``/``_arun``) says it returns a LangGraph ``Command`` (alone, in a union, or in a
+    list): its return annotation, resolved, or as text when it cannot be."""
+    functions = [getattr(candidate, "func", None), getattr(candidate, "coroutine", None)]
+    if not any(functions):
+        functions = [getattr(type(candidate), "_run", None),
+                     getattr(type(candidate), "_arun", None)]
+    for function in functions:
+        if function is None:
+            continue
+        try:
+            returned = typing.get_type_hints(function).get("return")
+        except Exception:  # a name the annotation cannot resolve: read it as text
+            returned = getattr(function, "__annotations__", {}).get("return")
+        if _names_command(returned):
+            return True
+    return False
+
+
+def _names_command(annotation: Any) -> bool:
+    if isinstance(annotation, str):
+        return re.search(r"\bCommand\b", annotation) is not None
+    if annotation is Command or typing.get_origin(annotation) is Command:
+        return True
+    return any(_names_command(part) for part in typing.get_args(annotation))
 
 
 def _refuse_inside(names: Sequence[str]) -> None:

@@ -14,7 +14,7 @@ import asyncio
 import os
 import sqlite3
 from pathlib import Path
-from typing import Any, cast
+from typing import Annotated, Any, cast
 
 import pytest
 
@@ -33,7 +33,7 @@ from langchain.agents.middleware import (
     ToolRetryMiddleware,
 )
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
-from langchain_core.tools import tool
+from langchain_core.tools import InjectedToolCallId, tool
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.graph import END, START, MessagesState, StateGraph
@@ -587,6 +587,83 @@ def test_human_in_the_loop_middleware_beside_the_ledger_is_refused_before_anythi
     assert [m.type for m in agent.get_state(CONFIG).values["messages"]] == ["human"]
     assert effects(path) == []
     assert operator.runs(store) == []
+
+
+def _commanding(path: Path, *, declared: bool) -> Any:
+    """``pay(amount)``: pays (its effect), then returns a LangGraph ``Command`` carrying
+    its ToolMessage; ``declared``: its signature says so (``-> Command``)."""
+
+    def pay(amount: int, tool_call_id: Annotated[str, InjectedToolCallId]) -> Any:
+        """Pay, and update the graph's state."""
+        effect(path, f"pay {amount}")
+        return Command(update={"messages": [ToolMessage(f"paid {amount}",
+                                                        tool_call_id=tool_call_id)]})
+
+    if declared:
+        pay.__annotations__["return"] = Command
+    return tool(pay)
+
+
+def test_a_tool_declared_to_return_a_command_is_refused_before_it_runs(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """A tool whose signature says it returns a ``Command`` (which the ledger cannot keep
+    as a result: it updates the graph's state) is refused before its body ever runs,
+    naming the feature: when ``ToolLedger.tool_node`` builds its node, before the
+    agent's first model call in ``create_agent``, and at the call in a ToolNode of the
+    user's own. LangGraph alone runs it."""
+    path = tmp_path / "effects.txt"
+    state = _tools_state([("pay", {"amount": 7}, "p1")])
+    alone = _graph_of(ToolNode([_commanding(path, declared=True)]), InMemorySaver())
+    assert _tool_messages(alone.invoke(state, CONFIG)) == [("p1", "paid 7")]
+    assert effects(path) == ["pay 7"]
+
+    ledger = ToolLedger(store)
+    with pytest.raises(UnsupportedFeature, match="'pay'") as refused:
+        ledger.tool_node([_commanding(path, declared=True)])
+    assert refused.value.feature == "tools returning Command"
+
+    agent: Any = create_agent(ScriptedModel(script=[[("pay", {"amount": 8}, "p2")], "done"]),
+                              [_commanding(path, declared=True)],
+                              middleware=[LedgerMiddleware(ledger)],
+                              checkpointer=InMemorySaver())
+    with pytest.raises(UnsupportedFeature) as refused:
+        agent.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    assert refused.value.feature == "tools returning Command"
+    assert [m.type for m in agent.get_state(CONFIG).values["messages"]] == ["human"]
+
+    own = ToolNode([_commanding(path, declared=True)], wrap_tool_call=ledger.wrap_tool_call)
+    with pytest.raises(UnsupportedFeature) as refused:
+        _graph_of(own, InMemorySaver()).invoke(
+            _tools_state([("pay", {"amount": 9}, "p3")]), CONFIG)
+    assert refused.value.feature == "tools returning Command"
+    assert effects(path) == ["pay 7"]  # LangGraph alone's; none through the ledger
+    assert operator.runs(store) == []
+
+
+@pytest.mark.invariant("I1")
+def test_a_command_an_undeclared_tool_returned_is_recorded_as_what_happened(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """A tool that returns a ``Command`` without saying so can only be known after its
+    body ran: the call is recorded as run (its effect happened) with the text the model
+    is then sent, saying that the Command was not applied, and the graph stops with the
+    refusal naming the feature. Run again (a retry, another process), the ledger answers
+    from that record: the body never runs a second time."""
+    path = tmp_path / "effects.txt"
+    state = _tools_state([("pay", {"amount": 7}, "p1")])
+    graph = _graph_of(ToolLedger(store).tool_node([_commanding(path, declared=False)]),
+                      InMemorySaver())
+    with pytest.raises(UnsupportedFeature) as refused:
+        graph.invoke(state, CONFIG)
+    assert refused.value.feature == "tools returning Command"
+    assert effects(path) == ["pay 7"]
+    graph = _graph_of(ToolLedger(store).tool_node([_commanding(path, declared=False)]),
+                      InMemorySaver())
+    ((call_id, content),) = _tool_messages(graph.invoke(state, CONFIG))
+    assert call_id == "p1"
+    assert content.startswith("Error: the tool ran, and returned a Command")
+    assert "not applied" in content
+    assert effects(path) == ["pay 7"]
+    assert ToolLedger(store).controller(RUN).phase("p1") is Phase.COMPLETED
 
 
 def test_the_adapter_exports_what_users_need() -> None:
