@@ -79,8 +79,9 @@ call is entered with its batch); tool nodes inside subgraphs (a nested checkpoin
 namespace); ``interrupt()`` inside a tool body (LangGraph re-runs the body on resume: the
 call is left in doubt, for the operator); a tool declared to return a ``Command`` (its
 function's return annotation; one that returns it undeclared is known only after its
-body ran, and is recorded as run, the Command not applied, then refused); an async event
-store. Not refused, but to know: a ToolNode
+body ran, and is recorded as run, the Command not applied, then refused); a graph run
+without a thread (no checkpointer, no ``thread_id``) unless the ledger is given a
+``run_id``; an async event store. Not refused, but to know: a ToolNode
 you build yourself with ``handle_tool_errors=True`` turns the ledger's refusals into tool
 messages; `ToolLedger.tool_node` builds one that lets them through. Time travel
 (resuming from a checkpoint that is not the thread's latest) is refused by

@@ -58,6 +58,7 @@ from statemachine.adapters.langgraph import (
     UnsupportedFeature,
     decision,
 )
+from statemachine.stores import AsyncSQLiteEventStore
 from statemachine.values import Phase, Step
 from statemachine.verifiers import Completed, Unknown
 from tests.drivers.langgraph_driver import ScriptedModel, build, effect, effects, make_tools
@@ -430,14 +431,23 @@ def test_what_the_adapter_does_not_carry_is_refused_naming_it(
 
     @tool
     def asks(n: int) -> str:
-        """Interrupts inside its body."""
+        """Interrupts inside its body, then acts."""
+        effect(path, f"asks {n}")
         interrupt("may I?")
+        effect(path, f"acted {n}")
         return "ok"
 
     graph = _graph_of(ledger.tool_node([asks]), InMemorySaver())
+    asking = _tools_state([("asks", {"n": 1}, "q")])
     with pytest.raises(UnsupportedFeature) as refused:
-        graph.invoke(_tools_state([("asks", {"n": 1}, "q")]), CONFIG)
+        graph.invoke(asking, CONFIG)
     assert refused.value.feature == "interrupt() inside a tool"
+    assert effects(path) == ["asks 1"]  # ran up to its interrupt(), once
+    with pytest.raises(ToolInDoubt):  # left in doubt: run again, it is refused
+        graph.invoke(asking, CONFIG)
+    assert effects(path) == ["asks 1"]
+    assert [(w.call_id, w.kind) for w in operator.inbox(store)] == [("q", "in_doubt")]
+    path.unlink()
 
     # a subgraph with its own tool node
     inner = _graph_of(ledger.tool_node(make_tools(path)), None)
@@ -454,6 +464,7 @@ def test_what_the_adapter_does_not_carry_is_refused_naming_it(
 
     with pytest.raises(UnsupportedFeature) as refused:
         ledger.tool_node(make_tools(path), wrap_tool_call=lambda r, h: h(r))
+    assert refused.value.feature == "other tool-call wrappers around the ledger"
     with pytest.raises(adapter.InvalidVerifier):
         ToolLedger(store, tools=["charge"], verifiers={"nope": lambda context: Unknown()})
 
@@ -664,6 +675,45 @@ def test_a_command_an_undeclared_tool_returned_is_recorded_as_what_happened(
     assert "not applied" in content
     assert effects(path) == ["pay 7"]
     assert ToolLedger(store).controller(RUN).phase("p1") is Phase.COMPLETED
+
+
+@pytest.mark.parametrize("graph", ["tool-node", "create-agent"])
+def test_a_graph_without_a_thread_is_refused_before_anything_runs(
+        tmp_path: Path, store: SQLiteEventStore, graph: str) -> None:
+    """A graph run with no thread (no checkpointer, no thread_id) has no run to ledger:
+    refused naming the feature before the tool runs, or before the reviewer is asked in
+    ``create_agent``; nothing recorded. With ``ToolLedger(run_id=...)`` it goes on."""
+    path = tmp_path / "effects.txt"
+    state = _tools_state([("charge", {"amount": 7}, "x")])
+    if graph == "tool-node":
+        with pytest.raises(UnsupportedFeature) as refused:
+            _graph_of(ToolLedger(store).tool_node(make_tools(path)), None).invoke(state)
+    else:
+        agent: Any = create_agent(ScriptedModel(script=ONE), make_tools(path),
+                                  middleware=[LedgerMiddleware(ToolLedger(
+                                      store, approvals=["charge"]))])
+        with pytest.raises(UnsupportedFeature) as refused:
+            agent.invoke({"messages": [HumanMessage("go")]})
+    assert refused.value.feature == "graphs without a thread"
+    assert effects(path) == []
+    assert operator.runs(store) == []
+    named = _graph_of(ToolLedger(store, run_id="named").tool_node(make_tools(path)), None)
+    assert _tool_messages(named.invoke(state)) == [("x", "charged 7")]
+    assert effects(path) == ["charge 7"]
+
+
+def test_an_async_event_store_is_refused_when_the_ledger_is_built(tmp_path: Path) -> None:
+    """LangGraph's ToolNode runs the sync wrapper on worker threads: an async store is
+    refused when the ledger is built, naming the feature; no run is opened."""
+    path = tmp_path / "events.db"
+    store = AsyncSQLiteEventStore(path)
+    try:
+        with pytest.raises(UnsupportedFeature) as refused:
+            ToolLedger(cast("Any", store))
+    finally:
+        asyncio.run(store.close())
+    assert refused.value.feature == "async event stores"
+    assert operator.runs(SQLiteEventStore(str(path))) == []
 
 
 def test_the_adapter_exports_what_users_need() -> None:
