@@ -36,8 +36,10 @@ from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import InjectedToolCallId, tool
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.sqlite import SqliteSaver
+from langgraph.errors import GraphInterrupt
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
+from langgraph.runtime import Runtime
 from langgraph.types import Command, Send, interrupt
 
 from statemachine import (
@@ -89,19 +91,51 @@ def _tool_messages(result: dict[str, Any]) -> list[tuple[str, Any]]:
 TWO = [[("charge", {"amount": 7}, "c1"), ("notify", {"to": "bob"}, "n1")], "done"]
 
 
+def _hitl_graph(path: Path, script: list[Any]) -> Any:
+    """LangGraph alone with the components of langchain #37093: a model node, LangChain's
+    ``HumanInTheLoopMiddleware`` (batched, every decision allowed) as the review node
+    after it, and LangGraph's ``ToolNode``."""
+    model = ScriptedModel(script=script)
+    hitl = HumanInTheLoopMiddleware(interrupt_on={"charge": True, "notify": True})
+
+    def review(state: MessagesState, runtime: Runtime) -> Any:
+        return hitl.after_model(cast("Any", state), runtime)
+
+    builder: Any = StateGraph(MessagesState)
+    builder.add_node("model", lambda state: {"messages": [model.invoke(state["messages"])]})
+    builder.add_node("review", review)
+    builder.add_node("tools", ToolNode(make_tools(path)))
+    builder.add_edge(START, "model")
+    builder.add_conditional_edges("model", tools_condition, {"tools": "review", END: END})
+    builder.add_edge("review", "tools")
+    builder.add_edge("tools", "model")
+    return builder.compile(checkpointer=InMemorySaver())
+
+
+def _answers(messages: list[Any]) -> dict[str, int]:
+    """How many ToolMessages answer each tool call of the thread's AIMessages (a provider
+    takes a thread only when every call has exactly one)."""
+    calls = [str(call["id"]) for m in messages if isinstance(m, AIMessage)
+             for call in m.tool_calls]
+    return {call_id: sum(isinstance(m, ToolMessage) and m.tool_call_id == call_id
+                         for m in messages) for call_id in calls}
+
+
 @pytest.mark.invariant("I1")
 def test_a_rejected_call_runs_on_langgraph_alone_and_never_through_the_ledger(
         tmp_path: Path, store: SQLiteEventStore) -> None:
-    """Mixed decisions in one batch: approve charge, reject notify. LangGraph's review
-    pattern (a rejection answered with a ToolMessage, the batch then sent to its ToolNode)
-    runs the rejected call anyway; through the ledger it never runs, and every call of
-    the batch is answered exactly once."""
+    """langchain #37093: HumanInTheLoopMiddleware answers a rejected call with a
+    ToolMessage but leaves it on the AIMessage, and LangGraph's ToolNode runs every call
+    of the AIMessage: approve charge, reject notify, and the rejected notify runs
+    (langchain 1.5.2 still does), its call answered twice. Through the ledger it never
+    runs, and every call of the batch is answered exactly once."""
     alone = tmp_path / "alone.txt"
-    graph = build("alone", make_tools(alone), ScriptedModel(script=TWO), InMemorySaver(),
-                  review=True)
+    graph = _hitl_graph(alone, TWO)
     graph.invoke({"messages": [HumanMessage("go")]}, CONFIG)
-    graph.invoke(Command(resume={"c1": "approve", "n1": "reject"}), CONFIG)
+    result = graph.invoke(Command(resume={"decisions": [
+        {"type": "approve"}, {"type": "reject", "message": "not bob"}]}), CONFIG)
     assert sorted(effects(alone)) == ["charge 7", "notify bob"]  # the rejected one ran
+    assert _answers(result["messages"]) == {"c1": 1, "n1": 2}
 
     through = tmp_path / "ledger.txt"
     ledger = ToolLedger(store, approvals=["charge", "notify"])
@@ -113,7 +147,62 @@ def test_a_rejected_call_runs_on_langgraph_alone_and_never_through_the_ledger(
         "n1": decision("reject", prints["n1"], message="not bob")}), CONFIG)
     assert effects(through) == ["charge 7"]
     assert _tool_messages(result) == [("c1", "charged 7"), ("n1", "not bob")]
+    assert _answers(result["messages"]) == {"c1": 1, "n1": 1}
     assert result["messages"][-1].content == "done"
+
+
+THREE = [[("charge", {"amount": 7}, "c1"), ("charge", {"amount": 8}, "c2"),
+          ("notify", {"to": "bob"}, "n1")], "done"]
+
+
+@pytest.mark.invariant("I1")
+def test_mixed_decisions_break_the_thread_alone_and_settle_every_call_through_the_ledger(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """langchainjs PR #11437: mixed decisions in one batch left a thread with a call no
+    ToolMessage answers (JS dropped the approved calls on any rejection), which every
+    later model request fails on. Python's HumanInTheLoopMiddleware keeps every call on
+    the AIMessage (what the PR does for JS); with LangGraph's ToolNode the same mix
+    (approve charge 7, edit charge 8 to 8000, reject notify) still leaves a broken thread:
+    the rejected call runs and is answered twice (rejected, and its result), and the edit
+    runs the model's arguments (its edit lives in the middleware's own tool wrapper,
+    which a ToolNode does not have). Through the ledger every call is settled: the
+    approved one runs once, the edit is a new call that runs once with its own approval,
+    the rejected one never runs, every call of the thread is answered exactly once, and
+    no call of the ledger is left approved, awaiting or in doubt."""
+    alone = tmp_path / "alone.txt"
+    graph = _hitl_graph(alone, THREE)
+    graph.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    result = graph.invoke(Command(resume={"decisions": [
+        {"type": "approve"},
+        {"type": "edit", "edited_action": {"name": "charge", "args": {"amount": 8000}}},
+        {"type": "reject", "message": "not bob"}]}), CONFIG)
+    assert sorted(effects(alone)) == ["charge 7", "charge 8", "notify bob"]
+    assert _answers(result["messages"]) == {"c1": 1, "c2": 1, "n1": 2}
+
+    through = tmp_path / "ledger.txt"
+    ledger = ToolLedger(store, approvals=["charge", "notify"])
+    agent: Any = create_agent(ScriptedModel(script=THREE), make_tools(through),
+                              middleware=[LedgerMiddleware(ledger)],
+                              checkpointer=OneWriterSaver(InMemorySaver(), ledger=ledger))
+    prints = _pending(agent.invoke({"messages": [HumanMessage("go")]}, CONFIG))
+    edited = _pending(agent.invoke(Command(resume={
+        "c1": decision("approve", prints["c1"]),
+        "c2": decision("edit", prints["c2"], args={"amount": 8000}),
+        "n1": decision("reject", prints["n1"], message="not bob")}), CONFIG))
+    assert list(edited) == ["c2-edit1"]  # the edit awaits its own approval
+    assert effects(through) == []
+    result = agent.invoke(Command(resume={
+        "c2-edit1": decision("approve", edited["c2-edit1"])}), CONFIG)
+    assert sorted(effects(through)) == ["charge 7", "charge 8000"]
+    answers = _answers(result["messages"])
+    assert set(answers.values()) == {1}
+    assert sorted(answers) == ["c1-edit1", "c2-edit1", "n1"]
+    assert dict(_tool_messages(result))["n1"] == "not bob"
+    assert result["messages"][-1].content == "done"
+    c = ToolLedger(store).controller(RUN)
+    assert {view.call.call_id: view.phase for view in c.calls} == {
+        "c1": Phase.SKIPPED, "c2": Phase.PUBLISHED, "n1": Phase.PUBLISHED,
+        "c1-edit1": Phase.PUBLISHED, "c2-edit1": Phase.PUBLISHED}
 
 
 @pytest.mark.invariant("I1")
@@ -157,38 +246,73 @@ def test_an_edit_runs_unapproved_on_langgraph_alone_and_awaits_its_own_approval(
     assert done["messages"][-1].content == "done"
 
 
-def test_parallel_interrupts_in_one_toolnode_rerun_an_approved_call_alone(
+def test_parallel_interrupts_in_one_toolnode_misroute_an_approval_alone(
         tmp_path: Path, store: SQLiteEventStore) -> None:
-    """Two calls of one ToolNode that each ``interrupt()`` for approval: LangGraph alone
-    surfaces them one at a time and re-runs the whole node on each resume, so the first
-    (approved) call runs again when the second is answered. Through the ledger one
-    review interrupt carries both (distinct call ids); the approved one runs once, the
-    rejected one never."""
+    """langgraph #6533: two async calls of one ToolNode that each ``interrupt()`` for
+    approval raise interrupts with one id (langgraph 1.2 keys an interrupt's id by the
+    task and by how many answers the task already has, not by the call), only one is
+    shown, and a resume value goes to whichever call asks first when the node runs
+    again. LangGraph alone, the reviewer answering only what it is shown (approve charge
+    7, reject anything else): charge 7 is shown and approved twice, charge 8 is never
+    shown, and runs twice on the answers meant for charge 7 (charge 7 asks second on each
+    run after the first: #6533's tools of different speeds, made an order here). Through
+    the ledger one review interrupt carries both calls, each with its id and
+    fingerprint: the approved one runs once, the rejected one never."""
     path = tmp_path / "alone.txt"
+    entered = {7: 0, 8: 0}
 
     @tool
-    def charge(amount: int) -> str:
-        """Charge."""
-        if interrupt({"charge": amount}) != "approve":
+    async def charge(amount: int) -> str:
+        """Charge, once approved."""
+        entered[amount] += 1
+        if amount == 7 and entered[7] > 1:
+            await eight_asked.wait()  # on each run after the first, charge 8 asks first
+        try:
+            answer = interrupt({"charge": amount})
+        finally:
+            if amount == 8:
+                eight_asked.set()
+        if answer != "approve":
             return "rejected"
         effect(path, f"charge {amount}")
         return f"charged {amount}"
+
+    ids: list[tuple[str, str]] = []
+
+    async def spy(request: Any, execute: Any) -> Any:
+        """Notes the id of each call's interrupt (LangGraph alone: no ledger here)."""
+        try:
+            return await execute(request)
+        except GraphInterrupt as asked:
+            ids.append((request.tool_call["id"], asked.args[0][0].id))
+            raise
 
     script = [[("charge", {"amount": 7}, "a"), ("charge", {"amount": 8}, "b")], "done"]
     model = ScriptedModel(script=script)
     builder: Any = StateGraph(MessagesState)
     builder.add_node("model", lambda state: {"messages": [model.invoke(state["messages"])]})
-    builder.add_node("tools", ToolNode([charge]))
+    builder.add_node("tools", ToolNode([charge], awrap_tool_call=spy))
     builder.add_edge(START, "model")
     builder.add_conditional_edges("model", tools_condition)
     builder.add_edge("tools", "model")
     graph = builder.compile(checkpointer=InMemorySaver())
-    result = graph.invoke({"messages": [HumanMessage("go")]}, CONFIG)
-    while result.get("__interrupt__"):
-        (asked,) = result["__interrupt__"]
-        answer = "approve" if asked.value["charge"] == 7 else "reject"
-        result = graph.invoke(Command(resume={asked.id: answer}), CONFIG)
-    assert effects(path) == ["charge 7", "charge 7"]  # approved once, ran twice
+    shown: list[int] = []
+
+    async def review() -> None:
+        result = await graph.ainvoke({"messages": [HumanMessage("go")]}, CONFIG)
+        while result.get("__interrupt__"):
+            (asked,) = result["__interrupt__"]
+            shown.append(asked.value["charge"])
+            eight_asked.clear()
+            answer = "approve" if asked.value["charge"] == 7 else "reject"
+            result = await graph.ainvoke(Command(resume={asked.id: answer}), CONFIG)
+
+    eight_asked = asyncio.Event()
+    asyncio.run(review())
+    assert sorted(call for call, _ in ids[:2]) == ["a", "b"]
+    assert len({interrupt_id for _, interrupt_id in ids[:2]}) == 1  # two calls, one id
+    assert shown == [7, 7]  # charge 8 was never shown to the reviewer
+    assert sorted(effects(path)) == ["charge 7", "charge 8", "charge 8"]
 
     through = tmp_path / "ledger.txt"
     ledger = ToolLedger(store, approvals=["charge"])
