@@ -62,7 +62,7 @@ from statemachine.adapters.langgraph import (
 )
 from statemachine.stores import AsyncSQLiteEventStore
 from statemachine.values import Phase, Step
-from statemachine.verifiers import Completed, Unknown
+from statemachine.verifiers import Completed, NotExecuted, Unknown
 from tests.drivers.langgraph_driver import ScriptedModel, build, effect, effects, make_tools
 
 CONFIG: Any = {"configurable": {"thread_id": "t1"}}
@@ -921,6 +921,58 @@ def test_verifiers_settle_a_call_in_doubt_and_bodies_see_their_idempotency_key(
     reloaded = ToolLedger(store).controller(RUN)
     assert keys == [reloaded.idempotency_key("y")]
     assert reloaded.phase("x") is Phase.PUBLISHED
+
+
+@pytest.mark.invariant("I11")
+@pytest.mark.parametrize("answer", ["not-executed", "unknown"])
+def test_a_verifier_saying_not_executed_runs_the_call_once_and_unknown_leaves_it_in_doubt(
+        tmp_path: Path, store: SQLiteEventStore, answer: str) -> None:
+    """A call in doubt (started, then the process died), its verifier asked by the next
+    attempt right after its claim: ``NotExecuted`` (the bank has no payment under the
+    call's key) records it not executed and the call runs once, with the same
+    idempotency key the dead attempt had, then answers from the ledger; ``Unknown``
+    leaves it in doubt: refused (`ToolInDoubt`) on every attempt, each asking again, the
+    tool never run, the call in the operator's inbox."""
+    path = tmp_path / "effects.txt"
+    keys: list[str] = []
+
+    @tool
+    def charge(amount: int) -> str:
+        """Charge, with the call's idempotency key."""
+        keys.append(tool_context().idempotency_key)
+        effect(path, f"charge {amount}")
+        return f"charged {amount}"
+
+    c = ToolLedger(store).controller(RUN)
+    c.begin_model_call()
+    c.model_responded([ToolCall("x", "charge", {"amount": 7})])
+    c.begin_tool("x")
+    c.flush()  # started, then "the process died"
+    key = c.idempotency_key("x")
+    asked: list[str] = []
+
+    def verify(context: Any) -> Any:
+        asked.append(context.idempotency_key)
+        return NotExecuted() if answer == "not-executed" else Unknown()
+
+    state = _tools_state([("charge", {"amount": 7}, "x")])
+    for attempt in (1, 2):  # each a fresh process: a ledger of its own on the store
+        ledger = ToolLedger(store, verifiers={"charge": verify})
+        graph = _graph_of(ledger.tool_node([charge]), InMemorySaver())
+        if answer == "unknown":
+            with pytest.raises(ToolInDoubt):
+                graph.invoke(state, CONFIG)
+            assert asked == [key] * attempt
+            continue
+        assert _tool_messages(graph.invoke(state, CONFIG)) == [("x", "charged 7")]
+        assert asked == [key]  # the second attempt finds nothing in doubt
+    if answer == "unknown":
+        assert effects(path) == []
+        assert [(w.call_id, w.kind) for w in operator.inbox(store)] == [("x", "in_doubt")]
+    else:
+        assert effects(path) == ["charge 7"]
+        assert keys == [key]
+        assert operator.inbox(store) == []
 
 
 # ---------------------------------------------------------------- one writer
