@@ -19,7 +19,7 @@ LangGraph / LangChain seam         what the ledger does
 awrap_tool_call=)``, or            ``AIMessage`` holding it) is entered in the ledger; its
 `LedgerMiddleware` in              start is durable (flushed) before the body runs; the
 ``create_agent(middleware=)``      result is recorded and flushed before LangGraph sees it. A
-                                   completed call answers from the ledger (the same
+(the last of the list)             completed call answers from the ledger (the same
                                    ``ToolMessage`` content, byte for byte), never re-runs; a
                                    started, unfinished call is in doubt (`ToolInDoubt`); a
                                    rejected call answers with its rejection, never runs; a
@@ -932,17 +932,17 @@ def _passing_refusals(handling: Any) -> Callable[[Exception], str]:
 
 
 class LedgerMiddleware(AgentMiddleware):
-    """The ledger in LangChain's ``create_agent(middleware=[LedgerMiddleware(ledger),
-    ...])``: ``wrap_tool_call`` / ``awrap_tool_call`` put every tool call through it, and
-    ``after_model`` reviews the calls of the tools the ledger's ``approvals`` names (one
-    interrupt per batch, `ToolLedger.review`). Put it last: LangChain runs the first
-    middleware of the list as the outermost ``wrap_tool_call``, and the ledger must be
-    the innermost, so that no wrapper runs a body again under the start it recorded (a
-    wrapper before it that calls the handler again is answered from the ledger). Before
-    each model call the agent's tool node is checked: ``ToolRetryMiddleware`` or
-    ``HumanInTheLoopMiddleware`` anywhere, or a tool-call middleware after this one, is
-    refused (`UnsupportedFeature`, naming it) before the model is asked or anything is
-    recorded."""
+    """The ledger in LangChain's ``create_agent(middleware=[...,
+    LedgerMiddleware(ledger)])``: ``wrap_tool_call`` / ``awrap_tool_call`` put every tool
+    call through it, and ``after_model`` reviews the calls of the tools the ledger's
+    ``approvals`` names (one interrupt per batch, `ToolLedger.review`). Put it last:
+    LangChain runs the first middleware of the list as the outermost ``wrap_tool_call``,
+    and the ledger must be the innermost, so that no wrapper runs a body again under the
+    start it recorded (a wrapper before it that calls the handler again is answered from
+    the ledger). Before each model call the agent's tool node is checked:
+    ``ToolRetryMiddleware`` or ``HumanInTheLoopMiddleware`` anywhere, or a tool-call
+    middleware after this one, is refused (`UnsupportedFeature`, naming it) before the
+    model is asked or anything is recorded."""
 
     def __init__(self, ledger: ToolLedger) -> None:
         super().__init__()
