@@ -86,7 +86,12 @@ class _AgentLoop:
 
     async def run(self, input_items: Sequence[JSON]) -> RunResult:
         c = self.controller
-        c.resume()  # the gate: RunNotResumable or ToolInDoubt before any work
+        if not input_items or c.step is not Step.INTERRUPTION:
+            # the gate: RunNotResumable or ToolInDoubt before any work. A run resting in
+            # INTERRUPTION takes new input first (the gate refuses nothing there, and
+            # resume() would move a run whose approved calls can run on to TOOLS, where
+            # input is refused); the loop below resumes it
+            c.resume()
         await one_writer(c, self.session)  # §6.4: never write over another run's batch
         if input_items:
             c.add_input(list(input_items))
