@@ -29,6 +29,7 @@ from typing import Any
 from statemachine import telemetry
 from statemachine.controller import RunController
 from statemachine.errors import ControlError, RunNotFound
+from statemachine.machine import TABLE
 from statemachine.payloads import JSON
 from statemachine.runner.agents import (
     ALLOW,
@@ -372,6 +373,18 @@ async def _controller(agent: Agent, *, session: Session | None,
         store=store, buffered=buffered), False  # type: ignore[arg-type]
 
 
+def _refuse_input_before_claim(c: RunController, items: list[JSON]) -> None:
+    """New input that the run cannot take where it rests (the declaration has no
+    add_input row from its step: DESIGN allows input in RUN_AGAIN and INTERRUPTION only)
+    is refused here, before the attempt claims the run, recording nothing: a claim would
+    supersede an attempt working on the run for an attempt that does nothing. The
+    controller's own refusal says why (`RunNotResumable`, `PublicationUnsettled`,
+    `InvalidTransition`). A call in doubt is left to the attempt's gate (`ToolInDoubt`,
+    or its verifier first)."""
+    if (c.step, "add_input") not in TABLE and not c.in_doubt():
+        c.add_input(items)  # no row: refused, whatever its guards would say
+
+
 def _session_for(c: RunController, session: Session | None) -> Session:
     if session is None:
         if c.session_id is not None:
@@ -475,11 +488,14 @@ class Runner:
                               take_over)
             # buffered within the attempt, per event after it (unless told either): a
             # controller this runner handed back buffers its next attempt again
+            items = _input_items(input)
+            if resumed and items:
+                _refuse_input_before_claim(c, items)
             switched = buffered is None and controller is not None and c._buffer_attempt()
             try:
                 async with Attempt(c, resumes=resumed, owner=owner, lease=lease,
                                    verifiers=agent.verifiers()):  # claim first, flush last
-                    return await loop.run(_input_items(input))
+                    return await loop.run(items)
             finally:
                 if buffered is None and (controller is None or switched):
                     c._between_attempts()

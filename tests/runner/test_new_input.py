@@ -8,13 +8,18 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+import pytest
+
 from statemachine import (
+    InvalidTransition,
+    MemoryEventStore,
+    PublicationUnsettled,
     RunController,
     Step,
 )
 from statemachine.payloads import JSON
 from statemachine.runner import Agent, FunctionTool, ModelResponse, Runner
-from statemachine.testing import ListSession, ScriptedModel
+from statemachine.testing import FlakySession, InjectedWriteError, ListSession, ScriptedModel
 
 GO: JSON = {"role": "user", "content": "go"}
 MORE: JSON = {"role": "user", "content": "more"}
@@ -53,3 +58,48 @@ def test_input_sent_after_the_last_decision_is_taken_before_the_tools_run() -> N
     assert c.step is Step.COMPLETED
     assert session.items == [GO, MORE, CALL, OUT, DONE]
     assert ran == Counter(pay=1)
+
+
+async def _rest(where: str, agent: Agent, session: ListSession,
+                store: MemoryEventStore) -> None:
+    """Leave run ``r`` resting where input is refused: ``unsettled`` (its results' write
+    failed atomically: PublicationUnsettled), ``handoff`` (an operator handed off at its
+    interruption: InvalidTransition)."""
+    first = await Runner.run(agent, "go", session=session, store=store, run_id="r")
+    c = first.controller
+    if where == "handoff":
+        c.handoff("next")
+        return
+    c.approve("pay")
+    flaky = FlakySession(session, fail_on=1, outcome="atomic")
+    with pytest.raises(InjectedWriteError):
+        await Runner.run(agent, session=flaky, store=store, run_id="r")
+
+
+@pytest.mark.invariant("I2")
+@pytest.mark.parametrize(("where", "error"), [("unsettled", PublicationUnsettled),
+                                              ("handoff", InvalidTransition)])
+def test_an_attempt_whose_input_is_refused_records_nothing(
+        where: str, error: type[Exception]) -> None:
+    """A resumed attempt bringing input the run cannot take where it rests is refused
+    before its claim: the store holds exactly the events it held (a claim would have
+    superseded an attempt working on the run, for an attempt that does nothing), the
+    Session is untouched, and the run then goes on without the input."""
+    ran: Counter[str] = Counter()
+    agent = _agent(ran)
+    session = ListSession("s")
+    store = MemoryEventStore()
+
+    async def go() -> None:
+        await _rest(where, agent, session, store)
+        events, items = store.load("r"), list(session.items)
+        with pytest.raises(error):
+            await Runner.run(agent, "more", session=session, store=store, run_id="r")
+        assert store.load("r") == events
+        assert session.items == items
+        done = await Runner.run(agent, session=session, store=store, run_id="r")
+        assert done.controller.step is Step.COMPLETED
+
+    asyncio.run(go())
+    assert session.items == ([GO, DONE] if where == "handoff" else [GO, CALL, OUT, DONE])
+    assert ran == Counter(pay=0 if where == "handoff" else 1)
