@@ -14,6 +14,7 @@ from statemachine.controller import RunController
 from statemachine.errors import (
     ConcurrencyConflict,
     ControlError,
+    InvalidTransition,
     PublicationUnsettled,
     ReconcileRejected,
     StorageError,
@@ -112,7 +113,8 @@ async def run_history(controller: RunController, session: Session,
 
 async def publish(controller: RunController, session: Session, items: list[JSON], *,
                   call_ids: list[str] | None = None, ride: bool = False) -> None:
-    """Stage ``items`` (reading just enough of the Session's tail), write them, report.
+    """Stage ``items`` (reading just enough of the Session's tail: ``len(items) + 1``
+    items, more while they cannot tell the write's outcomes apart), write them, report.
 
     ``ride=True``: a Session that shares the store's transaction is written by the
     controller's next flush, with the commit (DESIGN §7.7; `RunController.
@@ -127,8 +129,21 @@ async def publish(controller: RunController, session: Session, items: list[JSON]
     _same_session(controller, session, "publish")
     if controller.riding_items and not many_session_writes(controller.store):
         await controller.flush_async()  # (its store writes one Session write per append)
-    tail = await run_history(controller, session, limit=len(items) + 1)
-    controller.stage_publication(items, tail, call_ids=call_ids)
+    limit = len(items) + 1
+    while True:
+        tail = await run_history(controller, session, limit=limit)
+        whole = len(tail) < limit  # (a shorter list is the whole Session)
+        try:
+            controller.stage_publication(items, tail, call_ids=call_ids, whole=whole)
+            break
+        except InvalidTransition:
+            # a tail that repeats the batch's items may need more of the Session to tell
+            # the write's outcomes apart (DESIGN §2.3, read_limit): read twice as much,
+            # up to the whole Session, which always tells them apart (a refusal for any
+            # other reason is raised again then)
+            if whole:
+                raise
+            limit *= 2
     await _write(controller, session, items, ride=ride)
 
 
