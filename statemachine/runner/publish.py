@@ -18,6 +18,7 @@ from statemachine.errors import (
     PublicationUnsettled,
     ReconcileRejected,
     StorageError,
+    excerpt,
 )
 from statemachine.events import RunClaimed
 from statemachine.payloads import JSON
@@ -66,25 +67,33 @@ async def one_writer(controller: RunController, session: Session) -> None:
                 f"{c.session_id!r}: settle it (reconcile), or abandon it and repair the "
                 "Session, before another run writes there",
                 run_id=c.run_id, step=c.step, action="run")
-    dangling = _unanswered_call(await run_history(c, session, limit=TAIL_ITEMS))
+    tail = await run_history(c, session, limit=TAIL_ITEMS)
+    dangling = _unanswered_call(tail)
     if dangling is not None:
+        position, call_id = dangling
+        where = ("the Session ends with call {} that has no output" if position == len(tail) - 1
+                 else "the Session's last items hold call {} with no output after it")
         raise PublicationUnsettled(
-            f"the Session ends with call {dangling!r} that has no output: settle or repair "
-            "the run that wrote it", run_id=c.run_id, step=c.step, action="run")
+            f"{where.format(excerpt(call_id))}: settle or repair the run that wrote it",
+            run_id=c.run_id, step=c.step, action="run")
 
 
-def _unanswered_call(tail: list[JSON]) -> str | None:
-    """The call id of the last ``function_call`` in ``tail`` that no
-    ``function_call_output`` follows, or None."""
-    answered: set[object] = set()
-    for item in reversed(tail):
+def _unanswered_call(tail: list[JSON]) -> tuple[int, JSON] | None:
+    """The position and call id of the last ``function_call`` in ``tail`` that no
+    ``function_call_output`` with an equal call id follows, or None. Call ids are
+    compared by value: a foreign Session may hold any JSON there (the reference runner
+    never leaves a call without its output: it writes a call and its output in one batch,
+    and never writes the calls a handoff or a final output skipped)."""
+    answered: list[JSON] = []  # (a list: an id may be a list or an object)
+    for position in range(len(tail) - 1, -1, -1):
+        item = tail[position]
         if not isinstance(item, dict):
             continue
         kind, call_id = item.get("type"), item.get("call_id")
         if kind == "function_call_output":
-            answered.add(call_id)
+            answered.append(call_id)
         elif kind == "function_call" and call_id not in answered:
-            return call_id if isinstance(call_id, str) else repr(call_id)
+            return position, call_id
     return None
 
 
