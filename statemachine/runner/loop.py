@@ -479,6 +479,14 @@ class Runner:
                    hooks: RunHooks | None, take_over: bool, emit: Emit | AsyncEmit,
                    owner: str | None = None, buffered: bool | None = None,
                    lease: float | None = None) -> RunResult:
+        if session is not None and session.session_id is None:
+            # a run would start without a Session, write its input there and complete
+            # without writing its output (a run without a Session publishes nothing at
+            # its end): refused before anything is recorded
+            raise ControlError(
+                "the Session passed has no session_id: give it one, or omit session= "
+                "for a run that stores nothing", run_id=run_id if controller is None
+                else controller.run_id, action="run")
         with telemetry.agent_span(agent.name) as span:
             c, resumed = await _controller(agent, session=session, controller=controller,
                                            state=state, store=store, run_id=run_id,

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from statemachine import (
+    ControlError,
     MemoryEventStore,
     PublicationUnsettled,
     ReconcileRejected,
@@ -461,3 +462,23 @@ def test_a_run_without_a_session_publishes_only_into_its_private_history() -> No
     asyncio.run(publish(c, local, [{"role": "user", "content": "hi"}]))
     assert c.step is Step.RUN_AGAIN
     assert asyncio.run(local.get_items()) == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.invariant("I7")
+@pytest.mark.parametrize("kind", ["memory", "none"])
+def test_a_session_without_an_id_is_refused_before_a_run_starts(kind: str) -> None:
+    """A Session object whose ``session_id`` is None would start a run without a Session
+    that still writes its input there and never its final output (a run without a
+    Session completes without publishing): refused before anything is recorded, the
+    model never called, the Session untouched."""
+    store = MemoryEventStore() if kind == "memory" else None
+    model = ScriptedModel([ModelResponse(output="hello")])
+    session = ListSession(None)  # type: ignore[arg-type]
+    with pytest.raises(ControlError, match="session_id"):
+        asyncio.run(Runner.run(Agent("greeter", model), "hello", session=session,
+                               store=store, run_id="nameless"))
+    assert model.calls == 0
+    assert session.items == []
+    if store is not None:
+        assert store.load("nameless") == []
+        assert store.list_runs() == ()
