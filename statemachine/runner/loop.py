@@ -452,10 +452,15 @@ class Runner:
 
         Raises, before any work: `RunNotResumable`, `ToolInDoubt`, `ConcurrencyConflict`
         (another process claimed the run first), `PublicationUnsettled` (another run left
-        this Session mid-write). During the run: `ReconcileRejected` (the Session cannot
-        be matched to the unsettled batch; nothing re-runs), the Session's own write error
-        (I6), `MaxTurnsExceeded`, `OutputGuardrailTripwire`. ``take_over=True`` only when
-        no earlier write of this run can still land."""
+        this Session mid-write), `ControlError` (a ``session`` that is not the run's, or
+        has no ``session_id``). ``input`` for a run resting where it takes none (only
+        RUN_AGAIN and INTERRUPTION do) is refused before the claim, recording nothing:
+        `PublicationUnsettled` while a write is unsettled, `ToolInDoubt` while a call is
+        in doubt, `RunNotResumable` once it ended, else `InvalidTransition`. During the
+        run: `ReconcileRejected` (the Session cannot be matched to the unsettled batch;
+        nothing re-runs), the Session's own write error (I6), `MaxTurnsExceeded`,
+        `OutputGuardrailTripwire`. ``take_over=True`` only when no earlier write of this
+        run can still land."""
         return await Runner._run(agent, input, session=session, controller=controller,
                                  state=state, store=store, run_id=run_id, policy=policy,
                                  hooks=hooks, take_over=take_over, emit=lambda event: None,
