@@ -1,8 +1,8 @@
 """The test kit: fakes for the seed scenarios (`ScriptedModel`, `FlakySession`,
 `FakeRemote`, counters), the log checker (`check_log`), explorable worlds (`ScriptWorld`
 checks every step against an `Oracle` computed from its `Script`, and that the run can
-finish), the corner generators (`handoff_cases`, each case played by `play_handoff`
-against what the case says), the exhaustive explorer and the Hypothesis kit
+finish), the corner generators (`handoff_cases`, `input_cases`, each case played by its
+``play_*`` against what the case says), the exhaustive explorer and the Hypothesis kit
 (`random_run` and `RandomRun`: random reachable runs), and the contract suites every
 store and Session backend runs (`statemachine.testing.contracts`).
 Install with the ``testing`` extra."""
@@ -13,10 +13,15 @@ from typing import TYPE_CHECKING, Any
 
 from statemachine.testing.corners import (
     CALL_PHASES,
+    INPUT_RESTS,
+    INPUT_SOURCES,
     CaseFailed,
     HandoffCase,
+    InputCase,
     handoff_cases,
+    input_cases,
     play_handoff,
+    play_input,
 )
 from statemachine.testing.explore import ExploreReport, explore, world_state_machine
 from statemachine.testing.fakes import (
@@ -56,6 +61,8 @@ if TYPE_CHECKING:
 __all__ = [
     "CALL_PHASES",
     "FAULTS",
+    "INPUT_RESTS",
+    "INPUT_SOURCES",
     "SCRIPT_FAULTS",
     "TOOL_KINDS",
     "CaseFailed",
@@ -66,6 +73,7 @@ __all__ = [
     "FlakySession",
     "HandoffCase",
     "InjectedWriteError",
+    "InputCase",
     "InvariantViolation",
     "ListSession",
     "ListingFailed",
@@ -88,7 +96,9 @@ __all__ = [
     "counted_tool",
     "explore",
     "handoff_cases",
+    "input_cases",
     "play_handoff",
+    "play_input",
     "random_run",
     "settled",
     "world_state_machine",

@@ -16,6 +16,18 @@ started is skipped (it can be neither run nor decided any more), the rejections 
 next batch's results (a batch leaving one out, or naming one that has none, is refused),
 and the new activation calls the model and completes.
 
+`input_cases`: new input sent with the next attempt of the reference runner while the run
+rests in each step it can rest in between attempts (`INPUT_RESTS`: RUN_AGAIN after a
+failed model call, an interruption with a decision pending or every call decided, a
+model call or a tool the process died in, a failed hook, a final output whose write
+could not start, a handoff, a write unsettled or cancelled under FAIL_CLOSED, completed,
+abandoned), the run found through its live controller, its JSON or a store (memory or a
+SQLite file), streamed or not. `play_input` checks that the input is taken where DESIGN
+allows it (RUN_AGAIN, INTERRUPTION) and appears once, right after the items before it;
+that anywhere else the attempt is refused with the typed error before it claims the run
+(the run, the store and the Session as they were, nothing run); then drives the run to
+its end, the tool's own count of its runs at most one.
+
 Use them in your own property tests::
 
     @given(handoff_cases())
@@ -25,6 +37,10 @@ Use them in your own property tests::
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,14 +52,33 @@ from statemachine.controller import RunController
 from statemachine.errors import (
     ControlError,
     InvalidTransition,
+    PublicationUnsettled,
+    RunNotResumable,
     ToolInDoubt,
 )
 from statemachine.payloads import JSON
+from statemachine.runner import (
+    Agent,
+    FunctionTool,
+    ModelResponse,
+    RunHooks,
+    Runner,
+    RunResult,
+)
+from statemachine.sqlite import SQLiteEventStore
+from statemachine.stores import MemoryEventStore
+from statemachine.testing.fakes import (
+    FlakySession,
+    InjectedWriteError,
+    ListSession,
+)
 from statemachine.testing.invariants import check_log
-from statemachine.values import Phase, Step, ToolCall
+from statemachine.testing.worlds import SimulatedCrash, run_sync
+from statemachine.values import Phase, RecoveryPolicy, Step, ToolCall
 
-__all__ = ["AT_WORK", "CALL_PHASES", "CaseFailed", "HandoffCase", "handoff_cases",
-           "play_handoff", "snapshot"]
+__all__ = ["AT_WORK", "CALL_PHASES", "INPUT_REFUSAL", "INPUT_RESTS", "INPUT_SOURCES",
+           "REST_STEP", "TAKES_INPUT", "CaseFailed", "HandoffCase", "InputCase",
+           "handoff_cases", "input_cases", "play_handoff", "play_input", "snapshot"]
 
 
 class CaseFailed(AssertionError):
@@ -247,3 +282,378 @@ def _decide(c: RunController, case: HandoffCase) -> None:
             c.approve(call_id, fingerprint=c.fingerprint(call_id))
         elif phase == "rejected":
             c.reject(call_id, f"no {call_id}", fingerprint=c.fingerprint(call_id))
+
+
+# ------------------------------------------------------- new input in every live step
+
+INPUT_RESTS = ("run_again", "interruption", "decided", "awaiting_model", "tools",
+               "in_doubt", "finalizing", "final_output", "handoff", "unsettled",
+               "unsettled_landed", "fail_closed", "completed", "abandoned")
+"""Where a run of the reference runner can rest between two attempts when new input
+comes with the next one. The run is a payment: the model proposes ``pay`` (approval
+needed), then answers "done". ``run_again``: the model call failed; ``interruption``:
+``pay`` awaits its decision; ``decided``: ``pay`` approved, not resumed; ``awaiting_model``:
+the process died inside the model call; ``tools``: ``pay`` ran and its end hook failed;
+``in_doubt``: the process died inside ``pay``; ``finalizing``: the agent's end hook
+failed; ``final_output``: the output was accepted and the Session's read for its write
+failed; ``handoff``: an operator handed off at the interruption; ``unsettled``: the
+results' write failed before landing (``unsettled_landed``: after); ``fail_closed``: under
+FAIL_CLOSED that write was cancelled; ``completed``; ``abandoned`` by an operator at the
+interruption."""
+
+TAKES_INPUT = frozenset({"run_again", "interruption", "decided"})
+"""The rests where DESIGN allows new input (RUN_AGAIN, INTERRUPTION, no envelope)."""
+
+INPUT_REFUSAL: dict[str, type[ControlError]] = {
+    "awaiting_model": InvalidTransition, "tools": InvalidTransition, "in_doubt": ToolInDoubt,
+    "finalizing": InvalidTransition, "final_output": InvalidTransition,
+    "handoff": InvalidTransition, "unsettled": PublicationUnsettled,
+    "unsettled_landed": PublicationUnsettled, "fail_closed": RunNotResumable,
+    "completed": RunNotResumable, "abandoned": RunNotResumable}
+"""How the input is refused where it is not taken (before the attempt claims the run)."""
+
+REST_STEP = {
+    "run_again": Step.RUN_AGAIN, "interruption": Step.INTERRUPTION,
+    "decided": Step.INTERRUPTION, "awaiting_model": Step.AWAITING_MODEL,
+    "tools": Step.TOOLS, "in_doubt": Step.TOOLS, "finalizing": Step.FINALIZING,
+    "final_output": Step.FINAL_OUTPUT, "handoff": Step.HANDOFF,
+    "unsettled": Step.UNSETTLED, "unsettled_landed": Step.UNSETTLED,
+    "fail_closed": Step.UNSETTLED, "completed": Step.COMPLETED,
+    "abandoned": Step.TERMINAL_UNRECOVERABLE}
+"""The step each rest is (what the case reaches before the input is sent)."""
+
+INPUT_SOURCES = ("live", "json", "memory", "sqlite")
+"""How the attempt bringing the input finds the run: the live controller
+(``controller=``), its JSON (``state=``), or a store (``store=`` and ``run_id=``: a
+memory store, or a SQLite file)."""
+
+
+@attrs.frozen
+class InputCase:
+    rest: str
+    """Where the run rests when the input comes (`INPUT_RESTS`)."""
+    source: str
+    """How the attempt finds the run (`INPUT_SOURCES`)."""
+    streamed: bool
+    """The attempt bringing the input runs with ``Runner.run_streamed``."""
+
+    @property
+    def taken(self) -> bool:
+        return self.rest in TAKES_INPUT
+
+    def expected_session(self) -> list[JSON]:
+        """The Session's items once the run has ended, from the case alone: the first
+        input, the new one where it was taken, the call and its output (the operator's,
+        for a call settled in doubt) unless a handoff skipped it or the run ended before
+        it ran, and the answer unless the run ended before it."""
+        items: list[JSON] = [_GO, _MORE] if self.taken else [_GO]
+        if self.rest in ("handoff", "abandoned"):
+            return items + ([] if self.rest == "abandoned" else [_DONE])
+        output = _SETTLED if self.rest == "in_doubt" else _PAID
+        items += [_PAY_CALL, {"type": "function_call_output", "call_id": "pay",
+                              "output": output}]
+        return items if self.rest == "fail_closed" else [*items, _DONE]
+
+    @property
+    def end(self) -> Step:
+        """Where the run ends, driven on without faults."""
+        return {"fail_closed": Step.UNSETTLED,
+                "abandoned": Step.TERMINAL_UNRECOVERABLE}.get(self.rest, Step.COMPLETED)
+
+    @property
+    def payments(self) -> int:
+        """How often ``pay``'s body runs in the whole run: once, or never where a handoff
+        skipped it or the run was abandoned before it ran (the one run that crashed
+        inside it included: a call in doubt is never run again)."""
+        return 0 if self.rest in ("handoff", "abandoned") else 1
+
+    @property
+    def model_calls(self) -> int:
+        """How often the model is asked: each of its two answers once, plus the call
+        that failed or died, minus the answer a run that ended early never asked for."""
+        if self.rest in ("fail_closed", "abandoned"):
+            return 1
+        return 3 if self.rest in ("run_again", "awaiting_model") else 2
+
+
+def input_cases() -> st.SearchStrategy[InputCase]:
+    """Every rest, source and mode."""
+    return st.builds(InputCase, st.sampled_from(INPUT_RESTS), st.sampled_from(INPUT_SOURCES),
+                     st.booleans())
+
+
+_GO: JSON = {"role": "user", "content": "go"}
+_MORE: JSON = {"role": "user", "content": "more"}
+_PAY_CALL: JSON = {"type": "function_call", "call_id": "pay", "name": "pay",
+                   "arguments": {"amount": 7}}
+_PAID = "paid 7"
+_SETTLED = "paid 7 (settled by an operator)"
+_DONE: JSON = {"role": "assistant", "content": "done"}
+
+
+class _ModelDown(RuntimeError):
+    """The model call failed (the runner records it and the run goes back to RUN_AGAIN)."""
+
+
+class _HookFailed(RuntimeError):
+    """A lifecycle hook raised."""
+
+
+class _ReadFailed(ConnectionError):
+    """The Session could not be read."""
+
+
+class _PaymentModel:
+    """Proposes ``pay``, then answers "done"; an answer is used up only when given.
+    ``fail_next`` makes the next call raise, ``crash_next`` makes it die."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.answered = 0
+        self.fail_next = self.crash_next = False
+
+    async def respond(self, history: list[JSON], agent: Agent) -> ModelResponse:
+        self.calls += 1
+        if self.crash_next:
+            self.crash_next = False
+            raise SimulatedCrash
+        if self.fail_next:
+            self.fail_next = False
+            raise _ModelDown("the model is down")
+        self.answered += 1
+        if self.answered == 1:
+            return ModelResponse((("pay", "pay", {"amount": 7}),))
+        return ModelResponse(output="done")
+
+
+class _FaultySession(ListSession):
+    """A list Session whose next read fails once ``fail_next_read`` is set."""
+
+    fail_next_read = False
+
+    async def get_items(self, limit: int | None = None) -> list[JSON]:
+        if self.fail_next_read:
+            self.fail_next_read = False
+            raise _ReadFailed("the Session could not be read")
+        return await super().get_items(limit)
+
+
+class _FaultyHooks(RunHooks):
+    """Hooks that fail once where asked: ``tool_end``, ``agent_end``, or the agent's end
+    arming a failed read of the Session (the read of the final output's write)."""
+
+    def __init__(self, session: _FaultySession) -> None:
+        self.session = session
+        self.fail: str | None = None
+
+    async def on_tool_end(self, agent: Agent, call: ToolCall, output: JSON) -> None:
+        if self.fail == "tool_end":
+            self.fail = None
+            raise _HookFailed("tool_end")
+
+    async def on_agent_end(self, agent: Agent, output: JSON) -> None:
+        if self.fail == "agent_end":
+            self.fail = None
+            raise _HookFailed("agent_end")
+        if self.fail == "read":
+            self.fail = None
+            self.session.fail_next_read = True
+
+
+_RUN = "input-run"
+
+
+class _InputWorld:
+    """One input case's run: the Session, the counted tool, the model, the hooks, and
+    where the run is kept (the live controller, or a store)."""
+
+    def __init__(self, case: InputCase, folder: str) -> None:
+        self.case = case
+        self.session = _FaultySession("input-session")
+        self.model = _PaymentModel()
+        self.hooks = _FaultyHooks(self.session)
+        self.payments = 0
+        self.crash_in_pay = False
+        self.store: Any = None
+        if case.source == "memory":
+            self.store = MemoryEventStore()
+        elif case.source == "sqlite":
+            self.store = SQLiteEventStore(os.path.join(folder, "events.db"))
+        policy = (RecoveryPolicy.FAIL_CLOSED if case.rest == "fail_closed"
+                  else RecoveryPolicy.RECONCILE)
+        self.live = (None if self.store is not None else
+                     RunController.start(run_id=_RUN, session_id="input-session",
+                                         policy=policy))
+        self.policy = policy
+
+        def pay(amount: int) -> str:
+            self.payments += 1
+            if self.crash_in_pay:
+                self.crash_in_pay = False
+                raise SimulatedCrash
+            return f"paid {amount}"
+
+        self.agent = Agent("payer", self.model,
+                           (FunctionTool("pay", pay, needs_approval=True),))
+
+    def controller(self) -> RunController:
+        """The run as it is now: the live controller, or loaded from the store."""
+        if self.store is None:
+            assert self.live is not None
+            return self.live
+        return RunController.load(self.store, _RUN)
+
+    def attempt(self, input: str | None = None, *, expect: type[BaseException] | None = None,
+                session: Any = None, source: str = "live", streamed: bool = False) -> None:
+        """One attempt of the reference runner, which must end with ``expect`` (None: it
+        returns). ``source`` ``json`` hands it the run's JSON instead of the controller."""
+        options: dict[str, Any] = {"session": session or self.session, "hooks": self.hooks}
+        if self.store is not None:
+            options.update(store=self.store, run_id=_RUN, policy=self.policy)
+        elif source == "json":
+            options["state"] = json.dumps(self.controller().to_json())
+        else:
+            options["controller"] = self.live
+        try:
+            result = run_sync(_run_attempt(self.agent, streamed, {"input": input, **options}))
+        except (Exception, SimulatedCrash, asyncio.CancelledError) as error:
+            if type(error) is not expect:
+                raise CaseFailed(f"{self.case}: an attempt ended with "
+                                 f"{type(error).__name__}, not "
+                                 f"{getattr(expect, '__name__', 'a return')}") from error
+            if isinstance(error, SimulatedCrash) and self.live is not None:
+                # the process died: only what was recorded survives
+                self.live = RunController.from_json(self.live.to_json())
+            return
+        if expect is not None:
+            raise CaseFailed(f"{self.case}: an attempt returned; it must raise "
+                             f"{expect.__name__}")
+        if self.store is None:
+            self.live = result.controller  # (from state=, a controller of its own)
+
+    def close(self) -> None:
+        if isinstance(self.store, SQLiteEventStore):
+            self.store.close()
+
+
+async def _run_attempt(agent: Agent, streamed: bool, options: dict[str, Any]) -> RunResult:
+    if not streamed:
+        return await Runner.run(agent, **options)
+    stream = Runner.run_streamed(agent, **options)
+    async for _event in stream.stream_events():
+        pass
+    return stream.result
+
+
+def _rest(w: _InputWorld, rest: str) -> None:
+    """Bring the run to ``rest`` (`INPUT_RESTS`) with the first input, ``go``."""
+    if rest == "run_again":
+        w.model.fail_next = True
+        w.attempt("go", expect=_ModelDown)
+        return
+    if rest == "awaiting_model":
+        w.model.crash_next = True
+        w.attempt("go", expect=SimulatedCrash)
+        return
+    w.attempt("go")  # pay awaits its decision
+    c = w.controller()
+    if rest == "handoff":
+        c.handoff("next")
+    elif rest == "abandoned":
+        c.abandon("operator", by="operator")
+    if rest in ("interruption", "handoff", "abandoned"):
+        return
+    c.approve("pay", fingerprint=c.fingerprint("pay"), by="operator")
+    if rest == "decided":
+        return
+    if rest == "in_doubt":
+        w.crash_in_pay = True
+        w.attempt(expect=SimulatedCrash)
+    elif rest in ("tools", "finalizing", "final_output"):
+        w.hooks.fail = {"tools": "tool_end", "finalizing": "agent_end",
+                        "final_output": "read"}[rest]
+        w.attempt(expect=_ReadFailed if rest == "final_output" else _HookFailed)
+    elif rest in ("unsettled", "unsettled_landed", "fail_closed"):
+        outcome = {"unsettled": "atomic", "unsettled_landed": "commit_then_raise",
+                   "fail_closed": "cancel"}[rest]
+        flaky = FlakySession(w.session, fail_on=1, outcome=outcome)  # type: ignore[arg-type]
+        w.attempt(session=flaky, expect=asyncio.CancelledError if rest == "fail_closed"
+                  else InjectedWriteError)
+    else:  # completed
+        w.attempt()
+
+
+def _drive_on(w: _InputWorld, case: InputCase) -> None:
+    """After the input's attempt: decide, settle and resume as an operator would, until
+    the run ends (every attempt must end as the case says)."""
+    rest = case.rest
+    if rest in ("fail_closed", "abandoned"):
+        w.attempt(expect=RunNotResumable)  # nothing can go on: refused, doing nothing
+        return
+    if rest == "in_doubt":
+        c = w.controller()
+        _refused_unchanged(c, c.resume, "resuming with pay in doubt", ToolInDoubt)
+        c.resolve_in_doubt("pay", _SETTLED, by="operator")
+    if rest in ("run_again", "awaiting_model", "interruption"):
+        if rest != "interruption":  # the model is asked (again), and proposes pay
+            w.attempt()
+        c = w.controller()
+        _expect(c.step is Step.INTERRUPTION and c.pending_approvals == ("pay",),
+                f"{case}: pay does not await its decision ({c.step})")
+        c.approve("pay", fingerprint=c.fingerprint("pay"), by="operator")
+    if rest not in ("decided", "completed"):
+        w.attempt()
+
+
+def play_input(case: InputCase) -> RunController:
+    """Play ``case`` through the reference runner and check it; returns the run as it
+    ended. New input is taken where the run rests in RUN_AGAIN or INTERRUPTION and
+    appears once in the Session, right after the items before it; anywhere else the
+    attempt bringing it is refused with the typed error before it claims the run: the
+    run, the store and the Session as they were, no model call and no tool. Then the run
+    is driven to its end (settling a call in doubt, reconciling a write), which must be
+    where the case says, with the Session's items the case implies and ``pay`` run at
+    most once. `CaseFailed` otherwise."""
+    with tempfile.TemporaryDirectory() as folder:
+        w = _InputWorld(case, folder)
+        try:
+            return _play_input(w, case)
+        finally:
+            w.close()
+
+
+def _play_input(w: _InputWorld, case: InputCase) -> RunController:
+    _rest(w, case.rest)
+    c = w.controller()
+    _expect(c.step is REST_STEP[case.rest], f"{case}: the run rests in {c.step}, not "
+            f"{REST_STEP[case.rest]}")
+    _expect((c.in_doubt() == ("pay",)) is (case.rest == "in_doubt"),
+            f"{case}: the calls in doubt are {c.in_doubt()}")
+    before = (c.to_json(), snapshot(c) if w.store is None else None, list(w.session.items),
+              w.payments, w.model.calls)
+    if case.taken:
+        w.attempt("more", source=case.source, streamed=case.streamed)
+        items = w.session.items
+        _expect(items[:len(before[2]) + 1] == [*before[2], _MORE],
+                f"{case}: the Session does not hold the input right after the items "
+                f"before it: {items}")
+    else:
+        w.attempt("more", source=case.source, streamed=case.streamed,
+                  expect=INPUT_REFUSAL[case.rest])
+        c = w.controller()
+        after = (c.to_json(), snapshot(c) if w.store is None else None,
+                 list(w.session.items), w.payments, w.model.calls)
+        _expect(after == before, f"{case}: the refused input changed the run, the Session "
+                "or ran something")
+    _drive_on(w, case)
+    c = w.controller()
+    _expect(c.step is case.end, f"{case}: the run ended in {c.step}, not {case.end}")
+    items = w.session.items
+    _expect(items == case.expected_session(),
+            f"{case}: the Session holds {items}, not {case.expected_session()}")
+    _expect(w.payments == case.payments,
+            f"{case}: pay ran {w.payments} times, not {case.payments}")
+    _expect(w.model.calls == case.model_calls,
+            f"{case}: the model was asked {w.model.calls} times, not {case.model_calls}")
+    check_log(c.events)
+    return c

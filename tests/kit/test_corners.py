@@ -1,7 +1,8 @@
 """The corner generators of `statemachine.testing.corners` (issue 32), each case played
 against the outcome written from the case alone, to the run's end: every mix of call
-phases at a handoff (exhaustively up to three calls, then drawn up to five). CI plays
-the small enumeration and a bounded draw; `just fuzz` draws long."""
+phases at a handoff (exhaustively up to three calls, then drawn up to five), and new
+input in every step a run of the reference runner rests in. CI plays each family's
+small enumeration and a bounded draw; `just fuzz` draws long."""
 
 from __future__ import annotations
 
@@ -14,10 +15,14 @@ from hypothesis import given, settings
 
 from statemachine.testing import (
     CALL_PHASES,
+    INPUT_RESTS,
     CaseFailed,
     HandoffCase,
+    InputCase,
     handoff_cases,
+    input_cases,
     play_handoff,
+    play_input,
 )
 from statemachine.testing.corners import AT_WORK
 from statemachine.values import Phase, Step
@@ -97,3 +102,48 @@ def test_a_call_in_doubt_that_resumes_is_reported(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(RunController, "in_doubt", lambda self: ())
     with pytest.raises(CaseFailed, match="in doubt was not refused"):
         play_handoff(HandoffCase(("started",), True))
+
+
+# ------------------------------------------------------------------------ new input
+
+EVERY_INPUT = [InputCase(rest, source, streamed) for rest in INPUT_RESTS
+               for source, streamed in (("live", False), ("live", True), ("json", False),
+                                        ("memory", False), ("memory", True),
+                                        ("sqlite", False))]
+"""Every rest, by every door; streamed on the live controller and a store (the SQLite
+store once per rest: its fsyncs are most of this file's time)."""
+
+
+@pytest.mark.invariant("I1", "I2")
+@pytest.mark.parametrize("case", EVERY_INPUT, ids=lambda case: f"{case.rest}-{case.source}"
+                         + ("-streamed" if case.streamed else ""))
+def test_new_input_in_every_step_a_run_rests_in(case: InputCase) -> None:
+    c = play_input(case)
+    assert c.step is case.end
+
+
+@given(input_cases())
+@DRAWN_RUNS
+def test_new_input_in_a_drawn_step(case: InputCase) -> None:
+    play_input(case)
+
+
+def test_input_is_taken_only_where_design_allows_it() -> None:
+    """The rests the issue names are all there, and the model of what is taken is
+    DESIGN's: RUN_AGAIN and INTERRUPTION without an envelope, nowhere else."""
+    assert {"interruption", "in_doubt", "unsettled", "fail_closed", "handoff",
+            "final_output", "finalizing"} <= set(INPUT_RESTS)
+    taken = {case.rest for case in EVERY_INPUT if case.taken}
+    assert taken == {"run_again", "interruption", "decided"}
+    assert InputCase("decided", "live", False).expected_session()[:2] == [
+        {"role": "user", "content": "go"}, {"role": "user", "content": "more"}]
+
+
+def test_an_attempt_whose_input_records_a_claim_is_reported(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check can fail: a runner that claims the run before refusing its input."""
+    from statemachine.runner import loop
+
+    monkeypatch.setattr(loop, "_refuse_input_before_claim", lambda c, items: None)
+    with pytest.raises(CaseFailed, match="refused input changed the run"):
+        play_input(InputCase("handoff", "memory", False))
