@@ -1,8 +1,9 @@
 """The test kit: fakes for the seed scenarios (`ScriptedModel`, `FlakySession`,
 `FakeRemote`, counters), the log checker (`check_log`), explorable worlds (`ScriptWorld`
 checks every step against an `Oracle` computed from its `Script`, and that the run can
-finish), the corner generators (`handoff_cases`, `input_cases`, each case played by its
-``play_*`` against what the case says), the exhaustive explorer and the Hypothesis kit
+finish), the corner generators (`handoff_cases`, `input_cases`, `tail_cases`,
+`frontier_cases`, `session_id_cases`, each case played by its ``play_*`` against what the
+case says), the exhaustive explorer and the Hypothesis kit
 (`random_run` and `RandomRun`: random reachable runs), and the contract suites every
 store and Session backend runs (`statemachine.testing.contracts`).
 Install with the ``testing`` extra."""
@@ -13,15 +14,31 @@ from typing import TYPE_CHECKING, Any
 
 from statemachine.testing.corners import (
     CALL_PHASES,
+    FRONTIER_TOKENS,
     INPUT_RESTS,
     INPUT_SOURCES,
+    RUNNER_SKIPS,
+    SESSION_ID_DOORS,
+    TAIL_TOKENS,
     CaseFailed,
+    FrontierCase,
     HandoffCase,
     InputCase,
+    SessionIdCase,
+    TailCase,
+    calls_without_output,
+    frontier_cases,
     handoff_cases,
     input_cases,
+    play_frontier,
     play_handoff,
     play_input,
+    play_runner_skip,
+    play_session_id,
+    play_tail,
+    read_limit_by_definition,
+    session_id_cases,
+    tail_cases,
 )
 from statemachine.testing.explore import ExploreReport, explore, world_state_machine
 from statemachine.testing.fakes import (
@@ -61,9 +78,13 @@ if TYPE_CHECKING:
 __all__ = [
     "CALL_PHASES",
     "FAULTS",
+    "FRONTIER_TOKENS",
     "INPUT_RESTS",
     "INPUT_SOURCES",
+    "RUNNER_SKIPS",
     "SCRIPT_FAULTS",
+    "SESSION_ID_DOORS",
+    "TAIL_TOKENS",
     "TOOL_KINDS",
     "CaseFailed",
     "Counters",
@@ -71,6 +92,7 @@ __all__ = [
     "ExploreReport",
     "FakeRemote",
     "FlakySession",
+    "FrontierCase",
     "HandoffCase",
     "InjectedWriteError",
     "InputCase",
@@ -87,20 +109,31 @@ __all__ = [
     "Script",
     "ScriptWorld",
     "ScriptedModel",
+    "SessionIdCase",
     "SimulatedCrash",
     "StreamDisconnected",
+    "TailCase",
     "Turn",
     "Untouchable",
     "World",
+    "calls_without_output",
     "check_log",
     "counted_tool",
     "explore",
+    "frontier_cases",
     "handoff_cases",
     "input_cases",
+    "play_frontier",
     "play_handoff",
     "play_input",
+    "play_runner_skip",
+    "play_session_id",
+    "play_tail",
     "random_run",
+    "read_limit_by_definition",
+    "session_id_cases",
     "settled",
+    "tail_cases",
     "world_state_machine",
 ]
 

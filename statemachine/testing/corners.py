@@ -28,6 +28,23 @@ that anywhere else the attempt is refused with the typed error before it claims 
 (the run, the store and the Session as they were, nothing run); then drives the run to
 its end, the tool's own count of its runs at most one.
 
+`tail_cases`: a new run's first write on a Session whose tail holds a call without an
+output anywhere, with a store or without; `play_tail` expects the run refused, naming
+the newest such call, until an operator has answered the calls, then completed (at once
+on a tail without one). `play_runner_skip` shows that what the reference runner writes
+when a handoff or a final output skips a call never blocks the next run.
+
+`frontier_cases`: Sessions and batches made of few distinct items (long runs of one
+item, repeating patterns), part of the batch landed; `play_frontier` checks the read
+limit staged, the refusal of a history too short to tell the outcomes apart, and the
+reconcile's finding against `read_limit_by_definition` and `finding_by_definition`
+(DESIGN §2.3 written out by brute force), through the controller and the runner.
+
+`session_id_cases`: a Session whose id is another run's or None handed to `publish`,
+`settle`, ``reconcile`` or an attempt of the runner; `play_session_id` expects the
+refusal before anything is recorded or read, then the run to complete on its own
+Session.
+
 Use them in your own property tests::
 
     @given(handoff_cases())
@@ -38,6 +55,7 @@ Use them in your own property tests::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import tempfile
@@ -53,6 +71,7 @@ from statemachine.errors import (
     ControlError,
     InvalidTransition,
     PublicationUnsettled,
+    ReconcileRejected,
     RunNotResumable,
     ToolInDoubt,
 )
@@ -64,6 +83,8 @@ from statemachine.runner import (
     RunHooks,
     Runner,
     RunResult,
+    publish,
+    settle,
 )
 from statemachine.sqlite import SQLiteEventStore
 from statemachine.stores import MemoryEventStore
@@ -71,14 +92,21 @@ from statemachine.testing.fakes import (
     FlakySession,
     InjectedWriteError,
     ListSession,
+    ScriptedModel,
+    Untouchable,
 )
 from statemachine.testing.invariants import check_log
 from statemachine.testing.worlds import SimulatedCrash, run_sync
-from statemachine.values import Phase, RecoveryPolicy, Step, ToolCall
+from statemachine.values import Append, Phase, RecoveryPolicy, Step, ToolCall
 
-__all__ = ["AT_WORK", "CALL_PHASES", "INPUT_REFUSAL", "INPUT_RESTS", "INPUT_SOURCES",
-           "REST_STEP", "TAKES_INPUT", "CaseFailed", "HandoffCase", "InputCase",
-           "handoff_cases", "input_cases", "play_handoff", "play_input", "snapshot"]
+__all__ = ["AT_WORK", "CALL_PHASES", "FRONTIER_TOKENS", "INPUT_REFUSAL", "INPUT_RESTS",
+           "INPUT_SOURCES", "REST_STEP", "RUNNER_SKIPS", "SESSION_ID_DOORS", "TAIL_TOKENS",
+           "TAKES_INPUT", "CaseFailed", "FrontierCase", "HandoffCase", "InputCase",
+           "SessionIdCase", "TailCase",
+           "calls_without_output", "finding_by_definition", "frontier_cases",
+           "handoff_cases", "input_cases", "play_frontier", "play_handoff", "play_input",
+           "play_runner_skip", "play_session_id", "play_tail", "read_limit_by_definition",
+           "session_id_cases", "snapshot", "tail_cases"]
 
 
 class CaseFailed(AssertionError):
@@ -655,5 +683,414 @@ def _play_input(w: _InputWorld, case: InputCase) -> RunController:
             f"{case}: pay ran {w.payments} times, not {case.payments}")
     _expect(w.model.calls == case.model_calls,
             f"{case}: the model was asked {w.model.calls} times, not {case.model_calls}")
+    check_log(c.events)
+    return c
+
+
+# ------------------------------------------------------------------ Session corners
+
+TAIL_TOKENS = ("user", "call:X", "out:X", "call:Y", "out:Y")
+"""The items a Session's tail is drawn from: a user message, and a ``function_call`` or a
+``function_call_output`` of call ``X`` or ``Y``."""
+
+
+def _item(token: str) -> JSON:
+    if token == "user":
+        return {"role": "user", "content": "earlier"}
+    kind, call_id = token.split(":")
+    if kind == "call":
+        return {"type": "function_call", "call_id": call_id, "name": "tool", "arguments": {}}
+    return {"type": "function_call_output", "call_id": call_id, "output": f"out {call_id}"}
+
+
+def calls_without_output(items: Sequence[JSON]) -> list[tuple[int, JSON]]:
+    """Each ``function_call`` of ``items`` that no ``function_call_output`` of the same
+    call follows (position, call id), oldest first: what a run that did not settle left
+    behind (the reference runner writes a call and its output in one batch, and never
+    writes a call a handoff or a final output skipped)."""
+    found = []
+    for position, item in enumerate(items):
+        if isinstance(item, dict) and item.get("type") == "function_call":
+            call_id = item.get("call_id")
+            later = items[position + 1:]
+            if not any(isinstance(o, dict) and o.get("type") == "function_call_output"
+                       and o.get("call_id") == call_id for o in later):
+                found.append((position, call_id))
+    return found
+
+
+@attrs.frozen
+class TailCase:
+    """A new run's first write on a Session holding ``tokens`` (`TAIL_TOKENS`), with a
+    store or without one."""
+
+    tokens: tuple[str, ...]
+    store: bool
+
+
+def tail_cases() -> st.SearchStrategy[TailCase]:
+    """Sessions of up to eight items (within the tail the runner reads)."""
+    return st.builds(TailCase, st.lists(st.sampled_from(TAIL_TOKENS), max_size=8).map(tuple),
+                     st.booleans())
+
+
+def play_tail(case: TailCase) -> RunController:
+    """A new run greets on a Session holding the case's items: refused before the model or
+    any write (`PublicationUnsettled` naming the newest call without an output after it,
+    the Session untouched, nothing recorded but the run's start) when the tail holds such
+    a call anywhere; else, and once an operator has written the missing outputs, it
+    completes with its input and answer after the items. Returns the completed run."""
+    items = [_item(t) for t in case.tokens]
+    session = ListSession("tail-session", items)
+    store = MemoryEventStore() if case.store else None
+    model = ScriptedModel([ModelResponse(output="hi")])
+    agent = Agent("greeter", model)
+    options: dict[str, Any] = {"session": session, "store": store, "run_id": "greeter"}
+    orphans = calls_without_output(items)
+    repairs: list[JSON] = []
+    if orphans:
+        position, call_id = orphans[-1]
+        try:
+            run_sync(Runner.run(agent, "hello", **options))
+        except PublicationUnsettled as refusal:
+            where = ("the Session ends with call {} that has no output" if position ==
+                     len(items) - 1 else
+                     "the Session's last items hold call {} with no output after it")
+            expected = f"{where.format(repr(call_id))}: settle or repair the run that wrote it"
+            _expect(refusal.reason == expected, f"{case}: refused with {refusal.reason!r}, "
+                    f"not {expected!r}")
+        else:
+            raise CaseFailed(f"{case}: a run on a Session whose tail holds call {call_id} "
+                             "without an output was not refused")
+        _expect(model.calls == 0 and session.items == items,
+                f"{case}: the refused run called the model or wrote to the Session")
+        if store is not None:
+            kinds = [type(e).__name__ for e in store.load("greeter")]
+            _expect(kinds == ["RunStarted"], f"{case}: the refused run recorded {kinds}")
+        repairs = [{"type": "function_call_output", "call_id": i, "output": "repaired"}
+                   for _, i in orphans]
+        run_sync(session.add_items(repairs))  # an operator answers each call
+    result = run_sync(Runner.run(agent, "hello", **options))
+    c: RunController = result.controller
+    expected_items = [*items, *repairs, {"role": "user", "content": "hello"},
+                      {"role": "assistant", "content": "hi"}]
+    _expect(c.step is Step.COMPLETED and session.items == expected_items,
+            f"{case}: the run ended in {c.step} with the Session {session.items}")
+    check_log(c.events)
+    return c
+
+
+RUNNER_SKIPS = ("handoff", "final_output", "rejected")
+"""Runs of the reference runner that leave a call without an output of its own: one a
+handoff skipped, one a final output (the first tool's) skipped, and one rejected (its
+rejection is its output)."""
+
+
+def play_runner_skip(kind: str) -> list[JSON]:
+    """A run of the reference runner leaves a call behind as ``kind`` (`RUNNER_SKIPS`)
+    says; the Session it wrote must hold no call without an output (the skipped call is
+    not written at all), so a new run on that Session is not refused and completes.
+    Returns the Session's items."""
+    session = ListSession("skips")
+    model = ScriptedModel([
+        ModelResponse((("look", "look", {}), ("pay", "pay", {}))) if kind != "rejected"
+        else ModelResponse((("pay", "pay", {}),)),
+        ModelResponse(output="done")])
+    tools = (FunctionTool("look", lambda: "looked"),
+             FunctionTool("pay", lambda: "paid", needs_approval=True))
+    agent = Agent("skipper", model, tools, tool_use_behavior=(
+        "stop_on_first_tool" if kind == "final_output" else "run_llm_again"))
+    first = run_sync(Runner.run(agent, "go", session=session))
+    c = first.controller
+    look: list[JSON] = [{"type": "function_call", "call_id": "look", "name": "look",
+                         "arguments": {}},
+                        {"type": "function_call_output", "call_id": "look",
+                         "output": "looked"}]
+    go: JSON = {"role": "user", "content": "go"}
+    if kind == "final_output":  # look ran, its output is the answer: pay is skipped
+        expected = [go, *look, {"role": "assistant", "content": "looked"}]
+    else:
+        if kind == "handoff":
+            c.handoff("next")
+        else:
+            c.reject("pay", "declined", by="operator")
+        run_sync(Runner.run(agent, session=session, controller=c))
+        expected = ([go, *look, _DONE] if kind == "handoff" else
+                    [go, {"type": "function_call", "call_id": "pay", "name": "pay",
+                          "arguments": {}},
+                     {"type": "function_call_output", "call_id": "pay",
+                      "output": "declined"}, _DONE])
+    _expect(c.step is Step.COMPLETED and session.items == expected,
+            f"{kind}: the first run ended in {c.step} with {session.items}")
+    _expect(calls_without_output(session.items) == [],
+            f"{kind}: the runner left a call without an output in the Session")
+    second = run_sync(Runner.run(Agent("next", ScriptedModel([ModelResponse(output="hi")])),
+                                 "hello", session=session))
+    _expect(second.controller.step is Step.COMPLETED,
+            f"{kind}: a new run on the Session ended in {second.controller.step}")
+    _expect(session.items == [*expected, {"role": "user", "content": "hello"},
+                              {"role": "assistant", "content": "hi"}],
+            f"{kind}: the new run's items are not after the first run's")
+    return list(session.items)
+
+
+# -------------------------------------------------- repeated items and read_limit
+
+FRONTIER_TOKENS = ("x", "y", "a")
+"""The items of a frontier case: user messages whose content is the token."""
+
+
+def read_limit_by_definition(before: Sequence[str], batch: Sequence[str], *,
+                             whole: bool) -> int | None:
+    """DESIGN §2.3, word for word: the smallest n >= len(B) + 1 for which the n-item tails
+    of P + B[:k], k = 0..len(B), are pairwise distinct, at most max(len(B) + 1,
+    len(P) + len(B)), and never more than P's length unless P is the whole Session (a
+    tail cut short by the Session's start is shorter, so it differs). None: no such n."""
+    m, p = len(batch), len(before)
+    top = max(m + 1, p + m) if whole else p
+    for n in range(m + 1, top + 1):
+        tails = {tuple([*before, *batch[:k]][-n:]) for k in range(m + 1)}
+        if len(tails) == m + 1:
+            return n
+    return None
+
+
+def finding_by_definition(before: Sequence[str], batch: Sequence[str],
+                          history: Sequence[str], n: int) -> str:
+    """What reconciling ``history`` must find (DESIGN §2.3) against a batch staged with
+    read limit ``n``: ``append`` when its last n items are P's, ``acknowledge`` when they
+    are those of P + B, else ``rejected`` (a partial write, or another history)."""
+    tail = list(history[-n:])
+    if tail == list(before[-n:]):
+        return "append"
+    if tail == [*before, *batch][-n:]:
+        return "acknowledge"
+    return "rejected"
+
+
+@attrs.frozen
+class FrontierCase:
+    """A batch ``batch`` written onto a Session holding ``before`` (tokens of
+    `FRONTIER_TOKENS`), of which the first ``landed`` items landed before the write
+    failed; staged through the reference runner (``through="runner"``: it reads as much
+    of the Session as it needs), or on the controller with the Session's last ``given``
+    items (None: all of it, ``whole=True``)."""
+
+    before: tuple[str, ...]
+    batch: tuple[str, ...]
+    landed: int
+    given: int | None = None
+    through: str = "controller"
+
+
+def frontier_cases() -> st.SearchStrategy[FrontierCase]:
+    """Sessions and batches of few distinct items (long runs of one item, patterns that
+    repeat), any part of the batch landed, any history given."""
+    tokens = st.sampled_from(FRONTIER_TOKENS)
+
+    @st.composite
+    def cases(draw: st.DrawFn) -> FrontierCase:
+        before = tuple(draw(st.lists(tokens, max_size=10)))
+        batch = tuple(draw(st.lists(tokens, min_size=1, max_size=4)))
+        landed = draw(st.integers(0, len(batch)))
+        through = draw(st.sampled_from(("controller", "runner")))
+        given = None if through == "runner" else draw(
+            st.none() | st.integers(len(batch) + 1, max(len(batch) + 1, len(before))))
+        return FrontierCase(before, batch, landed, given, through)
+
+    return cases()
+
+
+def _user(token: str) -> JSON:
+    return {"role": "user", "content": token}
+
+
+def play_frontier(case: FrontierCase) -> RunController:
+    """Stage the batch, land its first ``landed`` items, fail the write, and reconcile from
+    a reloaded run (or the next attempt of the runner): the read limit recorded, the
+    refusal of a history too short to tell the outcomes apart, and the reconcile's finding
+    must be those of `read_limit_by_definition` and `finding_by_definition`; a rejected
+    reconcile records nothing, and once the Session is repaired the batch is written
+    once and the run completes. Returns the completed run."""
+    before, batch, m = list(case.before), list(case.batch), len(case.batch)
+    items, landed = [_user(t) for t in batch], batch[:case.landed]
+    session = ListSession("frontier", [_user(t) for t in before])
+    model = ScriptedModel([ModelResponse(output="done")])
+    agent = Agent("frontier", model)
+    c = RunController.start(run_id="frontier", session_id="frontier")
+    if case.through == "runner":
+        limit = read_limit_by_definition(before, batch, whole=True)
+        flaky = FlakySession(session, fail_on=1, outcome="partial", k=case.landed)
+        try:
+            run_sync(Runner.run(agent, items, session=flaky, controller=c))
+        except InjectedWriteError:
+            pass
+        else:
+            raise CaseFailed(f"{case}: the failing write did not fail the attempt")
+    else:
+        c.add_input(items)
+        given = before if case.given is None else before[-case.given:]
+        whole = case.given is None  # (a history shorter than the batch + 1 is whole too)
+        limit = read_limit_by_definition(given, batch, whole=whole or len(given) < m + 1)
+        history = [_user(t) for t in given]
+        if limit is None:  # too few items given: refused, then the whole Session
+            _refused_unchanged(c, lambda: c.stage_publication(items, history),
+                               f"{case}: staging with too short a history")
+            limit = read_limit_by_definition(before, batch, whole=True)
+            history, whole = [_user(t) for t in before], True
+        c.stage_publication(items, history, whole=whole)
+        run_sync(session.add_items([_user(t) for t in landed]))
+        c.publication_failed(InjectedWriteError("the write failed"))
+        c = RunController.from_json(c.to_json())  # a later process reconciles
+    envelope = c.envelope
+    _expect(c.step is Step.UNSETTLED and envelope is not None
+            and envelope.read_limit == limit,
+            f"{case}: staged with read limit {getattr(envelope, 'read_limit', None)}, "
+            f"not {limit}")
+    assert limit is not None
+    finding = finding_by_definition(before, batch, [*before, *landed], limit)
+    if finding == "rejected":
+        if case.through == "runner":
+            _runner_refuses_reconcile(c, agent, session, case)
+        else:
+            _refused_unchanged(c, lambda: c.reconcile(run_sync(session.get_items(limit)),
+                                                      "frontier"),
+                               f"{case}: reconciling a partial write", ReconcileRejected)
+        for _ in landed:  # the operator trims the Session back to P
+            run_sync(session.pop_item())
+        finding = "append"
+    if case.through == "runner":
+        run_sync(Runner.run(agent, session=session, controller=c))
+    else:
+        decision = c.reconcile(run_sync(session.get_items(limit)), "frontier")
+        found = "append" if isinstance(decision, Append) else "acknowledge"
+        _expect(found == finding, f"{case}: the reconcile found {found}, not {finding}")
+        if isinstance(decision, Append):
+            _expect(list(decision.items) == items, f"{case}: Append holds another batch")
+            run_sync(session.add_items(list(decision.items)))
+            c.publication_committed()
+        c.begin_model_call()
+        c.model_responded(output="done")
+        c.accept_final_output("done")
+        c.stage_publication([_DONE], run_sync(session.get_items()), whole=True)
+        run_sync(session.add_items([_DONE]))
+        c.publication_committed()
+    expected = [*map(_user, before), *items, _DONE]
+    _expect(c.step is Step.COMPLETED and session.items == expected,
+            f"{case}: the run ended in {c.step} with {session.items}, not {expected}")
+    check_log(c.events)
+    return c
+
+
+def _runner_refuses_reconcile(c: RunController, agent: Agent, session: ListSession,
+                             case: FrontierCase) -> None:
+    """The runner's next attempt must end with `ReconcileRejected`, recording nothing but
+    its claim, the Session untouched."""
+    before = (len(c.events), c.envelope, list(session.items))
+    try:
+        run_sync(Runner.run(agent, session=session, controller=c))
+    except ReconcileRejected:
+        pass
+    else:
+        raise CaseFailed(f"{case}: a partial write was not refused")
+    claims = [type(e).__name__ for e in c.events[before[0]:]]
+    _expect(claims == ["RunClaimed"] and (c.envelope, session.items) == before[1:],
+            f"{case}: the refused reconcile recorded {claims} or touched the Session")
+
+
+# ------------------------------------------------------- foreign and None Session ids
+
+SESSION_ID_DOORS = ("publish", "settle", "reconcile", "runner")
+"""Where a Session that is not the run's is handed in: `runner.publish` (it stages),
+`runner.settle` and ``RunController.reconcile`` (with a ``session_id``) on an unsettled
+run, and an attempt of the reference runner (``Runner.run(session=...)``) on an
+unsettled run."""
+
+
+@attrs.frozen
+class SessionIdCase:
+    """A run on Session ``"mine"`` (or without a Session: ``run_session=None``) handed a
+    Session whose id is ``given`` (another id, or None) at ``door``
+    (`SESSION_ID_DOORS`)."""
+
+    door: str
+    given: str | None
+    run_session: str | None = "mine"
+
+
+def session_id_cases() -> st.SearchStrategy[SessionIdCase]:
+    """Every door with another id and with None; a run without a Session handed one."""
+    return st.sampled_from([*(SessionIdCase(door, given) for door in SESSION_ID_DOORS
+                              for given in ("theirs", None)),
+                            SessionIdCase("publish", "theirs", None),
+                            SessionIdCase("runner", "theirs", None)])
+
+
+_SESSION_REFUSAL: dict[str, type[ControlError]] = {
+    "publish": ReconcileRejected, "settle": ReconcileRejected,
+    "reconcile": ReconcileRejected, "runner": ControlError}
+"""DESIGN §6.4: publish and settle refuse another Session with `ReconcileRejected`, as
+reconcile does a history of another Session; the runner refuses a Session that is not
+the run's, or has no id, with `ControlError`."""
+
+
+def play_session_id(case: SessionIdCase) -> RunController:
+    """Hand the run a Session that is not its own at the case's door: refused with the
+    error `_SESSION_REFUSAL` names before anything is recorded or written (the other
+    Session is never read or written), then the run completes on its own Session, which
+    holds the input once and the answer (a run without a Session: its private history
+    holds the input). Returns the completed run."""
+    mine = ListSession(case.run_session or "private", [])
+    if case.run_session is None:  # a run without a Session publishes into a history
+        mine.session_id = None  # type: ignore[assignment]  # whose id is None
+    theirs: Any = Untouchable("")
+    theirs.session_id = case.given
+    model = ScriptedModel([ModelResponse(output="done")])
+    agent = Agent("owner", model)
+    c = RunController.start(run_id="owner", session_id=case.run_session)
+    go = [_GO]
+    if case.door in ("settle", "reconcile") or (case.door == "runner"
+                                                and case.run_session is not None):
+        # the run is left unsettled: its input's write failed before landing
+        flaky = FlakySession(mine, fail_on=1, outcome="atomic")
+        with contextlib.suppress(InjectedWriteError):
+            run_sync(Runner.run(agent, go, session=flaky, controller=c))
+        _expect(c.step is Step.UNSETTLED, f"{case}: the run is in {c.step}, not UNSETTLED")
+        c = RunController.from_json(c.to_json())
+    elif case.door == "publish":
+        c.add_input(go)
+    before = snapshot(c)
+    try:
+        if case.door == "publish":
+            run_sync(publish(c, theirs, go))
+        elif case.door == "settle":
+            run_sync(settle(c, theirs))
+        elif case.door == "reconcile":
+            c.reconcile(run_sync(mine.get_items()), case.given)
+        else:
+            run_sync(Runner.run(agent, session=theirs, controller=c))
+    except ControlError as refusal:
+        _expect(type(refusal) is _SESSION_REFUSAL[case.door],
+                f"{case}: refused with {type(refusal).__name__}, not "
+                f"{_SESSION_REFUSAL[case.door].__name__}")
+    else:
+        raise CaseFailed(f"{case}: a Session that is not the run's was taken")
+    _expect(snapshot(c) == before and mine.items == [] and model.calls == 0,
+            f"{case}: the refusal recorded something, wrote, or called the model")
+    result: RunResult
+    if case.run_session is None:
+        if case.door == "publish":
+            run_sync(publish(c, mine, go))
+            _expect(mine.items == go, f"{case}: the private history holds {mine.items}")
+        result = run_sync(Runner.run(agent, None if case.door == "publish" else go,
+                                     controller=c))
+    else:
+        if case.door == "publish":
+            run_sync(publish(c, mine, go))
+        result = run_sync(Runner.run(agent, session=mine, controller=c))
+        _expect(mine.items == [_GO, _DONE], f"{case}: the Session holds {mine.items}")
+    c = result.controller
+    _expect(c.step is Step.COMPLETED and model.calls == 1,
+            f"{case}: the run ended in {c.step} after {model.calls} model calls")
     check_log(c.events)
     return c
