@@ -60,10 +60,9 @@ import json
 import os
 import tempfile
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-from hypothesis import strategies as st
 
 from statemachine import events as ev
 from statemachine.controller import RunController
@@ -98,6 +97,9 @@ from statemachine.testing.fakes import (
 from statemachine.testing.invariants import check_log
 from statemachine.testing.worlds import SimulatedCrash, run_sync
 from statemachine.values import Append, Phase, RecoveryPolicy, Step, ToolCall
+
+if TYPE_CHECKING:  # each strategy imports Hypothesis when it is built: the rest of the kit
+    from hypothesis import strategies as st  # (the CLI's demo and explorer) runs without it
 
 __all__ = ["AT_WORK", "CALL_PHASES", "FRONTIER_TOKENS", "INPUT_REFUSAL", "INPUT_RESTS",
            "INPUT_SOURCES", "REST_STEP", "RUNNER_SKIPS", "SESSION_ID_DOORS", "TAIL_TOKENS",
@@ -152,8 +154,9 @@ class HandoffCase:
 
 def handoff_cases() -> st.SearchStrategy[HandoffCase]:
     """Every mix of up to five calls' phases (`CALL_PHASES`), reloaded or not."""
-    return st.builds(HandoffCase, st.lists(st.sampled_from(CALL_PHASES), max_size=5).map(tuple),
-                     st.booleans())
+    from hypothesis import strategies as hs
+    return hs.builds(HandoffCase, hs.lists(hs.sampled_from(CALL_PHASES), max_size=5).map(tuple),
+                     hs.booleans())
 
 
 def _expect(ok: bool, what: str) -> None:
@@ -406,8 +409,9 @@ class InputCase:
 
 def input_cases() -> st.SearchStrategy[InputCase]:
     """Every rest, source and mode."""
-    return st.builds(InputCase, st.sampled_from(INPUT_RESTS), st.sampled_from(INPUT_SOURCES),
-                     st.booleans())
+    from hypothesis import strategies as hs
+    return hs.builds(InputCase, hs.sampled_from(INPUT_RESTS), hs.sampled_from(INPUT_SOURCES),
+                     hs.booleans())
 
 
 _GO: JSON = {"role": "user", "content": "go"}
@@ -730,8 +734,9 @@ class TailCase:
 
 def tail_cases() -> st.SearchStrategy[TailCase]:
     """Sessions of up to eight items (within the tail the runner reads)."""
-    return st.builds(TailCase, st.lists(st.sampled_from(TAIL_TOKENS), max_size=8).map(tuple),
-                     st.booleans())
+    from hypothesis import strategies as hs
+    return hs.builds(TailCase, hs.lists(hs.sampled_from(TAIL_TOKENS), max_size=8).map(tuple),
+                     hs.booleans())
 
 
 def play_tail(case: TailCase) -> RunController:
@@ -886,16 +891,17 @@ class FrontierCase:
 def frontier_cases() -> st.SearchStrategy[FrontierCase]:
     """Sessions and batches of few distinct items (long runs of one item, patterns that
     repeat), any part of the batch landed, any history given."""
-    tokens = st.sampled_from(FRONTIER_TOKENS)
+    from hypothesis import strategies as hs
+    tokens = hs.sampled_from(FRONTIER_TOKENS)
 
-    @st.composite
+    @hs.composite
     def cases(draw: st.DrawFn) -> FrontierCase:
-        before = tuple(draw(st.lists(tokens, max_size=10)))
-        batch = tuple(draw(st.lists(tokens, min_size=1, max_size=4)))
-        landed = draw(st.integers(0, len(batch)))
-        through = draw(st.sampled_from(("controller", "runner")))
+        before = tuple(draw(hs.lists(tokens, max_size=10)))
+        batch = tuple(draw(hs.lists(tokens, min_size=1, max_size=4)))
+        landed = draw(hs.integers(0, len(batch)))
+        through = draw(hs.sampled_from(("controller", "runner")))
         given = None if through == "runner" else draw(
-            st.none() | st.integers(len(batch) + 1, max(len(batch) + 1, len(before))))
+            hs.none() | hs.integers(len(batch) + 1, max(len(batch) + 1, len(before))))
         return FrontierCase(before, batch, landed, given, through)
 
     return cases()
@@ -1020,7 +1026,8 @@ class SessionIdCase:
 
 def session_id_cases() -> st.SearchStrategy[SessionIdCase]:
     """Every door with another id and with None; a run without a Session handed one."""
-    return st.sampled_from([*(SessionIdCase(door, given) for door in SESSION_ID_DOORS
+    from hypothesis import strategies as hs
+    return hs.sampled_from([*(SessionIdCase(door, given) for door in SESSION_ID_DOORS
                               for given in ("theirs", None)),
                             SessionIdCase("publish", "theirs", None),
                             SessionIdCase("runner", "theirs", None)])
