@@ -76,7 +76,8 @@ _RUNNER = ("tests/runner/test_one_writer.py", "tests/runner/test_runner_promises
            "tests/runner/test_partial_approval.py", "tests/runner/test_crash_hooks.py",
            "tests/core/test_claim.py", "tests/storage/test_durability.py",
            "tests/runner/test_fencing.py", "tests/runner/test_verifiers.py",
-           "tests/runner/test_riding.py")
+           "tests/runner/test_riding.py", "tests/runner/test_new_input.py",
+           "tests/runner/test_repeated_tail.py")
 _CODEC = ("tests/core/test_codec.py", "tests/core/test_limits.py",
           "tests/core/test_keyed_chain.py", "tests/core/test_decoding.py",
           "tests/core/test_controller.py")
@@ -1039,8 +1040,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("PU01", 'elif kind == "function_call" and call_id not in answered:',
        'elif kind == "function_call":',
        "one_writer blocks on a call that has its output"),
-    _m("PU02", "tail = await run_history(controller, session, limit=len(items) + 1)",
-       "tail = await run_history(controller, session, limit=len(items))",
+    _m("PU02", "    limit = len(items) + 1\n    while True:",
+       "    limit = len(items)\n    while True:",
        "publish reads one history item too few"),
     _m("PU03", "    await controller.flush_async()  # an effect boundary: the staged envelope "
                "is durable\n", "",
@@ -1061,7 +1062,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        "decision = controller.reconcile(await run_history(controller, session),",
        "settle reads the whole Session",
        equivalent="reconcile reads only the last read_limit items of what it is given"),
-    _m("PU08", "    for item in reversed(tail):", "    for item in tail:",
+    _m("PU08", "    for position in range(len(tail) - 1, -1, -1):",
+       "    for position in range(len(tail)):",
        "one_writer reads the tail oldest first"),
     _m("PU09", "                and writer.owner is not None and event.owner != writer.owner)",
        "                and writer.owner is not None)",
