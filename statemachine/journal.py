@@ -277,8 +277,8 @@ class Journal:
                                   size=_snapshot_size(store, run_id, stored, base, tail))
                     journal.origin = stored
                     return journal
-            elif stored is None and tail.events and tail.events[0].seq == 0:
-                log = tail  # no snapshot: the tail is the whole log
+            elif stored is None and (not tail.events or tail.events[0].seq == 0):
+                log = tail  # no snapshot: the tail is the whole log (none: no run)
         if log is None:
             log = load_measured(store, run_id)
         events = list(log.events)
