@@ -127,7 +127,7 @@ def _reads_through_store(controller: RunController, session: Session) -> bool:
     durable turn reads the Session four to six times). Any other Session, or this one
     beside an async store, is read through its ``get_items``."""
     store = controller.store
-    return (type(session).get_items is SQLiteSession.get_items
+    return (getattr(type(session), "get_items", None) is SQLiteSession.get_items
             and isinstance(store, SQLiteEventStore)
             and session.shares_transaction_with(store))  # type: ignore[attr-defined]
 

@@ -297,3 +297,40 @@ def test_a_session_table_made_by_an_append_that_rolled_back_is_made_again(
     c.publication_committed(session_write=_write_for(c))
     assert [item for _, item in _rows(path)] == list(B)
     assert store.session_items(SESSION) == list(B)
+
+
+class _Proxy:
+    """A Session wrapping another, its methods found through ``__getattr__`` (none on
+    its class)."""
+
+    def __init__(self, inner: SQLiteSession) -> None:
+        self.inner = inner
+        self.reads = 0
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "get_items":
+            self.reads += 1
+        return getattr(self.inner, name)
+
+
+def test_a_session_proxy_beside_a_sync_store_is_read_through_itself(tmp_path: Path) -> None:
+    """A Session that is not a `SQLiteSession` (here a proxy of one, sharing the store's
+    file) is read through its own ``get_items``, as before: the turn completes and every
+    read went through the proxy."""
+    path = tmp_path / "events.db"
+    counters = Counters()
+    session = _Proxy(SQLiteSession(SESSION, path))
+
+    async def go() -> None:
+        store = SQLiteEventStore(path)
+        done = await Runner.run(_agent(counters), "charge me 7", session=session,
+                                store=store, run_id="r")
+        assert done.step is Step.COMPLETED
+        store.close()
+
+    asyncio.run(go())
+    assert counters.tools == {"charge": 1}
+    assert session.reads >= 2  # the one-writer check and the first staging, at least
+    assert [item.get("type", item.get("role")) for item in _items(path)] == [
+        "user", "function_call", "function_call_output", "assistant"]
+    session.inner.close()
