@@ -136,7 +136,7 @@ def _judged(runs: int, repeats: int, commit_ms: float, wall: dict[str, float],
         "summary": f"{runs} one-tool turns in flight: {wall['grouped'] * 1000:.1f} ms "
                    f"grouped, {wall[BASELINE] * 1000:.1f} ms on the store before group "
                    f"commit ({speedup:.2f}x; Sessions apart, {writes[BASELINE]:.2f} {unit} "
-                   "per run), {wall['apart'] * 1000:.1f} ms "
+                   f"per run), {wall['apart'] * 1000:.1f} ms "
                    f"with the new flush rules but no group commit ({context:.2f}x); "
                    f"{writes['grouped']:.2f} {unit} per run grouped, {writes['apart']:.2f} "
                    f"apart{extra} (one commit: {commit_ms:.3f} ms)",

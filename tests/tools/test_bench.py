@@ -282,6 +282,9 @@ def test_group_commit_is_judged_against_the_store_before_it() -> None:
     assert (row["verdict"], row["speedup"]["value"], row["speedup"]["over"]) == (
         "met", 3.0, "before")
     assert row["grouped_over_apart"] == 1.25  # reported, not judged
+    assert ("100.0 ms grouped, 300.0 ms on the store before group commit (3.00x; "
+            "Sessions apart, 8.00 commits per run), 125.0 ms with the new flush rules but "
+            "no group commit (1.25x)") in row["summary"]
     assert row["before"] == {"wall_ms": 300.0, "commits_per_run": 8.0}
     assert judged(0.1, 0.5, 0.29, 0.4)["verdict"] == "missed"  # 5x the apart, 2.9x before
     assert judged(0.1, 0.1, 0.9, 2.01)["verdict"] == "missed"  # too many commits
