@@ -22,7 +22,11 @@ input, the call, its output and the answer).
 Session in its file: the default path) beside LangGraph (PyPI ``langgraph`` and
 ``langgraph-checkpoint-sqlite``, the ``bench`` extra) with ``SqliteSaver`` on a file of
 its own and ``durability="sync"``: a ``model`` node (scripted: one tool call, then the
-answer), a ``tools`` node that runs the tool, and back. LangGraph's commits are counted
+answer), a ``tools`` node that runs the tool, and back, on plain dict messages: the
+least LangGraph can do for the turn, and the verdict's floor. Beside it, reported, the
+turn as LangGraph's own agents take it (`bench.framework_rows`: its ``ToolNode`` and
+LangChain's fake chat model, message objects): what the openai-agents SDK's own tool
+machinery and messages should be measured against. LangGraph's commits are counted
 off its connection's statements (``COMMIT``); after a crash between its tool and the next
 checkpoint LangGraph runs the tool again, this library does not (the issue's kill -9
 measurements). ImportError without LangGraph.
@@ -76,21 +80,31 @@ def _agent() -> tuple[Any, list[int]]:
     return Agent("payer", model, (FunctionTool("pay", pay),)), ran
 
 
-async def _turn(store: Any, session: Any, run_id: str, buffered: bool) -> None:
+Check = Callable[[], Coroutine[Any, Any, None]]
+"""What a turn hands back: the check of what it left, awaited once the clock stopped (a
+read of the Session the turn did not need is no part of its time)."""
+
+
+async def _turn(store: Any, session: Any, run_id: str, buffered: bool) -> Check:
     from statemachine import Step
     from statemachine.runner import Runner
 
     agent, ran = _agent()
     result = await Runner.run(agent, "pay 7", session=session, store=store, run_id=run_id,
                               buffered=buffered)
-    items = await session.get_items()
-    kinds = [item.get("type", item.get("role")) for item in items]
-    if (result.step is not Step.COMPLETED or ran != [7]
-            or kinds != ["user", "function_call", "function_call_output", "assistant"]):
-        raise RuntimeError(f"the turn went wrong: {result.step}, ran {ran}, {kinds}")
+    if result.step is not Step.COMPLETED or ran != [7]:
+        raise RuntimeError(f"the turn went wrong: {result.step}, ran {ran}")
+
+    async def check() -> None:
+        items = await session.get_items()
+        kinds = [item.get("type", item.get("role")) for item in items]
+        if kinds != ["user", "function_call", "function_call_output", "assistant"]:
+            raise RuntimeError(f"the turn left the history {kinds}")
+
+    return check
 
 
-Turn = Callable[[Any, Any, str, bool], Coroutine[Any, Any, None]]
+Turn = Callable[[Any, Any, str, bool], Coroutine[Any, Any, Check]]
 
 
 def _turns(args: Any) -> int:
@@ -110,17 +124,23 @@ def _sqlite(folder: Path, mode: str, turns: int, turn: Turn | None = None) -> di
     store = SQLiteEventStore(folder / "events.db")
     sessions = []
     times, cpus = [], []
-    for i in range(turns):
+    commits = 0
+    for i in range(turns + 1):  # (the first warms up, and is not counted)
         where = folder / ("events.db" if mode.endswith("shared") else "session.db")
         session = SQLiteSession(f"s-{i}", where)
         if session.shares_transaction_with(store) != mode.endswith("shared"):
             raise RuntimeError(f"{mode}: the Session does not share as it should")
         sessions.append(session)
+        before = store.commits
         start, cpu = time.perf_counter(), time.process_time()
-        asyncio.run((turn or _turn)(store, session, f"run-{i}", mode.startswith("buffered")))
-        times.append(time.perf_counter() - start)
-        cpus.append(time.process_time() - cpu)
-    commits = store.commits + sum(s.commits for s in sessions)
+        check = asyncio.run((turn or _turn)(store, session, f"run-{i}",
+                                            mode.startswith("buffered")))
+        elapsed, used = time.perf_counter() - start, time.process_time() - cpu
+        asyncio.run(check())
+        if i:
+            times.append(elapsed)
+            cpus.append(used)
+            commits += store.commits - before + session.commits
     store.close()
     for session in sessions:
         session.close()
@@ -180,8 +200,10 @@ def _postgres(dsn: str, schema: str, mode: str, turns: int,
             session = _Apart(session)
         sessions.append(session)
         start = time.perf_counter()
-        asyncio.run((turn or _turn)(store, session, f"run-{i}", mode.startswith("buffered")))
+        check = asyncio.run((turn or _turn)(store, session, f"run-{i}",
+                                            mode.startswith("buffered")))
         times.append(time.perf_counter() - start)
+        asyncio.run(check())  # (a read: no WAL flush)
     ended = [pid for opened in (store, *sessions) for pid in _pid(opened)]
     store.close()  # a backend reports its counts when it ends
     for session in sessions:
@@ -330,6 +352,12 @@ def langgraph_row(args: Any = None) -> dict[str, Any]:
             place = Path(folder) / "openai-agents"
             place.mkdir()
             adapter = _openai_turns(place, OPENAI_MODES[-1], turns)
+        from bench.framework_rows import LANGGRAPH_MODES
+        from bench.framework_rows import _langgraph_turns as _react_turns
+
+        place = Path(folder) / "react"
+        place.mkdir()
+        react = _react_turns(place, LANGGRAPH_MODES[0], min(turns, 10))
     theirs_ms = theirs_s * 1000
     ratio = ours["turn_ms"] / theirs_ms
     through = None if adapter is None else adapter["turn_ms"] / theirs_ms
@@ -337,12 +365,18 @@ def langgraph_row(args: Any = None) -> dict[str, Any]:
     adapter_text = ("" if adapter is None else
                     f"the openai-agents adapter {adapter['turn_ms']} ms and "
                     f"{adapter['writes_per_turn']} commits ({through:.2f}x); ")
+    react_ratio = None if adapter is None else adapter["turn_ms"] / react["turn_ms"]
+    react_text = ("" if react_ratio is None else
+                  f"; LangGraph's ReAct graph (its ToolNode, a LangChain chat model) "
+                  f"{react['turn_ms']} ms, the adapter {react_ratio:.2f}x that")
     return {
         "summary": f"{adapter_text}the reference runner {ours['turn_ms']} ms and "
                    f"{ours['writes_per_turn']} commits ({ratio:.2f}x), never re-running the "
                    f"tool; LangGraph {theirs_ms:.2f} ms and {theirs_commits:.1f} commits, "
-                   "re-running it after a crash",
+                   f"re-running it after a crash{react_text}",
         "ratio": round(judged, 2), "reference_runner_ratio": round(ratio, 2),
+        "react_graph_ms": react["turn_ms"],
+        "adapter_over_react_graph": None if react_ratio is None else round(react_ratio, 2),
         "turns": turns,
         "target": f"<= {LANGGRAPH_RATIO}x LangGraph's time, through the openai-agents "
                   "adapter (the reference runner's when openai-agents is missing)",
@@ -372,7 +406,7 @@ def _pydantic_agent(ran: list[int]) -> Any:
     return agent
 
 
-async def _pydantic_turn(store: Any, history: Any, run_id: str, buffered: bool) -> None:
+async def _pydantic_turn(store: Any, history: Any, run_id: str, buffered: bool) -> Check:
     from statemachine.adapters.pydantic_ai import LedgerRun
 
     ran: list[int] = []
@@ -381,6 +415,13 @@ async def _pydantic_turn(store: Any, history: Any, run_id: str, buffered: bool) 
     done = await run.run("pay 7")
     if done.output != "paid 7" or ran != [7]:
         raise RuntimeError(f"the pydantic-ai turn went wrong: {done.output!r}, ran {ran}")
+
+    async def check() -> None:
+        kinds = [item.get("kind") for item in await history.get_items()]
+        if kinds != ["request", "response", "request", "response"]:
+            raise RuntimeError(f"the pydantic-ai turn left the history {kinds}")
+
+    return check
 
 
 def _pydantic_alone(folder: Path, turns: int) -> dict[str, Any]:

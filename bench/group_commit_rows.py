@@ -93,10 +93,12 @@ async def _turns(folder: Path, runs: int, how: str) -> tuple[float, float]:
         for session in sessions:  # each Session's worker thread started before the clock
             await session.get_items()
         start = time.perf_counter()
-        await asyncio.gather(*[_turn(store, session, f"run-{i}", True)
-                               for i, session in enumerate(sessions)])
+        checks = await asyncio.gather(*[_turn(store, session, f"run-{i}", True)
+                                        for i, session in enumerate(sessions)])
         wall = time.perf_counter() - start
         commits = store.commits + sum(session.commits for session in sessions)
+        for check in checks:
+            await check()
     finally:
         await store.close()
         for session in sessions:
@@ -203,10 +205,12 @@ async def _pg_turns(dsn: str, schema: str, runs: int, how: str
         pids = [pid for opened in (store, *sessions) for pid in _pid(opened)]
         before = _wal_syncs(dsn, ())
         start = time.perf_counter()
-        await asyncio.gather(*[_turn(store, session, f"run-{i}", True)
-                               for i, session in enumerate(sessions)])
+        checks = await asyncio.gather(*[_turn(store, session, f"run-{i}", True)
+                                        for i, session in enumerate(sessions)])
         wall = time.perf_counter() - start
         commits = store.commits
+        for check in checks:
+            await check()
     finally:
         await store.close()
         for session in sessions:
