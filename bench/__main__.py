@@ -210,6 +210,8 @@ EXTRA_ROWS: tuple[tuple[str, str, str], ...] = (
      "pydantic_ai_row"),
     ("durable one-tool turn, openai-agents adapter beside the SDK alone",
      "bench.durable_rows", "openai_agents_row"),
+    ("durable one-tool turn, Anthropic messages ledger beside the SDK alone",
+     "bench.anthropic_rows", "durable_row"),
     ("durable one-tool turn, LangGraph adapter beside LangGraph alone",
      "bench.framework_rows", "langgraph_row"),
     ("durable one-tool turn, Google ADK adapter beside ADK alone", "bench.framework_rows",

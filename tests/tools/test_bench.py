@@ -343,6 +343,22 @@ def test_the_framework_rows_count_the_ledger_beside_the_framework(row: str) -> N
         assert "skipped" in getattr(framework_rows, row)(options(["--quick"]))
 
 
+def test_the_anthropic_durable_row_counts_the_ledgers_writes_beside_the_save() -> None:
+    """Both sides save the conversation once; through the ledger the turn also pays the
+    ledger's writes (at least one: the tool's start is durable before its body), and the
+    verdict follows the writes (<= 3) and the CPU (<= 1.3x)."""
+    pytest.importorskip("anthropic")
+    from bench import anthropic_rows
+
+    found = anthropic_rows.durable_row(options([*TINY, "--no-pg"]))
+    alone, ours = (found["rows"][mode] for mode in anthropic_rows.DURABLE_MODES)
+    assert alone["writes_per_turn"] == 1.0
+    assert ours["writes_per_turn"] >= 2.0
+    assert found["rows"][anthropic_rows.DURABLE_PG] == {"skipped": "skipped: --no-pg"}
+    met = ours["writes_per_turn"] <= 3 and found["cpu_vs_sdk_alone"] <= 1.3
+    assert found["verdict"] == ("met" if met else "missed")
+
+
 # ------------------------------------------------- the fast paths the bench measures
 #
 # Each fast path stands in for a strict one on the inputs it accepts and hands every
