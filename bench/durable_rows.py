@@ -53,7 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +114,35 @@ def _turns(args: Any) -> int:
         5 if getattr(args, "quick", False) else TURNS)
 
 
+Steps = Generator[None, None, Any]
+"""A system's durable turns, one per step (the first warms up); what it measured is the
+generator's return value."""
+
+
+def _side_by_side(*systems: Steps) -> list[Any]:
+    """Run the systems' turns in turn (a turn of each, then the next of each, until each
+    is done) and give back what each measured: a machine that slows down for a while
+    slows every system alike, where measuring them one after the other would charge the
+    slow while to whichever system it fell on."""
+    found: list[Any] = [None] * len(systems)
+    running = list(range(len(systems)))
+    while running:
+        for k in list(running):
+            try:
+                next(systems[k])
+            except StopIteration as done:
+                found[k] = done.value
+                running.remove(k)
+    return found
+
+
 def _sqlite(folder: Path, mode: str, turns: int, turn: Turn | None = None) -> dict[str, Any]:
+    """`_sqlite_steps`, alone."""
+    found: dict[str, Any] = _side_by_side(_sqlite_steps(folder, mode, turns, turn))[0]
+    return found
+
+
+def _sqlite_steps(folder: Path, mode: str, turns: int, turn: Turn | None = None) -> Steps:
     """``turns`` one-tool turns (``turn``: the reference runner's by default) on one
     SQLite store in ``folder``, each with a Session of its own, in ``mode``: the
     writes per turn the store and the Sessions committed, and the median time."""
@@ -141,6 +169,7 @@ def _sqlite(folder: Path, mode: str, turns: int, turn: Turn | None = None) -> di
             times.append(elapsed)
             cpus.append(used)
             commits += store.commits - before + session.commits
+        yield
     store.close()
     for session in sessions:
         session.close()
@@ -308,7 +337,7 @@ def _langgraph_app(path: Path, pay: Callable[[int], str]) -> tuple[Any, Any]:
     return graph.compile(checkpointer=SqliteSaver(conn)), conn
 
 
-def _langgraph_turns(folder: Path, turns: int) -> tuple[float, float]:
+def _langgraph_turns(folder: Path, turns: int) -> Steps:
     """LangGraph's median seconds and commits per durable one-tool turn."""
     ran: list[int] = []
 
@@ -321,6 +350,7 @@ def _langgraph_turns(folder: Path, turns: int) -> tuple[float, float]:
     app.invoke({"messages": [{"role": "user", "content": "warm up"}]},
                {"configurable": {"thread_id": "warm-up"}}, durability="sync")
     ran.clear()
+    yield
     conn.set_trace_callback(statements.append)
     times = []
     for i in range(turns):
@@ -330,6 +360,7 @@ def _langgraph_turns(folder: Path, turns: int) -> tuple[float, float]:
         times.append(time.perf_counter() - start)
         if done["messages"][-1].get("content") != "paid 7":
             raise RuntimeError(f"LangGraph's turn went wrong: {done['messages']}")
+        yield
     conn.set_trace_callback(None)
     conn.close()
     if ran != [7] * turns:
@@ -345,13 +376,16 @@ def langgraph_row(args: Any = None) -> dict[str, Any]:
     openai-agents."""
     turns = _turns(args)
     with tempfile.TemporaryDirectory() as folder:
-        theirs_s, theirs_commits = _langgraph_turns(Path(folder), turns)
-        ours = _sqlite(Path(folder), MODES[-1], turns)
-        adapter: dict[str, Any] | None = None
+        systems = [_langgraph_turns(Path(folder), turns),
+                   _sqlite_steps(Path(folder), MODES[-1], turns)]
         with contextlib.suppress(ImportError):
+            import agents  # noqa: F401
+
             place = Path(folder) / "openai-agents"
             place.mkdir()
-            adapter = _openai_turns(place, OPENAI_MODES[-1], turns)
+            systems.append(_openai_steps(place, OPENAI_MODES[-1], turns))
+        (theirs_s, theirs_commits), ours, *through_adapter = _side_by_side(*systems)
+        adapter: dict[str, Any] | None = through_adapter[0] if through_adapter else None
         from bench.framework_rows import LANGGRAPH_MODES
         from bench.framework_rows import _langgraph_turns as _react_turns
 
@@ -424,7 +458,7 @@ async def _pydantic_turn(store: Any, history: Any, run_id: str, buffered: bool) 
     return check
 
 
-def _pydantic_alone(folder: Path, turns: int) -> dict[str, Any]:
+def _pydantic_alone(folder: Path, turns: int) -> Steps:
     """pydantic-ai alone on the same turn, its messages saved to a SQLite file after it
     (what its docs suggest for keeping a conversation: ``all_messages_json()``), one
     transaction per turn."""
@@ -449,6 +483,7 @@ def _pydantic_alone(folder: Path, turns: int) -> dict[str, Any]:
         if i:
             times.append(elapsed)
             cpus.append(used)
+        yield
     conn.close()
     return {"writes_per_turn": 1.0, "turn_ms": round(statistics.median(times) * 1000, 2),
             "cpu_ms": round(statistics.median(cpus) * 1000, 2)}
@@ -467,11 +502,16 @@ def pydantic_ai_row(args: Any = None) -> dict[str, Any]:
     turns = _turns(args)
     rows: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as folder:
-        rows[PYDANTIC_ALONE] = _pydantic_alone(Path(folder), turns)
-        for index, mode in enumerate(MODES):
-            place = Path(folder) / f"p-{index}"
+        places = [Path(folder) / f"p-{index}" for index in range(len(MODES))]
+        for place in places:
             place.mkdir()
+        for mode, place in zip(MODES[:-1], places, strict=False):
             rows[mode] = _sqlite(place, mode, turns, _pydantic_turn)
+        # the two the verdict compares, turn by turn in turn
+        rows[PYDANTIC_ALONE], rows[MODES[-1]] = _side_by_side(
+            _pydantic_alone(Path(folder), turns),
+            _sqlite_steps(places[-1], MODES[-1], turns, _pydantic_turn))
+        rows = {mode: rows[mode] for mode in (PYDANTIC_ALONE, *MODES)}  # (in their order)
     with _server(args) as (dsn, schema, skipped):
         if dsn is None:
             rows[f"PostgreSQL: {MODES[-1]}"] = {"skipped": skipped}
@@ -639,6 +679,13 @@ OPENAI_PG = "PostgreSQL: ours buffered, our PostgresSession in the store's datab
 
 def _openai_turns(folder: Path, mode: str, turns: int,
                   pg: tuple[str, str] | None = None) -> dict[str, Any]:
+    """`_openai_steps`, alone."""
+    found: dict[str, Any] = _side_by_side(_openai_steps(folder, mode, turns, pg))[0]
+    return found
+
+
+def _openai_steps(folder: Path, mode: str, turns: int,
+                  pg: tuple[str, str] | None = None) -> Steps:
     """``turns`` durable one-tool turns through openai-agents in ``mode`` (after one that
     warms up): the writes per turn (the store's commits and the Session's), the median
     wall time and the median CPU time (this process's, its threads included) per turn."""
@@ -691,6 +738,7 @@ def _openai_turns(folder: Path, mode: str, turns: int,
         if pg is not None:
             ended += _pid(session)
         session.close()
+        yield
     if store is not None:
         if pg is not None:
             ended += _pid(store)
@@ -713,10 +761,16 @@ def openai_agents_row(args: Any = None) -> dict[str, Any]:
     turns = _turns(args)
     rows: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as folder:
-        for index, mode in enumerate(OPENAI_MODES):
-            place = Path(folder) / f"oa-{index}"
+        places = [Path(folder) / f"oa-{index}" for index in range(len(OPENAI_MODES))]
+        for place in places:
             place.mkdir()
+        for mode, place in zip(OPENAI_MODES[1:-1], places[1:-1], strict=True):
             rows[mode] = _openai_turns(place, mode, turns)
+        # the two the verdict compares, turn by turn in turn
+        rows[OPENAI_MODES[0]], rows[OPENAI_MODES[-1]] = _side_by_side(
+            _openai_steps(places[0], OPENAI_MODES[0], turns),
+            _openai_steps(places[-1], OPENAI_MODES[-1], turns))
+        rows = {mode: rows[mode] for mode in OPENAI_MODES}  # (in their order)
         with _server(args) as (dsn, schema, skipped):
             if dsn is None:
                 rows[OPENAI_PG] = {"skipped": skipped}
