@@ -137,19 +137,17 @@ def test_a_sync_stores_missing_run_is_not_found_without_a_worker_thread(
     one read on the loop (no worker thread, made and shut down per event loop); a run it
     holds is still decoded and replayed on a worker thread; the arguments are checked
     first, as `load` checks them."""
-    import statemachine.controller as controller_module
-
     store = SQLiteEventStore(tmp_path / "events.db")
     started = RunController.start(run_id="there", session_id="s", store=store)
     started.hook_ran("agent_start")
     hops: list[object] = []
-    real = controller_module.asyncio.to_thread
+    real = asyncio.to_thread
 
     async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
         hops.append(fn)
         return await real(fn, *args, **kwargs)
 
-    monkeypatch.setattr(controller_module.asyncio, "to_thread", counted)
+    monkeypatch.setattr(asyncio, "to_thread", counted)  # (the module the controller uses)
     with pytest.raises(RunNotFound) as missing:
         asyncio.run(RunController.load_async(store, "absent"))
     assert (missing.value.run_id, missing.value.action) == ("absent", "load")
