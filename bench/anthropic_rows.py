@@ -296,7 +296,11 @@ def durable_row(args: Any = None) -> dict[str, Any]:
     conversation is the caller's on both sides, saved to SQLite after the turn (one
     write); on SQLite the turn's writes are that and the ledger's (DESIGN §7.9: <= 3), on
     PostgreSQL the ledger's alone; CPU <= 1.3x the SDK alone's. ImportError without
-    ``anthropic``."""
+    ``anthropic``; ``--quick`` leaves it out."""
+    from bench.framework_rows import QUICK
+
+    if getattr(args, "quick", False):  # (--quick has 20 s for every row)
+        return {"skipped": QUICK}
     import anthropic  # noqa: F401
 
     from bench.durable_rows import (

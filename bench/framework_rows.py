@@ -26,7 +26,7 @@ Targets: DESIGN §7.9's "≤ 3 durable writes per turn" holds for a history in t
 own store (its Session in the store's database); here the history is the framework's, so
 the writes are reported. CPU per turn (``time.process_time``, the process's threads
 included) is judged against the framework alone, ≤ 1.3x, as for every adapter. At
-most `MOST_TURNS` turns per configuration; ``--quick`` leaves the ADK row out.
+most `MOST_TURNS` turns per configuration; ``--quick`` leaves both rows out.
 
 Usage: ``python -m bench.framework_rows`` prints both rows as JSON. ImportError without
 the framework.
@@ -46,6 +46,7 @@ from typing import Any
 
 from bench.durable_rows import CPU_RATIO, _counting_from, _pid, _server, _turns, _wal_syncs
 
+QUICK = "skipped: --quick (the full bench measures it)"
 MOST_TURNS = 10
 """The most turns per configuration (``--durable-turns``, at most this): a turn here is
 several of the framework's own fsyncs, and the full bench has a minute."""
@@ -203,6 +204,8 @@ def _langgraph_pg(dsn: str, schema: str, turns: int) -> dict[str, Any]:
 def langgraph_row(args: Any = None) -> dict[str, Any]:
     """The durable turn through the LangGraph adapter beside LangGraph alone (see the
     module's docstring). ImportError without LangGraph."""
+    if getattr(args, "quick", False):  # (--quick has 20 s for every row)
+        return {"skipped": QUICK}
     import langgraph.checkpoint.sqlite  # noqa: F401
 
     turns = min(_turns(args), MOST_TURNS)
@@ -327,7 +330,7 @@ def google_adk_row(args: Any = None) -> dict[str, Any]:
     """The durable turn through the Google ADK adapter beside ADK alone (see the
     module's docstring). ImportError without ADK."""
     if getattr(args, "quick", False):  # (ADK's import alone takes a tenth of --quick's time)
-        return {"skipped": "skipped: --quick (the full bench measures it)"}
+        return {"skipped": QUICK}
     import google.adk  # noqa: F401
 
     turns = min(_turns(args), MOST_TURNS)

@@ -339,8 +339,7 @@ def test_the_framework_rows_count_the_ledger_beside_the_framework(row: str) -> N
         assert mine["writes_per_turn"] >= alone["writes_per_turn"] + 1
         assert mine["cpu_ms"] > 0
     assert found["verdict"] in ("met", "missed")
-    if row == "google_adk_row":
-        assert "skipped" in getattr(framework_rows, row)(options(["--quick"]))
+    assert "skipped" in getattr(framework_rows, row)(options(["--quick"]))
 
 
 def test_the_anthropic_durable_row_counts_the_ledgers_writes_beside_the_save() -> None:
