@@ -197,10 +197,13 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     "statemachine/fastload.py": (*_CODEC, "tests/storage/test_stores.py",
                                  "tests/core/test_bad_input.py", "tests/storage/test_nul.py"),
     "statemachine/controller.py": _CONTROLLER,
-    "statemachine/journal.py": _CONTROLLER,
+    "statemachine/journal.py": (*_CONTROLLER, "tests/storage/test_async_stores.py::"
+                                "test_a_sync_stores_missing_run_is_not_found_without_a_"
+                                "worker_thread"),
     "statemachine/stores.py": _STORES,
     "statemachine/stored.py": _STORES,
     "statemachine/sqlite.py": ("tests/storage/test_sessions.py", *_STORES,
+                               "tests/storage/test_sqlite_shared_session.py",
                                "tests/storage/test_nul.py",
                                "tests/tools/test_cli_reads.py::"
                                "test_read_verbs_leave_a_live_writers_shm_as_it_was"),
@@ -214,7 +217,8 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
                                      "tests/storage/test_group_commit.py"),
     "statemachine/runner/loop.py": _RUNNER,
     "statemachine/runner/attempt.py": (*_RUNNER, "tests/storage/test_leases.py"),
-    "statemachine/runner/publish.py": (*_RUNNER, "tests/storage/test_leases.py"),
+    "statemachine/runner/publish.py": (*_RUNNER, "tests/storage/test_leases.py",
+                                       "tests/storage/test_sqlite_shared_session.py"),
     "statemachine/runner/remote.py": ("tests/runner/test_remote.py",
                                       "tests/runner/test_runner_promises.py"),
     "statemachine/runner/agents.py": _RUNNER,
@@ -590,6 +594,9 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("CT28", 'and "\\x00" not in value):', "and True):",
        "an ASCII text field holding a NUL passes the controller's fast check"),
     # -------------------------------------------------------------------- journal
+    _m("JO30", "            return int(reader(run_id)) == 0\n", "            return False\n",
+       "a sync store's missing run is looked for on a worker thread made for it (a thread "
+       "per event loop, made and shut down for nothing)"),
     _m("JO27", "        self.riding.clear()\n", "",
        "a Session write that rode is written again by the next flush"),
     _m("JO28", "        writes = list(self.riding)  #", "        writes = []  #",
@@ -722,6 +729,14 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("SQ24", "return 0 if row is None or row[0] is None else int(row[0]) + 1",
        "return 0 if row is None or row[0] is None else int(row[0])",
        "the SQLite store's version is one short: every fence refuses its own run"),
+    _m("SQ25", "                    conn.execute(_SESSION_INDEX)\n",
+       "                    conn.execute(_SESSION_INDEX)\n"
+       "                    self._session_table = True\n",
+       "the store takes the Session's table as made in an append that then rolls back, and "
+       "the next append of items fails: no such table"),
+    _m("SQ26", "            return _session_bodies(conn, session_id, limit)",
+       "            return _session_bodies(conn, session_id, None)",
+       "the store reads a Session's whole history where its tail was asked for"),
     _m("SQ16", "        if type(session_id) is str and (problem := text_problem(session_id)) "
                "is not None:", "        if False:",
        "SQLiteSession takes a session id with a NUL, which PostgreSQL refuses"),
@@ -1064,6 +1079,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("PU13", "    if not many_session_writes(controller.store) and controller.riding_items:\n",
        "    if False:\n",
        "a store that takes one Session write per append is handed a second that rides"),
+    _m("PU14", "            and isinstance(store, SQLiteEventStore)\n", "\n",
+       "a Session beside an async store is read through the store, which has no such read"),
     _m("PU10", "        return (writer is not None and writer.lease is not None\n",
        "        return (writer is not None\n",
        "a writer that took no lease is taken over by the next claimant"),
