@@ -249,7 +249,10 @@ def _adk_parts() -> tuple[type, Callable[..., Any]]:
                            for part in content.parts or ())
             part = (types.Part(text="paid 7") if answered else types.Part(
                 function_call=types.FunctionCall(id="p1", name="pay", args={"amount": 7})))
-            yield LlmResponse(content=types.Content(role="model", parts=[part]))
+            yield LlmResponse(  # (with its usage, as a model reports it)
+                content=types.Content(role="model", parts=[part]),
+                usage_metadata=types.GenerateContentResponseUsageMetadata(
+                    prompt_token_count=1, candidates_token_count=1, total_token_count=2))
 
     def counted(path: Path, commits: list[int]) -> Any:
         class Counted(SqliteSessionService):
