@@ -22,10 +22,11 @@ from statemachine.errors import (
 )
 from statemachine.events import RunClaimed
 from statemachine.payloads import JSON
-from statemachine.sessions import Session
+from statemachine.sessions import Session, SQLiteSession
 from statemachine.stores import (
     AsyncEventStore,
     SessionWrite,
+    SQLiteEventStore,
     indexes_runs,
     many_session_writes,
     takes_session_write,
@@ -116,8 +117,29 @@ async def run_history(controller: RunController, session: Session,
     riding = list(controller.riding_items)
     if limit is not None and len(riding) >= limit:
         return riding[len(riding) - limit:] if limit > 0 else []
-    held = await session.get_items(limit=None if limit is None else limit - len(riding))
+    wanted = None if limit is None else limit - len(riding)
+    if _reads_through_store(controller, session):
+        held = controller.store.session_items(  # type: ignore[union-attr]
+            session.session_id, wanted)
+    else:
+        held = await session.get_items(limit=wanted)
     return [*held, *riding]
+
+
+def _reads_through_store(controller: RunController, session: Session) -> bool:
+    """Whether ``session`` is read through the run's store, on the event loop's thread: a
+    `SQLiteSession` (one that reads as it reads, not a subclass that reads otherwise) in
+    the file of the sync `SQLiteEventStore` the run is bound to, which writes the
+    Session's items in its own appends. That store already runs every append (its fsync
+    included), fence and load on the loop; its read of the same file there blocks it no
+    more, finds the pages it just wrote in its own cache, and saves the hop to the
+    Session's thread and back (two thread switches per read, most of a read's cost: the
+    durable turn reads the Session four to six times). Any other Session, or this one
+    beside an async store, is read through its ``get_items``."""
+    store = controller.store
+    return (getattr(type(session), "get_items", None) is SQLiteSession.get_items
+            and isinstance(store, SQLiteEventStore)
+            and session.shares_transaction_with(store))  # type: ignore[attr-defined]
 
 
 async def publish(controller: RunController, session: Session, items: list[JSON], *,
@@ -136,7 +158,7 @@ async def publish(controller: RunController, session: Session, items: list[JSON]
     open and a later attempt must reconcile (or, fail-closed, cannot go on).
     `ReconcileRejected` before staging for a Session that is not the run's."""
     _same_session(controller, session, "publish")
-    if controller.riding_items and not many_session_writes(controller.store):
+    if not many_session_writes(controller.store) and controller.riding_items:
         await controller.flush_async()  # (its store writes one Session write per append)
     limit = len(items) + 1
     while True:
