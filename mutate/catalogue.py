@@ -1647,13 +1647,12 @@ CATALOGUE: tuple[Mutant, ...] = (
                   "before_tool_callback) answers a rejected confirmation with the same "
                   "{'error': REJECTED} before the body, and refuses a confirmation for a "
                   "call whose tool no longer requires one: the body never runs either way"),
-    _m("GA04", "        if _payload_fingerprint(given.payload) not in (fingerprint, None) or (",
-       "        if False and (",
+    _m("GA04", "    if shown not in (fingerprint, None) or (given.confirmed",
+       "    if False and (given.confirmed",
        "a confirmation's fingerprint is never compared: one shown for another call "
        "confirms this one"),
-    _m("GA05", "                given.confirmed and _payload_fingerprint(given.payload) != "
-               "fingerprint):",
-       "                False):",
+    _m("GA05", " or (given.confirmed and shown != fingerprint):",
+       " or False:",
        "a confirmation that shows no fingerprint is accepted as an approval"),
     _m("GA06", "        if recorded and (recorded[-1] == \"approved\") != "
                "bool(given.confirmed):",

@@ -40,7 +40,9 @@ ADK seam                         what the ledger does
                                  a rejection needs none); one with another fingerprint, a
                                  confirming one without it, or one contradicting a decision
                                  the ledger holds (`statemachine.operator`, the CLI), is
-                                 refused (`InvalidTransition`), nothing recorded
+                                 refused (`InvalidTransition`), nothing recorded; the
+                                 confirmations one message brings for several calls are
+                                 checked and recorded together, before any of them runs
 ``tool_context.                  a body that asks for confirmation is taken to have done
 request_confirmation``           nothing before asking (recorded ``NOT_EXECUTED`` by
                                  ``adk:request_confirmation``): ADK runs it again once
@@ -94,6 +96,7 @@ try:
     from google.adk.tools.agent_tool import AgentTool
     from google.adk.tools.base_tool import BaseTool
     from google.adk.tools.base_toolset import BaseToolset
+    from google.adk.tools.tool_confirmation import ToolConfirmation
     from google.genai import types
 except ModuleNotFoundError as error:  # pragma: no cover - the extra is installed in CI
     raise missing_extra(__name__, "google-adk", error) from error
@@ -204,6 +207,42 @@ async def run_async(runner: Any, **options: Any) -> AsyncIterator[Any]:
 
 
 # ------------------------------------------------------------------------ the plugin
+
+
+def _check_fingerprint(c: RunController, call_id: str, given: ToolConfirmation) -> None:
+    """`InvalidTransition` (nothing recorded) unless ``given`` carries call
+    ``call_id``'s fingerprint in its payload (a rejection may carry none)."""
+    shown = _payload_fingerprint(given.payload)
+    fingerprint = c.fingerprint(call_id)
+    if shown not in (fingerprint, None) or (given.confirmed and shown != fingerprint):
+        raise InvalidTransition(
+            f"the confirmation of call {call_id!r} does not carry the call's fingerprint "
+            "(it confirms other arguments, another call, or none shown): nothing was "
+            "recorded; answer with statemachine.adapters.google_adk.confirmation",
+            run_id=c.run_id, step=c.step, action="approve")
+
+
+def _confirmations(session: Any, c: RunController) -> dict[str, ToolConfirmation]:
+    """The confirmations the session's last user message brings for calls awaiting a
+    decision in the ledger, by the id of the call each confirms (as ADK reads them: the
+    message's ``adk_request_confirmation`` responses, each mapped to the call its
+    request showed)."""
+    events = list(session.events)
+    message = next((e for e in reversed(events) if e.author == "user"), None)
+    if message is None:
+        return {}
+    answers = {str(r.id): r.response for r in message.get_function_responses()
+               if r.name == CONFIRMATION and r.id and r.response is not None}
+    found: dict[str, ToolConfirmation] = {}
+    for event in events:
+        for request in event.get_function_calls():
+            original = (request.args or {}).get("originalFunctionCall")
+            if request.id not in answers or not isinstance(original, Mapping):
+                continue
+            call_id = original.get("id")
+            if isinstance(call_id, str) and c.phase(call_id) is Phase.AWAITING:
+                found[call_id] = ToolConfirmation.from_response_dict(answers[request.id])
+    return found
 
 
 def _run_id(prefix: str, session: Any) -> str:
@@ -494,23 +533,26 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                     payload={"fingerprint": fingerprint})
                 return {"error": ASK_CONFIRMATION}
             return None  # decided in the ledger (the operator): the ledger's word goes on
-        if _payload_fingerprint(given.payload) not in (fingerprint, None) or (
-                given.confirmed and _payload_fingerprint(given.payload) != fingerprint):
-            raise InvalidTransition(
-                f"the confirmation of call {call_id!r} does not carry the call's fingerprint "
-                "(it confirms other arguments, another call, or none shown): nothing was "
-                "recorded; answer with statemachine.adapters.google_adk.confirmation",
-                run_id=c.run_id, step=c.step, action="approve")
         if view.phase is Phase.AWAITING:
-            if given.confirmed:
-                c.approve(call_id, fingerprint=fingerprint, by="adk:confirmation")
-            else:
-                c.reject(call_id, REJECTED, fingerprint=fingerprint, by="adk:confirmation")
-            c.flush()  # the decision is durable before anything acts on it
+            # ADK runs the calls one message confirms side by side, and the first to
+            # start moves the run on from its interruption (a decision is refused after
+            # that): the message's decisions for this call's siblings are taken with it
+            brought = {**_confirmations(tool_context.session, c), call_id: given}
+            for decided, answer in brought.items():  # every check before any record
+                _check_fingerprint(c, decided, answer)
+            for decided, answer in brought.items():
+                if answer.confirmed:
+                    c.approve(decided, fingerprint=c.fingerprint(decided),
+                              by="adk:confirmation")
+                else:
+                    c.reject(decided, REJECTED, fingerprint=c.fingerprint(decided),
+                             by="adk:confirmation")
+            c.flush()  # the decisions are durable before anything acts on them
             if given.confirmed:
                 return None
             answered(c, call_id)  # answered with its rejection, never run
             return {"error": REJECTED}
+        _check_fingerprint(c, call_id, given)
         recorded = [d.kind for d in view.decisions if d.kind in ("approved", "rejected")]
         if recorded and (recorded[-1] == "approved") != bool(given.confirmed):
             raise InvalidTransition(

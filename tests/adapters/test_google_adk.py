@@ -271,6 +271,62 @@ def test_a_confirmation_showing_another_calls_fingerprint_is_refused(tmp_path: P
     assert w.ran() == (["wire 700"] if mode == "alone" else [])
 
 
+@pytest.mark.invariant("I1", "I5")
+@pytest.mark.parametrize("awaits", [False], ids=["static"])
+@pytest.mark.parametrize("mode", ["alone", "ledger"])
+def test_parallel_calls_confirmed_in_one_message_each_ask_and_run_once(
+        tmp_path: Path, mode: str, awaits: bool) -> None:
+    """Two wires in one model response, each needing a confirmation, both confirmed in
+    one message. ADK runs the calls' callbacks as tasks of one event loop: with an async
+    ``require_confirmation`` callable that awaits they interleave there (the adapter,
+    holding a thread's lock across that await, entered the batch twice and was refused
+    the second time); with ``require_confirmation=True`` the first confirmed call to
+    start moved the run on, and the second confirmation was refused. Each call is asked
+    about once (two requests), each wire runs once and the run goes on to its answer,
+    alone and through the adapter alike."""
+    from google.adk.tools.function_tool import FunctionTool
+    from google.genai import types
+
+    w = World(tmp_path, mode, [("w1", "wire", {"amount": 7}),
+                               ("w2", "wire", {"amount": 8})], [])
+
+    async def needs(amount: int) -> bool:
+        await asyncio.sleep(0)  # the other call's callbacks run here
+        return amount > 0
+
+    def wire(amount: int) -> dict[str, Any]:
+        """Wire money."""
+        world.effect(w.effects, f"wire {amount}")
+        return {"wired": amount}
+
+    agent = w.runner.agent
+    assert isinstance(agent, LlmAgent)
+    require: Any = needs if awaits else True  # ADK awaits a coroutine callable's answer
+    agent.tools.append(FunctionTool(wire, require_confirmation=require))
+
+    async def scenario() -> tuple[list[str], list[Any]]:
+        await w.open()
+        first = await run(w.runner, text("go"))
+        requests = [call.args["originalFunctionCall"]["id"] for e in first
+                    for call in e.get_function_calls()
+                    if call.name == "adk_request_confirmation" and call.args]
+        asked = confirmation_requests(first)
+        parts = [part for request, payload in asked.values() for part in response(
+            request, "adk_request_confirmation",
+            {"confirmed": True, "payload": payload}).parts or ()]
+        answered = await run(w.runner, types.Content(role="user", parts=parts))
+        return requests, answered
+
+    requests, answered = asyncio.run(scenario())
+    assert sorted(requests) == ["w1", "w2"]  # one request per call
+    assert sorted(w.ran()) == ["wire 7", "wire 8"]
+    assert any(part.text == "done" for event in answered if event.content
+               for part in event.content.parts or ())
+    if mode == "ledger":
+        c = RunController.load(w.store, RUN)
+        assert [c.phase(i) for i in ("w1", "w2")] == [Phase.PUBLISHED] * 2
+
+
 # ------------------------------------------------------------------- the ledger's rules
 
 
