@@ -1663,9 +1663,9 @@ CATALOGUE: tuple[Mutant, ...] = (
        "                if False:",
        "OneWriterSessionService never checks the session's last event: two writers both "
        "append"),
-    _m("GA08", "                                whole=True)\n"
-               "            c.flush()  # the envelope is durable before the write\n",
-       "                                whole=True)\n",
+    _m("GA08", "                                    whole=True)\n"
+               "                c.flush()  # the envelope is durable before the write\n",
+       "                                    whole=True)\n",
        "the publication staged for a session append is not flushed before the append"),
     _m("GA09", "        with plugin._lock:\n            c.publication_committed()\n"
                "            c.flush()\n        return written",

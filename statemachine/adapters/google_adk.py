@@ -209,6 +209,17 @@ async def run_async(runner: Any, **options: Any) -> AsyncIterator[Any]:
 # ------------------------------------------------------------------------ the plugin
 
 
+def _ids(c: RunController, calls: Sequence[types.FunctionCall]) -> list[str]:
+    """The ids of a batch's calls; `UnsupportedFeature` when one has none."""
+    ids = [call.id for call in calls]
+    if any(not isinstance(call_id, str) or not call_id for call_id in ids):
+        raise UnsupportedFeature(
+            "a function call without an id cannot be keyed in the ledger: nothing ran",
+            feature="function calls without ids", run_id=c.run_id, step=c.step,
+            action="begin_tool")
+    return [str(call_id) for call_id in ids]
+
+
 def _check_fingerprint(c: RunController, call_id: str, given: ToolConfirmation) -> None:
     """`InvalidTransition` (nothing recorded) unless ``given`` carries call
     ``call_id``'s fingerprint in its payload (a rejection may carry none)."""
@@ -391,21 +402,29 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                 return calls
         return []
 
-    async def _enter(self, c: RunController, calls: Sequence[types.FunctionCall],
-                     tools: Mapping[str, Any], tool_context: Any) -> None:
-        """Enter a batch of calls the ledger has not seen, as one model response: the
-        results of the batch before it published first."""
-        ids = [call.id for call in calls]
-        if any(not isinstance(call_id, str) or not call_id for call_id in ids):
-            raise UnsupportedFeature(
-                "a function call without an id cannot be keyed in the ledger: nothing ran",
-                feature="function calls without ids", run_id=c.run_id, step=c.step,
-                action="begin_tool")
+    @staticmethod
+    async def _needs(calls: Sequence[types.FunctionCall], tools: Mapping[str, Any],
+                     tool_context: Any) -> dict[str, bool]:
+        """Which calls of a batch need a confirmation (``require_confirmation``, which
+        may be an async callable), by call id."""
+        needs: dict[str, bool] = {}
+        for call in calls:
+            tool = tools.get(str(call.name))
+            needs[str(call.id)] = tool is not None and await tool.check_require_confirmation(
+                dict(call.args or {}), tool_context) is True
+        return needs
+
+    def _enter(self, c: RunController, calls: Sequence[types.FunctionCall],
+               needs: Mapping[str, bool]) -> None:
+        """Enter a batch of calls the ledger has not seen, as one model response (``needs``:
+        which need a confirmation): the results of the batch before it published first.
+        A batch a sibling call entered meanwhile is left as it is."""
+        ids = _ids(c, calls)
         if len(set(ids)) != len(ids):
             raise InvalidTransition("a batch holds the same function call id twice: "
                                     "nothing ran", run_id=c.run_id, step=c.step,
                                     action="model_responded")
-        known = [call_id for call_id in ids if c.phase(str(call_id)) is not None]
+        known = [call_id for call_id in ids if c.phase(call_id) is not None]
         if known:
             if len(known) == len(ids):
                 return
@@ -415,16 +434,10 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         if c.in_doubt():
             c.resume()  # ToolInDoubt: a call of an earlier batch never finished
         self._publish_owed(c)
-        proposed = []
-        for call in calls:
-            name = str(call.name)
-            tool = tools.get(name)
-            needs = False
-            if tool is not None:
-                needs = await tool.check_require_confirmation(dict(call.args or {}),
-                                                              tool_context) is True
-            proposed.append(ToolCall(str(call.id), name, _arguments(call.args),
-                                     needs_approval=needs, idempotent=name in self.idempotent))
+        proposed = [ToolCall(str(call.id), str(call.name), _arguments(call.args),
+                             needs_approval=needs.get(str(call.id), False),
+                             idempotent=str(call.name) in self.idempotent)
+                    for call in calls]
         c.begin_model_call()
         c.model_responded(proposed)
         c.flush()  # the proposal (and its decisions to come) is durable
@@ -484,17 +497,25 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         invocation = tool_context._invocation_context
         tools = {t.name: t for t in await invocation.agent.canonical_tools(
             ReadonlyContext(invocation))}
+        # Nothing is awaited under the lock: ADK runs a response's calls as tasks of one
+        # event loop, and a thread's lock does not keep them apart across an await.
         with self._lock:
             c = self.controller(run_id, reopen=False)  # superseded: refused, not reclaimed
+            batch = self._batch(session, call_id) if c.phase(call_id) is None else []
+            _ids(c, batch)  # a call without an id: refused before anything is asked
+        needs: dict[str, bool] = {}
+        if batch:  # asked before the lock; entered under it unless a sibling was first
+            needs = await self._needs(batch, tools, tool_context)
+        with self._lock:
+            c = self.controller(run_id, reopen=False)
             if c.phase(call_id) is None:
-                batch = self._batch(session, call_id)
                 if not batch:
                     raise UnsupportedFeature(
                         f"call {call_id!r} is in no event of the session: it cannot be "
                         "entered with its batch; it did not run",
                         feature="function calls outside the session", run_id=run_id,
                         action="begin_tool")
-                await self._enter(c, batch, tools, tool_context)
+                self._enter(c, batch, needs)
             answer = self._decided(c, call_id, tool_context)
             if answer is not None:
                 return answer
@@ -698,18 +719,22 @@ class OneWriterSessionService(BaseSessionService):
         plugin = self.plugin
         assert plugin is not None
         ids = _response_ids(event)
-        with plugin._lock:
+        with plugin._lock:  # nothing awaited under it (see before_tool_callback)
             c = plugin._runs.get(plugin.run_id_of(session))
             owed = set(c.unpublished_call_ids()) if c is not None else set()
             answered = [call_id for call_id in ids if call_id in owed]
-            if (c is None or not answered or owed - set(answered)
-                    or c.step is Step.UNSETTLED):
-                return await self.service.append_event(session, event)
-            history = [_event_json(e) for e in (stored.events if stored is not None
-                                                else session.events)]
-            c.stage_publication([_event_json(event)], history, call_ids=answered,
-                                whole=True)
-            c.flush()  # the envelope is durable before the write
+            staged = not (c is None or not answered or owed - set(answered)
+                          or c.step is Step.UNSETTLED)
+            if staged:
+                assert c is not None
+                history = [_event_json(e) for e in (stored.events if stored is not None
+                                                    else session.events)]
+                c.stage_publication([_event_json(event)], history, call_ids=answered,
+                                    whole=True)
+                c.flush()  # the envelope is durable before the write
+        if not staged:
+            return await self.service.append_event(session, event)
+        assert c is not None
         try:
             written = await self.service.append_event(session, event)
         except Exception as error:

@@ -272,7 +272,7 @@ def test_a_confirmation_showing_another_calls_fingerprint_is_refused(tmp_path: P
 
 
 @pytest.mark.invariant("I1", "I5")
-@pytest.mark.parametrize("awaits", [False], ids=["static"])
+@pytest.mark.parametrize("awaits", [True, False], ids=["awaiting-callable", "static"])
 @pytest.mark.parametrize("mode", ["alone", "ledger"])
 def test_parallel_calls_confirmed_in_one_message_each_ask_and_run_once(
         tmp_path: Path, mode: str, awaits: bool) -> None:
