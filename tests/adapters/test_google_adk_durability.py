@@ -42,10 +42,15 @@ from tests.drivers.adk_driver import APP, RUN, SESSION, USER, build, effects, ru
 
 ROOT = Path(__file__).resolve().parents[2]
 
-EFFECT_BEFORE_THE_KILL = {"before-effect": 0, "after-effect": 1, "before-append": 1}
+EFFECT_BEFORE_THE_KILL = {"before-effect": 0, "after-effect": 1, "before-append": 1,
+                          "after-append": 1}
 """How many charges happened when the process died there (the kill points of
-`tests.drivers.adk_driver`: in the body before and after its effect, and when the session
-service is asked to append the function response, before it)."""
+`tests.drivers.adk_driver`: in the body before and after its effect, when the session
+service is asked to append the function response, before it, and once ADK's session
+service wrote it, before the ledger recorded the publication's commit)."""
+ALONE_RESUMED = {"before-effect": 1, "after-effect": 2, "before-append": 2, "after-append": 1}
+"""ADK alone, the charges in all once the killed invocation is resumed (measured on
+google-adk 2.13: it charges again wherever the session lacks the response)."""
 IN_DOUBT = {"before-effect", "after-effect"}
 """Where the tool's start is durable and its result is not: the call is in doubt (the
 effect may or may not have happened), and the resumed run must say so, never guess."""
@@ -69,20 +74,47 @@ def _outcomes(folder: Path) -> list[str]:
     return sorted(json.loads(p.read_text())["result"] for p in folder.glob("outcome-*.json"))
 
 
+def _stored(folder: Path) -> list[Any]:
+    """The events of the session on ADK's ``SqliteSessionService`` file."""
+    from google.adk.sessions.sqlite_session_service import SqliteSessionService
+
+    async def read() -> Any:
+        return await SqliteSessionService(str(folder / "sessions.db")).get_session(
+            app_name=APP, user_id=USER, session_id=SESSION)
+
+    session = asyncio.run(read())
+    return list(session.events) if session is not None else []
+
+
+def _responses(folder: Path, name: str | None = None) -> list[str]:
+    """The ids of the tools' function responses in the stored session, in order."""
+    return [str(r.id) for e in _stored(folder) if e.author != "user"
+            for r in e.get_function_responses() if name is None or r.name == name]
+
+
+def _texts(folder: Path) -> list[str]:
+    """The agent's texts in the stored session, in order."""
+    return [str(part.text) for e in _stored(folder) if e.author != "user" and e.content
+            for part in e.content.parts or () if part.text]
+
+
 @pytest.mark.invariant("I1", "I11")
 @pytest.mark.parametrize("kill", sorted(EFFECT_BEFORE_THE_KILL))
 @pytest.mark.parametrize("mode", ["alone", "ledger"])
 def test_a_charge_killed_at_each_boundary_runs_at_most_once_through_the_ledger(
         tmp_path: Path, mode: str, kill: str) -> None:
-    """ADK alone, resumed, charges again at every kill point after the effect (measured:
-    2 charges at after-effect and before-append, 1 at before-effect); through the adapter
-    the charge happened at most once, and a call in doubt is reported `ToolInDoubt`."""
+    """ADK alone, resumed, charges again at every kill point after the effect whose
+    response the session lacks (measured: 2 charges at after-effect and before-append, 1
+    at before-effect and after-append); through the adapter the charge happened at most
+    once, a call in doubt is reported `ToolInDoubt`, and a response the session holds
+    (after-append: written, its commit not recorded) is acknowledged, never written
+    twice."""
     assert _drive(tmp_path, mode, "--kill", kill) == -9
     assert len(effects(tmp_path / "effects.txt")) == EFFECT_BEFORE_THE_KILL[kill]
     _drive(tmp_path, mode)
     ran = effects(tmp_path / "effects.txt")
     if mode == "alone":
-        assert ran == ["charge 5"] * (EFFECT_BEFORE_THE_KILL[kill] + 1)
+        assert ran == ["charge 5"] * ALONE_RESUMED[kill]
         return
     assert len(ran) == EFFECT_BEFORE_THE_KILL[kill]  # the resume ran nothing
     if kill in IN_DOUBT:
@@ -92,6 +124,10 @@ def test_a_charge_killed_at_each_boundary_runs_at_most_once_through_the_ledger(
     else:
         assert _outcomes(tmp_path) == ["ok"]
         assert ran == ["charge 5"]
+        assert _responses(tmp_path) == ["c1"]  # I3: one copy, the run went on
+        assert _texts(tmp_path)[-1:] == ["done"]
+        assert RunController.load(SQLiteEventStore(str(tmp_path / "ledger.db")),
+                                  RUN).phase("c1") is Phase.PUBLISHED  # settled
 
 
 @pytest.mark.invariant("I1", "I7")
@@ -119,6 +155,34 @@ def test_two_resumers_of_a_killed_session_charge_at_most_once_through_the_ledger
     assert ran == ["charge 5"]
     assert set(_outcomes(tmp_path)) <= {"ok", "conflict", "stale"}
     assert "ok" in _outcomes(tmp_path)
+
+
+@pytest.mark.invariant("I1", "I5")
+@pytest.mark.parametrize(("mode", "kill"), [("alone", "at-decision"),
+                                            ("ledger", "before-decision"),
+                                            ("ledger", "after-decision")])
+def test_a_confirmation_killed_around_its_decision_runs_the_wire_once_when_resumed(
+        tmp_path: Path, mode: str, kill: str) -> None:
+    """One process asks for the wire's confirmation and sends it; the process dies while
+    the confirmation is recorded: through the ledger before the append holding the
+    approval, or after it (the call approved, not started); ADK alone, where the
+    confirmed call reaches the tool callbacks. A fresh process resumes the invocation:
+    the confirmation the session holds is neither lost (the wire runs) nor taken twice
+    (it runs once, one approval recorded), alone and through the ledger alike."""
+    assert _drive(tmp_path, mode, "--flow", "confirm", "--kill", kill) == -9
+    assert effects(tmp_path / "effects.txt") == []  # the kill came before the wire
+    store = SQLiteEventStore(str(tmp_path / "ledger.db"))
+    if mode == "ledger":  # the kill fell where it says
+        expected = Phase.AWAITING if kill == "before-decision" else Phase.APPROVED
+        assert RunController.load(store, RUN).phase("w1") is expected
+    _drive(tmp_path, mode, "--flow", "confirm")
+    assert effects(tmp_path / "effects.txt") == ["wire 7"]
+    assert _outcomes(tmp_path) == ["ok"]
+    assert _texts(tmp_path)[-1:] == ["done"]
+    if mode == "ledger":
+        view = RunController.load(store, RUN).call("w1")
+        assert view.phase is Phase.PUBLISHED
+        assert [(d.kind, d.by) for d in view.decisions] == [("approved", "adk:confirmation")]
 
 
 class _Held(BasePlugin):
