@@ -49,7 +49,9 @@ request_confirmation``           nothing before asking (recorded ``NOT_EXECUTED`
                                  confirmed, with the same arguments and idempotency key
 `OneWriterSessionService`        around any ``BaseSessionService``: an ``append_event`` from
                                  a session copy that is not the session's latest is refused
-                                 (`ConcurrencyConflict`), nothing written; the event that
+                                 (`ConcurrencyConflict`, also when the service itself finds
+                                 it stale: ADK's ``StaleSessionError``), nothing written;
+                                 the event that
                                  carries function responses the ledger holds unpublished is
                                  their staged publication (durable before the write,
                                  committed after, recorded failed when it raises; a write
@@ -60,7 +62,8 @@ request_confirmation``           nothing before asking (recorded ``NOT_EXECUTED`
 Every attempt on a run that already exists (the first ledger call of a process, or after
 another process wrote to the run) records ``claim`` first and makes it durable: of two
 processes that loaded the same version, one goes on and the other gets
-`ConcurrencyConflict` before any tool runs. Right after the claim the verifiers (by tool
+`ConcurrencyConflict` before any tool runs; one superseded by a later claim gets it at its
+next tool callback or session write, writing nothing. Right after the claim the verifiers (by tool
 name, DESIGN §7.3) are asked about the calls of their tools in doubt.
 
 Refused when a run opens (``before_run_callback``, `UnsupportedFeature` naming the
@@ -90,6 +93,7 @@ try:
     import google.adk  # noqa: F401  -- the error names the SDK, not one of its modules
     from google.adk.agents import LlmAgent
     from google.adk.agents.readonly_context import ReadonlyContext
+    from google.adk.errors import StaleSessionError
     from google.adk.events.event import Event
     from google.adk.plugins.base_plugin import BasePlugin
     from google.adk.sessions.base_session_service import BaseSessionService
@@ -693,8 +697,20 @@ class OneWriterSessionService(BaseSessionService):
                         f"{ours!r}, and its latest is {theirs!r} (another runner appended "
                         "first); nothing was written", action="append_event")
             if self.plugin is None:
-                return await self.service.append_event(session, event)
+                return await self._write(session, event)
             return await self._publishing(session, event, stored)
+
+    async def _write(self, session: Any, event: Any) -> Any:
+        """The inner service's append; its own refusal of a stale session copy (ADK's
+        ``StaleSessionError``: another process appended between this one's check and its
+        write) is `ConcurrencyConflict`, as this service's own check would say."""
+        try:
+            return await self.service.append_event(session, event)
+        except StaleSessionError as stale:
+            raise ConcurrencyConflict(
+                f"session {session.id!r} moved on: the session service found that another "
+                "runner appended since this one read it; nothing was written",
+                action="append_event") from stale
 
     def _fence(self, session: Any, event: Any) -> None:
         """Refuse (`ConcurrencyConflict`, nothing written) an event of an invocation whose
@@ -733,10 +749,10 @@ class OneWriterSessionService(BaseSessionService):
                                     whole=True)
                 c.flush()  # the envelope is durable before the write
         if not staged:
-            return await self.service.append_event(session, event)
+            return await self._write(session, event)
         assert c is not None
         try:
-            written = await self.service.append_event(session, event)
+            written = await self._write(session, event)
         except Exception as error:
             with plugin._lock, contextlib.suppress(ControlError):  # its error wins (I6)
                 c.publication_failed(error)

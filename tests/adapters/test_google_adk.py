@@ -541,6 +541,58 @@ def test_a_second_writer_of_a_session_is_refused(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
+class _AnotherWriterFirst(DieBeforeAppend):
+    """ADK's ``SqliteSessionService``, where another process appends to the session
+    (its own service on the same file) right before this writer's append reaches it:
+    after `OneWriterSessionService` checked the session, before the write."""
+
+    def __init__(self, path: Path) -> None:
+        from google.adk.sessions.sqlite_session_service import SqliteSessionService
+
+        super().__init__(SqliteSessionService(str(path)))
+        self.other = SqliteSessionService(str(path))
+
+    async def append_event(self, session: Any, event: Any) -> Any:
+        from google.adk.events.event import Event
+
+        theirs = await self.other.get_session(app_name=APP, user_id=USER,
+                                              session_id=SESSION)
+        assert theirs is not None
+        await self.other.append_event(theirs, Event(author="user", content=text("theirs")))
+        return await self.service.append_event(session, event)
+
+
+@pytest.mark.invariant("I7")
+@pytest.mark.parametrize("mode", ["alone", "ledger"])
+def test_a_write_the_session_service_finds_stale_is_a_concurrency_conflict(
+        tmp_path: Path, mode: str) -> None:
+    """Another process appends between `OneWriterSessionService`'s check and the write:
+    ADK's ``SqliteSessionService`` refuses the write (``StaleSessionError``); through the
+    wrapper that refusal is `ConcurrencyConflict` (what the other of two resumers gets),
+    and only the other writer's event is stored."""
+    from google.adk.errors import StaleSessionError
+    from google.adk.events.event import Event
+
+    inner = _AnotherWriterFirst(tmp_path / "sessions.db")
+    service: BaseSessionService = inner if mode == "alone" else OneWriterSessionService(
+        inner)
+
+    async def scenario() -> list[str]:
+        await service.create_session(app_name=APP, user_id=USER, session_id=SESSION)
+        ours = await service.get_session(app_name=APP, user_id=USER, session_id=SESSION)
+        assert ours is not None
+        refused = StaleSessionError if mode == "alone" else ConcurrencyConflict
+        with pytest.raises(refused):
+            await service.append_event(ours, Event(author="user", content=text("ours")))
+        stored = await inner.other.get_session(app_name=APP, user_id=USER,
+                                               session_id=SESSION)
+        assert stored is not None
+        return [str(part.text) for e in stored.events if e.content
+                for part in e.content.parts or ()]
+
+    assert asyncio.run(scenario()) == ["theirs"]
+
+
 # ------------------------------------------------------------------------- refusals
 
 

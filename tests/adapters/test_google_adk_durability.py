@@ -128,6 +128,8 @@ def test_a_charge_killed_at_each_boundary_runs_at_most_once_through_the_ledger(
         assert _texts(tmp_path)[-1:] == ["done"]
         assert RunController.load(SQLiteEventStore(str(tmp_path / "ledger.db")),
                                   RUN).phase("c1") is Phase.PUBLISHED  # settled
+        assert RunController.load(SQLiteEventStore(str(tmp_path / "ledger.db")),
+                                  RUN).phase("c1") is Phase.PUBLISHED  # settled
 
 
 @pytest.mark.invariant("I1", "I7")
@@ -138,8 +140,8 @@ def test_two_resumers_of_a_killed_session_charge_at_most_once_through_the_ledger
     in the session); two processes resume the session at one signal. ADK alone charges
     once per resumer (measured: 3 charges in all; its SqliteSessionService refuses the
     second writer's append with StaleSessionError, after that charge); through the
-    adapter the charge stays at one, and each resumer goes on or is refused
-    (`ConcurrencyConflict`)."""
+    adapter the charge stays at one, and each resumer goes on or is refused with
+    `ConcurrencyConflict` (never ADK's own StaleSessionError)."""
     assert _drive(tmp_path, mode, "--kill", "before-append") == -9
     go = tmp_path / "go"
     children = [_start(tmp_path, mode, "--wait-for", str(go)) for _ in range(2)]
@@ -153,7 +155,7 @@ def test_two_resumers_of_a_killed_session_charge_at_most_once_through_the_ledger
         assert ran == ["charge 5"] * 3
         return
     assert ran == ["charge 5"]
-    assert set(_outcomes(tmp_path)) <= {"ok", "conflict", "stale"}
+    assert set(_outcomes(tmp_path)) <= {"ok", "conflict"}
     assert "ok" in _outcomes(tmp_path)
 
 
@@ -183,6 +185,47 @@ def test_a_confirmation_killed_around_its_decision_runs_the_wire_once_when_resum
         view = RunController.load(store, RUN).call("w1")
         assert view.phase is Phase.PUBLISHED
         assert [(d.kind, d.by) for d in view.decisions] == [("approved", "adk:confirmation")]
+
+
+def _race(folder: Path, mode: str, *extra: str) -> list[str]:
+    """Two resumer processes of the session, each held once its run is open (through the
+    ledger: loaded and claimed, or refused there) until both are: they have both read
+    the run before either goes on. Their outcomes."""
+    go = folder / "go"
+    children = [_start(folder, mode, "--hold", str(go), *extra) for _ in range(2)]
+    while len(list(folder.glob("opened-*"))) + sum(
+            child.poll() is not None for child in children) < 2:
+        time.sleep(0.02)  # a wait for both, not a timed assertion
+    go.write_text("go")
+    for child in children:
+        _, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err
+    return _outcomes(folder)
+
+
+@pytest.mark.invariant("I1", "I7")
+@pytest.mark.parametrize("mode", ["alone", "ledger"])
+def test_two_resumers_of_an_approved_unstarted_wire_run_it_once_through_the_ledger(
+        tmp_path: Path, mode: str) -> None:
+    """The process died with the wire confirmed and not started (through the ledger: its
+    approval durable); two processes resume the invocation, both past their load before
+    either goes on, so each would run the wire. ADK alone wires twice (measured; its
+    SqliteSessionService then refuses the second writer's append, StaleSessionError,
+    after the wire); through the adapter exactly one wires and the other is refused with
+    `ConcurrencyConflict` (its claim lost the store's race, or a later claim superseded
+    it before its tool ran), never ADK's own error."""
+    kill = "after-decision" if mode == "ledger" else "at-decision"
+    assert _drive(tmp_path, mode, "--flow", "confirm", "--kill", kill) == -9
+    assert effects(tmp_path / "effects.txt") == []
+    outcomes = _race(tmp_path, mode, "--flow", "confirm")
+    if mode == "alone":
+        assert effects(tmp_path / "effects.txt") == ["wire 7"] * 2
+        return
+    assert effects(tmp_path / "effects.txt") == ["wire 7"]
+    assert outcomes == ["conflict", "ok"]
+    assert _responses(tmp_path, "wire")[-1:] == ["w1"]
+    assert RunController.load(SQLiteEventStore(str(tmp_path / "ledger.db")),
+                              RUN).phase("w1") is Phase.PUBLISHED
 
 
 class _Held(BasePlugin):

@@ -20,6 +20,10 @@ then the confirmation ADK asked for, in one process) and dies around recording t
 confirmation: ``before-decision`` / ``after-decision`` when the ledger's append holding
 the approval is made (before it, after it), ``at-decision`` (ADK alone, which records no
 decision but the session's) when the confirmed call reaches the tool callbacks.
+
+``--hold`` FILE: once the run is open (through the ledger: loaded and claimed), the
+process writes ``opened-<pid>`` beside the effects and waits for FILE, so two resumers
+are both past their load before either goes on.
 """
 
 from __future__ import annotations
@@ -191,6 +195,21 @@ class DieAtDecision(BasePlugin):
         return None
 
 
+class Hold(BasePlugin):
+    """Once the run is open (after the ledger's ``before_run_callback``, placed after
+    it): writes ``opened-<pid>`` in ``folder`` and waits for the file ``go``."""
+
+    def __init__(self, folder: Path, go: Path) -> None:
+        super().__init__(name="hold")
+        self.folder = folder
+        self.go = go
+
+    async def before_run_callback(self, *, invocation_context: Any) -> None:
+        (self.folder / f"opened-{os.getpid()}").write_text("opened")
+        while not self.go.exists():
+            await asyncio.sleep(0.01)
+
+
 def build(path: str | Path, script: Sequence[Call], *, tools: Sequence[str],
           service: BaseSessionService | None = None, plugins: Sequence[BasePlugin] = (),
           resumable: bool = False) -> tuple[Runner, BaseSessionService, ScriptedModel]:
@@ -250,12 +269,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mode", choices=["alone", "ledger"], required=True)
     parser.add_argument("--kill", default="")
     parser.add_argument("--wait-for", default="", help="a file to wait for before the run")
+    parser.add_argument("--hold", default="", help="a file to wait for once the run is open")
     parser.add_argument("--flow", choices=["charge", "confirm"], default="charge")
     args = parser.parse_args(argv)
     KILL["point"] = args.kill
     folder = Path(args.dir)
     EFFECTS["path"] = str(folder / "effects.txt")
-    return asyncio.run(_child(folder, args.mode, args.wait_for, args.flow))
+    return asyncio.run(_child(folder, args.mode, args.wait_for, args.flow, args.hold))
 
 
 def _dying_store(path: Path) -> Any:
@@ -277,7 +297,7 @@ def _dying_store(path: Path) -> Any:
     return DyingStore(str(path))
 
 
-async def _child(folder: Path, mode: str, wait_for: str, flow: str) -> int:
+async def _child(folder: Path, mode: str, wait_for: str, flow: str, hold: str) -> int:
     from google.adk.errors import StaleSessionError
     from google.adk.sessions.sqlite_session_service import SqliteSessionService
 
@@ -295,6 +315,8 @@ async def _child(folder: Path, mode: str, wait_for: str, flow: str) -> int:
         sessions = OneWriterSessionService(sessions, plugin=plugin)
     else:
         plugins.append(DieAtDecision())
+    if hold:
+        plugins.append(Hold(folder, Path(hold)))
     script: list[Call] = ([("w1", "wire", {"amount": 7})] if flow == "confirm"
                           else [("c1", "charge", {"amount": 5})])
     runner, service, _ = build(EFFECTS["path"], script, tools=["charge", "wire"],
@@ -325,7 +347,7 @@ async def _child(folder: Path, mode: str, wait_for: str, flow: str) -> int:
         outcome.update(result="in_doubt", error=repr(error))
     except ConcurrencyConflict as error:
         outcome.update(result="conflict", error=repr(error))
-    except StaleSessionError as error:  # ADK's own check of a second writer, at its append
+    except StaleSessionError as error:  # ADK alone's check of a second writer (its append)
         outcome.update(result="stale", error=repr(error))
     (folder / f"outcome-{os.getpid()}.json").write_text(json.dumps(outcome))
     return 0
