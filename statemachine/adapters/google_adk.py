@@ -33,6 +33,8 @@ ADK seam                         what the ledger does
 ``on_tool_error_callback``       an exception of the body is recorded as the call's error
                                  (``{"error": "<Type>: <message>"}``) and propagates as with
                                  ADK alone; a cancelled body leaves its call in doubt
+                                 (the next run of the session, in this process too, is
+                                 refused when it opens, as a fresh process's would be)
 ``require_confirmation``         the call awaits a decision in the ledger; the confirmation
                                  request ADK shows carries the call's fingerprint in its
                                  ``payload``, and a confirmation is taken only with that
@@ -321,7 +323,13 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                 feature="live streaming", run_id=run_id, action="open")
         await self._check_agent(invocation_context.agent, invocation_context, run_id)
         with self._lock:
+            held = self._runs.get(run_id)
             c = self.controller(run_id)
+            if c.in_doubt() and c is held:  # a body this process ran was interrupted:
+                self.forget(run_id)  # opened afresh, its verifier asked, as in another
+                c = self.controller(run_id)  # process
+            if c.in_doubt():  # refused here, before ADK's invocation records anything
+                c.resume()  # ToolInDoubt
         if c.step is Step.UNSETTLED:
             await self._reconcile(c, invocation_context)
 

@@ -448,6 +448,70 @@ def test_a_call_in_doubt_refuses_the_run_until_the_operator_resolves_it(
     assert RunController.load(w.store, RUN).phase("c1") is Phase.PUBLISHED
 
 
+@pytest.mark.invariant("I1", "I11")
+@pytest.mark.parametrize("mode", ["alone", "ledger"])
+def test_a_cancelled_body_leaves_its_call_in_doubt_until_the_operator_settles_it(
+        tmp_path: Path, mode: str) -> None:
+    """The charge's body makes its effect and is cancelled before it returns (the task
+    running the invocation is cancelled: a client gone, a timeout). ADK alone, resumed,
+    charges again (2). Through the adapter the call is in doubt: the next run of the
+    invocation is refused with `ToolInDoubt`, in the same process and in a fresh one,
+    nothing run; once the operator records the charge the run goes on with that word,
+    and the body never runs again (1)."""
+    from google.adk.tools.function_tool import FunctionTool
+
+    w = World(tmp_path, mode, [("c1", "slow_charge", {"amount": 5})], [], resumable=True)
+    inside = asyncio.Event()
+
+    async def slow_charge(amount: int) -> dict[str, Any]:
+        """Charge a card, then wait for the bank's slow acknowledgement."""
+        world.effect(w.effects, f"charge {amount}")
+        inside.set()
+        await asyncio.Event().wait()  # never set: only a cancellation ends it
+        return {"charged": amount}
+
+    agent = w.runner.agent
+    assert isinstance(agent, LlmAgent)
+    agent.tools.append(FunctionTool(slow_charge))
+
+    async def scenario() -> None:
+        await w.open()
+        first = asyncio.create_task(_noting(w.runner, []))
+        await inside.wait()
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert w.ran() == ["charge 5"]
+        session = await w.service.get_session(app_name=APP, user_id=USER,
+                                              session_id=SESSION)
+        assert session is not None
+        invocation = next(e.invocation_id for e in session.events if e.get_function_calls())
+        if mode == "alone":
+            inside.clear()
+            again = asyncio.create_task(run(w.runner, None, invocation_id=invocation))
+            await inside.wait()  # the body runs again
+            again.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await again
+            return
+        assert w.plugin is not None
+        with pytest.raises(ToolInDoubt):  # this process: no longer held in flight
+            await run(w.runner, None, invocation_id=invocation)
+        w.plugin.forget()  # a fresh process: the store's record only
+        with pytest.raises(ToolInDoubt):
+            await run(w.runner, None, invocation_id=invocation)
+        assert RunController.load(w.store, RUN).phase("c1") is Phase.STARTED
+        operator.resolve(w.store, RUN, "c1", outcome=Resolution.COMPLETED,
+                         output={"charged": 5}, by="ops", evidence="bank statement")
+        answered = await run(w.runner, None, invocation_id=invocation)
+        assert any(r.response == {"charged": 5} for e in answered
+                   for r in e.get_function_responses())
+        assert RunController.load(w.store, RUN).phase("c1") is Phase.PUBLISHED
+
+    asyncio.run(scenario())
+    assert w.ran() == ["charge 5"] * (2 if mode == "alone" else 1)
+
+
 @pytest.mark.invariant("I11")
 @pytest.mark.parametrize("answer", ["completed", "not-executed", "unknown"])
 def test_a_verifier_settles_a_call_in_doubt_when_the_run_is_claimed(
