@@ -134,6 +134,10 @@ def make_tools(path: str | Path) -> dict[str, Any]:
         effect(path, f"ticket {title}")
         return {"status": "pending", "title": title}
 
+    def render(shot: int) -> None:
+        """Start rendering a shot; the client sends its result later (long-running)."""
+        effect(path, f"render {shot}")
+
     def refund(amount: int) -> dict[str, Any]:
         """Refund a card; raises for a negative amount."""
         effect(path, f"refund {amount}")
@@ -142,7 +146,8 @@ def make_tools(path: str | Path) -> dict[str, Any]:
         return {"refunded": amount}
 
     return {"charge": FunctionTool(charge), "wire": FunctionTool(wire, require_confirmation=True),
-            "ticket": LongRunningFunctionTool(ticket), "refund": FunctionTool(refund)}
+            "ticket": LongRunningFunctionTool(ticket), "refund": FunctionTool(refund),
+            "render": LongRunningFunctionTool(render)}
 
 
 class DieBeforeAppend(BaseSessionService):
@@ -236,14 +241,18 @@ def response(call_id: str, name: str, result: dict[str, Any]) -> types.Content:
 
 
 async def run(runner: Runner, message: types.Content | None, *,
-              invocation_id: str | None = None, session: str = SESSION) -> list[Any]:
+              invocation_id: str | None = None, session: str = SESSION,
+              streaming: bool = False) -> list[Any]:
     """One ``run_async``, its events (the ledger's refusals raised as themselves: ADK
-    alone raises none)."""
+    alone raises none); ``streaming``: with ADK's server-sent-events streaming mode."""
+    from google.adk.agents.run_config import RunConfig
+
     from statemachine.adapters.google_adk import run_async
 
+    config = RunConfig.model_validate({"streaming_mode": "sse"} if streaming else {})
     return [event async for event in run_async(
         runner, user_id=USER, session_id=session, new_message=message,
-        invocation_id=invocation_id)]
+        invocation_id=invocation_id, run_config=config)]
 
 
 def confirmation_requests(events: Sequence[Any]) -> dict[str, tuple[str, Any]]:
