@@ -11,8 +11,12 @@ Under CI a missing ``google-adk`` package fails this module instead of skipping 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +54,7 @@ from statemachine.adapters.google_adk import (
     confirmation,
 )
 from statemachine.errors import RunNotFound
+from statemachine.stores import EventStore
 from statemachine.values import Phase, Step
 from statemachine.verifiers import Completed, NotExecuted, Unknown
 from tests.drivers import adk_driver as world
@@ -80,9 +85,13 @@ class World:
 
     def __init__(self, folder: Path, mode: str, script: list[Call], tools: list[str], *,
                  service: BaseSessionService | None = None, resumable: bool = False,
-                 verifiers: dict[str, Any] | None = None) -> None:
+                 verifiers: dict[str, Any] | None = None,
+                 store: EventStore | None = None) -> None:
         self.effects = folder / "effects.txt"
-        self.store = SQLiteEventStore(str(folder / "ledger.db"))
+        self.store = store if store is not None else SQLiteEventStore(
+            str(folder / "ledger.db"))
+        if isinstance(service, OneWriterSessionService):  # another runner's: its inner
+            service = service.service
         inner = service if service is not None else InMemorySessionService()
         self.plugin: LedgerPlugin | None = None
         plugins = []
@@ -602,6 +611,118 @@ def test_a_cancelled_body_leaves_its_call_in_doubt_until_the_operator_settles_it
 
     asyncio.run(scenario())
     assert w.ran() == ["charge 5"] * (2 if mode == "alone" else 1)
+
+
+def _fingerprint(name: str, arguments: dict[str, Any]) -> str:
+    """A call's fingerprint as DESIGN §3.1 defines it: sha256 of the canonical JSON of
+    ``[name, arguments]`` (sorted keys, no spaces)."""
+    text = json.dumps([name, arguments], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+async def _stopped_in_body(w: World, point: str) -> str:
+    """Run ``"go"`` with the process stopping inside the charge's body at ``point`` (its
+    start durable, no result); forget the plugin's copy, as a fresh process holds only
+    the store's record. The invocation the stop left."""
+    await w.open()
+    world.KILL["point"] = point
+    try:
+        with pytest.raises(StopInBody):
+            await _noting(w.runner, [])
+    finally:
+        world.KILL["point"] = ""
+    assert w.plugin is not None
+    w.plugin.forget()
+    session = await w.service.get_session(app_name=APP, user_id=USER, session_id=SESSION)
+    assert session is not None
+    return next(e.invocation_id for e in session.events if e.get_function_calls())
+
+
+def _cli(*args: str) -> str:
+    """``statemachine ARGS`` in its own process; its output (it must exit 0)."""
+    done = subprocess.run([sys.executable, "-m", "statemachine", *args], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, (args, done.stdout, done.stderr)
+    return done.stdout
+
+
+@pytest.mark.invariant("I1", "I11")
+def test_the_operator_settles_an_adk_call_in_doubt_from_the_shell(tmp_path: Path) -> None:
+    """The process stopped inside the charge after its effect. ``statemachine inbox
+    --store`` lists the call in doubt with its tool, arguments and fingerprint; the
+    run is refused (`ToolInDoubt`) until ``statemachine resolve --store`` records the
+    charge, and the resumed invocation then goes on with that output to the model's
+    answer: one charge, never run again."""
+    w = World(tmp_path, "ledger", [CHARGE], ["charge"], resumable=True)
+    db = str(tmp_path / "ledger.db")
+
+    async def refused(invocation: str) -> None:
+        with pytest.raises(ToolInDoubt):
+            await run(w.runner, None, invocation_id=invocation)
+
+    invocation = asyncio.run(_stopped_in_body(w, "after-effect"))
+    asyncio.run(refused(invocation))
+    (waiting,) = json.loads(_cli("inbox", "--store", db, "--json"))
+    assert (waiting["run_id"], waiting["call_id"], waiting["kind"], waiting["tool"]) == (
+        RUN, "c1", "in_doubt", "charge")
+    assert json.loads(waiting["arguments"]) == {"amount": 5}
+    assert waiting["fingerprint"] == _fingerprint("charge", {"amount": 5})
+    _cli("resolve", RUN, "c1", "--store", db, "--by", "ops", "--completed",
+         '{"charged": 5}', "--evidence", "pay_1")
+    assert json.loads(_cli("inbox", "--store", db, "--json")) == []
+
+    async def resumed() -> list[Any]:
+        return await run(w.runner, None, invocation_id=invocation)
+
+    answered = asyncio.run(resumed())
+    assert [r.response for e in answered for r in e.get_function_responses()] == [
+        {"charged": 5}]
+    assert _says(answered, "done")
+    assert w.ran() == ["charge 5"]
+    c = RunController.load(w.store, RUN)
+    assert c.phase("c1") is Phase.PUBLISHED
+    assert c.call("c1").decisions[-1].by == "ops"
+
+
+@pytest.mark.postgres
+@pytest.mark.invariant("I1", "I11")
+def test_the_plugin_on_postgresql_refuses_doubt_in_another_process_and_goes_on(
+        tmp_path: Path, pg_dsn: str, pg_schema: str) -> None:
+    """The plugin on the PostgreSQL store: the process stops inside the charge before
+    its effect; a second plugin on its own connection (another process's) is refused
+    (`ToolInDoubt`), nothing run; the operator's inbox on PostgreSQL shows the call with
+    its tool and fingerprint; once the operator records the charge as not executed, the
+    resumed invocation runs it once and goes on to the model's answer."""
+    from statemachine.postgres import PostgresEventStore
+
+    with PostgresEventStore(pg_dsn, schema=pg_schema) as first, \
+            PostgresEventStore(pg_dsn, schema=pg_schema) as second:
+        dying = World(tmp_path, "ledger", [CHARGE], ["charge"], resumable=True,
+                      store=first)
+        invocation = asyncio.run(_stopped_in_body(dying, "before-effect"))
+        other = World(tmp_path, "ledger", [CHARGE], ["charge"], resumable=True,
+                      store=second, service=dying.service)
+
+        async def refused() -> None:
+            with pytest.raises(ToolInDoubt):
+                await run(other.runner, None, invocation_id=invocation)
+
+        asyncio.run(refused())
+        assert other.ran() == []
+        (waiting,) = operator.inbox(second)
+        assert (waiting.call_id, waiting.kind, waiting.tool, waiting.fingerprint) == (
+            "c1", "in_doubt", "charge", _fingerprint("charge", {"amount": 5}))
+        operator.resolve(second, RUN, "c1", outcome=Resolution.NOT_EXECUTED, by="ops")
+
+        async def resumed() -> list[Any]:
+            return await run(other.runner, None, invocation_id=invocation)
+
+        answered = asyncio.run(resumed())
+        assert [r.response for e in answered for r in e.get_function_responses()] == [
+            {"charged": 5}]
+        assert _says(answered, "done")
+        assert other.ran() == ["charge 5"]
+        assert RunController.load(first, RUN).phase("c1") is Phase.PUBLISHED
 
 
 @pytest.mark.invariant("I11")
