@@ -74,9 +74,11 @@ failed call once with a fresh session below the plugin callbacks, so a non-idemp
 call could run twice unseen), agents used as tools (``AgentTool``: the inner agent's tool
 calls would run outside this run's ledger), workflow agents (``ParallelAgent``,
 ``LoopAgent``, ``SequentialAgent``) and sub-agents (their calls would interleave in one
-run), and live (bidirectional) streaming. Refused at the call: a function call without an
-id. ADK wraps whatever a plugin callback raises in a ``RuntimeError``; `run_async` and
-`refusal` give back the ledger's own error.
+run), and live (bidirectional) streaming (``run_live``, or ``StreamingMode.BIDI``).
+Refused at the call: a function call without an id (ADK 2.13 gives a call the model sent
+without one an id of its own before any callback, so through its runner this is never
+reached). ADK wraps whatever a plugin callback raises in a ``RuntimeError``; `run_async`
+and `refusal` give back the ledger's own error.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - CI installs the extra
     pytest.skip("google-adk is not installed (pip install -e '.[google-adk]')",
                 allow_module_level=True)
 
-from google.adk.agents import LlmAgent, ParallelAgent
+from google.adk.agents import LlmAgent, LoopAgent, ParallelAgent, SequentialAgent
 from google.adk.sessions import InMemorySessionService
 from google.adk.sessions.base_session_service import BaseSessionService
 from google.adk.tools.agent_tool import AgentTool
@@ -878,24 +878,53 @@ def _mcp() -> Any:
         server_params=StdioServerParameters(command="true", args=[])))
 
 
-@pytest.mark.parametrize(("feature", "agent"), [
-    ("MCP toolsets", lambda model: LlmAgent(name="agent", model=model, tools=[_mcp()])),
-    ("agents as tools", lambda model: LlmAgent(name="agent", model=model, tools=[
-        AgentTool(LlmAgent(name="inner", model=ScriptedModel()))])),
-    ("ParallelAgent agents", lambda model: ParallelAgent(name="agent", sub_agents=[
-        LlmAgent(name="inner", model=model)])),
-    ("sub-agents", lambda model: LlmAgent(name="agent", model=model, sub_agents=[
-        LlmAgent(name="inner", model=ScriptedModel())])),
-], ids=["mcp", "agent-tool", "parallel-agent", "sub-agents"])
+def _mcp_tool() -> Any:
+    """One MCP tool on its own (no toolset), as ADK's ``McpTool`` wraps a server's tool."""
+    from google.adk.tools.mcp_tool.mcp_session_manager import MCPSessionManager
+    from google.adk.tools.mcp_tool.mcp_tool import McpTool
+    from mcp.types import Tool
+
+    return McpTool(mcp_tool=Tool(name="pay", input_schema={"type": "object", "properties": {}}),
+                   mcp_session_manager=MCPSessionManager(StdioConnectionParams(
+                       server_params=StdioServerParameters(command="true", args=[]))))
+
+
+def _tools(path: Path, *more: Any) -> list[Any]:
+    """The charge the model asks for (its effect counted in ``path``), and ``more``."""
+    return [world.make_tools(path)["charge"], *more]
+
+
+@pytest.mark.parametrize(("feature", "named", "agent"), [
+    ("MCP toolsets", "McpToolset", lambda model, path: LlmAgent(
+        name="agent", model=model, tools=_tools(path, _mcp()))),
+    ("MCP tools", "McpTool", lambda model, path: LlmAgent(
+        name="agent", model=model, tools=_tools(path, _mcp_tool()))),
+    ("agents as tools", "AgentTool", lambda model, path: LlmAgent(
+        name="agent", model=model, tools=_tools(path, AgentTool(LlmAgent(
+            name="inner", model=ScriptedModel()))))),
+    ("ParallelAgent agents", "ParallelAgent", lambda model, path: ParallelAgent(
+        name="agent", sub_agents=[LlmAgent(name="inner", model=model, tools=_tools(path))])),
+    ("LoopAgent agents", "LoopAgent", lambda model, path: LoopAgent(
+        name="agent", sub_agents=[LlmAgent(name="inner", model=model, tools=_tools(path))])),
+    ("SequentialAgent agents", "SequentialAgent", lambda model, path: SequentialAgent(
+        name="agent", sub_agents=[LlmAgent(name="inner", model=model, tools=_tools(path))])),
+    ("sub-agents", "sub-agents", lambda model, path: LlmAgent(
+        name="agent", model=model, tools=_tools(path), sub_agents=[
+            LlmAgent(name="inner", model=ScriptedModel())])),
+], ids=["mcp-toolset", "mcp-tool", "agent-tool", "parallel-agent", "loop-agent",
+        "sequential-agent", "sub-agents"])
 def test_what_the_adapter_cannot_carry_is_refused_when_the_run_opens(
-        tmp_path: Path, feature: str, agent: Any) -> None:
+        tmp_path: Path, feature: str, named: str, agent: Any) -> None:
+    """DESIGN §7.4: refused when the run opens with `UnsupportedFeature` naming the
+    feature (its ``feature``, and the kind in its message); nothing recorded, the model
+    never asked, the charge it would ask for never run."""
     from google.adk.apps import App
     from google.adk.runners import Runner
 
     store = SQLiteEventStore(str(tmp_path / "ledger.db"))
     model = ScriptedModel(script=[CHARGE])
     service = InMemorySessionService()
-    runner = Runner(app=App(name=APP, root_agent=agent(model),
+    runner = Runner(app=App(name=APP, root_agent=agent(model, tmp_path / "effects.txt"),
                             plugins=[LedgerPlugin(store)]), session_service=service)
 
     async def scenario() -> None:
@@ -903,11 +932,100 @@ def test_what_the_adapter_cannot_carry_is_refused_when_the_run_opens(
         with pytest.raises(UnsupportedFeature) as refused:
             await run(runner, text("go"))
         assert refused.value.feature == feature
+        assert named in str(refused.value)
 
     asyncio.run(scenario())
     assert model.requests == 0
+    assert effects(tmp_path / "effects.txt") == []
     with pytest.raises(RunNotFound):
         RunController.load(store, RUN)
+
+
+@pytest.mark.parametrize("how", ["run_live", "run_async-bidi"])
+def test_live_streaming_is_refused_when_the_run_opens(tmp_path: Path, how: str) -> None:
+    """Live (bidirectional) streaming, through ``Runner.run_live`` or ``run_async`` with
+    ``StreamingMode.BIDI``: refused when the run opens (`UnsupportedFeature`, ``"live
+    streaming"``), nothing recorded, the model never asked, nothing run."""
+    from google.adk.agents.live_request_queue import LiveRequestQueue
+    from google.adk.agents.run_config import RunConfig
+
+    from statemachine.adapters.google_adk import refusal
+
+    w = World(tmp_path, "ledger", [CHARGE], ["charge"])
+
+    async def scenario() -> BaseException:
+        await w.open()
+        try:
+            if how == "run_live":
+                queue = LiveRequestQueue()
+                queue.send_content(text("go"))
+                queue.close()
+                async for _ in w.runner.run_live(user_id=USER, session_id=SESSION,
+                                                 live_request_queue=queue):
+                    pass
+            else:
+                async for _ in w.runner.run_async(
+                        user_id=USER, session_id=SESSION, new_message=text("go"),
+                        run_config=RunConfig.model_validate({"streaming_mode": "bidi"})):
+                    pass
+        except Exception as error:  # ADK wraps the plugin's refusal
+            return refusal(error)
+        raise AssertionError("live streaming was not refused")
+
+    refused = asyncio.run(scenario())
+    assert isinstance(refused, UnsupportedFeature)
+    assert refused.feature == "live streaming"
+    assert w.model.requests == 0
+    assert w.ran() == []
+    with pytest.raises(RunNotFound):
+        RunController.load(w.store, RUN)
+
+
+@pytest.mark.invariant("I1")
+def test_function_calls_without_ids_get_adks_own_and_run_once(tmp_path: Path) -> None:
+    """A model that sends function calls without ids: ADK 2.13 gives each an id of its
+    own (``adk-...``) in the session event before any tool callback, so the ledger keys
+    the call by it; the charge runs once and the run goes on."""
+    w = World(tmp_path, "ledger", [("", "charge", {"amount": 5})], ["charge"])
+
+    async def scenario() -> list[Any]:
+        await w.open()
+        return await run(w.runner, text("go"))
+
+    answered = asyncio.run(scenario())
+    assert _says(answered, "done")
+    assert w.ran() == ["charge 5"]
+    (view,) = RunController.load(w.store, RUN).calls
+    assert view.call.call_id.startswith("adk-")
+    assert view.phase is Phase.PUBLISHED
+
+
+def test_a_function_call_without_an_id_is_refused_at_its_callback(tmp_path: Path) -> None:
+    """ADK's runner never gives the callbacks a call without an id (it makes one); one
+    that reaches ``before_tool_callback`` anyway (a runner of another version) is refused
+    there (`UnsupportedFeature`, ``"function calls without ids"``): nothing recorded, the
+    body never run."""
+    from types import SimpleNamespace
+
+    w = World(tmp_path, "ledger", [CHARGE], ["charge"])
+    assert w.plugin is not None
+    plugin = w.plugin
+
+    async def scenario() -> None:
+        await w.open()
+        session = await w.service.get_session(app_name=APP, user_id=USER,
+                                              session_id=SESSION)
+        tool = world.make_tools(w.effects)["charge"]
+        with pytest.raises(UnsupportedFeature) as refused:
+            await plugin.before_tool_callback(
+                tool=tool, tool_args={"amount": 5},
+                tool_context=SimpleNamespace(function_call_id=None, session=session))
+        assert refused.value.feature == "function calls without ids"
+
+    asyncio.run(scenario())
+    assert w.ran() == []
+    with pytest.raises(RunNotFound):
+        RunController.load(w.store, RUN)
 
 
 def test_an_async_store_is_refused_when_the_plugin_is_built(tmp_path: Path) -> None:

@@ -103,9 +103,10 @@ class ScriptedModel(BaseLlm):
         self.requests += 1
         called = {part.function_call.id for content in llm_request.contents
                   for part in content.parts or () if part.function_call}
-        todo = [call for call in self.script if call[0] not in called]
-        if todo:
-            parts = [types.Part(function_call=types.FunctionCall(id=i, name=n, args=a))
+        todo = [call for call in self.script if (call[0] or None) not in called]
+        if todo:  # an id "" is a call sent without one (ADK makes one, hidden from us)
+            parts = [types.Part(function_call=types.FunctionCall(id=i or None, name=n,
+                                                                 args=a))
                      for i, n, a in todo]
         else:
             parts = [types.Part(text="done")]
