@@ -55,7 +55,7 @@ from statemachine.adapters.google_adk import (
 )
 from statemachine.errors import RunNotFound
 from statemachine.stores import EventStore
-from statemachine.values import Phase, Step
+from statemachine.values import Phase
 from statemachine.verifiers import Completed, NotExecuted, Unknown
 from tests.drivers import adk_driver as world
 from tests.drivers.adk_driver import (
@@ -1029,12 +1029,27 @@ def test_a_function_call_without_an_id_is_refused_at_its_callback(tmp_path: Path
 
 
 def test_an_async_store_is_refused_when_the_plugin_is_built(tmp_path: Path) -> None:
+    """The plugin is refused an async store when it is built (`UnsupportedFeature`
+    naming it and the way on: the sync store of the same database); nothing is recorded
+    in the file, and the sync store of the same file is taken and carries a run."""
     from statemachine.sqlite import AsyncSQLiteEventStore
 
+    path = str(tmp_path / "ledger.db")
     with pytest.raises(UnsupportedFeature) as refused:
-        LedgerPlugin(AsyncSQLiteEventStore(str(tmp_path / "ledger.db")))  # type: ignore[arg-type]
+        LedgerPlugin(AsyncSQLiteEventStore(path))  # type: ignore[arg-type]
     assert refused.value.feature == "async event stores"
-    assert Step.RUN_AGAIN  # the module's names import
+    assert "use the sync store" in str(refused.value)
+    with pytest.raises(RunNotFound):
+        RunController.load(SQLiteEventStore(path), RUN)
+    w = World(tmp_path, "ledger", [CHARGE], ["charge"], store=SQLiteEventStore(path))
+
+    async def scenario() -> None:
+        await w.open()
+        await run(w.runner, text("go"))
+
+    asyncio.run(scenario())
+    assert w.ran() == ["charge 5"]
+    assert RunController.load(SQLiteEventStore(path), RUN).phase("c1") is Phase.PUBLISHED
 
 
 @pytest.mark.invariant("I1")
