@@ -351,7 +351,7 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         inner = service.service if isinstance(service, OneWriterSessionService) else service
         try:
             for item in decision.items:
-                await inner.append_event(session, Event.model_validate(item))
+                await _appended(inner, session, Event.model_validate(item))
         except Exception as error:
             with self._lock, contextlib.suppress(ControlError):
                 c.publication_failed(error)
@@ -657,6 +657,20 @@ def _response_ids(event: Any) -> list[str]:
     return [str(r.id) for r in event.get_function_responses() if r.id]
 
 
+async def _appended(service: BaseSessionService, session: Any, event: Any) -> Any:
+    """``service.append_event(session, event)``; the service's own refusal of a stale
+    session copy (ADK's ``StaleSessionError``: another process appended since this one
+    read the session) is `ConcurrencyConflict`, as `OneWriterSessionService`'s check
+    would say."""
+    try:
+        return await service.append_event(session, event)
+    except StaleSessionError as stale:
+        raise ConcurrencyConflict(
+            f"session {session.id!r} moved on: the session service found that another "
+            "runner appended since this one read it; nothing was written",
+            action="append_event") from stale
+
+
 class OneWriterSessionService(BaseSessionService):
     """Any ADK session service with one writer per session: an ``append_event`` made on
     a session copy whose last event is not the stored session's last event (another
@@ -711,16 +725,7 @@ class OneWriterSessionService(BaseSessionService):
             return await self._publishing(session, event, stored)
 
     async def _write(self, session: Any, event: Any) -> Any:
-        """The inner service's append; its own refusal of a stale session copy (ADK's
-        ``StaleSessionError``: another process appended between this one's check and its
-        write) is `ConcurrencyConflict`, as this service's own check would say."""
-        try:
-            return await self.service.append_event(session, event)
-        except StaleSessionError as stale:
-            raise ConcurrencyConflict(
-                f"session {session.id!r} moved on: the session service found that another "
-                "runner appended since this one read it; nothing was written",
-                action="append_event") from stale
+        return await _appended(self.service, session, event)
 
     def _fence(self, session: Any, event: Any) -> None:
         """Refuse (`ConcurrencyConflict`, nothing written) an event of an invocation whose

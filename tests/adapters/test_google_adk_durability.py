@@ -140,8 +140,10 @@ def test_two_resumers_of_a_killed_session_charge_at_most_once_through_the_ledger
     in the session); two processes resume the session at one signal. ADK alone charges
     once per resumer (measured: 3 charges in all; its SqliteSessionService refuses the
     second writer's append with StaleSessionError, after that charge); through the
-    adapter the charge stays at one, and each resumer goes on or is refused with
-    `ConcurrencyConflict` (never ADK's own StaleSessionError)."""
+    adapter the charge stays at one, its response is written once, and each resumer goes
+    on or is refused with `ConcurrencyConflict` (never ADK's own StaleSessionError).
+    One goes on, except in the narrow schedule of the test below (both refused), after
+    which the next resume goes on."""
     assert _drive(tmp_path, mode, "--kill", "before-append") == -9
     go = tmp_path / "go"
     children = [_start(tmp_path, mode, "--wait-for", str(go)) for _ in range(2)]
@@ -156,7 +158,13 @@ def test_two_resumers_of_a_killed_session_charge_at_most_once_through_the_ledger
         return
     assert ran == ["charge 5"]
     assert set(_outcomes(tmp_path)) <= {"ok", "conflict"}
-    assert "ok" in _outcomes(tmp_path)
+    if "ok" not in _outcomes(tmp_path):  # the narrow schedule: the next resume goes on
+        assert _responses(tmp_path) == ["c1"]
+        _drive(tmp_path, mode)
+        assert "ok" in _outcomes(tmp_path)
+    assert effects(tmp_path / "effects.txt") == ["charge 5"]
+    assert _responses(tmp_path) == ["c1"]
+    assert _texts(tmp_path)[-1:] == ["done"]
 
 
 @pytest.mark.invariant("I1", "I5")
@@ -336,3 +344,73 @@ def test_a_resumer_superseded_by_a_later_claim_writes_nothing_and_the_later_one_
     events = asyncio.run(stored()).events
     assert [r.id for e in events for r in e.get_function_responses()] == ["c1"]
     assert not [e for e in events if e.error_code]  # A wrote no error event
+
+
+class _GatedWrite(_HeldWrite):
+    """ADK's session service; a function response to be written says so and waits for
+    ``go`` before the write (the writer has staged it in the ledger, nothing written)."""
+
+    async def append_event(self, session: Any, event: Any) -> Any:
+        if event.get_function_responses() and not event.partial:
+            self.written.set()  # here: about to write
+            await self.go.wait()
+        return await self.service.append_event(session, event)
+
+
+@pytest.mark.invariant("I1", "I3", "I7")
+def test_a_resumer_claiming_while_the_other_writes_leaves_both_refused_and_the_next_goes_on(
+        tmp_path: Path) -> None:
+    """The narrow schedule in which neither of two resumers goes on: A has staged the
+    function response (durable in the ledger) and is about to write it; B reads the
+    session, claims (superseding A) and, finding A's write not landed, takes the
+    publication over to write it itself. A's write lands first: A's commit is refused
+    (B's claim), and B's write is refused as stale by the session service (its copy was
+    read before A's write): both get `ConcurrencyConflict`, the response is in the
+    session once, and the charge ran once. The next resume acknowledges the write and
+    goes on. (A resumer cannot tell a writer that is gone from one still writing: the
+    session service's own stale check is what keeps the write single here.)"""
+    from google.adk.sessions.sqlite_session_service import SqliteSessionService
+
+    from statemachine.adapters.google_adk import LedgerPlugin, OneWriterSessionService
+
+    assert _drive(tmp_path, "ledger", "--kill", "before-append") == -9
+    path = tmp_path / "effects.txt"
+
+    def side() -> tuple[Runner, _GatedWrite]:
+        inner = _GatedWrite(SqliteSessionService(str(tmp_path / "sessions.db")))
+        plugin = LedgerPlugin(SQLiteEventStore(str(tmp_path / "ledger.db")))
+        runner, _, _ = build(path, [("c1", "charge", {"amount": 5})], tools=["charge"],
+                             service=OneWriterSessionService(inner, plugin=plugin),
+                             plugins=[plugin], resumable=True)
+        return runner, inner
+
+    async def resume(runner: Runner) -> str:
+        session = await runner.session_service.get_session(
+            app_name=APP, user_id=USER, session_id=SESSION)
+        assert session is not None
+        pending = [e.invocation_id for e in session.events if e.get_function_calls()]
+        try:
+            await run(runner, None, invocation_id=pending[-1])
+        except ConcurrencyConflict:
+            return "conflict"
+        return "ok"
+
+    async def scenario() -> tuple[str, str]:
+        (ra, a_writes), (rb, b_writes) = side(), side()
+        first = asyncio.create_task(resume(ra))
+        await a_writes.written.wait()  # A staged the response, about to write it
+        later = asyncio.create_task(resume(rb))
+        await b_writes.written.wait()  # B claimed and took the publication over
+        a_writes.go.set()
+        a_outcome = await first
+        b_writes.go.set()
+        return a_outcome, await later
+
+    assert asyncio.run(scenario()) == ("conflict", "conflict")
+    assert effects(path) == ["charge 5"]
+    assert _responses(tmp_path) == ["c1"]  # A's write, once
+    _drive(tmp_path, "ledger")  # the next resume, in a fresh process
+    assert _outcomes(tmp_path) == ["ok"]
+    assert effects(path) == ["charge 5"]
+    assert _responses(tmp_path) == ["c1"]
+    assert _texts(tmp_path)[-1:] == ["done"]
