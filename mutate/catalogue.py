@@ -1697,6 +1697,20 @@ CATALOGUE: tuple[Mutant, ...] = (
                "event",
        "                pass  # the result is durable before ADK makes it an event",
        "an ADK call's result is not flushed before ADK makes it an event"),
+    _m("GA16", "            brought = {**_confirmations(tool_context.session, c), call_id: given}",
+       "            brought = {call_id: given}",
+       "only a call's own confirmation is recorded: the first confirmed call of a message "
+       "to start moves the run on, and its sibling's confirmation is refused"),
+    _m("GA17", "    except StaleSessionError as stale:",
+       "    except () as stale:",
+       "the session service's own stale-session refusal reaches the caller as ADK's "
+       "StaleSessionError, not ConcurrencyConflict"),
+    _m("GA18", "            if c.in_doubt() and c is held:  # a body this process ran was "
+               "interrupted:\n                self.forget(run_id)",
+       "            if False:\n                self.forget(run_id)",
+       "a call whose body this process saw cancelled is refused at its tool callback, "
+       "not when the invocation opens: ADK records the refusal's error event, and the "
+       "invocation never goes on once the call is settled"),
     # ------------------------------------------------------------------ telemetry
     _m("TE01", "    span = None if spans is None or not switch.telemetry else "
                "spans.calls.get(call_id)",

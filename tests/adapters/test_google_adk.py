@@ -543,18 +543,27 @@ def test_a_call_in_doubt_refuses_the_run_until_the_operator_resolves_it(
 
 
 @pytest.mark.invariant("I1", "I11")
-@pytest.mark.parametrize("mode", ["alone", "ledger"])
-def test_a_cancelled_body_leaves_its_call_in_doubt_until_the_operator_settles_it(
-        tmp_path: Path, mode: str) -> None:
+@pytest.mark.parametrize(("mode", "settle"), [("alone", ""), ("ledger", "operator"),
+                                              ("ledger", "verifier")])
+def test_a_cancelled_body_leaves_its_call_in_doubt_until_it_is_settled(
+        tmp_path: Path, mode: str, settle: str) -> None:
     """The charge's body makes its effect and is cancelled before it returns (the task
     running the invocation is cancelled: a client gone, a timeout). ADK alone, resumed,
     charges again (2). Through the adapter the call is in doubt: the next run of the
     invocation is refused with `ToolInDoubt`, in the same process and in a fresh one,
-    nothing run; once the operator records the charge the run goes on with that word,
-    and the body never runs again (1)."""
+    nothing run; once the operator records the charge the run goes on with that word.
+    With a verifier, the next run in the same process asks it (as a fresh process
+    would) and goes on with its answer. The body never runs again (1)."""
     from google.adk.tools.function_tool import FunctionTool
 
-    w = World(tmp_path, mode, [("c1", "slow_charge", {"amount": 5})], [], resumable=True)
+    asked: list[str] = []
+
+    def verify(context: Any) -> Any:
+        asked.append(context.call_id)
+        return Completed({"charged": 5})
+
+    w = World(tmp_path, mode, [("c1", "slow_charge", {"amount": 5})], [], resumable=True,
+              verifiers={"slow_charge": verify} if settle == "verifier" else None)
     inside = asyncio.Event()
 
     async def slow_charge(amount: int) -> dict[str, Any]:
@@ -596,6 +605,15 @@ def test_a_cancelled_body_leaves_its_call_in_doubt_until_the_operator_settles_it
                 await again
             return
         assert w.plugin is not None
+        if settle == "verifier":  # this process asks it, as a fresh one would
+            answered = await run(w.runner, None, invocation_id=invocation)
+            assert [r.response for e in answered for r in e.get_function_responses()] == [
+                {"charged": 5}]
+            assert asked == ["c1"]
+            view = RunController.load(w.store, RUN).call("c1")
+            assert (view.phase, view.decisions[-1].by) == (
+                Phase.PUBLISHED, "verify:slow_charge")
+            return
         with pytest.raises(ToolInDoubt):  # this process: no longer held in flight
             await run(w.runner, None, invocation_id=invocation)
         w.plugin.forget()  # a fresh process: the store's record only
