@@ -1647,13 +1647,12 @@ CATALOGUE: tuple[Mutant, ...] = (
                   "before_tool_callback) answers a rejected confirmation with the same "
                   "{'error': REJECTED} before the body, and refuses a confirmation for a "
                   "call whose tool no longer requires one: the body never runs either way"),
-    _m("GA04", "        if _payload_fingerprint(given.payload) not in (fingerprint, None) or (",
-       "        if False and (",
+    _m("GA04", "    if shown not in (fingerprint, None) or (given.confirmed",
+       "    if False and (given.confirmed",
        "a confirmation's fingerprint is never compared: one shown for another call "
        "confirms this one"),
-    _m("GA05", "                given.confirmed and _payload_fingerprint(given.payload) != "
-               "fingerprint):",
-       "                False):",
+    _m("GA05", " or (given.confirmed and shown != fingerprint):",
+       " or False:",
        "a confirmation that shows no fingerprint is accepted as an approval"),
     _m("GA06", "        if recorded and (recorded[-1] == \"approved\") != "
                "bool(given.confirmed):",
@@ -1664,9 +1663,9 @@ CATALOGUE: tuple[Mutant, ...] = (
        "                if False:",
        "OneWriterSessionService never checks the session's last event: two writers both "
        "append"),
-    _m("GA08", "                                whole=True)\n"
-               "            c.flush()  # the envelope is durable before the write\n",
-       "                                whole=True)\n",
+    _m("GA08", "                                    whole=True)\n"
+               "                c.flush()  # the envelope is durable before the write\n",
+       "                                    whole=True)\n",
        "the publication staged for a session append is not flushed before the append"),
     _m("GA09", "        with plugin._lock:\n            c.publication_committed()\n"
                "            c.flush()\n        return written",
@@ -1698,6 +1697,20 @@ CATALOGUE: tuple[Mutant, ...] = (
                "event",
        "                pass  # the result is durable before ADK makes it an event",
        "an ADK call's result is not flushed before ADK makes it an event"),
+    _m("GA16", "            brought = {**_confirmations(tool_context.session, c), call_id: given}",
+       "            brought = {call_id: given}",
+       "only a call's own confirmation is recorded: the first confirmed call of a message "
+       "to start moves the run on, and its sibling's confirmation is refused"),
+    _m("GA17", "    except StaleSessionError as stale:",
+       "    except () as stale:",
+       "the session service's own stale-session refusal reaches the caller as ADK's "
+       "StaleSessionError, not ConcurrencyConflict"),
+    _m("GA18", "            if c.in_doubt() and c is held:  # a body this process ran was "
+               "interrupted:\n                self.forget(run_id)",
+       "            if False:\n                self.forget(run_id)",
+       "a call whose body this process saw cancelled is refused at its tool callback, "
+       "not when the invocation opens: ADK records the refusal's error event, and the "
+       "invocation never goes on once the call is settled"),
     # ------------------------------------------------------------------ telemetry
     _m("TE01", "    span = None if spans is None or not switch.telemetry else "
                "spans.calls.get(call_id)",
