@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sqlite3
 import statistics
 import tempfile
 import time
@@ -217,6 +218,161 @@ def bench_row(args: Any) -> dict[str, Any]:
         f"{figures['session_sqlite_buffered_overhead_us']} µs SQLite buffered (SDK alone "
         f"{figures['session_sdk_us']} µs); messages loop +"
         f"{figures['messages_memory_overhead_us']} µs in memory"), **figures}
+
+
+# ------------------------------------------------------------- the durable one-tool turn
+
+DURABLE_MODES = ("SDK alone, its messages saved to SQLite after the turn",
+                 "MessageToolLedger on SQLite, the messages saved so too")
+DURABLE_PG = "PostgreSQL: MessageToolLedger on PostgresEventStore"
+
+
+def _paying_client(ran: list[int]) -> tuple[Any, Any]:
+    """A client on the mock transport whose model asks for ``pay(amount=7)`` until the
+    request carries its result, then answers ``paid 7``; and the tool."""
+    import httpx2
+    from anthropic import Anthropic
+    from anthropic.lib.tools import beta_tool
+
+    def model(request: httpx2.Request) -> httpx2.Response:
+        sent = json.loads(request.content)["messages"]
+        done = any(isinstance(block, dict) and block.get("type") == "tool_result"
+                   for message in sent for block in message["content"]
+                   if isinstance(message["content"], list))
+        content = ([{"type": "text", "text": "paid 7"}] if done else
+                   [{"type": "tool_use", "id": "toolu_p1", "name": "pay",
+                     "input": {"amount": 7}}])
+        return httpx2.Response(200, json={
+            "id": "msg", "type": "message", "role": "assistant", "model": "bench",
+            "content": content, "stop_reason": "end_turn" if done else "tool_use",
+            "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1}})
+
+    @beta_tool
+    def pay(amount: int) -> str:
+        """Pay the amount."""
+        ran.append(amount)
+        return f"paid {amount}"
+
+    return Anthropic(api_key="bench", max_retries=0, http_client=httpx2.Client(
+        transport=httpx2.MockTransport(model))), pay
+
+
+def _durable_turn(store: Any, run_id: str, kept: Any) -> None:
+    """One turn of the messages loop, alone (``store`` None) or through the ledger; the
+    messages then saved to ``kept`` (a SQLite connection) in one transaction, as a caller
+    keeping the conversation would (neither the SDK nor the ledger keeps it)."""
+    from statemachine.adapters.anthropic import MessageToolLedger
+
+    ran: list[int] = []
+    client, pay = _paying_client(ran)
+    params: dict[str, Any] = {"model": "bench", "max_tokens": 16, "tools": [pay.to_dict()]}
+    ledger = None if store is None else MessageToolLedger.open(run_id, [pay], store=store)
+    history: list[Any] = [{"role": "user", "content": "pay 7"}]
+    while True:
+        reply = (client.messages.create(messages=history, **params) if ledger is None
+                 else ledger.create(client.messages, messages=history, **params))
+        if reply.stop_reason != "tool_use":
+            break
+        history.append({"role": "assistant", "content": reply.content})
+        history.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": block.id, "content": pay.call(block.input)}
+            for block in reply.content if block.type == "tool_use"]} if ledger is None
+            else ledger.run_tools(reply))
+    client.close()
+    if reply.content[0].text != "paid 7" or ran != [7]:
+        raise RuntimeError(f"the Anthropic turn went wrong: ran {ran}")
+    history.append({"role": "assistant", "content": reply.content})
+    with kept:
+        kept.execute("INSERT INTO messages VALUES (?, ?)", (run_id, json.dumps(
+            history, default=lambda block: block.model_dump(mode="json"))))
+
+
+def durable_row(args: Any = None) -> dict[str, Any]:
+    """The durable one-tool turn through `MessageToolLedger` (the messages loop; the
+    caller keeps the messages, as with the SDK alone) beside the SDK alone, on one mock
+    transport: the ledger's durable writes per turn (`SQLiteEventStore.commits`; on
+    PostgreSQL the server's WAL flushes, as `bench.durable_rows` counts them) and the CPU
+    per turn (``time.process_time``) against the SDK alone's, turn by turn in turn. The
+    conversation is the caller's on both sides, saved to SQLite after the turn (one
+    write); on SQLite the turn's writes are that and the ledger's (DESIGN §7.9: <= 3), on
+    PostgreSQL the ledger's alone; CPU <= 1.3x the SDK alone's. ImportError without
+    ``anthropic``; ``--quick`` leaves it out."""
+    from bench.framework_rows import QUICK
+
+    if getattr(args, "quick", False):  # (--quick has 20 s for every row)
+        return {"skipped": QUICK}
+    import anthropic  # noqa: F401
+
+    from bench.durable_rows import (
+        CPU_RATIO,
+        TARGET,
+        _counting_from,
+        _pid,
+        _server,
+        _turns,
+        _wal_syncs,
+    )
+    from statemachine.stores import SQLiteEventStore
+
+    logging.getLogger("anthropic").setLevel(logging.WARNING)
+    turns = _turns(args)
+    rows: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        store = SQLiteEventStore(Path(folder) / "events.db")
+        kept = sqlite3.connect(Path(folder) / "messages.db")
+        kept.execute("PRAGMA journal_mode=WAL")
+        kept.execute("PRAGMA synchronous=FULL")
+        kept.execute("CREATE TABLE messages (run_id TEXT, body TEXT)")
+        times: dict[str, list[float]] = {mode: [] for mode in DURABLE_MODES}
+        cpus: dict[str, list[float]] = {mode: [] for mode in DURABLE_MODES}
+        commits = 0
+        for i in range(turns + 1):  # (the first warms up)
+            for mode in DURABLE_MODES:
+                before = store.commits
+                start, cpu = time.perf_counter(), time.process_time()
+                _durable_turn(None if mode == DURABLE_MODES[0] else store,
+                              f"{mode[:3]}-{i}", kept)
+                if i:
+                    times[mode].append(time.perf_counter() - start)
+                    cpus[mode].append(time.process_time() - cpu)
+                    commits += store.commits - before
+        store.close()
+        kept.close()
+    for mode in DURABLE_MODES:  # (the messages' save is one write on each side)
+        rows[mode] = {"writes_per_turn": 1.0 if mode == DURABLE_MODES[0]
+                      else round(1 + commits / turns, 2),
+                      "turn_ms": round(statistics.median(times[mode]) * 1000, 2),
+                      "cpu_ms": round(statistics.median(cpus[mode]) * 1000, 2)}
+    with _server(args) as (dsn, schema, skipped):
+        if dsn is None:
+            rows[DURABLE_PG] = {"skipped": skipped}
+        else:
+            from statemachine.postgres import PostgresEventStore
+
+            with schema() as name:
+                syncs = _counting_from(dsn, name)
+                pg = PostgresEventStore(dsn, schema=name)
+                kept = sqlite3.connect(":memory:")  # (the ledger's flushes alone counted)
+                kept.execute("CREATE TABLE messages (run_id TEXT, body TEXT)")
+                for i in range(turns + 1):
+                    _durable_turn(pg, f"run-{i}", kept)
+                ended = _pid(pg)
+                pg.close()
+                rows[DURABLE_PG] = {"writes_per_turn": round(
+                    (_wal_syncs(dsn, ended) - syncs) / (turns + 1), 2)}
+    ours = rows[DURABLE_MODES[1]]
+    cpu = round(ours["cpu_ms"] / rows[DURABLE_MODES[0]]["cpu_ms"], 2)
+    writes = [row["writes_per_turn"] for mode, row in rows.items()
+              if mode != DURABLE_MODES[0] and "writes_per_turn" in row]
+    return {"summary": "; ".join(
+                f"{mode} {row['writes_per_turn']} writes"
+                + (f", {row['turn_ms']} ms, {row['cpu_ms']} ms CPU" if "cpu_ms" in row else "")
+                for mode, row in rows.items() if "writes_per_turn" in row)
+                + f"; CPU per turn {cpu}x the SDK alone's",
+            "rows": rows, "cpu_vs_sdk_alone": cpu,
+            "target": f"<= {TARGET} durable writes per one-tool turn; CPU per turn <= "
+                      f"{CPU_RATIO}x the SDK alone's",
+            "verdict": "met" if max(writes) <= TARGET and cpu <= CPU_RATIO else "missed"}
 
 
 if __name__ == "__main__":

@@ -22,7 +22,11 @@ input, the call, its output and the answer).
 Session in its file: the default path) beside LangGraph (PyPI ``langgraph`` and
 ``langgraph-checkpoint-sqlite``, the ``bench`` extra) with ``SqliteSaver`` on a file of
 its own and ``durability="sync"``: a ``model`` node (scripted: one tool call, then the
-answer), a ``tools`` node that runs the tool, and back. LangGraph's commits are counted
+answer), a ``tools`` node that runs the tool, and back, on plain dict messages: the
+least LangGraph can do for the turn, and the verdict's floor. Beside it, reported, the
+turn as LangGraph's own agents take it (`bench.framework_rows`: its ``ToolNode`` and
+LangChain's fake chat model, message objects): what the openai-agents SDK's own tool
+machinery and messages should be measured against. LangGraph's commits are counted
 off its connection's statements (``COMMIT``); after a crash between its tool and the next
 checkpoint LangGraph runs the tool again, this library does not (the issue's kill -9
 measurements). ImportError without LangGraph.
@@ -49,7 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,21 +80,31 @@ def _agent() -> tuple[Any, list[int]]:
     return Agent("payer", model, (FunctionTool("pay", pay),)), ran
 
 
-async def _turn(store: Any, session: Any, run_id: str, buffered: bool) -> None:
+Check = Callable[[], Coroutine[Any, Any, None]]
+"""What a turn hands back: the check of what it left, awaited once the clock stopped (a
+read of the Session the turn did not need is no part of its time)."""
+
+
+async def _turn(store: Any, session: Any, run_id: str, buffered: bool) -> Check:
     from statemachine import Step
     from statemachine.runner import Runner
 
     agent, ran = _agent()
     result = await Runner.run(agent, "pay 7", session=session, store=store, run_id=run_id,
                               buffered=buffered)
-    items = await session.get_items()
-    kinds = [item.get("type", item.get("role")) for item in items]
-    if (result.step is not Step.COMPLETED or ran != [7]
-            or kinds != ["user", "function_call", "function_call_output", "assistant"]):
-        raise RuntimeError(f"the turn went wrong: {result.step}, ran {ran}, {kinds}")
+    if result.step is not Step.COMPLETED or ran != [7]:
+        raise RuntimeError(f"the turn went wrong: {result.step}, ran {ran}")
+
+    async def check() -> None:
+        items = await session.get_items()
+        kinds = [item.get("type", item.get("role")) for item in items]
+        if kinds != ["user", "function_call", "function_call_output", "assistant"]:
+            raise RuntimeError(f"the turn left the history {kinds}")
+
+    return check
 
 
-Turn = Callable[[Any, Any, str, bool], Coroutine[Any, Any, None]]
+Turn = Callable[[Any, Any, str, bool], Coroutine[Any, Any, Check]]
 
 
 def _turns(args: Any) -> int:
@@ -100,7 +114,35 @@ def _turns(args: Any) -> int:
         5 if getattr(args, "quick", False) else TURNS)
 
 
+Steps = Generator[None, None, Any]
+"""A system's durable turns, one per step (the first warms up); what it measured is the
+generator's return value."""
+
+
+def _side_by_side(*systems: Steps) -> list[Any]:
+    """Run the systems' turns in turn (a turn of each, then the next of each, until each
+    is done) and give back what each measured: a machine that slows down for a while
+    slows every system alike, where measuring them one after the other would charge the
+    slow while to whichever system it fell on."""
+    found: list[Any] = [None] * len(systems)
+    running = list(range(len(systems)))
+    while running:
+        for k in list(running):
+            try:
+                next(systems[k])
+            except StopIteration as done:
+                found[k] = done.value
+                running.remove(k)
+    return found
+
+
 def _sqlite(folder: Path, mode: str, turns: int, turn: Turn | None = None) -> dict[str, Any]:
+    """`_sqlite_steps`, alone."""
+    found: dict[str, Any] = _side_by_side(_sqlite_steps(folder, mode, turns, turn))[0]
+    return found
+
+
+def _sqlite_steps(folder: Path, mode: str, turns: int, turn: Turn | None = None) -> Steps:
     """``turns`` one-tool turns (``turn``: the reference runner's by default) on one
     SQLite store in ``folder``, each with a Session of its own, in ``mode``: the
     writes per turn the store and the Sessions committed, and the median time."""
@@ -110,17 +152,24 @@ def _sqlite(folder: Path, mode: str, turns: int, turn: Turn | None = None) -> di
     store = SQLiteEventStore(folder / "events.db")
     sessions = []
     times, cpus = [], []
-    for i in range(turns):
+    commits = 0
+    for i in range(turns + 1):  # (the first warms up, and is not counted)
         where = folder / ("events.db" if mode.endswith("shared") else "session.db")
         session = SQLiteSession(f"s-{i}", where)
         if session.shares_transaction_with(store) != mode.endswith("shared"):
             raise RuntimeError(f"{mode}: the Session does not share as it should")
         sessions.append(session)
+        before = store.commits
         start, cpu = time.perf_counter(), time.process_time()
-        asyncio.run((turn or _turn)(store, session, f"run-{i}", mode.startswith("buffered")))
-        times.append(time.perf_counter() - start)
-        cpus.append(time.process_time() - cpu)
-    commits = store.commits + sum(s.commits for s in sessions)
+        check = asyncio.run((turn or _turn)(store, session, f"run-{i}",
+                                            mode.startswith("buffered")))
+        elapsed, used = time.perf_counter() - start, time.process_time() - cpu
+        asyncio.run(check())
+        if i:
+            times.append(elapsed)
+            cpus.append(used)
+            commits += store.commits - before + session.commits
+        yield
     store.close()
     for session in sessions:
         session.close()
@@ -180,8 +229,10 @@ def _postgres(dsn: str, schema: str, mode: str, turns: int,
             session = _Apart(session)
         sessions.append(session)
         start = time.perf_counter()
-        asyncio.run((turn or _turn)(store, session, f"run-{i}", mode.startswith("buffered")))
+        check = asyncio.run((turn or _turn)(store, session, f"run-{i}",
+                                            mode.startswith("buffered")))
         times.append(time.perf_counter() - start)
+        asyncio.run(check())  # (a read: no WAL flush)
     ended = [pid for opened in (store, *sessions) for pid in _pid(opened)]
     store.close()  # a backend reports its counts when it ends
     for session in sessions:
@@ -286,7 +337,7 @@ def _langgraph_app(path: Path, pay: Callable[[int], str]) -> tuple[Any, Any]:
     return graph.compile(checkpointer=SqliteSaver(conn)), conn
 
 
-def _langgraph_turns(folder: Path, turns: int) -> tuple[float, float]:
+def _langgraph_turns(folder: Path, turns: int) -> Steps:
     """LangGraph's median seconds and commits per durable one-tool turn."""
     ran: list[int] = []
 
@@ -299,6 +350,7 @@ def _langgraph_turns(folder: Path, turns: int) -> tuple[float, float]:
     app.invoke({"messages": [{"role": "user", "content": "warm up"}]},
                {"configurable": {"thread_id": "warm-up"}}, durability="sync")
     ran.clear()
+    yield
     conn.set_trace_callback(statements.append)
     times = []
     for i in range(turns):
@@ -308,6 +360,7 @@ def _langgraph_turns(folder: Path, turns: int) -> tuple[float, float]:
         times.append(time.perf_counter() - start)
         if done["messages"][-1].get("content") != "paid 7":
             raise RuntimeError(f"LangGraph's turn went wrong: {done['messages']}")
+        yield
     conn.set_trace_callback(None)
     conn.close()
     if ran != [7] * turns:
@@ -323,13 +376,22 @@ def langgraph_row(args: Any = None) -> dict[str, Any]:
     openai-agents."""
     turns = _turns(args)
     with tempfile.TemporaryDirectory() as folder:
-        theirs_s, theirs_commits = _langgraph_turns(Path(folder), turns)
-        ours = _sqlite(Path(folder), MODES[-1], turns)
-        adapter: dict[str, Any] | None = None
+        systems = [_langgraph_turns(Path(folder), turns),
+                   _sqlite_steps(Path(folder), MODES[-1], turns)]
         with contextlib.suppress(ImportError):
+            import agents  # noqa: F401
+
             place = Path(folder) / "openai-agents"
             place.mkdir()
-            adapter = _openai_turns(place, OPENAI_MODES[-1], turns)
+            systems.append(_openai_steps(place, OPENAI_MODES[-1], turns))
+        (theirs_s, theirs_commits), ours, *through_adapter = _side_by_side(*systems)
+        adapter: dict[str, Any] | None = through_adapter[0] if through_adapter else None
+        from bench.framework_rows import LANGGRAPH_MODES
+        from bench.framework_rows import _langgraph_turns as _react_turns
+
+        place = Path(folder) / "react"
+        place.mkdir()
+        react = _react_turns(place, LANGGRAPH_MODES[0], min(turns, 10))
     theirs_ms = theirs_s * 1000
     ratio = ours["turn_ms"] / theirs_ms
     through = None if adapter is None else adapter["turn_ms"] / theirs_ms
@@ -337,12 +399,18 @@ def langgraph_row(args: Any = None) -> dict[str, Any]:
     adapter_text = ("" if adapter is None else
                     f"the openai-agents adapter {adapter['turn_ms']} ms and "
                     f"{adapter['writes_per_turn']} commits ({through:.2f}x); ")
+    react_ratio = None if adapter is None else adapter["turn_ms"] / react["turn_ms"]
+    react_text = ("" if react_ratio is None else
+                  f"; LangGraph's ReAct graph (its ToolNode, a LangChain chat model) "
+                  f"{react['turn_ms']} ms, the adapter {react_ratio:.2f}x that")
     return {
         "summary": f"{adapter_text}the reference runner {ours['turn_ms']} ms and "
                    f"{ours['writes_per_turn']} commits ({ratio:.2f}x), never re-running the "
                    f"tool; LangGraph {theirs_ms:.2f} ms and {theirs_commits:.1f} commits, "
-                   "re-running it after a crash",
+                   f"re-running it after a crash{react_text}",
         "ratio": round(judged, 2), "reference_runner_ratio": round(ratio, 2),
+        "react_graph_ms": react["turn_ms"],
+        "adapter_over_react_graph": None if react_ratio is None else round(react_ratio, 2),
         "turns": turns,
         "target": f"<= {LANGGRAPH_RATIO}x LangGraph's time, through the openai-agents "
                   "adapter (the reference runner's when openai-agents is missing)",
@@ -372,7 +440,7 @@ def _pydantic_agent(ran: list[int]) -> Any:
     return agent
 
 
-async def _pydantic_turn(store: Any, history: Any, run_id: str, buffered: bool) -> None:
+async def _pydantic_turn(store: Any, history: Any, run_id: str, buffered: bool) -> Check:
     from statemachine.adapters.pydantic_ai import LedgerRun
 
     ran: list[int] = []
@@ -382,8 +450,15 @@ async def _pydantic_turn(store: Any, history: Any, run_id: str, buffered: bool) 
     if done.output != "paid 7" or ran != [7]:
         raise RuntimeError(f"the pydantic-ai turn went wrong: {done.output!r}, ran {ran}")
 
+    async def check() -> None:
+        kinds = [item.get("kind") for item in await history.get_items()]
+        if kinds != ["request", "response", "request", "response"]:
+            raise RuntimeError(f"the pydantic-ai turn left the history {kinds}")
 
-def _pydantic_alone(folder: Path, turns: int) -> dict[str, Any]:
+    return check
+
+
+def _pydantic_alone(folder: Path, turns: int) -> Steps:
     """pydantic-ai alone on the same turn, its messages saved to a SQLite file after it
     (what its docs suggest for keeping a conversation: ``all_messages_json()``), one
     transaction per turn."""
@@ -408,6 +483,7 @@ def _pydantic_alone(folder: Path, turns: int) -> dict[str, Any]:
         if i:
             times.append(elapsed)
             cpus.append(used)
+        yield
     conn.close()
     return {"writes_per_turn": 1.0, "turn_ms": round(statistics.median(times) * 1000, 2),
             "cpu_ms": round(statistics.median(cpus) * 1000, 2)}
@@ -426,11 +502,16 @@ def pydantic_ai_row(args: Any = None) -> dict[str, Any]:
     turns = _turns(args)
     rows: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as folder:
-        rows[PYDANTIC_ALONE] = _pydantic_alone(Path(folder), turns)
-        for index, mode in enumerate(MODES):
-            place = Path(folder) / f"p-{index}"
+        places = [Path(folder) / f"p-{index}" for index in range(len(MODES))]
+        for place in places:
             place.mkdir()
+        for mode, place in zip(MODES[:-1], places, strict=False):
             rows[mode] = _sqlite(place, mode, turns, _pydantic_turn)
+        # the two the verdict compares, turn by turn in turn
+        rows[PYDANTIC_ALONE], rows[MODES[-1]] = _side_by_side(
+            _pydantic_alone(Path(folder), turns),
+            _sqlite_steps(places[-1], MODES[-1], turns, _pydantic_turn))
+        rows = {mode: rows[mode] for mode in (PYDANTIC_ALONE, *MODES)}  # (in their order)
     with _server(args) as (dsn, schema, skipped):
         if dsn is None:
             rows[f"PostgreSQL: {MODES[-1]}"] = {"skipped": skipped}
@@ -598,6 +679,13 @@ OPENAI_PG = "PostgreSQL: ours buffered, our PostgresSession in the store's datab
 
 def _openai_turns(folder: Path, mode: str, turns: int,
                   pg: tuple[str, str] | None = None) -> dict[str, Any]:
+    """`_openai_steps`, alone."""
+    found: dict[str, Any] = _side_by_side(_openai_steps(folder, mode, turns, pg))[0]
+    return found
+
+
+def _openai_steps(folder: Path, mode: str, turns: int,
+                  pg: tuple[str, str] | None = None) -> Steps:
     """``turns`` durable one-tool turns through openai-agents in ``mode`` (after one that
     warms up): the writes per turn (the store's commits and the Session's), the median
     wall time and the median CPU time (this process's, its threads included) per turn."""
@@ -650,6 +738,7 @@ def _openai_turns(folder: Path, mode: str, turns: int,
         if pg is not None:
             ended += _pid(session)
         session.close()
+        yield
     if store is not None:
         if pg is not None:
             ended += _pid(store)
@@ -672,10 +761,16 @@ def openai_agents_row(args: Any = None) -> dict[str, Any]:
     turns = _turns(args)
     rows: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as folder:
-        for index, mode in enumerate(OPENAI_MODES):
-            place = Path(folder) / f"oa-{index}"
+        places = [Path(folder) / f"oa-{index}" for index in range(len(OPENAI_MODES))]
+        for place in places:
             place.mkdir()
+        for mode, place in zip(OPENAI_MODES[1:-1], places[1:-1], strict=True):
             rows[mode] = _openai_turns(place, mode, turns)
+        # the two the verdict compares, turn by turn in turn
+        rows[OPENAI_MODES[0]], rows[OPENAI_MODES[-1]] = _side_by_side(
+            _openai_steps(places[0], OPENAI_MODES[0], turns),
+            _openai_steps(places[-1], OPENAI_MODES[-1], turns))
+        rows = {mode: rows[mode] for mode in OPENAI_MODES}  # (in their order)
         with _server(args) as (dsn, schema, skipped):
             if dsn is None:
                 rows[OPENAI_PG] = {"skipped": skipped}

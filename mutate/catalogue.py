@@ -76,7 +76,8 @@ _RUNNER = ("tests/runner/test_one_writer.py", "tests/runner/test_runner_promises
            "tests/runner/test_partial_approval.py", "tests/runner/test_crash_hooks.py",
            "tests/core/test_claim.py", "tests/storage/test_durability.py",
            "tests/runner/test_fencing.py", "tests/runner/test_verifiers.py",
-           "tests/runner/test_riding.py")
+           "tests/runner/test_riding.py", "tests/runner/test_new_input.py",
+           "tests/runner/test_repeated_tail.py")
 _CODEC = ("tests/core/test_codec.py", "tests/core/test_limits.py",
           "tests/core/test_keyed_chain.py", "tests/core/test_decoding.py",
           "tests/core/test_controller.py")
@@ -188,6 +189,12 @@ _VERIFIERS_AN = ("tests/adapters/test_anthropic_verifiers.py::"
 kill -9 row each; every row runs in `just test`): ahead of each adapter's long files, so a
 mutant of this code is killed well within its time."""
 
+_CORNERS = ("tests/adapters/test_openai_agents_corners.py",
+            "tests/adapters/test_pydantic_ai_corners.py",
+            "tests/adapters/test_anthropic_corners.py")
+"""The adapter corners (issue 32): every mix of new, cached and in-doubt calls in a reply,
+faults after a recorded result, older saved states, rival claims, lossy outputs."""
+
 SELECTIONS: dict[str, tuple[str, ...]] = {
     "statemachine/machine.py": (*_CORE, _WORLDS),
     "statemachine/state.py": (*_CORE, "tests/storage/test_snapshots.py", _WORLDS),
@@ -197,10 +204,13 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     "statemachine/fastload.py": (*_CODEC, "tests/storage/test_stores.py",
                                  "tests/core/test_bad_input.py", "tests/storage/test_nul.py"),
     "statemachine/controller.py": _CONTROLLER,
-    "statemachine/journal.py": _CONTROLLER,
+    "statemachine/journal.py": (*_CONTROLLER, "tests/storage/test_async_stores.py::"
+                                "test_a_sync_stores_missing_run_is_not_found_without_a_"
+                                "worker_thread"),
     "statemachine/stores.py": _STORES,
     "statemachine/stored.py": _STORES,
     "statemachine/sqlite.py": ("tests/storage/test_sessions.py", *_STORES,
+                               "tests/storage/test_sqlite_shared_session.py",
                                "tests/storage/test_nul.py",
                                "tests/tools/test_cli_reads.py::"
                                "test_read_verbs_leave_a_live_writers_shm_as_it_was"),
@@ -214,24 +224,28 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
                                      "tests/storage/test_group_commit.py"),
     "statemachine/runner/loop.py": _RUNNER,
     "statemachine/runner/attempt.py": (*_RUNNER, "tests/storage/test_leases.py"),
-    "statemachine/runner/publish.py": (*_RUNNER, "tests/storage/test_leases.py"),
+    "statemachine/runner/publish.py": (*_RUNNER, "tests/storage/test_leases.py",
+                                       "tests/storage/test_sqlite_shared_session.py"),
     "statemachine/runner/remote.py": ("tests/runner/test_remote.py",
                                       "tests/runner/test_runner_promises.py"),
     "statemachine/runner/agents.py": _RUNNER,
     "statemachine/adapters/openai_agents.py": (*_VERIFIERS_OA, *_OPENAI_AGENTS,
                                                "tests/adapters/test_openai_agents_settled.py",
+                                               "tests/adapters/test_openai_agents_corners.py",
                                                _OPENAI_AGENTS_MCP),
     "statemachine/adapters/_mcp.py": (_OPENAI_AGENTS_MCP,),
     "statemachine/adapters/_calls.py": ("tests/adapters/test_calls.py", *_VERIFIERS_OA,
                                         *_VERIFIERS_PD, *_VERIFIERS_AN, *_OPENAI_AGENTS,
-                                        *_SETTLED),
+                                        *_SETTLED, *_CORNERS),
     "statemachine/adapters/pydantic_ai.py": (
         *_VERIFIERS_PD,
         "tests/adapters/test_pydantic_ai_durability.py::"
         "test_each_effect_finds_the_durable_record_that_allows_it",
-        "tests/adapters/test_pydantic_ai.py", "tests/adapters/test_pydantic_ai_settled.py"),
+        "tests/adapters/test_pydantic_ai.py", "tests/adapters/test_pydantic_ai_settled.py",
+        "tests/adapters/test_pydantic_ai_corners.py"),
     "statemachine/adapters/anthropic.py": (*_VERIFIERS_AN, "tests/adapters/test_anthropic.py",
-                                           "tests/adapters/test_anthropic_settled.py"),
+                                           "tests/adapters/test_anthropic_settled.py",
+                                           "tests/adapters/test_anthropic_corners.py"),
     # the durability files run each row in fresh processes (kill -9, two resumers): last
     "statemachine/adapters/langgraph.py": ("tests/adapters/test_langgraph.py",
                                            "tests/adapters/test_langgraph_durability.py"),
@@ -590,6 +604,9 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("CT28", 'and "\\x00" not in value):', "and True):",
        "an ASCII text field holding a NUL passes the controller's fast check"),
     # -------------------------------------------------------------------- journal
+    _m("JO30", "            return int(reader(run_id)) == 0\n", "            return False\n",
+       "a sync store's missing run is looked for on a worker thread made for it (a thread "
+       "per event loop, made and shut down for nothing)"),
     _m("JO27", "        self.riding.clear()\n", "",
        "a Session write that rode is written again by the next flush"),
     _m("JO28", "        writes = list(self.riding)  #", "        writes = []  #",
@@ -710,16 +727,26 @@ CATALOGUE: tuple[Mutant, ...] = (
        "MemorySession.get_items(limit=0) returns the whole history"),
     _m("SE02", "copies = [detach(item) for item in items]", "copies = list(items)",
        "MemorySession keeps the caller's items (forgotten copy)"),
-    _m("SQ13", "(self.session_id, max(limit, 0))", "(self.session_id, limit)",
-       "SQLiteSession.get_items with a negative limit returns everything"),
-    _m("SQ14", '" ORDER BY id DESC LIMIT ?) ORDER BY id",', '" ORDER BY id DESC LIMIT ?)",',
-       "SQLiteSession's tail comes back newest first"),
+    _m("SQ13", "(session_id, max(limit, 0))", "(session_id, limit)",
+       "a Session's tail read with a negative limit (by the Session or its store) returns "
+       "everything"),
+    _m("SQ14", '" ORDER BY id DESC LIMIT ?) ORDER BY id", (session_id',
+       '" ORDER BY id DESC LIMIT ?)", (session_id',
+       "a Session's tail (read by the Session or its store) comes back newest first"),
     _m("SQ15", '"ORDER BY id DESC LIMIT 1", (self.session_id,)).fetchone()',
        '"ORDER BY id LIMIT 1", (self.session_id,)).fetchone()',
        "SQLiteSession.pop_item removes the oldest item"),
     _m("SQ24", "return 0 if row is None or row[0] is None else int(row[0]) + 1",
        "return 0 if row is None or row[0] is None else int(row[0])",
        "the SQLite store's version is one short: every fence refuses its own run"),
+    _m("SQ25", "                    conn.execute(_SESSION_INDEX)\n",
+       "                    conn.execute(_SESSION_INDEX)\n"
+       "                    self._session_table = True\n",
+       "the store takes the Session's table as made in an append that then rolls back, and "
+       "the next append of items fails: no such table"),
+    _m("SQ26", "            return _session_bodies(conn, session_id, limit)",
+       "            return _session_bodies(conn, session_id, None)",
+       "the store reads a Session's whole history where its tail was asked for"),
     _m("SQ16", "        if type(session_id) is str and (problem := text_problem(session_id)) "
                "is not None:", "        if False:",
        "SQLiteSession takes a session id with a NUL, which PostgreSQL refuses"),
@@ -1030,8 +1057,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("PU01", 'elif kind == "function_call" and call_id not in answered:',
        'elif kind == "function_call":',
        "one_writer blocks on a call that has its output"),
-    _m("PU02", "tail = await run_history(controller, session, limit=len(items) + 1)",
-       "tail = await run_history(controller, session, limit=len(items))",
+    _m("PU02", "    limit = len(items) + 1\n    while True:",
+       "    limit = len(items)\n    while True:",
        "publish reads one history item too few"),
     _m("PU03", "    await controller.flush_async()  # an effect boundary: the staged envelope "
                "is durable\n", "",
@@ -1052,16 +1079,19 @@ CATALOGUE: tuple[Mutant, ...] = (
        "decision = controller.reconcile(await run_history(controller, session),",
        "settle reads the whole Session",
        equivalent="reconcile reads only the last read_limit items of what it is given"),
-    _m("PU08", "    for item in reversed(tail):", "    for item in tail:",
+    _m("PU08", "    for position in range(len(tail) - 1, -1, -1):",
+       "    for position in range(len(tail)):",
        "one_writer reads the tail oldest first"),
     _m("PU09", "                and writer.owner is not None and event.owner != writer.owner)",
        "                and writer.owner is not None)",
        "a worker that claims again under the same owner takes its own write over"),
     _m("PU12", "    riding = list(controller.riding_items)\n", "    riding: list[JSON] = []\n",
        "a staging reads the Session without the publications that ride to the next flush"),
-    _m("PU13", "    if controller.riding_items and not many_session_writes(controller.store):\n",
+    _m("PU13", "    if not many_session_writes(controller.store) and controller.riding_items:\n",
        "    if False:\n",
        "a store that takes one Session write per append is handed a second that rides"),
+    _m("PU14", "            and isinstance(store, SQLiteEventStore)\n", "\n",
+       "a Session beside an async store is read through the store, which has no such read"),
     _m("PU10", "        return (writer is not None and writer.lease is not None\n",
        "        return (writer is not None\n",
        "a writer that took no lease is taken over by the next claimant"),
@@ -1609,20 +1639,21 @@ CATALOGUE: tuple[Mutant, ...] = (
        "            done, _ = begin_call",
        "before_tool_callback lets a completed, published or rejected call through to its "
        "body"),
-    _m("GA03", "            return None if given.confirmed else {\"error\": REJECTED}",
-       "            return None",
+    _m("GA03", "            answered(c, call_id)  # answered with its rejection, never run\n"
+               "            return {\"error\": REJECTED}",
+       "            answered(c, call_id)  # answered with its rejection, never run\n"
+               "            return None",
        "a confirmation that rejects is recorded, then the call runs anyway",
        equivalent="ADK's own confirmation gate (apply_confirmation_gate, after the plugin's "
                   "before_tool_callback) answers a rejected confirmation with the same "
                   "{'error': REJECTED} before the body, and refuses a confirmation for a "
                   "call whose tool no longer requires one: the body never runs either way"),
-    _m("GA04", "        if _payload_fingerprint(given.payload) not in (fingerprint, None) or (",
-       "        if False and (",
+    _m("GA04", "    if shown not in (fingerprint, None) or (given.confirmed",
+       "    if False and (given.confirmed",
        "a confirmation's fingerprint is never compared: one shown for another call "
        "confirms this one"),
-    _m("GA05", "                given.confirmed and _payload_fingerprint(given.payload) != "
-               "fingerprint):",
-       "                False):",
+    _m("GA05", " or (given.confirmed and shown != fingerprint):",
+       " or False:",
        "a confirmation that shows no fingerprint is accepted as an approval"),
     _m("GA06", "        if recorded and (recorded[-1] == \"approved\") != "
                "bool(given.confirmed):",
@@ -1633,9 +1664,9 @@ CATALOGUE: tuple[Mutant, ...] = (
        "                if False:",
        "OneWriterSessionService never checks the session's last event: two writers both "
        "append"),
-    _m("GA08", "                                whole=True)\n"
-               "            c.flush()  # the envelope is durable before the write\n",
-       "                                whole=True)\n",
+    _m("GA08", "                                    whole=True)\n"
+               "                c.flush()  # the envelope is durable before the write\n",
+       "                                    whole=True)\n",
        "the publication staged for a session append is not flushed before the append"),
     _m("GA09", "        with plugin._lock:\n            c.publication_committed()\n"
                "            c.flush()\n        return written",
@@ -1667,6 +1698,20 @@ CATALOGUE: tuple[Mutant, ...] = (
                "event",
        "                pass  # the result is durable before ADK makes it an event",
        "an ADK call's result is not flushed before ADK makes it an event"),
+    _m("GA16", "            brought = {**_confirmations(tool_context.session, c), call_id: given}",
+       "            brought = {call_id: given}",
+       "only a call's own confirmation is recorded: the first confirmed call of a message "
+       "to start moves the run on, and its sibling's confirmation is refused"),
+    _m("GA17", "    except StaleSessionError as stale:",
+       "    except () as stale:",
+       "the session service's own stale-session refusal reaches the caller as ADK's "
+       "StaleSessionError, not ConcurrencyConflict"),
+    _m("GA18", "            if c.in_doubt() and c is held:  # a body this process ran was "
+               "interrupted:\n                self.forget(run_id)",
+       "            if False:\n                self.forget(run_id)",
+       "a call whose body this process saw cancelled is refused at its tool callback, "
+       "not when the invocation opens: ADK records the refusal's error event, and the "
+       "invocation never goes on once the call is settled"),
     # ------------------------------------------------------------------ telemetry
     _m("TE01", "    span = None if spans is None or not switch.telemetry else "
                "spans.calls.get(call_id)",
@@ -1678,10 +1723,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("TE03", "    error = getattr(event, \"error\", None)",
        "    error = getattr(event, \"output\", None)",
        "a payload (a result, an output) becomes an attribute"),
-    _m("TE04", "            span.set_attribute(\"statemachine.tool.outcome\", \"interrupted\")\n"
-               "            _failed(span, \"interrupted\")\n            span.end()",
-       "            span.set_attribute(\"statemachine.tool.outcome\", \"interrupted\")\n"
-               "            _failed(span, \"interrupted\")",
+    _m("TE04", "            _failed(span, \"interrupted\")\n            span.end()",
+       "            _failed(span, \"interrupted\")",
        "an interrupted call's span never ends (never exported)"),
     _m("TE05", "            case ev.PublicationCommitted() if self.publication is not None:",
        "            case ev.PublicationCommitted() if False:",

@@ -28,7 +28,7 @@ from mutate.catalogue import SELECTIONS, Mutant
 ROOT = Path(__file__).resolve().parent.parent
 """The checkout the catalogue describes (the mutants' targets are relative to it)."""
 
-COPIED = ("statemachine", "tests", "examples", "pyproject.toml")
+COPIED = ("statemachine", "tests", "examples", "pyproject.toml", "README.md")
 """What a mutant's copy of the tree holds: enough to run any selected test."""
 
 _IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", ".pytest_cache")

@@ -43,6 +43,7 @@ from statemachine.errors import (
     InvalidTransition,
     PublicationUnsettled,
     ReconcileRejected,
+    RunNotFound,
     RunNotResumable,
     SchemaError,
     ToolInDoubt,
@@ -285,12 +286,21 @@ class RunController:
 
         A `MemoryEventStore` is loaded on the loop itself: it does no I/O and decodes
         nothing, and it keeps snapshots, so its load replays a bounded tail; the hop to
-        a worker thread costs more than that."""
+        a worker thread costs more than that. A sync store that counts a run's events
+        (``version``) is asked on the loop first: a run it does not hold is
+        `RunNotFound` without the hop."""
         if type(store) is MemoryEventStore:
             return cls.load(store, run_id, max_depth=max_depth, max_events=max_events,
                             max_bytes=max_bytes, snapshot=snapshot, buffered=buffered,
                             clock=clock)
         if not is_async(store):
+            _check_limit("max_bytes", max_bytes, {"action": "load"})
+            _check_clock(clock, {"run_id": run_id, "action": "load"})
+            if Journal.holds_none(store, run_id):  # type: ignore[arg-type]
+                # a run that is not there (a new run's open) costs one indexed read on
+                # the loop, not a worker thread (made, and shut down, per event loop)
+                raise RunNotFound("no such run in the store", run_id=run_id,
+                                  action="load")
             return await asyncio.to_thread(
                 cls.load, store, run_id,  # type: ignore[arg-type]
                 max_depth=max_depth, max_events=max_events,

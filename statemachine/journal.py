@@ -240,6 +240,17 @@ class Journal:
         journal.buffered = buffered
         return journal
 
+    @staticmethod
+    def holds_none(store: EventStore, run_id: str) -> bool:
+        """Whether ``store``, which counts a run's events (``version``: every sync store
+        of this library), holds none of ``run_id``'s: one indexed read, its failure
+        typed as a load's. False for a store that does not count them."""
+        reader = getattr(store, "version", None)
+        if reader is None:
+            return False
+        with _StoreCall(run_id, "load", None):
+            return int(reader(run_id)) == 0
+
     @classmethod
     async def load_async(cls, store: AsyncEventStore, run_id: str, *, limits: Limits,
                          snapshot: bool) -> Journal:
@@ -277,8 +288,8 @@ class Journal:
                                   size=_snapshot_size(store, run_id, stored, base, tail))
                     journal.origin = stored
                     return journal
-            elif stored is None and tail.events and tail.events[0].seq == 0:
-                log = tail  # no snapshot: the tail is the whole log
+            elif stored is None and (not tail.events or tail.events[0].seq == 0):
+                log = tail  # no snapshot: the tail is the whole log (none: no run)
         if log is None:
             log = load_measured(store, run_id)
         events = list(log.events)

@@ -27,6 +27,7 @@ import os
 import sqlite3
 import threading
 import uuid
+import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 from urllib.parse import quote
@@ -421,6 +422,7 @@ class SQLiteEventStore:
         self._closed = False
         self._has_runs = self._has_digests = self._has_versions = True
         self._has_updated_at = self._has_leases = self._has_read_models = True
+        self._session_table = False  # (True once a Session's table was seen in the file)
         self.commits = 0
         """How many write transactions of appends this object committed (each one fsync
         of the write-ahead log: an `append`'s, or an `append_group`'s of several appends):
@@ -659,6 +661,8 @@ class SQLiteEventStore:
             # the file was deleted or replaced during the append: it went into the void
             self._check(_APPEND, outcome=Outcome.UNKNOWN, **where)
             self.commits += 1
+            if a.items is not None:
+                self._session_table = True
 
     def _prepare(self, run_id: str, events: Sequence[Event], expected_version: int,
                  snapshot: Snapshot | None, step: Step | None, read_model: ReadModel | None,
@@ -711,8 +715,9 @@ class SQLiteEventStore:
             if a.events:
                 self._keep_head(conn, run_id, a.events, expected_version, a.fold)
             if a.items is not None:
-                conn.execute(_SESSION_TABLE)
-                conn.execute(_SESSION_INDEX)
+                if not self._session_table:  # (known made once an append of items landed)
+                    conn.execute(_SESSION_TABLE)
+                    conn.execute(_SESSION_INDEX)
                 conn.executemany("INSERT INTO session_items (session_id, body) "
                                  "VALUES (?, ?)", a.items)
         except sqlite3.IntegrityError:  # UNIQUE(run_id, seq): another writer got there
@@ -784,6 +789,8 @@ class SQLiteEventStore:
                     outcomes[i] = lost
             if landed:
                 self.commits += 1
+                if any(group[i].items is not None for i in landed):
+                    self._session_table = True
         return outcomes
 
     @staticmethod
@@ -933,6 +940,30 @@ class SQLiteEventStore:
             return 0 if row is None or row[0] is None else int(row[0]) + 1
 
         return self._read(query, doing="read the run's version")  # type: ignore[no-any-return]
+
+    def session_items(self, session_id: str, limit: int | None = None) -> list[JSON]:
+        """The items of the `SQLiteSession` ``session_id`` in this file (all of them, or
+        the last ``limit``), as the Session's ``get_items`` reads them, through this
+        store's connection: the Session whose items this store writes in its appends
+        (``session_write``), read where they are written, with no thread of the
+        Session's (`runner.publish.run_history` reads so beside a sync store).
+        `StorageError` as `SQLiteSession.get_items` raises it."""
+        def query(conn: sqlite3.Connection) -> list[Any]:
+            if not self._has_session_items(conn):
+                return []
+            return _session_bodies(conn, session_id, limit)
+
+        bodies = self._read(query, doing=_READ_SESSION)
+        return [_item(body, self.path, _READ_SESSION) for body in bodies]
+
+    def _has_session_items(self, conn: sqlite3.Connection) -> bool:
+        """Whether the file holds a Session table (kept once found: never dropped). Read
+        outside any write transaction, so what it finds is committed."""
+        if not self._session_table:
+            self._session_table = conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = "
+                "'session_items'").fetchone() is not None
+        return self._session_table
 
     def run_ids(self, limit: int | None = None) -> list[str]:
         """The ids of the runs the store holds, sorted (the first ``limit`` of them)."""
@@ -1281,6 +1312,36 @@ _SESSION_INDEX = ("CREATE INDEX IF NOT EXISTS session_items_by_session "
                   "ON session_items (session_id, id)")
 
 
+_READ_SESSION = "read the Session"
+
+
+def _NOBODY() -> None:
+    """A weak reference to nothing."""
+
+
+def _session_bodies(conn: sqlite3.Connection, session_id: str, limit: int | None
+                    ) -> list[Any]:
+    """The stored bodies of a Session's items, in order: all of them, or the last
+    ``limit``."""
+    if limit is None:
+        rows = conn.execute("SELECT body FROM session_items WHERE session_id = ? ORDER BY id",
+                            (session_id,)).fetchall()
+    else:
+        rows = conn.execute(
+            "SELECT body FROM (SELECT id, body FROM session_items WHERE session_id = ?"
+            " ORDER BY id DESC LIMIT ?) ORDER BY id", (session_id, max(limit, 0))).fetchall()
+    return [body for (body,) in rows]
+
+
+def _item(body: Any, path: str, doing: str) -> JSON:
+    """A stored Session item parsed; `StorageError` for one that is not JSON."""
+    try:
+        return json.loads(body)
+    except (ValueError, TypeError, RecursionError):
+        raise StorageError(f"cannot {doing}: {shown(path)} holds a damaged "
+                           "item (not JSON)", outcome=Outcome.NOT_WRITTEN) from None
+
+
 def _session_rows(write: SessionWrite | tuple[SessionWrite, ...],
                   events: Sequence[Event]) -> list[tuple[str, str]]:
     """The rows of a ``session_write`` (one, or a tuple of them in order) as detached JSON
@@ -1311,6 +1372,9 @@ class SQLiteSession:
     holds the file's lock), one call at a time and in the order they were made: a read
     after a write sees it. A call cancelled while it runs is finished on that thread (a
     write lands whole or not at all, as ever), and the calls made after it wait for it.
+    Beside a sync `SQLiteEventStore` of its own file, which writes its items in the
+    store's appends on the caller's thread, the runners read it through that store
+    (`SQLiteEventStore.session_items`), not through these calls.
     """
 
     def __init__(self, session_id: str, path: str | os.PathLike[str], *,
@@ -1325,6 +1389,8 @@ class SQLiteSession:
         self.commits = 0
         """How many write transactions this Session committed (`SQLiteEventStore.commits`
         counts the ones its store wrote for it)."""
+        self._sharing: Callable[[], object] = _NOBODY
+        """The store last found to share this Session's transaction (a weak reference)."""
         self._worker = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="statemachine-sqlite-session")
         with storage_errors(self.path, doing="open the Session"):
@@ -1342,14 +1408,19 @@ class SQLiteSession:
         ``statemachine.runner.publish`` hands a publication's items to the store with its
         commit event (`SessionWrite`), one transaction and one fsync for both, as with
         `PostgresSession` (DESIGN §7.7)."""
+        if store is not None and store is self._sharing():
+            return True  # (asked before every publication and read: the files are the same)
         sync = getattr(store, "sync", store)
         if (not isinstance(sync, SQLiteEventStore) or sync.readonly
                 or not takes_session_write(sync)):
             return False
         try:
-            return os.path.samefile(sync.path, self.path)
+            shared = os.path.samefile(sync.path, self.path)
         except OSError:
             return False
+        if shared:
+            self._sharing = weakref.ref(store)
+        return shared
 
     def close(self) -> None:
         with self._lock:
@@ -1384,25 +1455,12 @@ class SQLiteSession:
         await self._off_loop(self._clear_session)
 
     def _get_items(self, limit: int | None) -> list[JSON]:
-        doing = "read the Session"
-        with self._lock, storage_errors(self.path, doing=doing):
-            if limit is None:
-                rows = self._conn.execute(
-                    "SELECT body FROM session_items WHERE session_id = ? ORDER BY id",
-                    (self.session_id,)).fetchall()
-            else:
-                rows = self._conn.execute(
-                    "SELECT body FROM (SELECT id, body FROM session_items WHERE session_id = ?"
-                    " ORDER BY id DESC LIMIT ?) ORDER BY id",
-                    (self.session_id, max(limit, 0))).fetchall()
-        return [self._item(body, doing) for (body,) in rows]
+        with self._lock, storage_errors(self.path, doing=_READ_SESSION):
+            rows = _session_bodies(self._conn, self.session_id, limit)
+        return [_item(body, self.path, _READ_SESSION) for body in rows]
 
     def _item(self, body: Any, doing: str) -> JSON:
-        try:
-            return json.loads(body)
-        except (ValueError, TypeError, RecursionError):
-            raise StorageError(f"cannot {doing}: {shown(self.path)} holds a damaged "
-                               "item (not JSON)", outcome=Outcome.NOT_WRITTEN) from None
+        return _item(body, self.path, doing)
 
     def _add_items(self, bodies: list[tuple[str, str]]) -> None:
         doing = "write to the Session"

@@ -33,6 +33,8 @@ ADK seam                         what the ledger does
 ``on_tool_error_callback``       an exception of the body is recorded as the call's error
                                  (``{"error": "<Type>: <message>"}``) and propagates as with
                                  ADK alone; a cancelled body leaves its call in doubt
+                                 (the next run of the session, in this process too, is
+                                 refused when it opens, as a fresh process's would be)
 ``require_confirmation``         the call awaits a decision in the ledger; the confirmation
                                  request ADK shows carries the call's fingerprint in its
                                  ``payload``, and a confirmation is taken only with that
@@ -40,14 +42,18 @@ ADK seam                         what the ledger does
                                  a rejection needs none); one with another fingerprint, a
                                  confirming one without it, or one contradicting a decision
                                  the ledger holds (`statemachine.operator`, the CLI), is
-                                 refused (`InvalidTransition`), nothing recorded
+                                 refused (`InvalidTransition`), nothing recorded; the
+                                 confirmations one message brings for several calls are
+                                 checked and recorded together, before any of them runs
 ``tool_context.                  a body that asks for confirmation is taken to have done
 request_confirmation``           nothing before asking (recorded ``NOT_EXECUTED`` by
                                  ``adk:request_confirmation``): ADK runs it again once
                                  confirmed, with the same arguments and idempotency key
 `OneWriterSessionService`        around any ``BaseSessionService``: an ``append_event`` from
                                  a session copy that is not the session's latest is refused
-                                 (`ConcurrencyConflict`), nothing written; the event that
+                                 (`ConcurrencyConflict`, also when the service itself finds
+                                 it stale: ADK's ``StaleSessionError``), nothing written;
+                                 the event that
                                  carries function responses the ledger holds unpublished is
                                  their staged publication (durable before the write,
                                  committed after, recorded failed when it raises; a write
@@ -58,7 +64,8 @@ request_confirmation``           nothing before asking (recorded ``NOT_EXECUTED`
 Every attempt on a run that already exists (the first ledger call of a process, or after
 another process wrote to the run) records ``claim`` first and makes it durable: of two
 processes that loaded the same version, one goes on and the other gets
-`ConcurrencyConflict` before any tool runs. Right after the claim the verifiers (by tool
+`ConcurrencyConflict` before any tool runs; one superseded by a later claim gets it at its
+next tool callback or session write, writing nothing. Right after the claim the verifiers (by tool
 name, DESIGN §7.3) are asked about the calls of their tools in doubt.
 
 Refused when a run opens (``before_run_callback``, `UnsupportedFeature` naming the
@@ -67,9 +74,11 @@ failed call once with a fresh session below the plugin callbacks, so a non-idemp
 call could run twice unseen), agents used as tools (``AgentTool``: the inner agent's tool
 calls would run outside this run's ledger), workflow agents (``ParallelAgent``,
 ``LoopAgent``, ``SequentialAgent``) and sub-agents (their calls would interleave in one
-run), and live (bidirectional) streaming. Refused at the call: a function call without an
-id. ADK wraps whatever a plugin callback raises in a ``RuntimeError``; `run_async` and
-`refusal` give back the ledger's own error.
+run), and live (bidirectional) streaming (``run_live``, or ``StreamingMode.BIDI``).
+Refused at the call: a function call without an id (ADK 2.13 gives a call the model sent
+without one an id of its own before any callback, so through its runner this is never
+reached). ADK wraps whatever a plugin callback raises in a ``RuntimeError``; `run_async`
+and `refusal` give back the ledger's own error.
 """
 
 from __future__ import annotations
@@ -88,12 +97,14 @@ try:
     import google.adk  # noqa: F401  -- the error names the SDK, not one of its modules
     from google.adk.agents import LlmAgent
     from google.adk.agents.readonly_context import ReadonlyContext
+    from google.adk.errors import StaleSessionError
     from google.adk.events.event import Event
     from google.adk.plugins.base_plugin import BasePlugin
     from google.adk.sessions.base_session_service import BaseSessionService
     from google.adk.tools.agent_tool import AgentTool
     from google.adk.tools.base_tool import BaseTool
     from google.adk.tools.base_toolset import BaseToolset
+    from google.adk.tools.tool_confirmation import ToolConfirmation
     from google.genai import types
 except ModuleNotFoundError as error:  # pragma: no cover - the extra is installed in CI
     raise missing_extra(__name__, "google-adk", error) from error
@@ -206,6 +217,53 @@ async def run_async(runner: Any, **options: Any) -> AsyncIterator[Any]:
 # ------------------------------------------------------------------------ the plugin
 
 
+def _ids(c: RunController, calls: Sequence[types.FunctionCall]) -> list[str]:
+    """The ids of a batch's calls; `UnsupportedFeature` when one has none."""
+    ids = [call.id for call in calls]
+    if any(not isinstance(call_id, str) or not call_id for call_id in ids):
+        raise UnsupportedFeature(
+            "a function call without an id cannot be keyed in the ledger: nothing ran",
+            feature="function calls without ids", run_id=c.run_id, step=c.step,
+            action="begin_tool")
+    return [str(call_id) for call_id in ids]
+
+
+def _check_fingerprint(c: RunController, call_id: str, given: ToolConfirmation) -> None:
+    """`InvalidTransition` (nothing recorded) unless ``given`` carries call
+    ``call_id``'s fingerprint in its payload (a rejection may carry none)."""
+    shown = _payload_fingerprint(given.payload)
+    fingerprint = c.fingerprint(call_id)
+    if shown not in (fingerprint, None) or (given.confirmed and shown != fingerprint):
+        raise InvalidTransition(
+            f"the confirmation of call {call_id!r} does not carry the call's fingerprint "
+            "(it confirms other arguments, another call, or none shown): nothing was "
+            "recorded; answer with statemachine.adapters.google_adk.confirmation",
+            run_id=c.run_id, step=c.step, action="approve")
+
+
+def _confirmations(session: Any, c: RunController) -> dict[str, ToolConfirmation]:
+    """The confirmations the session's last user message brings for calls awaiting a
+    decision in the ledger, by the id of the call each confirms (as ADK reads them: the
+    message's ``adk_request_confirmation`` responses, each mapped to the call its
+    request showed)."""
+    events = list(session.events)
+    message = next((e for e in reversed(events) if e.author == "user"), None)
+    if message is None:
+        return {}
+    answers = {str(r.id): r.response for r in message.get_function_responses()
+               if r.name == CONFIRMATION and r.id and r.response is not None}
+    found: dict[str, ToolConfirmation] = {}
+    for event in events:
+        for request in event.get_function_calls():
+            original = (request.args or {}).get("originalFunctionCall")
+            if request.id not in answers or not isinstance(original, Mapping):
+                continue
+            call_id = original.get("id")
+            if isinstance(call_id, str) and c.phase(call_id) is Phase.AWAITING:
+                found[call_id] = ToolConfirmation.from_response_dict(answers[request.id])
+    return found
+
+
 def _run_id(prefix: str, session: Any) -> str:
     return f"{prefix}{session.app_name}/{session.user_id}/{session.id}"
 
@@ -267,7 +325,13 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                 feature="live streaming", run_id=run_id, action="open")
         await self._check_agent(invocation_context.agent, invocation_context, run_id)
         with self._lock:
+            held = self._runs.get(run_id)
             c = self.controller(run_id)
+            if c.in_doubt() and c is held:  # a body this process ran was interrupted:
+                self.forget(run_id)  # opened afresh, its verifier asked, as in another
+                c = self.controller(run_id)  # process
+            if c.in_doubt():  # refused here, before ADK's invocation records anything
+                c.resume()  # ToolInDoubt
         if c.step is Step.UNSETTLED:
             await self._reconcile(c, invocation_context)
 
@@ -287,7 +351,7 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         inner = service.service if isinstance(service, OneWriterSessionService) else service
         try:
             for item in decision.items:
-                await inner.append_event(session, Event.model_validate(item))
+                await _appended(inner, session, Event.model_validate(item))
         except Exception as error:
             with self._lock, contextlib.suppress(ControlError):
                 c.publication_failed(error)
@@ -352,21 +416,29 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                 return calls
         return []
 
-    async def _enter(self, c: RunController, calls: Sequence[types.FunctionCall],
-                     tools: Mapping[str, Any], tool_context: Any) -> None:
-        """Enter a batch of calls the ledger has not seen, as one model response: the
-        results of the batch before it published first."""
-        ids = [call.id for call in calls]
-        if any(not isinstance(call_id, str) or not call_id for call_id in ids):
-            raise UnsupportedFeature(
-                "a function call without an id cannot be keyed in the ledger: nothing ran",
-                feature="function calls without ids", run_id=c.run_id, step=c.step,
-                action="begin_tool")
+    @staticmethod
+    async def _needs(calls: Sequence[types.FunctionCall], tools: Mapping[str, Any],
+                     tool_context: Any) -> dict[str, bool]:
+        """Which calls of a batch need a confirmation (``require_confirmation``, which
+        may be an async callable), by call id."""
+        needs: dict[str, bool] = {}
+        for call in calls:
+            tool = tools.get(str(call.name))
+            needs[str(call.id)] = tool is not None and await tool.check_require_confirmation(
+                dict(call.args or {}), tool_context) is True
+        return needs
+
+    def _enter(self, c: RunController, calls: Sequence[types.FunctionCall],
+               needs: Mapping[str, bool]) -> None:
+        """Enter a batch of calls the ledger has not seen, as one model response (``needs``:
+        which need a confirmation): the results of the batch before it published first.
+        A batch a sibling call entered meanwhile is left as it is."""
+        ids = _ids(c, calls)
         if len(set(ids)) != len(ids):
             raise InvalidTransition("a batch holds the same function call id twice: "
                                     "nothing ran", run_id=c.run_id, step=c.step,
                                     action="model_responded")
-        known = [call_id for call_id in ids if c.phase(str(call_id)) is not None]
+        known = [call_id for call_id in ids if c.phase(call_id) is not None]
         if known:
             if len(known) == len(ids):
                 return
@@ -376,16 +448,10 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         if c.in_doubt():
             c.resume()  # ToolInDoubt: a call of an earlier batch never finished
         self._publish_owed(c)
-        proposed = []
-        for call in calls:
-            name = str(call.name)
-            tool = tools.get(name)
-            needs = False
-            if tool is not None:
-                needs = await tool.check_require_confirmation(dict(call.args or {}),
-                                                              tool_context) is True
-            proposed.append(ToolCall(str(call.id), name, _arguments(call.args),
-                                     needs_approval=needs, idempotent=name in self.idempotent))
+        proposed = [ToolCall(str(call.id), str(call.name), _arguments(call.args),
+                             needs_approval=needs.get(str(call.id), False),
+                             idempotent=str(call.name) in self.idempotent)
+                    for call in calls]
         c.begin_model_call()
         c.model_responded(proposed)
         c.flush()  # the proposal (and its decisions to come) is durable
@@ -445,17 +511,25 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         invocation = tool_context._invocation_context
         tools = {t.name: t for t in await invocation.agent.canonical_tools(
             ReadonlyContext(invocation))}
+        # Nothing is awaited under the lock: ADK runs a response's calls as tasks of one
+        # event loop, and a thread's lock does not keep them apart across an await.
         with self._lock:
             c = self.controller(run_id, reopen=False)  # superseded: refused, not reclaimed
+            batch = self._batch(session, call_id) if c.phase(call_id) is None else []
+            _ids(c, batch)  # a call without an id: refused before anything is asked
+        needs: dict[str, bool] = {}
+        if batch:  # asked before the lock; entered under it unless a sibling was first
+            needs = await self._needs(batch, tools, tool_context)
+        with self._lock:
+            c = self.controller(run_id, reopen=False)
             if c.phase(call_id) is None:
-                batch = self._batch(session, call_id)
                 if not batch:
                     raise UnsupportedFeature(
                         f"call {call_id!r} is in no event of the session: it cannot be "
                         "entered with its batch; it did not run",
                         feature="function calls outside the session", run_id=run_id,
                         action="begin_tool")
-                await self._enter(c, batch, tools, tool_context)
+                self._enter(c, batch, needs)
             answer = self._decided(c, call_id, tool_context)
             if answer is not None:
                 return answer
@@ -494,23 +568,26 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                     payload={"fingerprint": fingerprint})
                 return {"error": ASK_CONFIRMATION}
             return None  # decided in the ledger (the operator): the ledger's word goes on
-        if _payload_fingerprint(given.payload) not in (fingerprint, None) or (
-                given.confirmed and _payload_fingerprint(given.payload) != fingerprint):
-            raise InvalidTransition(
-                f"the confirmation of call {call_id!r} does not carry the call's fingerprint "
-                "(it confirms other arguments, another call, or none shown): nothing was "
-                "recorded; answer with statemachine.adapters.google_adk.confirmation",
-                run_id=c.run_id, step=c.step, action="approve")
         if view.phase is Phase.AWAITING:
-            if given.confirmed:
-                c.approve(call_id, fingerprint=fingerprint, by="adk:confirmation")
-            else:
-                c.reject(call_id, REJECTED, fingerprint=fingerprint, by="adk:confirmation")
-            c.flush()  # the decision is durable before anything acts on it
+            # ADK runs the calls one message confirms side by side, and the first to
+            # start moves the run on from its interruption (a decision is refused after
+            # that): the message's decisions for this call's siblings are taken with it
+            brought = {**_confirmations(tool_context.session, c), call_id: given}
+            for decided, answer in brought.items():  # every check before any record
+                _check_fingerprint(c, decided, answer)
+            for decided, answer in brought.items():
+                if answer.confirmed:
+                    c.approve(decided, fingerprint=c.fingerprint(decided),
+                              by="adk:confirmation")
+                else:
+                    c.reject(decided, REJECTED, fingerprint=c.fingerprint(decided),
+                             by="adk:confirmation")
+            c.flush()  # the decisions are durable before anything acts on them
             if given.confirmed:
                 return None
             answered(c, call_id)  # answered with its rejection, never run
             return {"error": REJECTED}
+        _check_fingerprint(c, call_id, given)
         recorded = [d.kind for d in view.decisions if d.kind in ("approved", "rejected")]
         if recorded and (recorded[-1] == "approved") != bool(given.confirmed):
             raise InvalidTransition(
@@ -580,6 +657,20 @@ def _response_ids(event: Any) -> list[str]:
     return [str(r.id) for r in event.get_function_responses() if r.id]
 
 
+async def _appended(service: BaseSessionService, session: Any, event: Any) -> Any:
+    """``service.append_event(session, event)``; the service's own refusal of a stale
+    session copy (ADK's ``StaleSessionError``: another process appended since this one
+    read the session) is `ConcurrencyConflict`, as `OneWriterSessionService`'s check
+    would say."""
+    try:
+        return await service.append_event(session, event)
+    except StaleSessionError as stale:
+        raise ConcurrencyConflict(
+            f"session {session.id!r} moved on: the session service found that another "
+            "runner appended since this one read it; nothing was written",
+            action="append_event") from stale
+
+
 class OneWriterSessionService(BaseSessionService):
     """Any ADK session service with one writer per session: an ``append_event`` made on
     a session copy whose last event is not the stored session's last event (another
@@ -630,8 +721,11 @@ class OneWriterSessionService(BaseSessionService):
                         f"{ours!r}, and its latest is {theirs!r} (another runner appended "
                         "first); nothing was written", action="append_event")
             if self.plugin is None:
-                return await self.service.append_event(session, event)
+                return await self._write(session, event)
             return await self._publishing(session, event, stored)
+
+    async def _write(self, session: Any, event: Any) -> Any:
+        return await _appended(self.service, session, event)
 
     def _fence(self, session: Any, event: Any) -> None:
         """Refuse (`ConcurrencyConflict`, nothing written) an event of an invocation whose
@@ -656,20 +750,24 @@ class OneWriterSessionService(BaseSessionService):
         plugin = self.plugin
         assert plugin is not None
         ids = _response_ids(event)
-        with plugin._lock:
+        with plugin._lock:  # nothing awaited under it (see before_tool_callback)
             c = plugin._runs.get(plugin.run_id_of(session))
             owed = set(c.unpublished_call_ids()) if c is not None else set()
             answered = [call_id for call_id in ids if call_id in owed]
-            if (c is None or not answered or owed - set(answered)
-                    or c.step is Step.UNSETTLED):
-                return await self.service.append_event(session, event)
-            history = [_event_json(e) for e in (stored.events if stored is not None
-                                                else session.events)]
-            c.stage_publication([_event_json(event)], history, call_ids=answered,
-                                whole=True)
-            c.flush()  # the envelope is durable before the write
+            staged = not (c is None or not answered or owed - set(answered)
+                          or c.step is Step.UNSETTLED)
+            if staged:
+                assert c is not None
+                history = [_event_json(e) for e in (stored.events if stored is not None
+                                                    else session.events)]
+                c.stage_publication([_event_json(event)], history, call_ids=answered,
+                                    whole=True)
+                c.flush()  # the envelope is durable before the write
+        if not staged:
+            return await self._write(session, event)
+        assert c is not None
         try:
-            written = await self.service.append_event(session, event)
+            written = await self._write(session, event)
         except Exception as error:
             with plugin._lock, contextlib.suppress(ControlError):  # its error wins (I6)
                 c.publication_failed(error)

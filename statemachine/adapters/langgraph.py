@@ -19,7 +19,7 @@ LangGraph / LangChain seam         what the ledger does
 awrap_tool_call=)``, or            ``AIMessage`` holding it) is entered in the ledger; its
 `LedgerMiddleware` in              start is durable (flushed) before the body runs; the
 ``create_agent(middleware=)``      result is recorded and flushed before LangGraph sees it. A
-                                   completed call answers from the ledger (the same
+(the last of the list)             completed call answers from the ledger (the same
                                    ``ToolMessage`` content, byte for byte), never re-runs; a
                                    started, unfinished call is in doubt (`ToolInDoubt`); a
                                    rejected call answers with its rejection, never runs; a
@@ -68,12 +68,20 @@ instead of running the body again. Only a body that ends without an answer (a ki
 ``BaseException``) leaves its call in doubt.
 
 What it does not carry (refused with `UnsupportedFeature`, naming the feature, before
-anything is recorded or run): tool calls without an id; a ``Send`` of a tool call that no
+anything is recorded or run): a tool-call wrapper between the ledger and the body (a
+middleware listed after `LedgerMiddleware`: LangChain runs the first of the list as the
+outermost, and the ledger must be the innermost); ``ToolRetryMiddleware`` and
+``HumanInTheLoopMiddleware`` wherever they sit (refused before the agent's first model
+call, and at the tool node; decide calls with `ToolLedger.review`); tool calls without an
+id; a ``Send`` of a tool call that no
 ``AIMessage`` of the state holds (``create_agent``'s own ``Send`` per call is carried: the
 call is entered with its batch); tool nodes inside subgraphs (a nested checkpoint
 namespace); ``interrupt()`` inside a tool body (LangGraph re-runs the body on resume: the
-call is left in doubt, for the operator); a tool returning a ``Command`` (recorded as
-failed, its body having run); an async event store. Not refused, but to know: a ToolNode
+call is left in doubt, for the operator); a tool declared to return a ``Command`` (its
+function's return annotation; one that returns it undeclared is known only after its
+body ran, and is recorded as run, the Command not applied, then refused); a graph run
+without a thread (no checkpointer, no ``thread_id``) unless the ledger is given a
+``run_id``; an async event store. Not refused, but to know: a ToolNode
 you build yourself with ``handle_tool_errors=True`` turns the ledger's refusals into tool
 messages; `ToolLedger.tool_node` builds one that lets them through. Time travel
 (resuming from a checkpoint that is not the thread's latest) is refused by
@@ -91,8 +99,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import sqlite3
 import threading
+import typing
 import weakref
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, cast
@@ -101,14 +111,18 @@ from statemachine.adapters import missing_extra
 
 try:
     import langgraph  # noqa: F401  -- the error names the SDK, not one of its modules
-    from langchain.agents.middleware import AgentMiddleware
+    from langchain.agents.middleware import (
+        AgentMiddleware,
+        HumanInTheLoopMiddleware,
+        ToolRetryMiddleware,
+    )
     from langchain_core.messages import AIMessage, BaseMessage, ToolMessage, message_to_dict
     from langgraph.checkpoint.base import BaseCheckpointSaver
     from langgraph.checkpoint.memory import InMemorySaver
     from langgraph.config import get_config
     from langgraph.errors import GraphBubbleUp
     from langgraph.prebuilt import ToolNode
-    from langgraph.types import interrupt
+    from langgraph.types import Command, interrupt
 except ModuleNotFoundError as error:  # pragma: no cover - the extra is installed in CI
     raise missing_extra(__name__, "langgraph", error) from error
 
@@ -248,8 +262,11 @@ class ToolLedger(HeldRuns):
     awrap_tool_call=ledger.awrap_tool_call)`` (or `tool_node`, which also lets the
     ledger's refusals through ``handle_tool_errors``), or through `LedgerMiddleware` in
     ``create_agent``; put `review` before the tool node for the tools that need approval.
-    Keep it outside (before) any retry middleware: a retry of a call the ledger holds
-    answers from the ledger.
+    The ledger must be the innermost tool-call wrapper (nothing between it and the body,
+    which could run the body again under one recorded start); a wrapper around it that
+    calls it again is answered from the ledger. ``ToolRetryMiddleware`` and
+    ``HumanInTheLoopMiddleware`` are refused wherever they sit (`UnsupportedFeature`,
+    before anything runs).
 
     ``store`` is a sync `EventStore` (`SQLiteEventStore`, the PostgreSQL store);
     ``prefix`` makes a thread's run id (``f"{prefix}{thread_id}"``), or ``run_id`` names
@@ -282,6 +299,9 @@ class ToolLedger(HeldRuns):
         self.owner = owner
         self._lock = threading.RLock()
         self._runs: dict[str, RunController] = {}
+        self._checked: weakref.WeakSet[ToolNode] = weakref.WeakSet()
+        """The tool nodes that passed `_check_tool_node` (a node's tools and wrappers do
+        not change once it is built)."""
         self.publishes_to: OneWriterSaver | None = None
         """The checkpointer whose writes are this ledger's publications (set by
         ``OneWriterSaver(saver, ledger=...)``); None: a private history."""
@@ -426,14 +446,18 @@ class ToolLedger(HeldRuns):
                result: Any) -> Any:
         with self._lock:
             if not isinstance(result, ToolMessage):
-                text = ("the tool returned a Command (or something else than a "
-                        "ToolMessage), which this adapter does not carry")
+                # known only now, its effect done: recorded as what happened (the body
+                # ran, its Command was not applied), so it is answered, never run again
+                text = (f"the tool ran, and returned a {type(result).__name__} (not a "
+                        "ToolMessage), which was not applied: this adapter does not carry "
+                        "a tool's Command")
                 record_result(c, call_id, {"content": ERROR_TEMPLATE.format(error=text),
                                            "status": "error", "name": call.get("name")})
                 c.flush()
                 raise UnsupportedFeature(
-                    f"call {call_id!r} returned {type(result).__name__}: {text}; its result "
-                    "was recorded as failed", feature="tools returning Command",
+                    f"call {call_id!r}: {text}; it is recorded as run, with this text for "
+                    "the model (declare the tool's return type, -> Command, to have it "
+                    "refused before it runs)", feature="tools returning Command",
                     run_id=c.run_id, step=c.step, action="tool_completed")
             kept, _ = record_result(c, call_id, _form(result))
             try:
@@ -468,6 +492,7 @@ class ToolLedger(HeldRuns):
 
     def wrap_tool_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
         """LangGraph's ``ToolNode(wrap_tool_call=)``: one call through the ledger."""
+        _check_placement(handler, self)
         c, call_id, call, answer = self._before(request)
         if answer is not None:
             return answer
@@ -484,6 +509,7 @@ class ToolLedger(HeldRuns):
     async def awrap_tool_call(self, request: Any,
                               handler: Callable[[Any], Awaitable[Any]]) -> Any:
         """LangGraph's ``ToolNode(awrap_tool_call=)``: one call through the ledger."""
+        _check_placement(handler, self)
         c, call_id, call, answer = self._before(request)
         if answer is not None:
             return answer
@@ -501,14 +527,17 @@ class ToolLedger(HeldRuns):
         """A ``ToolNode`` over ``tools`` with this ledger's wrappers. Its
         ``handle_tool_errors`` (LangGraph's, default or yours) applies to the tools'
         errors, never to the ledger's refusals (a call in doubt is not turned into a tool
-        message the model could answer by calling again)."""
+        message the model could answer by calling again). A tool declared to return a
+        ``Command`` is refused here (`UnsupportedFeature`), before anything runs."""
         if "wrap_tool_call" in options or "awrap_tool_call" in options:
             raise UnsupportedFeature(
-                "tool_node installs the ledger's own wrap_tool_call/awrap_tool_call; put "
-                "other wrappers inside it (create_agent middleware after LedgerMiddleware)",
+                "tool_node installs the ledger's own wrap_tool_call/awrap_tool_call, the "
+                "innermost wrapper; put other wrappers around it (create_agent middleware "
+                "before LedgerMiddleware)",
                 feature="other tool-call wrappers around the ledger", action="open")
         node = ToolNode(tools, wrap_tool_call=self.wrap_tool_call,
                         awrap_tool_call=self.awrap_tool_call, **options)
+        _check_tool_node(node, self)
         handling = node._handle_tool_errors
         if handling is not False:
             node._handle_tool_errors = _passing_refusals(handling)
@@ -700,6 +729,182 @@ def _current(c: RunController, calls: Sequence[Mapping[str, Any]]) -> list[dict[
     return current
 
 
+# ---------------------------------------------------------- what wraps the ledger
+
+_EXECUTORS = ("ToolNode._run_one.<locals>.", "ToolNode._arun_one.<locals>.")
+"""How the functions a ``ToolNode`` hands its wrapper as the handler that runs the tool
+body are named (langgraph 1.2: ``execute``, and ``_sync_execute`` for a sync wrapper on
+the async path)."""
+
+REFUSED_MIDDLEWARE: tuple[tuple[type[Any], str], ...] = (
+    (ToolRetryMiddleware, "the ledger records an error a body raised as the call's "
+     "result, so a retry cannot run it again: inside the ledger it would run the body "
+     "again under one recorded start, outside it it would only repeat the ledger's answer "
+     "or hand the model the ledger's refusal (ToolInDoubt) as a tool message; retry "
+     "inside the tool body instead, with its idempotency key (statemachine.tool_context)"),
+    (HumanInTheLoopMiddleware, "its decisions are bound to no call's fingerprint, and its "
+     "edit runs the reviewer's arguments under the model's call id with no approval of "
+     "them (langchain #40166); decide calls with the ledger's own review instead "
+     "(ToolLedger(approvals=[...]): LedgerMiddleware.after_model, ToolLedger.review), "
+     "where an edit is a new call that needs its own approval"),
+)
+"""Middleware refused wherever it sits on a ledger's tool node, with why."""
+
+
+def _cells(function: Any) -> dict[str, Any]:
+    """What ``function`` closes over, by name (empty cells left out)."""
+    code = getattr(function, "__code__", None)
+    closure = getattr(function, "__closure__", None) or ()
+    if code is None:
+        return {}
+    found = {}
+    for name, cell in zip(code.co_freevars, closure, strict=False):
+        with contextlib.suppress(ValueError):  # an empty cell
+            found[name] = cell.cell_contents
+    return found
+
+
+def _executor_node(handler: Any) -> ToolNode | None:
+    """The ``ToolNode`` whose own tool-running function ``handler`` is, or None (the
+    handler is something else: a wrapper sits between the ledger and the body)."""
+    if (getattr(handler, "__module__", None) != ToolNode.__module__
+            or not getattr(handler, "__qualname__", "").startswith(_EXECUTORS)):
+        return None
+    node = _cells(handler).get("self")
+    return node if isinstance(node, ToolNode) else None
+
+
+def _reached(function: Any) -> tuple[list[AgentMiddleware], ToolNode | None]:
+    """The middleware ``function`` reaches through its closures (LangChain composes a
+    chain of hooks as closures over the middleware's bound methods, each maybe wrapped by
+    a tracer: ``__wrapped__``), and the ``ToolNode`` it reaches: the one whose
+    tool-running function it calls, or one it closes over (``create_agent``'s model step
+    binds the tools of its tool node)."""
+    found: list[AgentMiddleware] = []
+    node: ToolNode | None = None
+    seen: set[int] = set()
+    stack = [function]
+    while stack:
+        part = stack.pop()
+        if id(part) in seen:
+            continue
+        seen.add(id(part))
+        if isinstance(getattr(part, "__self__", None), AgentMiddleware):
+            found.append(part.__self__)
+            continue
+        node = node or _executor_node(part)
+        if getattr(part, "__wrapped__", None) is not None:
+            stack.append(part.__wrapped__)
+        for content in _cells(part).values():
+            if isinstance(content, ToolNode):
+                node = node or content
+            elif callable(content):
+                stack.append(content)
+    return found, node
+
+
+def _owner(hook: Any) -> Any:
+    """Whose ``hook`` is: the middleware (or ledger) of a bound method, through tracers."""
+    while getattr(hook, "__wrapped__", None) is not None:
+        hook = hook.__wrapped__
+    return getattr(hook, "__self__", hook)
+
+
+def _wrappers(hook: Any) -> list[Any]:
+    """The owners of the wrappers LangChain composed into a ToolNode's ``hook``, the
+    outermost first (``create_agent`` composes its middleware pairwise, each step
+    closing over an ``outer`` and an ``inner``)."""
+    owners = []
+    while hook is not None:
+        cells = _cells(hook)
+        if getattr(hook, "__qualname__", "").endswith("compose_two.<locals>.composed") and {
+                "outer", "inner"} <= set(cells):
+            owners.append(_owner(cells["outer"]))
+            hook = cells["inner"]
+        else:
+            owners.append(_owner(hook))
+            hook = None
+    return owners
+
+
+def _check_tool_node(node: ToolNode, ledger: ToolLedger) -> None:
+    """Refuse a tool node that carries middleware of `REFUSED_MIDDLEWARE` (wherever it
+    sits), a tool-call wrapper inside ``ledger`` (after it in ``create_agent``'s list),
+    or a tool declared to return a ``Command``: nothing is recorded or run."""
+    if node in ledger._checked:
+        return
+    for name, candidate in node.tools_by_name.items():
+        if _declares_command(candidate):
+            raise UnsupportedFeature(
+                f"tool {name!r} is declared to return a Command, which updates the graph's "
+                "state: the ledger cannot keep it as a call's result, nor answer a call "
+                "with it again; return a ToolMessage or a value; nothing ran",
+                feature="tools returning Command", action="open")
+    for hook in (node._wrap_tool_call, node._awrap_tool_call):
+        owners = _wrappers(hook)
+        for owner in owners:
+            for kind, why in REFUSED_MIDDLEWARE:
+                if isinstance(owner, kind):
+                    raise UnsupportedFeature(
+                        f"{type(owner).__name__} is on the ledger's tool node: {why}; "
+                        "nothing ran", feature=kind.__name__, action="open")
+        mine = [index for index, owner in enumerate(owners) if owner is ledger or (
+            isinstance(owner, LedgerMiddleware) and owner.ledger is ledger)]
+        if mine and mine[-1] != len(owners) - 1:
+            _refuse_inside([getattr(owner, "__qualname__", type(owner).__name__)
+                            for owner in owners[mine[-1] + 1:]])
+    ledger._checked.add(node)
+
+
+def _declares_command(candidate: Any) -> bool:
+    """Whether a tool's function (``func``/``coroutine``, or a ``BaseTool`` subclass's
+    ``_run``/``_arun``) says it returns a LangGraph ``Command`` (alone, in a union, or in a
+    list): its return annotation, resolved, or as text when it cannot be."""
+    functions = [getattr(candidate, "func", None), getattr(candidate, "coroutine", None)]
+    if not any(functions):
+        functions = [getattr(type(candidate), "_run", None),
+                     getattr(type(candidate), "_arun", None)]
+    for function in functions:
+        if function is None:
+            continue
+        try:
+            returned = typing.get_type_hints(function).get("return")
+        except Exception:  # a name the annotation cannot resolve: read it as text
+            returned = getattr(function, "__annotations__", {}).get("return")
+        if _names_command(returned):
+            return True
+    return False
+
+
+def _names_command(annotation: Any) -> bool:
+    if isinstance(annotation, str):
+        return re.search(r"\bCommand\b", annotation) is not None
+    if annotation is Command or typing.get_origin(annotation) is Command:
+        return True
+    return any(_names_command(part) for part in typing.get_args(annotation))
+
+
+def _refuse_inside(names: Sequence[str]) -> None:
+    raise UnsupportedFeature(
+        f"{', '.join(sorted(set(names)))} sits between the ledger and the tool body, where "
+        "it could run the body again (a retry) or with other arguments under one recorded "
+        "start: the ledger must be the innermost tool-call wrapper, the last of "
+        "create_agent(middleware=[...]) (LangChain runs the first as the outermost); "
+        "nothing ran", feature="tool-call middleware inside the ledger", action="open")
+
+
+def _check_placement(handler: Any, ledger: ToolLedger) -> None:
+    """At a tool call, before anything is recorded or run: `_check_tool_node` on the
+    tool node the handler leads to, and a handler that is not that node's own
+    tool-running function (something sits between the ledger and the body) refused."""
+    inside, node = _reached(handler)
+    if node is not None:
+        _check_tool_node(node, ledger)
+    if _executor_node(handler) is None:
+        _refuse_inside([type(m).__name__ for m in inside]
+                       or [getattr(handler, "__qualname__", type(handler).__name__)])
+
+
 def _passing_refusals(handling: Any) -> Callable[[Exception], str]:
     """``handle_tool_errors`` that raises the ledger's refusals on and handles every other
     error as ``handling`` (LangGraph's setting: True, a text, a callable, exception
@@ -727,15 +932,44 @@ def _passing_refusals(handling: Any) -> Callable[[Exception], str]:
 
 
 class LedgerMiddleware(AgentMiddleware):
-    """The ledger in LangChain's ``create_agent(middleware=[LedgerMiddleware(ledger),
-    ...])``: ``wrap_tool_call`` / ``awrap_tool_call`` put every tool call through it, and
-    ``after_model`` reviews the calls of the tools the ledger's ``approvals`` names (one
-    interrupt per batch, `ToolLedger.review`). Put it first: the middleware after it
-    (retries, say) run inside the ledger."""
+    """The ledger in LangChain's ``create_agent(middleware=[...,
+    LedgerMiddleware(ledger)])``: ``wrap_tool_call`` / ``awrap_tool_call`` put every tool
+    call through it, and ``after_model`` reviews the calls of the tools the ledger's
+    ``approvals`` names (one interrupt per batch, `ToolLedger.review`). Put it last:
+    LangChain runs the first middleware of the list as the outermost ``wrap_tool_call``,
+    and the ledger must be the innermost, so that no wrapper runs a body again under the
+    start it recorded (a wrapper before it that calls the handler again is answered from
+    the ledger). Before each model call the agent's tool node is checked:
+    ``ToolRetryMiddleware`` or ``HumanInTheLoopMiddleware`` anywhere, or a tool-call
+    middleware after this one, is refused (`UnsupportedFeature`, naming it) before the
+    model is asked or anything is recorded."""
 
     def __init__(self, ledger: ToolLedger) -> None:
         super().__init__()
         self.ledger = ledger
+        self._checked: weakref.WeakSet[Any] = weakref.WeakSet()
+        """The model-call handlers whose agent passed `_check_agent` (an agent's
+        middleware does not change once it is built)."""
+
+    def wrap_model_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
+        """Before each model call: the agent's tool node checked (`_check_tool_node`),
+        so a middleware the ledger cannot carry is refused before anything runs."""
+        self._check_agent(handler)
+        return handler(request)
+
+    async def awrap_model_call(self, request: Any,
+                               handler: Callable[[Any], Awaitable[Any]]) -> Any:
+        self._check_agent(handler)
+        return await handler(request)
+
+    def _check_agent(self, handler: Any) -> None:
+        if handler in self._checked:
+            return
+        node = _reached(handler)[1]  # create_agent's model step closes over its tool node
+        if node is not None:
+            _check_tool_node(node, self.ledger)
+        with contextlib.suppress(TypeError):  # a handler that takes no weak reference
+            self._checked.add(handler)
 
     def after_model(self, state: Any, runtime: Any) -> dict[str, Any] | None:
         if not self.ledger.approvals:

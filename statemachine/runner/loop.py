@@ -29,6 +29,7 @@ from typing import Any
 from statemachine import telemetry
 from statemachine.controller import RunController
 from statemachine.errors import ControlError, RunNotFound
+from statemachine.machine import TABLE
 from statemachine.payloads import JSON
 from statemachine.runner.agents import (
     ALLOW,
@@ -86,7 +87,12 @@ class _AgentLoop:
 
     async def run(self, input_items: Sequence[JSON]) -> RunResult:
         c = self.controller
-        c.resume()  # the gate: RunNotResumable or ToolInDoubt before any work
+        if not input_items or c.step is not Step.INTERRUPTION:
+            # the gate: RunNotResumable or ToolInDoubt before any work. A run resting in
+            # INTERRUPTION takes new input first (the gate refuses nothing there, and
+            # resume() would move a run whose approved calls can run on to TOOLS, where
+            # input is refused); the loop below resumes it
+            c.resume()
         await one_writer(c, self.session)  # §6.4: never write over another run's batch
         if input_items:
             c.add_input(list(input_items))
@@ -367,6 +373,18 @@ async def _controller(agent: Agent, *, session: Session | None,
         store=store, buffered=buffered), False  # type: ignore[arg-type]
 
 
+def _refuse_input_before_claim(c: RunController, items: list[JSON]) -> None:
+    """New input that the run cannot take where it rests (the declaration has no
+    add_input row from its step: DESIGN allows input in RUN_AGAIN and INTERRUPTION only)
+    is refused here, before the attempt claims the run, recording nothing: a claim would
+    supersede an attempt working on the run for an attempt that does nothing. The
+    controller's own refusal says why (`RunNotResumable`, `PublicationUnsettled`,
+    `InvalidTransition`). A call in doubt is left to the attempt's gate (`ToolInDoubt`,
+    or its verifier first)."""
+    if (c.step, "add_input") not in TABLE and not c.in_doubt():
+        c.add_input(items)  # no row: refused, whatever its guards would say
+
+
 def _session_for(c: RunController, session: Session | None) -> Session:
     if session is None:
         if c.session_id is not None:
@@ -434,10 +452,15 @@ class Runner:
 
         Raises, before any work: `RunNotResumable`, `ToolInDoubt`, `ConcurrencyConflict`
         (another process claimed the run first), `PublicationUnsettled` (another run left
-        this Session mid-write). During the run: `ReconcileRejected` (the Session cannot
-        be matched to the unsettled batch; nothing re-runs), the Session's own write error
-        (I6), `MaxTurnsExceeded`, `OutputGuardrailTripwire`. ``take_over=True`` only when
-        no earlier write of this run can still land."""
+        this Session mid-write), `ControlError` (a ``session`` that is not the run's, or
+        has no ``session_id``). ``input`` for a run resting where it takes none (only
+        RUN_AGAIN and INTERRUPTION do) is refused before the claim, recording nothing:
+        `PublicationUnsettled` while a write is unsettled, `ToolInDoubt` while a call is
+        in doubt, `RunNotResumable` once it ended, else `InvalidTransition`. During the
+        run: `ReconcileRejected` (the Session cannot be matched to the unsettled batch;
+        nothing re-runs), the Session's own write error (I6), `MaxTurnsExceeded`,
+        `OutputGuardrailTripwire`. ``take_over=True`` only when no earlier write of this
+        run can still land."""
         return await Runner._run(agent, input, session=session, controller=controller,
                                  state=state, store=store, run_id=run_id, policy=policy,
                                  hooks=hooks, take_over=take_over, emit=lambda event: None,
@@ -461,6 +484,14 @@ class Runner:
                    hooks: RunHooks | None, take_over: bool, emit: Emit | AsyncEmit,
                    owner: str | None = None, buffered: bool | None = None,
                    lease: float | None = None) -> RunResult:
+        if session is not None and session.session_id is None:
+            # a run would start without a Session, write its input there and complete
+            # without writing its output (a run without a Session publishes nothing at
+            # its end): refused before anything is recorded
+            raise ControlError(
+                "the Session passed has no session_id: give it one, or omit session= "
+                "for a run that stores nothing", run_id=run_id if controller is None
+                else controller.run_id, action="run")
         with telemetry.agent_span(agent.name) as span:
             c, resumed = await _controller(agent, session=session, controller=controller,
                                            state=state, store=store, run_id=run_id,
@@ -470,11 +501,14 @@ class Runner:
                               take_over)
             # buffered within the attempt, per event after it (unless told either): a
             # controller this runner handed back buffers its next attempt again
+            items = _input_items(input)
+            if resumed and items:
+                _refuse_input_before_claim(c, items)
             switched = buffered is None and controller is not None and c._buffer_attempt()
             try:
                 async with Attempt(c, resumes=resumed, owner=owner, lease=lease,
                                    verifiers=agent.verifiers()):  # claim first, flush last
-                    return await loop.run(_input_items(input))
+                    return await loop.run(items)
             finally:
                 if buffered is None and (controller is None or switched):
                     c._between_attempts()

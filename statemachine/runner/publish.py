@@ -14,16 +14,19 @@ from statemachine.controller import RunController
 from statemachine.errors import (
     ConcurrencyConflict,
     ControlError,
+    InvalidTransition,
     PublicationUnsettled,
     ReconcileRejected,
     StorageError,
+    excerpt,
 )
 from statemachine.events import RunClaimed
 from statemachine.payloads import JSON
-from statemachine.sessions import Session
+from statemachine.sessions import Session, SQLiteSession
 from statemachine.stores import (
     AsyncEventStore,
     SessionWrite,
+    SQLiteEventStore,
     indexes_runs,
     many_session_writes,
     takes_session_write,
@@ -65,25 +68,33 @@ async def one_writer(controller: RunController, session: Session) -> None:
                 f"{c.session_id!r}: settle it (reconcile), or abandon it and repair the "
                 "Session, before another run writes there",
                 run_id=c.run_id, step=c.step, action="run")
-    dangling = _unanswered_call(await run_history(c, session, limit=TAIL_ITEMS))
+    tail = await run_history(c, session, limit=TAIL_ITEMS)
+    dangling = _unanswered_call(tail)
     if dangling is not None:
+        position, call_id = dangling
+        where = ("the Session ends with call {} that has no output" if position == len(tail) - 1
+                 else "the Session's last items hold call {} with no output after it")
         raise PublicationUnsettled(
-            f"the Session ends with call {dangling!r} that has no output: settle or repair "
-            "the run that wrote it", run_id=c.run_id, step=c.step, action="run")
+            f"{where.format(excerpt(call_id))}: settle or repair the run that wrote it",
+            run_id=c.run_id, step=c.step, action="run")
 
 
-def _unanswered_call(tail: list[JSON]) -> str | None:
-    """The call id of the last ``function_call`` in ``tail`` that no
-    ``function_call_output`` follows, or None."""
-    answered: set[object] = set()
-    for item in reversed(tail):
+def _unanswered_call(tail: list[JSON]) -> tuple[int, JSON] | None:
+    """The position and call id of the last ``function_call`` in ``tail`` that no
+    ``function_call_output`` with an equal call id follows, or None. Call ids are
+    compared by value: a foreign Session may hold any JSON there (the reference runner
+    never leaves a call without its output: it writes a call and its output in one batch,
+    and never writes the calls a handoff or a final output skipped)."""
+    answered: list[JSON] = []  # (a list: an id may be a list or an object)
+    for position in range(len(tail) - 1, -1, -1):
+        item = tail[position]
         if not isinstance(item, dict):
             continue
         kind, call_id = item.get("type"), item.get("call_id")
         if kind == "function_call_output":
-            answered.add(call_id)
+            answered.append(call_id)
         elif kind == "function_call" and call_id not in answered:
-            return call_id if isinstance(call_id, str) else repr(call_id)
+            return position, call_id
     return None
 
 
@@ -106,13 +117,35 @@ async def run_history(controller: RunController, session: Session,
     riding = list(controller.riding_items)
     if limit is not None and len(riding) >= limit:
         return riding[len(riding) - limit:] if limit > 0 else []
-    held = await session.get_items(limit=None if limit is None else limit - len(riding))
+    wanted = None if limit is None else limit - len(riding)
+    if _reads_through_store(controller, session):
+        held = controller.store.session_items(  # type: ignore[union-attr]
+            session.session_id, wanted)
+    else:
+        held = await session.get_items(limit=wanted)
     return [*held, *riding]
+
+
+def _reads_through_store(controller: RunController, session: Session) -> bool:
+    """Whether ``session`` is read through the run's store, on the event loop's thread: a
+    `SQLiteSession` (one that reads as it reads, not a subclass that reads otherwise) in
+    the file of the sync `SQLiteEventStore` the run is bound to, which writes the
+    Session's items in its own appends. That store already runs every append (its fsync
+    included), fence and load on the loop; its read of the same file there blocks it no
+    more, finds the pages it just wrote in its own cache, and saves the hop to the
+    Session's thread and back (two thread switches per read, most of a read's cost: the
+    durable turn reads the Session four to six times). Any other Session, or this one
+    beside an async store, is read through its ``get_items``."""
+    store = controller.store
+    return (getattr(type(session), "get_items", None) is SQLiteSession.get_items
+            and isinstance(store, SQLiteEventStore)
+            and session.shares_transaction_with(store))  # type: ignore[attr-defined]
 
 
 async def publish(controller: RunController, session: Session, items: list[JSON], *,
                   call_ids: list[str] | None = None, ride: bool = False) -> None:
-    """Stage ``items`` (reading just enough of the Session's tail), write them, report.
+    """Stage ``items`` (reading just enough of the Session's tail: ``len(items) + 1``
+    items, more while they cannot tell the write's outcomes apart), write them, report.
 
     ``ride=True``: a Session that shares the store's transaction is written by the
     controller's next flush, with the commit (DESIGN §7.7; `RunController.
@@ -125,10 +158,23 @@ async def publish(controller: RunController, session: Session, items: list[JSON]
     open and a later attempt must reconcile (or, fail-closed, cannot go on).
     `ReconcileRejected` before staging for a Session that is not the run's."""
     _same_session(controller, session, "publish")
-    if controller.riding_items and not many_session_writes(controller.store):
+    if not many_session_writes(controller.store) and controller.riding_items:
         await controller.flush_async()  # (its store writes one Session write per append)
-    tail = await run_history(controller, session, limit=len(items) + 1)
-    controller.stage_publication(items, tail, call_ids=call_ids)
+    limit = len(items) + 1
+    while True:
+        tail = await run_history(controller, session, limit=limit)
+        whole = len(tail) < limit  # (a shorter list is the whole Session)
+        try:
+            controller.stage_publication(items, tail, call_ids=call_ids, whole=whole)
+            break
+        except InvalidTransition:
+            # a tail that repeats the batch's items may need more of the Session to tell
+            # the write's outcomes apart (DESIGN §2.3, read_limit): read twice as much,
+            # up to the whole Session, which always tells them apart (a refusal for any
+            # other reason is raised again then)
+            if whole:
+                raise
+            limit *= 2
     await _write(controller, session, items, ride=ride)
 
 

@@ -1,8 +1,9 @@
 """The test kit: fakes for the seed scenarios (`ScriptedModel`, `FlakySession`,
 `FakeRemote`, counters), the log checker (`check_log`), explorable worlds (`ScriptWorld`
 checks every step against an `Oracle` computed from its `Script`, and that the run can
-finish), the corner generators (`handoff_cases`, each case played by `play_handoff`
-against what the case says), the exhaustive explorer and the Hypothesis kit
+finish), the corner generators (`handoff_cases`, `input_cases`, `tail_cases`,
+`frontier_cases`, `session_id_cases`, each case played by its ``play_*`` against what the
+case says), the exhaustive explorer and the Hypothesis kit
 (`random_run` and `RandomRun`: random reachable runs), and the contract suites every
 store and Session backend runs (`statemachine.testing.contracts`).
 Install with the ``testing`` extra."""
@@ -46,10 +47,31 @@ from statemachine.testing.adapter_corners import (
 )
 from statemachine.testing.corners import (
     CALL_PHASES,
+    FRONTIER_TOKENS,
+    INPUT_RESTS,
+    INPUT_SOURCES,
+    RUNNER_SKIPS,
+    SESSION_ID_DOORS,
+    TAIL_TOKENS,
     CaseFailed,
+    FrontierCase,
     HandoffCase,
+    InputCase,
+    SessionIdCase,
+    TailCase,
+    calls_without_output,
+    frontier_cases,
     handoff_cases,
+    input_cases,
+    play_frontier,
     play_handoff,
+    play_input,
+    play_runner_skip,
+    play_session_id,
+    play_tail,
+    read_limit_by_definition,
+    session_id_cases,
+    tail_cases,
 )
 from statemachine.testing.explore import ExploreReport, explore, world_state_machine
 from statemachine.testing.fakes import (
@@ -89,9 +111,15 @@ if TYPE_CHECKING:
 __all__ = [
     "CALL_PHASES",
     "FAULTS",
+    "FRONTIER_TOKENS",
+    "INPUT_RESTS",
+    "INPUT_SOURCES",
     "PLAIN_TEXT",
+    "RUNNER_SKIPS",
     "SCRIPT_FAULTS",
+    "SESSION_ID_DOORS",
     "STRUCTURED_TEXT",
+    "TAIL_TOKENS",
     "TOOL_KINDS",
     "Boundary",
     "CallKind",
@@ -102,8 +130,10 @@ __all__ = [
     "FakeRemote",
     "FaultSeen",
     "FlakySession",
+    "FrontierCase",
     "HandoffCase",
     "InjectedWriteError",
+    "InputCase",
     "InvariantViolation",
     "ListSession",
     "ListingFailed",
@@ -127,16 +157,19 @@ __all__ = [
     "Script",
     "ScriptWorld",
     "ScriptedModel",
+    "SessionIdCase",
     "SimulatedCrash",
     "StaleMove",
     "StaleSeen",
     "StaleStateCase",
     "StreamDisconnected",
     "Structured",
+    "TailCase",
     "Turn",
     "Untouchable",
     "World",
     "boundary_of",
+    "calls_without_output",
     "check_log",
     "check_one_writer",
     "check_output",
@@ -150,11 +183,21 @@ __all__ = [
     "every_reply_case",
     "every_stale_state_case",
     "explore",
+    "frontier_cases",
     "handoff_cases",
+    "input_cases",
+    "play_frontier",
     "play_handoff",
+    "play_input",
+    "play_runner_skip",
+    "play_session_id",
+    "play_tail",
     "random_run",
+    "read_limit_by_definition",
     "reply_cases",
+    "session_id_cases",
     "settled",
+    "tail_cases",
     "world_state_machine",
 ]
 

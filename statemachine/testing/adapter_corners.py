@@ -58,16 +58,18 @@ import enum
 import itertools
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-from hypothesis import strategies as st
 
 from statemachine import events as ev
 from statemachine.errors import ControlError
 from statemachine.payloads import JSON
 from statemachine.testing.corners import CaseFailed
 from statemachine.values import Resolution
+
+if TYPE_CHECKING:  # a strategy imports Hypothesis when it is built (the kit runs without it)
+    from hypothesis import strategies as st
 
 __all__ = [
     "PLAIN_TEXT",
@@ -215,10 +217,11 @@ def every_reply_case(max_calls: int = 3, *, every_variant_up_to: int = 2) -> lis
 
 def reply_cases(max_calls: int = 8) -> st.SearchStrategy[ReplyCase]:
     """Replies of one to ``max_calls`` calls of any kinds, settled and resumed either way."""
-    return st.builds(ReplyCase,
-                     st.lists(st.sampled_from(CallKind), min_size=1,
+    from hypothesis import strategies as hs
+    return hs.builds(ReplyCase,
+                     hs.lists(hs.sampled_from(CallKind), min_size=1,
                               max_size=max_calls).map(tuple),
-                     st.sampled_from(SETTLEMENTS), st.booleans())
+                     hs.sampled_from(SETTLEMENTS), hs.booleans())
 
 
 @attrs.frozen

@@ -11,8 +11,12 @@ Under CI a missing ``google-adk`` package fails this module instead of skipping 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +30,7 @@ except ImportError:  # pragma: no cover - CI installs the extra
     pytest.skip("google-adk is not installed (pip install -e '.[google-adk]')",
                 allow_module_level=True)
 
-from google.adk.agents import LlmAgent, ParallelAgent
+from google.adk.agents import LlmAgent, LoopAgent, ParallelAgent, SequentialAgent
 from google.adk.sessions import InMemorySessionService
 from google.adk.sessions.base_session_service import BaseSessionService
 from google.adk.tools.agent_tool import AgentTool
@@ -50,7 +54,8 @@ from statemachine.adapters.google_adk import (
     confirmation,
 )
 from statemachine.errors import RunNotFound
-from statemachine.values import Phase, Step
+from statemachine.stores import EventStore
+from statemachine.values import Phase
 from statemachine.verifiers import Completed, NotExecuted, Unknown
 from tests.drivers import adk_driver as world
 from tests.drivers.adk_driver import (
@@ -80,9 +85,13 @@ class World:
 
     def __init__(self, folder: Path, mode: str, script: list[Call], tools: list[str], *,
                  service: BaseSessionService | None = None, resumable: bool = False,
-                 verifiers: dict[str, Any] | None = None) -> None:
+                 verifiers: dict[str, Any] | None = None,
+                 store: EventStore | None = None) -> None:
         self.effects = folder / "effects.txt"
-        self.store = SQLiteEventStore(str(folder / "ledger.db"))
+        self.store = store if store is not None else SQLiteEventStore(
+            str(folder / "ledger.db"))
+        if isinstance(service, OneWriterSessionService):  # another runner's: its inner
+            service = service.service
         inner = service if service is not None else InMemorySessionService()
         self.plugin: LedgerPlugin | None = None
         plugins = []
@@ -191,33 +200,118 @@ def test_two_concurrent_resumes_of_one_confirmation_run_the_tool_twice_alone_onl
         assert [type(o) for o in outcomes].count(ConcurrencyConflict) == 1
 
 
+def _says(events: list[Any], words: str) -> bool:
+    """Whether the agent said ``words`` among ``events``."""
+    return any(part.text == words for event in events if event.content
+               for part in event.content.parts or ())
+
+
+@pytest.mark.invariant("I1", "I12")
+@pytest.mark.parametrize("resumed", [False, True], ids=["new-invocations", "resumed-sse"])
+@pytest.mark.parametrize("mode", ["alone", "ledger"])
+def test_finishing_one_long_running_tool_never_reruns_another(tmp_path: Path, mode: str,
+                                                              resumed: bool) -> None:
+    """#5450 (reported on google-adk 1.31): several long-running renders in flight (each
+    started, its result to come from the client); the client sent one's result, and ADK
+    ran the others again. Here the client finishes each in turn, then sends the first
+    one's result again, as new invocations or resuming the paused one
+    (``invocation_id``) with SSE streaming: each render started once, and the model
+    answered every message (new invocations) or once every result was in (the resumed
+    invocation waits for all of them), through the adapter and on ADK 2.13 alone too
+    (measured: 2.13 no longer shows the report, so this side has no differential)."""
+    w = World(tmp_path, mode, [("r1", "render", {"shot": 1}), ("r2", "render", {"shot": 2}),
+                               ("r3", "render", {"shot": 3})], ["render"],
+              resumable=resumed)
+
+    async def scenario() -> list[bool]:
+        await w.open()
+        paused = await run(w.runner, text("go"), streaming=resumed)
+        invocation = paused[-1].invocation_id if resumed else None
+        answers = [_says(paused, "done")]
+        for call_id in ("r1", "r2", "r3", "r1"):
+            answered = await run(w.runner, response(call_id, "render", {"status": "done"}),
+                                 invocation_id=invocation, streaming=resumed)
+            answers.append(_says(answered, "done"))
+        return answers
+
+    waits = [False, False] if resumed else [True, True]  # while r3 is still running
+    assert asyncio.run(scenario()) == [False, *waits, True, True]
+    assert sorted(w.ran()) == ["render 1", "render 2", "render 3"]
+    if mode == "ledger":  # each body's return recorded: none left in doubt
+        c = RunController.load(w.store, RUN)
+        assert c.in_doubt() == ()
+        assert {c.phase(f"r{n}") for n in (1, 2, 3)} <= {Phase.COMPLETED, Phase.PUBLISHED}
+
+
+@pytest.mark.invariant("I1")
+@pytest.mark.parametrize("mode", ["alone", "ledger"])
+def test_resuming_a_paused_long_running_call_goes_on_to_the_answer(tmp_path: Path,
+                                                                  mode: str) -> None:
+    """#5064 (fixed upstream by ADK's PR #5072): a resumable app streaming with SSE
+    pauses on a long-running render (started, its result to come); the client resumes
+    the invocation with the result, and ADK ended the run there (its pause check
+    ignored the matching response). Here the resumed invocation goes on to the model's
+    answer and the render started once, through the adapter and on ADK 2.13 alone too
+    (measured: no differential)."""
+    w = World(tmp_path, mode, [("r1", "render", {"shot": 1})], ["render"], resumable=True)
+
+    async def scenario() -> tuple[bool, bool]:
+        await w.open()
+        paused = await run(w.runner, text("go"), streaming=True)
+        answered = await run(w.runner, response("r1", "render", {"status": "done"}),
+                             invocation_id=paused[-1].invocation_id, streaming=True)
+        return _says(paused, "done"), _says(answered, "done")
+
+    assert asyncio.run(scenario()) == (False, True)  # paused, then the answer
+    assert w.ran() == ["render 1"]
+    if mode == "ledger":  # the result the client sent is the call's publication
+        assert RunController.load(w.store, RUN).phase("r1") is Phase.PUBLISHED
+
+
 @pytest.mark.invariant("I1", "I12")
 @pytest.mark.parametrize("mode", ["alone", "ledger"])
-def test_finishing_one_long_running_tool_never_reruns_another(tmp_path: Path,
-                                                              mode: str) -> None:
-    """#5450: two long-running tickets; the client finishes one, then the other, then
-    sends the first one's result again. Each ticket was opened once (ADK 2.13 alone: also
-    once, measured; the report was against older versions)."""
-    w = World(tmp_path, mode, [("t1", "ticket", {"title": "a"}),
-                               ("t2", "ticket", {"title": "b"})], ["ticket"])
+def test_a_caller_stopping_at_the_confirmation_request_loses_no_sibling_response(
+        tmp_path: Path, mode: str) -> None:
+    """PR #6733's shape: a charge and a wire needing a confirmation in one response; the
+    caller stops reading the events at the confirmation request (as a server waiting
+    for the user does). The PR reports that the merged function responses came after
+    the request, so the charge's response was never saved and a resume ran the charge
+    again. On ADK 2.13 they come before it (measured), alone and through the adapter:
+    the charge's response is in the session when the caller stops, the confirmation
+    runs the wire once, the charge never again, and the run goes on to its answer."""
+    w = World(tmp_path, mode, [CHARGE, ("w1", "wire", {"amount": 7})], ["charge", "wire"])
 
-    async def scenario() -> None:
+    async def scenario() -> tuple[list[str], bool]:
         await w.open()
-        await run(w.runner, text("go"))
-        await run(w.runner, response("t1", "ticket", {"status": "done"}))
-        await run(w.runner, response("t2", "ticket", {"status": "done"}))
-        await run(w.runner, response("t1", "ticket", {"status": "done"}))
+        seen: list[Any] = []
+        events = w.runner.run_async(user_id=USER, session_id=SESSION,
+                                    new_message=text("go"))
+        async for event in events:
+            seen.append(event)
+            if confirmation_requests([event]):
+                break  # the caller waits for the user
+        await events.aclose()
+        saved = await w.responses()
+        request, payload = confirmation_requests(seen)["w1"]
+        answered = await run(w.runner, response(request, "adk_request_confirmation",
+                                                {"confirmed": True, "payload": payload}))
+        return saved, _says(answered, "done")
 
-    asyncio.run(scenario())
-    assert sorted(w.ran()) == ["ticket a", "ticket b"]
+    saved, done = asyncio.run(scenario())
+    assert saved == ["c1", "w1"]  # the charge's response, and the wire's placeholder
+    assert done
+    assert sorted(w.ran()) == ["charge 5", "wire 7"]
+    if mode == "ledger":
+        c = RunController.load(w.store, RUN)
+        assert [c.phase("c1"), c.phase("w1")] == [Phase.PUBLISHED] * 2
 
 
 @pytest.mark.invariant("I1", "I5")
 @pytest.mark.parametrize("mode", ["alone", "ledger"])
 def test_a_confirmed_call_runs_once_and_the_run_goes_on(tmp_path: Path, mode: str) -> None:
-    """#5064: resuming with the confirmation runs the call once and the run goes on to
-    its answer; the same confirmation sent again runs nothing. A sibling that needed no
-    confirmation (PR #6733) is not run again by the confirmation's resume."""
+    """Resuming with the confirmation runs the call once and the run goes on to its
+    answer; the same confirmation sent again runs nothing. A sibling that needed no
+    confirmation is not run again by the confirmation's resume."""
     w = World(tmp_path, mode, [CHARGE, ("w1", "wire", {"amount": 7})], ["charge", "wire"])
 
     async def scenario() -> list[Any]:
@@ -269,6 +363,62 @@ def test_a_confirmation_showing_another_calls_fingerprint_is_refused(tmp_path: P
 
     asyncio.run(scenario())
     assert w.ran() == (["wire 700"] if mode == "alone" else [])
+
+
+@pytest.mark.invariant("I1", "I5")
+@pytest.mark.parametrize("awaits", [True, False], ids=["awaiting-callable", "static"])
+@pytest.mark.parametrize("mode", ["alone", "ledger"])
+def test_parallel_calls_confirmed_in_one_message_each_ask_and_run_once(
+        tmp_path: Path, mode: str, awaits: bool) -> None:
+    """Two wires in one model response, each needing a confirmation, both confirmed in
+    one message. ADK runs the calls' callbacks as tasks of one event loop: with an async
+    ``require_confirmation`` callable that awaits they interleave there (the adapter,
+    holding a thread's lock across that await, entered the batch twice and was refused
+    the second time); with ``require_confirmation=True`` the first confirmed call to
+    start moved the run on, and the second confirmation was refused. Each call is asked
+    about once (two requests), each wire runs once and the run goes on to its answer,
+    alone and through the adapter alike."""
+    from google.adk.tools.function_tool import FunctionTool
+    from google.genai import types
+
+    w = World(tmp_path, mode, [("w1", "wire", {"amount": 7}),
+                               ("w2", "wire", {"amount": 8})], [])
+
+    async def needs(amount: int) -> bool:
+        await asyncio.sleep(0)  # the other call's callbacks run here
+        return amount > 0
+
+    def wire(amount: int) -> dict[str, Any]:
+        """Wire money."""
+        world.effect(w.effects, f"wire {amount}")
+        return {"wired": amount}
+
+    agent = w.runner.agent
+    assert isinstance(agent, LlmAgent)
+    require: Any = needs if awaits else True  # ADK awaits a coroutine callable's answer
+    agent.tools.append(FunctionTool(wire, require_confirmation=require))
+
+    async def scenario() -> tuple[list[str], list[Any]]:
+        await w.open()
+        first = await run(w.runner, text("go"))
+        requests = [call.args["originalFunctionCall"]["id"] for e in first
+                    for call in e.get_function_calls()
+                    if call.name == "adk_request_confirmation" and call.args]
+        asked = confirmation_requests(first)
+        parts = [part for request, payload in asked.values() for part in response(
+            request, "adk_request_confirmation",
+            {"confirmed": True, "payload": payload}).parts or ()]
+        answered = await run(w.runner, types.Content(role="user", parts=parts))
+        return requests, answered
+
+    requests, answered = asyncio.run(scenario())
+    assert sorted(requests) == ["w1", "w2"]  # one request per call
+    assert sorted(w.ran()) == ["wire 7", "wire 8"]
+    assert any(part.text == "done" for event in answered if event.content
+               for part in event.content.parts or ())
+    if mode == "ledger":
+        c = RunController.load(w.store, RUN)
+        assert [c.phase(i) for i in ("w1", "w2")] == [Phase.PUBLISHED] * 2
 
 
 # ------------------------------------------------------------------- the ledger's rules
@@ -392,6 +542,207 @@ def test_a_call_in_doubt_refuses_the_run_until_the_operator_resolves_it(
     assert RunController.load(w.store, RUN).phase("c1") is Phase.PUBLISHED
 
 
+@pytest.mark.invariant("I1", "I11")
+@pytest.mark.parametrize(("mode", "settle"), [("alone", ""), ("ledger", "operator"),
+                                              ("ledger", "verifier")])
+def test_a_cancelled_body_leaves_its_call_in_doubt_until_it_is_settled(
+        tmp_path: Path, mode: str, settle: str) -> None:
+    """The charge's body makes its effect and is cancelled before it returns (the task
+    running the invocation is cancelled: a client gone, a timeout). ADK alone, resumed,
+    charges again (2). Through the adapter the call is in doubt: the next run of the
+    invocation is refused with `ToolInDoubt`, in the same process and in a fresh one,
+    nothing run; once the operator records the charge the run goes on with that word.
+    With a verifier, the next run in the same process asks it (as a fresh process
+    would) and goes on with its answer. The body never runs again (1)."""
+    from google.adk.tools.function_tool import FunctionTool
+
+    asked: list[str] = []
+
+    def verify(context: Any) -> Any:
+        asked.append(context.call_id)
+        return Completed({"charged": 5})
+
+    w = World(tmp_path, mode, [("c1", "slow_charge", {"amount": 5})], [], resumable=True,
+              verifiers={"slow_charge": verify} if settle == "verifier" else None)
+    inside = asyncio.Event()
+
+    async def slow_charge(amount: int) -> dict[str, Any]:
+        """Charge a card, then wait for the bank's slow acknowledgement."""
+        world.effect(w.effects, f"charge {amount}")
+        inside.set()
+        await asyncio.Event().wait()  # never set: only a cancellation ends it
+        return {"charged": amount}
+
+    agent = w.runner.agent
+    assert isinstance(agent, LlmAgent)
+    agent.tools.append(FunctionTool(slow_charge))
+
+    async def inside_of(task: asyncio.Task[Any]) -> None:
+        """Until the body is inside its wait (a run that ends first fails the test)."""
+        waiting = asyncio.create_task(inside.wait())
+        await asyncio.wait({task, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+        assert inside.is_set(), task.result()
+
+    async def scenario() -> None:
+        await w.open()
+        first = asyncio.create_task(_noting(w.runner, []))
+        await inside_of(first)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert w.ran() == ["charge 5"]
+        session = await w.service.get_session(app_name=APP, user_id=USER,
+                                              session_id=SESSION)
+        assert session is not None
+        invocation = next(e.invocation_id for e in session.events if e.get_function_calls())
+        if mode == "alone":
+            inside.clear()
+            again = asyncio.create_task(run(w.runner, None, invocation_id=invocation))
+            await inside_of(again)  # the body runs again
+            again.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await again
+            return
+        assert w.plugin is not None
+        if settle == "verifier":  # this process asks it, as a fresh one would
+            answered = await run(w.runner, None, invocation_id=invocation)
+            assert [r.response for e in answered for r in e.get_function_responses()] == [
+                {"charged": 5}]
+            assert asked == ["c1"]
+            view = RunController.load(w.store, RUN).call("c1")
+            assert (view.phase, view.decisions[-1].by) == (
+                Phase.PUBLISHED, "verify:slow_charge")
+            return
+        with pytest.raises(ToolInDoubt):  # this process: no longer held in flight
+            await run(w.runner, None, invocation_id=invocation)
+        w.plugin.forget()  # a fresh process: the store's record only
+        with pytest.raises(ToolInDoubt):
+            await run(w.runner, None, invocation_id=invocation)
+        assert RunController.load(w.store, RUN).phase("c1") is Phase.STARTED
+        operator.resolve(w.store, RUN, "c1", outcome=Resolution.COMPLETED,
+                         output={"charged": 5}, by="ops", evidence="bank statement")
+        answered = await run(w.runner, None, invocation_id=invocation)
+        assert any(r.response == {"charged": 5} for e in answered
+                   for r in e.get_function_responses())
+        assert RunController.load(w.store, RUN).phase("c1") is Phase.PUBLISHED
+
+    asyncio.run(scenario())
+    assert w.ran() == ["charge 5"] * (2 if mode == "alone" else 1)
+
+
+def _fingerprint(name: str, arguments: dict[str, Any]) -> str:
+    """A call's fingerprint as DESIGN §3.1 defines it: sha256 of the canonical JSON of
+    ``[name, arguments]`` (sorted keys, no spaces)."""
+    text = json.dumps([name, arguments], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+async def _stopped_in_body(w: World, point: str) -> str:
+    """Run ``"go"`` with the process stopping inside the charge's body at ``point`` (its
+    start durable, no result); forget the plugin's copy, as a fresh process holds only
+    the store's record. The invocation the stop left."""
+    await w.open()
+    world.KILL["point"] = point
+    try:
+        with pytest.raises(StopInBody):
+            await _noting(w.runner, [])
+    finally:
+        world.KILL["point"] = ""
+    assert w.plugin is not None
+    w.plugin.forget()
+    session = await w.service.get_session(app_name=APP, user_id=USER, session_id=SESSION)
+    assert session is not None
+    return next(e.invocation_id for e in session.events if e.get_function_calls())
+
+
+def _cli(*args: str) -> str:
+    """``statemachine ARGS`` in its own process; its output (it must exit 0)."""
+    done = subprocess.run([sys.executable, "-m", "statemachine", *args], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, (args, done.stdout, done.stderr)
+    return done.stdout
+
+
+@pytest.mark.invariant("I1", "I11")
+def test_the_operator_settles_an_adk_call_in_doubt_from_the_shell(tmp_path: Path) -> None:
+    """The process stopped inside the charge after its effect. ``statemachine inbox
+    --store`` lists the call in doubt with its tool, arguments and fingerprint; the
+    run is refused (`ToolInDoubt`) until ``statemachine resolve --store`` records the
+    charge, and the resumed invocation then goes on with that output to the model's
+    answer: one charge, never run again."""
+    w = World(tmp_path, "ledger", [CHARGE], ["charge"], resumable=True)
+    db = str(tmp_path / "ledger.db")
+
+    async def refused(invocation: str) -> None:
+        with pytest.raises(ToolInDoubt):
+            await run(w.runner, None, invocation_id=invocation)
+
+    invocation = asyncio.run(_stopped_in_body(w, "after-effect"))
+    asyncio.run(refused(invocation))
+    (waiting,) = json.loads(_cli("inbox", "--store", db, "--json"))
+    assert (waiting["run_id"], waiting["call_id"], waiting["kind"], waiting["tool"]) == (
+        RUN, "c1", "in_doubt", "charge")
+    assert json.loads(waiting["arguments"]) == {"amount": 5}
+    assert waiting["fingerprint"] == _fingerprint("charge", {"amount": 5})
+    _cli("resolve", RUN, "c1", "--store", db, "--by", "ops", "--completed",
+         '{"charged": 5}', "--evidence", "pay_1")
+    assert json.loads(_cli("inbox", "--store", db, "--json")) == []
+
+    async def resumed() -> list[Any]:
+        return await run(w.runner, None, invocation_id=invocation)
+
+    answered = asyncio.run(resumed())
+    assert [r.response for e in answered for r in e.get_function_responses()] == [
+        {"charged": 5}]
+    assert _says(answered, "done")
+    assert w.ran() == ["charge 5"]
+    c = RunController.load(w.store, RUN)
+    assert c.phase("c1") is Phase.PUBLISHED
+    assert c.call("c1").decisions[-1].by == "ops"
+
+
+@pytest.mark.postgres
+@pytest.mark.invariant("I1", "I11")
+def test_the_plugin_on_postgresql_refuses_doubt_in_another_process_and_goes_on(
+        tmp_path: Path, pg_dsn: str, pg_schema: str) -> None:
+    """The plugin on the PostgreSQL store: the process stops inside the charge before
+    its effect; a second plugin on its own connection (another process's) is refused
+    (`ToolInDoubt`), nothing run; the operator's inbox on PostgreSQL shows the call with
+    its tool and fingerprint; once the operator records the charge as not executed, the
+    resumed invocation runs it once and goes on to the model's answer."""
+    from statemachine.postgres import PostgresEventStore
+
+    with PostgresEventStore(pg_dsn, schema=pg_schema) as first, \
+            PostgresEventStore(pg_dsn, schema=pg_schema) as second:
+        dying = World(tmp_path, "ledger", [CHARGE], ["charge"], resumable=True,
+                      store=first)
+        invocation = asyncio.run(_stopped_in_body(dying, "before-effect"))
+        other = World(tmp_path, "ledger", [CHARGE], ["charge"], resumable=True,
+                      store=second, service=dying.service)
+
+        async def refused() -> None:
+            with pytest.raises(ToolInDoubt):
+                await run(other.runner, None, invocation_id=invocation)
+
+        asyncio.run(refused())
+        assert other.ran() == []
+        (waiting,) = operator.inbox(second)
+        assert (waiting.call_id, waiting.kind, waiting.tool, waiting.fingerprint) == (
+            "c1", "in_doubt", "charge", _fingerprint("charge", {"amount": 5}))
+        operator.resolve(second, RUN, "c1", outcome=Resolution.NOT_EXECUTED, by="ops")
+
+        async def resumed() -> list[Any]:
+            return await run(other.runner, None, invocation_id=invocation)
+
+        answered = asyncio.run(resumed())
+        assert [r.response for e in answered for r in e.get_function_responses()] == [
+            {"charged": 5}]
+        assert _says(answered, "done")
+        assert other.ran() == ["charge 5"]
+        assert RunController.load(first, RUN).phase("c1") is Phase.PUBLISHED
+
+
 @pytest.mark.invariant("I11")
 @pytest.mark.parametrize("answer", ["completed", "not-executed", "unknown"])
 def test_a_verifier_settles_a_call_in_doubt_when_the_run_is_claimed(
@@ -485,6 +836,58 @@ def test_a_second_writer_of_a_session_is_refused(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
+class _AnotherWriterFirst(DieBeforeAppend):
+    """ADK's ``SqliteSessionService``, where another process appends to the session
+    (its own service on the same file) right before this writer's append reaches it:
+    after `OneWriterSessionService` checked the session, before the write."""
+
+    def __init__(self, path: Path) -> None:
+        from google.adk.sessions.sqlite_session_service import SqliteSessionService
+
+        super().__init__(SqliteSessionService(str(path)))
+        self.other = SqliteSessionService(str(path))
+
+    async def append_event(self, session: Any, event: Any) -> Any:
+        from google.adk.events.event import Event
+
+        theirs = await self.other.get_session(app_name=APP, user_id=USER,
+                                              session_id=SESSION)
+        assert theirs is not None
+        await self.other.append_event(theirs, Event(author="user", content=text("theirs")))
+        return await self.service.append_event(session, event)
+
+
+@pytest.mark.invariant("I7")
+@pytest.mark.parametrize("mode", ["alone", "ledger"])
+def test_a_write_the_session_service_finds_stale_is_a_concurrency_conflict(
+        tmp_path: Path, mode: str) -> None:
+    """Another process appends between `OneWriterSessionService`'s check and the write:
+    ADK's ``SqliteSessionService`` refuses the write (``StaleSessionError``); through the
+    wrapper that refusal is `ConcurrencyConflict` (what the other of two resumers gets),
+    and only the other writer's event is stored."""
+    from google.adk.errors import StaleSessionError
+    from google.adk.events.event import Event
+
+    inner = _AnotherWriterFirst(tmp_path / "sessions.db")
+    service: BaseSessionService = inner if mode == "alone" else OneWriterSessionService(
+        inner)
+
+    async def scenario() -> list[str]:
+        await service.create_session(app_name=APP, user_id=USER, session_id=SESSION)
+        ours = await service.get_session(app_name=APP, user_id=USER, session_id=SESSION)
+        assert ours is not None
+        refused = StaleSessionError if mode == "alone" else ConcurrencyConflict
+        with pytest.raises(refused):
+            await service.append_event(ours, Event(author="user", content=text("ours")))
+        stored = await inner.other.get_session(app_name=APP, user_id=USER,
+                                               session_id=SESSION)
+        assert stored is not None
+        return [str(part.text) for e in stored.events if e.content
+                for part in e.content.parts or ()]
+
+    assert asyncio.run(scenario()) == ["theirs"]
+
+
 # ------------------------------------------------------------------------- refusals
 
 
@@ -493,24 +896,53 @@ def _mcp() -> Any:
         server_params=StdioServerParameters(command="true", args=[])))
 
 
-@pytest.mark.parametrize(("feature", "agent"), [
-    ("MCP toolsets", lambda model: LlmAgent(name="agent", model=model, tools=[_mcp()])),
-    ("agents as tools", lambda model: LlmAgent(name="agent", model=model, tools=[
-        AgentTool(LlmAgent(name="inner", model=ScriptedModel()))])),
-    ("ParallelAgent agents", lambda model: ParallelAgent(name="agent", sub_agents=[
-        LlmAgent(name="inner", model=model)])),
-    ("sub-agents", lambda model: LlmAgent(name="agent", model=model, sub_agents=[
-        LlmAgent(name="inner", model=ScriptedModel())])),
-], ids=["mcp", "agent-tool", "parallel-agent", "sub-agents"])
+def _mcp_tool() -> Any:
+    """One MCP tool on its own (no toolset), as ADK's ``McpTool`` wraps a server's tool."""
+    from google.adk.tools.mcp_tool.mcp_session_manager import MCPSessionManager
+    from google.adk.tools.mcp_tool.mcp_tool import McpTool
+    from mcp.types import Tool
+
+    return McpTool(mcp_tool=Tool(name="pay", input_schema={"type": "object", "properties": {}}),
+                   mcp_session_manager=MCPSessionManager(StdioConnectionParams(
+                       server_params=StdioServerParameters(command="true", args=[]))))
+
+
+def _tools(path: Path, *more: Any) -> list[Any]:
+    """The charge the model asks for (its effect counted in ``path``), and ``more``."""
+    return [world.make_tools(path)["charge"], *more]
+
+
+@pytest.mark.parametrize(("feature", "named", "agent"), [
+    ("MCP toolsets", "McpToolset", lambda model, path: LlmAgent(
+        name="agent", model=model, tools=_tools(path, _mcp()))),
+    ("MCP tools", "McpTool", lambda model, path: LlmAgent(
+        name="agent", model=model, tools=_tools(path, _mcp_tool()))),
+    ("agents as tools", "AgentTool", lambda model, path: LlmAgent(
+        name="agent", model=model, tools=_tools(path, AgentTool(LlmAgent(
+            name="inner", model=ScriptedModel()))))),
+    ("ParallelAgent agents", "ParallelAgent", lambda model, path: ParallelAgent(
+        name="agent", sub_agents=[LlmAgent(name="inner", model=model, tools=_tools(path))])),
+    ("LoopAgent agents", "LoopAgent", lambda model, path: LoopAgent(
+        name="agent", sub_agents=[LlmAgent(name="inner", model=model, tools=_tools(path))])),
+    ("SequentialAgent agents", "SequentialAgent", lambda model, path: SequentialAgent(
+        name="agent", sub_agents=[LlmAgent(name="inner", model=model, tools=_tools(path))])),
+    ("sub-agents", "sub-agents", lambda model, path: LlmAgent(
+        name="agent", model=model, tools=_tools(path), sub_agents=[
+            LlmAgent(name="inner", model=ScriptedModel())])),
+], ids=["mcp-toolset", "mcp-tool", "agent-tool", "parallel-agent", "loop-agent",
+        "sequential-agent", "sub-agents"])
 def test_what_the_adapter_cannot_carry_is_refused_when_the_run_opens(
-        tmp_path: Path, feature: str, agent: Any) -> None:
+        tmp_path: Path, feature: str, named: str, agent: Any) -> None:
+    """DESIGN §7.4: refused when the run opens with `UnsupportedFeature` naming the
+    feature (its ``feature``, and the kind in its message); nothing recorded, the model
+    never asked, the charge it would ask for never run."""
     from google.adk.apps import App
     from google.adk.runners import Runner
 
     store = SQLiteEventStore(str(tmp_path / "ledger.db"))
     model = ScriptedModel(script=[CHARGE])
     service = InMemorySessionService()
-    runner = Runner(app=App(name=APP, root_agent=agent(model),
+    runner = Runner(app=App(name=APP, root_agent=agent(model, tmp_path / "effects.txt"),
                             plugins=[LedgerPlugin(store)]), session_service=service)
 
     async def scenario() -> None:
@@ -518,20 +950,124 @@ def test_what_the_adapter_cannot_carry_is_refused_when_the_run_opens(
         with pytest.raises(UnsupportedFeature) as refused:
             await run(runner, text("go"))
         assert refused.value.feature == feature
+        assert named in str(refused.value)
 
     asyncio.run(scenario())
     assert model.requests == 0
+    assert effects(tmp_path / "effects.txt") == []
     with pytest.raises(RunNotFound):
         RunController.load(store, RUN)
 
 
+@pytest.mark.parametrize("how", ["run_live", "run_async-bidi"])
+def test_live_streaming_is_refused_when_the_run_opens(tmp_path: Path, how: str) -> None:
+    """Live (bidirectional) streaming, through ``Runner.run_live`` or ``run_async`` with
+    ``StreamingMode.BIDI``: refused when the run opens (`UnsupportedFeature`, ``"live
+    streaming"``), nothing recorded, the model never asked, nothing run."""
+    from google.adk.agents.live_request_queue import LiveRequestQueue
+    from google.adk.agents.run_config import RunConfig
+
+    from statemachine.adapters.google_adk import refusal
+
+    w = World(tmp_path, "ledger", [CHARGE], ["charge"])
+
+    async def scenario() -> BaseException:
+        await w.open()
+        try:
+            if how == "run_live":
+                queue = LiveRequestQueue()
+                queue.send_content(text("go"))
+                queue.close()
+                async for _ in w.runner.run_live(user_id=USER, session_id=SESSION,
+                                                 live_request_queue=queue):
+                    pass
+            else:
+                async for _ in w.runner.run_async(
+                        user_id=USER, session_id=SESSION, new_message=text("go"),
+                        run_config=RunConfig.model_validate({"streaming_mode": "bidi"})):
+                    pass
+        except Exception as error:  # ADK wraps the plugin's refusal
+            return refusal(error)
+        raise AssertionError("live streaming was not refused")
+
+    refused = asyncio.run(scenario())
+    assert isinstance(refused, UnsupportedFeature)
+    assert refused.feature == "live streaming"
+    assert w.model.requests == 0
+    assert w.ran() == []
+    with pytest.raises(RunNotFound):
+        RunController.load(w.store, RUN)
+
+
+@pytest.mark.invariant("I1")
+def test_function_calls_without_ids_get_adks_own_and_run_once(tmp_path: Path) -> None:
+    """A model that sends function calls without ids: ADK 2.13 gives each an id of its
+    own (``adk-...``) in the session event before any tool callback, so the ledger keys
+    the call by it; the charge runs once and the run goes on."""
+    w = World(tmp_path, "ledger", [("", "charge", {"amount": 5})], ["charge"])
+
+    async def scenario() -> list[Any]:
+        await w.open()
+        return await run(w.runner, text("go"))
+
+    answered = asyncio.run(scenario())
+    assert _says(answered, "done")
+    assert w.ran() == ["charge 5"]
+    (view,) = RunController.load(w.store, RUN).calls
+    assert view.call.call_id.startswith("adk-")
+    assert view.phase is Phase.PUBLISHED
+
+
+def test_a_function_call_without_an_id_is_refused_at_its_callback(tmp_path: Path) -> None:
+    """ADK's runner never gives the callbacks a call without an id (it makes one); one
+    that reaches ``before_tool_callback`` anyway (a runner of another version) is refused
+    there (`UnsupportedFeature`, ``"function calls without ids"``): nothing recorded, the
+    body never run."""
+    from types import SimpleNamespace
+
+    w = World(tmp_path, "ledger", [CHARGE], ["charge"])
+    assert w.plugin is not None
+    plugin = w.plugin
+
+    async def scenario() -> None:
+        await w.open()
+        session = await w.service.get_session(app_name=APP, user_id=USER,
+                                              session_id=SESSION)
+        tool = world.make_tools(w.effects)["charge"]
+        with pytest.raises(UnsupportedFeature) as refused:
+            await plugin.before_tool_callback(
+                tool=tool, tool_args={"amount": 5},
+                tool_context=SimpleNamespace(function_call_id=None, session=session))
+        assert refused.value.feature == "function calls without ids"
+
+    asyncio.run(scenario())
+    assert w.ran() == []
+    with pytest.raises(RunNotFound):
+        RunController.load(w.store, RUN)
+
+
 def test_an_async_store_is_refused_when_the_plugin_is_built(tmp_path: Path) -> None:
+    """The plugin is refused an async store when it is built (`UnsupportedFeature`
+    naming it and the way on: the sync store of the same database); nothing is recorded
+    in the file, and the sync store of the same file is taken and carries a run."""
     from statemachine.sqlite import AsyncSQLiteEventStore
 
+    path = str(tmp_path / "ledger.db")
     with pytest.raises(UnsupportedFeature) as refused:
-        LedgerPlugin(AsyncSQLiteEventStore(str(tmp_path / "ledger.db")))  # type: ignore[arg-type]
+        LedgerPlugin(AsyncSQLiteEventStore(path))  # type: ignore[arg-type]
     assert refused.value.feature == "async event stores"
-    assert Step.RUN_AGAIN  # the module's names import
+    assert "use the sync store" in str(refused.value)
+    with pytest.raises(RunNotFound):
+        RunController.load(SQLiteEventStore(path), RUN)
+    w = World(tmp_path, "ledger", [CHARGE], ["charge"], store=SQLiteEventStore(path))
+
+    async def scenario() -> None:
+        await w.open()
+        await run(w.runner, text("go"))
+
+    asyncio.run(scenario())
+    assert w.ran() == ["charge 5"]
+    assert RunController.load(SQLiteEventStore(path), RUN).phase("c1") is Phase.PUBLISHED
 
 
 @pytest.mark.invariant("I1")

@@ -42,10 +42,15 @@ from tests.drivers.adk_driver import APP, RUN, SESSION, USER, build, effects, ru
 
 ROOT = Path(__file__).resolve().parents[2]
 
-EFFECT_BEFORE_THE_KILL = {"before-effect": 0, "after-effect": 1, "before-append": 1}
+EFFECT_BEFORE_THE_KILL = {"before-effect": 0, "after-effect": 1, "before-append": 1,
+                          "after-append": 1}
 """How many charges happened when the process died there (the kill points of
-`tests.drivers.adk_driver`: in the body before and after its effect, and when the session
-service is asked to append the function response, before it)."""
+`tests.drivers.adk_driver`: in the body before and after its effect, when the session
+service is asked to append the function response, before it, and once ADK's session
+service wrote it, before the ledger recorded the publication's commit)."""
+ALONE_RESUMED = {"before-effect": 1, "after-effect": 2, "before-append": 2, "after-append": 1}
+"""ADK alone, the charges in all once the killed invocation is resumed (measured on
+google-adk 2.13: it charges again wherever the session lacks the response)."""
 IN_DOUBT = {"before-effect", "after-effect"}
 """Where the tool's start is durable and its result is not: the call is in doubt (the
 effect may or may not have happened), and the resumed run must say so, never guess."""
@@ -69,20 +74,47 @@ def _outcomes(folder: Path) -> list[str]:
     return sorted(json.loads(p.read_text())["result"] for p in folder.glob("outcome-*.json"))
 
 
+def _stored(folder: Path) -> list[Any]:
+    """The events of the session on ADK's ``SqliteSessionService`` file."""
+    from google.adk.sessions.sqlite_session_service import SqliteSessionService
+
+    async def read() -> Any:
+        return await SqliteSessionService(str(folder / "sessions.db")).get_session(
+            app_name=APP, user_id=USER, session_id=SESSION)
+
+    session = asyncio.run(read())
+    return list(session.events) if session is not None else []
+
+
+def _responses(folder: Path, name: str | None = None) -> list[str]:
+    """The ids of the tools' function responses in the stored session, in order."""
+    return [str(r.id) for e in _stored(folder) if e.author != "user"
+            for r in e.get_function_responses() if name is None or r.name == name]
+
+
+def _texts(folder: Path) -> list[str]:
+    """The agent's texts in the stored session, in order."""
+    return [str(part.text) for e in _stored(folder) if e.author != "user" and e.content
+            for part in e.content.parts or () if part.text]
+
+
 @pytest.mark.invariant("I1", "I11")
 @pytest.mark.parametrize("kill", sorted(EFFECT_BEFORE_THE_KILL))
 @pytest.mark.parametrize("mode", ["alone", "ledger"])
 def test_a_charge_killed_at_each_boundary_runs_at_most_once_through_the_ledger(
         tmp_path: Path, mode: str, kill: str) -> None:
-    """ADK alone, resumed, charges again at every kill point after the effect (measured:
-    2 charges at after-effect and before-append, 1 at before-effect); through the adapter
-    the charge happened at most once, and a call in doubt is reported `ToolInDoubt`."""
+    """ADK alone, resumed, charges again at every kill point after the effect whose
+    response the session lacks (measured: 2 charges at after-effect and before-append, 1
+    at before-effect and after-append); through the adapter the charge happened at most
+    once, a call in doubt is reported `ToolInDoubt`, and a response the session holds
+    (after-append: written, its commit not recorded) is acknowledged, never written
+    twice."""
     assert _drive(tmp_path, mode, "--kill", kill) == -9
     assert len(effects(tmp_path / "effects.txt")) == EFFECT_BEFORE_THE_KILL[kill]
     _drive(tmp_path, mode)
     ran = effects(tmp_path / "effects.txt")
     if mode == "alone":
-        assert ran == ["charge 5"] * (EFFECT_BEFORE_THE_KILL[kill] + 1)
+        assert ran == ["charge 5"] * ALONE_RESUMED[kill]
         return
     assert len(ran) == EFFECT_BEFORE_THE_KILL[kill]  # the resume ran nothing
     if kill in IN_DOUBT:
@@ -92,6 +124,12 @@ def test_a_charge_killed_at_each_boundary_runs_at_most_once_through_the_ledger(
     else:
         assert _outcomes(tmp_path) == ["ok"]
         assert ran == ["charge 5"]
+        assert _responses(tmp_path) == ["c1"]  # I3: one copy, the run went on
+        assert _texts(tmp_path)[-1:] == ["done"]
+        assert RunController.load(SQLiteEventStore(str(tmp_path / "ledger.db")),
+                                  RUN).phase("c1") is Phase.PUBLISHED  # settled
+        assert RunController.load(SQLiteEventStore(str(tmp_path / "ledger.db")),
+                                  RUN).phase("c1") is Phase.PUBLISHED  # settled
 
 
 @pytest.mark.invariant("I1", "I7")
@@ -102,8 +140,10 @@ def test_two_resumers_of_a_killed_session_charge_at_most_once_through_the_ledger
     in the session); two processes resume the session at one signal. ADK alone charges
     once per resumer (measured: 3 charges in all; its SqliteSessionService refuses the
     second writer's append with StaleSessionError, after that charge); through the
-    adapter the charge stays at one, and each resumer goes on or is refused
-    (`ConcurrencyConflict`)."""
+    adapter the charge stays at one, its response is written once, and each resumer goes
+    on or is refused with `ConcurrencyConflict` (never ADK's own StaleSessionError).
+    One goes on, except in the narrow schedule of the test below (both refused), after
+    which the next resume goes on."""
     assert _drive(tmp_path, mode, "--kill", "before-append") == -9
     go = tmp_path / "go"
     children = [_start(tmp_path, mode, "--wait-for", str(go)) for _ in range(2)]
@@ -117,8 +157,83 @@ def test_two_resumers_of_a_killed_session_charge_at_most_once_through_the_ledger
         assert ran == ["charge 5"] * 3
         return
     assert ran == ["charge 5"]
-    assert set(_outcomes(tmp_path)) <= {"ok", "conflict", "stale"}
-    assert "ok" in _outcomes(tmp_path)
+    assert set(_outcomes(tmp_path)) <= {"ok", "conflict"}
+    if "ok" not in _outcomes(tmp_path):  # the narrow schedule: the next resume goes on
+        assert _responses(tmp_path) == ["c1"]
+        _drive(tmp_path, mode)
+        assert "ok" in _outcomes(tmp_path)
+    assert effects(tmp_path / "effects.txt") == ["charge 5"]
+    assert _responses(tmp_path) == ["c1"]
+    assert _texts(tmp_path)[-1:] == ["done"]
+
+
+@pytest.mark.invariant("I1", "I5")
+@pytest.mark.parametrize(("mode", "kill"), [("alone", "at-decision"),
+                                            ("ledger", "before-decision"),
+                                            ("ledger", "after-decision")])
+def test_a_confirmation_killed_around_its_decision_runs_the_wire_once_when_resumed(
+        tmp_path: Path, mode: str, kill: str) -> None:
+    """One process asks for the wire's confirmation and sends it; the process dies while
+    the confirmation is recorded: through the ledger before the append holding the
+    approval, or after it (the call approved, not started); ADK alone, where the
+    confirmed call reaches the tool callbacks. A fresh process resumes the invocation:
+    the confirmation the session holds is neither lost (the wire runs) nor taken twice
+    (it runs once, one approval recorded), alone and through the ledger alike."""
+    assert _drive(tmp_path, mode, "--flow", "confirm", "--kill", kill) == -9
+    assert effects(tmp_path / "effects.txt") == []  # the kill came before the wire
+    store = SQLiteEventStore(str(tmp_path / "ledger.db"))
+    if mode == "ledger":  # the kill fell where it says
+        expected = Phase.AWAITING if kill == "before-decision" else Phase.APPROVED
+        assert RunController.load(store, RUN).phase("w1") is expected
+    _drive(tmp_path, mode, "--flow", "confirm")
+    assert effects(tmp_path / "effects.txt") == ["wire 7"]
+    assert _outcomes(tmp_path) == ["ok"]
+    assert _texts(tmp_path)[-1:] == ["done"]
+    if mode == "ledger":
+        view = RunController.load(store, RUN).call("w1")
+        assert view.phase is Phase.PUBLISHED
+        assert [(d.kind, d.by) for d in view.decisions] == [("approved", "adk:confirmation")]
+
+
+def _race(folder: Path, mode: str, *extra: str) -> list[str]:
+    """Two resumer processes of the session, each held once its run is open (through the
+    ledger: loaded and claimed, or refused there) until both are: they have both read
+    the run before either goes on. Their outcomes."""
+    go = folder / "go"
+    children = [_start(folder, mode, "--hold", str(go), *extra) for _ in range(2)]
+    while len(list(folder.glob("opened-*"))) + sum(
+            child.poll() is not None for child in children) < 2:
+        time.sleep(0.02)  # a wait for both, not a timed assertion
+    go.write_text("go")
+    for child in children:
+        _, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err
+    return _outcomes(folder)
+
+
+@pytest.mark.invariant("I1", "I7")
+@pytest.mark.parametrize("mode", ["alone", "ledger"])
+def test_two_resumers_of_an_approved_unstarted_wire_run_it_once_through_the_ledger(
+        tmp_path: Path, mode: str) -> None:
+    """The process died with the wire confirmed and not started (through the ledger: its
+    approval durable); two processes resume the invocation, both past their load before
+    either goes on, so each would run the wire. ADK alone wires twice (measured; its
+    SqliteSessionService then refuses the second writer's append, StaleSessionError,
+    after the wire); through the adapter exactly one wires and the other is refused with
+    `ConcurrencyConflict` (its claim lost the store's race, or a later claim superseded
+    it before its tool ran), never ADK's own error."""
+    kill = "after-decision" if mode == "ledger" else "at-decision"
+    assert _drive(tmp_path, mode, "--flow", "confirm", "--kill", kill) == -9
+    assert effects(tmp_path / "effects.txt") == []
+    outcomes = _race(tmp_path, mode, "--flow", "confirm")
+    if mode == "alone":
+        assert effects(tmp_path / "effects.txt") == ["wire 7"] * 2
+        return
+    assert effects(tmp_path / "effects.txt") == ["wire 7"]
+    assert outcomes == ["conflict", "ok"]
+    assert _responses(tmp_path, "wire")[-1:] == ["w1"]
+    assert RunController.load(SQLiteEventStore(str(tmp_path / "ledger.db")),
+                              RUN).phase("w1") is Phase.PUBLISHED
 
 
 class _Held(BasePlugin):
@@ -229,3 +344,73 @@ def test_a_resumer_superseded_by_a_later_claim_writes_nothing_and_the_later_one_
     events = asyncio.run(stored()).events
     assert [r.id for e in events for r in e.get_function_responses()] == ["c1"]
     assert not [e for e in events if e.error_code]  # A wrote no error event
+
+
+class _GatedWrite(_HeldWrite):
+    """ADK's session service; a function response to be written says so and waits for
+    ``go`` before the write (the writer has staged it in the ledger, nothing written)."""
+
+    async def append_event(self, session: Any, event: Any) -> Any:
+        if event.get_function_responses() and not event.partial:
+            self.written.set()  # here: about to write
+            await self.go.wait()
+        return await self.service.append_event(session, event)
+
+
+@pytest.mark.invariant("I1", "I3", "I7")
+def test_a_resumer_claiming_while_the_other_writes_leaves_both_refused_and_the_next_goes_on(
+        tmp_path: Path) -> None:
+    """The narrow schedule in which neither of two resumers goes on: A has staged the
+    function response (durable in the ledger) and is about to write it; B reads the
+    session, claims (superseding A) and, finding A's write not landed, takes the
+    publication over to write it itself. A's write lands first: A's commit is refused
+    (B's claim), and B's write is refused as stale by the session service (its copy was
+    read before A's write): both get `ConcurrencyConflict`, the response is in the
+    session once, and the charge ran once. The next resume acknowledges the write and
+    goes on. (A resumer cannot tell a writer that is gone from one still writing: the
+    session service's own stale check is what keeps the write single here.)"""
+    from google.adk.sessions.sqlite_session_service import SqliteSessionService
+
+    from statemachine.adapters.google_adk import LedgerPlugin, OneWriterSessionService
+
+    assert _drive(tmp_path, "ledger", "--kill", "before-append") == -9
+    path = tmp_path / "effects.txt"
+
+    def side() -> tuple[Runner, _GatedWrite]:
+        inner = _GatedWrite(SqliteSessionService(str(tmp_path / "sessions.db")))
+        plugin = LedgerPlugin(SQLiteEventStore(str(tmp_path / "ledger.db")))
+        runner, _, _ = build(path, [("c1", "charge", {"amount": 5})], tools=["charge"],
+                             service=OneWriterSessionService(inner, plugin=plugin),
+                             plugins=[plugin], resumable=True)
+        return runner, inner
+
+    async def resume(runner: Runner) -> str:
+        session = await runner.session_service.get_session(
+            app_name=APP, user_id=USER, session_id=SESSION)
+        assert session is not None
+        pending = [e.invocation_id for e in session.events if e.get_function_calls()]
+        try:
+            await run(runner, None, invocation_id=pending[-1])
+        except ConcurrencyConflict:
+            return "conflict"
+        return "ok"
+
+    async def scenario() -> tuple[str, str]:
+        (ra, a_writes), (rb, b_writes) = side(), side()
+        first = asyncio.create_task(resume(ra))
+        await a_writes.written.wait()  # A staged the response, about to write it
+        later = asyncio.create_task(resume(rb))
+        await b_writes.written.wait()  # B claimed and took the publication over
+        a_writes.go.set()
+        a_outcome = await first
+        b_writes.go.set()
+        return a_outcome, await later
+
+    assert asyncio.run(scenario()) == ("conflict", "conflict")
+    assert effects(path) == ["charge 5"]
+    assert _responses(tmp_path) == ["c1"]  # A's write, once
+    _drive(tmp_path, "ledger")  # the next resume, in a fresh process
+    assert _outcomes(tmp_path) == ["ok"]
+    assert effects(path) == ["charge 5"]
+    assert _responses(tmp_path) == ["c1"]
+    assert _texts(tmp_path)[-1:] == ["done"]

@@ -14,7 +14,7 @@ import asyncio
 import os
 import sqlite3
 from pathlib import Path
-from typing import Any, cast
+from typing import Annotated, Any, cast
 
 import pytest
 
@@ -27,13 +27,19 @@ except ImportError:  # pragma: no cover - CI installs the extra
                 allow_module_level=True)
 
 from langchain.agents import create_agent
-from langchain.agents.middleware import HumanInTheLoopMiddleware
+from langchain.agents.middleware import (
+    AgentMiddleware,
+    HumanInTheLoopMiddleware,
+    ToolRetryMiddleware,
+)
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
-from langchain_core.tools import tool
+from langchain_core.tools import InjectedToolCallId, tool
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.sqlite import SqliteSaver
+from langgraph.errors import GraphInterrupt
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
+from langgraph.runtime import Runtime
 from langgraph.types import Command, Send, interrupt
 
 from statemachine import (
@@ -54,8 +60,9 @@ from statemachine.adapters.langgraph import (
     UnsupportedFeature,
     decision,
 )
+from statemachine.stores import AsyncSQLiteEventStore
 from statemachine.values import Phase, Step
-from statemachine.verifiers import Completed, Unknown
+from statemachine.verifiers import Completed, NotExecuted, Unknown
 from tests.drivers.langgraph_driver import ScriptedModel, build, effect, effects, make_tools
 
 CONFIG: Any = {"configurable": {"thread_id": "t1"}}
@@ -84,19 +91,51 @@ def _tool_messages(result: dict[str, Any]) -> list[tuple[str, Any]]:
 TWO = [[("charge", {"amount": 7}, "c1"), ("notify", {"to": "bob"}, "n1")], "done"]
 
 
+def _hitl_graph(path: Path, script: list[Any]) -> Any:
+    """LangGraph alone with the components of langchain #37093: a model node, LangChain's
+    ``HumanInTheLoopMiddleware`` (batched, every decision allowed) as the review node
+    after it, and LangGraph's ``ToolNode``."""
+    model = ScriptedModel(script=script)
+    hitl = HumanInTheLoopMiddleware(interrupt_on={"charge": True, "notify": True})
+
+    def review(state: MessagesState, runtime: Runtime) -> Any:
+        return hitl.after_model(cast("Any", state), runtime)
+
+    builder: Any = StateGraph(MessagesState)
+    builder.add_node("model", lambda state: {"messages": [model.invoke(state["messages"])]})
+    builder.add_node("review", review)
+    builder.add_node("tools", ToolNode(make_tools(path)))
+    builder.add_edge(START, "model")
+    builder.add_conditional_edges("model", tools_condition, {"tools": "review", END: END})
+    builder.add_edge("review", "tools")
+    builder.add_edge("tools", "model")
+    return builder.compile(checkpointer=InMemorySaver())
+
+
+def _answers(messages: list[Any]) -> dict[str, int]:
+    """How many ToolMessages answer each tool call of the thread's AIMessages (a provider
+    takes a thread only when every call has exactly one)."""
+    calls = [str(call["id"]) for m in messages if isinstance(m, AIMessage)
+             for call in m.tool_calls]
+    return {call_id: sum(isinstance(m, ToolMessage) and m.tool_call_id == call_id
+                         for m in messages) for call_id in calls}
+
+
 @pytest.mark.invariant("I1")
 def test_a_rejected_call_runs_on_langgraph_alone_and_never_through_the_ledger(
         tmp_path: Path, store: SQLiteEventStore) -> None:
-    """Mixed decisions in one batch: approve charge, reject notify. LangGraph's review
-    pattern (a rejection answered with a ToolMessage, the batch then sent to its ToolNode)
-    runs the rejected call anyway; through the ledger it never runs, and every call of
-    the batch is answered exactly once."""
+    """langchain #37093: HumanInTheLoopMiddleware answers a rejected call with a
+    ToolMessage but leaves it on the AIMessage, and LangGraph's ToolNode runs every call
+    of the AIMessage: approve charge, reject notify, and the rejected notify runs
+    (langchain 1.5.2 still does), its call answered twice. Through the ledger it never
+    runs, and every call of the batch is answered exactly once."""
     alone = tmp_path / "alone.txt"
-    graph = build("alone", make_tools(alone), ScriptedModel(script=TWO), InMemorySaver(),
-                  review=True)
+    graph = _hitl_graph(alone, TWO)
     graph.invoke({"messages": [HumanMessage("go")]}, CONFIG)
-    graph.invoke(Command(resume={"c1": "approve", "n1": "reject"}), CONFIG)
+    result = graph.invoke(Command(resume={"decisions": [
+        {"type": "approve"}, {"type": "reject", "message": "not bob"}]}), CONFIG)
     assert sorted(effects(alone)) == ["charge 7", "notify bob"]  # the rejected one ran
+    assert _answers(result["messages"]) == {"c1": 1, "n1": 2}
 
     through = tmp_path / "ledger.txt"
     ledger = ToolLedger(store, approvals=["charge", "notify"])
@@ -108,7 +147,62 @@ def test_a_rejected_call_runs_on_langgraph_alone_and_never_through_the_ledger(
         "n1": decision("reject", prints["n1"], message="not bob")}), CONFIG)
     assert effects(through) == ["charge 7"]
     assert _tool_messages(result) == [("c1", "charged 7"), ("n1", "not bob")]
+    assert _answers(result["messages"]) == {"c1": 1, "n1": 1}
     assert result["messages"][-1].content == "done"
+
+
+THREE = [[("charge", {"amount": 7}, "c1"), ("charge", {"amount": 8}, "c2"),
+          ("notify", {"to": "bob"}, "n1")], "done"]
+
+
+@pytest.mark.invariant("I1")
+def test_mixed_decisions_break_the_thread_alone_and_settle_every_call_through_the_ledger(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """langchainjs PR #11437: mixed decisions in one batch left a thread with a call no
+    ToolMessage answers (JS dropped the approved calls on any rejection), which every
+    later model request fails on. Python's HumanInTheLoopMiddleware keeps every call on
+    the AIMessage (what the PR does for JS); with LangGraph's ToolNode the same mix
+    (approve charge 7, edit charge 8 to 8000, reject notify) still leaves a broken thread:
+    the rejected call runs and is answered twice (rejected, and its result), and the edit
+    runs the model's arguments (its edit lives in the middleware's own tool wrapper,
+    which a ToolNode does not have). Through the ledger every call is settled: the
+    approved one runs once, the edit is a new call that runs once with its own approval,
+    the rejected one never runs, every call of the thread is answered exactly once, and
+    no call of the ledger is left approved, awaiting or in doubt."""
+    alone = tmp_path / "alone.txt"
+    graph = _hitl_graph(alone, THREE)
+    graph.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    result = graph.invoke(Command(resume={"decisions": [
+        {"type": "approve"},
+        {"type": "edit", "edited_action": {"name": "charge", "args": {"amount": 8000}}},
+        {"type": "reject", "message": "not bob"}]}), CONFIG)
+    assert sorted(effects(alone)) == ["charge 7", "charge 8", "notify bob"]
+    assert _answers(result["messages"]) == {"c1": 1, "c2": 1, "n1": 2}
+
+    through = tmp_path / "ledger.txt"
+    ledger = ToolLedger(store, approvals=["charge", "notify"])
+    agent: Any = create_agent(ScriptedModel(script=THREE), make_tools(through),
+                              middleware=[LedgerMiddleware(ledger)],
+                              checkpointer=OneWriterSaver(InMemorySaver(), ledger=ledger))
+    prints = _pending(agent.invoke({"messages": [HumanMessage("go")]}, CONFIG))
+    edited = _pending(agent.invoke(Command(resume={
+        "c1": decision("approve", prints["c1"]),
+        "c2": decision("edit", prints["c2"], args={"amount": 8000}),
+        "n1": decision("reject", prints["n1"], message="not bob")}), CONFIG))
+    assert list(edited) == ["c2-edit1"]  # the edit awaits its own approval
+    assert effects(through) == []
+    result = agent.invoke(Command(resume={
+        "c2-edit1": decision("approve", edited["c2-edit1"])}), CONFIG)
+    assert sorted(effects(through)) == ["charge 7", "charge 8000"]
+    answers = _answers(result["messages"])
+    assert set(answers.values()) == {1}
+    assert sorted(answers) == ["c1-edit1", "c2-edit1", "n1"]
+    assert dict(_tool_messages(result))["n1"] == "not bob"
+    assert result["messages"][-1].content == "done"
+    c = ToolLedger(store).controller(RUN)
+    assert {view.call.call_id: view.phase for view in c.calls} == {
+        "c1": Phase.SKIPPED, "c2": Phase.PUBLISHED, "n1": Phase.PUBLISHED,
+        "c1-edit1": Phase.PUBLISHED, "c2-edit1": Phase.PUBLISHED}
 
 
 @pytest.mark.invariant("I1")
@@ -152,38 +246,73 @@ def test_an_edit_runs_unapproved_on_langgraph_alone_and_awaits_its_own_approval(
     assert done["messages"][-1].content == "done"
 
 
-def test_parallel_interrupts_in_one_toolnode_rerun_an_approved_call_alone(
+def test_parallel_interrupts_in_one_toolnode_misroute_an_approval_alone(
         tmp_path: Path, store: SQLiteEventStore) -> None:
-    """Two calls of one ToolNode that each ``interrupt()`` for approval: LangGraph alone
-    surfaces them one at a time and re-runs the whole node on each resume, so the first
-    (approved) call runs again when the second is answered. Through the ledger one
-    review interrupt carries both (distinct call ids); the approved one runs once, the
-    rejected one never."""
+    """langgraph #6533: two async calls of one ToolNode that each ``interrupt()`` for
+    approval raise interrupts with one id (langgraph 1.2 keys an interrupt's id by the
+    task and by how many answers the task already has, not by the call), only one is
+    shown, and a resume value goes to whichever call asks first when the node runs
+    again. LangGraph alone, the reviewer answering only what it is shown (approve charge
+    7, reject anything else): charge 7 is shown and approved twice, charge 8 is never
+    shown, and runs twice on the answers meant for charge 7 (charge 7 asks second on each
+    run after the first: #6533's tools of different speeds, made an order here). Through
+    the ledger one review interrupt carries both calls, each with its id and
+    fingerprint: the approved one runs once, the rejected one never."""
     path = tmp_path / "alone.txt"
+    entered = {7: 0, 8: 0}
 
     @tool
-    def charge(amount: int) -> str:
-        """Charge."""
-        if interrupt({"charge": amount}) != "approve":
+    async def charge(amount: int) -> str:
+        """Charge, once approved."""
+        entered[amount] += 1
+        if amount == 7 and entered[7] > 1:
+            await eight_asked.wait()  # on each run after the first, charge 8 asks first
+        try:
+            answer = interrupt({"charge": amount})
+        finally:
+            if amount == 8:
+                eight_asked.set()
+        if answer != "approve":
             return "rejected"
         effect(path, f"charge {amount}")
         return f"charged {amount}"
+
+    ids: list[tuple[str, str]] = []
+
+    async def spy(request: Any, execute: Any) -> Any:
+        """Notes the id of each call's interrupt (LangGraph alone: no ledger here)."""
+        try:
+            return await execute(request)
+        except GraphInterrupt as asked:
+            ids.append((request.tool_call["id"], asked.args[0][0].id))
+            raise
 
     script = [[("charge", {"amount": 7}, "a"), ("charge", {"amount": 8}, "b")], "done"]
     model = ScriptedModel(script=script)
     builder: Any = StateGraph(MessagesState)
     builder.add_node("model", lambda state: {"messages": [model.invoke(state["messages"])]})
-    builder.add_node("tools", ToolNode([charge]))
+    builder.add_node("tools", ToolNode([charge], awrap_tool_call=spy))
     builder.add_edge(START, "model")
     builder.add_conditional_edges("model", tools_condition)
     builder.add_edge("tools", "model")
     graph = builder.compile(checkpointer=InMemorySaver())
-    result = graph.invoke({"messages": [HumanMessage("go")]}, CONFIG)
-    while result.get("__interrupt__"):
-        (asked,) = result["__interrupt__"]
-        answer = "approve" if asked.value["charge"] == 7 else "reject"
-        result = graph.invoke(Command(resume={asked.id: answer}), CONFIG)
-    assert effects(path) == ["charge 7", "charge 7"]  # approved once, ran twice
+    shown: list[int] = []
+
+    async def review() -> None:
+        result = await graph.ainvoke({"messages": [HumanMessage("go")]}, CONFIG)
+        while result.get("__interrupt__"):
+            (asked,) = result["__interrupt__"]
+            shown.append(asked.value["charge"])
+            eight_asked.clear()
+            answer = "approve" if asked.value["charge"] == 7 else "reject"
+            result = await graph.ainvoke(Command(resume={asked.id: answer}), CONFIG)
+
+    eight_asked = asyncio.Event()
+    asyncio.run(review())
+    assert sorted(call for call, _ in ids[:2]) == ["a", "b"]
+    assert len({interrupt_id for _, interrupt_id in ids[:2]}) == 1  # two calls, one id
+    assert shown == [7, 7]  # charge 8 was never shown to the reviewer
+    assert sorted(effects(path)) == ["charge 7", "charge 8", "charge 8"]
 
     through = tmp_path / "ledger.txt"
     ledger = ToolLedger(store, approvals=["charge"])
@@ -426,14 +555,23 @@ def test_what_the_adapter_does_not_carry_is_refused_naming_it(
 
     @tool
     def asks(n: int) -> str:
-        """Interrupts inside its body."""
+        """Interrupts inside its body, then acts."""
+        effect(path, f"asks {n}")
         interrupt("may I?")
+        effect(path, f"acted {n}")
         return "ok"
 
     graph = _graph_of(ledger.tool_node([asks]), InMemorySaver())
+    asking = _tools_state([("asks", {"n": 1}, "q")])
     with pytest.raises(UnsupportedFeature) as refused:
-        graph.invoke(_tools_state([("asks", {"n": 1}, "q")]), CONFIG)
+        graph.invoke(asking, CONFIG)
     assert refused.value.feature == "interrupt() inside a tool"
+    assert effects(path) == ["asks 1"]  # ran up to its interrupt(), once
+    with pytest.raises(ToolInDoubt):  # left in doubt: run again, it is refused
+        graph.invoke(asking, CONFIG)
+    assert effects(path) == ["asks 1"]
+    assert [(w.call_id, w.kind) for w in operator.inbox(store)] == [("q", "in_doubt")]
+    path.unlink()
 
     # a subgraph with its own tool node
     inner = _graph_of(ledger.tool_node(make_tools(path)), None)
@@ -450,8 +588,256 @@ def test_what_the_adapter_does_not_carry_is_refused_naming_it(
 
     with pytest.raises(UnsupportedFeature) as refused:
         ledger.tool_node(make_tools(path), wrap_tool_call=lambda r, h: h(r))
+    assert refused.value.feature == "other tool-call wrappers around the ledger"
     with pytest.raises(adapter.InvalidVerifier):
         ToolLedger(store, tools=["charge"], verifiers={"nope": lambda context: Unknown()})
+
+
+ONE = [[("charge", {"amount": 7}, "c1")], "done"]
+
+
+def _charging_then_failing(path: Path) -> Any:
+    """A charge whose effect happens, then the gateway times out (it raises)."""
+
+    @tool
+    def charge(amount: int) -> str:
+        """Charge the customer."""
+        effect(path, f"charge {amount}")
+        raise RuntimeError("gateway timeout after the charge")
+
+    return charge
+
+
+def _run(graph: Any, value: Any, run: str) -> Any:
+    """``graph.invoke(value, CONFIG)``, or its ``ainvoke`` in an event loop."""
+    if run == "ainvoke":
+        return asyncio.run(graph.ainvoke(value, CONFIG))
+    return graph.invoke(value, CONFIG)
+
+
+class _Twice(AgentMiddleware):
+    """A home-made retry: calls the rest of the chain a second time, whatever the first
+    answered."""
+
+    def wrap_tool_call(self, request: Any, handler: Any) -> Any:
+        handler(request)
+        return handler(request)
+
+
+@pytest.mark.invariant("I1")
+@pytest.mark.parametrize("run", ["invoke", "ainvoke"])
+@pytest.mark.parametrize("order", ["ledger-first", "ledger-last"])
+def test_retry_middleware_beside_the_ledger_is_refused_before_anything_runs(
+        tmp_path: Path, store: SQLiteEventStore, order: str, run: str) -> None:
+    """LangChain runs the first middleware of ``create_agent(middleware=[...])`` as the
+    outermost ``wrap_tool_call``. On create_agent alone ``ToolRetryMiddleware(max_retries=
+    2)`` runs a charge that raised after its effect three times. Beside the ledger, in
+    either order (inside it, it would run the body again under one recorded start;
+    outside it, it would only repeat the ledger's answer, or hand the model the ledger's
+    refusal as a tool message), it is refused before the agent's first model call,
+    naming it: the model is never asked, the tool never runs, nothing is recorded."""
+    def retry() -> ToolRetryMiddleware:
+        return ToolRetryMiddleware(max_retries=2, initial_delay=0, jitter=False)
+
+    alone = tmp_path / "alone.txt"
+    agent: Any = create_agent(ScriptedModel(script=ONE), [_charging_then_failing(alone)],
+                              middleware=[retry()], checkpointer=InMemorySaver())
+    agent.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    assert effects(alone) == ["charge 7"] * 3
+
+    through = tmp_path / "ledger.txt"
+    ledger = LedgerMiddleware(ToolLedger(store))
+    chain = [ledger, retry()] if order == "ledger-first" else [retry(), ledger]
+    agent = create_agent(ScriptedModel(script=ONE), [_charging_then_failing(through)],
+                         middleware=chain, checkpointer=InMemorySaver())
+    go: Any = {"messages": [HumanMessage("go")]}
+    with pytest.raises(UnsupportedFeature) as refused:
+        _run(agent, go, run)
+    assert refused.value.feature == "ToolRetryMiddleware"
+    assert effects(through) == []
+    assert operator.runs(store) == []
+    assert [m.type for m in agent.get_state(CONFIG).values["messages"]] == ["human"]
+
+
+@pytest.mark.invariant("I1")
+@pytest.mark.parametrize("order", ["ledger-first", "ledger-last"])
+def test_a_wrapper_that_calls_the_handler_twice_never_runs_a_body_twice(
+        tmp_path: Path, store: SQLiteEventStore, order: str) -> None:
+    """A tool-call middleware of the user's own that calls its handler twice: listed
+    after the ledger (inside it, between the ledger and the body) it is refused, named,
+    before anything runs; listed before it (outside), its second call reaches the ledger,
+    which answers from the record: the charge runs once and both answers are the same.
+    A ToolNode of the user's own whose wrapper hands the ledger another handler than the
+    node's own is refused at the tool call the same way."""
+    path = tmp_path / "effects.txt"
+    chain = [LedgerMiddleware(ToolLedger(store)), _Twice()]
+    if order == "ledger-last":
+        chain.reverse()
+    agent: Any = create_agent(ScriptedModel(script=ONE), make_tools(path), middleware=chain,
+                              checkpointer=InMemorySaver())
+    if order == "ledger-first":
+        with pytest.raises(UnsupportedFeature, match="_Twice") as refused:
+            agent.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+        assert refused.value.feature == "tool-call middleware inside the ledger"
+        assert effects(path) == []
+        assert [m.type for m in agent.get_state(CONFIG).values["messages"]] == ["human"]
+        return
+    result = agent.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    assert effects(path) == ["charge 7"]
+    assert _tool_messages(result) == [("c1", "charged 7")]
+    assert result["messages"][-1].content == "done"
+
+    ledger = ToolLedger(store, run_id="own-node")
+
+    def twice(request: Any, handler: Any) -> Any:
+        return ledger.wrap_tool_call(request, lambda r: (handler(r), handler(r))[1])
+
+    graph = _graph_of(ToolNode(make_tools(path), wrap_tool_call=twice), InMemorySaver())
+    with pytest.raises(UnsupportedFeature) as refused:
+        graph.invoke(_tools_state([("charge", {"amount": 8}, "x")]), CONFIG)
+    assert refused.value.feature == "tool-call middleware inside the ledger"
+    assert effects(path) == ["charge 7"]
+
+
+@pytest.mark.invariant("I1")
+@pytest.mark.parametrize("order", ["ledger-first", "ledger-last"])
+def test_human_in_the_loop_middleware_beside_the_ledger_is_refused_before_anything_runs(
+        tmp_path: Path, store: SQLiteEventStore, order: str) -> None:
+    """LangChain's HumanInTheLoopMiddleware beside the ledger: its decisions are bound to
+    no fingerprint, and its "edit" runs the reviewer's arguments under the model's call
+    id (langchain #40166: on create_agent alone an edit ran ``charge 7000``, never
+    approved with those arguments; the edit test above). In either order it is refused
+    before the agent's first model call, naming it and pointing to the ledger's own
+    review: the reviewer is never asked, the tool never runs, nothing is recorded."""
+    path = tmp_path / "effects.txt"
+    hitl = HumanInTheLoopMiddleware(interrupt_on={"charge": True})
+    ledger = LedgerMiddleware(ToolLedger(store, approvals=["charge"]))
+    chain = [ledger, hitl] if order == "ledger-first" else [hitl, ledger]
+    agent: Any = create_agent(ScriptedModel(script=ONE), make_tools(path), middleware=chain,
+                              checkpointer=InMemorySaver())
+    with pytest.raises(UnsupportedFeature, match="review") as refused:
+        agent.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    assert refused.value.feature == "HumanInTheLoopMiddleware"
+    assert agent.get_state(CONFIG).interrupts == ()
+    assert [m.type for m in agent.get_state(CONFIG).values["messages"]] == ["human"]
+    assert effects(path) == []
+    assert operator.runs(store) == []
+
+
+def _commanding(path: Path, *, declared: bool) -> Any:
+    """``pay(amount)``: pays (its effect), then returns a LangGraph ``Command`` carrying
+    its ToolMessage; ``declared``: its signature says so (``-> Command``)."""
+
+    def pay(amount: int, tool_call_id: Annotated[str, InjectedToolCallId]) -> Any:
+        """Pay, and update the graph's state."""
+        effect(path, f"pay {amount}")
+        return Command(update={"messages": [ToolMessage(f"paid {amount}",
+                                                        tool_call_id=tool_call_id)]})
+
+    if declared:
+        pay.__annotations__["return"] = Command
+    return tool(pay)
+
+
+def test_a_tool_declared_to_return_a_command_is_refused_before_it_runs(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """A tool whose signature says it returns a ``Command`` (which the ledger cannot keep
+    as a result: it updates the graph's state) is refused before its body ever runs,
+    naming the feature: when ``ToolLedger.tool_node`` builds its node, before the
+    agent's first model call in ``create_agent``, and at the call in a ToolNode of the
+    user's own. LangGraph alone runs it."""
+    path = tmp_path / "effects.txt"
+    state = _tools_state([("pay", {"amount": 7}, "p1")])
+    alone = _graph_of(ToolNode([_commanding(path, declared=True)]), InMemorySaver())
+    assert _tool_messages(alone.invoke(state, CONFIG)) == [("p1", "paid 7")]
+    assert effects(path) == ["pay 7"]
+
+    ledger = ToolLedger(store)
+    with pytest.raises(UnsupportedFeature, match="'pay'") as refused:
+        ledger.tool_node([_commanding(path, declared=True)])
+    assert refused.value.feature == "tools returning Command"
+
+    agent: Any = create_agent(ScriptedModel(script=[[("pay", {"amount": 8}, "p2")], "done"]),
+                              [_commanding(path, declared=True)],
+                              middleware=[LedgerMiddleware(ledger)],
+                              checkpointer=InMemorySaver())
+    with pytest.raises(UnsupportedFeature) as refused:
+        agent.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    assert refused.value.feature == "tools returning Command"
+    assert [m.type for m in agent.get_state(CONFIG).values["messages"]] == ["human"]
+
+    own = ToolNode([_commanding(path, declared=True)], wrap_tool_call=ledger.wrap_tool_call)
+    with pytest.raises(UnsupportedFeature) as refused:
+        _graph_of(own, InMemorySaver()).invoke(
+            _tools_state([("pay", {"amount": 9}, "p3")]), CONFIG)
+    assert refused.value.feature == "tools returning Command"
+    assert effects(path) == ["pay 7"]  # LangGraph alone's; none through the ledger
+    assert operator.runs(store) == []
+
+
+@pytest.mark.invariant("I1")
+def test_a_command_an_undeclared_tool_returned_is_recorded_as_what_happened(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """A tool that returns a ``Command`` without saying so can only be known after its
+    body ran: the call is recorded as run (its effect happened) with the text the model
+    is then sent, saying that the Command was not applied, and the graph stops with the
+    refusal naming the feature. Run again (a retry, another process), the ledger answers
+    from that record: the body never runs a second time."""
+    path = tmp_path / "effects.txt"
+    state = _tools_state([("pay", {"amount": 7}, "p1")])
+    graph = _graph_of(ToolLedger(store).tool_node([_commanding(path, declared=False)]),
+                      InMemorySaver())
+    with pytest.raises(UnsupportedFeature) as refused:
+        graph.invoke(state, CONFIG)
+    assert refused.value.feature == "tools returning Command"
+    assert effects(path) == ["pay 7"]
+    graph = _graph_of(ToolLedger(store).tool_node([_commanding(path, declared=False)]),
+                      InMemorySaver())
+    ((call_id, content),) = _tool_messages(graph.invoke(state, CONFIG))
+    assert call_id == "p1"
+    assert content.startswith("Error: the tool ran, and returned a Command")
+    assert "not applied" in content
+    assert effects(path) == ["pay 7"]
+    assert ToolLedger(store).controller(RUN).phase("p1") is Phase.COMPLETED
+
+
+@pytest.mark.parametrize("graph", ["tool-node", "create-agent"])
+def test_a_graph_without_a_thread_is_refused_before_anything_runs(
+        tmp_path: Path, store: SQLiteEventStore, graph: str) -> None:
+    """A graph run with no thread (no checkpointer, no thread_id) has no run to ledger:
+    refused naming the feature before the tool runs, or before the reviewer is asked in
+    ``create_agent``; nothing recorded. With ``ToolLedger(run_id=...)`` it goes on."""
+    path = tmp_path / "effects.txt"
+    state = _tools_state([("charge", {"amount": 7}, "x")])
+    if graph == "tool-node":
+        with pytest.raises(UnsupportedFeature) as refused:
+            _graph_of(ToolLedger(store).tool_node(make_tools(path)), None).invoke(state)
+    else:
+        agent: Any = create_agent(ScriptedModel(script=ONE), make_tools(path),
+                                  middleware=[LedgerMiddleware(ToolLedger(
+                                      store, approvals=["charge"]))])
+        with pytest.raises(UnsupportedFeature) as refused:
+            agent.invoke({"messages": [HumanMessage("go")]})
+    assert refused.value.feature == "graphs without a thread"
+    assert effects(path) == []
+    assert operator.runs(store) == []
+    named = _graph_of(ToolLedger(store, run_id="named").tool_node(make_tools(path)), None)
+    assert _tool_messages(named.invoke(state)) == [("x", "charged 7")]
+    assert effects(path) == ["charge 7"]
+
+
+def test_an_async_event_store_is_refused_when_the_ledger_is_built(tmp_path: Path) -> None:
+    """LangGraph's ToolNode runs the sync wrapper on worker threads: an async store is
+    refused when the ledger is built, naming the feature; no run is opened."""
+    path = tmp_path / "events.db"
+    store = AsyncSQLiteEventStore(path)
+    try:
+        with pytest.raises(UnsupportedFeature) as refused:
+            ToolLedger(cast("Any", store))
+    finally:
+        asyncio.run(store.close())
+    assert refused.value.feature == "async event stores"
+    assert operator.runs(SQLiteEventStore(str(path))) == []
 
 
 def test_the_adapter_exports_what_users_need() -> None:
@@ -535,6 +921,58 @@ def test_verifiers_settle_a_call_in_doubt_and_bodies_see_their_idempotency_key(
     reloaded = ToolLedger(store).controller(RUN)
     assert keys == [reloaded.idempotency_key("y")]
     assert reloaded.phase("x") is Phase.PUBLISHED
+
+
+@pytest.mark.invariant("I11")
+@pytest.mark.parametrize("answer", ["not-executed", "unknown"])
+def test_a_verifier_saying_not_executed_runs_the_call_once_and_unknown_leaves_it_in_doubt(
+        tmp_path: Path, store: SQLiteEventStore, answer: str) -> None:
+    """A call in doubt (started, then the process died), its verifier asked by the next
+    attempt right after its claim: ``NotExecuted`` (the bank has no payment under the
+    call's key) records it not executed and the call runs once, with the same
+    idempotency key the dead attempt had, then answers from the ledger; ``Unknown``
+    leaves it in doubt: refused (`ToolInDoubt`) on every attempt, each asking again, the
+    tool never run, the call in the operator's inbox."""
+    path = tmp_path / "effects.txt"
+    keys: list[str] = []
+
+    @tool
+    def charge(amount: int) -> str:
+        """Charge, with the call's idempotency key."""
+        keys.append(tool_context().idempotency_key)
+        effect(path, f"charge {amount}")
+        return f"charged {amount}"
+
+    c = ToolLedger(store).controller(RUN)
+    c.begin_model_call()
+    c.model_responded([ToolCall("x", "charge", {"amount": 7})])
+    c.begin_tool("x")
+    c.flush()  # started, then "the process died"
+    key = c.idempotency_key("x")
+    asked: list[str] = []
+
+    def verify(context: Any) -> Any:
+        asked.append(context.idempotency_key)
+        return NotExecuted() if answer == "not-executed" else Unknown()
+
+    state = _tools_state([("charge", {"amount": 7}, "x")])
+    for attempt in (1, 2):  # each a fresh process: a ledger of its own on the store
+        ledger = ToolLedger(store, verifiers={"charge": verify})
+        graph = _graph_of(ledger.tool_node([charge]), InMemorySaver())
+        if answer == "unknown":
+            with pytest.raises(ToolInDoubt):
+                graph.invoke(state, CONFIG)
+            assert asked == [key] * attempt
+            continue
+        assert _tool_messages(graph.invoke(state, CONFIG)) == [("x", "charged 7")]
+        assert asked == [key]  # the second attempt finds nothing in doubt
+    if answer == "unknown":
+        assert effects(path) == []
+        assert [(w.call_id, w.kind) for w in operator.inbox(store)] == [("x", "in_doubt")]
+    else:
+        assert effects(path) == ["charge 7"]
+        assert keys == [key]
+        assert operator.inbox(store) == []
 
 
 # ---------------------------------------------------------------- one writer

@@ -75,6 +75,31 @@ def test_kill_9_around_a_tool_then_resume_in_a_fresh_process(
     _kill_then_resume(tmp_path, point, mode)
 
 
+@pytest.mark.invariant("I1", "I11")
+@pytest.mark.parametrize("mode", ["alone", "ledger"])
+def test_kill_9_inside_the_tool_with_langgraphs_default_durability(tmp_path: Path,
+                                                                   mode: str) -> None:
+    """The rows above run ``durability="sync"``; the README says LangGraph alone charges
+    again after a kill after the tool's effect with its default durability as well:
+    measured here (the process killed inside the tool, after the charge). Through the
+    ledger the call is in doubt, whichever checkpoint LangGraph had saved."""
+    _kill_then_resume(tmp_path, "after-effect", mode, "--durability", "default")
+
+
+@pytest.mark.invariant("I1", "I11")
+@pytest.mark.parametrize(("mode", "point"), [("alone", "after-effect"),
+                                             ("ledger", "after-effect"),
+                                             ("history", "after-tool")])
+def test_kill_9_around_a_tool_of_create_agent_then_resume(tmp_path: Path, mode: str,
+                                                          point: str) -> None:
+    """The kill rows on LangChain's ``create_agent`` (its tool node reached by a ``Send``
+    per call, the ledger as ``LedgerMiddleware``): alone the resumed agent charges again;
+    through the ledger a kill after the charge leaves the call in doubt, and a kill before
+    LangGraph saved the tools' writes (the result durable in the ledger) goes on with the
+    recorded result, published once."""
+    _kill_then_resume(tmp_path, point, mode, "--agent")
+
+
 def _kill_then_resume(tmp_path: Path, point: str, mode: str, *extra: str) -> None:
     code, _ = _drive(tmp_path, mode, "start", "--kill", point, *extra)
     assert code == -9

@@ -13,7 +13,17 @@ ADK by itself; ``ledger`` is the same runner with `LedgerPlugin` and
 Kill points (``--kill``): ``before-effect`` inside the body before its line (through the
 ledger its start is durable), ``after-effect`` inside the body once its line is durable,
 ``before-append`` when the session service is asked to append the function responses
-(before it).
+(before it; through the ledger, before it is staged), ``after-append`` once ADK's own
+session service has written them (through the ledger, before the publication's commit
+is recorded). With ``--flow confirm`` the process asks for a confirmed wire (``"go"``,
+then the confirmation ADK asked for, in one process) and dies around recording the
+confirmation: ``before-decision`` / ``after-decision`` when the ledger's append holding
+the approval is made (before it, after it), ``at-decision`` (ADK alone, which records no
+decision but the session's) when the confirmed call reaches the tool callbacks.
+
+``--hold`` FILE: once the run is open (through the ledger: loaded and claimed), the
+process writes ``opened-<pid>`` beside the effects and waits for FILE, so two resumers
+are both past their load before either goes on.
 """
 
 from __future__ import annotations
@@ -93,9 +103,10 @@ class ScriptedModel(BaseLlm):
         self.requests += 1
         called = {part.function_call.id for content in llm_request.contents
                   for part in content.parts or () if part.function_call}
-        todo = [call for call in self.script if call[0] not in called]
-        if todo:
-            parts = [types.Part(function_call=types.FunctionCall(id=i, name=n, args=a))
+        todo = [call for call in self.script if (call[0] or None) not in called]
+        if todo:  # an id "" is a call sent without one (ADK makes one, hidden from us)
+            parts = [types.Part(function_call=types.FunctionCall(id=i or None, name=n,
+                                                                 args=a))
                      for i, n, a in todo]
         else:
             parts = [types.Part(text="done")]
@@ -124,6 +135,10 @@ def make_tools(path: str | Path) -> dict[str, Any]:
         effect(path, f"ticket {title}")
         return {"status": "pending", "title": title}
 
+    def render(shot: int) -> None:
+        """Start rendering a shot; the client sends its result later (long-running)."""
+        effect(path, f"render {shot}")
+
     def refund(amount: int) -> dict[str, Any]:
         """Refund a card; raises for a negative amount."""
         effect(path, f"refund {amount}")
@@ -132,7 +147,8 @@ def make_tools(path: str | Path) -> dict[str, Any]:
         return {"refunded": amount}
 
     return {"charge": FunctionTool(charge), "wire": FunctionTool(wire, require_confirmation=True),
-            "ticket": LongRunningFunctionTool(ticket), "refund": FunctionTool(refund)}
+            "ticket": LongRunningFunctionTool(ticket), "refund": FunctionTool(refund),
+            "render": LongRunningFunctionTool(render)}
 
 
 class DieBeforeAppend(BaseSessionService):
@@ -158,6 +174,46 @@ class DieBeforeAppend(BaseSessionService):
         if event.get_function_responses() and not event.partial:
             die_at("before-append")
         return await self.service.append_event(session, event)
+
+
+class DieAfterAppend(DieBeforeAppend):
+    """Kills the process once ``service`` has appended an event carrying a tool's
+    function responses (``--kill after-append``)."""
+
+    async def append_event(self, session: Any, event: Any) -> Any:
+        written = await self.service.append_event(session, event)
+        if event.get_function_responses() and not event.partial and event.author != "user":
+            die_at("after-append")
+        return written
+
+
+class DieAtDecision(BasePlugin):
+    """ADK alone: kills the process when a confirmed call reaches the tool callbacks
+    (``--kill at-decision``), where the ledger would record its confirmation."""
+
+    def __init__(self) -> None:
+        super().__init__(name="die_at_decision")
+
+    async def before_tool_callback(self, *, tool: Any, tool_args: dict[str, Any],
+                                   tool_context: Any) -> dict[str, Any] | None:
+        if tool_context.tool_confirmation is not None:
+            die_at("at-decision")
+        return None
+
+
+class Hold(BasePlugin):
+    """Once the run is open (after the ledger's ``before_run_callback``, placed after
+    it): writes ``opened-<pid>`` in ``folder`` and waits for the file ``go``."""
+
+    def __init__(self, folder: Path, go: Path) -> None:
+        super().__init__(name="hold")
+        self.folder = folder
+        self.go = go
+
+    async def before_run_callback(self, *, invocation_context: Any) -> None:
+        (self.folder / f"opened-{os.getpid()}").write_text("opened")
+        while not self.go.exists():
+            await asyncio.sleep(0.01)
 
 
 def build(path: str | Path, script: Sequence[Call], *, tools: Sequence[str],
@@ -186,14 +242,18 @@ def response(call_id: str, name: str, result: dict[str, Any]) -> types.Content:
 
 
 async def run(runner: Runner, message: types.Content | None, *,
-              invocation_id: str | None = None, session: str = SESSION) -> list[Any]:
+              invocation_id: str | None = None, session: str = SESSION,
+              streaming: bool = False) -> list[Any]:
     """One ``run_async``, its events (the ledger's refusals raised as themselves: ADK
-    alone raises none)."""
+    alone raises none); ``streaming``: with ADK's server-sent-events streaming mode."""
+    from google.adk.agents.run_config import RunConfig
+
     from statemachine.adapters.google_adk import run_async
 
+    config = RunConfig.model_validate({"streaming_mode": "sse"} if streaming else {})
     return [event async for event in run_async(
         runner, user_id=USER, session_id=session, new_message=message,
-        invocation_id=invocation_id)]
+        invocation_id=invocation_id, run_config=config)]
 
 
 def confirmation_requests(events: Sequence[Any]) -> dict[str, tuple[str, Any]]:
@@ -219,29 +279,58 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mode", choices=["alone", "ledger"], required=True)
     parser.add_argument("--kill", default="")
     parser.add_argument("--wait-for", default="", help="a file to wait for before the run")
+    parser.add_argument("--hold", default="", help="a file to wait for once the run is open")
+    parser.add_argument("--flow", choices=["charge", "confirm"], default="charge")
     args = parser.parse_args(argv)
     KILL["point"] = args.kill
     folder = Path(args.dir)
     EFFECTS["path"] = str(folder / "effects.txt")
-    return asyncio.run(_child(folder, args.mode, args.wait_for))
+    return asyncio.run(_child(folder, args.mode, args.wait_for, args.flow, args.hold))
 
 
-async def _child(folder: Path, mode: str, wait_for: str) -> int:
+def _dying_store(path: Path) -> Any:
+    """The ledger's SQLite store, killing the process before or after the append that
+    holds a confirmation's decision (``--kill before-decision`` / ``after-decision``)."""
+    from statemachine import SQLiteEventStore
+    from statemachine.events import CallApproved, CallRejected
+
+    class DyingStore(SQLiteEventStore):
+        def append(self, run_id: str, events: Sequence[Any], expected_version: int,
+                   **options: Any) -> None:
+            decision = any(isinstance(e, CallApproved | CallRejected) for e in events)
+            if decision:
+                die_at("before-decision")
+            super().append(run_id, events, expected_version, **options)
+            if decision:
+                die_at("after-decision")
+
+    return DyingStore(str(path))
+
+
+async def _child(folder: Path, mode: str, wait_for: str, flow: str, hold: str) -> int:
     from google.adk.errors import StaleSessionError
     from google.adk.sessions.sqlite_session_service import SqliteSessionService
 
-    from statemachine import ConcurrencyConflict, SQLiteEventStore, ToolInDoubt
+    from statemachine import ConcurrencyConflict, ToolInDoubt
     from statemachine.adapters.google_adk import LedgerPlugin, OneWriterSessionService
 
-    sessions: BaseSessionService = SqliteSessionService(str(folder / "sessions.db"))
+    # the after-append kill sits under the ledger's publication, the before-append one
+    # above it (the response recorded, its publication not staged)
+    sessions: BaseSessionService = DieAfterAppend(
+        SqliteSessionService(str(folder / "sessions.db")))
     plugins: list[BasePlugin] = []
     if mode == "ledger":
-        plugin = LedgerPlugin(SQLiteEventStore(str(folder / "ledger.db")))
+        plugin = LedgerPlugin(_dying_store(folder / "ledger.db"))
         plugins.append(plugin)
         sessions = OneWriterSessionService(sessions, plugin=plugin)
-    runner, service, _ = build(EFFECTS["path"], [("c1", "charge", {"amount": 5})],
-                               tools=["charge", "wire"], service=DieBeforeAppend(sessions),
-                               plugins=plugins, resumable=True)
+    else:
+        plugins.append(DieAtDecision())
+    if hold:
+        plugins.append(Hold(folder, Path(hold)))
+    script: list[Call] = ([("w1", "wire", {"amount": 7})] if flow == "confirm"
+                          else [("c1", "charge", {"amount": 5})])
+    runner, service, _ = build(EFFECTS["path"], script, tools=["charge", "wire"],
+                               service=DieBeforeAppend(sessions), plugins=plugins, resumable=True)
     found = await service.get_session(app_name=APP, user_id=USER, session_id=SESSION)
     if found is None:
         await service.create_session(app_name=APP, user_id=USER, session_id=SESSION)
@@ -256,6 +345,11 @@ async def _child(folder: Path, mode: str, wait_for: str) -> int:
         pending = [e.invocation_id for e in session.events if e.get_function_calls()]
         if pending:  # resume the invocation that the dead process left
             await run(runner, None, invocation_id=pending[-1])
+        elif flow == "confirm":  # ask, then confirm what the request showed
+            asked = confirmation_requests(await run(runner, text("go")))
+            request, payload = asked["w1"]
+            await run(runner, response(request, "adk_request_confirmation",
+                                       {"confirmed": True, "payload": payload}))
         else:
             await run(runner, text("go"))
         outcome["result"] = "ok"
@@ -263,7 +357,7 @@ async def _child(folder: Path, mode: str, wait_for: str) -> int:
         outcome.update(result="in_doubt", error=repr(error))
     except ConcurrencyConflict as error:
         outcome.update(result="conflict", error=repr(error))
-    except StaleSessionError as error:  # ADK's own check of a second writer, at its append
+    except StaleSessionError as error:  # ADK alone's check of a second writer (its append)
         outcome.update(result="stale", error=repr(error))
     (folder / f"outcome-{os.getpid()}.json").write_text(json.dumps(outcome))
     return 0

@@ -15,6 +15,9 @@ Kill points (``--kill``): ``before-effect`` and ``after-effect`` inside the tool
 result, whichever comes first (before it: LangGraph writes them on two threads, in no
 fixed order), ``before-put`` when
 it writes the checkpoint after them (before it), ``after-put`` right after that write.
+``--agent`` builds the agent with LangChain's ``create_agent`` instead (through the ledger:
+``LedgerMiddleware``); ``--durability default`` runs the graph with LangGraph's default
+durability instead of ``durability="sync"``.
 The checkpointer is LangGraph's ``SqliteSaver``, or its ``PostgresSaver`` with
 ``--pg-dsn`` (tables in ``--pg-schema``); there, through `OneWriterSaver`, ``after-put``
 comes after the write's statements and before its transaction's commit.
@@ -230,6 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--pg-dsn", default="", help="PostgresSaver on this server")
     parser.add_argument("--pg-schema", default="", help="its schema (search_path)")
+    parser.add_argument("--durability", choices=["sync", "default"], default="sync",
+                        help="invoke(durability='sync'), or LangGraph's default")
+    parser.add_argument("--agent", action="store_true",
+                        help="LangChain's create_agent (LedgerMiddleware through the "
+                             "ledger) instead of the hand-built graph")
     args = parser.parse_args(argv)
     folder = Path(args.folder)
     KILL["point"] = args.kill
@@ -249,8 +257,20 @@ def main(argv: list[str] | None = None) -> int:
         ledger = ToolLedger(SQLiteEventStore(str(folder / "ledger.db")),
                             approvals=["charge"] if args.review else ())
         saver = OneWriterSaver(saver, ledger=ledger if args.mode == "history" else None)
-    graph = build("alone" if ledger is None else "ledger", make_tools(path, sleep=args.sleep),
-                  ScriptedModel(script=SCRIPT), saver, ledger=ledger, review=args.review)
+    graph: Any
+    if args.agent:
+        from langchain.agents import create_agent
+
+        from statemachine.adapters.langgraph import LedgerMiddleware
+
+        graph = create_agent(ScriptedModel(script=SCRIPT), make_tools(path, sleep=args.sleep),
+                             middleware=[] if ledger is None else [LedgerMiddleware(ledger)],
+                             checkpointer=saver)
+    else:
+        graph = build("alone" if ledger is None else "ledger",
+                      make_tools(path, sleep=args.sleep), ScriptedModel(script=SCRIPT), saver,
+                      ledger=ledger, review=args.review)
+    durable: dict[str, Any] = {"durability": "sync"} if args.durability == "sync" else {}
     config = {"configurable": {"thread_id": "t1"}}
     value: Any = None
     paused = graph.get_state(config).config  # what a resumer saw, before the instant
@@ -277,15 +297,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.action == "start":
             result = graph.invoke({"messages": [HumanMessage("charge me 7")]}, config,
-                                  durability="sync")
+                                  **durable)
         elif args.action == "resume":
-            result = graph.invoke(None, config, durability="sync")
+            result = graph.invoke(None, config, **durable)
         elif args.action == "fork":
             graph.update_state(paused, {"messages": [AIMessage(f"writer {os.getpid()}")]})
             print(json.dumps({"written": paused["configurable"]["checkpoint_id"]}))
             return 0
         else:
-            result = graph.invoke(Command(resume=value), config, durability="sync")
+            result = graph.invoke(Command(resume=value), config, **durable)
     except ControlError as refused:
         print(json.dumps({"refused": type(refused).__name__, "reason": refused.reason}))
         return 3

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from statemachine import (
+    ControlError,
     MemoryEventStore,
     PublicationUnsettled,
     ReconcileRejected,
@@ -33,6 +34,7 @@ from statemachine.testing import (
     CountingHooks,
     FlakySession,
     InjectedWriteError,
+    ListSession,
     ScriptedModel,
     Untouchable,
     counted_tool,
@@ -234,6 +236,59 @@ def test_a_run_without_a_session_is_never_blocked(tmp_path: Path) -> None:
     asyncio.run(go())
 
 
+def _greet(items: list[Any]) -> tuple[Any, ListSession, ScriptedModel]:
+    """A new run greeting on a Session that holds ``items``: (the outcome, the Session,
+    the model)."""
+    session = ListSession(SESSION_ID, items)
+    model = ScriptedModel([ModelResponse(output="hello")])
+
+    async def go() -> Any:
+        try:
+            return await Runner.run(Agent("greeter", model), "hello", session=session)
+        except PublicationUnsettled as error:
+            return error
+
+    return asyncio.run(go()), session, model
+
+
+CALL_X = {"type": "function_call", "call_id": "X", "name": "t", "arguments": {}}
+
+
+@pytest.mark.invariant("I7")
+@pytest.mark.parametrize("items", [
+    [CALL_X, {"role": "user", "content": "later"}],
+    [CALL_X, {"type": "function_call", "call_id": "Y"},
+     {"type": "function_call_output", "call_id": "Y", "output": "y"}],
+], ids=["a-message-after-it", "another-call-answered-after-it"])
+def test_a_call_without_an_output_before_the_last_item_blocks_and_is_named(
+        items: list[Any]) -> None:
+    """The call left without output is not the Session's last item: the run is refused
+    all the same, before the model or a write, and the message names the call without
+    saying the Session ends with it."""
+    outcome, session, model = _greet(items)
+    assert isinstance(outcome, PublicationUnsettled)
+    assert outcome.reason == ("the Session's last items hold call 'X' with no output after "
+                              "it: settle or repair the run that wrote it")
+    assert model.calls == 0
+    assert session.items == items
+
+
+@pytest.mark.parametrize("call_id", [["x"], {"id": "x"}, 7])
+def test_call_ids_that_are_not_text_are_matched_by_value(call_id: Any) -> None:
+    """A foreign Session's items may carry any JSON as a call id: an answered call is
+    answered whatever its id (no TypeError for an id that is a list or an object), and
+    one left without output blocks, named by its type (never echoed)."""
+    call = {"type": "function_call", "call_id": call_id}
+    answered, session, model = _greet([call, {"type": "function_call_output",
+                                              "call_id": json.loads(json.dumps(call_id))}])
+    assert answered.final_output == "hello"
+    blocked, session, model = _greet([call])
+    assert isinstance(blocked, PublicationUnsettled)
+    assert f"call <{type(call_id).__name__}>" in blocked.reason
+    assert model.calls == 0
+    assert session.items == [call]
+
+
 # ------------------------------------------------------------------- list_runs
 
 
@@ -407,3 +462,23 @@ def test_a_run_without_a_session_publishes_only_into_its_private_history() -> No
     asyncio.run(publish(c, local, [{"role": "user", "content": "hi"}]))
     assert c.step is Step.RUN_AGAIN
     assert asyncio.run(local.get_items()) == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.invariant("I7")
+@pytest.mark.parametrize("kind", ["memory", "none"])
+def test_a_session_without_an_id_is_refused_before_a_run_starts(kind: str) -> None:
+    """A Session object whose ``session_id`` is None would start a run without a Session
+    that still writes its input there and never its final output (a run without a
+    Session completes without publishing): refused before anything is recorded, the
+    model never called, the Session untouched."""
+    store = MemoryEventStore() if kind == "memory" else None
+    model = ScriptedModel([ModelResponse(output="hello")])
+    session = ListSession(None)  # type: ignore[arg-type]
+    with pytest.raises(ControlError, match="session_id"):
+        asyncio.run(Runner.run(Agent("greeter", model), "hello", session=session,
+                               store=store, run_id="nameless"))
+    assert model.calls == 0
+    assert session.items == []
+    if store is not None:
+        assert store.load("nameless") == []
+        assert store.list_runs() == ()

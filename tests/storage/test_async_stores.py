@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from statemachine import ConcurrencyConflict, RunController
+from statemachine import ConcurrencyConflict, RunController, RunNotFound, SchemaError
 from statemachine.postgres import AsyncPostgresEventStore
-from statemachine.stores import AsyncEventStore, AsyncSQLiteEventStore
+from statemachine.stores import AsyncEventStore, AsyncSQLiteEventStore, SQLiteEventStore
 from statemachine.testing.contracts import AsyncEventStoreContract
 
 
@@ -129,3 +129,31 @@ def test_an_async_stores_heads_keep_the_newest_events_at(
         return seen
 
     assert asyncio.run(go()) == [7_000, 7_002, 9_000]
+
+
+def test_a_sync_stores_missing_run_is_not_found_without_a_worker_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`load_async` on a sync store: a run the store does not hold is `RunNotFound` after
+    one read on the loop (no worker thread, made and shut down per event loop); a run it
+    holds is still decoded and replayed on a worker thread; the arguments are checked
+    first, as `load` checks them."""
+    store = SQLiteEventStore(tmp_path / "events.db")
+    started = RunController.start(run_id="there", session_id="s", store=store)
+    started.hook_ran("agent_start")
+    hops: list[object] = []
+    real = asyncio.to_thread
+
+    async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        hops.append(fn)
+        return await real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "to_thread", counted)  # (the module the controller uses)
+    with pytest.raises(RunNotFound) as missing:
+        asyncio.run(RunController.load_async(store, "absent"))
+    assert (missing.value.run_id, missing.value.action) == ("absent", "load")
+    assert hops == []
+    loaded = asyncio.run(RunController.load_async(store, "there"))
+    assert [type(e).__name__ for e in loaded.events] == ["RunStarted", "HookRan"]
+    assert len(hops) == 1
+    with pytest.raises(SchemaError, match="max_bytes"):
+        asyncio.run(RunController.load_async(store, "absent", max_bytes=0))

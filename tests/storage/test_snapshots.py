@@ -650,3 +650,34 @@ def test_random_corruptions_load_exactly_or_fail_typed(tmp_path: Path) -> None:
     for kind in SNAPSHOT_ONLY:  # each snapshot corruption was tried, and loaded exactly
         assert sum(outcomes[kind].values()) > 0
         assert set(outcomes[kind]) <= {"exact", "exact (snapshot ignored)"}, kind
+
+
+@pytest.mark.parametrize("events", [0, 3])
+def test_loading_without_a_snapshot_reads_the_log_once(tmp_path: Path, events: int,
+                                                       monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    """With no snapshot the store's newest-snapshot read holds the whole log (none: no
+    run), so a load reads the store once: a missing run is `RunNotFound`, a short run
+    loads every event, and neither reads the log a second time."""
+    store = SQLiteEventStore(tmp_path / "events.db")
+    if events:
+        c = RunController.start(run_id="r", session_id="s", store=store)
+        c.hook_ran("agent_start")
+        c.begin_model_call()
+    reads: list[str] = []
+    for name in ("load_latest_measured", "load_measured"):
+        real = getattr(SQLiteEventStore, name)
+
+        def counted(self: Any, run_id: str, real: Any = real, name: str = name) -> Any:
+            reads.append(name)
+            return real(self, run_id)
+
+        monkeypatch.setattr(SQLiteEventStore, name, counted)
+    if events:
+        loaded = RunController.load(store, "r")
+        assert [type(e).__name__ for e in loaded.events] == [
+            "RunStarted", "HookRan", "ModelCallBegun"]
+    else:
+        with pytest.raises(RunNotFound):
+            RunController.load(store, "r")
+    assert reads == ["load_latest_measured"]

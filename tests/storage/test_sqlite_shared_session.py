@@ -189,3 +189,148 @@ def test_the_reference_runner_end_to_end(tmp_path: Path, mode: str) -> None:
     log = SQLiteEventStore(tmp_path / "a.db", readonly=True).load("seed")
     commits = [e for e in log if isinstance(e, ev.PublicationCommitted)]
     assert len(commits) == 3
+
+
+# ------------------------------------------------- the store reads the Session it writes
+
+
+@pytest.mark.parametrize("limit", [None, 0, 1, 2, 3, 5, -1])
+def test_the_store_reads_a_session_of_its_file_as_the_session_does(
+        tmp_path: Path, limit: int | None) -> None:
+    """`SQLiteEventStore.session_items`: the items of that Session alone, in the order
+    written, all of them or the last ``limit`` (none for a limit of 0 or less), as
+    `SQLiteSession.get_items` gives them; nothing in a file with no Session yet."""
+    path = tmp_path / "events.db"
+    store = SQLiteEventStore(path)
+    assert store.session_items(SESSION, limit) == []  # no Session table in the file yet
+    mine, other = SQLiteSession(SESSION, path), SQLiteSession("other", path)
+    written = [{"n": 1}, ["two"], "three"]
+    for item in written:  # interleaved with another Session's items
+        asyncio.run(mine.add_items([item]))
+        asyncio.run(other.add_items([{"other": item}]))
+    expected = (written if limit is None else written[max(len(written) - limit, 0):]
+                if limit > 0 else [])
+    assert store.session_items(SESSION, limit) == expected
+    assert asyncio.run(mine.get_items(limit)) == expected
+    assert store.session_items("nobody", limit) == []
+
+
+def test_the_store_refuses_a_damaged_session_item_as_the_session_does(
+        tmp_path: Path) -> None:
+    path = tmp_path / "events.db"
+    store = SQLiteEventStore(path)
+    session = SQLiteSession(SESSION, path)
+    asyncio.run(session.add_items([{"n": 1}]))
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE session_items SET body = 'not json'")
+    with pytest.raises(StorageError) as ours:
+        store.session_items(SESSION)
+    with pytest.raises(StorageError) as theirs:
+        asyncio.run(session.get_items())
+    assert (ours.value.outcome, str(ours.value)) == (theirs.value.outcome,
+                                                      str(theirs.value))
+    assert ours.value.outcome == "not_written"
+
+
+def _agent(counters: Counters) -> Agent:
+    tools = (counted_tool(counters, "charge", lambda x: f"charged {x}"),)
+    return Agent("billing", ScriptedModel([ModelResponse((("charge", "charge", {"x": 7}),)),
+                                           ModelResponse(output="charged")]), tools)
+
+
+@pytest.mark.parametrize("store_kind", ["sync", "async"])
+def test_a_runner_reads_the_session_of_a_sync_store_through_it(tmp_path: Path,
+                                                                store_kind: str) -> None:
+    """Beside a sync store of its file, the runner reads the Session through the store,
+    on the loop's thread (the Session's own thread never starts); beside an async store
+    it reads through the Session (its thread runs the reads). Either way the turn sees
+    and leaves the same history: the input, the call, its output, the answer."""
+    path = tmp_path / "events.db"
+    counters = Counters()
+    session = SQLiteSession(SESSION, path)
+
+    async def go() -> list[Any]:
+        store: Any = SQLiteEventStore(path) if store_kind == "sync" else (
+            AsyncSQLiteEventStore(path))
+        done = await Runner.run(_agent(counters), "charge me 7", session=session,
+                                store=store, run_id="r")
+        assert done.step is Step.COMPLETED
+        if store_kind == "async":
+            await store.close()
+        else:
+            store.close()
+        return [item.get("type", item.get("role")) for item in _items(path)]
+
+    kinds = asyncio.run(go())
+    assert kinds == ["user", "function_call", "function_call_output", "assistant"]
+    assert counters.tools == {"charge": 1}
+    threads = len(session._worker._threads)  # (started on its first call, not before)
+    assert threads == (0 if store_kind == "sync" else 1)
+    session.close()
+
+
+def _items(path: Path) -> list[Any]:
+    return [item for _, item in _rows(path)]
+
+
+def test_a_session_table_made_by_an_append_that_rolled_back_is_made_again(
+        tmp_path: Path) -> None:
+    """The store makes the Session's table in the first append that writes items; when
+    that append rolls back, so does the table, and the next one makes it again (the
+    store does not take it as made before an append of items landed)."""
+    path = tmp_path / "events.db"
+    store = SQLiteEventStore(path)  # (no SQLiteSession has made the table)
+    c = _charged(store)
+    c.stage_publication(B, P, call_ids=CALLS)
+    real = store._write
+
+    def fails_after(conn: Any, a: Any) -> None:
+        real(conn, a)
+        raise OSError("disk gone after the statements, before COMMIT")
+
+    store._write = fails_after  # type: ignore[method-assign]
+    error = assert_refused(c, StorageError, c.publication_committed,
+                           session_write=_write_for(c))
+    assert error.outcome == "not_written"
+    assert _rows(path) == []  # the table went with the transaction
+    store._write = real  # type: ignore[method-assign]
+    c.publication_committed(session_write=_write_for(c))
+    assert [item for _, item in _rows(path)] == list(B)
+    assert store.session_items(SESSION) == list(B)
+
+
+class _Proxy:
+    """A Session wrapping another, its methods found through ``__getattr__`` (none on
+    its class)."""
+
+    def __init__(self, inner: SQLiteSession) -> None:
+        self.inner = inner
+        self.reads = 0
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "get_items":
+            self.reads += 1
+        return getattr(self.inner, name)
+
+
+def test_a_session_proxy_beside_a_sync_store_is_read_through_itself(tmp_path: Path) -> None:
+    """A Session that is not a `SQLiteSession` (here a proxy of one, sharing the store's
+    file) is read through its own ``get_items``, as before: the turn completes and every
+    read went through the proxy."""
+    path = tmp_path / "events.db"
+    counters = Counters()
+    session = _Proxy(SQLiteSession(SESSION, path))
+
+    async def go() -> None:
+        store = SQLiteEventStore(path)
+        done = await Runner.run(_agent(counters), "charge me 7", session=session,
+                                store=store, run_id="r")
+        assert done.step is Step.COMPLETED
+        store.close()
+
+    asyncio.run(go())
+    assert counters.tools == {"charge": 1}
+    assert session.reads >= 2  # the one-writer check and the first staging, at least
+    assert [item.get("type", item.get("role")) for item in _items(path)] == [
+        "user", "function_call", "function_call_output", "assistant"]
+    session.inner.close()

@@ -10,6 +10,7 @@ import io
 import json
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,7 +26,8 @@ TINY = ["--runs", "20", "--repeats", "1", "--appends", "20", "--sizes", "50",
         "--idle-runs", "50", "--fuzz-examples", "2", "--turns", "5",
         "--batch-items", "20", "40", "--event-mb", "0.01", "0.02",
         "--scenarios", "1", "--lag-runs", "3", "--pg-appends", "5", "--workers", "1", "2",
-        "--worker-runs", "1", "--adapter-calls", "2", "--adapter-repeats", "1"]
+        "--worker-runs", "1", "--adapter-calls", "2", "--adapter-repeats", "1",
+        "--durable-turns", "2"]
 
 
 def _run(*argv: str) -> str:
@@ -261,6 +263,99 @@ def test_extra_rows_are_measured_or_skipped(report: dict[str, Any],
     assert [row["verdict"] for row in judged["extra"]] == ["reported", "reported"]
     assert "| absent runner | skipped: bench.no_such_rows_module is not installed |" in \
         markdown(judged)
+
+
+# ------------------------------------------------------- the durable-turn rows' verdicts
+
+
+def test_group_commit_is_judged_against_the_store_before_it() -> None:
+    """DESIGN §7.9: 64 turns in flight >= 3x faster than the store before group commit
+    (not the ungrouped store with today's flush rules, reported beside it), with <= 2
+    commits per run grouped."""
+    from bench.group_commit_rows import _judged
+
+    def judged(grouped: float, apart: float, before: float, commits: float) -> Any:
+        return _judged(64, 1, 0.2, {"grouped": grouped, "apart": apart, "before": before},
+                       {"grouped": commits, "apart": 2.0, "before": 8.0}, "commits")
+
+    row = judged(0.1, 0.125, 0.3, 2.0)
+    assert (row["verdict"], row["speedup"]["value"], row["speedup"]["over"]) == (
+        "met", 3.0, "before")
+    assert row["grouped_over_apart"] == 1.25  # reported, not judged
+    assert ("100.0 ms grouped, 300.0 ms on the store before group commit (3.00x; "
+            "Sessions apart, 8.00 commits per run), 125.0 ms with the new flush rules but "
+            "no group commit (1.25x)") in row["summary"]
+    assert row["before"] == {"wall_ms": 300.0, "commits_per_run": 8.0}
+    assert judged(0.1, 0.5, 0.29, 0.4)["verdict"] == "missed"  # 5x the apart, 2.9x before
+    assert judged(0.1, 0.1, 0.9, 2.01)["verdict"] == "missed"  # too many commits
+    pg = _judged(64, 1, 0.2, {"grouped": 0.1, "apart": 0.1, "before": 0.4},
+                 {"grouped": 0.3, "apart": 2.0, "before": 9.0}, "WAL flushes")
+    assert pg["wal_flushes_per_run"]["verdict"] == "met"
+    assert "before group commit" in pg["target"]
+
+
+def test_the_group_commit_configurations_are_what_they_say(tmp_path: Path) -> None:
+    """Three turns in flight each way: grouped and apart keep each turn's Session in the
+    store's file (nothing in a file of its own), before keeps them in a file of their
+    own, written in transactions of their own (so more commits per run than apart's);
+    group commit never adds a commit."""
+    import asyncio
+
+    from bench.group_commit_rows import HOWS, _turns
+
+    per_run = {}
+    for how in HOWS:
+        (tmp_path / how).mkdir()
+        _, per_run[how] = asyncio.run(_turns(tmp_path / how, 3, how))
+        apart = (tmp_path / how / "session.db").exists()
+        assert apart == (how == "before"), how
+    assert per_run["grouped"] <= per_run["apart"] < per_run["before"]
+
+
+def test_a_framework_row_judges_cpu_and_reports_writes() -> None:
+    from bench.framework_rows import _row
+
+    rows = {"alone": {"writes_per_turn": 9.0, "turn_ms": 5.0, "cpu_ms": 10.0},
+            "ours": {"writes_per_turn": 14.0, "turn_ms": 6.0, "cpu_ms": 13.0}}
+    row = _row(rows, "alone", "ours", "LangGraph")
+    assert (row["cpu_vs_sdk_alone"], row["verdict"]) == (1.3, "met")
+    assert row["target"].startswith("reported")  # 14 writes: the framework's own history
+    rows["ours"]["cpu_ms"] = 13.1
+    assert _row(rows, "alone", "ours", "LangGraph")["verdict"] == "missed"
+
+
+@pytest.mark.parametrize("row", ["langgraph_row", "google_adk_row"])
+def test_the_framework_rows_count_the_ledger_beside_the_framework(row: str) -> None:
+    """Through the adapter a turn pays the framework's own writes and at least one of
+    the ledger's (a tool's start is durable before its body); every configuration
+    measured."""
+    from bench import framework_rows
+
+    found = getattr(framework_rows, row)(options([*TINY, "--no-pg"]))
+    modes = (framework_rows.LANGGRAPH_MODES if row == "langgraph_row"
+             else framework_rows.ADK_MODES)
+    alone, *ours = (found["rows"][mode] for mode in modes)
+    for mine in ours:
+        assert mine["writes_per_turn"] >= alone["writes_per_turn"] + 1
+        assert mine["cpu_ms"] > 0
+    assert found["verdict"] in ("met", "missed")
+    assert "skipped" in getattr(framework_rows, row)(options(["--quick"]))
+
+
+def test_the_anthropic_durable_row_counts_the_ledgers_writes_beside_the_save() -> None:
+    """Both sides save the conversation once; through the ledger the turn also pays the
+    ledger's writes (at least one: the tool's start is durable before its body), and the
+    verdict follows the writes (<= 3) and the CPU (<= 1.3x)."""
+    pytest.importorskip("anthropic")
+    from bench import anthropic_rows
+
+    found = anthropic_rows.durable_row(options([*TINY, "--no-pg"]))
+    alone, ours = (found["rows"][mode] for mode in anthropic_rows.DURABLE_MODES)
+    assert alone["writes_per_turn"] == 1.0
+    assert ours["writes_per_turn"] >= 2.0
+    assert found["rows"][anthropic_rows.DURABLE_PG] == {"skipped": "skipped: --no-pg"}
+    met = ours["writes_per_turn"] <= 3 and found["cpu_vs_sdk_alone"] <= 1.3
+    assert found["verdict"] == ("met" if met else "missed")
 
 
 # ------------------------------------------------- the fast paths the bench measures

@@ -182,3 +182,21 @@ def test_the_wheel_ships_every_subpackage(tmp_path: Path) -> None:
             "    assert m.__file__.startswith(sys.argv[1]), m.__file__\n")
     subprocess.run([sys.executable, "-c", code, site, *packages], check=True,
                    cwd=site, env={"PYTHONPATH": site})
+
+
+def test_the_cli_and_the_kit_import_without_hypothesis() -> None:
+    """The base install has no Hypothesis (it comes with the ``testing`` extra), yet the
+    CLI's demo and explorer use the kit: importing it, and running the demo's and the
+    explorer's code paths' imports, must not need Hypothesis (only drawing a case does)."""
+    code = ("import sys; sys.modules['hypothesis'] = None\n"
+            "import statemachine.testing, statemachine.cli.demo, statemachine.cli.main\n"
+            "from statemachine.testing import ReferenceWorld, explore, play_handoff, "
+            "HandoffCase\n"
+            "play_handoff(HandoffCase(('approved',), False))\n"
+            "try:\n"
+            "    statemachine.testing.handoff_cases()\n"
+            "except ImportError:\n"
+            "    pass\n"
+            "else:\n"
+            "    raise SystemExit('a strategy was built without Hypothesis')\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)
