@@ -1402,9 +1402,10 @@ CATALOGUE: tuple[Mutant, ...] = (
        "        c.accept_final_output(c.model_output)\n",
        "a run whose process died between its final output and its completion never "
        "completes"),
-    _m("AN12", "                for item in cast(Generator[Any, None, None], steps()):\n"
-               "                    self._posted(runner._sent_messages)  # the request was sent\n",
-       "                for item in cast(Generator[Any, None, None], steps()):\n",
+    _m("AN12", "                    for item in cast(Generator[Any, None, None], steps()):\n"
+               "                        self._posted(runner._sent_messages)  # the request was "
+               "sent\n",
+       "                    for item in cast(Generator[Any, None, None], steps()):\n",
        "an attached sync runner records the results its requests carried as posted only "
        "when it ends"),
     _m("AN13", "        return _session_content(value)\n", "        return value\n",

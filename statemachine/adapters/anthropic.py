@@ -44,12 +44,15 @@ Messages — `MessageToolLedger`
     keyed by the ``tool_use`` id, and returns the user message of their ``tool_result``
     blocks, so a retried turn answers a finished call from the cache instead of running it
     again; ``ledger.create(client.messages, ...)`` refuses a history that holds a
-    ``tool_use`` without its ``tool_result`` (`UnansweredToolUse`), and any request while a
-    call is in doubt (`ToolInDoubt`), before anything is sent, and marks the results a
-    successful request carried as posted; a request that fails makes the results it
-    carried durable before its error propagates. ``ledger.attach(runner)`` puts the same ledger
-    under a ``client.beta.messages.tool_runner(...)`` runner (sync or async, streamed or
-    not): each tool call it makes is ledgered by its ``tool_use`` id.
+    ``tool_use`` without its ``tool_result`` (`UnansweredToolUse`), any request while a
+    call is in doubt (`ToolInDoubt`), and a history older than the run, one lacking the
+    ``tool_use`` of a call whose result is recorded and unsent (`StaleHistory`: the model
+    would ask again under a new id, and the tool run twice), before anything is sent, and
+    marks the results a successful request carried as posted; a request that fails (an
+    attached runner's too) makes the results it carried durable before its error
+    propagates. ``ledger.attach(runner)``
+    puts the same ledger under a ``client.beta.messages.tool_runner(...)`` runner (sync or
+    async, streamed or not): each tool call it makes is ledgered by its ``tool_use`` id.
 
     A run is one conversation up to its final reply (one without ``tool_use`` that ends the
     turn): that reply is recorded and the run completed. Running the conversation again (a
@@ -153,6 +156,7 @@ from statemachine.errors import (
     RunNotResumable,
     SchemaError,
     ToolInDoubt,
+    excerpt,
 )
 from statemachine.payloads import JSON, canonical_json
 from statemachine.runner.attempt import VERIFY_TIMEOUT, Attempt, interrupted, maybe_await
@@ -171,6 +175,7 @@ __all__ = [
     "LedgerSessionToolRunner",
     "MessageToolLedger",
     "ResultNotPosted",
+    "StaleHistory",
     "UnansweredToolUse",
     "UnsupportedFeature",
 ]
@@ -181,9 +186,30 @@ _Runner = TypeVar("_Runner", BetaToolRunner[Any], BetaStreamingToolRunner[Any],
 
 class UnansweredToolUse(ControlError):
     """The message history holds a ``tool_use`` block that no ``tool_result`` in the next
-    user message answers. Nothing was sent: the API would refuse the history, and a result
-    made up for a call that may have run would hide what happened. Answer the call (from
-    `MessageToolLedger.run_tools`, or `resolve_in_doubt` for a call in doubt) first."""
+    user message answers, or answers with a result the ledger does not hold (the call is
+    to run again: an idempotent call whose run was never recorded, or one resolved
+    ``NOT_EXECUTED``; a saved answer kept a result the ledger lost). Nothing was sent: the
+    API would refuse the history, and a result made up for a call that may have run would
+    hide what happened. Answer the call (from `MessageToolLedger.run_tools`, or
+    `resolve_in_doubt` for a call in doubt) first."""
+
+
+class StaleHistory(ControlError):
+    """The request's history is older than the run: it lacks the ``tool_use`` of a call
+    (``call_ids``, in the ledger's order) whose result the ledger recorded and no request
+    has carried yet, as a history saved before the reply that asked for it does. Sent, it
+    would have the model ask again as if the call had not run, under a new ``tool_use``
+    id (the API never gives one twice), so the tool would run a second time and the
+    recorded result never reach the model. Nothing was sent. Send the history that holds
+    that reply, answered by `MessageToolLedger.run_tools` (from the ledger, nothing runs
+    again); when it is lost, end the run (`MessageToolLedger.abandon`)."""
+
+    def __init__(self, reason: str, *, call_ids: Sequence[str], **where: Any) -> None:
+        self.call_ids = tuple(call_ids)
+        super().__init__(reason, **where)
+
+    def _extra(self) -> dict[str, Any]:
+        return {"call_ids": self.call_ids}
 
 
 class ResultNotPosted(Exception):
@@ -743,6 +769,27 @@ def _tool_uses(content: Any) -> list[Any]:
     return [block for block in content if _field(block, "type") == "tool_use"]
 
 
+def _refuse_older(c: RunController, messages: Sequence[Any]) -> None:
+    """`StaleHistory` when ``messages`` lack the ``tool_use`` of a call whose result is
+    recorded and unsent (a request carrying it marks it posted): the history is older than
+    the run. One that holds it carries its result too (`check_history`)."""
+    unsent = c.unpublished_call_ids()
+    if not unsent:
+        return
+    asked = {str(_field(block, "id")) for message in messages
+             if _field(message, "role") == "assistant"
+             for block in _tool_uses(_field(message, "content"))}
+    missing = [call_id for call_id in unsent if call_id not in asked]
+    if missing:
+        raise StaleHistory(
+            f"the history is older than the run: it lacks the tool_use of {len(missing)} "
+            f"call(s) whose result is recorded and was never sent (first: "
+            f"{excerpt(missing[0])}), so the model would ask again under a new id and the "
+            "tool would run twice; nothing was sent. Send the history holding the reply "
+            "that asked for them, answered by run_tools (from the ledger), or abandon the "
+            "run", call_ids=missing, run_id=c.run_id, step=c.step, action="create")
+
+
 def _result_ids(message: Any) -> set[str]:
     content = _field(message, "content")
     if _field(message, "role") != "user" or isinstance(content, str) or content is None:
@@ -760,8 +807,10 @@ class MessageToolLedger:
     recorded right after), a finished call is answered from the cache and never runs again,
     a started, unfinished call raises `ToolInDoubt` before any call of the reply runs.
     `create` / `acreate` send a request only if every ``tool_use`` in its history is
-    answered (`UnansweredToolUse` otherwise) and no call is in doubt (`ToolInDoubt`), and
-    record the results it carried as posted; the final reply completes the run, and a
+    answered (`UnansweredToolUse` otherwise), no call is in doubt (`ToolInDoubt`), and the
+    history holds the ``tool_use`` of every call whose result is recorded and unsent
+    (`StaleHistory`: an older history would have the model ask again, and the tool run
+    twice), and record the results it carried as posted; the final reply completes the run, and a
     request of a completed conversation is answered with its recorded final reply
     (``replayed``), nothing sent.
     """
@@ -854,8 +903,12 @@ class MessageToolLedger:
 
     def check_history(self, messages: Iterable[Any]) -> None:
         """`UnansweredToolUse` unless every assistant ``tool_use`` is answered by a
-        ``tool_result`` in the user message right after it."""
+        ``tool_result`` in the user message right after it, and no ``tool_result`` answers
+        a call the ledger holds to run again (started by an earlier process that never
+        recorded its result, idempotent: so not in doubt; or resolved ``NOT_EXECUTED``):
+        such a result is not the ledger's, and with it sent the run could never end."""
         history = list(messages)
+        c = self.controller
         missing: list[str] = []
         for index, message in enumerate(history):
             if _field(message, "role") != "assistant":
@@ -863,8 +916,17 @@ class MessageToolLedger:
             answered = _result_ids(history[index + 1]) if index + 1 < len(history) else set()
             missing += [str(_field(block, "id")) for block in _tool_uses(
                 _field(message, "content")) if str(_field(block, "id")) not in answered]
+            unheld = sorted(call_id for call_id in answered
+                            if c.phase(call_id) in (Phase.STARTED, Phase.APPROVED)
+                            and call_id not in c.in_doubt())
+            if unheld:
+                raise UnansweredToolUse(
+                    f"the history answers {len(unheld)} call(s) with a result the ledger "
+                    f"does not hold (first: {excerpt(unheld[0])}): each is to run again "
+                    "(its run was never recorded, or it was resolved not executed); answer "
+                    "the reply with run_tools, never with a saved answer; nothing was sent",
+                    run_id=c.run_id, step=c.step, action="create")
         if missing:
-            c = self.controller
             doubt = [call_id for call_id in missing if call_id in c.in_doubt()]
             why = (f"; {len(doubt)} of them in doubt (started, never completed): record "
                    "their outcome with resolve_in_doubt, never re-run them") if doubt else ""
@@ -914,6 +976,7 @@ class MessageToolLedger:
     def _before_request(self, messages: Sequence[Any]) -> None:
         self.check_history(messages)
         _refuse_in_doubt(self.controller, "create")
+        _refuse_older(self.controller, messages)
 
     def _after_reply(self, messages: Sequence[Any], reply: Any) -> bool:
         """The request was answered: the results it carried are posted, and a final reply
@@ -931,7 +994,8 @@ class MessageToolLedger:
 
     def create(self, resource: Any, /, **params: Any) -> Any:
         """``resource.create(**params)`` (``client.messages`` or ``client.beta.messages``)
-        after `check_history` and the in-doubt gate; the results the request carried are
+        after `check_history`, the in-doubt gate and the stale-history check
+        (`StaleHistory`); the results the request carried are
         then posted, and a final reply completes the run. A completed conversation's own
         request gets its recorded final reply, nothing sent (``replayed``)."""
         messages = list(params.get("messages") or ())
@@ -1093,7 +1157,8 @@ class MessageToolLedger:
         """Put the ledger under a ``client.beta.messages.tool_runner(...)`` runner (sync or
         async, streamed or not, eager or not): each of its tool calls is ledgered by its
         ``tool_use`` id (a finished call is answered from the cache, a call in doubt raises
-        `ToolInDoubt` out of the runner before its first request), the results each
+        `ToolInDoubt` out of the runner before its first request, and so does a history
+        older than the run, `StaleHistory`), the results each
         request carried are posted, and the final reply completes the run. A runner of a
         completed conversation sends nothing and ends with its recorded final reply
         (``replayed``). Returns ``runner``; attach it before iterating it.
@@ -1132,11 +1197,16 @@ class MessageToolLedger:
                 await c.flush_async()
                 if recorded:
                     return
-                async with contextlib.aclosing(cast(AsyncGenerator[Any, None],
-                                                    steps())) as items:
-                    async for item in items:
-                        self._posted(runner._sent_messages)  # the request was sent
-                        yield item
+                try:
+                    async with contextlib.aclosing(cast(AsyncGenerator[Any, None],
+                                                        steps())) as items:
+                        async for item in items:
+                            self._posted(runner._sent_messages)  # the request was sent
+                            yield item
+                except BaseException:  # what the attempt recorded made durable (`create`)
+                    with contextlib.suppress(ControlError):
+                        await c.flush_async()
+                    raise
                 if not runner._closed:
                     self._after_reply(runner._sent_messages, await runner._get_last_message())
                 await c.flush_async()
@@ -1154,9 +1224,18 @@ class MessageToolLedger:
                 c.flush()
                 if recorded:
                     return
-                for item in cast(Generator[Any, None, None], steps()):
-                    self._posted(runner._sent_messages)  # the request was sent
-                    yield item
+                try:
+                    for item in cast(Generator[Any, None, None], steps()):
+                        self._posted(runner._sent_messages)  # the request was sent
+                        yield item
+                except BaseException:
+                    # a request (or a tool) failed: the results the attempt recorded, which
+                    # the request carried, are made durable before its error propagates,
+                    # so the next attempt, in any process, answers their calls from the
+                    # ledger instead of finding them in doubt (`create` does the same)
+                    with contextlib.suppress(ControlError):
+                        c.flush()
+                    raise
                 if not runner._closed:
                     self._after_reply(runner._sent_messages, runner._get_last_message())
                 c.flush()
@@ -1173,7 +1252,9 @@ class MessageToolLedger:
         messages = list(runner._thread.messages)
         recorded = self._recorded(messages)
         if recorded is None:
+            self.check_history(messages)
             _refuse_in_doubt(self.controller, "create")
+            _refuse_older(self.controller, messages)
             return False
         # parsed as the runner's thread parses a reply (its output_format, if any)
         runner._last_message = parse_beta_response(

@@ -20,10 +20,14 @@ grows, a Hypothesis strategy for long fuzzing:
   in a row: each failing attempt raises the injected error (I6), the tool never runs
   again, and the result reaches the model exactly once.
 * `StaleStateCase`: a run paused for one decision, its SDK state (openai-agents'
-  ``RunState``, pydantic-ai's message history) saved at the pause, reused after the run
-  moved on (the decision recorded; the tool run and its result recorded; written; the
-  run completed): the tool never runs again and the run completes with the result sent
-  once (the ledger alone leads on from each of those stages: no refusal is expected).
+  ``RunState``, pydantic-ai's message history, an Anthropic messages list) saved at the
+  pause, reused after the run moved on (the decision recorded; the tool run and its
+  result recorded; written; the run completed): the tool never runs again and the run
+  completes with the result sent once (the ledger alone leads on from each of those
+  stages: no refusal is expected). A state saved *before* the model's reply that asked
+  for the call (``before_reply``) lacks the call: an adapter that keeps no record of that
+  reply may instead refuse the attempt before any effect, with a typed error naming the
+  call (`StaleStateCase.refusal_allowed`); never run the call again, nor lose its result.
 * `OneWriterCase`: the reference runner's one-writer cases through an adapter: two
   attempts that loaded the same version (exactly one goes on), and an attempt superseded
   by a rival's claim while it waits on the model or while its tool body runs (it does
@@ -34,7 +38,9 @@ grows, a Hypothesis strategy for long fuzzing:
   snapshotting every event): the reloaded run ends as the uninterrupted one did, except
   that a lossy output (``lossless=False``) is never rebuilt: staged and unsettled, its
   envelope fails closed (`RunNotResumable`, DESIGN §2.3); completed, a retried request
-  gets its recorded plain form.
+  gets its recorded plain form. An adapter that records the model's reply as the API sent
+  it, from which the SDK parses the structured value again (``reparsed``: the Anthropic
+  SDK's ``output_format``), keeps every shape whole.
 
 Use them in your own property tests::
 
@@ -57,6 +63,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from statemachine import events as ev
+from statemachine.errors import ControlError
 from statemachine.payloads import JSON
 from statemachine.testing.corners import CaseFailed
 from statemachine.values import Resolution
@@ -369,10 +376,13 @@ class StaleStateCase:
     """One call, ``c0``, needing approval: the run pauses and its SDK state is saved;
     the call is approved and the run moves on as far as ``moved`` says; then an attempt
     (on a run loaded from the store when ``reload``) is given the state saved at the
-    pause."""
+    pause, or, when ``before_reply``, the state saved before the model's reply that asked
+    for the call (the request that reply answered, as a caller keeps its messages when it
+    sends them): a state that lacks the call."""
 
     moved: StaleMove
     reload: bool = True
+    before_reply: bool = False
 
     call_id = "c0"
 
@@ -385,9 +395,31 @@ class StaleStateCase:
         """How often the body runs in all: once (before the reuse unless only decided)."""
         return 1
 
+    @property
+    def runs_before(self) -> int:
+        """How often the body ran before the reuse: once, unless only decided."""
+        return 0 if self.moved == DECIDED else 1
 
-def every_stale_state_case() -> list[StaleStateCase]:
-    return [StaleStateCase(moved, reload) for moved in StaleMove for reload in (True, False)]
+    @property
+    def refusal_allowed(self) -> bool:
+        """Whether a typed refusal is an acceptable end: only for a state saved before the
+        reply, once the ledger holds the call the state lacks and the run has not
+        completed. Asked again from that state, the model asks anew (a real API names
+        each call afresh), so an adapter that keeps no record of the first reply cannot
+        lead on from it: the call the ledger holds would run a second time under another
+        id, or its result never reach the model. Such an adapter refuses the attempt
+        before any effect (no model request, no tool run) with a `ControlError` naming
+        the call; one that can answer the request from its record completes as from the
+        pause. A completed run answers from its record either way."""
+        return self.before_reply and self.moved != COMPLETED
+
+
+def every_stale_state_case(*, before_reply: bool = False) -> list[StaleStateCase]:
+    """Each stage, resumed either way, with the state saved at the pause; with
+    ``before_reply``, also with the state saved before the reply."""
+    saved = (False, True) if before_reply else (False,)
+    return [StaleStateCase(moved, reload, early) for early in saved for moved in StaleMove
+            for reload in (True, False)]
 
 
 @attrs.frozen
@@ -415,7 +447,21 @@ def check_stale_state(case: StaleStateCase, seen: StaleSeen) -> None:
     """Every stage a run moves to is one its ledger alone leads on from (it holds the
     decision, the result, and what was written), so an older SDK state is no reason to
     stop: the attempt given one completes (an adapter that cannot use it goes on
-    without it), the tool never runs again, and nothing is sent or written twice."""
+    without it), the tool never runs again, and nothing is sent or written twice. The
+    one exception (`StaleStateCase.refusal_allowed`): a state saved before the reply may
+    be refused before any effect, with a typed error naming the call."""
+    if seen.error is not None and case.refusal_allowed:
+        _expect(isinstance(seen.error, ControlError),
+                f"the attempt given a state saved before the reply raised {seen.error!r}; "
+                f"only a typed refusal (a ControlError) may end it (moved to "
+                f"{case.moved.value})")
+        _expect(case.call_id in str(seen.error), f"the refusal does not name "
+                f"{case.call_id}, the call the older state lacks: {seen.error}")
+        _expect(seen.model_calls == 0, f"the refused attempt asked the model "
+                f"{seen.model_calls} times; a refusal comes before any effect")
+        _expect(seen.runs == case.runs_before, f"the tool ran {seen.runs} times; the "
+                f"refused attempt may run nothing ({case.runs_before} before it)")
+        return
     _expect(seen.runs == case.runs, f"the tool ran {seen.runs} times; once (moved to "
             f"{case.moved.value})")
     _expect(seen.error is None, f"the attempt given the older state raised "
@@ -609,15 +655,19 @@ class OutputCase:
     """A run whose model answers at once with a final output of ``shape``, crashed at
     ``boundary`` and resumed by a new process (with ``take_over=True``: the crashed one is
     gone), given the request's input again only if the crashed attempt had not recorded
-    it."""
+    it. ``reparsed``: the adapter records the model's reply as the API sent it (the
+    answer's text), and the SDK parses the structured value from that text again each
+    time the reply is handed back (the Anthropic SDK's ``output_format``)."""
 
     shape: OutputShape
     boundary: Boundary
+    reparsed: bool = False
 
     @property
     def lossless(self) -> bool:
-        """Whether the output is plain JSON, kept whole by the ledger."""
-        return self.shape == TEXT
+        """Whether the ledger keeps the output whole: plain JSON, or a reply it records
+        as the API sent it (``reparsed``)."""
+        return self.shape == TEXT or self.reparsed
 
     @property
     def outcome(self) -> str:
@@ -645,8 +695,9 @@ class OutputCase:
         return self.outcome == "replayed" and self.lossless
 
 
-def every_output_case() -> list[OutputCase]:
-    return [OutputCase(shape, boundary) for shape in OutputShape for boundary in Boundary]
+def every_output_case(*, reparsed: bool = False) -> list[OutputCase]:
+    return [OutputCase(shape, boundary, reparsed) for shape in OutputShape
+            for boundary in Boundary]
 
 
 @attrs.frozen
@@ -661,7 +712,8 @@ class OutputSeen:
     """The ``lossless`` flag the ledger recorded with it (None: none recorded)."""
     model_calls: int
     written: int
-    """How many items of the final answer the Session holds at the end."""
+    """How many items of the final answer the Session holds at the end (a run without a
+    Session: how many final answers its record holds)."""
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -62,6 +62,7 @@ from statemachine import (
 from statemachine.adapters.anthropic import (
     LedgerSessionToolRunner,
     MessageToolLedger,
+    StaleHistory,
     UnansweredToolUse,
     UnsupportedFeature,
 )
@@ -570,34 +571,87 @@ def test_an_unanswered_tool_use_is_refused_before_anything_is_sent(tmp_path: Pat
     assert effects.lines() == []
 
 
+@pytest.mark.parametrize("via", ["create", "runner"])
+def test_a_saved_answer_holding_a_result_the_ledger_lost_is_refused(tmp_path: Path,
+                                                                   via: str) -> None:
+    """Buffered (the default), an idempotent call's result rides with the next request;
+    the process dies before it, and the caller resumes with the answer it saved, whose
+    result the ledger never recorded (the call is started: it runs again). Sent, the model
+    would answer and the run could never end (its call started, never completed). It is
+    refused before anything is sent (`UnansweredToolUse`, naming the call); the kept reply
+    answered by ``run_tools`` runs the call again and the conversation ends."""
+    effects = Effects(tmp_path, "p")
+    store = SQLiteEventStore(tmp_path / "events.db")
+    model = FakeModel()
+    client = model.client()
+    lookup = sync_charge(effects)  # idempotent here: it may run again
+    ledger = MessageToolLedger.open("m", [lookup], store=store, idempotent={"charge"})
+    history: list[Any] = [{"role": "user", "content": "pay 7"}]
+    reply = ledger.create(client.messages, model="claude-test", max_tokens=64,
+                          messages=history)
+    history += [{"role": "assistant", "content": reply.content}, ledger.run_tools(reply)]
+    del ledger  # ... the process died before the request carrying the result
+    again = MessageToolLedger.open("m", [lookup], store=SQLiteEventStore(
+        tmp_path / "events.db"), idempotent={"charge"})
+
+    def resend() -> Any:
+        if via == "runner":
+            return again.attach(client.beta.messages.tool_runner(
+                model="claude-test", max_tokens=64, tools=[lookup],
+                messages=history)).until_done()
+        return again.create(client.messages, model="claude-test", max_tokens=64,
+                            messages=history)
+
+    with pytest.raises(UnansweredToolUse, match="tu_1"):
+        resend()
+    assert len(model.requests) == 1  # nothing sent
+    final = again.create(client.messages, model="claude-test", max_tokens=64,
+                         messages=[*history[:2], again.run_tools(reply)])
+    assert final.content[0].text == "charged 7 (run 2)"  # it ran again, as idempotent
+    assert effects.lines() == ["p charge 7", "p charge 7"]
+    assert again.controller.step is Step.COMPLETED
+
+
 @pytest.mark.invariant("I1", "I12")
 @pytest.mark.parametrize("through", ["sdk-alone", "ledger"])
 def test_a_retried_tool_runner_turn_never_reruns_a_finished_tool(
         tmp_path: Path, through: str) -> None:
     """``client.beta.messages.tool_runner``: the request carrying the tool's result fails,
-    the runner raises, and the caller runs the turn again with a new runner; the model asks
-    for the same call (id ``tu_1``) again."""
+    and the runner raises. The SDK alone's caller runs the turn again with a new runner
+    from the first message; the model asks for the call again (this one under the same id,
+    ``tu_1``; the API would name it afresh) and it runs twice. Through the ledger a new
+    runner from the first message alone is refused before anything is sent
+    (`StaleHistory`: the model would ask again and the tool run twice); one given the
+    reply the runner yielded, answered by ``ledger.run_tools`` from the ledger, goes on,
+    the tool run once."""
     effects = Effects(tmp_path, "p")
     model = FakeModel(fail=[False, True])
     client = model.client()
     ledger = MessageToolLedger.open("t", store=MemoryEventStore())
     tools = [sync_charge(effects)]
+    first: list[Any] = [{"role": "user", "content": "pay 7"}]
 
-    def runner() -> Any:
+    def runner(messages: list[Any]) -> Any:
         made = client.beta.messages.tool_runner(
-            model="claude-test", max_tokens=64, tools=tools,
-            messages=[{"role": "user", "content": "pay 7"}])
+            model="claude-test", max_tokens=64, tools=tools, messages=messages)
         return made if through == "sdk-alone" else ledger.attach(made)
 
+    replies = []
     with pytest.raises(InternalServerError):
-        runner().until_done()
-    final = runner().until_done()
+        replies.extend(runner(first))
     if through == "sdk-alone":
+        final = runner(first).until_done()
         assert effects.lines() == ["p charge 7", "p charge 7"]
         assert final.content[0].text == "charged 7 (run 2)"
-    else:
-        assert effects.lines() == ["p charge 7"]
-        assert final.content[0].text == "charged 7 (run 1)"
+        return
+    with pytest.raises(StaleHistory) as refused:
+        runner(first).until_done()
+    assert refused.value.call_ids == ("tu_1",)
+    assert len(model.requests) == 2  # the reply's and the failed one: nothing sent
+    [reply] = replies
+    final = runner([*first, reply.to_param(), ledger.run_tools(reply)]).until_done()
+    assert effects.lines() == ["p charge 7"]
+    assert final.content[0].text == "charged 7 (run 1)"
 
 
 def test_an_async_tool_runner_and_arun_tools_use_the_same_ledger(tmp_path: Path) -> None:
@@ -606,19 +660,28 @@ def test_an_async_tool_runner_and_arun_tools_use_the_same_ledger(tmp_path: Path)
     ledger = MessageToolLedger.open("a", [counted_charge(effects)], store=MemoryEventStore())
     client = AsyncAnthropic(api_key="test-key", max_retries=0, http_client=httpx2.AsyncClient(
         transport=httpx2.MockTransport(model.handle)))
+    first: list[Any] = [{"role": "user", "content": "pay 7"}]
 
     async def go() -> Any:
-        def runner() -> Any:
+        def runner(messages: list[Any]) -> Any:
             return ledger.attach(client.beta.messages.tool_runner(
                 model="claude-test", max_tokens=64, tools=[counted_charge(effects)],
-                messages=[{"role": "user", "content": "pay 7"}]))
+                messages=messages))
+
+        replies: list[Any] = []
+
+        async def collect() -> None:
+            async for message in runner(first):
+                replies.append(message)
 
         with pytest.raises(InternalServerError):
-            await runner().until_done()
-        final = await runner().until_done()
-        reply = await client.messages.create(model="claude-test", max_tokens=64,
+            await collect()
+        [reply] = replies
+        final = await runner([*first, reply.to_param(),
+                              await ledger.arun_tools(reply)]).until_done()
+        again = await client.messages.create(model="claude-test", max_tokens=64,
                                              messages=[{"role": "user", "content": "pay"}])
-        return final, await ledger.arun_tools(reply)
+        return final, await ledger.arun_tools(again)
 
     final, answer = asyncio.run(go())
     assert effects.lines() == ["p charge 7"]
@@ -669,32 +732,44 @@ def test_a_pydantic_result_with_a_datetime_is_sent_byte_for_byte_as_the_sdk_send
         tmp_path: Path) -> None:
     """``beta.messages.tool_runner`` with a tool returning a pydantic model holding a
     datetime: the SDK alone sends it (as its own encoder writes it). Through the ledger the
-    request carrying it is byte-identical, and so is the retried turn's, answered from the
-    ledger (the tool ran once)."""
+    request carrying it is byte-identical, and so is the retried turn's (a new runner given
+    the reply, answered from the ledger: the tool ran once)."""
     bodies = {}
+    first: list[Any] = [{"role": "user", "content": "pay 7"}]
     for through in ("sdk-alone", "ledger"):
         effects = Effects(tmp_path, through)
         model = Model(fail=[False, True])  # the request carrying the result fails once
         client = model.client()
         ledger = MessageToolLedger.open(through, store=MemoryEventStore())
 
-        def runner(ledger: MessageToolLedger = ledger, client: Anthropic = client,
-                   effects: Effects = effects, through: str = through) -> Any:
+        def runner(messages: list[Any], ledger: MessageToolLedger = ledger,
+                   client: Anthropic = client, effects: Effects = effects,
+                   through: str = through) -> Any:
             made = client.beta.messages.tool_runner(
                 model="claude-test", max_tokens=64, tools=[receipt_tool(effects)],
-                messages=[{"role": "user", "content": "pay 7"}])
+                messages=messages)
             return made if through == "sdk-alone" else ledger.attach(made)
 
+        replies: list[Any] = []
         with pytest.raises(InternalServerError):
-            runner().until_done()
-        runner().until_done()
+            replies.extend(runner(first))
+        if through == "sdk-alone":
+            runner(first).until_done()
+        else:
+            [reply] = replies
+            runner([*first, reply.to_param(), ledger.run_tools(reply)]).until_done()
         bodies[through] = model.bodies
         runs = [line for line in effects.lines() if line.startswith(through)]
         assert len(runs) == (2 if through == "sdk-alone" else 1)
     sent = json.loads(bodies["sdk-alone"][1])["messages"][-1]["content"][0]["content"]
     assert sent == [["amount", 7], ["at", "2026-01-01T12:00:00"], ["note", ""]]
     assert bodies["ledger"][1] == bodies["sdk-alone"][1]
-    assert bodies["ledger"][3] == bodies["sdk-alone"][3]  # the resend: the same bytes
+    # the resend (a new runner: the whole history, where the failed request continued the
+    # runner's thread with its last message only) carries the same result block, and the
+    # same bytes of it
+    result = json.loads(bodies["sdk-alone"][1])["messages"][-1]
+    assert json.loads(bodies["ledger"][2])["messages"][-1] == result
+    assert json.dumps(result["content"], separators=(",", ":")).encode() in bodies["ledger"][2]
 
 
 @pytest.mark.parametrize("through", ["sdk-alone", "adapter"])
@@ -758,7 +833,8 @@ def test_run_tools_answers_a_result_holding_datetimes(tmp_path: Path) -> None:
 
 
 # a loop killed inside its tool, or while the request carrying its result is sent; a
-# restarted process runs the loop again from its first message
+# restarted process goes on from the caller's saved messages (the SDK alone's caller runs
+# the loop again from its first message)
 
 
 def _messages_driver(command: str, folder: Path, name: str, via: str) -> dict[str, Any]:
@@ -798,8 +874,9 @@ def test_after_a_crash_inside_a_tool_nothing_is_sent(tmp_path: Path, through: st
 def test_a_resolution_recorded_from_outside_is_sent_as_a_tool_result(
         tmp_path: Path, output: Any, via: str) -> None:
     """kill -9 inside ``charge``; an operator records the outcome (plain text or JSON,
-    `resolve_in_doubt`); the restarted loop sends it as the call's tool_result and ends
-    (the model echoes it), and the tool never runs again."""
+    `resolve_in_doubt`); the restarted loop, from the saved reply, sends it as the call's
+    tool_result and ends (the model echoes it): the tool never runs again, and the model
+    is asked only for its next answer."""
     _messages_driver("messages-crash-tool", tmp_path, "first", via)
     store = SQLiteEventStore(tmp_path / "events.db")
     operator = RunController.load(store, "messages")
@@ -810,7 +887,7 @@ def test_a_resolution_recorded_from_outside_is_sent_as_a_tool_result(
     assert resumed["outcome"] == "done", resumed
     assert resumed["final"] == (output if isinstance(output, str) else json.dumps(output))
     assert Effects(tmp_path, "").lines() == ["first charge 7"]
-    assert _requests(tmp_path) == ["first request", "second request", "second request"]
+    assert _requests(tmp_path) == ["first request", "second request"]
 
 
 def test_a_resolution_recorded_from_outside_is_posted_by_the_session_runner(
@@ -845,7 +922,7 @@ def test_kill_9_while_the_result_is_sent_then_restart_goes_on(tmp_path: Path,
     again = _messages_driver("messages-resume", tmp_path, "third", via)
     assert (again["outcome"], again["final"], again["replayed"]) == ("done", "charged 7",
                                                                      True)
-    assert _requests(tmp_path) == ["first request", "second request", "second request"]
+    assert _requests(tmp_path) == ["first request", "second request"]
     assert Effects(tmp_path, "").lines() == ["first charge 7"]
 
 

@@ -29,10 +29,12 @@ fsynced line per request to DIR/requests.txt:
 * ``messages-crash-tool DIR NAME VIA``: ``charge`` kills its own process after its effect;
 * ``messages-crash-request DIR NAME VIA``: the process kills itself when the request
   carrying the tool's result reaches the transport;
-* ``messages-resume DIR NAME VIA``: the loop again from its first message, as a user
-  retrying the request would; prints ``{"name", "outcome", "error", "final",
-  "replayed"}``;
-* ``sdk-messages-...``: the same on the SDK alone.
+* ``messages-resume DIR NAME VIA``: the loop again from the caller's saved messages
+  (`SavedHistory`, DIR/history.json: the reply saved before its calls run, their answer
+  before the request carrying it), as a caller retrying the request would; prints
+  ``{"name", "outcome", "error", "final", "replayed"}``;
+* ``sdk-messages-...``: the same on the SDK alone, whose caller runs the loop again from
+  its first message.
 
 `fork` runs one command in a child forked from the calling process instead.
 """
@@ -50,6 +52,7 @@ from typing import Any
 
 import httpx2
 from anthropic import Anthropic, AsyncAnthropic
+from anthropic._utils._json import openapi_dumps
 from anthropic.lib.environments import SessionToolRunner
 from anthropic.lib.tools import _beta_session_runner as session_runner
 from anthropic.lib.tools import beta_async_tool, beta_tool
@@ -81,9 +84,30 @@ def tool_use(call_id: str, name: str, arguments: dict[str, Any]) -> dict[str, An
             "input": arguments, "processed_at": STAMP}
 
 
+def agent_tool_use(call_id: str, name: str, arguments: dict[str, Any], *,
+                   ask: bool = False) -> dict[str, Any]:
+    """A call of a built-in agent tool, gated behind the user's confirmation when ``ask``
+    (``evaluated_permission``: the SDK's runner holds it until a ``user.tool_confirmation``
+    allows it, `FakeSession.confirm`)."""
+    return {"type": "agent.tool_use", "id": call_id, "name": name, "input": arguments,
+            "processed_at": STAMP, "evaluated_permission": "ask" if ask else "allow"}
+
+
+def answered_id(event: dict[str, Any]) -> str | None:
+    """The call a result event answers (``user.custom_tool_result`` or
+    ``user.tool_result``); None for any other event."""
+    if event.get("type") == "user.custom_tool_result":
+        return event.get("custom_tool_use_id")
+    if event.get("type") == "user.tool_result":
+        return event.get("tool_use_id")
+    return None
+
+
 class FakeSession:
     """The server side of one managed session: ``calls`` are the agent's tool calls; once
-    every one of them is answered the session ends (``session.status_terminated``)."""
+    every one of them is answered the session ends (``session.status_terminated``).
+    ``refusing`` names calls whose result posts are rejected (400, nothing lands) for as
+    long as they are in it; ``on_stream`` is called as each live stream opens."""
 
     def __init__(self, calls: list[dict[str, Any]], *, path: Path | None = None,
                  faults: list[PostFault] | None = None,
@@ -93,6 +117,8 @@ class FakeSession:
         self.on_post = on_post
         self.posts: list[dict[str, Any]] = []
         self.stream_opens = 0
+        self.refusing: set[str] = set()
+        self.on_stream: Callable[[], None] | None = None
         self._changed = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drop = False
@@ -116,14 +142,20 @@ class FakeSession:
     def events(self) -> list[dict[str, Any]]:
         return list(self._load()["events"])
 
-    def results(self, call_id: str) -> list[dict[str, Any]]:
-        return [e for e in self.events if e.get("custom_tool_use_id") == call_id]
+    def results(self, call_id: str | None) -> list[dict[str, Any]]:
+        return [e for e in self.events if answered_id(e) == call_id]
+
+    def confirm(self, call_ids: list[str]) -> None:
+        """The user allows each of ``call_ids`` (``user.tool_confirmation``)."""
+        for call_id in call_ids:
+            self._append({"type": "user.tool_confirmation", "tool_use_id": call_id,
+                          "result": "allow"})
 
     def _append(self, event: dict[str, Any]) -> None:
         data = self._load()
         data["events"].append({**event, "id": f"sevt_{len(data['events'])}",
                                "processed_at": STAMP})
-        answered = {e.get("custom_tool_use_id") for e in data["events"]}
+        answered = {answered_id(e) for e in data["events"]}
         ended = any(e["type"] == "session.status_terminated" for e in data["events"])
         if not ended and all(call in answered for call in data["calls"]):
             data["events"].append({"type": "session.status_terminated",
@@ -153,8 +185,8 @@ class FakeSession:
         if fault is not None and fault.then_drop_stream:
             self._drop = True
             self._changed.set()
-        call_id = event.get("custom_tool_use_id")
-        if fault is not None and fault.kind == "reject":
+        call_id = answered_id(event)
+        if (fault is not None and fault.kind == "reject") or call_id in self.refusing:
             return _error(400, "invalid_request_error", "injected rejection")
         if fault is not None and fault.kind == "drop":
             raise httpx2.ConnectError("injected connection drop")
@@ -167,6 +199,8 @@ class FakeSession:
 
     def _stream(self) -> httpx2.Response:
         self.stream_opens += 1
+        if self.on_stream is not None:
+            self.on_stream()
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # an asyncio.Event belongs to one loop
             self._loop, self._changed = loop, asyncio.Event()
@@ -312,6 +346,71 @@ def sync_charge_tool(effect: Effects, *, crash: bool = False) -> Any:
     return charge
 
 
+HISTORY = "history.json"
+
+
+class SavedHistory:
+    """A messages loop's history as a caller that resumes after a crash keeps it: in
+    DIR/history.json, replaced whole and fsynced at each step (a reply before its calls
+    run, their answer before the request carrying it). A restarted caller goes on from it
+    (`resumed`); one that kept only its first message would have the model ask again,
+    under new ``tool_use`` ids (`StaleHistory` through the ledger). A saved answer is
+    asked of the ledger again (``run_tools``): a result the crash kept from the ledger's
+    record (buffered, it rides with the next write) is never sent as if it were one."""
+
+    def __init__(self, folder: Path, first: str) -> None:
+        self.path = folder / HISTORY
+        self.messages: list[Any] = (json.loads(self.path.read_text()) if self.path.exists()
+                                    else [{"role": "user", "content": first}])
+
+    def add(self, message: Any) -> None:
+        """Append ``message`` (a reply as its JSON, a user message as it is) and save."""
+        if hasattr(message, "content") and not isinstance(message, dict):
+            message = {"role": "assistant", "content": json.loads(openapi_dumps(
+                message.content))}
+        self.messages.append(message)
+        tmp = self.path.with_suffix(".tmp")
+        with tmp.open("w") as out:
+            out.write(json.dumps(self.messages))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, self.path)
+
+    def resumed(self, ledger: Any) -> list[Any]:
+        """The messages of the request to send: a saved reply's calls answered first (from
+        the ledger when they ran), or, when the conversation ended, its last request again
+        (the ledger answers it with the recorded reply)."""
+        if len(self.messages) > 1 and _answers(self.messages[-1]):
+            self.messages.pop()  # asked of the ledger again, below
+        last = self.messages[-1]
+        if last["role"] == "assistant":
+            if any(block.get("type") == "tool_use" for block in last["content"]):
+                self.add(ledger.run_tools(last["content"]))
+            else:
+                self.messages.pop()
+        return list(self.messages)
+
+
+def _answers(message: Any) -> bool:
+    """A user message of ``tool_result`` blocks."""
+    content = message["content"]
+    return message["role"] == "user" and isinstance(content, list) and any(
+        block.get("type") == "tool_result" for block in content)
+
+
+def converse(ledger: Any, client: Anthropic, history: SavedHistory,
+             **params: Any) -> Any:
+    """A ``messages.create`` loop through ``ledger`` from ``history`` (saved as it goes) to
+    the final reply."""
+    reply = ledger.create(client.messages, messages=history.resumed(ledger), **params)
+    while True:
+        history.add(reply)
+        if reply.stop_reason != "tool_use":
+            return reply
+        history.add(ledger.run_tools(reply))
+        reply = ledger.create(client.messages, messages=list(history.messages), **params)
+
+
 def _messages(folder: Path, name: str, via: str, *, ledger: bool, crash_tool: bool = False,
               crash_request: bool = False) -> dict[str, Any]:
     from statemachine import SQLiteEventStore
@@ -328,31 +427,46 @@ def _messages(folder: Path, name: str, via: str, *, ledger: bool, crash_tool: bo
         owner=name, buffered=False) if ledger else None
     answer: dict[str, Any] = {"name": name, "outcome": "done", "error": None}
     try:
-        if via == "runner":
-            runner = client.beta.messages.tool_runner(tools=[tool], messages=history,
-                                                      **params)
-            final = (runner if opened is None else opened.attach(runner)).until_done()
+        if opened is not None:
+            saved = SavedHistory(folder, "pay 7")
+            if via == "runner":
+                final = _runner_loop(opened, client, tool, saved, **params)
+            else:
+                final = converse(opened, client, saved, tools=[tool.to_dict()], **params)
+        elif via == "runner":
+            final = client.beta.messages.tool_runner(tools=[tool], messages=history,
+                                                     **params).until_done()
         else:
             params["tools"] = [tool.to_dict()]
-            final = (client.messages.create(messages=history, **params) if opened is None
-                     else opened.create(client.messages, messages=history, **params))
+            final = client.messages.create(messages=history, **params)
             while final.stop_reason == "tool_use":
                 history.append({"role": "assistant", "content": final.content})
-                if opened is None:
-                    results: Any = {"role": "user", "content": [
-                        {"type": "tool_result", "tool_use_id": block.id,
-                         "content": tool.call(block.input)}
-                        for block in final.content if block.type == "tool_use"]}
-                    history.append(results)
-                    final = client.messages.create(messages=history, **params)
-                else:
-                    history.append(opened.run_tools(final))
-                    final = opened.create(client.messages, messages=history, **params)
+                results: Any = {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": block.id,
+                     "content": tool.call(block.input)}
+                    for block in final.content if block.type == "tool_use"]}
+                history.append(results)
+                final = client.messages.create(messages=history, **params)
     except Exception as error:  # the outcome is what the test reads
         return {**answer, "outcome": "error", "error": type(error).__name__,
                 "message": str(error)}
     return {**answer, "final": final.content[0].text,
             "replayed": None if opened is None else opened.replayed}
+
+
+def _runner_loop(ledger: Any, client: Anthropic, tool: Any, history: SavedHistory,
+                 **params: Any) -> Any:
+    """The SDK's tool runner, attached to ``ledger``, from ``history``: each reply it
+    yields is saved before its calls run (`generate_tool_call_response` runs them, and the
+    runner sends that answer), and the answer before the request carrying it."""
+    runner = ledger.attach(client.beta.messages.tool_runner(
+        tools=[tool], messages=history.resumed(ledger), **params))
+    for message in runner:
+        history.add(message)
+        answer = runner.generate_tool_call_response()
+        if answer is not None:
+            history.add(json.loads(openapi_dumps(answer)))
+    return runner.until_done()
 
 
 async def _answer(argv: list[str]) -> dict[str, Any]:

@@ -6,7 +6,8 @@ Each run has two tool calls: ``pay`` (not idempotent) and ``lookup`` (idempotent
 
 * ``messages``: a ``messages.create`` loop through the ledger (``create`` / ``run_tools``)
   against a scripted model that asks for both calls in one reply, then answers with the
-  ``pay`` result; a user retrying runs the loop again from its first message.
+  ``pay`` result; a user retrying goes on from the messages the loop saved
+  (`tests.drivers.anthropic_driver.SavedHistory`, DIR/history.json).
 * ``session``: a managed session (tests.drivers.anthropic_driver.FakeSession, its history in
   DIR/remote.json) that asks this client for both calls; the run ends when the session
   does.
@@ -44,7 +45,14 @@ from statemachine.events import Event, ToolStarted
 from statemachine.machine import replay
 from statemachine.payloads import JSON
 from statemachine.values import Phase
-from tests.drivers.anthropic_driver import SESSION_ID, FakeSession, client_for, tool_use
+from tests.drivers.anthropic_driver import (
+    SESSION_ID,
+    FakeSession,
+    SavedHistory,
+    client_for,
+    converse,
+    tool_use,
+)
 from tests.drivers.crash_driver import Effects, Ticks, append_line
 from tests.drivers.durability_driver import TickingAsyncStore, TickingStore, run_forked
 from tests.drivers.durability_driver import log as durable_log
@@ -176,18 +184,13 @@ async def messages(folder: Path, mode: str, ticks: Ticks) -> dict[str, Any]:
     client = Anthropic(api_key="test-key", max_retries=0, http_client=httpx2.Client(
         transport=httpx2.MockTransport(_model(checker, effect))))
     store = TickingStore(folder / "events.db", ticks)
-    history: list[Any] = [{"role": "user", "content": "pay 7"}]
     params: dict[str, Any] = {"model": "claude-test", "max_tokens": 64,
                               "tools": [pay.to_dict(), lookup.to_dict()]}
     try:
         ledger = MessageToolLedger.open(RUN_ID, [pay, lookup], store=store,
                                         idempotent={"lookup"}, owner=str(os.getpid()),
                                         buffered=mode == "buffered")
-        reply = ledger.create(client.messages, messages=history, **params)
-        while reply.stop_reason == "tool_use":
-            history += [{"role": "assistant", "content": reply.content},
-                        ledger.run_tools(reply)]
-            reply = ledger.create(client.messages, messages=history, **params)
+        reply = converse(ledger, client, SavedHistory(folder, "pay 7"), **params)
         return _outcome(ledger.controller, final=reply.content[0].text,
                         replayed=ledger.replayed)
     except ToolInDoubt as error:

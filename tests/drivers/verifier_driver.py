@@ -7,7 +7,7 @@ driver is for the reference runner, for the adapters (tests/adapters/test_*_veri
 ``pydantic-ai`` (`LedgerRun`), ``anthropic-session`` (`LedgerSessionToolRunner` against
 the fake managed session of `tests.drivers.anthropic_driver`, its history in DIR) or
 ``anthropic-messages`` (a ``messages.create`` loop through `MessageToolLedger`, its model
-asking for ``charge(x=7)``). The run
+asking for ``charge(x=7)``, its messages saved in DIR as it goes). The run
 is on the SQLite store DIR/events.db (one append per event); its model asks for
 ``charge(amount=7)``, then answers ``done: <the tool's output as it saw it>``. The tool
 gives the service its call's idempotency key (`statemachine.tool_context`); ``VERIFY``
@@ -198,7 +198,7 @@ def _anthropic_messages(folder: Path, store: SQLiteEventStore, pay: Payments,
     from anthropic.lib.tools import beta_tool
 
     from statemachine.adapters.anthropic import MessageToolLedger
-    from tests.drivers.anthropic_driver import ScriptedModel
+    from tests.drivers.anthropic_driver import SavedHistory, ScriptedModel, converse
 
     model = ScriptedModel(folder, "driver")
     client = Anthropic(api_key="test-key", max_retries=0, http_client=httpx2.Client(
@@ -213,12 +213,8 @@ def _anthropic_messages(folder: Path, store: SQLiteEventStore, pay: Payments,
                                     verifiers=verifiers)
     params: dict[str, Any] = {"model": "claude-test", "max_tokens": 64,
                               "tools": [charge.to_dict()]}
-    history: list[Any] = [{"role": "user", "content": "charge me 7"}]
-    reply = ledger.create(client.messages, messages=history, **params)
-    while reply.stop_reason == "tool_use":
-        history.append({"role": "assistant", "content": reply.content})
-        history.append(ledger.run_tools(reply))
-        reply = ledger.create(client.messages, messages=history, **params)
+    # the caller's messages, saved as it goes: a resume goes on from them
+    reply = converse(ledger, client, SavedHistory(folder, "charge me 7"), **params)
     return f"done: {reply.content[0].text}"
 
 

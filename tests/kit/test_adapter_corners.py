@@ -12,6 +12,7 @@ from typing import Any
 import attrs
 import pytest
 
+from statemachine import ConcurrencyConflict, ToolInDoubt
 from statemachine import events as ev
 from statemachine.testing import (
     Boundary,
@@ -24,16 +25,20 @@ from statemachine.testing import (
     ReplyCase,
     ReplySeen,
     RivalPoint,
+    StaleSeen,
+    StaleStateCase,
     boundary_of,
     check_one_writer,
     check_output,
     check_reply,
+    check_stale_state,
     every_one_writer_case,
     every_output_case,
     every_recorded_fault_case,
     every_reply_case,
     every_stale_state_case,
 )
+from statemachine.testing.adapter_corners import COMPLETED, DECIDED, RECORDED, WRITTEN
 from statemachine.values import Resolution, ToolCall
 
 SDKS = ("agents", "openai", "pydantic", "pydantic_ai", "anthropic", "langgraph",
@@ -116,6 +121,43 @@ def test_the_fault_and_stale_enumerators() -> None:
     assert [c.requests for c in faults if c.fault is RecordedFault.REQUEST_FAILED] == [
         3, 3, 4, 4]
     assert len(every_stale_state_case()) == 8
+    both = every_stale_state_case(before_reply=True)
+    assert both[:8] == every_stale_state_case()
+    assert len(both) == len(set(both)) == 16
+    assert [c.moved for c in both if c.refusal_allowed] == [DECIDED, DECIDED, RECORDED,
+                                                            RECORDED, WRITTEN, WRITTEN]
+
+
+def _stale(case: StaleStateCase, **changes: Any) -> StaleSeen:
+    pairs = [(case.call_id, case.result)]
+    seen = StaleSeen(runs=1, error=None, completed=True,
+                     replayed=case.moved == COMPLETED,
+                     model_calls=0 if case.moved == COMPLETED else 1, sent=pairs,
+                     written=pairs)
+    return attrs.evolve(seen, **changes)
+
+
+def test_a_state_saved_before_the_reply_may_be_refused_before_any_effect() -> None:
+    early = StaleStateCase(RECORDED, before_reply=True)
+    refused = _stale(early, error=ToolInDoubt("call 'c0' lacks its reply", call_id="c0"),
+                     completed=False, model_calls=0, sent=[], written=[])
+    check_stale_state(early, refused)  # a typed refusal naming the call
+    check_stale_state(early, _stale(early))  # or it completes, as from the pause
+    broken_ones: list[tuple[dict[str, Any], str]] = [
+        ({"error": RuntimeError("c0")}, "typed"),
+        ({"error": ConcurrencyConflict("another writer")}, "name"),
+        ({"model_calls": 1}, "asked the model"), ({"runs": 2}, "ran")]
+    for broken, why in broken_ones:
+        with pytest.raises(CaseFailed, match=why):
+            check_stale_state(early, attrs.evolve(refused, **broken))
+    decided = StaleStateCase(DECIDED, before_reply=True)
+    check_stale_state(decided, attrs.evolve(refused, runs=0))  # nothing ran before it
+    with pytest.raises(CaseFailed, match="ran 1 times"):
+        check_stale_state(decided, refused)
+    # at the pause, or once the run completed, a refusal is never the case's end
+    for case in (StaleStateCase(RECORDED), StaleStateCase(COMPLETED, before_reply=True)):
+        with pytest.raises(CaseFailed, match="the case says it completes"):
+            check_stale_state(case, attrs.evolve(refused, runs=1))
 
 
 def test_one_writer_cases_expect_one_run_in_all() -> None:
@@ -174,3 +216,26 @@ def test_a_lossy_output_is_never_rebuilt_and_fails_closed_once_staged() -> None:
     with pytest.raises(CaseFailed, match="lossless"):
         check_output(lossy, attrs.evolve(seen, lossless=True),
                      object(), output_type=Rebuilt)
+
+
+def test_a_reparsed_reply_keeps_every_shape_whole() -> None:
+    """An adapter recording the reply as the API sent it (the answer's text) never needs
+    to fail closed: every shape is lossless and handed back as it was."""
+    cases = every_output_case(reparsed=True)
+    assert all(case.lossless and case.same_output for case in cases)
+    assert {case.outcome for case in cases} == {"completed", "replayed"}
+    done = OutputCase(cases[-1].shape, Boundary.COMPLETED, reparsed=True)
+
+    class Rebuilt:
+        def __repr__(self) -> str:
+            return "Rebuilt()"
+
+    seen = OutputSeen(outcome="replayed", output=Rebuilt(), recorded={"text": "{}"},
+                      lossless=True, model_calls=0, written=1)
+    check_output(done, seen, Rebuilt(), output_type=Rebuilt)
+    with pytest.raises(CaseFailed, match="differs"):
+        check_output(done, attrs.evolve(seen, output={"text": "{}"}), Rebuilt(),
+                     output_type=Rebuilt)
+    with pytest.raises(CaseFailed, match="lossless"):
+        check_output(done, attrs.evolve(seen, lossless=False), Rebuilt(),
+                     output_type=Rebuilt)
