@@ -191,7 +191,8 @@ mutant of this code is killed well within its time."""
 
 _CORNERS = ("tests/adapters/test_openai_agents_corners.py",
             "tests/adapters/test_pydantic_ai_corners.py",
-            "tests/adapters/test_anthropic_corners.py")
+            "tests/adapters/test_anthropic_corners.py",
+            "tests/adapters/test_anthropic_session_corners.py")
 """The adapter corners (issue 32): every mix of new, cached and in-doubt calls in a reply,
 faults after a recorded result, older saved states, rival claims, lossy outputs."""
 
@@ -245,7 +246,8 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
         "tests/adapters/test_pydantic_ai_corners.py"),
     "statemachine/adapters/anthropic.py": (*_VERIFIERS_AN, "tests/adapters/test_anthropic.py",
                                            "tests/adapters/test_anthropic_settled.py",
-                                           "tests/adapters/test_anthropic_corners.py"),
+                                           "tests/adapters/test_anthropic_corners.py",
+                                           "tests/adapters/test_anthropic_session_corners.py"),
     # the durability files run each row in fresh processes (kill -9, two resumers): last
     "statemachine/adapters/langgraph.py": ("tests/adapters/test_langgraph.py",
                                            "tests/adapters/test_langgraph_durability.py"),
