@@ -63,7 +63,14 @@ from statemachine.adapters.langgraph import (
 from statemachine.stores import AsyncSQLiteEventStore
 from statemachine.values import Phase, Step
 from statemachine.verifiers import Completed, NotExecuted, Unknown
-from tests.drivers.langgraph_driver import ScriptedModel, build, effect, effects, make_tools
+from tests.drivers.langgraph_driver import (
+    FailingPut,
+    ScriptedModel,
+    build,
+    effect,
+    effects,
+    make_tools,
+)
 
 CONFIG: Any = {"configurable": {"thread_id": "t1"}}
 RUN = "langgraph:t1"
@@ -1151,24 +1158,6 @@ def test_an_idempotent_tool_runs_again_after_a_start_that_never_finished(
     assert effects(path) == ["notify bob"]
 
 
-class _FailingPut:
-    """Wraps a saver's ``put``: the first checkpoint holding a ToolMessage fails, after
-    it landed (``landed=True``) or before."""
-
-    def __init__(self, saver: Any, *, landed: bool) -> None:
-        self.armed, self.put, self.landed = True, saver.put, landed
-        saver.put = self
-
-    def __call__(self, config: Any, checkpoint: Any, metadata: Any, versions: Any) -> Any:
-        messages = checkpoint["channel_values"].get("messages") or []
-        if self.armed and any(isinstance(m, ToolMessage) for m in messages):
-            self.armed = False
-            if self.landed:
-                self.put(config, checkpoint, metadata, versions)
-            raise OSError("injected: the checkpoint write failed")
-        return self.put(config, checkpoint, metadata, versions)
-
-
 @pytest.mark.invariant("I1", "I6", "I12")
 @pytest.mark.parametrize("landed", [True, False], ids=["landed-then-raised", "not-landed"])
 def test_a_failed_checkpoint_write_of_results_is_reconciled_by_the_next_write(
@@ -1182,7 +1171,7 @@ def test_a_failed_checkpoint_write_of_results_is_reconciled_by_the_next_write(
     ledger = ToolLedger(store)
     inner = SqliteSaver(sqlite3.connect(str(tmp_path / "checkpoints.db"),
                                         check_same_thread=False))
-    _FailingPut(inner, landed=landed)
+    FailingPut(landed=landed).attach(inner)
     graph = build("ledger", make_tools(path), ScriptedModel(script=SCRIPT_ONE),
                   OneWriterSaver(inner, ledger=ledger), ledger=ledger)
     with pytest.raises(OSError, match="injected"):
@@ -1255,7 +1244,7 @@ def test_a_failed_checkpoint_write_on_postgres_saver_is_reconciled_by_the_next_w
     if landed:
         _CommitThenFail(inner)
     else:
-        _FailingPut(inner, landed=False)
+        FailingPut(landed=False).attach(inner)
     saver = OneWriterSaver(inner, ledger=ledger)
     graph = build("ledger", make_tools(path), ScriptedModel(script=SCRIPT_ONE), saver,
                   ledger=ledger)
