@@ -21,7 +21,10 @@ awrap_tool_call=)``, or            ``AIMessage`` holding it) is entered in the l
 ``create_agent(middleware=)``      result is recorded and flushed before LangGraph sees it. A
 (the last of the list)             completed call answers from the ledger (the same
                                    ``ToolMessage`` content, byte for byte), never re-runs; a
-                                   started, unfinished call is in doubt (`ToolInDoubt`); a
+                                   started, unfinished call is in doubt (`ToolInDoubt`), and
+                                   while one is, no call of the thread runs or is answered
+                                   (`ToolInDoubt` names the first in doubt, in this process
+                                   as in a new one); a
                                    rejected call answers with its rejection, never runs; a
                                    call awaiting a decision, or asked to run with arguments
                                    other than the ones its approval binds, is refused
@@ -418,6 +421,11 @@ class ToolLedger(HeldRuns):
         run_id, call_id, call = self._where(request)
         with self._lock:
             c = self.controller(run_id)
+            if c.in_doubt():
+                # as a process loading the run refuses it (`HeldRuns._open`): no call
+                # runs, nor is answered, beside a call in doubt; ToolInDoubt names the
+                # first of them, whichever call LangGraph's threads bring first
+                c.resume()
             if c.phase(call_id) is None:
                 batch = self._batch(request.state, call_id)
                 if not batch:

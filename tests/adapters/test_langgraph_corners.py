@@ -113,7 +113,6 @@ from statemachine.testing import (
     reply_cases,
 )
 from statemachine.testing.adapter_corners import (
-    CACHED,
     DATACLASS,
     DECIDED,
     IN_DOUBT,
@@ -327,34 +326,14 @@ def _case_id(case: ReplyCase) -> str:
     return f"{case.label}-{case.settle.value}-{'reloaded' if case.reload else 'live'}"
 
 
-BESIDE_DOUBT = ("a ledger held by the process resumes a reply beside a call in doubt: it "
-                "runs the new calls, and names whichever call in doubt LangGraph's threads "
-                "bring first (a new process refuses every call, naming the first)")
-
-
-def _beside_doubt(case: ReplyCase, door: str) -> pytest.MarkDecorator | None:
-    """The xfail of a live resume of a reply that holds a call in doubt and another new
-    or in-doubt call: strict where it failed in every one of six runs."""
-    if case.reload or IN_DOUBT not in case.kinds or len(case.kinds) < 2 or (
-            CACHED in case.kinds):
-        return None
-    strict = NEW in case.kinds and (door == "agent" or case.kinds[0] == NEW)
-    return pytest.mark.xfail(strict=strict, raises=CaseFailed, reason=BESIDE_DOUBT)
-
-
 @pytest.mark.invariant("I11", "I12")
 @pytest.mark.parametrize("door", DOORS)
 @pytest.mark.parametrize("case", every_reply_case(3), ids=_case_id)
 def test_every_mix_of_new_cached_and_in_doubt_calls(root: Path, case: ReplyCase,
-                                                    door: str,
-                                                    request: pytest.FixtureRequest) -> None:
-    marker = _beside_doubt(case, door)
-    if marker is not None:
-        request.applymarker(marker)
+                                                    door: str) -> None:
     check_reply(case, _play_reply(case, door, _folder(root)))
 
 
-@pytest.mark.xfail(strict=False, raises=CaseFailed, reason=BESIDE_DOUBT)
 @settings(max_examples=200 if FUZZ else 3)
 @given(reply_cases(8))
 def test_a_drawn_mix_of_new_cached_and_in_doubt_calls(root: Path, case: ReplyCase) -> None:
