@@ -202,13 +202,16 @@ class Process:
     """One process's handles on the thread: a ledger on its own connection to the event
     store (``store``, or the folder's), its own connection to the checkpoints through
     ``OneWriterSaver`` with the ledger's publications (``saver="history"``) or LangGraph's
-    ``SqliteSaver`` by itself (``"alone"``), and the graph of ``door`` over them."""
+    ``SqliteSaver`` by itself (``"alone"``), and the graph of ``door`` over them, invoked
+    with ``durability="sync"`` or (``"default"``) LangGraph's default, ``"async"``: a
+    step's checkpoint written while the next step runs."""
 
     def __init__(self, door: str, folder: Path, model: ScriptedModel, tools: list[BaseTool],
                  *, approvals: tuple[str, ...] = (), saver: str = "history",
                  outer: Outer | None = None, fault: FailingPut | None = None,
                  idempotent: tuple[str, ...] = (), response_format: Any = None,
-                 store: SQLiteEventStore | None = None) -> None:
+                 store: SQLiteEventStore | None = None, durability: str = "sync") -> None:
+        self.durability = durability
         self.store = store or SQLiteEventStore(str(folder / "events.db"))
         self.ledger = ToolLedger(self.store, approvals=approvals, idempotent=idempotent)
         self.connection = sqlite3.connect(folder / "checkpoints.db", check_same_thread=False)
@@ -242,7 +245,9 @@ class Process:
                                       response_format=response_format)
 
     def invoke(self, value: Any, config: Any = CONFIG, **options: Any) -> dict[str, Any]:
-        return dict(self.graph.invoke(value, config, durability="sync", **options))
+        if self.durability != "default":
+            options["durability"] = self.durability
+        return dict(self.graph.invoke(value, config, **options))
 
     def messages(self) -> list[BaseMessage]:
         """The thread's messages at its latest checkpoint."""
@@ -388,7 +393,7 @@ def test_a_fault_after_the_result_was_recorded(root: Path, case: RecordedFaultCa
 # ----------------------------------------- time travel: an older checkpoint, resumed
 
 
-def _play_stale(case: StaleStateCase, door: str, folder: Path) -> StaleSeen:
+def _play_stale(case: StaleStateCase, door: str, folder: Path, durability: str) -> StaleSeen:
     """The checkpoint of the approval's pause, given again (with the resume value the
     reviewer sent from it) after the run moved on; through ``OneWriterSaver`` with the
     ledger's publications (`OlderState.REFUSED`) or on LangGraph's saver alone
@@ -402,7 +407,7 @@ def _play_stale(case: StaleStateCase, door: str, folder: Path) -> StaleSeen:
 
     def opened() -> Process:
         return Process(door, folder, model, [_work(runs)], approvals=("work",), saver=saver,
-                       fault=fault)
+                       fault=fault, durability=durability)
 
     process = opened()
     (asked,) = process.invoke({"messages": [HumanMessage("go")]})["__interrupt__"]
@@ -435,16 +440,28 @@ def _play_stale(case: StaleStateCase, door: str, folder: Path) -> StaleSeen:
                      refused_did=refused_did)
 
 
-STALE = [*every_stale_state_case(OlderState.REFUSED), *every_stale_state_case(OlderState.FORKED)]
+WRITTEN_LATE = ("with LangGraph's default durability a step runs while the checkpoint "
+                "before it is written: OneWriterSaver's refusal of that write comes after "
+                "the next step (the tools, the model) ran")
+DURABILITIES = ("sync", "default")
+"""How the thread's checkpoints are written where ``OneWriterSaver`` fences it: each before
+the next step runs, or (LangGraph's default) while it runs."""
+STALE = [(case, durability) for case in every_stale_state_case(OlderState.REFUSED)
+         for durability in DURABILITIES] + [
+    (case, "sync") for case in every_stale_state_case(OlderState.FORKED)]
 
 
 @pytest.mark.invariant("I1", "I12")
 @pytest.mark.parametrize("door", DOORS)
-@pytest.mark.parametrize("case", STALE, ids=lambda c: f"{c.older}-{c.moved}-"
-                         f"{'reloaded' if c.reload else 'live'}")
-def test_an_older_checkpoint_resumed_after_the_run_moved_on(root: Path, case: StaleStateCase,
-                                                            door: str) -> None:
-    seen = _play_stale(case, door, _folder(root))
+@pytest.mark.parametrize(("case", "durability"), STALE, ids=[
+    f"{c.older}-{c.moved}-{'reloaded' if c.reload else 'live'}-{d}" for c, d in STALE])
+def test_an_older_checkpoint_resumed_after_the_run_moved_on(
+        root: Path, case: StaleStateCase, durability: str, door: str,
+        request: pytest.FixtureRequest) -> None:
+    if durability == "default" and case.refused:
+        request.applymarker(pytest.mark.xfail(strict=True, raises=CaseFailed,
+                                              reason=WRITTEN_LATE))
+    seen = _play_stale(case, door, _folder(root), durability)
     check_stale_state(case, seen)
     if case.refused:  # the fork is what was refused, and the error says so
         assert isinstance(seen.error, ConcurrencyConflict)
@@ -468,7 +485,8 @@ def _after_load(process: Process, then: Callable[[], None]) -> None:
     process.saver.get_tuple = loaded
 
 
-def _play_one_writer(case: OneWriterCase, door: str, folder: Path) -> OneWriterSeen:
+def _play_one_writer(case: OneWriterCase, door: str, folder: Path,
+                     durability: str) -> OneWriterSeen:
     """Two resumers of the checkpoint that holds the run's input, its next step the
     model call (whose first request failed), each a process of its own that resumes the
     thread (``invoke(None, config)``, as a second process does): both read the
@@ -489,7 +507,8 @@ def _play_one_writer(case: OneWriterCase, door: str, folder: Path) -> OneWriterS
         except ControlError as error:
             ended[who] = type(error).__name__
 
-    rival = Process(door, folder, ScriptedModel(script=ONE), [_work(rival_runs)])
+    rival = Process(door, folder, ScriptedModel(script=ONE), [_work(rival_runs)],
+                    durability=durability)
     racing = threading.Thread(target=resume, args=(rival, "rival"))  # another process
     read, go = threading.Event(), threading.Event()
 
@@ -507,7 +526,8 @@ def _play_one_writer(case: OneWriterCase, door: str, folder: Path) -> OneWriterS
     first_model = ScriptedModel(script=ONE, during=lambda asked: rival_goes()
                                 if case.rival_at == MODEL_CALL and asked == 0 else None)
     first = Process(door, folder, first_model, [_work(
-        first_runs, rival_goes if case.rival_at == TOOL_BODY else None)])
+        first_runs, rival_goes if case.rival_at == TOOL_BODY else None)],
+                    durability=durability)
 
     def both_read() -> None:
         racing.start()
@@ -526,11 +546,16 @@ def _play_one_writer(case: OneWriterCase, door: str, folder: Path) -> OneWriterS
 
 @pytest.mark.invariant("I1", "I7")
 @pytest.mark.parametrize("door", DOORS)
+@pytest.mark.parametrize("durability", DURABILITIES)
 @pytest.mark.parametrize("case", [c for c in every_one_writer_case(Fence.CHECKPOINT)
                                   if c.buffered],  # the ledger always buffers
                          ids=lambda c: str(c.rival_at))
-def test_two_resumers_of_one_checkpoint(root: Path, case: OneWriterCase, door: str) -> None:
-    check_one_writer(case, _play_one_writer(case, door, _folder(root)))
+def test_two_resumers_of_one_checkpoint(root: Path, case: OneWriterCase, durability: str,
+                                        door: str, request: pytest.FixtureRequest) -> None:
+    if durability == "default":
+        request.applymarker(pytest.mark.xfail(strict=True, raises=CaseFailed,
+                                              reason=WRITTEN_LATE))
+    check_one_writer(case, _play_one_writer(case, door, _folder(root), durability))
 
 
 # ------------------------------------------------------------------ final outputs
