@@ -11,8 +11,10 @@ Under CI a missing ``langgraph`` package fails this module instead of skipping i
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import sqlite3
+import threading
 from pathlib import Path
 from typing import Annotated, Any, cast
 
@@ -1045,6 +1047,129 @@ def test_two_async_resumers_of_one_checkpoint_in_one_process_one_goes_on() -> No
 
     outcomes = asyncio.run(both())
     assert sorted(type(o).__name__ for o in outcomes) == ["ConcurrencyConflict", "dict"]
+
+
+_REPLIES = itertools.count(1)
+
+
+class _Anew(ScriptedModel):
+    """The scripted model naming the calls of each reply anew, as a provider's model does
+    (a call's id ends with the number of the reply, counted across every model)."""
+
+    def _generate(self, messages: list[Any], stop: Any = None, run_manager: Any = None,
+                  **kwargs: Any) -> Any:
+        result = super()._generate(messages, stop, run_manager, **kwargs)
+        reply: Any = result.generations[0].message
+        number = next(_REPLIES)
+        for call in reply.tool_calls:
+            call["id"] = f"{call['id']}-{number}"
+        return result
+
+
+class _Began(AgentMiddleware):
+    """Sets ``began`` when a tool call reaches it (before the ledger, listed before it)."""
+
+    def __init__(self, began: threading.Event) -> None:
+        super().__init__()
+        self.began = began
+
+    def wrap_tool_call(self, request: Any, handler: Any) -> Any:
+        self.began.set()
+        return handler(request)
+
+
+@pytest.mark.invariant("I1", "I7")
+@pytest.mark.parametrize("door", ["toolnode", "agent"])
+@pytest.mark.parametrize("mode", ["alone", "ledger", "ledger-unseen-write"])
+def test_a_resumer_whose_write_is_refused_runs_no_tool_with_langgraphs_default_durability(
+        tmp_path: Path, mode: str, door: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes resume one checkpoint (the run's input saved; its first model request
+    failed) with LangGraph's default durability, where a step's checkpoint is written
+    while the next step runs, and a model that names its calls anew: the first reads the
+    checkpoint, the second resumes it to its end, then the first goes on, its write after
+    the model call made once its tool step has begun. On SqliteSaver alone both charge.
+    Through OneWriterSaver that write is refused, which LangGraph raises only after the
+    tool step; the ledger waits for the write before any call of the step and refuses the
+    call: one charge. ``ledger-unseen-write``: where the ledger cannot see LangGraph's
+    write in flight, it waits for the step's checkpoint on the saver, and refuses the
+    call when it is not written in time."""
+    if mode == "ledger-unseen-write":
+        monkeypatch.setattr(adapter, "_write_in_flight", lambda configurable: None)
+        monkeypatch.setattr(adapter, "STEP_WAIT", 1.0)
+    path = tmp_path / "effects.txt"
+    script = [[("charge", {"amount": 7}, "c")], "done"]
+    began = threading.Event()
+
+    def beginning(request: Any, through_the_ledger: Any) -> Any:
+        began.set()
+        return through_the_ledger()
+
+    def process(model: ScriptedModel) -> Any:  # its own connections
+        saver: Any = SqliteSaver(sqlite3.connect(str(tmp_path / "checkpoints.db"),
+                                                 check_same_thread=False))
+        ledger = ToolLedger(SQLiteEventStore(str(tmp_path / "ledger.db")))
+        if mode != "alone":
+            saver = OneWriterSaver(saver, ledger=ledger)
+        if door == "toolnode":
+            if mode == "alone":
+                return build("alone", make_tools(path), model, saver)
+            return build("ledger", make_tools(path), model, saver, ledger=ledger,
+                         outer=beginning)
+        return create_agent(model, make_tools(path), checkpointer=saver, middleware=[
+            _Began(began)] + ([] if mode == "alone" else [LedgerMiddleware(ledger)]))
+
+    with pytest.raises(ConnectionError):
+        process(_Anew(script=script, failures=[ConnectionError("down")])).invoke(
+            {"messages": [HumanMessage("go")]}, CONFIG)
+    first, second = process(_Anew(script=script)), process(_Anew(script=script))
+    read, write = first.checkpointer.get_tuple, first.checkpointer.put
+
+    def loaded(config: Any) -> Any:  # the first read the checkpoint: the second goes
+        found = read(config)
+        first.checkpointer.get_tuple = read
+        assert second.invoke(None, CONFIG)["messages"][-1].content == "done"
+        began.clear()
+        return found
+
+    def held(*args: Any) -> Any:  # the first's first write, once its tool step began
+        first.checkpointer.put = write
+        began.wait(30)
+        return write(*args)
+
+    first.checkpointer.get_tuple, first.checkpointer.put = loaded, held
+    if mode == "alone":
+        assert first.invoke(None, CONFIG)["messages"][-1].content == "done"
+        assert effects(path) == ["charge 7", "charge 7"]
+        return
+    with pytest.raises(ConcurrencyConflict):
+        first.invoke(None, CONFIG)
+    assert effects(path) == ["charge 7"]
+
+
+@pytest.mark.parametrize("door", ["toolnode", "agent"])
+def test_durability_exit_on_a_one_writer_saver_is_refused_before_anything_runs(
+        tmp_path: Path, store: SQLiteEventStore, door: str) -> None:
+    """With ``durability="exit"`` LangGraph writes no checkpoint before the run ends, so
+    OneWriterSaver could refuse a write only after every tool ran: refused, naming it,
+    before the agent's model call (create_agent) or before the tool (a graph whose model
+    node the ledger does not see); the same graph runs with ``durability="sync"``."""
+    path = tmp_path / "effects.txt"
+    ledger = ToolLedger(store)
+    model = ScriptedModel(script=SCRIPT_ONE)
+    saver = OneWriterSaver(InMemorySaver(), ledger=ledger)
+    graph: Any = (build("ledger", make_tools(path), model, saver, ledger=ledger)
+                  if door == "toolnode" else
+                  create_agent(model, make_tools(path), checkpointer=saver,
+                               middleware=[LedgerMiddleware(ledger)]))
+    with pytest.raises(UnsupportedFeature) as refused:
+        graph.invoke({"messages": [HumanMessage("go")]}, CONFIG, durability="exit")
+    assert refused.value.feature == 'durability="exit" with OneWriterSaver'
+    assert effects(path) == []
+    assert len(model.requests) == (1 if door == "toolnode" else 0)
+    fresh: Any = {"configurable": {"thread_id": "t2"}}  # exit wrote the refused run
+    assert graph.invoke({"messages": [HumanMessage("go")]}, fresh,
+                        durability="sync")["messages"][-1].content == "done"
+    assert effects(path) == ["charge 7"]
 
 
 def test_a_decision_for_a_call_the_ledger_does_not_hold_is_refused(

@@ -440,9 +440,6 @@ def _play_stale(case: StaleStateCase, door: str, folder: Path, durability: str) 
                      refused_did=refused_did)
 
 
-WRITTEN_LATE = ("with LangGraph's default durability a step runs while the checkpoint "
-                "before it is written: OneWriterSaver's refusal of that write comes after "
-                "the next step (the tools, the model) ran")
 DURABILITIES = ("sync", "default")
 """How the thread's checkpoints are written where ``OneWriterSaver`` fences it: each before
 the next step runs, or (LangGraph's default) while it runs."""
@@ -456,11 +453,7 @@ STALE = [(case, durability) for case in every_stale_state_case(OlderState.REFUSE
 @pytest.mark.parametrize(("case", "durability"), STALE, ids=[
     f"{c.older}-{c.moved}-{'reloaded' if c.reload else 'live'}-{d}" for c, d in STALE])
 def test_an_older_checkpoint_resumed_after_the_run_moved_on(
-        root: Path, case: StaleStateCase, durability: str, door: str,
-        request: pytest.FixtureRequest) -> None:
-    if durability == "default" and case.refused:
-        request.applymarker(pytest.mark.xfail(strict=True, raises=CaseFailed,
-                                              reason=WRITTEN_LATE))
+        root: Path, case: StaleStateCase, durability: str, door: str) -> None:
     seen = _play_stale(case, door, _folder(root), durability)
     check_stale_state(case, seen)
     if case.refused:  # the fork is what was refused, and the error says so
@@ -551,10 +544,7 @@ def _play_one_writer(case: OneWriterCase, door: str, folder: Path,
                                   if c.buffered],  # the ledger always buffers
                          ids=lambda c: str(c.rival_at))
 def test_two_resumers_of_one_checkpoint(root: Path, case: OneWriterCase, durability: str,
-                                        door: str, request: pytest.FixtureRequest) -> None:
-    if durability == "default":
-        request.applymarker(pytest.mark.xfail(strict=True, raises=CaseFailed,
-                                              reason=WRITTEN_LATE))
+                                        door: str) -> None:
     check_one_writer(case, _play_one_writer(case, door, _folder(root), durability))
 
 
