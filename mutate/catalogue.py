@@ -244,6 +244,7 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
                                            "tests/adapters/test_anthropic_corners.py"),
     # the durability files run each row in fresh processes (kill -9, two resumers): last
     "statemachine/adapters/langgraph.py": ("tests/adapters/test_langgraph.py",
+                                           "tests/adapters/test_langgraph_corners.py",
                                            "tests/adapters/test_langgraph_durability.py"),
     "statemachine/adapters/google_adk.py": ("tests/adapters/test_google_adk.py",
                                             "tests/adapters/test_google_adk_durability.py"),
