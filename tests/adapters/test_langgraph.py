@@ -1067,15 +1067,20 @@ class _Anew(ScriptedModel):
 
 
 class _Began(AgentMiddleware):
-    """Sets ``began`` when a tool call reaches it (before the ledger, listed before it)."""
+    """Sets ``began`` (a threading or an asyncio event) when a tool call reaches it
+    (before the ledger, listed before it)."""
 
-    def __init__(self, began: threading.Event) -> None:
+    def __init__(self, began: threading.Event | asyncio.Event) -> None:
         super().__init__()
         self.began = began
 
     def wrap_tool_call(self, request: Any, handler: Any) -> Any:
         self.began.set()
         return handler(request)
+
+    async def awrap_tool_call(self, request: Any, handler: Any) -> Any:
+        self.began.set()
+        return await handler(request)
 
 
 @pytest.mark.invariant("I1", "I7")
@@ -1144,6 +1149,102 @@ def test_a_resumer_whose_write_is_refused_runs_no_tool_with_langgraphs_default_d
     with pytest.raises(ConcurrencyConflict):
         first.invoke(None, CONFIG)
     assert effects(path) == ["charge 7"]
+
+
+@pytest.mark.invariant("I1", "I7")
+@pytest.mark.parametrize("mode", ["alone", "ledger"])
+def test_an_async_resumer_whose_write_is_refused_runs_no_tool(tmp_path: Path,
+                                                              mode: str) -> None:
+    """The same two resumers through ``agent.ainvoke`` (the ledger's ``awrap_tool_call``),
+    one in-memory saver between them: alone both charge; through OneWriterSaver the
+    first's tool call waits for its step's write, refused: one charge."""
+    path = tmp_path / "effects.txt"
+    script = [[("charge", {"amount": 7}, "c")], "done"]
+    inner = _AsyncSaver()  # the thread's one database
+
+    async def go() -> None:
+        began = asyncio.Event()
+
+        def agent(model: ScriptedModel) -> Any:
+            saver: Any = inner
+            middleware: list[Any] = [_Began(began)]
+            if mode == "ledger":  # (publications are carried on LangGraph's own savers)
+                ledger = ToolLedger(SQLiteEventStore(str(tmp_path / "ledger.db")))
+                saver = OneWriterSaver(inner)
+                middleware.append(LedgerMiddleware(ledger))
+            return create_agent(model, make_tools(path), checkpointer=saver,
+                                middleware=middleware)
+
+        with pytest.raises(ConnectionError):
+            await agent(_Anew(script=script, failures=[ConnectionError("down")])).ainvoke(
+                {"messages": [HumanMessage("go")]}, CONFIG)
+        first, second = agent(_Anew(script=script)), agent(_Anew(script=script))
+        saver = first.checkpointer
+        read, write = saver.aget_tuple, saver.aput
+
+        async def held(*args: Any) -> Any:  # the first's first write, once its tools began
+            saver.aput = write
+            await began.wait()
+            return await write(*args)
+
+        async def loaded(config: Any) -> Any:  # the first read the checkpoint
+            found = await read(config)
+            saver.aget_tuple = read
+            done = await second.ainvoke(None, CONFIG)
+            assert done["messages"][-1].content == "done"
+            began.clear()
+            saver.aput = held
+            return found
+
+        saver.aget_tuple = loaded
+        if mode == "alone":
+            done = await first.ainvoke(None, CONFIG)
+            assert done["messages"][-1].content == "done"
+            return
+        with pytest.raises(ConcurrencyConflict):
+            await first.ainvoke(None, CONFIG)
+
+    asyncio.run(go())
+    assert effects(path) == ["charge 7"] * (2 if mode == "alone" else 1)
+
+
+def test_check_step_says_whether_a_step_is_the_threads() -> None:
+    """`OneWriterSaver.check_step` on its own (the ledger asks it before a step's calls):
+    the thread's latest checkpoint passes; one this saver's write was refused for, or one
+    the thread moved past, is refused at once, saying which; one not yet written passes
+    once a write lands it, and is refused when none does in time."""
+    inner = InMemorySaver()
+    saver, other = OneWriterSaver(inner), OneWriterSaver(inner)
+    builder: Any = StateGraph(MessagesState)
+    builder.add_node("step", lambda state: {"messages": []})
+    builder.add_edge(START, "step")
+    builder.add_edge("step", END)
+    graph = builder.compile(checkpointer=saver)
+    graph.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    paused = graph.get_state(CONFIG).config
+    head = paused["configurable"]["checkpoint_id"]
+    saver.check_step("t1", head, timeout=0)  # the latest
+    with pytest.raises(ConcurrencyConflict):
+        graph.update_state(graph.get_state_history(CONFIG).__next__().parent_config,
+                           {"messages": []})  # a fork, refused: no child written
+    (refused,) = [key for key, landed in saver._outcomes.items() if not landed]
+    with pytest.raises(ConcurrencyConflict, match="refused: another resumer"):
+        saver.check_step("t1", refused[2], timeout=60)
+    written: Any = inner.get_tuple(paused)
+    other.put(paused, {**written.checkpoint, "id": "newer"},
+              {"source": "update", "step": 9}, {})  # another process moved the thread on
+    with pytest.raises(ConcurrencyConflict, match="moved on past"):
+        saver.check_step("t1", head, timeout=60)
+    with pytest.raises(ConcurrencyConflict, match="not written within"):
+        saver.check_step("t1", "never", timeout=0)
+    later: Any = {"configurable": {"thread_id": "t1", "checkpoint_ns": "",
+                                   "checkpoint_id": "newer"}}
+    writer = threading.Thread(target=lambda: other.put(
+        later, {**written.checkpoint, "id": "newest"}, {"source": "update", "step": 10},
+        {}))
+    writer.start()  # lands before the check, or while it waits
+    saver.check_step("t1", "newest", timeout=60)
+    writer.join()
 
 
 @pytest.mark.parametrize("door", ["toolnode", "agent"])
