@@ -1609,6 +1609,13 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("LG17", "                if not batch:\n                    raise UnsupportedFeature(",
        "                if False:\n                    raise UnsupportedFeature(",
        "a Send of a call no AIMessage holds is entered as an empty batch instead of refused"),
+    _m("LG18", "            if c.in_doubt():\n                # as a process loading the run",
+       "            if False:\n                # as a process loading the run",
+       "a ledger held by the process runs a reply's new calls beside a call in doubt"),
+    _m("LG19", "        self._in_step(request)\n",
+       "",
+       "a sync tool call runs before LangGraph's write of its step's checkpoint ended: a "
+       "resumer whose write OneWriterSaver refused runs its tools"),
     # ------------------------------------------------------------------ google-adk
     _m("GA01", "                c.flush()  # an effect boundary: the start is durable before "
                "the body\n",
