@@ -38,6 +38,7 @@ fuzz depth="7" *args:
         tests/runner/test_remote.py tests/core/test_decoding.py tests/core/test_refusals.py \
         tests/adapters/test_openai_agents_corners.py tests/adapters/test_pydantic_ai_corners.py \
         tests/adapters/test_anthropic_corners.py tests/adapters/test_anthropic_session_corners.py \
+        tests/adapters/test_langgraph_corners.py \
         "${@:2}"
     STATEMACHINE_FLEET=long {{python}} -m pytest -s tests/storage/test_fleet.py
     STATEMACHINE_LONG=1 {{python}} -m pytest tests/adapters/test_anthropic_settled.py \

@@ -250,6 +250,7 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
                                            "tests/adapters/test_anthropic_session_corners.py"),
     # the durability files run each row in fresh processes (kill -9, two resumers): last
     "statemachine/adapters/langgraph.py": ("tests/adapters/test_langgraph.py",
+                                           "tests/adapters/test_langgraph_corners.py",
                                            "tests/adapters/test_langgraph_durability.py"),
     "statemachine/adapters/google_adk.py": ("tests/adapters/test_google_adk.py",
                                             "tests/adapters/test_google_adk_durability.py"),
@@ -1630,6 +1631,13 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("LG17", "                if not batch:\n                    raise UnsupportedFeature(",
        "                if False:\n                    raise UnsupportedFeature(",
        "a Send of a call no AIMessage holds is entered as an empty batch instead of refused"),
+    _m("LG18", "            if c.in_doubt():\n                # as a process loading the run",
+       "            if False:\n                # as a process loading the run",
+       "a ledger held by the process runs a reply's new calls beside a call in doubt"),
+    _m("LG19", "        self._in_step(request)\n",
+       "",
+       "a sync tool call runs before LangGraph's write of its step's checkpoint ended: a "
+       "resumer whose write OneWriterSaver refused runs its tools"),
     # ------------------------------------------------------------------ google-adk
     _m("GA01", "                c.flush()  # an effect boundary: the start is durable before "
                "the body\n",

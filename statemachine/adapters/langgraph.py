@@ -21,7 +21,10 @@ awrap_tool_call=)``, or            ``AIMessage`` holding it) is entered in the l
 ``create_agent(middleware=)``      result is recorded and flushed before LangGraph sees it. A
 (the last of the list)             completed call answers from the ledger (the same
                                    ``ToolMessage`` content, byte for byte), never re-runs; a
-                                   started, unfinished call is in doubt (`ToolInDoubt`); a
+                                   started, unfinished call is in doubt (`ToolInDoubt`), and
+                                   while one is, no call of the thread runs or is answered
+                                   (`ToolInDoubt` names the first in doubt, in this process
+                                   as in a new one); a
                                    rejected call answers with its rejection, never runs; a
                                    call awaiting a decision, or asked to run with arguments
                                    other than the ones its approval binds, is refused
@@ -42,7 +45,12 @@ or `LedgerMiddleware.after_model`  named in ``approvals``: each pending call is 
                                    two resumers of one checkpoint one goes on (across
                                    processes on ``SqliteSaver``, its write lock, and on
                                    ``PostgresSaver`` on one connection, an advisory lock
-                                   on the thread in the write's transaction). With
+                                   on the thread in the write's transaction). A step
+                                   runs no call before the write LangGraph has in flight
+                                   (its default durability writes a step's checkpoint while
+                                   the next step runs) ends and leaves the step's
+                                   checkpoint the thread's latest (`ConcurrencyConflict`
+                                   otherwise: a refused resumer runs no tool). With
                                    ``ledger=``, the ``put`` that adds a batch's
                                    ``ToolMessage`` items is the batch's staged publication (the
                                    graph's messages are the Session): staged durably before
@@ -81,12 +89,17 @@ call is left in doubt, for the operator); a tool declared to return a ``Command`
 function's return annotation; one that returns it undeclared is known only after its
 body ran, and is recorded as run, the Command not applied, then refused); a graph run
 without a thread (no checkpointer, no ``thread_id``) unless the ledger is given a
-``run_id``; an async event store. Not refused, but to know: a ToolNode
+``run_id``; an async event store; ``durability="exit"`` on a `OneWriterSaver` (no
+checkpoint is written before the run ends, so a refused write would be found only after
+every tool ran). Not refused, but to know: a ToolNode
 you build yourself with ``handle_tool_errors=True`` turns the ledger's refusals into tool
 messages; `ToolLedger.tool_node` builds one that lets them through. Time travel
 (resuming from a checkpoint that is not the thread's latest) is refused by
-`OneWriterSaver`; without it, the ledger still answers a completed call from
-the cache and refuses a call in doubt. Without ``OneWriterSaver(..., ledger=)`` (or on a
+`OneWriterSaver` at its first write (a step before it runs: given the resume value of an
+approval's pause, the review); without it, the branch goes on with the ledger's record:
+a completed call answers from the cache, a call in doubt is refused. The ledger records
+no final output: the checkpointer holds the answer. Without
+``OneWriterSaver(..., ledger=)`` (or on a
 checkpointer other than LangGraph's ``SqliteSaver``, ``PostgresSaver`` on one psycopg
 ``Connection`` without a pipeline, and ``InMemorySaver``, refused there: a
 ``PostgresSaver`` on a connection pool among them) the ledger publishes each batch's
@@ -97,13 +110,16 @@ in one append).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import re
 import sqlite3
 import threading
+import time
 import typing
 import weakref
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, cast
 
@@ -170,6 +186,14 @@ ERROR_TEMPLATE = "Error: {error}\n Please fix your mistakes."
 
 REJECTED = "The call was rejected and did not run."
 """What the model is told of a rejected call whose rejection gave no message."""
+
+STEP_WAIT = 60.0
+"""How long a tool call waits for the write of the checkpoint its step runs from (in
+flight under LangGraph's default durability) before it is refused."""
+
+_KEPT_OUTCOMES = 1024
+"""How many of its latest writes' outcomes a `OneWriterSaver` keeps (a step asks about
+the one just before it)."""
 
 
 # ------------------------------------------------------------------ plain JSON forms
@@ -418,6 +442,11 @@ class ToolLedger(HeldRuns):
         run_id, call_id, call = self._where(request)
         with self._lock:
             c = self.controller(run_id)
+            if c.in_doubt():
+                # as a process loading the run refuses it (`HeldRuns._open`): no call
+                # runs, nor is answered, beside a call in doubt; ToolInDoubt names the
+                # first of them, whichever call LangGraph's threads bring first
+                c.resume()
             if c.phase(call_id) is None:
                 batch = self._batch(request.state, call_id)
                 if not batch:
@@ -490,9 +519,56 @@ class ToolLedger(HeldRuns):
             interrupted(c, call_id)
             return error
 
+    @staticmethod
+    def _step_of(request: Any) -> tuple[OneWriterSaver, Mapping[str, Any], str] | None:
+        """The `OneWriterSaver` checkpointing the graph a call runs in, the step's config
+        and the checkpoint the step runs from; None on another checkpointer (or outside a
+        graph step). ``durability="exit"`` on a `OneWriterSaver` is refused."""
+        config = getattr(getattr(request, "runtime", None), "config", None) or {}
+        configurable = config.get("configurable") or {}
+        saver = configurable.get("__pregel_checkpointer")
+        if not isinstance(saver, OneWriterSaver):
+            return None
+        _refuse_exit(configurable)
+        step = (configurable.get("checkpoint_map") or {}).get("")
+        return (saver, configurable, step) if isinstance(step, str) else None
+
+    def _in_step(self, request: Any) -> None:
+        """Before anything of a call on a thread a `OneWriterSaver` checkpoints: the
+        write LangGraph has in flight (the step's checkpoint, under its default
+        durability) ended, its error raised (the saver's refusal among them), and the
+        step's checkpoint the thread's latest (`OneWriterSaver.check_step`)."""
+        found = self._step_of(request)
+        if found is None:
+            return
+        saver, configurable, step = found
+        pending = _write_in_flight(configurable)
+        waited = isinstance(pending, concurrent.futures.Future)
+        if waited:
+            with contextlib.suppress(concurrent.futures.TimeoutError):  # refused below
+                pending.result(timeout=STEP_WAIT)
+        saver.check_step(configurable.get("thread_id"), step,
+                         timeout=0 if waited else STEP_WAIT)
+
+    async def _ain_step(self, request: Any) -> None:
+        found = self._step_of(request)
+        if found is None:
+            return
+        saver, configurable, step = found
+        pending = _write_in_flight(configurable)
+        waited = isinstance(pending, asyncio.Future | concurrent.futures.Future)
+        if waited:
+            ending = asyncio.shield(pending) if isinstance(pending, asyncio.Future) \
+                else asyncio.wrap_future(pending)
+            with contextlib.suppress(asyncio.TimeoutError):  # refused below
+                await asyncio.wait_for(ending, STEP_WAIT)
+        await asyncio.to_thread(saver.check_step, configurable.get("thread_id"), step,
+                                timeout=0 if waited else STEP_WAIT)
+
     def wrap_tool_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
         """LangGraph's ``ToolNode(wrap_tool_call=)``: one call through the ledger."""
         _check_placement(handler, self)
+        self._in_step(request)
         c, call_id, call, answer = self._before(request)
         if answer is not None:
             return answer
@@ -510,6 +586,7 @@ class ToolLedger(HeldRuns):
                               handler: Callable[[Any], Awaitable[Any]]) -> Any:
         """LangGraph's ``ToolNode(awrap_tool_call=)``: one call through the ledger."""
         _check_placement(handler, self)
+        await self._ain_step(request)
         c, call_id, call, answer = self._before(request)
         if answer is not None:
             return answer
@@ -692,6 +769,28 @@ class ToolLedger(HeldRuns):
             old = origin[new.call_id]
             if new.needs_approval and old in approved and old not in edits:
                 c.approve(new.call_id, fingerprint=c.fingerprint(new.call_id))
+
+
+def _write_in_flight(configurable: Mapping[str, Any]) -> Any:
+    """The future of the last checkpoint write LangGraph's loop submitted for the run a
+    step belongs to (each write waits for the one before it and is not made after one
+    that failed), reached through the step's config as langgraph 1.2 builds it; None
+    where it cannot be told (`OneWriterSaver.check_step` then waits on the saver)."""
+    call = configurable.get("__pregel_call")
+    keywords = getattr(call, "keywords", None) or {}
+    loop = getattr(keywords.get("schedule_task"), "__self__", None)
+    return getattr(loop, "_put_checkpoint_fut", None)
+
+
+def _refuse_exit(configurable: Mapping[str, Any]) -> None:
+    """`UnsupportedFeature` for a run with ``durability="exit"`` on a `OneWriterSaver`."""
+    if configurable.get("__pregel_durability") == "exit":
+        raise UnsupportedFeature(
+            'durability="exit" writes no checkpoint before the run ends, so a write '
+            "OneWriterSaver refuses (another resumer came first, or a fork from an earlier "
+            "checkpoint) is found only after every tool of the run ran; run with "
+            'durability="sync" or LangGraph\'s default: nothing ran',
+            feature='durability="exit" with OneWriterSaver', action="open")
 
 
 def _agrees(c: RunController, call_id: str, kind: str) -> bool:
@@ -953,7 +1052,8 @@ class LedgerMiddleware(AgentMiddleware):
 
     def wrap_model_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
         """Before each model call: the agent's tool node checked (`_check_tool_node`),
-        so a middleware the ledger cannot carry is refused before anything runs."""
+        so a middleware the ledger cannot carry is refused before anything runs, and
+        ``durability="exit"`` on a `OneWriterSaver` too."""
         self._check_agent(handler)
         return handler(request)
 
@@ -963,6 +1063,10 @@ class LedgerMiddleware(AgentMiddleware):
         return await handler(request)
 
     def _check_agent(self, handler: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # outside a graph run: no config
+            configurable = get_config().get("configurable") or {}
+            if isinstance(configurable.get("__pregel_checkpointer"), OneWriterSaver):
+                _refuse_exit(configurable)
         if handler in self._checked:
             return
         node = _reached(handler)[1]  # create_agent's model step closes over its tool node
@@ -1026,13 +1130,25 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
     moved on. For another saver shared by several processes (a ``PostgresSaver`` on a
     connection pool or a pipeline among them) they are two steps, and two processes can
     both write in the instant between them: the tool ledger is what keeps their tools at
-    most once there."""
+    most once there.
+
+    A refused write stops its run only at its next step with ``durability="sync"``: with
+    LangGraph's default (``"async"``) the next step runs while the write is made, so the
+    ledger asks `check_step` before every tool call of a graph this saver checkpoints:
+    the step's checkpoint must be the thread's latest once written, or nothing of the
+    step runs. With ``durability="exit"`` nothing is written before the run ends; its
+    tool calls are refused (`UnsupportedFeature`)."""
 
     def __init__(self, saver: BaseCheckpointSaver,  # type: ignore[type-arg]
                  *, ledger: ToolLedger | None = None) -> None:
         super().__init__(serde=saver.serde)
         self.saver = saver
         self._lock = threading.Lock()
+        self._write_ended = threading.Condition(self._lock)
+        """Notified (under the lock) each time a write of this saver ends."""
+        self._outcomes: OrderedDict[tuple[Any, str, str], bool] = OrderedDict()
+        """Whether each of the latest writes of this saver landed, by (thread, namespace,
+        checkpoint id): False for a write refused or failed."""
         self._async_locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop,
                                                      asyncio.Lock] = weakref.WeakKeyDictionary()
         if ledger is not None and self._sqlite() is None and self._postgres() is None and (
@@ -1096,13 +1212,17 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
                 with saver.lock:
                     conn.execute("BEGIN IMMEDIATE")  # the write lock, until the commit
 
+            landed = False
+
             def write(*args: Any) -> Any:
                 """The saver's put, committed: SqliteSaver's commits itself (ending
                 ``BEGIN IMMEDIATE``); PostgresSaver's ends the transaction here."""
+                nonlocal landed
                 written = saver.put(*args)
                 if pg is not None:
                     with saver.lock:
                         pg.execute("COMMIT")
+                landed = True
                 return written
 
             try:
@@ -1128,6 +1248,7 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
                     # refused, or it raised: the error that got here wins over this one
                     with saver.lock, contextlib.suppress(Exception):
                         pg.execute("ROLLBACK")
+                self._ended(config, checkpoint, landed=landed)
 
     def _publishing(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any,
                     parent: Any, put: Callable[..., Any]) -> Any:
@@ -1191,6 +1312,55 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
         c.flush()
         return result
 
+    def _ended(self, config: Mapping[str, Any], checkpoint: Any, *, landed: bool) -> None:
+        """Note how a write ended (the lock held) and wake `check_step`'s waiters."""
+        configurable = config.get("configurable") or {}
+        key = (configurable.get("thread_id"), str(configurable.get("checkpoint_ns") or ""),
+               str(checkpoint["id"]))
+        self._outcomes[key] = landed
+        self._outcomes.move_to_end(key)
+        while len(self._outcomes) > _KEPT_OUTCOMES:
+            self._outcomes.popitem(last=False)
+        self._write_ended.notify_all()
+
+    def check_step(self, thread_id: Any, checkpoint_id: str, *,
+                   timeout: float = STEP_WAIT) -> None:
+        """Return once checkpoint ``checkpoint_id`` (the one a step of thread
+        ``thread_id`` runs from) is the thread's latest, waiting up to ``timeout`` seconds
+        for this saver's write of it to end (LangGraph's default durability writes it
+        while the step runs). `ConcurrencyConflict` when that write was refused (another
+        writer came first, or a fork from an earlier checkpoint) or failed, when the
+        thread moved on past it, or when it is not written in time: the step is not the
+        thread's, and nothing of it may run."""
+        key = (thread_id, "", checkpoint_id)
+        head: Any = {"configurable": {"thread_id": thread_id, "checkpoint_ns": ""}}
+        deadline = time.monotonic() + timeout
+        with self._write_ended:
+            while True:
+                found = self.saver.get_tuple(head)
+                if found is not None and found.checkpoint["id"] == checkpoint_id:
+                    return  # written (a write that landed, then raised, among them)
+                outcome = self._outcomes.get(key)
+                if outcome is False:
+                    raise ConcurrencyConflict(
+                        f"thread {thread_id!r}: the checkpoint this step runs from was not "
+                        "written (refused: another resumer wrote first, or this is a fork "
+                        "from an earlier checkpoint; or its write failed): nothing of the "
+                        "step ran", action="begin_tool")
+                if outcome is True or self.saver.get_tuple({"configurable": {
+                        **head["configurable"], "checkpoint_id": checkpoint_id}}):
+                    raise ConcurrencyConflict(
+                        f"thread {thread_id!r} moved on past the checkpoint this step runs "
+                        "from (another resumer, or a fork from an earlier checkpoint): "
+                        "nothing of the step ran", action="begin_tool")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ConcurrencyConflict(
+                        f"thread {thread_id!r}: the checkpoint this step runs from was not "
+                        f"written within {timeout:g} s: nothing of the step ran",
+                        action="begin_tool")
+                self._write_ended.wait(min(left, 0.05))  # a write of another saver: read again
+
     def get_tuple(self, config: Any) -> Any:
         return self.saver.get_tuple(config)
 
@@ -1216,10 +1386,17 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
                    new_versions: Any) -> Any:
         if self.ledger is not None:  # an in-memory saver: its put is the same, one step
             return self.put(config, checkpoint, metadata, new_versions)
-        async with self._async_lock():  # the check and the write, one step here too
-            found = await self.saver.aget_tuple(_head(config))
-            self._check(config, None if found is None else found.checkpoint["id"])
-            return await self.saver.aput(config, checkpoint, metadata, new_versions)
+        landed = False
+        try:
+            async with self._async_lock():  # the check and the write, one step here too
+                found = await self.saver.aget_tuple(_head(config))
+                self._check(config, None if found is None else found.checkpoint["id"])
+                written = await self.saver.aput(config, checkpoint, metadata, new_versions)
+                landed = True
+                return written
+        finally:
+            with self._lock:
+                self._ended(config, checkpoint, landed=landed)
 
     def _async_lock(self) -> asyncio.Lock:
         """The lock of `aput` on the running event loop (an asyncio lock serves one

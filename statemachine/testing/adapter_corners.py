@@ -20,18 +20,24 @@ grows, a Hypothesis strategy for long fuzzing:
   in a row: each failing attempt raises the injected error (I6), the tool never runs
   again, and the result reaches the model exactly once.
 * `StaleStateCase`: a run paused for one decision, its SDK state (openai-agents'
-  ``RunState``, pydantic-ai's message history, an Anthropic messages list) saved at the
-  pause, reused after the run moved on (the decision recorded; the tool run and its
-  result recorded; written; the run completed): the tool never runs again and the run
-  completes with the result sent once (the ledger alone leads on from each of those
-  stages: no refusal is expected). A state saved *before* the model's reply that asked
-  for the call (``before_reply``) lacks the call: an adapter that keeps no record of that
-  reply may instead refuse the attempt before any effect, with a typed error naming the
-  call (`StaleStateCase.refusal_allowed`); never run the call again, nor lose its result.
+  ``RunState``, pydantic-ai's message history, an Anthropic messages list, a LangGraph
+  checkpoint) saved at the pause, reused after the run moved on (the decision recorded;
+  the tool run and its result recorded; written; the run completed): the tool never runs
+  again and nothing is sent or written twice. What the attempt given the older state
+  does is the adapter's `OlderState`: it completes (the ledger alone leads on from each
+  of those stages), or it is refused with a `ControlError` before any effect and the run
+  goes on from its latest state, or the SDK branches from it and the branch goes on with
+  the ledger's record. A state saved *before* the model's reply that asked for the call
+  (``before_reply``) lacks the call: an adapter that keeps no record of that reply may
+  instead refuse the attempt before any effect, with a typed error naming the call
+  (`StaleStateCase.refusal_allowed`); never run the call again, nor lose its result.
 * `OneWriterCase`: the reference runner's one-writer cases through an adapter: two
   attempts that loaded the same version (exactly one goes on), and an attempt superseded
   by a rival's claim while it waits on the model or while its tool body runs (it does
-  nothing more; the rival finishes, or finds the call in doubt).
+  nothing more; the rival finishes, or finds the call in doubt). Where the SDK's saver
+  is the fence (`Fence.CHECKPOINT`: one write per saved state, LangGraph's
+  ``OneWriterSaver``), the rival is a second resumer of the same saved state and the
+  first of the two to write goes on.
 * `OutputCase`: a final output, plain text or a structured value that is not JSON
   (`Structured`: a datetime, a Decimal, bytes, a set, a tuple, a dict with int keys, a
   NaN), with the run reloaded at every event boundary (`boundary_of`, a store
@@ -77,6 +83,8 @@ __all__ = [
     "Boundary",
     "CallKind",
     "FaultSeen",
+    "Fence",
+    "OlderState",
     "OneWriterCase",
     "OneWriterSeen",
     "OutputCase",
@@ -371,18 +379,41 @@ class StaleMove(enum.StrEnum):
 DECIDED, RECORDED, WRITTEN, COMPLETED = StaleMove
 
 
+class OlderState(enum.StrEnum):
+    """What an adapter does with an SDK state older than the run's latest (one saved
+    before the run moved on)."""
+
+    FOLLOWED = "followed"
+    """The ledger leads on from it: the attempt completes, a completed run answered from
+    its record (no model call, no tool)."""
+    REFUSED = "refused"
+    """Refused with a `ControlError` before any effect (no tool body, no model request,
+    nothing written), the run unchanged; the run then resumed from its latest state
+    completes as `FOLLOWED` does (LangGraph's ``OneWriterSaver``: time travel)."""
+    FORKED = "forked"
+    """The SDK branches from it, and the branch goes on with the ledger's record (nothing
+    runs again); the adapter keeps no final output, so even a completed run's branch
+    asks the model for its answer again (LangGraph's time travel on its own saver)."""
+
+
+FOLLOWED, REFUSED, FORKED = OlderState
+
+
 @attrs.frozen
 class StaleStateCase:
     """One call, ``c0``, needing approval: the run pauses and its SDK state is saved;
     the call is approved and the run moves on as far as ``moved`` says; then an attempt
     (on a run loaded from the store when ``reload``) is given the state saved at the
-    pause, or, when ``before_reply``, the state saved before the model's reply that asked
-    for the call (the request that reply answered, as a caller keeps its messages when it
-    sends them): a state that lacks the call."""
+    pause, to which the adapter answers as ``older`` says, or, when ``before_reply``, the
+    state saved before the model's reply that asked for the call (the request that reply
+    answered, as a caller keeps its messages when it sends them): a state that lacks the
+    call. A decision recorded through the ledger (or the operator) leaves the saved state
+    the run's latest; every later stage moves the SDK state on past it."""
 
     moved: StaleMove
     reload: bool = True
     before_reply: bool = False
+    older: OlderState = FOLLOWED
 
     call_id = "c0"
 
@@ -413,12 +444,33 @@ class StaleStateCase:
         pause. A completed run answers from its record either way."""
         return self.before_reply and self.moved != COMPLETED
 
+    @property
+    def refused(self) -> bool:
+        """Whether the attempt given the saved state is refused: only by an adapter that
+        refuses an older state, and only once the run moved on past the decision."""
+        return self.older == REFUSED and self.moved != DECIDED
 
-def every_stale_state_case(*, before_reply: bool = False) -> list[StaleStateCase]:
-    """Each stage, resumed either way, with the state saved at the pause; with
-    ``before_reply``, also with the state saved before the reply."""
+    @property
+    def replayed(self) -> bool:
+        """Whether the attempt that completes (the one given the saved state, or after a
+        refusal the one resumed from the latest state) answers from the record of a run
+        that had completed, asking no model and running no tool: never on a branch."""
+        return self.moved == COMPLETED and self.older != FORKED
+
+    @property
+    def model_calls(self) -> int:
+        """Model requests made by the attempt that completes: the next answer, none when
+        it replays a completed run."""
+        return 0 if self.replayed else 1
+
+
+def every_stale_state_case(older: OlderState = FOLLOWED, *,
+                           before_reply: bool = False) -> list[StaleStateCase]:
+    """Each stage, resumed either way, with the state saved at the pause, answered as
+    ``older`` says; with ``before_reply``, also with the state saved before the reply."""
     saved = (False, True) if before_reply else (False,)
-    return [StaleStateCase(moved, reload, early) for early in saved for moved in StaleMove
+    return [StaleStateCase(moved, reload, early, older) for early in saved
+            for moved in StaleMove
             for reload in (True, False)]
 
 
@@ -429,27 +481,34 @@ class StaleSeen:
     error: BaseException | None
     """What the attempt given the old state raised (None: it returned)."""
     completed: bool
+    """Whether the attempt that completes did: the one given the old state, or (it was
+    refused) the one resumed from the run's latest state after it."""
     replayed: bool
-    """The attempt returned a completed run's recorded result (no model, no tool)."""
+    """That attempt returned a completed run's recorded result (no model, no tool)."""
     model_calls: int
-    """Model requests made by the attempt given the old state."""
+    """Model requests made by that attempt."""
     sent: Sequence[tuple[str, JSON]]
     """The (call id, output) pairs of the last model request of the whole run."""
     written: Sequence[tuple[str, JSON]]
     """The (call id, output) pairs the run's history holds at the end (every write the
-    run made, for a run whose caller carries its messages)."""
+    run made, for a run whose caller carries its messages; the latest branch, for an SDK
+    that branches)."""
     carried: Sequence[tuple[str, JSON]] | None = None
     """The (call id, output) pairs of the messages the attempt handed back for its caller
     to carry (None for an SDK whose Session is the history)."""
+    refused_did: int = 0
+    """Tool bodies run and model requests made by the refused attempt (none may be)."""
 
 
 def check_stale_state(case: StaleStateCase, seen: StaleSeen) -> None:
     """Every stage a run moves to is one its ledger alone leads on from (it holds the
-    decision, the result, and what was written), so an older SDK state is no reason to
-    stop: the attempt given one completes (an adapter that cannot use it goes on
-    without it), the tool never runs again, and nothing is sent or written twice. The
-    one exception (`StaleStateCase.refusal_allowed`): a state saved before the reply may
-    be refused before any effect, with a typed error naming the call."""
+    decision, the result, and what was written), so an older SDK state never makes the
+    tool run again nor anything be sent or written twice: the attempt given one
+    completes (an adapter that cannot use it goes on without it), or, where the adapter
+    refuses an older state, is refused before any effect and the run completes from its
+    latest state. The one exception (`StaleStateCase.refusal_allowed`): a state saved
+    before the reply may be refused before any effect, with a typed error naming the
+    call."""
     if seen.error is not None and case.refusal_allowed:
         _expect(isinstance(seen.error, ControlError),
                 f"the attempt given a state saved before the reply raised {seen.error!r}; "
@@ -462,16 +521,23 @@ def check_stale_state(case: StaleStateCase, seen: StaleSeen) -> None:
         _expect(seen.runs == case.runs_before, f"the tool ran {seen.runs} times; the "
                 f"refused attempt may run nothing ({case.runs_before} before it)")
         return
-    _expect(seen.runs == case.runs, f"the tool ran {seen.runs} times; once (moved to "
-            f"{case.moved.value})")
-    _expect(seen.error is None, f"the attempt given the older state raised "
-            f"{seen.error!r}; the case says it completes (moved to {case.moved.value})")
-    _expect(seen.completed, "the attempt given the older state did not complete")
-    _expect(seen.replayed is (case.moved == COMPLETED),
-            f"replayed={seen.replayed}: only a run that had completed is answered from its "
-            "record")
-    _expect(seen.model_calls == (0 if case.moved == COMPLETED else 1),
-            f"the attempt asked the model {seen.model_calls} times")
+    where = f"moved to {case.moved.value}, older state {case.older.value}"
+    _expect(seen.runs == case.runs, f"the tool ran {seen.runs} times; once ({where})")
+    if case.refused:
+        _expect(isinstance(seen.error, ControlError),
+                f"the attempt given the older state ended with {seen.error!r}; the case "
+                f"says it is refused with a ControlError ({where})")
+        _expect(seen.refused_did == 0, f"the refused attempt ran {seen.refused_did} tool "
+                f"bodies or model requests; it is refused before any ({where})")
+    else:
+        _expect(seen.error is None, f"the attempt given the older state raised "
+                f"{seen.error!r}; the case says it completes ({where})")
+    _expect(seen.completed, f"the run did not complete ({where})")
+    _expect(seen.replayed is case.replayed,
+            f"replayed={seen.replayed}: the case says {case.replayed} ({where})")
+    _expect(seen.model_calls == case.model_calls,
+            f"the attempt that completed asked the model {seen.model_calls} times; the "
+            f"case says {case.model_calls} ({where})")
     _expect(dict(seen.sent) == {case.call_id: case.result} and len(seen.sent) == 1,
             f"the last request carried {list(seen.sent)}; the one result, once")
     _expect(list(seen.written) == [(case.call_id, case.result)],
@@ -497,42 +563,87 @@ class RivalPoint(enum.StrEnum):
 LOADED, MODEL_CALL, TOOL_BODY = RivalPoint
 
 
+class Fence(enum.StrEnum):
+    """What stops an attempt that a rival superseded."""
+
+    CLAIM = "claim"
+    """The run's claim: recorded at the attempt's start and checked before every effect
+    (the reference runner, the openai-agents and pydantic-ai adapters). The rival claims
+    the run (another process, its own store connection) where `RivalPoint` says, and
+    resumes it once the first attempt has ended."""
+    CHECKPOINT = "checkpoint"
+    """The saved state the attempt resumed from: the SDK's saver takes one write per
+    parent state, so of two resumers of one saved state the first to write goes on and
+    the other's first write is refused, the steps before it run (LangGraph's
+    ``OneWriterSaver``: a resumer's first step is its model call). The saved state
+    holds the run's input, its next step the model call; both resumers read it before
+    either goes on, and the rival's steps run where `RivalPoint` says, to its end."""
+
+
+CLAIM, CHECKPOINT = Fence
+
+
 @attrs.frozen
 class OneWriterCase:
     """A run whose one reply holds one call, ``c0``, needing no approval. The first
     attempt and a rival (another process: its own store connection) race as ``rival_at``
-    says, the store appending per event or ``buffered``."""
+    says, the store appending per event or ``buffered``, the superseded one stopped by
+    ``fence``."""
 
     rival_at: RivalPoint
     buffered: bool = False
+    fence: Fence = CLAIM
 
     call_id = "c0"
 
     @property
+    def first_goes_on(self) -> bool:
+        """Whether the first attempt is the one that goes on: under `CHECKPOINT` when its
+        write after the model call landed before the rival wrote (the rival came while
+        its tool body ran); under `CLAIM` never (the rival's claim supersedes it)."""
+        return self.fence == CHECKPOINT and self.rival_at == TOOL_BODY
+
+    @property
     def first_outcome(self) -> str:
         """How the first attempt ends: refused (`ConcurrencyConflict`), having done
-        nothing after the rival's claim."""
-        return "ConcurrencyConflict"
+        nothing after the rival's claim (or write); or completed."""
+        return "completed" if self.first_goes_on else "ConcurrencyConflict"
 
     @property
     def first_runs(self) -> int:
-        """Tool bodies the first attempt runs: only one started before it was superseded."""
+        """Tool bodies the first attempt runs: only one started before the rival came."""
         return 1 if self.rival_at == TOOL_BODY else 0
 
     @property
     def rival_outcome(self) -> str:
-        """How the rival's attempt ends: completed, or (the first attempt's call started
-        and never recorded) refused with `ToolInDoubt`, never running it again."""
-        return "ToolInDoubt" if self.rival_at == TOOL_BODY else "completed"
+        """How the rival's attempt ends: completed; or (`CLAIM`: the first attempt's call
+        started and never recorded) refused with `ToolInDoubt`, never running it again;
+        or (`CHECKPOINT`: the first attempt wrote first) its first write refused with
+        `ConcurrencyConflict`, having run no tool."""
+        if self.rival_at != TOOL_BODY:
+            return "completed"
+        return "ConcurrencyConflict" if self.fence == CHECKPOINT else "ToolInDoubt"
 
     @property
     def first_model_calls(self) -> int:
-        """Model requests the first attempt made: none when the rival went first."""
+        """Model requests the first attempt made: under `CLAIM` none when the rival went
+        first, else the one it waited on; under `CHECKPOINT` its first step's, and, going
+        on, the final answer's."""
+        if self.fence == CHECKPOINT:
+            return 2 if self.first_goes_on else 1
         return 0 if self.rival_at == LOADED else 1
 
+    @property
+    def written(self) -> list[tuple[str, JSON]]:
+        """What the Session holds at the end: the one result, unless no attempt went on
+        (the call left in doubt)."""
+        if self.rival_outcome == "completed" or self.first_outcome == "completed":
+            return [(self.call_id, ReplyCase.result_text(self.call_id))]
+        return []
 
-def every_one_writer_case() -> list[OneWriterCase]:
-    return [OneWriterCase(point, buffered) for point in RivalPoint
+
+def every_one_writer_case(fence: Fence = CLAIM) -> list[OneWriterCase]:
+    return [OneWriterCase(point, buffered, fence) for point in RivalPoint
             for buffered in (False, True)]
 
 
@@ -543,33 +654,39 @@ class OneWriterSeen:
     first_runs: int
     first_model_calls: int
     first_writes_after: int
-    """Session writes the first attempt made after the rival's claim."""
+    """Session writes the first attempt made after the rival's claim (or first write)."""
     rival_outcome: str
     rival_runs: int
     written: Sequence[tuple[str, JSON]]
     """The (call id, output) pairs the Session holds at the end."""
+    rival_writes: int = 0
+    """Session writes the rival made (none may be when it is refused)."""
 
 
 def check_one_writer(case: OneWriterCase, seen: OneWriterSeen) -> None:
+    where = f"rival at {case.rival_at.value}, fenced by {case.fence.value}"
     _expect(seen.first_outcome == case.first_outcome,
-            f"the superseded attempt ended {seen.first_outcome}; the case says "
-            f"{case.first_outcome}")
+            f"the first attempt ended {seen.first_outcome}; the case says "
+            f"{case.first_outcome} ({where})")
     _expect(seen.first_runs == case.first_runs,
-            f"the superseded attempt ran the tool {seen.first_runs} times; the case says "
-            f"{case.first_runs}")
+            f"the first attempt ran the tool {seen.first_runs} times; the case says "
+            f"{case.first_runs} ({where})")
     _expect(seen.first_model_calls == case.first_model_calls,
-            f"the superseded attempt asked the model {seen.first_model_calls} times; the "
-            f"case says {case.first_model_calls}")
-    _expect(seen.first_writes_after == 0, f"the superseded attempt wrote to the Session "
-            f"{seen.first_writes_after} times after the rival's claim")
+            f"the first attempt asked the model {seen.first_model_calls} times; the "
+            f"case says {case.first_model_calls} ({where})")
+    if case.first_outcome != "completed":
+        _expect(seen.first_writes_after == 0, f"the superseded attempt wrote to the "
+                f"Session {seen.first_writes_after} times after the rival came ({where})")
     _expect(seen.rival_outcome == case.rival_outcome,
-            f"the rival ended {seen.rival_outcome}; the case says {case.rival_outcome}")
+            f"the rival ended {seen.rival_outcome}; the case says {case.rival_outcome} "
+            f"({where})")
+    if case.rival_outcome != "completed":
+        _expect(seen.rival_writes == 0, f"the refused rival wrote to the Session "
+                f"{seen.rival_writes} times ({where})")
     _expect(seen.first_runs + seen.rival_runs == 1,
             f"the tool ran {seen.first_runs} + {seen.rival_runs} times; once in all")
-    expected = ([(case.call_id, ReplyCase.result_text(case.call_id))]
-                if case.rival_outcome == "completed" else [])
-    _expect(list(seen.written) == expected,
-            f"the Session holds {list(seen.written)}; the case says {expected}")
+    _expect(list(seen.written) == case.written,
+            f"the Session holds {list(seen.written)}; the case says {case.written}")
 
 
 # ------------------------------------------------------------------ final outputs

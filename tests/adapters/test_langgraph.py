@@ -11,8 +11,10 @@ Under CI a missing ``langgraph`` package fails this module instead of skipping i
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import sqlite3
+import threading
 from pathlib import Path
 from typing import Annotated, Any, cast
 
@@ -63,7 +65,14 @@ from statemachine.adapters.langgraph import (
 from statemachine.stores import AsyncSQLiteEventStore
 from statemachine.values import Phase, Step
 from statemachine.verifiers import Completed, NotExecuted, Unknown
-from tests.drivers.langgraph_driver import ScriptedModel, build, effect, effects, make_tools
+from tests.drivers.langgraph_driver import (
+    FailingPut,
+    ScriptedModel,
+    build,
+    effect,
+    effects,
+    make_tools,
+)
 
 CONFIG: Any = {"configurable": {"thread_id": "t1"}}
 RUN = "langgraph:t1"
@@ -1040,6 +1049,230 @@ def test_two_async_resumers_of_one_checkpoint_in_one_process_one_goes_on() -> No
     assert sorted(type(o).__name__ for o in outcomes) == ["ConcurrencyConflict", "dict"]
 
 
+_REPLIES = itertools.count(1)
+
+
+class _Anew(ScriptedModel):
+    """The scripted model naming the calls of each reply anew, as a provider's model does
+    (a call's id ends with the number of the reply, counted across every model)."""
+
+    def _generate(self, messages: list[Any], stop: Any = None, run_manager: Any = None,
+                  **kwargs: Any) -> Any:
+        result = super()._generate(messages, stop, run_manager, **kwargs)
+        reply: Any = result.generations[0].message
+        number = next(_REPLIES)
+        for call in reply.tool_calls:
+            call["id"] = f"{call['id']}-{number}"
+        return result
+
+
+class _Began(AgentMiddleware):
+    """Sets ``began`` (a threading or an asyncio event) when a tool call reaches it
+    (before the ledger, listed before it)."""
+
+    def __init__(self, began: threading.Event | asyncio.Event) -> None:
+        super().__init__()
+        self.began = began
+
+    def wrap_tool_call(self, request: Any, handler: Any) -> Any:
+        self.began.set()
+        return handler(request)
+
+    async def awrap_tool_call(self, request: Any, handler: Any) -> Any:
+        self.began.set()
+        return await handler(request)
+
+
+@pytest.mark.invariant("I1", "I7")
+@pytest.mark.parametrize("door", ["toolnode", "agent"])
+@pytest.mark.parametrize("mode", ["alone", "ledger", "ledger-unseen-write"])
+def test_a_resumer_whose_write_is_refused_runs_no_tool_with_langgraphs_default_durability(
+        tmp_path: Path, mode: str, door: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes resume one checkpoint (the run's input saved; its first model request
+    failed) with LangGraph's default durability, where a step's checkpoint is written
+    while the next step runs, and a model that names its calls anew: the first reads the
+    checkpoint, the second resumes it to its end, then the first goes on, its write after
+    the model call made once its tool step has begun. On SqliteSaver alone both charge.
+    Through OneWriterSaver that write is refused, which LangGraph raises only after the
+    tool step; the ledger waits for the write before any call of the step and refuses the
+    call: one charge. ``ledger-unseen-write``: where the ledger cannot see LangGraph's
+    write in flight, it waits for the step's checkpoint on the saver, and refuses the
+    call when it is not written in time."""
+    if mode == "ledger-unseen-write":
+        monkeypatch.setattr(adapter, "_write_in_flight", lambda configurable: None)
+        monkeypatch.setattr(adapter, "STEP_WAIT", 1.0)
+    path = tmp_path / "effects.txt"
+    script = [[("charge", {"amount": 7}, "c")], "done"]
+    began = threading.Event()
+
+    def beginning(request: Any, through_the_ledger: Any) -> Any:
+        began.set()
+        return through_the_ledger()
+
+    def process(model: ScriptedModel) -> Any:  # its own connections
+        saver: Any = SqliteSaver(sqlite3.connect(str(tmp_path / "checkpoints.db"),
+                                                 check_same_thread=False))
+        ledger = ToolLedger(SQLiteEventStore(str(tmp_path / "ledger.db")))
+        if mode != "alone":
+            saver = OneWriterSaver(saver, ledger=ledger)
+        if door == "toolnode":
+            if mode == "alone":
+                return build("alone", make_tools(path), model, saver)
+            return build("ledger", make_tools(path), model, saver, ledger=ledger,
+                         outer=beginning)
+        return create_agent(model, make_tools(path), checkpointer=saver, middleware=[
+            _Began(began)] + ([] if mode == "alone" else [LedgerMiddleware(ledger)]))
+
+    with pytest.raises(ConnectionError):
+        process(_Anew(script=script, failures=[ConnectionError("down")])).invoke(
+            {"messages": [HumanMessage("go")]}, CONFIG)
+    first, second = process(_Anew(script=script)), process(_Anew(script=script))
+    read, write = first.checkpointer.get_tuple, first.checkpointer.put
+
+    def loaded(config: Any) -> Any:  # the first read the checkpoint: the second goes
+        found = read(config)
+        first.checkpointer.get_tuple = read
+        assert second.invoke(None, CONFIG)["messages"][-1].content == "done"
+        began.clear()
+        return found
+
+    def held(*args: Any) -> Any:  # the first's first write, once its tool step began
+        first.checkpointer.put = write
+        began.wait(30)
+        return write(*args)
+
+    first.checkpointer.get_tuple, first.checkpointer.put = loaded, held
+    if mode == "alone":
+        assert first.invoke(None, CONFIG)["messages"][-1].content == "done"
+        assert effects(path) == ["charge 7", "charge 7"]
+        return
+    with pytest.raises(ConcurrencyConflict):
+        first.invoke(None, CONFIG)
+    assert effects(path) == ["charge 7"]
+
+
+@pytest.mark.invariant("I1", "I7")
+@pytest.mark.parametrize("mode", ["alone", "ledger"])
+def test_an_async_resumer_whose_write_is_refused_runs_no_tool(tmp_path: Path,
+                                                              mode: str) -> None:
+    """The same two resumers through ``agent.ainvoke`` (the ledger's ``awrap_tool_call``),
+    one in-memory saver between them: alone both charge; through OneWriterSaver the
+    first's tool call waits for its step's write, refused: one charge."""
+    path = tmp_path / "effects.txt"
+    script = [[("charge", {"amount": 7}, "c")], "done"]
+    inner = _AsyncSaver()  # the thread's one database
+
+    async def go() -> None:
+        began = asyncio.Event()
+
+        def agent(model: ScriptedModel) -> Any:
+            saver: Any = inner
+            middleware: list[Any] = [_Began(began)]
+            if mode == "ledger":  # (publications are carried on LangGraph's own savers)
+                ledger = ToolLedger(SQLiteEventStore(str(tmp_path / "ledger.db")))
+                saver = OneWriterSaver(inner)
+                middleware.append(LedgerMiddleware(ledger))
+            return create_agent(model, make_tools(path), checkpointer=saver,
+                                middleware=middleware)
+
+        with pytest.raises(ConnectionError):
+            await agent(_Anew(script=script, failures=[ConnectionError("down")])).ainvoke(
+                {"messages": [HumanMessage("go")]}, CONFIG)
+        first, second = agent(_Anew(script=script)), agent(_Anew(script=script))
+        saver = first.checkpointer
+        read, write = saver.aget_tuple, saver.aput
+
+        async def held(*args: Any) -> Any:  # the first's first write, once its tools began
+            saver.aput = write
+            await began.wait()
+            return await write(*args)
+
+        async def loaded(config: Any) -> Any:  # the first read the checkpoint
+            found = await read(config)
+            saver.aget_tuple = read
+            done = await second.ainvoke(None, CONFIG)
+            assert done["messages"][-1].content == "done"
+            began.clear()
+            saver.aput = held
+            return found
+
+        saver.aget_tuple = loaded
+        if mode == "alone":
+            done = await first.ainvoke(None, CONFIG)
+            assert done["messages"][-1].content == "done"
+            return
+        with pytest.raises(ConcurrencyConflict):
+            await first.ainvoke(None, CONFIG)
+
+    asyncio.run(go())
+    assert effects(path) == ["charge 7"] * (2 if mode == "alone" else 1)
+
+
+def test_check_step_says_whether_a_step_is_the_threads() -> None:
+    """`OneWriterSaver.check_step` on its own (the ledger asks it before a step's calls):
+    the thread's latest checkpoint passes; one this saver's write was refused for, or one
+    the thread moved past, is refused at once, saying which; one not yet written passes
+    once a write lands it, and is refused when none does in time."""
+    inner = InMemorySaver()
+    saver, other = OneWriterSaver(inner), OneWriterSaver(inner)
+    builder: Any = StateGraph(MessagesState)
+    builder.add_node("step", lambda state: {"messages": []})
+    builder.add_edge(START, "step")
+    builder.add_edge("step", END)
+    graph = builder.compile(checkpointer=saver)
+    graph.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    paused = graph.get_state(CONFIG).config
+    head = paused["configurable"]["checkpoint_id"]
+    saver.check_step("t1", head, timeout=0)  # the latest
+    with pytest.raises(ConcurrencyConflict):
+        graph.update_state(graph.get_state_history(CONFIG).__next__().parent_config,
+                           {"messages": []})  # a fork, refused: no child written
+    (refused,) = [key for key, landed in saver._outcomes.items() if not landed]
+    with pytest.raises(ConcurrencyConflict, match="refused: another resumer"):
+        saver.check_step("t1", refused[2], timeout=60)
+    written: Any = inner.get_tuple(paused)
+    other.put(paused, {**written.checkpoint, "id": "newer"},
+              {"source": "update", "step": 9}, {})  # another process moved the thread on
+    with pytest.raises(ConcurrencyConflict, match="moved on past"):
+        saver.check_step("t1", head, timeout=60)
+    with pytest.raises(ConcurrencyConflict, match="not written within"):
+        saver.check_step("t1", "never", timeout=0)
+    later: Any = {"configurable": {"thread_id": "t1", "checkpoint_ns": "",
+                                   "checkpoint_id": "newer"}}
+    writer = threading.Thread(target=lambda: other.put(
+        later, {**written.checkpoint, "id": "newest"}, {"source": "update", "step": 10},
+        {}))
+    writer.start()  # lands before the check, or while it waits
+    saver.check_step("t1", "newest", timeout=60)
+    writer.join()
+
+
+@pytest.mark.parametrize("door", ["toolnode", "agent"])
+def test_durability_exit_on_a_one_writer_saver_is_refused_before_anything_runs(
+        tmp_path: Path, store: SQLiteEventStore, door: str) -> None:
+    """With ``durability="exit"`` LangGraph writes no checkpoint before the run ends, so
+    OneWriterSaver could refuse a write only after every tool ran: refused, naming it,
+    before the agent's model call (create_agent) or before the tool (a graph whose model
+    node the ledger does not see); the same graph runs with ``durability="sync"``."""
+    path = tmp_path / "effects.txt"
+    ledger = ToolLedger(store)
+    model = ScriptedModel(script=SCRIPT_ONE)
+    saver = OneWriterSaver(InMemorySaver(), ledger=ledger)
+    graph: Any = (build("ledger", make_tools(path), model, saver, ledger=ledger)
+                  if door == "toolnode" else
+                  create_agent(model, make_tools(path), checkpointer=saver,
+                               middleware=[LedgerMiddleware(ledger)]))
+    with pytest.raises(UnsupportedFeature) as refused:
+        graph.invoke({"messages": [HumanMessage("go")]}, CONFIG, durability="exit")
+    assert refused.value.feature == 'durability="exit" with OneWriterSaver'
+    assert effects(path) == []
+    assert len(model.requests) == (1 if door == "toolnode" else 0)
+    fresh: Any = {"configurable": {"thread_id": "t2"}}  # exit wrote the refused run
+    assert graph.invoke({"messages": [HumanMessage("go")]}, fresh,
+                        durability="sync")["messages"][-1].content == "done"
+    assert effects(path) == ["charge 7"]
+
+
 def test_a_decision_for_a_call_the_ledger_does_not_hold_is_refused(
         tmp_path: Path, store: SQLiteEventStore) -> None:
     script = [[("charge", {"amount": 7}, "c1")], "done"]
@@ -1151,24 +1384,6 @@ def test_an_idempotent_tool_runs_again_after_a_start_that_never_finished(
     assert effects(path) == ["notify bob"]
 
 
-class _FailingPut:
-    """Wraps a saver's ``put``: the first checkpoint holding a ToolMessage fails, after
-    it landed (``landed=True``) or before."""
-
-    def __init__(self, saver: Any, *, landed: bool) -> None:
-        self.armed, self.put, self.landed = True, saver.put, landed
-        saver.put = self
-
-    def __call__(self, config: Any, checkpoint: Any, metadata: Any, versions: Any) -> Any:
-        messages = checkpoint["channel_values"].get("messages") or []
-        if self.armed and any(isinstance(m, ToolMessage) for m in messages):
-            self.armed = False
-            if self.landed:
-                self.put(config, checkpoint, metadata, versions)
-            raise OSError("injected: the checkpoint write failed")
-        return self.put(config, checkpoint, metadata, versions)
-
-
 @pytest.mark.invariant("I1", "I6", "I12")
 @pytest.mark.parametrize("landed", [True, False], ids=["landed-then-raised", "not-landed"])
 def test_a_failed_checkpoint_write_of_results_is_reconciled_by_the_next_write(
@@ -1182,7 +1397,7 @@ def test_a_failed_checkpoint_write_of_results_is_reconciled_by_the_next_write(
     ledger = ToolLedger(store)
     inner = SqliteSaver(sqlite3.connect(str(tmp_path / "checkpoints.db"),
                                         check_same_thread=False))
-    _FailingPut(inner, landed=landed)
+    FailingPut(landed=landed).attach(inner)
     graph = build("ledger", make_tools(path), ScriptedModel(script=SCRIPT_ONE),
                   OneWriterSaver(inner, ledger=ledger), ledger=ledger)
     with pytest.raises(OSError, match="injected"):
@@ -1255,7 +1470,7 @@ def test_a_failed_checkpoint_write_on_postgres_saver_is_reconciled_by_the_next_w
     if landed:
         _CommitThenFail(inner)
     else:
-        _FailingPut(inner, landed=False)
+        FailingPut(landed=False).attach(inner)
     saver = OneWriterSaver(inner, ledger=ledger)
     graph = build("ledger", make_tools(path), ScriptedModel(script=SCRIPT_ONE), saver,
                   ledger=ledger)

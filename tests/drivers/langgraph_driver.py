@@ -43,6 +43,7 @@ from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 from langgraph.types import Command, interrupt
+from pydantic import Field
 
 KILL = {"point": ""}
 """Where this process kills itself (``--kill``), once the effect has happened."""
@@ -73,9 +74,15 @@ def die_at(point: str) -> None:
 class ScriptedModel(BaseChatModel):
     """Answers the n-th model call of a conversation with ``script[n]`` (n counts the
     AIMessages already in it): a list of tool calls ``[(name, args, id), ...]`` or a
-    text."""
+    text. Keeps every request's messages (``requests``) and whether it was answered
+    (``answered``); the k-th request raises ``failures[k]`` when that is an exception
+    (``during``, when set, is called with k first)."""
 
     script: list[Any]
+    requests: list[list[BaseMessage]] = Field(default_factory=list)
+    answered: list[bool] = Field(default_factory=list)
+    failures: list[Any] = Field(default_factory=list)
+    during: Any = None
 
     @property
     def _llm_type(self) -> str:
@@ -83,6 +90,14 @@ class ScriptedModel(BaseChatModel):
 
     def _generate(self, messages: list[BaseMessage], stop: Any = None,
                   run_manager: Any = None, **kwargs: Any) -> ChatResult:
+        asked = len(self.requests)
+        self.requests.append(list(messages))
+        self.answered.append(False)
+        if self.during is not None:
+            self.during(asked)
+        if asked < len(self.failures) and isinstance(self.failures[asked], BaseException):
+            raise self.failures[asked]
+        self.answered[-1] = True
         turn = sum(isinstance(message, AIMessage) for message in messages)
         step = self.script[min(turn, len(self.script) - 1)]
         if isinstance(step, str):
@@ -133,8 +148,12 @@ def plain_review(state: MessagesState) -> Command[Any] | None:
 
 def build(mode: str, tools: list[BaseTool], model: BaseChatModel,
           checkpointer: BaseCheckpointSaver[Any], *, ledger: Any = None,
-          review: bool = False) -> Any:
-    """The graph: ``model → [review →] tools → model`` on ``checkpointer``."""
+          review: bool = False, outer: Callable[[Any, Callable[[], Any]], Any] | None = None
+          ) -> Any:
+    """The graph: ``model → [review →] tools → model`` on ``checkpointer``. ``outer``
+    (through the ledger): a tool-call wrapper around the ledger's, called with the
+    request and a function that puts the call through the ledger (its tool node is then
+    ``ToolNode(tools, wrap_tool_call=...)``, LangGraph's default error handling)."""
 
     def call_model(state: MessagesState) -> dict[str, Any]:
         return {"messages": [model.invoke(state["messages"])]}
@@ -144,6 +163,14 @@ def build(mode: str, tools: list[BaseTool], model: BaseChatModel,
     if mode == "alone":
         builder.add_node("tools", ToolNode(tools))
         reviewer: Callable[..., Any] = plain_review
+    elif outer is not None:
+        wrapping = outer
+
+        def wrapped(request: Any, handler: Callable[[Any], Any]) -> Any:
+            return wrapping(request, lambda: ledger.wrap_tool_call(request, handler))
+
+        builder.add_node("tools", ToolNode(tools, wrap_tool_call=wrapped))
+        reviewer = ledger.review
     else:
         builder.add_node("tools", ledger.tool_node(tools))
         reviewer = ledger.review
@@ -186,6 +213,34 @@ class KillingSaver:
 
         saver.put_writes = writes
         saver.put = putting
+
+
+class FailingPut:
+    """Fails checkpoint writes that hold a ToolMessage, the next ``times`` of them: each
+    raises `InjectedPutError` after it landed (``landed=True``) or before. `attach` it to
+    each saver (a process's own connection) the thread is written through; the count is
+    shared."""
+
+    def __init__(self, *, landed: bool, times: int = 1) -> None:
+        self.landed, self.left = landed, times
+
+    def attach(self, saver: Any) -> Any:
+        put = saver.put
+
+        def failing(config: Any, checkpoint: Any, metadata: Any, versions: Any) -> Any:
+            if self.left and _holds_tool_result(checkpoint):
+                self.left -= 1
+                if self.landed:
+                    put(config, checkpoint, metadata, versions)
+                raise InjectedPutError("injected: the checkpoint write failed")
+            return put(config, checkpoint, metadata, versions)
+
+        saver.put = failing
+        return saver
+
+
+class InjectedPutError(OSError):
+    """The error `FailingPut` raises."""
 
 
 def _tool_result(value: Any) -> bool:

@@ -18,6 +18,8 @@ from statemachine.testing import (
     Boundary,
     CallKind,
     CaseFailed,
+    Fence,
+    OlderState,
     OneWriterSeen,
     OutputCase,
     OutputSeen,
@@ -25,6 +27,7 @@ from statemachine.testing import (
     ReplyCase,
     ReplySeen,
     RivalPoint,
+    StaleMove,
     StaleSeen,
     StaleStateCase,
     boundary_of,
@@ -178,6 +181,75 @@ def test_one_writer_cases_expect_one_run_in_all() -> None:
     with pytest.raises(CaseFailed, match="wrote"):
         check_one_writer(cases[RivalPoint.MODEL_CALL],
                          attrs.evolve(seen, first_writes_after=1))
+
+
+def _stale_seen(case: StaleStateCase, **changes: Any) -> StaleSeen:
+    """What a player of ``case`` sees when the adapter does what the case says."""
+    seen = StaleSeen(runs=1, error=ConcurrencyConflict("moved on") if case.refused else None,
+                     completed=True, replayed=case.replayed, model_calls=case.model_calls,
+                     sent=[(case.call_id, case.result)], written=[(case.call_id, case.result)])
+    return attrs.evolve(seen, **changes)
+
+
+def test_an_older_state_is_refused_only_once_the_run_moved_past_the_decision() -> None:
+    for older in OlderState:
+        cases = every_stale_state_case(older)
+        assert len(cases) == 8
+        assert {case.older for case in cases} == {older}
+    refused = {case.moved for case in every_stale_state_case(OlderState.REFUSED)
+               if case.refused}
+    assert refused == {StaleMove.RECORDED, StaleMove.WRITTEN, StaleMove.COMPLETED}
+    assert not any(case.refused for older in (OlderState.FOLLOWED, OlderState.FORKED)
+                   for case in every_stale_state_case(older))
+    # a branch never replays a completed run: the adapter kept no final output
+    done = {older: StaleStateCase(StaleMove.COMPLETED, older=older) for older in OlderState}
+    assert [(c.replayed, c.model_calls) for c in done.values()] == [(True, 0), (True, 0),
+                                                                   (False, 1)]
+    for older in OlderState:
+        for case in every_stale_state_case(older):
+            check_stale_state(case, _stale_seen(case))  # the case's own outcome passes
+
+
+@pytest.mark.parametrize(("older", "moved", "broken"), [
+    (OlderState.REFUSED, StaleMove.RECORDED, {"error": None}),  # the fork went through
+    (OlderState.REFUSED, StaleMove.WRITTEN, {"error": RuntimeError("x")}),  # untyped
+    (OlderState.REFUSED, StaleMove.COMPLETED, {"refused_did": 1}),  # asked the model first
+    (OlderState.REFUSED, StaleMove.DECIDED, {"error": ConcurrencyConflict("x")}),
+    (OlderState.FORKED, StaleMove.COMPLETED, {"replayed": True, "model_calls": 0}),
+    (OlderState.FORKED, StaleMove.RECORDED, {"runs": 2}),  # the branch ran it again
+    (OlderState.FOLLOWED, StaleMove.COMPLETED, {"model_calls": 1, "replayed": False}),
+])
+def test_check_stale_state_fails_on_an_observation_that_breaks_the_case(
+        older: OlderState, moved: StaleMove, broken: dict[str, Any]) -> None:
+    case = StaleStateCase(moved, older=older)
+    check_stale_state(case, _stale_seen(case))
+    with pytest.raises(CaseFailed):
+        check_stale_state(case, _stale_seen(case, **broken))
+
+
+def test_under_a_checkpoint_fence_the_first_resumer_to_write_goes_on() -> None:
+    cases = {case.rival_at: case for case in every_one_writer_case(Fence.CHECKPOINT)
+             if case.buffered}
+    result = [("c0", ReplyCase.result_text("c0"))]
+    for point, case in cases.items():
+        assert case.written == result  # one of the two always goes on
+        assert (case.first_outcome == "completed") is (point is RivalPoint.TOOL_BODY)
+        assert (case.rival_outcome == "completed") is (point is not RivalPoint.TOOL_BODY)
+    body = cases[RivalPoint.TOOL_BODY]
+    assert (body.first_runs, body.first_model_calls, body.rival_outcome) == (
+        1, 2, "ConcurrencyConflict")
+    loaded = cases[RivalPoint.LOADED]
+    assert (loaded.first_runs, loaded.first_model_calls) == (0, 1)  # its first step ran
+    seen = OneWriterSeen(first_outcome="completed", first_runs=1, first_model_calls=2,
+                         first_writes_after=3, rival_outcome="ConcurrencyConflict",
+                         rival_runs=0, written=result)
+    check_one_writer(body, seen)  # the winner's writes are its own business
+    with pytest.raises(CaseFailed, match="refused rival wrote"):
+        check_one_writer(body, attrs.evolve(seen, rival_writes=1))
+    with pytest.raises(CaseFailed, match="once in all"):
+        check_one_writer(body, attrs.evolve(seen, rival_runs=1))
+    with pytest.raises(CaseFailed, match="ended ConcurrencyConflict"):
+        check_one_writer(body, attrs.evolve(seen, first_outcome="ConcurrencyConflict"))
 
 
 def test_boundary_of_reads_the_crash_point_from_event_types() -> None:
