@@ -1116,8 +1116,8 @@ def test_a_resumer_whose_write_is_refused_runs_no_tool_with_langgraphs_default_d
         if mode != "alone":
             saver = OneWriterSaver(saver, ledger=ledger)
         if door == "toolnode":
-            if mode == "alone":
-                return build("alone", make_tools(path), model, saver)
+            if mode == "alone":  # the tool step's start is signalled alone too
+                return build("alone", make_tools(path), model, saver, outer=beginning)
             return build("ledger", make_tools(path), model, saver, ledger=ledger,
                          outer=beginning)
         return create_agent(model, make_tools(path), checkpointer=saver, middleware=[

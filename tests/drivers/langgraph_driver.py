@@ -150,10 +150,11 @@ def build(mode: str, tools: list[BaseTool], model: BaseChatModel,
           checkpointer: BaseCheckpointSaver[Any], *, ledger: Any = None,
           review: bool = False, outer: Callable[[Any, Callable[[], Any]], Any] | None = None
           ) -> Any:
-    """The graph: ``model → [review →] tools → model`` on ``checkpointer``. ``outer``
-    (through the ledger): a tool-call wrapper around the ledger's, called with the
-    request and a function that puts the call through the ledger (its tool node is then
-    ``ToolNode(tools, wrap_tool_call=...)``, LangGraph's default error handling)."""
+    """The graph: ``model → [review →] tools → model`` on ``checkpointer``. ``outer``: a
+    tool-call wrapper around the ledger's (alone: around the tool), called with the
+    request and a function that puts the call through the ledger (alone: runs it; the
+    tool node is then ``ToolNode(tools, wrap_tool_call=...)``, LangGraph's default error
+    handling)."""
 
     def call_model(state: MessagesState) -> dict[str, Any]:
         return {"messages": [model.invoke(state["messages"])]}
@@ -161,7 +162,14 @@ def build(mode: str, tools: list[BaseTool], model: BaseChatModel,
     builder: Any = StateGraph(MessagesState)
     builder.add_node("model", call_model)
     if mode == "alone":
-        builder.add_node("tools", ToolNode(tools))
+        bare = outer
+
+        def around(request: Any, handler: Callable[[Any], Any]) -> Any:
+            assert bare is not None
+            return bare(request, lambda: handler(request))
+
+        builder.add_node("tools", ToolNode(tools) if bare is None
+                         else ToolNode(tools, wrap_tool_call=around))
         reviewer: Callable[..., Any] = plain_review
     elif outer is not None:
         wrapping = outer
