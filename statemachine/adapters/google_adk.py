@@ -566,6 +566,9 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                          "responding with a FunctionResponse with an expected "
                          "ToolConfirmation payload (its fingerprint).",
                     payload={"fingerprint": fingerprint})
+                # as ADK's own gate does: the pause is no result for the model to
+                # summarize (asked again, it may call the tool again)
+                tool_context.actions.skip_summarization = True
                 return {"error": ASK_CONFIRMATION}
             return None  # decided in the ledger (the operator): the ledger's word goes on
         if view.phase is Phase.AWAITING:

@@ -341,10 +341,7 @@ def test_a_confirmed_call_runs_once_and_the_run_goes_on(tmp_path: Path, mode: st
 
 @pytest.mark.invariant("I1", "I5")
 @pytest.mark.parametrize(("mode", "resumable"), [
-    pytest.param(mode, resumable, id=f"{mode}-{'resumable' if resumable else 'not-resumable'}",
-                 marks=[pytest.mark.xfail(strict=True, reason=(
-                     "the ledger's pause is not marked for the flow to skip summarizing"))]
-                 if (mode, resumable) == ("ledger", False) else [])
+    pytest.param(mode, resumable, id=f"{mode}-{'resumable' if resumable else 'not-resumable'}")
     for mode in ("alone", "ledger") for resumable in (False, True)])
 def test_a_confirmation_pause_asks_the_model_nothing(tmp_path: Path, mode: str,
                                                      resumable: bool) -> None:

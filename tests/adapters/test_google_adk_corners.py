@@ -517,11 +517,6 @@ async def _last_answer(w: World) -> list[str]:
             for part in e.content.parts or () if part.text][-1:]
 
 
-ASKED_AT_THE_PAUSE = pytest.mark.xfail(strict=True, reason=(
-    "not resumable, the pause the ledger asks for is summarized by the model: its "
-    "answer is appended after ADK's confirmation request and the response that carries "
-    "an earlier time, which the SQLite session service reads in time order, so "
-    "OneWriterSessionService refuses the runner's own append (ConcurrencyConflict)"))
 INPUT_AFTER_A_FAILED_WRITE = pytest.mark.xfail(strict=True, reason=(
     "a message sent after the response's append failed is written before the ledger "
     "reconciles that append, so the session's tail is no longer the write's frontier and "
@@ -529,8 +524,6 @@ INPUT_AFTER_A_FAILED_WRITE = pytest.mark.xfail(strict=True, reason=(
 
 
 def _stale_marks(case: StaleStateCase, resumable: bool) -> list[pytest.MarkDecorator]:
-    if not resumable:
-        return [ASKED_AT_THE_PAUSE]
     return [INPUT_AFTER_A_FAILED_WRITE] if case.moved == RECORDED else []
 
 
