@@ -65,7 +65,7 @@ Every attempt on a run that already exists (the first ledger call of a process, 
 another process wrote to the run) records ``claim`` first and makes it durable: of two
 processes that loaded the same version, one goes on and the other gets
 `ConcurrencyConflict` before any tool runs; one superseded by a later claim gets it at its
-next tool callback or session write, writing nothing. Right after the claim the verifiers (by tool
+next model request, tool callback or session write, writing nothing. Right after the claim the verifiers (by tool
 name, DESIGN §7.3) are asked about the calls of their tools in doubt.
 
 Refused when a run opens (``before_run_callback``, `UnsupportedFeature` naming the
@@ -598,6 +598,15 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                 "earlier confirmation): nothing was recorded", run_id=c.run_id,
                 step=c.step, action="approve")
         return None
+
+    async def before_model_callback(self, *, callback_context: Any,
+                                    llm_request: Any) -> None:
+        """The model request is an effect (DESIGN §7.2): an attempt another process
+        claimed the run from since it held it asks nothing (`ConcurrencyConflict`)."""
+        with self._lock:
+            c = self._runs.get(self.run_id_of(callback_context.session))
+            if c is not None:
+                c.fence()
 
     async def after_tool_callback(self, *, tool: BaseTool, tool_args: dict[str, Any],
                                   tool_context: Any,

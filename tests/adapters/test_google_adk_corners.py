@@ -618,9 +618,6 @@ async def _play_one_writer(case: OneWriterCase, folder: Path) -> OneWriterSeen:
 
 
 SUPERSEDED = {
-    LOADED: pytest.mark.xfail(strict=True, reason=(
-        "the model request is no effect the plugin fences: a superseded attempt asks the "
-        "model before its first refused append")),
     TOOL_BODY: pytest.mark.xfail(strict=True, reason=(
         "the plugin drops its copy of the run when the flush of the result is refused, "
         "so the session service no longer fences the attempt, and ADK writes the error "
