@@ -627,6 +627,8 @@ class LedgerPlugin(HeldRuns, BasePlugin):
             kept, recorded = record_result(c, call_id, plain(result, fallback=_as_text))
             try:
                 c.flush()  # the result is durable before ADK makes it an event
+            except ConcurrencyConflict:  # superseded: the copy stays held, and refuses
+                raise  # (the session service fences this attempt's writes with it)
             except BaseException:  # not durable: the call is in doubt on the next load
                 self._runs.pop(c.run_id, None)
                 raise

@@ -617,18 +617,9 @@ async def _play_one_writer(case: OneWriterCase, folder: Path) -> OneWriterSeen:
                          written=await _written(second))
 
 
-SUPERSEDED = {
-    TOOL_BODY: pytest.mark.xfail(strict=True, reason=(
-        "the plugin drops its copy of the run when the flush of the result is refused, "
-        "so the session service no longer fences the attempt, and ADK writes the error "
-        "event of the superseded attempt")),
-}
-
-
 @pytest.mark.invariant("I1", "I7")
-@pytest.mark.parametrize("case", [
-    pytest.param(c, marks=[SUPERSEDED[c.rival_at]] if c.rival_at in SUPERSEDED else [])
-    for c in every_one_writer_case() if c.buffered], ids=lambda c: str(c.rival_at))
+@pytest.mark.parametrize("case", [c for c in every_one_writer_case() if c.buffered],
+                         ids=lambda c: str(c.rival_at))
 def test_one_writer_through_the_adapter(root: Path, case: OneWriterCase) -> None:
     check_one_writer(case, asyncio.run(_play_one_writer(case, _folder(root))))
 
