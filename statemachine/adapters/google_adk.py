@@ -65,8 +65,9 @@ Every attempt on a run that already exists (the first ledger call of a process, 
 another process wrote to the run) records ``claim`` first and makes it durable: of two
 processes that loaded the same version, one goes on and the other gets
 `ConcurrencyConflict` before any tool runs; one superseded by a later claim gets it at its
-next model request, tool callback or session write, writing nothing. Right after the claim the verifiers (by tool
-name, DESIGN §7.3) are asked about the calls of their tools in doubt.
+next model request, tool callback or session write, writing nothing. Right after the claim
+the verifiers (by tool name, DESIGN §7.3) are asked about the calls of their tools in
+doubt.
 
 Refused when a run opens (``before_run_callback``, `UnsupportedFeature` naming the
 feature, nothing recorded or run): MCP toolsets and tools (ADK's MCP tool retries a
@@ -78,7 +79,8 @@ run), and live (bidirectional) streaming (``run_live``, or ``StreamingMode.BIDI`
 Refused at the call: a function call without an id (ADK 2.13 gives a call the model sent
 without one an id of its own before any callback, so through its runner this is never
 reached). ADK wraps whatever a plugin callback raises in a ``RuntimeError``; `run_async`
-and `refusal` give back the ledger's own error.
+and `refusal` give back the ledger's own error (its refusal, or the error of the session
+write it made to settle a publication).
 """
 
 from __future__ import annotations
@@ -188,13 +190,20 @@ def _payload_fingerprint(payload: Any) -> str | None:
     return None
 
 
+_SETTLING_WRITE = ("statemachine: raised by the session write that settles a publication "
+                   "left unsettled (the ledger's reconcile when the invocation opened)")
+"""The note the ledger adds to the error of a session write it made itself."""
+
+
 def refusal(error: BaseException) -> BaseException:
-    """The ledger's own refusal (a `ControlError`) inside ``error``, or ``error`` itself.
-    ADK wraps whatever a plugin callback raises in a ``RuntimeError`` (the original
-    chained as its ``__cause__``)."""
+    """The ledger's own error inside ``error`` (a refusal, a `ControlError`, or the error
+    of the session write the ledger made itself to settle a publication: I6, the write's
+    own error), or ``error`` itself. ADK wraps whatever a plugin callback raises in a
+    ``RuntimeError`` (the original chained as its ``__cause__``)."""
     found: BaseException | None = error
     while found is not None:
-        if isinstance(found, ControlError):
+        notes = getattr(found, "__notes__", ())
+        if isinstance(found, ControlError) or _SETTLING_WRITE in notes:
             return found
         found = found.__cause__
     return error
@@ -202,8 +211,9 @@ def refusal(error: BaseException) -> BaseException:
 
 async def run_async(runner: Any, **options: Any) -> AsyncIterator[Any]:
     """``runner.run_async(**options)``, its events, with the ledger's refusals raised as
-    themselves (`ToolInDoubt`, `ConcurrencyConflict`, `UnsupportedFeature`, ...) rather
-    than inside ADK's ``RuntimeError`` (`refusal`)."""
+    themselves (`ToolInDoubt`, `ConcurrencyConflict`, `UnsupportedFeature`, ...), and
+    the error of a session write the ledger made itself, rather than inside ADK's
+    ``RuntimeError`` (`refusal`)."""
     try:
         async for event in runner.run_async(**options):
             yield event
@@ -356,6 +366,7 @@ class LedgerPlugin(HeldRuns, BasePlugin):
             with self._lock, contextlib.suppress(ControlError):
                 c.publication_failed(error)
                 c.flush()
+            error.add_note(_SETTLING_WRITE)  # run_async raises it as itself, not ADK's
             raise
         with self._lock:
             c.publication_committed()

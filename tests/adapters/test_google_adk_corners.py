@@ -118,7 +118,6 @@ from statemachine.testing.adapter_corners import (
     REQUEST_FAILED,
     TOOL_BODY,
     WRITE_LANDED,
-    WRITE_REFUSED,
     WRITTEN,
 )
 from statemachine.values import Resolution
@@ -447,17 +446,10 @@ async def _play_fault(case: RecordedFaultCase, folder: Path) -> FaultSeen:
                      written=await _written(w), completed=_said(events, "done"))
 
 
-RECONCILE_WRITE_WRAPPED = pytest.mark.xfail(strict=True, reason=(
-    "the write the ledger makes itself when the invocation opens (reconciling the "
-    "unsettled one) raises inside ADK's RuntimeError, and run_async does not give it back"))
-
-
 @pytest.mark.invariant("I6", "I12")
-@pytest.mark.parametrize("case", [
-    pytest.param(c, marks=[RECONCILE_WRITE_WRAPPED] if c.fault == WRITE_REFUSED
-                 and c.repeats == 2 else [])
-    for c in every_recorded_fault_case()],
-    ids=lambda c: f"{c.fault}-x{c.repeats}-{'reloaded' if c.reload else 'live'}")
+@pytest.mark.parametrize("case", every_recorded_fault_case(),
+                         ids=lambda c: f"{c.fault}-x{c.repeats}-"
+                         f"{'reloaded' if c.reload else 'live'}")
 def test_a_fault_after_the_result_was_recorded(root: Path, case: RecordedFaultCase) -> None:
     check_recorded_fault(case, asyncio.run(_play_fault(case, _folder(root))))
 
