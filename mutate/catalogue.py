@@ -1683,8 +1683,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        "        with plugin._lock:\n            c.flush()\n        return written",
        "a session append that carried a batch's responses never commits its publication"),
     _m("GA10", "        if c.step is Step.UNSETTLED:\n"
-               "            await self._reconcile(c, invocation_context)",
-       "        if False:\n            await self._reconcile(c, invocation_context)",
+               "            await self._reconcile(c, invocation_context.session,",
+       "        if False:\n            await self._reconcile(c, invocation_context.session,",
        "a run left unsettled by a failed session append is never reconciled when it opens"),
     _m("GA11", "        if \"Mcp\" in kind or \"MCP\" in kind:\n            raise "
                "UnsupportedFeature(\n                f\"{kind} is not carried",

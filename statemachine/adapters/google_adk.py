@@ -343,21 +343,30 @@ class LedgerPlugin(HeldRuns, BasePlugin):
             if c.in_doubt():  # refused here, before ADK's invocation records anything
                 c.resume()  # ToolInDoubt
         if c.step is Step.UNSETTLED:
-            await self._reconcile(c, invocation_context)
+            await self._reconcile(c, invocation_context.session,
+                                  invocation_context.session_service)
 
-    async def _reconcile(self, c: RunController, invocation_context: Any) -> None:
+    async def _settle(self, session: Any, service: BaseSessionService) -> None:
+        """Before a user's message is written to ``session``: a session append left
+        unsettled is reconciled first (I2: no new input while a write is unsettled; the
+        message would change the tail its reconcile reads, for good)."""
+        with self._lock:
+            c = self.controller(self.run_id_of(session))
+        if c.step is Step.UNSETTLED:
+            await self._reconcile(c, session, service)
+
+    async def _reconcile(self, c: RunController, session: Any,
+                         service: BaseSessionService) -> None:
         """A session append left unsettled (it raised, or its writer died) reconciled
         against the session's events as the runner just read them: acknowledged when it
         had landed; else the staged event is appended again (through the runner's session
         service) and the publication committed. Another tail is `ReconcileRejected`."""
-        session = invocation_context.session
         history = [_event_json(e) for e in session.events]
         with self._lock:
             decision = c.reconcile(history, c.session_id, take_over=True)
             c.flush()
         if not isinstance(decision, Append):
             return
-        service = invocation_context.session_service
         inner = service.service if isinstance(service, OneWriterSessionService) else service
         try:
             for item in decision.items:
@@ -747,6 +756,8 @@ class OneWriterSessionService(BaseSessionService):
                         "first); nothing was written", action="append_event")
             if self.plugin is None:
                 return await self._write(session, event)
+            if getattr(event, "author", None) == "user":  # it opens an invocation
+                await self.plugin._settle(session, self)
             return await self._publishing(session, event, stored)
 
     async def _write(self, session: Any, event: Any) -> Any:

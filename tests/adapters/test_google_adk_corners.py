@@ -509,21 +509,10 @@ async def _last_answer(w: World) -> list[str]:
             for part in e.content.parts or () if part.text][-1:]
 
 
-INPUT_AFTER_A_FAILED_WRITE = pytest.mark.xfail(strict=True, reason=(
-    "a message sent after the response's append failed is written before the ledger "
-    "reconciles that append, so the session's tail is no longer the write's frontier and "
-    "every reconcile is refused (ReconcileRejected), for good"))
-
-
-def _stale_marks(case: StaleStateCase, resumable: bool) -> list[pytest.MarkDecorator]:
-    return [INPUT_AFTER_A_FAILED_WRITE] if case.moved == RECORDED else []
-
-
 @pytest.mark.invariant("I1", "I2", "I12")
 @pytest.mark.parametrize(("case", "resumable"), [
-    pytest.param(case, resumable, marks=_stale_marks(case, resumable),
-                 id=f"{case.moved}-{'reloaded' if case.reload else 'live'}-"
-                    f"{'resumable' if resumable else 'not-resumable'}")
+    pytest.param(case, resumable, id=f"{case.moved}-{'reloaded' if case.reload else 'live'}-"
+                 f"{'resumable' if resumable else 'not-resumable'}")
     for case in every_stale_state_case(OlderState.RESENT) for resumable in (True, False)])
 def test_a_confirmation_sent_again_after_the_run_moved_on(
         root: Path, case: StaleStateCase, resumable: bool) -> None:
