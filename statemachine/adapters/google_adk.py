@@ -61,6 +61,11 @@ request_confirmation``           nothing before asking (recorded ``NOT_EXECUTED`
                                  the next append)
 ===============================  ===========================================================
 
+ADK's own ``set_model_response`` (the tool ADK adds for an ``output_schema`` beside tools)
+is left to ADK, outside the ledger: it has no effect (it checks the model's structured
+answer), and its body is what hands ADK the output, so it runs whenever ADK runs it. The
+adapter records no final output: ADK's final answer is an event of its session.
+
 Every attempt on a run that already exists (the first ledger call of a process, or after
 another process wrote to the run) records ``claim`` first and makes it durable: of two
 processes that loaded the same version, one goes on and the other gets
@@ -106,6 +111,7 @@ try:
     from google.adk.tools.agent_tool import AgentTool
     from google.adk.tools.base_tool import BaseTool
     from google.adk.tools.base_toolset import BaseToolset
+    from google.adk.tools.set_model_response_tool import SetModelResponseTool
     from google.adk.tools.tool_confirmation import ToolConfirmation
     from google.genai import types
 except ModuleNotFoundError as error:  # pragma: no cover - the extra is installed in CI
@@ -427,11 +433,15 @@ class LedgerPlugin(HeldRuns, BasePlugin):
     # ------------------------------------------------------------------- batches
 
     @staticmethod
-    def _batch(session: Any, call_id: str) -> list[types.FunctionCall]:
-        """The function calls of the session event that holds call ``call_id``."""
+    def _batch(session: Any, call_id: str,
+               tools: Collection[str]) -> list[types.FunctionCall]:
+        """The function calls of the session event that holds call ``call_id``, but
+        ADK's own: its confirmation requests, and its ``set_model_response`` where no tool
+        of the agent (``tools``) has that name."""
+        outside = {CONFIRMATION} | ({SetModelResponseTool.NAME} - set(tools))
         for event in reversed(list(session.events)):
             calls = [call for call in event.get_function_calls()
-                     if call.name != CONFIRMATION]
+                     if call.name not in outside]
             if any(call.id == call_id for call in calls):
                 return calls
         return []
@@ -528,6 +538,11 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                 "a function call without an id cannot be keyed in the ledger: it did not "
                 "run", feature="function calls without ids", run_id=run_id,
                 action="begin_tool")
+        if isinstance(tool, SetModelResponseTool):
+            # ADK's own, for an output_schema beside tools: no effect (it checks the
+            # model's structured answer), and its body is what hands ADK the output, so
+            # it runs whenever ADK runs it (answered from a record, the output was lost)
+            return None
         invocation = tool_context._invocation_context
         tools = {t.name: t for t in await invocation.agent.canonical_tools(
             ReadonlyContext(invocation))}
@@ -535,7 +550,7 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         # event loop, and a thread's lock does not keep them apart across an await.
         with self._lock:
             c = self.controller(run_id, reopen=False)  # superseded: refused, not reclaimed
-            batch = self._batch(session, call_id) if c.phase(call_id) is None else []
+            batch = self._batch(session, call_id, tools) if c.phase(call_id) is None else []
             _ids(c, batch)  # a call without an id: refused before anything is asked
         needs: dict[str, bool] = {}
         if batch:  # asked before the lock; entered under it unless a sibling was first
