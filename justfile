@@ -27,7 +27,7 @@ bench *args:
 
 # Long fuzzing: the explorer deeper than CI, then the property and stateful tests with the
 # long `fuzz` profile (persistent example database, a progress line every 50 examples; the
-# adapters' drawn corner replies, 200 each),
+# adapters' drawn corner replies, 200 each, and 200 drawn ADK confirmation mixes),
 # then the long fleet on PostgreSQL (8 workers killed and stopped at random; skips
 # without a server), then every row of the adapters' kill -9 matrices (settled calls,
 # verifiers at all four boundaries; CI runs their core rows).
@@ -38,7 +38,7 @@ fuzz depth="7" *args:
         tests/runner/test_remote.py tests/core/test_decoding.py tests/core/test_refusals.py \
         tests/adapters/test_openai_agents_corners.py tests/adapters/test_pydantic_ai_corners.py \
         tests/adapters/test_anthropic_corners.py tests/adapters/test_anthropic_session_corners.py \
-        tests/adapters/test_langgraph_corners.py \
+        tests/adapters/test_langgraph_corners.py tests/adapters/test_google_adk_corners.py \
         "${@:2}"
     STATEMACHINE_FLEET=long {{python}} -m pytest -s tests/storage/test_fleet.py
     STATEMACHINE_LONG=1 {{python}} -m pytest tests/adapters/test_anthropic_settled.py \

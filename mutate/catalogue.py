@@ -253,6 +253,7 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
                                            "tests/adapters/test_langgraph_corners.py",
                                            "tests/adapters/test_langgraph_durability.py"),
     "statemachine/adapters/google_adk.py": ("tests/adapters/test_google_adk.py",
+                                            "tests/adapters/test_google_adk_corners.py",
                                             "tests/adapters/test_google_adk_durability.py"),
     "statemachine/verifiers.py": ("tests/runner/test_verifiers.py",),
     "statemachine/operator.py": ("tests/storage/test_operator.py",
@@ -1683,8 +1684,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        "        with plugin._lock:\n            c.flush()\n        return written",
        "a session append that carried a batch's responses never commits its publication"),
     _m("GA10", "        if c.step is Step.UNSETTLED:\n"
-               "            await self._reconcile(c, invocation_context)",
-       "        if False:\n            await self._reconcile(c, invocation_context)",
+               "            await self._reconcile(c, invocation_context.session,",
+       "        if False:\n            await self._reconcile(c, invocation_context.session,",
        "a run left unsettled by a failed session append is never reconciled when it opens"),
     _m("GA11", "        if \"Mcp\" in kind or \"MCP\" in kind:\n            raise "
                "UnsupportedFeature(\n                f\"{kind} is not carried",
@@ -1722,6 +1723,31 @@ CATALOGUE: tuple[Mutant, ...] = (
        "a call whose body this process saw cancelled is refused at its tool callback, "
        "not when the invocation opens: ADK records the refusal's error event, and the "
        "invocation never goes on once the call is settled"),
+    _m("GA19", "                tool_context.actions.skip_summarization = True\n",
+       "                pass\n",
+       "the ledger's confirmation pause is not marked as ADK's gate marks it: in an app "
+       "that is not resumable the model is asked again at the pause"),
+    _m("GA20", "            if c is not None:\n                c.fence()",
+       "            if False:\n                c.fence()",
+       "the model request is not fenced: a superseded attempt asks the model"),
+    _m("GA21", "            except ConcurrencyConflict:  # superseded: the copy stays held, "
+               "and refuses\n                raise  # (the session service fences",
+       "            except ValueError:  # superseded: the copy stays held, "
+       "and refuses\n                raise  # (the session service fences",
+       "a superseded attempt whose result's flush is refused drops its copy of the run: "
+       "ADK writes its error event unfenced"),
+    _m("GA22", "            error.add_note(_SETTLING_WRITE)",
+       "            pass",
+       "the error of the ledger's own reconciling write reaches run_async's caller inside "
+       "ADK's RuntimeError"),
+    _m("GA23", "            if getattr(event, \"author\", None) == \"user\":  # it opens an "
+               "invocation",
+       "            if False:  # it opens an invocation",
+       "a user's message is written before an unsettled append is reconciled: the run can "
+       "never settle"),
+    _m("GA24", "        if isinstance(tool, SetModelResponseTool):",
+       "        if False:",
+       "ADK's own set_model_response goes through the ledger's callbacks like a tool"),
     # ------------------------------------------------------------------ telemetry
     _m("TE01", "    span = None if spans is None or not switch.telemetry else "
                "spans.calls.get(call_id)",

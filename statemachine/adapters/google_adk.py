@@ -61,12 +61,18 @@ request_confirmation``           nothing before asking (recorded ``NOT_EXECUTED`
                                  the next append)
 ===============================  ===========================================================
 
+ADK's own ``set_model_response`` (the tool ADK adds for an ``output_schema`` beside tools)
+is left to ADK, outside the ledger: it has no effect (it checks the model's structured
+answer), and its body is what hands ADK the output, so it runs whenever ADK runs it. The
+adapter records no final output: ADK's final answer is an event of its session.
+
 Every attempt on a run that already exists (the first ledger call of a process, or after
 another process wrote to the run) records ``claim`` first and makes it durable: of two
 processes that loaded the same version, one goes on and the other gets
 `ConcurrencyConflict` before any tool runs; one superseded by a later claim gets it at its
-next tool callback or session write, writing nothing. Right after the claim the verifiers (by tool
-name, DESIGN §7.3) are asked about the calls of their tools in doubt.
+next model request, tool callback or session write, writing nothing. Right after the claim
+the verifiers (by tool name, DESIGN §7.3) are asked about the calls of their tools in
+doubt.
 
 Refused when a run opens (``before_run_callback``, `UnsupportedFeature` naming the
 feature, nothing recorded or run): MCP toolsets and tools (ADK's MCP tool retries a
@@ -78,7 +84,8 @@ run), and live (bidirectional) streaming (``run_live``, or ``StreamingMode.BIDI`
 Refused at the call: a function call without an id (ADK 2.13 gives a call the model sent
 without one an id of its own before any callback, so through its runner this is never
 reached). ADK wraps whatever a plugin callback raises in a ``RuntimeError``; `run_async`
-and `refusal` give back the ledger's own error.
+and `refusal` give back the ledger's own error (its refusal, or the error of the session
+write it made to settle a publication).
 """
 
 from __future__ import annotations
@@ -104,6 +111,7 @@ try:
     from google.adk.tools.agent_tool import AgentTool
     from google.adk.tools.base_tool import BaseTool
     from google.adk.tools.base_toolset import BaseToolset
+    from google.adk.tools.set_model_response_tool import SetModelResponseTool
     from google.adk.tools.tool_confirmation import ToolConfirmation
     from google.genai import types
 except ModuleNotFoundError as error:  # pragma: no cover - the extra is installed in CI
@@ -188,13 +196,20 @@ def _payload_fingerprint(payload: Any) -> str | None:
     return None
 
 
+_SETTLING_WRITE = ("statemachine: raised by the session write that settles a publication "
+                   "left unsettled (the ledger's reconcile when the invocation opened)")
+"""The note the ledger adds to the error of a session write it made itself."""
+
+
 def refusal(error: BaseException) -> BaseException:
-    """The ledger's own refusal (a `ControlError`) inside ``error``, or ``error`` itself.
-    ADK wraps whatever a plugin callback raises in a ``RuntimeError`` (the original
-    chained as its ``__cause__``)."""
+    """The ledger's own error inside ``error`` (a refusal, a `ControlError`, or the error
+    of the session write the ledger made itself to settle a publication: I6, the write's
+    own error), or ``error`` itself. ADK wraps whatever a plugin callback raises in a
+    ``RuntimeError`` (the original chained as its ``__cause__``)."""
     found: BaseException | None = error
     while found is not None:
-        if isinstance(found, ControlError):
+        notes = getattr(found, "__notes__", ())
+        if isinstance(found, ControlError) or _SETTLING_WRITE in notes:
             return found
         found = found.__cause__
     return error
@@ -202,8 +217,9 @@ def refusal(error: BaseException) -> BaseException:
 
 async def run_async(runner: Any, **options: Any) -> AsyncIterator[Any]:
     """``runner.run_async(**options)``, its events, with the ledger's refusals raised as
-    themselves (`ToolInDoubt`, `ConcurrencyConflict`, `UnsupportedFeature`, ...) rather
-    than inside ADK's ``RuntimeError`` (`refusal`)."""
+    themselves (`ToolInDoubt`, `ConcurrencyConflict`, `UnsupportedFeature`, ...), and
+    the error of a session write the ledger made itself, rather than inside ADK's
+    ``RuntimeError`` (`refusal`)."""
     try:
         async for event in runner.run_async(**options):
             yield event
@@ -333,21 +349,30 @@ class LedgerPlugin(HeldRuns, BasePlugin):
             if c.in_doubt():  # refused here, before ADK's invocation records anything
                 c.resume()  # ToolInDoubt
         if c.step is Step.UNSETTLED:
-            await self._reconcile(c, invocation_context)
+            await self._reconcile(c, invocation_context.session,
+                                  invocation_context.session_service)
 
-    async def _reconcile(self, c: RunController, invocation_context: Any) -> None:
+    async def _settle(self, session: Any, service: BaseSessionService) -> None:
+        """Before a user's message is written to ``session``: a session append left
+        unsettled is reconciled first (I2: no new input while a write is unsettled; the
+        message would change the tail its reconcile reads, for good)."""
+        with self._lock:
+            c = self.controller(self.run_id_of(session))
+        if c.step is Step.UNSETTLED:
+            await self._reconcile(c, session, service)
+
+    async def _reconcile(self, c: RunController, session: Any,
+                         service: BaseSessionService) -> None:
         """A session append left unsettled (it raised, or its writer died) reconciled
         against the session's events as the runner just read them: acknowledged when it
         had landed; else the staged event is appended again (through the runner's session
         service) and the publication committed. Another tail is `ReconcileRejected`."""
-        session = invocation_context.session
         history = [_event_json(e) for e in session.events]
         with self._lock:
             decision = c.reconcile(history, c.session_id, take_over=True)
             c.flush()
         if not isinstance(decision, Append):
             return
-        service = invocation_context.session_service
         inner = service.service if isinstance(service, OneWriterSessionService) else service
         try:
             for item in decision.items:
@@ -356,6 +381,7 @@ class LedgerPlugin(HeldRuns, BasePlugin):
             with self._lock, contextlib.suppress(ControlError):
                 c.publication_failed(error)
                 c.flush()
+            error.add_note(_SETTLING_WRITE)  # run_async raises it as itself, not ADK's
             raise
         with self._lock:
             c.publication_committed()
@@ -407,11 +433,15 @@ class LedgerPlugin(HeldRuns, BasePlugin):
     # ------------------------------------------------------------------- batches
 
     @staticmethod
-    def _batch(session: Any, call_id: str) -> list[types.FunctionCall]:
-        """The function calls of the session event that holds call ``call_id``."""
+    def _batch(session: Any, call_id: str,
+               tools: Collection[str]) -> list[types.FunctionCall]:
+        """The function calls of the session event that holds call ``call_id``, but
+        ADK's own: its confirmation requests, and its ``set_model_response`` where no tool
+        of the agent (``tools``) has that name."""
+        outside = {CONFIRMATION} | ({SetModelResponseTool.NAME} - set(tools))
         for event in reversed(list(session.events)):
             calls = [call for call in event.get_function_calls()
-                     if call.name != CONFIRMATION]
+                     if call.name not in outside]
             if any(call.id == call_id for call in calls):
                 return calls
         return []
@@ -508,6 +538,11 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                 "a function call without an id cannot be keyed in the ledger: it did not "
                 "run", feature="function calls without ids", run_id=run_id,
                 action="begin_tool")
+        if isinstance(tool, SetModelResponseTool):
+            # ADK's own, for an output_schema beside tools: no effect (it checks the
+            # model's structured answer), and its body is what hands ADK the output, so
+            # it runs whenever ADK runs it (answered from a record, the output was lost)
+            return None
         invocation = tool_context._invocation_context
         tools = {t.name: t for t in await invocation.agent.canonical_tools(
             ReadonlyContext(invocation))}
@@ -515,7 +550,7 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         # event loop, and a thread's lock does not keep them apart across an await.
         with self._lock:
             c = self.controller(run_id, reopen=False)  # superseded: refused, not reclaimed
-            batch = self._batch(session, call_id) if c.phase(call_id) is None else []
+            batch = self._batch(session, call_id, tools) if c.phase(call_id) is None else []
             _ids(c, batch)  # a call without an id: refused before anything is asked
         needs: dict[str, bool] = {}
         if batch:  # asked before the lock; entered under it unless a sibling was first
@@ -566,6 +601,9 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                          "responding with a FunctionResponse with an expected "
                          "ToolConfirmation payload (its fingerprint).",
                     payload={"fingerprint": fingerprint})
+                # as ADK's own gate does: the pause is no result for the model to
+                # summarize (asked again, it may call the tool again)
+                tool_context.actions.skip_summarization = True
                 return {"error": ASK_CONFIRMATION}
             return None  # decided in the ledger (the operator): the ledger's word goes on
         if view.phase is Phase.AWAITING:
@@ -596,6 +634,15 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                 step=c.step, action="approve")
         return None
 
+    async def before_model_callback(self, *, callback_context: Any,
+                                    llm_request: Any) -> None:
+        """The model request is an effect (DESIGN §7.2): an attempt another process
+        claimed the run from since it held it asks nothing (`ConcurrencyConflict`)."""
+        with self._lock:
+            c = self._runs.get(self.run_id_of(callback_context.session))
+            if c is not None:
+                c.fence()
+
     async def after_tool_callback(self, *, tool: BaseTool, tool_args: dict[str, Any],
                                   tool_context: Any,
                                   result: dict[str, Any]) -> dict[str, Any] | None:
@@ -615,6 +662,8 @@ class LedgerPlugin(HeldRuns, BasePlugin):
             kept, recorded = record_result(c, call_id, plain(result, fallback=_as_text))
             try:
                 c.flush()  # the result is durable before ADK makes it an event
+            except ConcurrencyConflict:  # superseded: the copy stays held, and refuses
+                raise  # (the session service fences this attempt's writes with it)
             except BaseException:  # not durable: the call is in doubt on the next load
                 self._runs.pop(c.run_id, None)
                 raise
@@ -722,6 +771,8 @@ class OneWriterSessionService(BaseSessionService):
                         "first); nothing was written", action="append_event")
             if self.plugin is None:
                 return await self._write(session, event)
+            if getattr(event, "author", None) == "user":  # it opens an invocation
+                await self.plugin._settle(session, self)
             return await self._publishing(session, event, stored)
 
     async def _write(self, session: Any, event: Any) -> Any:

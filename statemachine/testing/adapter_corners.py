@@ -4,7 +4,7 @@ adapter through the case with that SDK's own offline model (players import the S
 they live with the tests) and hands what it observed to the case's ``check_*``, which
 raises `CaseFailed` naming what went wrong.
 
-Five families, each with an exhaustive enumerator for CI (``every_*``) and, where it
+Six families, each with an exhaustive enumerator for CI (``every_*``) and, where it
 grows, a Hypothesis strategy for long fuzzing:
 
 * `ReplyCase`: one model reply whose calls mix new (never started), cached (completed
@@ -19,6 +19,10 @@ grows, a Hypothesis strategy for long fuzzing:
   refused, or lands and then raises, or the model request after it fails, once or twice
   in a row: each failing attempt raises the injected error (I6), the tool never runs
   again, and the result reaches the model exactly once.
+* `DecisionMixCase`: one model reply whose calls needing no decision (new or cached, as
+  above) sit beside calls awaiting a human decision, all answered by one message that
+  confirms some and rejects others: each decision is asked once, a confirmed call runs
+  once, a rejected one never, and the model is sent each call's output exactly once.
 * `StaleStateCase`: a run paused for one decision, its SDK state (openai-agents'
   ``RunState``, pydantic-ai's message history, an Anthropic messages list, a LangGraph
   checkpoint) saved at the pause, reused after the run moved on (the decision recorded;
@@ -27,7 +31,9 @@ grows, a Hypothesis strategy for long fuzzing:
   does is the adapter's `OlderState`: it completes (the ledger alone leads on from each
   of those stages), or it is refused with a `ControlError` before any effect and the run
   goes on from its latest state, or the SDK branches from it and the branch goes on with
-  the ledger's record. A state saved *before* the model's reply that asked for the call
+  the ledger's record, or, where the SDK's state is the history itself (an ADK
+  session), it comes back as the decision sent again, a stale one changing nothing. A
+  state saved *before* the model's reply that asked for the call
   (``before_reply``) lacks the call: an adapter that keeps no record of that reply may
   instead refuse the attempt before any effect, with a typed error naming the call
   (`StaleStateCase.refusal_allowed`); never run the call again, nor lose its result.
@@ -82,6 +88,9 @@ __all__ = [
     "STRUCTURED_TEXT",
     "Boundary",
     "CallKind",
+    "Decision",
+    "DecisionMixCase",
+    "DecisionSeen",
     "FaultSeen",
     "Fence",
     "OlderState",
@@ -100,11 +109,14 @@ __all__ = [
     "StaleStateCase",
     "Structured",
     "boundary_of",
+    "check_decision_mix",
     "check_one_writer",
     "check_output",
     "check_recorded_fault",
     "check_reply",
     "check_stale_state",
+    "decision_mix_cases",
+    "every_decision_mix_case",
     "every_one_writer_case",
     "every_output_case",
     "every_recorded_fault_case",
@@ -274,6 +286,141 @@ def check_reply(case: ReplyCase, seen: ReplySeen) -> None:
     _expect(seen.completed, "the run did not complete")
 
 
+# ------------------------------------------------- decisions beside new and cached calls
+
+class Decision(enum.StrEnum):
+    """How the one message that decides a reply's calls answers a call awaiting it."""
+
+    CONFIRMED = "confirmed"
+    REJECTED = "rejected"
+
+
+CONFIRMED, REJECTED = Decision
+
+MixKind = CallKind | Decision
+"""A call of a `DecisionMixCase`: one needing no decision (`NEW` or `CACHED`), or one
+awaiting a decision and how it is answered."""
+
+
+@attrs.frozen
+class DecisionMixCase:
+    """One model reply of ``len(kinds)`` calls (``c0``, ``c1``... in the reply's order):
+    a `NEW` or `CACHED` call needs no decision and stood where its kind says when the
+    attempt that ran them stopped (a crash, or a cancellation), before any call needing
+    a decision was asked about; a `Decision` call needs one. The run is resumed (by a
+    new process loading it from the store when ``reload``, else by the same object): it
+    runs the new calls, answers the cached ones from their record, asks for every
+    decision and pauses. Then one message confirms the `CONFIRMED` calls and rejects the
+    `REJECTED` ones, and the run goes on to its end. Every call's body returns
+    `ReplyCase.result_text` of its call."""
+
+    kinds: tuple[MixKind, ...]
+    reload: bool = True
+
+    @property
+    def ids(self) -> list[str]:
+        return [f"c{i}" for i in range(len(self.kinds))]
+
+    @property
+    def label(self) -> str:
+        """The kinds in order, as a test id: ``new-confirmed-rejected``."""
+        return "-".join(kind.value for kind in self.kinds)
+
+    def kind(self, call_id: str) -> MixKind:
+        return self.kinds[self.ids.index(call_id)]
+
+    def of_kind(self, kind: MixKind) -> list[str]:
+        return [i for i, k in zip(self.ids, self.kinds, strict=True) if k == kind]
+
+    @property
+    def asked(self) -> list[str]:
+        """The calls the resumed run asks a decision for, each once, in reply order."""
+        return [i for i, k in zip(self.ids, self.kinds, strict=True)
+                if isinstance(k, Decision)]
+
+    @property
+    def runs_after(self) -> dict[str, int]:
+        """How often each call's body runs from the resume on: a new or confirmed call
+        once, a cached or rejected one never."""
+        return {i: int(k in (NEW, CONFIRMED)) for i, k in zip(self.ids, self.kinds,
+                                                             strict=True)}
+
+    @property
+    def rejected(self) -> list[str]:
+        return self.of_kind(REJECTED)
+
+
+def every_decision_mix_case(max_calls: int = 3, *,
+                            every_variant_up_to: int = 2) -> list[DecisionMixCase]:
+    """Every mix and order of one to ``max_calls`` calls holding at least one call
+    awaiting a decision (the mixes without one are `every_reply_case`'s), resumed from the
+    store; those of up to ``every_variant_up_to`` calls also by the same object."""
+    kinds: tuple[MixKind, ...] = (NEW, CACHED, CONFIRMED, REJECTED)
+    cases: list[DecisionMixCase] = []
+    for size in range(1, max_calls + 1):
+        for mix in itertools.product(kinds, repeat=size):
+            if not any(isinstance(k, Decision) for k in mix):
+                continue
+            reloads = (True, False) if size <= every_variant_up_to else (True,)
+            cases.extend(DecisionMixCase(mix, reload) for reload in reloads)
+    return cases
+
+
+def decision_mix_cases(max_calls: int = 8) -> st.SearchStrategy[DecisionMixCase]:
+    """Replies of one to ``max_calls`` calls, at least one awaiting a decision, resumed
+    either way."""
+    from hypothesis import strategies as hs
+    kinds = hs.sampled_from((NEW, CACHED, CONFIRMED, REJECTED))
+    return hs.builds(DecisionMixCase,
+                     hs.lists(kinds, min_size=1, max_size=max_calls).filter(
+                         lambda mix: any(isinstance(k, Decision) for k in mix)).map(tuple),
+                     hs.booleans())
+
+
+@attrs.frozen
+class DecisionSeen:
+    """What a player saw from the resume on."""
+
+    asked: Sequence[str]
+    """The call id of each decision request the run made (one per request)."""
+    runs: Mapping[str, int]
+    """How often each call's body ran (counted in the bodies)."""
+    sent: Sequence[tuple[str, JSON]]
+    """Every (call id, output) pair of every model request."""
+    model_calls: int
+    written: Sequence[tuple[str, JSON]]
+    """Every (call id, output) pair the history holds at the end, not counting the
+    answer an SDK writes for a call while it awaits its decision."""
+    rejection: JSON
+    """The output the SDK sends the model for a rejected call (its own text)."""
+    completed: bool
+
+
+def check_decision_mix(case: DecisionMixCase, seen: DecisionSeen) -> None:
+    """`CaseFailed` unless ``seen`` is what ``case`` says must happen."""
+    asked = Counter(seen.asked)
+    _expect(asked == Counter(case.asked), f"decisions were asked for {dict(asked)}; the "
+            f"case says once for each of {case.asked} (kinds {case.label})")
+    runs = {i: seen.runs.get(i, 0) for i in case.ids}
+    _expect(runs == case.runs_after, f"the bodies ran {runs} times from the resume on; "
+            f"the case says {case.runs_after} (kinds {case.label})")
+    _expect(seen.model_calls == 1, f"the model was asked {seen.model_calls} times from "
+            "the resume on; only once the decisions were taken (a pause asks nothing)")
+    rejected = set(case.rejected)
+    _expect(all(seen.rejection != ReplyCase.result_text(i) for i in rejected),
+            "the rejection the SDK sends is a rejected call's result")
+    expected = {i: seen.rejection if i in rejected else ReplyCase.result_text(i)
+                for i in case.ids}
+    for what, pairs in (("sent to the model", seen.sent), ("written", seen.written)):
+        counts = _counts(pairs)
+        _expect(counts == Counter(case.ids),
+                f"the outputs {what}, by call: {dict(counts)}; each call exactly once")
+        found = dict(pairs)
+        _expect(found == expected, f"the outputs {what} were {found}; the case says "
+                f"{expected} (kinds {case.label})")
+    _expect(seen.completed, "the run did not complete")
+
+
 # ---------------------------------------------------- a fault after a recorded result
 
 class RecordedFault(enum.StrEnum):
@@ -394,9 +541,17 @@ class OlderState(enum.StrEnum):
     """The SDK branches from it, and the branch goes on with the ledger's record (nothing
     runs again); the adapter keeps no final output, so even a completed run's branch
     asks the model for its answer again (LangGraph's time travel on its own saver)."""
+    RESENT = "resent"
+    """The SDK's state is the history itself (an ADK session), so the older state comes
+    back as the decision the pause asked for, sent again (the SDK writes it into the
+    history first). One the SDK never got (`DECIDED`: recorded through the ledger) goes
+    on as `FOLLOWED` does; one it got and acted on is stale: the attempt given it runs no
+    tool and asks no model, returning or refused with a `ControlError`, and the run
+    completes on new input, asking the model once (a completed run has nothing to go on
+    with: the adapter keeps no final output to replay)."""
 
 
-FOLLOWED, REFUSED, FORKED = OlderState
+FOLLOWED, REFUSED, FORKED, RESENT = OlderState
 
 
 @attrs.frozen
@@ -451,17 +606,24 @@ class StaleStateCase:
         return self.older == REFUSED and self.moved != DECIDED
 
     @property
+    def stale(self) -> bool:
+        """Whether the attempt is given a decision the SDK already acted on (`RESENT`,
+        once the run moved on past the decision)."""
+        return self.older == RESENT and self.moved != DECIDED
+
+    @property
     def replayed(self) -> bool:
         """Whether the attempt that completes (the one given the saved state, or after a
         refusal the one resumed from the latest state) answers from the record of a run
-        that had completed, asking no model and running no tool: never on a branch."""
-        return self.moved == COMPLETED and self.older != FORKED
+        that had completed, asking no model and running no tool: never on a branch, nor
+        for an adapter that keeps no final output."""
+        return self.moved == COMPLETED and self.older not in (FORKED, RESENT)
 
     @property
     def model_calls(self) -> int:
         """Model requests made by the attempt that completes: the next answer, none when
-        it replays a completed run."""
-        return 0 if self.replayed else 1
+        it replays a completed run, nor when a stale decision met a completed run."""
+        return 0 if self.replayed or (self.stale and self.moved == COMPLETED) else 1
 
 
 def every_stale_state_case(older: OlderState = FOLLOWED, *,
@@ -497,7 +659,8 @@ class StaleSeen:
     """The (call id, output) pairs of the messages the attempt handed back for its caller
     to carry (None for an SDK whose Session is the history)."""
     refused_did: int = 0
-    """Tool bodies run and model requests made by the refused attempt (none may be)."""
+    """Tool bodies run and model requests made by the refused attempt, or by the one
+    given a stale decision (none may be)."""
 
 
 def check_stale_state(case: StaleStateCase, seen: StaleSeen) -> None:
@@ -529,6 +692,12 @@ def check_stale_state(case: StaleStateCase, seen: StaleSeen) -> None:
                 f"says it is refused with a ControlError ({where})")
         _expect(seen.refused_did == 0, f"the refused attempt ran {seen.refused_did} tool "
                 f"bodies or model requests; it is refused before any ({where})")
+    elif case.stale:
+        _expect(seen.error is None or isinstance(seen.error, ControlError),
+                f"the decision sent again ended with {seen.error!r}; a stale one is "
+                f"ignored or refused with a ControlError ({where})")
+        _expect(seen.refused_did == 0, f"the decision sent again ran {seen.refused_did} "
+                f"tool bodies or model requests; it was acted on already ({where})")
     else:
         _expect(seen.error is None, f"the attempt given the older state raised "
                 f"{seen.error!r}; the case says it completes ({where})")

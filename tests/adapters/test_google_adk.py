@@ -17,6 +17,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ except ImportError:  # pragma: no cover - CI installs the extra
                 allow_module_level=True)
 
 from google.adk.agents import LlmAgent, LoopAgent, ParallelAgent, SequentialAgent
+from google.adk.plugins.base_plugin import BasePlugin
 from google.adk.sessions import InMemorySessionService
 from google.adk.sessions.base_session_service import BaseSessionService
 from google.adk.tools.agent_tool import AgentTool
@@ -86,7 +88,8 @@ class World:
     def __init__(self, folder: Path, mode: str, script: list[Call], tools: list[str], *,
                  service: BaseSessionService | None = None, resumable: bool = False,
                  verifiers: dict[str, Any] | None = None,
-                 store: EventStore | None = None) -> None:
+                 store: EventStore | None = None, before: Sequence[BasePlugin] = (),
+                 after: Sequence[BasePlugin] = ()) -> None:
         self.effects = folder / "effects.txt"
         self.store = store if store is not None else SQLiteEventStore(
             str(folder / "ledger.db"))
@@ -94,13 +97,14 @@ class World:
             service = service.service
         inner = service if service is not None else InMemorySessionService()
         self.plugin: LedgerPlugin | None = None
-        plugins = []
+        plugins = list(before)  # test plugins around the ledger, which goes first
         if mode == "ledger":
             self.plugin = LedgerPlugin(self.store, verifiers=verifiers)
             plugins.append(self.plugin)
             inner = OneWriterSessionService(inner, plugin=self.plugin)
         self.runner, self.service, self.model = build(self.effects, script, tools=tools,
-                                                      service=inner, plugins=plugins,
+                                                      service=inner,
+                                                      plugins=[*plugins, *after],
                                                       resumable=resumable)
 
     async def open(self) -> None:
@@ -118,17 +122,18 @@ class World:
 
 
 class LosesAppend(DieBeforeAppend):
-    """The first append of function responses raises; ``landed``: after writing it
-    (commit-then-raise), else before (nothing written)."""
+    """The first ``times`` appends of a tool's function responses raise (a user's
+    confirmation is written); ``landed``: after writing it (commit-then-raise), else
+    before (nothing written)."""
 
-    def __init__(self, service: BaseSessionService, *, landed: bool) -> None:
+    def __init__(self, service: BaseSessionService, *, landed: bool, times: int = 1) -> None:
         super().__init__(service)
         self.landed = landed
-        self.failed = False
+        self.times = times
 
     async def append_event(self, session: Any, event: Any) -> Any:
-        if event.get_function_responses() and not self.failed:
-            self.failed = True
+        if event.get_function_responses() and event.author != "user" and self.times:
+            self.times -= 1
             if self.landed:
                 await self.service.append_event(session, event)
             raise OSError("the append's acknowledgement was lost")
@@ -332,6 +337,36 @@ def test_a_confirmed_call_runs_once_and_the_run_goes_on(tmp_path: Path, mode: st
         c = RunController.load(w.store, RUN)
         assert c.call("w1").decisions[-1].kind == "approved"
         assert c.call("w1").decisions[-1].by == "adk:confirmation"
+
+
+@pytest.mark.invariant("I1", "I5")
+@pytest.mark.parametrize(("mode", "resumable"), [
+    pytest.param(mode, resumable, id=f"{mode}-{'resumable' if resumable else 'not-resumable'}")
+    for mode in ("alone", "ledger") for resumable in (False, True)])
+def test_a_confirmation_pause_asks_the_model_nothing(tmp_path: Path, mode: str,
+                                                     resumable: bool) -> None:
+    """ADK's own gate marks the answer of a call awaiting its confirmation as nothing for
+    the model to summarize ("without this the flow re-invokes the model, which calls the
+    tool again"). The ledger answers that call itself (the request carries the call's
+    fingerprint), and in an app that is not resumable the flow then asked the model
+    again, the placeholder as the call's result (measured: 2 requests at the pause).
+    Alone and through the adapter: one request (the reply) until the confirmation, one
+    after it, the wire run once."""
+    w = World(tmp_path, mode, [("w1", "wire", {"amount": 7})], ["wire"],
+              resumable=resumable)
+
+    async def scenario() -> tuple[int, bool, int, bool]:
+        await w.open()
+        paused = await run(w.runner, text("go"))
+        asked = w.model.requests
+        request, payload = confirmation_requests(paused)["w1"]
+        answered = await run(w.runner, response(request, "adk_request_confirmation",
+                                                {"confirmed": True, "payload": payload}))
+        return asked, _says(paused, "done"), w.model.requests - asked, _says(answered,
+                                                                             "done")
+
+    assert asyncio.run(scenario()) == (1, False, 1, True)
+    assert w.ran() == ["wire 7"]
 
 
 @pytest.mark.invariant("I1", "I5")

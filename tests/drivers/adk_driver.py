@@ -90,17 +90,35 @@ Call = tuple[str, str, dict[str, Any]]
 """A scripted function call: (id, tool name, arguments)."""
 
 
+class ModelUnavailable(ConnectionError):
+    """A model request that failed (`ScriptedModel.failing`)."""
+
+
 class ScriptedModel(BaseLlm):
     """Calls, in one batch, each scripted function call the request does not hold yet;
-    once all are in the conversation, answers ``"done"``."""
+    once all are in the conversation, answers ``"done"``. Each request's function
+    responses are kept (``seen``), and whether it was answered; the next ``failing``
+    requests that carry a function response raise `ModelUnavailable`."""
 
     model: str = "scripted"
     script: list[Call] = Field(default_factory=list)
     requests: int = 0
+    seen: list[list[tuple[str, Any]]] = Field(default_factory=list)
+    answered: list[bool] = Field(default_factory=list)
+    failing: int = 0
 
     async def generate_content_async(self, llm_request: LlmRequest, stream: bool = False
                                      ) -> AsyncGenerator[LlmResponse, None]:
         self.requests += 1
+        responses = [(str(part.function_response.id), part.function_response.response)
+                     for content in llm_request.contents for part in content.parts or ()
+                     if part.function_response]
+        self.seen.append(responses)
+        self.answered.append(False)
+        if responses and self.failing:
+            self.failing -= 1
+            raise ModelUnavailable("injected model request failure")
+        self.answered[-1] = True
         called = {part.function_call.id for content in llm_request.contents
                   for part in content.parts or () if part.function_call}
         todo = [call for call in self.script if (call[0] or None) not in called]

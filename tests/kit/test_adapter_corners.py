@@ -18,6 +18,9 @@ from statemachine.testing import (
     Boundary,
     CallKind,
     CaseFailed,
+    Decision,
+    DecisionMixCase,
+    DecisionSeen,
     Fence,
     OlderState,
     OneWriterSeen,
@@ -31,10 +34,12 @@ from statemachine.testing import (
     StaleSeen,
     StaleStateCase,
     boundary_of,
+    check_decision_mix,
     check_one_writer,
     check_output,
     check_reply,
     check_stale_state,
+    every_decision_mix_case,
     every_one_writer_case,
     every_output_case,
     every_recorded_fault_case,
@@ -48,6 +53,7 @@ SDKS = ("agents", "openai", "pydantic", "pydantic_ai", "anthropic", "langgraph",
         "langchain", "langchain_core", "google")
 
 NEW, CACHED, IN_DOUBT = CallKind
+CONFIRMED, REJECTED = Decision
 
 
 def test_the_generators_import_no_sdk() -> None:
@@ -204,7 +210,7 @@ def test_an_older_state_is_refused_only_once_the_run_moved_past_the_decision() -
     # a branch never replays a completed run: the adapter kept no final output
     done = {older: StaleStateCase(StaleMove.COMPLETED, older=older) for older in OlderState}
     assert [(c.replayed, c.model_calls) for c in done.values()] == [(True, 0), (True, 0),
-                                                                   (False, 1)]
+                                                                   (False, 1), (False, 0)]
     for older in OlderState:
         for case in every_stale_state_case(older):
             check_stale_state(case, _stale_seen(case))  # the case's own outcome passes
@@ -218,6 +224,10 @@ def test_an_older_state_is_refused_only_once_the_run_moved_past_the_decision() -
     (OlderState.FORKED, StaleMove.COMPLETED, {"replayed": True, "model_calls": 0}),
     (OlderState.FORKED, StaleMove.RECORDED, {"runs": 2}),  # the branch ran it again
     (OlderState.FOLLOWED, StaleMove.COMPLETED, {"model_calls": 1, "replayed": False}),
+    (OlderState.RESENT, StaleMove.RECORDED, {"refused_did": 1}),  # ran or asked on it
+    (OlderState.RESENT, StaleMove.WRITTEN, {"error": RuntimeError("x")}),  # untyped
+    (OlderState.RESENT, StaleMove.COMPLETED, {"model_calls": 1}),  # asked again
+    (OlderState.RESENT, StaleMove.DECIDED, {"error": ConcurrencyConflict("x")}),
 ])
 def test_check_stale_state_fails_on_an_observation_that_breaks_the_case(
         older: OlderState, moved: StaleMove, broken: dict[str, Any]) -> None:
@@ -311,3 +321,71 @@ def test_a_reparsed_reply_keeps_every_shape_whole() -> None:
     with pytest.raises(CaseFailed, match="lossless"):
         check_output(done, attrs.evolve(seen, lossless=False), Rebuilt(),
                      output_type=Rebuilt)
+
+
+def test_every_decision_mix_holds_a_decision_in_every_order() -> None:
+    cases = every_decision_mix_case(3)
+    mixes = {case.kinds for case in cases}
+    assert len(mixes) == (4 - 2) + (16 - 4) + (64 - 8)  # the mixes with a decision
+    assert (NEW, CONFIRMED, REJECTED) in mixes
+    assert (REJECTED, CACHED, CONFIRMED) in mixes
+    assert (NEW, CACHED) not in mixes  # every_reply_case's
+    assert DecisionMixCase((CACHED, REJECTED), reload=False) in cases
+    assert DecisionMixCase((NEW, CACHED, CONFIRMED), reload=False) not in cases
+    assert len(cases) == len(set(cases))
+
+
+def test_a_decision_mix_expects_what_its_kinds_say() -> None:
+    case = DecisionMixCase((NEW, CONFIRMED, CACHED, REJECTED))
+    assert case.asked == ["c1", "c3"]
+    assert case.runs_after == {"c0": 1, "c1": 1, "c2": 0, "c3": 0}
+    assert case.rejected == ["c3"]
+    assert case.label == "new-confirmed-cached-rejected"
+
+
+def _decided(case: DecisionMixCase, **changes: Any) -> DecisionSeen:
+    rejection = "rejected by the user"
+    pairs = [(i, rejection if i in case.rejected else ReplyCase.result_text(i))
+             for i in case.ids]
+    seen = DecisionSeen(asked=case.asked, runs=case.runs_after, sent=pairs, model_calls=1,
+                        written=pairs, rejection=rejection, completed=True)
+    return attrs.evolve(seen, **changes)
+
+
+@pytest.mark.parametrize("broken", [
+    {"asked": ["c1"]},  # a decision never asked
+    {"asked": ["c1", "c1", "c3"]},  # one asked twice
+    {"runs": {"c0": 1, "c1": 1, "c2": 0, "c3": 1}},  # the rejected call ran
+    {"runs": {"c0": 1, "c1": 0, "c2": 0, "c3": 0}},  # the confirmed call never ran
+    {"runs": {"c0": 1, "c1": 1, "c2": 1, "c3": 0}},  # the cached call ran again
+    {"model_calls": 2},  # the pause asked the model
+    {"rejection": ReplyCase.result_text("c3")},  # the rejected call's result was sent
+    {"completed": False},
+])
+def test_check_decision_mix_fails_on_an_observation_that_breaks_the_case(
+        broken: dict[str, Any]) -> None:
+    case = DecisionMixCase((NEW, CONFIRMED, CACHED, REJECTED))
+    check_decision_mix(case, _decided(case))  # the case's own outcome passes
+    with pytest.raises(CaseFailed):
+        check_decision_mix(case, _decided(case, **broken))
+
+
+def test_check_decision_mix_fails_on_a_duplicate_or_placeholder_output() -> None:
+    case = DecisionMixCase((CONFIRMED, NEW))
+    pairs = list(_decided(case).sent)
+    with pytest.raises(CaseFailed, match="exactly once"):
+        check_decision_mix(case, _decided(case, written=[*pairs, ("c0", "asking")]))
+    with pytest.raises(CaseFailed, match="the case says"):
+        check_decision_mix(case, _decided(case, sent=[("c0", "asking"), pairs[1]]))
+
+
+def test_a_decision_sent_again_changes_nothing_once_the_sdk_acted_on_it() -> None:
+    cases = {case.moved: case for case in every_stale_state_case(OlderState.RESENT)
+             if case.reload}
+    assert [case.stale for case in cases.values()] == [False, True, True, True]
+    assert not any(case.refused or case.replayed for case in cases.values())
+    for case in cases.values():
+        check_stale_state(case, _stale_seen(case))
+    for moved in (StaleMove.RECORDED, StaleMove.WRITTEN, StaleMove.COMPLETED):
+        refused = ConcurrencyConflict("unsettled")  # ignored, or refused with a typed error
+        check_stale_state(cases[moved], _stale_seen(cases[moved], error=refused))
