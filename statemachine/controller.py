@@ -125,6 +125,11 @@ def wall_clock() -> int:
     return time.time_ns() // 1000
 
 
+TOO_SHORT = "cannot tell the write's outcomes apart"
+"""What `RunController.stage_publication`'s refusal of too short a history says (a runner
+reads more of the Session on it, and on no other refusal)."""
+
+
 class RunController:
     """The control core of one run. Create with `start`, `load` or `from_json`."""
 
@@ -702,6 +707,26 @@ class RunController:
         """`flush` for any store: awaits an async store's append, calls a sync one."""
         self._landed(await self._journal.flush_async())
 
+    def flush_results(self) -> None:
+        """Before a wait that needs no record of its own (a model call: DESIGN §7.7):
+        `flush` when what waits for the next flush records a call's result (with what
+        rides along: its publication), so a crash during the wait (a model's answer takes
+        the longest of a turn) leaves the call completed and its result written, not in
+        doubt, and no reader (an operator's inbox) sees a call whose result this attempt
+        holds as in doubt for that long; else `fence`. Either way a superseded attempt is refused
+        (`ConcurrencyConflict`)."""
+        if self._journal.holds_results:
+            self.flush()
+        else:
+            self.fence()
+
+    async def flush_results_async(self) -> None:
+        """`flush_results` for any store."""
+        if self._journal.holds_results:
+            await self.flush_async()
+        else:
+            await self.fence_async()
+
     def fence(self) -> None:
         """Check that this attempt still holds the run, before an effect that no append
         of its own precedes (a hook, a guardrail; DESIGN §7.2): one read of how many
@@ -1108,9 +1133,8 @@ class RunController:
         if frontier is None:
             self._refuse(
                 InvalidTransition, action,
-                f"the {len(history)} history items given cannot tell the write's outcomes "
-                f"apart; read at least {len(history) + 1} items, or pass the whole Session "
-                "with whole=True")
+                f"the {len(history)} history items given {TOO_SHORT}; read at least "
+                f"{len(history) + 1} items, or pass the whole Session with whole=True")
         event = ev.PublicationStaged(
             self._journal.version, s.session_id, batch, listed, frontier.read_limit,
             frontier.digests, frontier.whole, batch_digests, s.continuation_after(listed),

@@ -87,6 +87,8 @@ SNAPSHOT_SIZE = "log_bytes"
 _EVENT_SIZE = sizes.EVENT_SIZE
 _RECORDS_NOTHING = frozenset({"tool_interrupted"})
 """Commands that never record an event, so the log's room does not gate them."""
+_RESULTS = (ev.ToolCompleted, ev.InDoubtResolved)
+"""The events that record a call's result (`Journal.holds_results`)."""
 
 
 @attrs.frozen
@@ -316,6 +318,12 @@ class Journal:
     def unflushed(self) -> int:
         """Events recorded here and not yet in the store (0 unless the journal buffers)."""
         return self.version - self.flushed
+
+    @property
+    def holds_results(self) -> bool:
+        """Whether what waits for the next flush records a call's result (a tool's output,
+        an operator's or a verifier's resolution; its publication rides along)."""
+        return any(type(e) in _RESULTS for e in self.events[self.flushed - self.base:])
 
     def whole(self) -> list[ev.Event]:
         """The whole log (its events before `base` read from the store: O(log length))."""

@@ -121,6 +121,7 @@ class _AgentLoop:
                 await self._emit(StreamEvent("reconciled",
                                              {"decision": type(decision).__name__}))
             elif action is Action.AWAIT_DECISIONS:
+                await c.flush_async()  # durable before a consumer is shown the pause
                 result = _result(c)
                 await self._emit(StreamEvent("interruption", {
                     "pending": [call.call_id for call in result.interruptions]}))
@@ -146,6 +147,9 @@ class _AgentLoop:
 
     async def _done(self) -> RunResult:
         c = self.controller
+        # durable before a consumer is shown the answer (a streamed run's consumer runs
+        # while the attempt's own flush, at its end, would still be waiting)
+        await c.flush_async()
         await self._emit(StreamEvent("final_output", {"output": c.final_output}))
         return _result(c)
 
@@ -177,9 +181,11 @@ class _AgentLoop:
         items = await run_history(c, self.session)  # (with what rides to the next flush)
         # a model call needs no flush of its own (DESIGN §7.7): a crash before its
         # response calls the model again, which no invariant forbids; what it proposes
-        # is made durable before any tool body runs. This attempt must still hold the
-        # run, though (one read, no write)
-        await c.fence_async()
+        # is made durable before any tool body runs. But a tool's result recorded since
+        # the last flush is made durable first, with its publication: a crash while the
+        # model answers then leaves the call completed, not in doubt. Else this attempt
+        # must still hold the run (one read, no write)
+        await c.flush_results_async()
         try:
             response = await agent.model.respond(items, agent)
         except Exception as error:
@@ -440,8 +446,10 @@ class Runner:
         with an ``owner``) holds the run against other owners while this attempt works:
         each flush renews it, and another owner's claim is refused with `LeaseHeld` until
         it ends (DESIGN §7.2). A run the runner binds to a store appends its events where
-        an effect needs them durable: before a tool body, with each Session write, at the
-        attempt's end (DESIGN §7.7). By default (``buffered=None``) the controller it
+        an effect needs them durable: before a tool body, with each Session write, before
+        the model is asked again after a tool's result was recorded (so a crash while it
+        answers leaves the call completed, not in doubt), at the attempt's end (DESIGN
+        §7.7). By default (``buffered=None``) the controller it
         hands back then appends each event as it is recorded (on a sync store), so a
         decision taken on it is durable when the call returns, and it buffers again for
         the next attempt it is handed in for (``controller=``; one its caller bound per
@@ -456,7 +464,9 @@ class Runner:
         has no ``session_id``). ``input`` for a run resting where it takes none (only
         RUN_AGAIN and INTERRUPTION do) is refused before the claim, recording nothing:
         `PublicationUnsettled` while a write is unsettled, `ToolInDoubt` while a call is
-        in doubt, `RunNotResumable` once it ended, else `InvalidTransition`. During the
+        in doubt (a call whose tool has a verifier is first asked about after the claim,
+        DESIGN §7.3, so that refusal comes after them), `RunNotResumable` once it ended,
+        else `InvalidTransition`. During the
         run: `ReconcileRejected` (the Session cannot be matched to the unsettled batch;
         nothing re-runs), the Session's own write error (I6), `MaxTurnsExceeded`,
         `OutputGuardrailTripwire`. ``take_over=True`` only when no earlier write of this

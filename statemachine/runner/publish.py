@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import inspect
 
-from statemachine.controller import RunController
+from statemachine.controller import TOO_SHORT, RunController
 from statemachine.errors import (
     ConcurrencyConflict,
     ControlError,
@@ -167,12 +167,12 @@ async def publish(controller: RunController, session: Session, items: list[JSON]
         try:
             controller.stage_publication(items, tail, call_ids=call_ids, whole=whole)
             break
-        except InvalidTransition:
+        except InvalidTransition as refused:
             # a tail that repeats the batch's items may need more of the Session to tell
             # the write's outcomes apart (DESIGN §2.3, read_limit): read twice as much,
-            # up to the whole Session, which always tells them apart (a refusal for any
-            # other reason is raised again then)
-            if whole:
+            # up to the whole Session, which always tells them apart; a refusal for any
+            # other reason is raised at once
+            if whole or TOO_SHORT not in refused.reason:
                 raise
             limit *= 2
     await _write(controller, session, items, ride=ride)

@@ -1,7 +1,9 @@
 """A publication's Session write rides with the run's next flush (DESIGN §7.7): with the
 Session in the store's own database, a buffered run writes a publication's items with
 its next append instead of at once, so a one-tool turn (input, model, tool, result,
-answer) is two durable writes: the one before the tool body, and the one at the
+answer) is three durable writes: the one before the tool body (the input rides with
+it), the one before the model is asked again (a tool's result is never left to wait out
+a model's answer: a crash there would leave the call in doubt), and the one at the
 attempt's end. Until that flush the items are the run's `riding_items`: the model, the
 next staging and the user's hooks see the Session with them, and a failed or lost flush
 loses them together with their commits, never one without the other.
@@ -154,15 +156,16 @@ def _turn(backend: dict[str, Any], *, many: bool = True, hooks: RunHooks | None 
     return found
 
 
-def test_a_one_tool_turn_is_two_writes_and_the_model_sees_what_rides(
+def test_a_one_tool_turn_is_three_writes_and_the_model_sees_what_rides(
         backend: dict[str, Any]) -> None:
     turn = _turn(backend)
     assert turn["result"].step is Step.COMPLETED
     assert turn["counters"] == {"charge": 1}
     assert turn["seen"] == SEEN  # the input, then its call and output, before they landed
     assert turn["items"] == SESSION_AFTER  # every item once, in order
-    # the input rides with the tool's start; the result and the answer with the end
-    assert turn["appends"] == ["one", "tuple of 2"]
+    # the input rides with the tool's start, the result's publication with its own flush
+    # before the model is asked again, the answer with the end
+    assert turn["appends"] == ["one", "one", "one"]
     reader = backend["reader"]()
     try:
         log = reader.load("r")
@@ -315,7 +318,7 @@ def test_ride_must_be_a_bool(tmp_path: Path) -> None:
 def test_a_crash_before_the_flush_leaves_the_call_in_doubt_never_run_again(
         tmp_path: Path) -> None:
     """The result rides past the tool: a process that dies after the tool and before the
-    end's flush has the tool's start durable and its result lost, so the run is in
+    result's flush has the tool's start durable and its result lost, so the run is in
     doubt (fail closed), and the Session holds only the input."""
     counters = Counters()
     path = tmp_path / "events.db"
@@ -359,3 +362,90 @@ def test_a_controller_hands_a_store_only_the_session_writes_it_takes(
     c.flush()
     assert appends.writes == (["tuple of 2"] if many else ["one", "one"])
     assert asyncio.run(session.get_items()) == [first, second]
+
+
+@pytest.mark.invariant("I1", "I12")
+@pytest.mark.parametrize("kind", ["sqlite", "sqlite-async"])
+def test_a_crash_while_the_model_answers_after_a_tool_leaves_the_call_completed(
+        tmp_path: Path, kind: str) -> None:
+    """The process dies while the model is asked again after the tool (the longest wait
+    of a turn): the tool's result and its publication were made durable before that
+    request, so the next attempt finds the call completed (never in doubt, no operator
+    needed), its call and output written once, asks the model again and completes; the
+    tool ran once. While the model is asked, a reader of the store (an operator's inbox)
+    already sees the call completed, not in doubt."""
+    counters = Counters()
+    path = tmp_path / "events.db"
+    store_class = AsyncSQLiteEventStore if kind == "sqlite-async" else SQLiteEventStore
+    inbox: list[Any] = []
+
+    class DiesAtTheSecondCall(SeeingModel):
+        async def respond(self, history: list[Any], agent: Agent) -> ModelResponse:
+            if len(self.seen) == 1:  # asked again, after the tool: the process dies
+                reader = SQLiteEventStore(path, readonly=True)
+                try:
+                    inbox.append(RunController.load(reader, "r").in_doubt())
+                finally:
+                    reader.close()
+                raise KeyboardInterrupt
+            return await super().respond(history, agent)
+
+    charge = counted_tool(counters, "charge", lambda x: f"charged {x}")
+    dying = DiesAtTheSecondCall([ModelResponse((("c1", "charge", {"x": 7}),)),
+                                 ModelResponse(output="charged")])
+
+    async def attempt(agent: Agent) -> Any:
+        store = store_class(path)
+        try:
+            return await Runner.run(agent, None if agent.model is not dying else "charge 7",
+                                    session=SQLiteSession("s", path), store=store,
+                                    run_id="r")
+        finally:
+            await _close(store)
+
+    with pytest.raises(KeyboardInterrupt):
+        asyncio.run(attempt(Agent("billing", dying, (charge,))))
+    assert counters.tools == {"charge": 1}
+    assert inbox == [()]  # no call in doubt while the model was asked
+    assert asyncio.run(SQLiteSession("s", path).get_items()) == [USER, CALL, OUTPUT]
+    again = SeeingModel([ModelResponse(output="charged")])
+    result = asyncio.run(attempt(Agent("billing", again, (charge,))))
+    assert result.step is Step.COMPLETED
+    assert counters.tools == {"charge": 1}
+    assert again.seen == [[USER, CALL, OUTPUT]]
+    assert asyncio.run(SQLiteSession("s", path).get_items()) == SESSION_AFTER
+
+
+def test_publish_reads_more_of_the_session_only_for_too_short_a_history() -> None:
+    """`publish` reads twice as much of the Session while its tail cannot tell the write's
+    outcomes apart; any other refusal (here a batch that leaves out the call whose result
+    it carries) is raised after the first read, not after reading the whole Session."""
+    from statemachine import InvalidTransition, ToolCall
+    from statemachine.sessions import MemorySession
+
+    class Counting(MemorySession):
+        def __init__(self) -> None:
+            super().__init__("s")
+            self.limits: list[int | None] = []
+
+        async def get_items(self, limit: int | None = None) -> list[Any]:
+            self.limits.append(limit)
+            return await super().get_items(limit)
+
+    session = Counting()
+    asyncio.run(session.add_items([{"role": "user", "content": f"m{i}"} for i in range(5000)]))
+    c = RunController.start(run_id="r", session_id="s")
+    c.begin_model_call()
+    c.model_responded([ToolCall("c1", "charge", {"x": 7})])
+    c.resume()
+    c.begin_tool("c1")
+    c.tool_completed("c1", "charged 7")
+    with pytest.raises(InvalidTransition, match="batch_names_its_calls"):
+        asyncio.run(publish(c, session, [OUTPUT]))  # (call_ids left out)
+    assert session.limits == [2]
+    # a tail repeating the batch is read further until it tells the outcomes apart
+    session.limits.clear()
+    asyncio.run(session.add_items([OUTPUT, OUTPUT]))
+    asyncio.run(publish(c, session, [OUTPUT], call_ids=["c1"]))
+    assert session.limits[:2] == [2, 4]
+    assert c.step is not Step.UNSETTLED

@@ -270,3 +270,56 @@ def test_the_run_never_gets_ahead_of_its_consumer() -> None:
         assert streamed.result.final_output == "done"
 
     run_clean(main)
+
+
+# ------------------------------------------------- shown only once it is durable
+
+
+@pytest.mark.invariant("I8")
+@pytest.mark.parametrize("approval", [False, True])
+def test_a_streamed_run_shows_its_last_event_only_once_it_is_durable(
+        tmp_path: Any, approval: bool) -> None:
+    """With an async store (always buffered) the attempt's own flush comes at its end,
+    after its last event reaches the consumer: the answer (``final_output``) or the pause
+    (``interruption``) must be durable before the consumer sees it, else a consumer
+    shows an answer the run may never keep. A reader of the store when the consumer gets
+    the last event finds the run completed with every item written, or paused with the
+    call awaiting its decision."""
+    from statemachine.sessions import SQLiteSession
+    from statemachine.stores import AsyncSQLiteEventStore, SQLiteEventStore
+
+    path = tmp_path / "events.db"
+    tool = CountedTool()
+    agent = Agent("billing", CyclingModel(),
+                  (FunctionTool("charge", tool, needs_approval=approval),))
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        store = AsyncSQLiteEventStore(path)
+        session = SQLiteSession(SESSION_ID, path)
+        streamed = Runner.run_streamed(agent, "charge 7", session=session, store=store,
+                                       run_id="r")
+        async for event in streamed.stream_events():
+            if event.kind in ("final_output", "interruption"):
+                reader = SQLiteEventStore(path, readonly=True)
+                try:
+                    c = RunController.load(reader, "r")
+                    seen.update(kind=event.kind, step=c.step,
+                                pending=c.pending_approvals)
+                finally:
+                    reader.close()
+                seen["items"] = await SQLiteSession(SESSION_ID, path).get_items()
+        await store.close()
+
+    run_clean(main)
+    if approval:
+        assert seen["kind"] == "interruption"
+        assert seen["step"] is Step.INTERRUPTION
+        assert seen["pending"] == ("charge-1",)
+        assert tool.calls == 0
+    else:
+        assert seen["kind"] == "final_output"
+        assert seen["step"] is Step.COMPLETED
+        assert [item.get("content", item.get("type")) for item in seen["items"]] == [
+            "charge 7", "function_call", "function_call_output", "done"]
+        assert tool.calls == 1
