@@ -654,6 +654,11 @@ CATALOGUE: tuple[Mutant, ...] = (
        "the fence passes an attempt another attempt superseded"),
     _m("JO26", "            self.stop(ConcurrencyConflict, reason)\n", "",
        "a fenced controller goes on recording as if it still held the run"),
+    _m("JO31", "        return any(type(e) in _RESULTS for e in "
+               "self.events[self.flushed - self.base:])",
+       "        return False",
+       "a tool's result waits through the next model call: a crash then leaves the call "
+       "in doubt"),
     # --------------------------------------------------------------------- stores
     _m("SS01", "            if len(log) != expected_version:\n",
        "            if len(log) > expected_version:\n",
@@ -997,9 +1002,19 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("LP02", "if c.max_turns is not None and c.turns >= c.max_turns:",
        "if c.max_turns is not None and c.turns > c.max_turns:",
        "max_turns checked off by one"),
-    _m("LP03", "        await c.fence_async()\n        try:\n            response",
+    _m("LP03", "        await c.flush_results_async()\n        try:\n            response",
        "        try:\n            response",
        "the model is called by an attempt another has superseded"),
+    _m("LP21", "        await c.flush_results_async()\n", "        await c.fence_async()\n",
+       "a tool's result waits through the next model call: a crash then leaves the call "
+       "in doubt"),
+    _m("LP22", "            elif action is Action.AWAIT_DECISIONS:\n"
+               "                await c.flush_async()", "            elif action is "
+               "Action.AWAIT_DECISIONS:\n                pass",
+       "a streamed consumer is shown a pause that is not durable"),
+    _m("LP23", "        await c.flush_async()\n        await self._emit(StreamEvent("
+               "\"final_output\"", "        await self._emit(StreamEvent(\"final_output\"",
+       "a streamed consumer is shown an answer that is not durable"),
     _m("LP04", "                await c.flush_async()  # an effect boundary: the start is "
                "durable first\n", "",
        "a tool runs before its start is durable"),
@@ -1104,6 +1119,9 @@ CATALOGUE: tuple[Mutant, ...] = (
        "            ):",
        "a write to a Session outside the store's transaction is taken over: a stalled writer "
        "could still land it, twice"),
+    _m("PU15", "            if whole or TOO_SHORT not in refused.reason:",
+       "            if whole:",
+       "a publication refused for another reason reads the Session again and again"),
     # -------------------------------------------------------------- runner/remote
     _m("RE01", 'answered = {e.call_id for e in history if e.kind == "tool_result"}',
        "answered: set[str | None] = set()",
@@ -1639,6 +1657,9 @@ CATALOGUE: tuple[Mutant, ...] = (
        "",
        "a sync tool call runs before LangGraph's write of its step's checkpoint ended: a "
        "resumer whose write OneWriterSaver refused runs its tools"),
+    _m("LG20", "    claim_at_open = False", "    claim_at_open = True",
+       "a resumer that finds nothing to record supersedes the resumer that goes on: of two, "
+       "neither goes on"),
     # ------------------------------------------------------------------ google-adk
     _m("GA01", "                c.flush()  # an effect boundary: the start is durable before "
                "the body\n",

@@ -31,7 +31,7 @@ import json
 import math
 import threading
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from statemachine import events as ev
 from statemachine import sizes, telemetry
@@ -499,6 +499,10 @@ class HeldRuns:
     verifiers: Mapping[str, Verifier]
     _lock: threading.RLock
     _runs: dict[str, RunController]
+    claim_at_open: ClassVar[bool] = True
+    """Whether a loaded run's claim is made durable when it is opened (before the
+    attempt's hooks, which only fence), or rides with the attempt's first write (an
+    attempt that finds nothing to record never supersedes the one that does)."""
 
     def controller(self, run_id: str, *, reopen: bool = True) -> RunController:
         """The run's controller as this process holds it: loaded (and claimed, its
@@ -538,7 +542,8 @@ class HeldRuns:
         if doubtful and not verifiable:
             c.resume()  # ToolInDoubt before the claim: a stuck run gains no claim
         c.claim(self.owner)
-        c.flush()  # durable before any effect: of two resumers, one goes on
+        if self.claim_at_open or verifiable:
+            c.flush()  # durable before any effect: of two resumers, one goes on
         if verifiable:
             verify_in_doubt(c, self.verifiers)
             c.flush()

@@ -62,11 +62,16 @@ or `LedgerMiddleware.after_model`  named in ``approvals``: each pending call is 
 =================================  ==========================================================
 
 Every attempt on a run that already exists (the first ledger call of a process, or after
-another process wrote to the run) records ``claim`` first and makes it durable: of two
-processes that loaded the same version, one goes on and the other gets
-`ConcurrencyConflict` before any tool runs. Right after the claim, the verifiers given to
-the ledger (by tool name, DESIGN §7.3) are asked about the calls of their tools in doubt;
-every body runs inside its call's `statemachine.tool_context` (its idempotency key).
+another process wrote to the run) records ``claim`` first; the claim rides with the
+attempt's first write (a decision, a batch, a tool's start), which lands only on the
+version the attempt loaded: of two processes that loaded the same version, one goes on
+and the other gets `ConcurrencyConflict` before any tool runs. An attempt that finds
+nothing to record (a resume whose decisions another resumer already recorded) writes
+nothing, so it never supersedes the resumer that goes on, and the checkpoint it then
+writes onto the paused one is refused (`OneWriterSaver`): of two resumers, one goes on.
+A run with calls in doubt whose tools have verifiers makes its claim durable at once, and
+the verifiers given to the ledger (by tool name, DESIGN §7.3) are asked about them; every
+body runs inside its call's `statemachine.tool_context` (its idempotency key).
 
 A tool that raises: with ``handle_tool_errors`` set on the ToolNode, LangGraph turns the
 error into an error ``ToolMessage``, which is recorded like any result; otherwise the
@@ -301,6 +306,8 @@ class ToolLedger(HeldRuns):
 
     Refused when built (`InvalidVerifier`, `UnsupportedFeature`): a verifier for no tool
     of ``tools`` (when given) or for an idempotent tool, and an async store."""
+
+    claim_at_open = False  # no hook fences a LangGraph attempt: the claim rides
 
     def __init__(self, store: EventStore, *, prefix: str = "langgraph:",
                  run_id: str | None = None, approvals: Collection[str] = (),

@@ -1014,6 +1014,70 @@ def test_two_resumers_of_one_checkpoint_one_goes_on(tmp_path: Path) -> None:
     assert outcomes == {"alone": "written", "ledger": "refused"}
 
 
+@pytest.mark.invariant("I1", "I7")
+def test_a_resumer_that_finds_nothing_to_record_never_stops_the_one_that_goes_on(
+        tmp_path: Path) -> None:
+    """Two processes resume one approval. The second read the paused checkpoint; the
+    first recorded the decision and wrote the checkpoint after it, and is about to write
+    its tool's start when the second opens the run: the second finds nothing to record,
+    and its checkpoint onto the paused one is refused. It wrote nothing to the ledger
+    either, so the first's start lands and the charge runs once (a claim the second made
+    durable on opening the run superseded the first: both refused, nothing ran)."""
+    path = tmp_path / "effects.txt"
+    script = [[("charge", {"amount": 7}, "c1")], "done"]
+    ledger_db, checkpoints = str(tmp_path / "ledger.db"), str(tmp_path / "checkpoints.db")
+
+    def process(saver: Any, store: SQLiteEventStore) -> tuple[Any, OneWriterSaver]:
+        one_writer = OneWriterSaver(saver)
+        return build("ledger", make_tools(path), ScriptedModel(script=script), one_writer,
+                     ledger=ToolLedger(store, approvals=["charge"]), review=True), one_writer
+
+    read, go = threading.Event(), threading.Event()
+    refused: list[BaseException] = []
+    with SqliteSaver.from_conn_string(checkpoints) as saver_a, \
+            SqliteSaver.from_conn_string(checkpoints) as saver_b:
+        store_a = SQLiteEventStore(ledger_db)
+        (first, _), (second, writer_b) = (process(saver_a, store_a),
+                                          process(saver_b, SQLiteEventStore(ledger_db)))
+        asked = _pending(first.invoke({"messages": [HumanMessage("go")]}, CONFIG))
+        value = {call_id: decision("approve", fingerprint)
+                 for call_id, fingerprint in asked.items()}
+        get_tuple, append = writer_b.get_tuple, store_a.append
+
+        def reading(config: Any) -> Any:  # the second read the paused checkpoint
+            found = get_tuple(config)
+            if not read.is_set():
+                read.set()
+                assert go.wait(30)
+            return found
+
+        def appending(run_id: str, events: Any, *args: Any, **kwargs: Any) -> Any:
+            if not go.is_set() and any(type(event).__name__ == "ToolStarted"
+                                       for event in events):
+                go.set()  # the first's tool start, past its fence: the second goes on
+                resumer.join(30)
+            return append(run_id, events, *args, **kwargs)
+
+        def resume_second() -> None:
+            try:
+                second.invoke(Command(resume=value), CONFIG, durability="sync")
+            except BaseException as error:  # checked below
+                refused.append(error)
+
+        writer_b.get_tuple = reading  # type: ignore[method-assign]
+        store_a.append = appending  # type: ignore[method-assign]
+        resumer = threading.Thread(target=resume_second)
+        resumer.start()
+        assert read.wait(30)
+        result = first.invoke(Command(resume=value), CONFIG, durability="sync")
+        resumer.join(30)
+    assert go.is_set()
+    assert [type(error) for error in refused] == [ConcurrencyConflict]
+    assert "moved on" in cast("ConcurrencyConflict", refused[0]).reason
+    assert effects(path) == ["charge 7"]
+    assert result["messages"][-1].content == "done"
+
+
 class _AsyncSaver(InMemorySaver):
     """An in-memory saver whose async reads and writes yield to the event loop, as
     LangGraph's async savers (AsyncSqliteSaver, AsyncPostgresSaver) do."""
