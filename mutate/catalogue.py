@@ -1701,10 +1701,11 @@ CATALOGUE: tuple[Mutant, ...] = (
        "                if False:",
        "OneWriterSessionService never checks the session's last event: two writers both "
        "append"),
-    _m("GA08", "                                    whole=True)\n"
-               "                c.flush()  # the envelope is durable before the write\n",
-       "                                    whole=True)\n",
-       "the publication staged for a session append is not flushed before the append"),
+    _m("GA08", "        c.flush()  # the results (and their envelope) are durable before the "
+               "write\n        return bool(answered)",
+       "        return bool(answered)",
+       "the publication staged for a session append (the results riding with it) is not "
+       "flushed before the append"),
     _m("GA09", "        with plugin._lock:\n            c.publication_committed()\n"
                "            c.flush()\n        return written",
        "        with plugin._lock:\n            c.flush()\n        return written",
@@ -1731,10 +1732,11 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("GA14", "            self._bodies[call_id] = entered(context_of(c, call_id))",
        "            pass",
        "an ADK tool body runs without its call's tool_context (no key)"),
-    _m("GA15", "                c.flush()  # the result is durable before ADK makes it an "
-               "event",
-       "                pass  # the result is durable before ADK makes it an event",
-       "an ADK call's result is not flushed before ADK makes it an event"),
+    _m("GA15", "                    c.flush()  # the result is durable before ADK makes it "
+               "an event",
+       "                    pass  # the result is durable before ADK makes it an event",
+       "without publications, an ADK call's result is not flushed before ADK makes it an "
+       "event"),
     _m("GA16", "            brought = {**_confirmations(tool_context.session, c), call_id: given}",
        "            brought = {call_id: given}",
        "only a call's own confirmation is recorded: the first confirmed call of a message "
@@ -1756,10 +1758,10 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("GA20", "            if c is not None:\n                c.fence()",
        "            if False:\n                c.fence()",
        "the model request is not fenced: a superseded attempt asks the model"),
-    _m("GA21", "            except ConcurrencyConflict:  # superseded: the copy stays held, "
-               "and refuses\n                raise  # (the session service fences",
-       "            except ValueError:  # superseded: the copy stays held, "
-       "and refuses\n                raise  # (the session service fences",
+    _m("GA21", "                except ConcurrencyConflict:  # superseded: the copy stays "
+               "held, and refuses\n                    raise  # (the session service fences",
+       "                except ValueError:  # superseded: the copy stays "
+       "held, and refuses\n                    raise  # (the session service fences",
        "a superseded attempt whose result's flush is refused drops its copy of the run: "
        "ADK writes its error event unfenced"),
     _m("GA22", "            error.add_note(_SETTLING_WRITE)",
@@ -1774,6 +1776,23 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("GA24", "        if isinstance(tool, SetModelResponseTool):",
        "        if False:",
        "ADK's own set_model_response goes through the ledger's callbacks like a tool"),
+    _m("GA25", "            if c is not None:\n                self._stage(c, event, "
+               "[_event_json(e) for e in session.events])",
+       "            if False:\n                self._stage(c, event, "
+       "[_event_json(e) for e in session.events])",
+       "the plugin stages nothing before ADK hands the event to the session service: the "
+       "results it carries are not durable when a kill comes before the service writes"),
+    _m("GA26", "                c.flush()  # the invocation ends awaiting it: durable (the "
+               "inbox lists it)",
+       "                pass  # the invocation ends awaiting it: durable (the inbox lists it)",
+       "a confirmation is asked for while the call awaiting it is not durable: the "
+       "operator's inbox shows nothing"),
+    _m("GA27", "                if c.holds_attempt:\n                    with contextlib."
+               "suppress(ControlError):\n                        c.publication_failed(error)",
+       "                if False:\n                    with contextlib."
+       "suppress(ControlError):\n                        c.publication_failed(error)",
+       "a staged event whose append is refused before anything was written leaves its "
+       "attempt open, not recorded failed"),
     # ------------------------------------------------------------------ telemetry
     _m("TE01", "    span = None if spans is None or not switch.telemetry else "
                "spans.calls.get(call_id)",
