@@ -1061,8 +1061,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("PU01", 'elif kind == "function_call" and call_id not in answered:',
        'elif kind == "function_call":',
        "one_writer blocks on a call that has its output"),
-    _m("PU02", "    limit = len(items) + 1\n    while True:",
-       "    limit = len(items)\n    while True:",
+    _m("PU02", "    limit = len(items) + 1\n    if known is not None",
+       "    limit = len(items)\n    if known is not None",
        "publish reads one history item too few"),
     _m("PU03", "    await controller.flush_async()  # an effect boundary: the staged envelope "
                "is durable\n", "",
@@ -1096,6 +1096,10 @@ CATALOGUE: tuple[Mutant, ...] = (
        "a store that takes one Session write per append is handed a second that rides"),
     _m("PU14", "            and isinstance(store, SQLiteEventStore)\n", "\n",
        "a Session beside an async store is read through the store, which has no such read"),
+    _m("PU15", "    tail = (read[-TAIL_ITEMS:] if read is not None\n",
+       "    tail = ([] if read is not None\n",
+       "one_writer, given the history its caller read, checks none of it: a Session "
+       "holding a call without its output is written by a new run"),
     _m("PU10", "        return (writer is not None and writer.lease is not None\n",
        "        return (writer is not None\n",
        "a writer that took no lease is taken over by the next claimant"),
@@ -1531,6 +1535,11 @@ CATALOGUE: tuple[Mutant, ...] = (
        "a pydantic-ai tool body runs without its call's tool_context (no key)"),
     _m("PD30", "            found.update(toolset.tools)", "            found.update(())",
        "a verifier of a function tool of the agent is refused as naming no tool"),
+    _m("PD31", "        self._known = None  # (read afresh by each call: another run may have "
+               "written)",
+       "        pass  # (read afresh by each call: another run may have written)",
+       "a LedgerRun keeps the history it read in an earlier call: a completed run's answer "
+       "comes with the history as it was, another run's later turn missing"),
     _m("AN27", "owner=owner, verifiers=checked)", "owner=owner)",
        "the session runner's iterations never ask the verifiers"),
     _m("AN22", "            with running_call(c, call_id):  # tool_context() in the body\n"
