@@ -171,6 +171,7 @@ from statemachine.adapters._calls import (
     resolution,
     resolving,
     settle_unsettled,
+    stored_run,
 )
 from statemachine.controller import RunController
 from statemachine.errors import (
@@ -574,9 +575,8 @@ class LedgerRun:
                                                                 buffered=buffered,
                                                                 max_bytes=max_bytes)
                 else:
-                    controller = RunController.load(cast("EventStore", store), run_id,
-                                                    buffered=buffered,
-                                                    max_bytes=max_bytes)
+                    controller = stored_run(cast("EventStore", store), run_id,
+                                            buffered=buffered, max_bytes=max_bytes)
         existing = controller is not None
         if controller is None:
             controller = RunController.start(
