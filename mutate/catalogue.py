@@ -1096,10 +1096,6 @@ CATALOGUE: tuple[Mutant, ...] = (
        "a store that takes one Session write per append is handed a second that rides"),
     _m("PU14", "            and isinstance(store, SQLiteEventStore)\n", "\n",
        "a Session beside an async store is read through the store, which has no such read"),
-    _m("PU15", "    tail = (read[-TAIL_ITEMS:] if read is not None\n",
-       "    tail = ([] if read is not None\n",
-       "one_writer, given the history its caller read, checks none of it: a Session "
-       "holding a call without its output is written by a new run"),
     _m("PU10", "        return (writer is not None and writer.lease is not None\n",
        "        return (writer is not None\n",
        "a writer that took no lease is taken over by the next claimant"),
