@@ -25,8 +25,10 @@ the framework's own commits plus the ledger's (`SQLiteEventStore.commits`):
 Targets: DESIGN §7.9's "≤ 3 durable writes per turn" holds for a history in the library's
 own store (its Session in the store's database); here the history is the framework's, so
 the writes are reported. CPU per turn (``time.process_time``, the process's threads
-included) is judged against the framework alone, ≤ 1.3x, as for every adapter. At
-most `MOST_TURNS` turns per configuration; ``--quick`` leaves both rows out.
+included) is judged against the framework alone, ≤ 1.3x, as for every adapter; the two
+configurations it compares run turn by turn in turn (`bench.durable_rows._side_by_side`),
+so a slow while on a shared machine falls on both. At most `MOST_TURNS` turns per
+configuration; ``--quick`` leaves both rows out.
 
 Usage: ``python -m bench.framework_rows`` prints both rows as JSON. ImportError without
 the framework.
@@ -44,7 +46,16 @@ from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
-from bench.durable_rows import CPU_RATIO, _counting_from, _pid, _server, _turns, _wal_syncs
+from bench.durable_rows import (
+    CPU_RATIO,
+    Steps,
+    _counting_from,
+    _pid,
+    _server,
+    _side_by_side,
+    _turns,
+    _wal_syncs,
+)
 
 QUICK = "skipped: --quick (the full bench measures it)"
 MOST_TURNS = 10
@@ -68,16 +79,17 @@ def _row(rows: dict[str, Any], alone: str, judged: str, name: str) -> dict[str, 
             "verdict": "met" if cpu <= CPU_RATIO else "missed"}
 
 
-def _timed(turns: int, turn: Callable[[int], None]) -> tuple[list[float], list[float]]:
-    """``turn(i)`` for i = 0 … ``turns`` (0 warms up): wall and CPU seconds of the rest."""
-    times, cpus = [], []
+def _timed(turns: int, turn: Callable[[int], None], times: list[float],
+           cpus: list[float]) -> Steps:
+    """``turn(i)`` for i = 0 … ``turns`` (0 warms up), one per step: the wall and CPU
+    seconds of the rest go to ``times`` and ``cpus``."""
     for i in range(turns + 1):
         start, cpu = time.perf_counter(), time.process_time()
         turn(i)
         if i:
             times.append(time.perf_counter() - start)
             cpus.append(time.process_time() - cpu)
-    return times, cpus
+        yield
 
 
 def _figures(writes: float, times: list[float], cpus: list[float]) -> dict[str, Any]:
@@ -129,6 +141,13 @@ def _langgraph_app(saver: Any, ledger: Any, ran: list[int]) -> Any:
 
 
 def _langgraph_turns(folder: Path, mode: str, turns: int) -> dict[str, Any]:
+    """`_langgraph_steps`, alone."""
+    found: dict[str, Any] = _side_by_side(_langgraph_steps(folder, mode, turns))[0]
+    return found
+
+
+def _langgraph_steps(folder: Path, mode: str, turns: int) -> Steps:
+    """``turns`` turns in ``mode`` (and one that warms up), one per step: the figures."""
     from langgraph.checkpoint.sqlite import SqliteSaver
 
     from statemachine.adapters.langgraph import OneWriterSaver, ToolLedger
@@ -154,7 +173,9 @@ def _langgraph_turns(folder: Path, mode: str, turns: int) -> dict[str, Any]:
         if done["messages"][-1].content != "paid 7" or ran != [7] * (i + 1):
             raise RuntimeError(f"{mode}: the turn went wrong: ran {ran}")
 
-    times, cpus = _timed(turns, turn)
+    times: list[float] = []
+    cpus: list[float] = []
+    yield from _timed(turns, turn, times, cpus)
     conn.set_trace_callback(None)
     conn.close()
     ours = 0 if store is None else store.commits - counted[0]
@@ -194,7 +215,10 @@ def _langgraph_pg(dsn: str, schema: str, turns: int) -> dict[str, Any]:
         if done["messages"][-1].content != "paid 7" or ran != [7] * (i + 1):
             raise RuntimeError(f"{LANGGRAPH_PG}: the turn went wrong: ran {ran}")
 
-    times, cpus = _timed(turns, turn)
+    times: list[float] = []
+    cpus: list[float] = []
+    for _ in _timed(turns, turn, times, cpus):
+        pass
     ended = [conn.info.backend_pid, *_pid(store)]
     conn.close()
     store.close()
@@ -211,10 +235,15 @@ def langgraph_row(args: Any = None) -> dict[str, Any]:
     turns = min(_turns(args), MOST_TURNS)
     rows: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as folder:
-        for index, mode in enumerate(LANGGRAPH_MODES):
-            place = Path(folder) / f"lg-{index}"
+        places = [Path(folder) / f"lg-{index}" for index in range(len(LANGGRAPH_MODES))]
+        for place in places:
             place.mkdir()
-            rows[mode] = _langgraph_turns(place, mode, turns)
+        # the two the verdict compares, turn by turn in turn (a slow while falls on both)
+        compared = _side_by_side(_langgraph_steps(places[0], LANGGRAPH_MODES[0], turns),
+                                 _langgraph_steps(places[2], LANGGRAPH_MODES[2], turns))
+        rows[LANGGRAPH_MODES[0]] = compared[0]
+        rows[LANGGRAPH_MODES[1]] = _langgraph_turns(places[1], LANGGRAPH_MODES[1], turns)
+        rows[LANGGRAPH_MODES[2]] = compared[1]
     with _server(args) as (dsn, schema, skipped):
         if dsn is None:
             rows[LANGGRAPH_PG] = {"skipped": skipped}
@@ -273,6 +302,13 @@ def _adk_parts() -> tuple[type, Callable[..., Any]]:
 
 
 def _adk_turns(folder: Path, mode: str, turns: int) -> dict[str, Any]:
+    """`_adk_steps`, alone."""
+    found: dict[str, Any] = _side_by_side(_adk_steps(folder, mode, turns))[0]
+    return found
+
+
+def _adk_steps(folder: Path, mode: str, turns: int) -> Steps:
+    """``turns`` turns in ``mode`` (and one that warms up), one per step: the figures."""
     from google.adk.agents import LlmAgent
     from google.adk.apps import App
     from google.adk.runners import Runner
@@ -322,7 +358,9 @@ def _adk_turns(folder: Path, mode: str, turns: int) -> dict[str, Any]:
             counted_from[:] = [commits[0], 0 if store is None else store.commits]
         asyncio.run(go(i))
 
-    times, cpus = _timed(turns, turn)
+    times: list[float] = []
+    cpus: list[float] = []
+    yield from _timed(turns, turn, times, cpus)
     ours = 0 if store is None else store.commits - counted_from[1]
     if store is not None:
         store.close()
@@ -339,10 +377,14 @@ def google_adk_row(args: Any = None) -> dict[str, Any]:
     turns = min(_turns(args), MOST_TURNS)
     rows: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as folder:
-        for index, mode in enumerate(ADK_MODES):
-            place = Path(folder) / f"adk-{index}"
+        places = [Path(folder) / f"adk-{index}" for index in range(len(ADK_MODES))]
+        for place in places:
             place.mkdir()
-            rows[mode] = _adk_turns(place, mode, turns)
+        compared = _side_by_side(_adk_steps(places[0], ADK_MODES[0], turns),
+                                 _adk_steps(places[2], ADK_MODES[2], turns))
+        rows[ADK_MODES[0]] = compared[0]
+        rows[ADK_MODES[1]] = _adk_turns(places[1], ADK_MODES[1], turns)
+        rows[ADK_MODES[2]] = compared[1]
     rows["PostgreSQL"] = {"skipped": "skipped: ADK's session service on PostgreSQL needs "
                                      "an async SQLAlchemy driver the extras do not install"}
     return _row(rows, ADK_MODES[0], ADK_MODES[2], "ADK")

@@ -1076,8 +1076,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("PU01", 'elif kind == "function_call" and call_id not in answered:',
        'elif kind == "function_call":',
        "one_writer blocks on a call that has its output"),
-    _m("PU02", "    limit = len(items) + 1\n    while True:",
-       "    limit = len(items)\n    while True:",
+    _m("PU02", "    limit = len(items) + 1\n    if known is not None",
+       "    limit = len(items)\n    if known is not None",
        "publish reads one history item too few"),
     _m("PU03", "    await controller.flush_async()  # an effect boundary: the staged envelope "
                "is durable\n", "",
@@ -1549,6 +1549,11 @@ CATALOGUE: tuple[Mutant, ...] = (
        "a pydantic-ai tool body runs without its call's tool_context (no key)"),
     _m("PD30", "            found.update(toolset.tools)", "            found.update(())",
        "a verifier of a function tool of the agent is refused as naming no tool"),
+    _m("PD31", "        self._known = None  # (read afresh by each call: another run may have "
+               "written)",
+       "        pass  # (read afresh by each call: another run may have written)",
+       "a LedgerRun keeps the history it read in an earlier call: a completed run's answer "
+       "comes with the history as it was, another run's later turn missing"),
     _m("AN27", "owner=owner, verifiers=checked)", "owner=owner)",
        "the session runner's iterations never ask the verifiers"),
     _m("AN22", "            with running_call(c, call_id):  # tool_context() in the body\n"
@@ -1634,10 +1639,11 @@ CATALOGUE: tuple[Mutant, ...] = (
                "handler(request)",
        "            if True:\n                result = handler(request)",
        "a LangGraph sync tool body runs without its call's tool_context (no key)"),
-    _m("LG14", "                c.flush()  # the result is durable before LangGraph "
+    _m("LG14", "                    c.flush()  # the result is durable before LangGraph "
                "checkpoints it",
-       "                pass  # the result is durable before LangGraph checkpoints it",
-       "a LangGraph call's result is not flushed before LangGraph checkpoints it"),
+       "                    pass  # the result is durable before LangGraph checkpoints it",
+       "without publications, a LangGraph call's result is not flushed before LangGraph "
+       "checkpoints it"),
     _m("LG15", "        if handling is not False:\n            node._handle_tool_errors = "
                "_passing_refusals(handling)",
        "        if False:\n            node._handle_tool_errors = _passing_refusals(handling)",
@@ -1657,7 +1663,32 @@ CATALOGUE: tuple[Mutant, ...] = (
        "",
        "a sync tool call runs before LangGraph's write of its step's checkpoint ended: a "
        "resumer whose write OneWriterSaver refused runs its tools"),
-    _m("LG20", "    claim_at_open = False", "    claim_at_open = True",
+    _m("LG20", "            c.flush()  # the results and their envelope are durable before the "
+               "write",
+       "            pass  # the results and their envelope are durable before the write",
+       "the publication staged before LangGraph saves the tools' writes (and the results "
+       "riding with it) is not flushed before that write"),
+    _m("LG21", "                c.flush()  # (a no-op when nothing is buffered)",
+       "                pass  # (a no-op when nothing is buffered)",
+       "tools' writes that carry results but stage no publication (a sibling call still "
+       "running) are saved before the results are durable"),
+    _m("LG22", "                if results:\n                    c.flush()  # the results it "
+               "carries are durable before it",
+       "                if False:\n                    c.flush()  # the results it "
+       "carries are durable before it",
+       "a checkpoint that carries results but is not their publication is written before "
+       "they are durable"),
+    _m("LG23", "                if pending:  # the attempt ends at the interrupt: what waits "
+               "is durable\n                    c.flush()",
+       "                if pending:  # the attempt ends at the interrupt: what waits "
+       "is durable\n                    pass",
+       "the review interrupts with the calls awaiting a decision not durable: the operator's "
+       "inbox shows nothing, and a decision made there finds no call"),
+    _m("LG24", "        if self.publishes_to is not None and message.id is None:",
+       "        if False:",
+       "a result's ToolMessage keeps no id of its own: the staged batch is not the messages "
+       "the checkpoint gets once LangGraph's reducer draws one"),
+    _m("LG25", "    claim_at_open = False", "    claim_at_open = True",
        "a resumer that finds nothing to record supersedes the resumer that goes on: of two, "
        "neither goes on"),
     # ------------------------------------------------------------------ google-adk
@@ -1696,10 +1727,11 @@ CATALOGUE: tuple[Mutant, ...] = (
        "                if False:",
        "OneWriterSessionService never checks the session's last event: two writers both "
        "append"),
-    _m("GA08", "                                    whole=True)\n"
-               "                c.flush()  # the envelope is durable before the write\n",
-       "                                    whole=True)\n",
-       "the publication staged for a session append is not flushed before the append"),
+    _m("GA08", "        c.flush()  # the results (and their envelope) are durable before the "
+               "write\n        return bool(answered)",
+       "        return bool(answered)",
+       "the publication staged for a session append (the results riding with it) is not "
+       "flushed before the append"),
     _m("GA09", "        with plugin._lock:\n            c.publication_committed()\n"
                "            c.flush()\n        return written",
        "        with plugin._lock:\n            c.flush()\n        return written",
@@ -1726,10 +1758,11 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("GA14", "            self._bodies[call_id] = entered(context_of(c, call_id))",
        "            pass",
        "an ADK tool body runs without its call's tool_context (no key)"),
-    _m("GA15", "                c.flush()  # the result is durable before ADK makes it an "
-               "event",
-       "                pass  # the result is durable before ADK makes it an event",
-       "an ADK call's result is not flushed before ADK makes it an event"),
+    _m("GA15", "                    c.flush()  # the result is durable before ADK makes it "
+               "an event",
+       "                    pass  # the result is durable before ADK makes it an event",
+       "without publications, an ADK call's result is not flushed before ADK makes it an "
+       "event"),
     _m("GA16", "            brought = {**_confirmations(tool_context.session, c), call_id: given}",
        "            brought = {call_id: given}",
        "only a call's own confirmation is recorded: the first confirmed call of a message "
@@ -1751,10 +1784,10 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("GA20", "            if c is not None:\n                c.fence()",
        "            if False:\n                c.fence()",
        "the model request is not fenced: a superseded attempt asks the model"),
-    _m("GA21", "            except ConcurrencyConflict:  # superseded: the copy stays held, "
-               "and refuses\n                raise  # (the session service fences",
-       "            except ValueError:  # superseded: the copy stays held, "
-       "and refuses\n                raise  # (the session service fences",
+    _m("GA21", "                except ConcurrencyConflict:  # superseded: the copy stays "
+               "held, and refuses\n                    raise  # (the session service fences",
+       "                except ValueError:  # superseded: the copy stays "
+       "held, and refuses\n                    raise  # (the session service fences",
        "a superseded attempt whose result's flush is refused drops its copy of the run: "
        "ADK writes its error event unfenced"),
     _m("GA22", "            error.add_note(_SETTLING_WRITE)",
@@ -1769,6 +1802,23 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("GA24", "        if isinstance(tool, SetModelResponseTool):",
        "        if False:",
        "ADK's own set_model_response goes through the ledger's callbacks like a tool"),
+    _m("GA25", "            if c is not None:\n                self._stage(c, event, "
+               "[_event_json(e) for e in session.events])",
+       "            if False:\n                self._stage(c, event, "
+       "[_event_json(e) for e in session.events])",
+       "the plugin stages nothing before ADK hands the event to the session service: the "
+       "results it carries are not durable when a kill comes before the service writes"),
+    _m("GA26", "                c.flush()  # the invocation ends awaiting it: durable (the "
+               "inbox lists it)",
+       "                pass  # the invocation ends awaiting it: durable (the inbox lists it)",
+       "a confirmation is asked for while the call awaiting it is not durable: the "
+       "operator's inbox shows nothing"),
+    _m("GA27", "                if c.holds_attempt:\n                    with contextlib."
+               "suppress(ControlError):\n                        c.publication_failed(error)",
+       "                if False:\n                    with contextlib."
+       "suppress(ControlError):\n                        c.publication_failed(error)",
+       "a staged event whose append is refused before anything was written leaves its "
+       "attempt open, not recorded failed"),
     # ------------------------------------------------------------------ telemetry
     _m("TE01", "    span = None if spans is None or not switch.telemetry else "
                "spans.calls.get(call_id)",

@@ -45,6 +45,7 @@ from statemachine.errors import (
     RunNotResumable,
     SchemaError,
 )
+from statemachine.journal import Journal
 from statemachine.payloads import JSON, canonical_json
 from statemachine.runner.publish import settle
 from statemachine.sessions import Session
@@ -489,6 +490,19 @@ async def decide_async(c: RunController, owner: str | None, command: Command, *,
     await flush()
 
 
+def stored_run(store: EventStore, run_id: str, **options: Any) -> RunController | None:
+    """The run ``run_id`` loaded from the sync ``store`` (`RunController.load` with
+    ``options``), or None when the store holds none of its events: for a store that counts
+    a run's events (every store of this library) one indexed read finds a new run's id
+    absent, where a load would read the snapshot and the log to find nothing."""
+    if Journal.holds_none(store, run_id):
+        return None
+    try:
+        return RunController.load(store, run_id, **options)
+    except RunNotFound:
+        return None
+
+
 class HeldRuns:
     """This process's copies of the runs an adapter keeps one per thread or session (the
     LangGraph `ToolLedger`, the ADK `LedgerPlugin`): the class sets ``store``, ``owner``,
@@ -531,9 +545,8 @@ class HeldRuns:
             return c
 
     def _open(self, run_id: str) -> RunController:
-        try:
-            c = RunController.load(self.store, run_id, buffered=True)
-        except RunNotFound:
+        c = stored_run(self.store, run_id, buffered=True)
+        if c is None:
             return RunController.start(run_id=run_id, session_id=None, store=self.store,
                                        buffered=True)
         doubtful = c.in_doubt()

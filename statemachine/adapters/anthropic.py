@@ -147,6 +147,7 @@ from statemachine.adapters._calls import (
     plain,
     resolution,
     resolving,
+    stored_run,
 )
 from statemachine.controller import RunController
 from statemachine.errors import (
@@ -276,9 +277,9 @@ def _content_of(value: Any) -> JSON:
 def _open_sync(run_id: str, store: EventStore | None, buffered: bool
                ) -> tuple[RunController, bool]:
     buffered = buffered and store is not None
-    if store is not None:
-        with contextlib.suppress(RunNotFound):
-            return RunController.load(store, run_id, buffered=buffered), True
+    loaded = None if store is None else stored_run(store, run_id, buffered=buffered)
+    if loaded is not None:
+        return loaded, True
     return RunController.start(run_id=run_id, session_id=None, store=store,
                                buffered=buffered), False
 

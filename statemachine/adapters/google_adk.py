@@ -26,10 +26,16 @@ ADK seam                         what the ledger does
                                  binds) is refused (`InvalidTransition`); otherwise its start
                                  is made durable (flushed) before the body runs, inside its
                                  `statemachine.tool_context` (its idempotency key)
-``after_tool_callback``          the response is recorded and flushed before ADK turns it
-                                 into an event (a value that is not JSON is kept as its
-                                 text, and ADK is given the recorded form, so a resent
-                                 response is the same)
+``after_tool_callback``          the response is recorded (a value that is not JSON is
+                                 kept as its text, and ADK is given the recorded form, so a
+                                 resent response is the same) and flushed, or, with the
+                                 session appends as publications, it rides with the flush
+                                 that stages the event carrying it (DESIGN §7.7)
+``on_event_callback``            before ADK hands the session service an event carrying
+                                 responses the ledger holds: they are durable, and with
+                                 ``OneWriterSessionService(plugin=)`` an event answering
+                                 every unpublished call is staged as their publication in
+                                 the same flush
 ``on_tool_error_callback``       an exception of the body is recorded as the call's error
                                  (``{"error": "<Type>: <message>"}``) and propagates as with
                                  ADK alone; a cancelled body leaves its call in doubt
@@ -55,8 +61,9 @@ request_confirmation``           nothing before asking (recorded ``NOT_EXECUTED`
                                  it stale: ADK's ``StaleSessionError``), nothing written;
                                  the event that
                                  carries function responses the ledger holds unpublished is
-                                 their staged publication (durable before the write,
-                                 committed after, recorded failed when it raises; a write
+                                 their staged publication (durable before the write: staged
+                                 by the plugin's ``on_event_callback``, or here; committed
+                                 after, recorded failed when it raises or is refused; a write
                                  left unsettled is reconciled against the stored events by
                                  the next append)
 ===============================  ===========================================================
@@ -318,6 +325,13 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         self._lock = threading.RLock()
         self._runs: dict[str, RunController] = {}
         self._bodies: dict[str, contextvars.Token[Any]] = {}
+        self.publishes_to: OneWriterSessionService | None = None
+        """The session service whose appends are this plugin's publications (set by
+        ``OneWriterSessionService(service, plugin=...)``); None: the results are flushed
+        as they are recorded."""
+        self._staged: dict[str, str] = {}
+        """By run id: the id of the event whose publication `_stage` staged, until the
+        session service appends it (`OneWriterSessionService`)."""
 
     # ------------------------------------------------------------------ the runs
 
@@ -484,7 +498,8 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                     for call in calls]
         c.begin_model_call()
         c.model_responded(proposed)
-        c.flush()  # the proposal (and its decisions to come) is durable
+        # not flushed here (DESIGN §7.7): the proposal rides with the next flush, the
+        # start before the body, a decision, or a confirmation asked for
 
     @staticmethod
     def _publish_owed(c: RunController) -> None:
@@ -604,6 +619,7 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                 # as ADK's own gate does: the pause is no result for the model to
                 # summarize (asked again, it may call the tool again)
                 tool_context.actions.skip_summarization = True
+                c.flush()  # the invocation ends awaiting it: durable (the inbox lists it)
                 return {"error": ASK_CONFIRMATION}
             return None  # decided in the ledger (the operator): the ledger's word goes on
         if view.phase is Phase.AWAITING:
@@ -660,13 +676,14 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                 c.flush()
                 return None
             kept, recorded = record_result(c, call_id, plain(result, fallback=_as_text))
-            try:
-                c.flush()  # the result is durable before ADK makes it an event
-            except ConcurrencyConflict:  # superseded: the copy stays held, and refuses
-                raise  # (the session service fences this attempt's writes with it)
-            except BaseException:  # not durable: the call is in doubt on the next load
-                self._runs.pop(c.run_id, None)
-                raise
+            if self.publishes_to is None:  # (else it rides with its staged publication,
+                try:                       # flushed before the event is appended: _stage)
+                    c.flush()  # the result is durable before ADK makes it an event
+                except ConcurrencyConflict:  # superseded: the copy stays held, and refuses
+                    raise  # (the session service fences this attempt's writes with it)
+                except BaseException:  # not durable: the call is in doubt on the next load
+                    self._runs.pop(c.run_id, None)
+                    raise
             if not kept:
                 return {"error": error_text(recorded)}
             return None if recorded == result else self._answer(c, call_id)
@@ -687,6 +704,46 @@ class LedgerPlugin(HeldRuns, BasePlugin):
             with contextlib.suppress(ControlError):
                 c.flush()
             return None  # the error propagates, as with ADK alone
+
+    async def on_event_callback(self, *, invocation_context: Any,
+                                event: Any) -> Any:
+        """Before ADK hands the session service an event (an external write) carrying
+        function responses: `_stage`. Nothing else, and only when the service's appends
+        are this plugin's publications."""
+        if self.publishes_to is None or event.partial or not _response_ids(event):
+            return None
+        session = invocation_context.session
+        with self._lock:
+            c = self._runs.get(self.run_id_of(session))
+            if c is not None:
+                self._stage(c, event, [_event_json(e) for e in session.events])
+        return None
+
+    def _stage(self, c: RunController, event: Any, history: list[JSON]) -> bool:
+        """Before ``event``, which carries function responses, is written: when it answers
+        every call whose result the ledger holds unpublished (`OneWriterSessionService.
+        _publishable`), staged as their publication against ``history`` (the session's
+        events); what the ledger buffered flushed with it either way (DESIGN §7.7: a
+        result rides with the run's next write). Whether it staged."""
+        answered = OneWriterSessionService._publishable(c, event)
+        if answered:
+            c.stage_publication([_event_json(event)], history, call_ids=answered,
+                                whole=True)
+            self._staged[c.run_id] = event.id
+        c.flush()  # the results (and their envelope) are durable before the write
+        return bool(answered)
+
+    def _unstage(self, session: Any, event: Any, error: BaseException) -> None:
+        """The append of a staged event was refused before anything was written: its
+        attempt ended (`publication_failed`); the next run of the session reconciles."""
+        with self._lock:
+            c = self._runs.get(self.run_id_of(session))
+            if c is not None and self._staged.get(c.run_id) == event.id:
+                del self._staged[c.run_id]
+                if c.holds_attempt:
+                    with contextlib.suppress(ControlError):
+                        c.publication_failed(error)
+                        c.flush()
 
     def _reset(self, call_id: str) -> None:
         token = self._bodies.pop(call_id, None)
@@ -736,6 +793,8 @@ class OneWriterSessionService(BaseSessionService):
         self.service = service
         self.plugin = plugin
         self._locks: dict[tuple[str, str, str], asyncio.Lock] = {}
+        if plugin is not None:
+            plugin.publishes_to = self
 
     async def create_session(self, **options: Any) -> Any:
         return await self.service.create_session(**options)
@@ -758,17 +817,26 @@ class OneWriterSessionService(BaseSessionService):
         key = (session.app_name, session.user_id, session.id)
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
-            self._fence(session, event)
-            stored = await self.service.get_session(
-                app_name=session.app_name, user_id=session.user_id, session_id=session.id)
+            try:
+                self._fence(session, event)
+                stored = await self.service.get_session(
+                    app_name=session.app_name, user_id=session.user_id,
+                    session_id=session.id)
+            except ConcurrencyConflict as refused:
+                if self.plugin is not None:
+                    self.plugin._unstage(session, event, refused)
+                raise
             if stored is not None and stored is not session:
                 theirs = stored.events[-1].id if stored.events else None
                 ours = session.events[-1].id if session.events else None
                 if theirs != ours and not any(e.id == event.id for e in stored.events):
-                    raise ConcurrencyConflict(
+                    moved = ConcurrencyConflict(
                         f"session {session.id!r} moved on: this writer read it up to event "
                         f"{ours!r}, and its latest is {theirs!r} (another runner appended "
                         "first); nothing was written", action="append_event")
+                    if self.plugin is not None:
+                        self.plugin._unstage(session, event, moved)
+                    raise moved
             if self.plugin is None:
                 return await self._write(session, event)
             if getattr(event, "author", None) == "user":  # it opens an invocation
@@ -777,6 +845,17 @@ class OneWriterSessionService(BaseSessionService):
 
     async def _write(self, session: Any, event: Any) -> Any:
         return await _appended(self.service, session, event)
+
+    @staticmethod
+    def _publishable(c: RunController, event: Any) -> list[str]:
+        """The calls whose results ``event`` publishes: every call whose result the
+        ledger holds unpublished, all answered by its function responses (else none: it
+        is written as it is), while no publication is unsettled."""
+        owed = set(c.unpublished_call_ids())
+        answered = [call_id for call_id in _response_ids(event) if call_id in owed]
+        if not answered or owed - set(answered) or c.step is Step.UNSETTLED:
+            return []
+        return answered
 
     def _fence(self, session: Any, event: Any) -> None:
         """Refuse (`ConcurrencyConflict`, nothing written) an event of an invocation whose
@@ -800,20 +879,16 @@ class OneWriterSessionService(BaseSessionService):
         when it raises (the write's own error propagating)."""
         plugin = self.plugin
         assert plugin is not None
-        ids = _response_ids(event)
         with plugin._lock:  # nothing awaited under it (see before_tool_callback)
             c = plugin._runs.get(plugin.run_id_of(session))
-            owed = set(c.unpublished_call_ids()) if c is not None else set()
-            answered = [call_id for call_id in ids if call_id in owed]
-            staged = not (c is None or not answered or owed - set(answered)
-                          or c.step is Step.UNSETTLED)
+            # staged by the plugin's on_event_callback, or here (an event it did not see)
+            staged = c is not None and bool(_response_ids(event)) and (
+                (c.holds_attempt and plugin._staged.get(c.run_id) == event.id)
+                or plugin._stage(c, event, [_event_json(e) for e in (
+                    stored.events if stored is not None else session.events)]))
             if staged:
                 assert c is not None
-                history = [_event_json(e) for e in (stored.events if stored is not None
-                                                    else session.events)]
-                c.stage_publication([_event_json(event)], history, call_ids=answered,
-                                    whole=True)
-                c.flush()  # the envelope is durable before the write
+                del plugin._staged[c.run_id]
         if not staged:
             return await self._write(session, event)
         assert c is not None

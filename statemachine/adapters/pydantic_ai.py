@@ -171,6 +171,7 @@ from statemachine.adapters._calls import (
     resolution,
     resolving,
     settle_unsettled,
+    stored_run,
 )
 from statemachine.controller import RunController
 from statemachine.errors import (
@@ -512,6 +513,10 @@ class LedgerRun:
         self._idempotent = frozenset(idempotent)
         self._published = 0
         """How many of the messages pydantic-ai holds in this attempt are written."""
+        self._known: list[JSON] | None = None
+        """The history as the run sees it (`run_history`), read once in this attempt and
+        followed by what the attempt published since (`publish`'s ``known``): None
+        without a history, or before it was read."""
         self._driving = False
         """True while `run` drives pydantic-ai: the capability refuses any other run."""
         self._candidate: JSON | None = None
@@ -570,9 +575,8 @@ class LedgerRun:
                                                                 buffered=buffered,
                                                                 max_bytes=max_bytes)
                 else:
-                    controller = RunController.load(cast("EventStore", store), run_id,
-                                                    buffered=buffered,
-                                                    max_bytes=max_bytes)
+                    controller = stored_run(cast("EventStore", store), run_id,
+                                            buffered=buffered, max_bytes=max_bytes)
         existing = controller is not None
         if controller is None:
             controller = RunController.start(
@@ -705,6 +709,7 @@ class LedgerRun:
         (`UnsupportedDeferral`) before anything is recorded. The original error of a
         failed write propagates (I6)."""
         c = self.controller
+        self._known = None  # (read afresh by each call: another run may have written)
         if self.history is not None and message_history is not None:
             raise ValueError("this run reads its messages from its history: omit "
                              "message_history")
@@ -740,8 +745,9 @@ class LedgerRun:
         if deferred_tool_results is not None:
             self._record_decisions(deferred_tool_results)  # refused while unsettled
             await self._flush()  # decisions are durable before anything acts on them
-        if new_run:
-            await one_writer(c, self._history)
+        if new_run:  # (nothing to settle: the history read here is read once)
+            await one_writer(c, self._history, read=None if self.history is None
+                             else await self._read_history())
         unsettled = c.step is Step.UNSETTLED
         await settle_unsettled(c, self._history, take_over=self.take_over, how=_TAKE_OVER)
         if unsettled:  # what settling recorded (a new run's start waits for an effect)
@@ -811,9 +817,16 @@ class LedgerRun:
     async def _messages(self, given: Sequence[ModelMessage] | None) -> list[ModelMessage]:
         """The run's messages: read from its history, else the ones the caller gave
         (`_carried`: brought up to what the run wrote since they were saved)."""
-        if self.history is not None:  # (with what rides to the run's next flush)
-            return _messages(await run_history(self.controller, self._history))
+        if self.history is not None:
+            known = self._known
+            return _messages(known if known is not None else await self._read_history())
         return _carried(self.controller, list(given or ()))
+
+    async def _read_history(self) -> list[JSON]:
+        """The history as the run sees it (with what rides to the run's next flush),
+        kept as `_known` for the attempt's publications."""
+        known = self._known = await run_history(self.controller, self._history)
+        return known
 
     async def _write_proposals(self, messages: list[ModelMessage]) -> list[ModelMessage]:
         """``messages`` with the calls the ledger holds and they lack: the model's response
@@ -907,8 +920,11 @@ class LedgerRun:
             # with the history in the store's database, its write rides with the run's
             # next flush (the one before a tool body, or the attempt's end): pydantic-ai
             # sends the model its messages from memory, never from the history
-            await publish(c, self._history, _messages_json(messages), call_ids=owed,
-                          ride=True)
+            items = _messages_json(messages)
+            await publish(c, self._history, items, call_ids=owed, ride=True,
+                          known=self._known)
+            if self._known is not None:
+                self._known.extend(items)
         self._published += len(messages)
 
     def _answer_unrun(self, messages: Sequence[ModelMessage]) -> None:

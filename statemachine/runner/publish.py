@@ -37,7 +37,8 @@ TAIL_ITEMS = 16
 """How many of the Session's last items `one_writer` reads (never the whole Session)."""
 
 
-async def one_writer(controller: RunController, session: Session) -> None:
+async def one_writer(controller: RunController, session: Session, *,
+                     read: list[JSON] | None = None) -> None:
     """Refuse (`PublicationUnsettled`, before anything is written and before any model
     call) an attempt that would write to a Session another run left unsettled:
 
@@ -50,7 +51,9 @@ async def one_writer(controller: RunController, session: Session) -> None:
 
     A run that is itself ``UNSETTLED`` is not checked: its next write is its own
     reconcile, which writes only onto exactly the frontier it recorded. Nor is a run
-    without a Session (it writes into a private history)."""
+    without a Session (it writes into a private history). ``read``: the whole Session as
+    `run_history` gave it to the caller in this attempt, nothing written since (its last
+    items are checked instead of reading them again)."""
     c = controller
     if c.session_id is None or c.step is Step.UNSETTLED:
         return
@@ -68,7 +71,8 @@ async def one_writer(controller: RunController, session: Session) -> None:
                 f"{c.session_id!r}: settle it (reconcile), or abandon it and repair the "
                 "Session, before another run writes there",
                 run_id=c.run_id, step=c.step, action="run")
-    tail = await run_history(c, session, limit=TAIL_ITEMS)
+    tail = (read[-TAIL_ITEMS:] if read is not None
+            else await run_history(c, session, limit=TAIL_ITEMS))
     dangling = _unanswered_call(tail)
     if dangling is not None:
         position, call_id = dangling
@@ -143,9 +147,16 @@ def _reads_through_store(controller: RunController, session: Session) -> bool:
 
 
 async def publish(controller: RunController, session: Session, items: list[JSON], *,
-                  call_ids: list[str] | None = None, ride: bool = False) -> None:
+                  call_ids: list[str] | None = None, ride: bool = False,
+                  known: list[JSON] | None = None) -> None:
     """Stage ``items`` (reading just enough of the Session's tail: ``len(items) + 1``
     items, more while they cannot tell the write's outcomes apart), write them, report.
+
+    ``known``: the whole Session as the run sees it (`run_history`), read by the caller
+    in this attempt, with every item it published since (the Session has one writer,
+    DESIGN §6.4): its tail is staged against instead of reading the Session again, where
+    the publication lands in one append with its staging and commit (`_lands_whole`), so
+    that tail is never reconciled against; elsewhere the Session is read.
 
     ``ride=True``: a Session that shares the store's transaction is written by the
     controller's next flush, with the commit (DESIGN §7.7; `RunController.
@@ -161,8 +172,11 @@ async def publish(controller: RunController, session: Session, items: list[JSON]
     if not many_session_writes(controller.store) and controller.riding_items:
         await controller.flush_async()  # (its store writes one Session write per append)
     limit = len(items) + 1
+    if known is not None and not _lands_whole(controller, session):
+        known = None
     while True:
-        tail = await run_history(controller, session, limit=limit)
+        tail = (known[-limit:] if known is not None
+                else await run_history(controller, session, limit=limit))
         whole = len(tail) < limit  # (a shorter list is the whole Session)
         try:
             controller.stage_publication(items, tail, call_ids=call_ids, whole=whole)
@@ -176,6 +190,17 @@ async def publish(controller: RunController, session: Session, items: list[JSON]
                 raise
             limit *= 2
     await _write(controller, session, items, ride=ride)
+
+
+def _lands_whole(controller: RunController, session: Session) -> bool:
+    """Whether a publication staged now lands with its commit and its items in one
+    append, or not at all: the controller buffers (its staging waits for the flush that
+    writes the commit) and the Session is written in the store's transaction (`_write`).
+    Its frontier is then never reconciled against: no append leaves it unsettled."""
+    store = controller.store
+    shares = getattr(session, "shares_transaction_with", None)
+    return (controller._journal.buffered and store is not None
+            and callable(shares) and bool(shares(store)) and takes_session_write(store))
 
 
 async def settle(controller: RunController, session: Session, *,

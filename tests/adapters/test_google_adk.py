@@ -57,7 +57,7 @@ from statemachine.adapters.google_adk import (
 )
 from statemachine.errors import RunNotFound
 from statemachine.stores import EventStore
-from statemachine.values import Phase
+from statemachine.values import Phase, Step
 from statemachine.verifiers import Completed, NotExecuted, Unknown
 from tests.drivers import adk_driver as world
 from tests.drivers.adk_driver import (
@@ -83,13 +83,14 @@ CHARGE: Call = ("c1", "charge", {"amount": 5})
 class World:
     """One scenario's world: the effects file, and ADK's runner alone or through the
     ledger (a `LedgerPlugin` on a SQLite store, `OneWriterSessionService` around the
-    session service)."""
+    session service, its appends the ledger's publications unless ``publications`` is
+    False)."""
 
     def __init__(self, folder: Path, mode: str, script: list[Call], tools: list[str], *,
                  service: BaseSessionService | None = None, resumable: bool = False,
                  verifiers: dict[str, Any] | None = None,
                  store: EventStore | None = None, before: Sequence[BasePlugin] = (),
-                 after: Sequence[BasePlugin] = ()) -> None:
+                 after: Sequence[BasePlugin] = (), publications: bool = True) -> None:
         self.effects = folder / "effects.txt"
         self.store = store if store is not None else SQLiteEventStore(
             str(folder / "ledger.db"))
@@ -101,7 +102,8 @@ class World:
         if mode == "ledger":
             self.plugin = LedgerPlugin(self.store, verifiers=verifiers)
             plugins.append(self.plugin)
-            inner = OneWriterSessionService(inner, plugin=self.plugin)
+            inner = OneWriterSessionService(inner,
+                                            plugin=self.plugin if publications else None)
         self.runner, self.service, self.model = build(self.effects, script, tools=tools,
                                                       service=inner,
                                                       plugins=[*plugins, *after],
@@ -459,9 +461,15 @@ def test_parallel_calls_confirmed_in_one_message_each_ask_and_run_once(
 # ------------------------------------------------------------------- the ledger's rules
 
 
+@pytest.mark.parametrize("publications", [True, False],
+                         ids=["publications", "no-publications"])
 def test_the_confirmation_request_shows_the_fingerprint_and_a_rejection_never_runs(
-        tmp_path: Path) -> None:
-    w = World(tmp_path, "ledger", [("w1", "wire", {"amount": 7})], ["wire"])
+        tmp_path: Path, publications: bool) -> None:
+    """The request carries the call's fingerprint, and the call awaiting it is durable
+    when the invocation ends there (the operator's inbox, read from the store, lists
+    it); a rejection never runs the call."""
+    w = World(tmp_path, "ledger", [("w1", "wire", {"amount": 7})], ["wire"],
+              publications=publications)
 
     async def scenario() -> None:
         await w.open()
@@ -921,6 +929,54 @@ def test_a_write_the_session_service_finds_stale_is_a_concurrency_conflict(
                 for part in e.content.parts or ()]
 
     assert asyncio.run(scenario()) == ["theirs"]
+
+
+@pytest.mark.invariant("I6", "I12")
+def test_a_response_refused_before_it_is_written_leaves_its_publication_failed(
+        tmp_path: Path) -> None:
+    """While the tool runs, another writer appends to the session; the append of the
+    function response is then refused (`ConcurrencyConflict`, session moved on), nothing
+    written. The response's publication was staged before the session service was asked
+    (the result riding with it), so the ledger holds the result, and the publication is
+    recorded failed (DESIGN §2.3: its write ended without landing), not left open."""
+    from google.adk.agents import LlmAgent
+    from google.adk.apps import App
+    from google.adk.events.event import Event
+    from google.adk.runners import Runner
+    from google.adk.tools.function_tool import FunctionTool
+    from google.genai import types
+
+    inner = InMemorySessionService()
+    plugin = LedgerPlugin(SQLiteEventStore(str(tmp_path / "ledger.db")))
+    service = OneWriterSessionService(inner, plugin=plugin)
+    charges: list[int] = []
+
+    async def charge(amount: int) -> dict[str, Any]:
+        """Charge a card (meanwhile another writer appends to the session)."""
+        charges.append(amount)
+        stored = await inner.get_session(app_name=APP, user_id=USER, session_id=SESSION)
+        await inner.append_event(stored, Event(author="user", content=types.Content(
+            role="user", parts=[types.Part(text="meanwhile")])))
+        return {"charged": amount}
+
+    agent = LlmAgent(name="agent", model=ScriptedModel(script=[CHARGE]),
+                     tools=[FunctionTool(charge)])
+    runner = Runner(app=App(name=APP, root_agent=agent, plugins=[plugin]),
+                    session_service=service)
+
+    async def scenario() -> list[str]:
+        await service.create_session(app_name=APP, user_id=USER, session_id=SESSION)
+        with pytest.raises(ConcurrencyConflict, match="moved on"):
+            await run(runner, text("go"))
+        stored = await inner.get_session(app_name=APP, user_id=USER, session_id=SESSION)
+        assert stored is not None
+        return [str(r.id) for e in stored.events for r in e.get_function_responses()]
+
+    assert asyncio.run(scenario()) == []
+    assert charges == [5]
+    c = RunController.load(SQLiteEventStore(str(tmp_path / "ledger.db")), RUN)
+    assert c.phase("c1") is Phase.COMPLETED
+    assert (c.step, type(c.events[-1]).__name__) == (Step.UNSETTLED, "PublicationFailed")
 
 
 # ------------------------------------------------------------------------- refusals

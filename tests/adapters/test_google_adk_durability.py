@@ -42,18 +42,24 @@ from tests.drivers.adk_driver import APP, RUN, SESSION, USER, build, effects, ru
 
 ROOT = Path(__file__).resolve().parents[2]
 
-EFFECT_BEFORE_THE_KILL = {"before-effect": 0, "after-effect": 1, "before-append": 1,
-                          "after-append": 1}
+EFFECT_BEFORE_THE_KILL = {"before-effect": 0, "after-effect": 1, "after-callback": 1,
+                          "before-append": 1, "after-append": 1}
 """How many charges happened when the process died there (the kill points of
-`tests.drivers.adk_driver`: in the body before and after its effect, when the session
-service is asked to append the function response, before it, and once ADK's session
-service wrote it, before the ledger recorded the publication's commit)."""
-ALONE_RESUMED = {"before-effect": 1, "after-effect": 2, "before-append": 2, "after-append": 1}
+`tests.drivers.adk_driver`: in the body before and after its effect, in the agent's own
+after-tool callback, when the session service is asked to append the function response,
+before it, and once ADK's session service wrote it, before the ledger recorded the
+publication's commit)."""
+ALONE_RESUMED = {"before-effect": 1, "after-effect": 2, "after-callback": 2,
+                 "before-append": 2, "after-append": 1}
 """ADK alone, the charges in all once the killed invocation is resumed (measured on
 google-adk 2.13: it charges again wherever the session lacks the response)."""
-IN_DOUBT = {"before-effect", "after-effect"}
+IN_DOUBT = {"before-effect", "after-effect", "after-callback"}
 """Where the tool's start is durable and its result is not: the call is in doubt (the
-effect may or may not have happened), and the resumed run must say so, never guess."""
+effect may or may not have happened), and the resumed run must say so, never guess. With
+the session appends as the ledger's publications (the driver's ``ledger`` mode) the
+result rides with the flush that stages the event carrying it (DESIGN §7.7), before the
+session service is asked to append it: a kill after the tool returned and before that
+flush (``after-callback``) leaves the call in doubt too."""
 
 
 def _start(folder: Path, mode: str, *extra: str) -> subprocess.Popen[str]:
@@ -104,11 +110,11 @@ def _texts(folder: Path) -> list[str]:
 def test_a_charge_killed_at_each_boundary_runs_at_most_once_through_the_ledger(
         tmp_path: Path, mode: str, kill: str) -> None:
     """ADK alone, resumed, charges again at every kill point after the effect whose
-    response the session lacks (measured: 2 charges at after-effect and before-append, 1
-    at before-effect and after-append); through the adapter the charge happened at most
-    once, a call in doubt is reported `ToolInDoubt`, and a response the session holds
-    (after-append: written, its commit not recorded) is acknowledged, never written
-    twice."""
+    response the session lacks (measured: 2 charges at after-effect, after-callback and
+    before-append, 1 at before-effect and after-append); through the adapter the charge
+    happened at most once, a call in doubt is reported `ToolInDoubt`, and a response the
+    session holds (after-append: written, its commit not recorded) is acknowledged, never
+    written twice."""
     assert _drive(tmp_path, mode, "--kill", kill) == -9
     assert len(effects(tmp_path / "effects.txt")) == EFFECT_BEFORE_THE_KILL[kill]
     _drive(tmp_path, mode)
@@ -130,6 +136,18 @@ def test_a_charge_killed_at_each_boundary_runs_at_most_once_through_the_ledger(
                                   RUN).phase("c1") is Phase.PUBLISHED  # settled
         assert RunController.load(SQLiteEventStore(str(tmp_path / "ledger.db")),
                                   RUN).phase("c1") is Phase.PUBLISHED  # settled
+
+
+@pytest.mark.invariant("I1", "I12")
+def test_without_publications_a_result_is_durable_when_recorded(tmp_path: Path) -> None:
+    """When the session appends are not the ledger's publications, the ledger flushes a
+    result as it records it: a kill after the tool returned (``after-callback``) leaves
+    the call completed, and the resumed invocation answers it from the ledger and goes
+    on, the charge made once."""
+    assert _drive(tmp_path, "ledger", "--kill", "after-callback", "--no-publications") == -9
+    _drive(tmp_path, "ledger", "--no-publications")
+    assert effects(tmp_path / "effects.txt") == ["charge 5"]
+    assert _outcomes(tmp_path) == ["ok"]
 
 
 @pytest.mark.invariant("I1", "I7")
@@ -293,7 +311,11 @@ def test_a_resumer_superseded_by_a_later_claim_writes_nothing_and_the_later_one_
 
     from statemachine.adapters.google_adk import LedgerPlugin, OneWriterSessionService
 
-    assert _drive(tmp_path, "ledger", "--kill", "before-append") == -9
+    # the run the resumers find: the call completed, its response not in the session, as
+    # a process appending without publications leaves it (its result flushed when
+    # recorded; with them the kill leaves the response staged, which the first resumer
+    # to open the run settles: the before-append row)
+    assert _drive(tmp_path, "ledger", "--kill", "before-append", "--no-publications") == -9
     path = tmp_path / "effects.txt"
 
     def side() -> tuple[Runner, _Held, _HeldWrite]:
@@ -373,7 +395,11 @@ def test_a_resumer_claiming_while_the_other_writes_leaves_both_refused_and_the_n
 
     from statemachine.adapters.google_adk import LedgerPlugin, OneWriterSessionService
 
-    assert _drive(tmp_path, "ledger", "--kill", "before-append") == -9
+    # the run the resumers find: the call completed, its response not in the session, as
+    # a process appending without publications leaves it (its result flushed when
+    # recorded; with them the kill leaves the response staged, which the first resumer
+    # to open the run settles: the before-append row)
+    assert _drive(tmp_path, "ledger", "--kill", "before-append", "--no-publications") == -9
     path = tmp_path / "effects.txt"
 
     def side() -> tuple[Runner, _GatedWrite]:

@@ -1207,6 +1207,38 @@ def test_running_a_completed_run_again_returns_its_recorded_result() -> None:
     run_async(go())
 
 
+def test_a_completed_run_answers_with_the_history_as_it_is_now(tmp_path: Path) -> None:
+    """An attempt reads the history once and follows it with what it writes; a later
+    call on the same `LedgerRun` reads it again. Run ``a`` completes, run ``b`` goes on
+    in the same conversation (its own turn, written after ``a``'s), then ``a`` is asked
+    its prompt again: its recorded answer comes with the history as the file holds it
+    now, ``b``'s turn included, not as ``a`` last saw it."""
+    turns = [[call("lookup", "c1", i=1)]]
+
+    async def go() -> None:
+        ran: Counter[str] = Counter()
+        path = tmp_path / "events.db"
+        store = SQLiteEventStore(path)
+        history = SQLiteSession("h", path)
+        first = await LedgerRun.open(billing(scripted(turns), ran), run_id="a",
+                                     history=history, store=store)
+        await first.run("look")
+        # (the scripted model counts the responses it is sent: a's two come first)
+        later = [[], [], [call("lookup", "c2", i=2)]]
+        second = await LedgerRun.open(billing(scripted(later), ran), run_id="b",
+                                      history=history, store=store)
+        assert (await second.run("look again")).output == "done | found 2"
+        again = await first.run("look")
+        assert again.recorded is True
+        held = await SQLiteSession("h", path).get_items()  # read apart, afresh
+        assert len(held) == 8  # each turn: prompt, call, result, answer
+        assert kinds(ModelMessagesTypeAdapter.dump_python(list(again.messages),
+                                                          mode="json")) == kinds(held)
+        assert ran == Counter({"lookup 1": 1, "lookup 2": 1})
+
+    run_async(go())
+
+
 # ------------------------------------------- a final output is accepted after its checks
 
 

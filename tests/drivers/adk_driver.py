@@ -12,14 +12,21 @@ ADK by itself; ``ledger`` is the same runner with `LedgerPlugin` and
 
 Kill points (``--kill``): ``before-effect`` inside the body before its line (through the
 ledger its start is durable), ``after-effect`` inside the body once its line is durable,
+``after-callback`` in the agent's own ``after_tool_callback`` (which ADK runs after the
+plugins': the ledger recorded the result, ADK has not made the response event yet),
 ``before-append`` when the session service is asked to append the function responses
-(before it; through the ledger, before it is staged), ``after-append`` once ADK's own
+(before it; through the ledger, once the plugin staged their publication, the results
+riding with it, or, with ``--no-publications``, once each result was flushed as it was
+recorded), ``after-append`` once ADK's own
 session service has written them (through the ledger, before the publication's commit
 is recorded). With ``--flow confirm`` the process asks for a confirmed wire (``"go"``,
 then the confirmation ADK asked for, in one process) and dies around recording the
 confirmation: ``before-decision`` / ``after-decision`` when the ledger's append holding
 the approval is made (before it, after it), ``at-decision`` (ADK alone, which records no
 decision but the session's) when the confirmed call reaches the tool callbacks.
+
+``--no-publications``: `OneWriterSessionService` without the plugin (the ledger flushes
+each result as it records it, and publishes them in its own history).
 
 ``--hold`` FILE: once the run is open (through the ledger: loaded and claimed), the
 process writes ``opened-<pid>`` beside the effects and waits for FILE, so two resumers
@@ -234,13 +241,19 @@ class Hold(BasePlugin):
             await asyncio.sleep(0.01)
 
 
+def _after_tool(tool: Any, args: Any, tool_context: Any, tool_response: Any) -> None:
+    """The agent's own after_tool_callback: the ``after-callback`` kill point."""
+    die_at("after-callback")
+
+
 def build(path: str | Path, script: Sequence[Call], *, tools: Sequence[str],
           service: BaseSessionService | None = None, plugins: Sequence[BasePlugin] = (),
           resumable: bool = False) -> tuple[Runner, BaseSessionService, ScriptedModel]:
     """ADK's runner over the scripted model and the named tools."""
     made = make_tools(path)
     model = ScriptedModel(script=list(script))
-    agent = LlmAgent(name="agent", model=model, tools=[made[name] for name in tools])
+    agent = LlmAgent(name="agent", model=model, tools=[made[name] for name in tools],
+                     after_tool_callback=_after_tool)
     service = service if service is not None else InMemorySessionService()
     app = App(name=APP, root_agent=agent, plugins=list(plugins),
               resumability_config=ResumabilityConfig(is_resumable=True) if resumable
@@ -299,11 +312,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--wait-for", default="", help="a file to wait for before the run")
     parser.add_argument("--hold", default="", help="a file to wait for once the run is open")
     parser.add_argument("--flow", choices=["charge", "confirm"], default="charge")
+    parser.add_argument("--no-publications", action="store_true",
+                        help="the session appends are not the ledger's publications")
     args = parser.parse_args(argv)
     KILL["point"] = args.kill
     folder = Path(args.dir)
     EFFECTS["path"] = str(folder / "effects.txt")
-    return asyncio.run(_child(folder, args.mode, args.wait_for, args.flow, args.hold))
+    return asyncio.run(_child(folder, args.mode, args.wait_for, args.flow, args.hold,
+                              publications=not args.no_publications))
 
 
 def _dying_store(path: Path) -> Any:
@@ -325,7 +341,8 @@ def _dying_store(path: Path) -> Any:
     return DyingStore(str(path))
 
 
-async def _child(folder: Path, mode: str, wait_for: str, flow: str, hold: str) -> int:
+async def _child(folder: Path, mode: str, wait_for: str, flow: str, hold: str, *,
+                 publications: bool) -> int:
     from google.adk.errors import StaleSessionError
     from google.adk.sessions.sqlite_session_service import SqliteSessionService
 
@@ -333,14 +350,14 @@ async def _child(folder: Path, mode: str, wait_for: str, flow: str, hold: str) -
     from statemachine.adapters.google_adk import LedgerPlugin, OneWriterSessionService
 
     # the after-append kill sits under the ledger's publication, the before-append one
-    # above it (the response recorded, its publication not staged)
+    # above it (the response recorded, its publication staged by the plugin)
     sessions: BaseSessionService = DieAfterAppend(
         SqliteSessionService(str(folder / "sessions.db")))
     plugins: list[BasePlugin] = []
     if mode == "ledger":
         plugin = LedgerPlugin(_dying_store(folder / "ledger.db"))
         plugins.append(plugin)
-        sessions = OneWriterSessionService(sessions, plugin=plugin)
+        sessions = OneWriterSessionService(sessions, plugin=plugin if publications else None)
     else:
         plugins.append(DieAtDecision())
     if hold:

@@ -11,9 +11,10 @@ is the same graph through `statemachine.adapters.langgraph`; ``history`` also ma
 checkpoint writes the ledger's publications (``OneWriterSaver(saver, ledger=...)``).
 
 Kill points (``--kill``): ``before-effect`` and ``after-effect`` inside the tool body,
-``after-tool`` when LangGraph saves the tools' writes or the checkpoint holding their
-result, whichever comes first (before it: LangGraph writes them on two threads, in no
-fixed order), ``before-put`` when
+``before-writes`` when LangGraph hands the checkpointer (`OneWriterSaver` through the
+ledger) the tools' writes or the checkpoint holding their result, whichever comes first,
+before the checkpointer does anything, ``after-tool`` when the saver inside saves them
+(before it: LangGraph writes them on two threads, in no fixed order), ``before-put`` when
 it writes the checkpoint after them (before it), ``after-put`` right after that write.
 ``--agent`` builds the agent with LangChain's ``create_agent`` instead (through the ledger:
 ``LedgerMiddleware``); ``--durability default`` runs the graph with LangGraph's default
@@ -196,9 +197,10 @@ def build(mode: str, tools: list[BaseTool], model: BaseChatModel,
 
 class KillingSaver:
     """Wraps a checkpointer's ``put_writes`` and ``put`` with the kill points around the
-    checkpoint write after the tools ran (the effects file is not empty)."""
+    checkpoint write after the tools ran (the effects file is not empty); ``outer``: only
+    ``before-writes``, for the checkpointer LangGraph itself calls."""
 
-    def __init__(self, saver: Any, path: str | Path) -> None:
+    def __init__(self, saver: Any, path: str | Path, *, outer: bool = False) -> None:
         self.saver = saver
         self.path = path
         put_writes, put = saver.put_writes, saver.put
@@ -206,16 +208,18 @@ class KillingSaver:
         def writes(config: Any, items: Any, task_id: str, task_path: str = "") -> None:
             if effects(path) and any(channel == "messages" and _tool_result(value)
                                      for channel, value in items):
-                die_at("after-tool")
+                die_at("before-writes" if outer else "after-tool")
             put_writes(config, items, task_id, task_path)
 
         def putting(config: Any, checkpoint: Any, metadata: Any, versions: Any) -> Any:
             after_tools = effects(path) and _holds_tool_result(checkpoint)
-            if after_tools:  # LangGraph may write this checkpoint before the tools'
+            if after_tools and outer:
+                die_at("before-writes")
+            elif after_tools:  # LangGraph may write this checkpoint before the tools'
                 die_at("after-tool")  # writes (two threads): die before either is saved
                 die_at("before-put")
             done = put(config, checkpoint, metadata, versions)
-            if after_tools:
+            if after_tools and not outer:
                 die_at("after-put")
             return done
 
@@ -320,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         ledger = ToolLedger(SQLiteEventStore(str(folder / "ledger.db")),
                             approvals=["charge"] if args.review else ())
         saver = OneWriterSaver(saver, ledger=ledger if args.mode == "history" else None)
+    KillingSaver(saver, path, outer=True)
     graph: Any
     if args.agent:
         from langchain.agents import create_agent
