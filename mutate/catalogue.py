@@ -1639,11 +1639,10 @@ CATALOGUE: tuple[Mutant, ...] = (
                "handler(request)",
        "            if True:\n                result = handler(request)",
        "a LangGraph sync tool body runs without its call's tool_context (no key)"),
-    _m("LG14", "                    c.flush()  # the result is durable before LangGraph "
+    _m("LG14", "                c.flush()  # the result is durable before LangGraph "
                "checkpoints it",
-       "                    pass  # the result is durable before LangGraph checkpoints it",
-       "without publications, a LangGraph call's result is not flushed before LangGraph "
-       "checkpoints it"),
+       "                pass  # the result is durable before LangGraph checkpoints it",
+       "a LangGraph call's result is not flushed before LangGraph checkpoints it"),
     _m("LG15", "        if handling is not False:\n            node._handle_tool_errors = "
                "_passing_refusals(handling)",
        "        if False:\n            node._handle_tool_errors = _passing_refusals(handling)",
@@ -1663,32 +1662,7 @@ CATALOGUE: tuple[Mutant, ...] = (
        "",
        "a sync tool call runs before LangGraph's write of its step's checkpoint ended: a "
        "resumer whose write OneWriterSaver refused runs its tools"),
-    _m("LG20", "            c.flush()  # the results and their envelope are durable before the "
-               "write",
-       "            pass  # the results and their envelope are durable before the write",
-       "the publication staged before LangGraph saves the tools' writes (and the results "
-       "riding with it) is not flushed before that write"),
-    _m("LG21", "                c.flush()  # (a no-op when nothing is buffered)",
-       "                pass  # (a no-op when nothing is buffered)",
-       "tools' writes that carry results but stage no publication (a sibling call still "
-       "running) are saved before the results are durable"),
-    _m("LG22", "                if results:\n                    c.flush()  # the results it "
-               "carries are durable before it",
-       "                if False:\n                    c.flush()  # the results it "
-       "carries are durable before it",
-       "a checkpoint that carries results but is not their publication is written before "
-       "they are durable"),
-    _m("LG23", "                if pending:  # the attempt ends at the interrupt: what waits "
-               "is durable\n                    c.flush()",
-       "                if pending:  # the attempt ends at the interrupt: what waits "
-       "is durable\n                    pass",
-       "the review interrupts with the calls awaiting a decision not durable: the operator's "
-       "inbox shows nothing, and a decision made there finds no call"),
-    _m("LG24", "        if self.publishes_to is not None and message.id is None:",
-       "        if False:",
-       "a result's ToolMessage keeps no id of its own: the staged batch is not the messages "
-       "the checkpoint gets once LangGraph's reducer draws one"),
-    _m("LG25", "    claim_at_open = False", "    claim_at_open = True",
+    _m("LG20", "    claim_at_open = False", "    claim_at_open = True",
        "a resumer that finds nothing to record supersedes the resumer that goes on: of two, "
        "neither goes on"),
     # ------------------------------------------------------------------ google-adk

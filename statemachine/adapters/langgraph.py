@@ -17,12 +17,9 @@ LangGraph / LangChain seam         what the ledger does
 =================================  ==========================================================
 ``ToolNode(wrap_tool_call=,         keyed by the tool call id: an unknown call's batch (the
 awrap_tool_call=)``, or            ``AIMessage`` holding it) is entered in the ledger; its
-`LedgerMiddleware` in              start (with the batch) is durable (flushed) before the
-``create_agent(middleware=)``      body runs; the result is recorded, and durable before
-(the last of the list)             any checkpoint write carries it (flushed before LangGraph
-                                   sees it, or with ``ledger=`` with its publication's
-                                   staging, DESIGN §7.7). A
-                                   completed call answers from the ledger (the same
+`LedgerMiddleware` in              start is durable (flushed) before the body runs; the
+``create_agent(middleware=)``      result is recorded and flushed before LangGraph sees it. A
+(the last of the list)             completed call answers from the ledger (the same
                                    ``ToolMessage`` content, byte for byte), never re-runs; a
                                    started, unfinished call is in doubt (`ToolInDoubt`), and
                                    while one is, no call of the thread runs or is answered
@@ -54,16 +51,10 @@ or `LedgerMiddleware.after_model`  named in ``approvals``: each pending call is 
                                    the next step runs) ends and leaves the step's
                                    checkpoint the thread's latest (`ConcurrencyConflict`
                                    otherwise: a refused resumer runs no tool). With
-                                   ``ledger=``, the tools' writes (``put_writes``: resumed,
-                                   LangGraph applies them without running the tools again)
-                                   or the ``put`` that add a batch's
-                                   ``ToolMessage`` items, whichever comes first, are the
-                                   batch's staged publication (the graph's messages are
-                                   the Session): staged durably before that write (the
-                                   results with it), committed after the ``put`` (each
-                                   result's ``ToolMessage`` carries an id the run and the
-                                   call make, so the staged items are the ones the
-                                   checkpoint gets); after a ``put`` that
+                                   ``ledger=``, the ``put`` that adds a batch's
+                                   ``ToolMessage`` items is the batch's staged publication (the
+                                   graph's messages are the Session): staged durably before
+                                   the write, committed after it; after a ``put`` that
                                    raised or a writer that died, the next ``put`` reconciles
                                    it against the thread's latest messages (acknowledged when
                                    it had landed; else LangGraph writes the batch again, the
@@ -132,7 +123,6 @@ import sqlite3
 import threading
 import time
 import typing
-import uuid
 import weakref
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
@@ -201,9 +191,6 @@ ERROR_TEMPLATE = "Error: {error}\n Please fix your mistakes."
 
 REJECTED = "The call was rejected and did not run."
 """What the model is told of a rejected call whose rejection gave no message."""
-
-_RESULT_IDS = uuid.UUID("5f3c1e2a-7d4b-4e8a-9c61-2b0d8f7a4e13")
-"""The namespace of the ids `ToolLedger._keyed` gives a call's ``ToolMessage``."""
 
 STEP_WAIT = 60.0
 """How long a tool call waits for the write of the checkpoint its step runs from (in
@@ -408,8 +395,7 @@ class ToolLedger(HeldRuns):
                      needs_approval=call.get("name") in self.approvals,
                      idempotent=call.get("name") in self.idempotent)
             for call in calls])
-        # not flushed here (DESIGN §7.7): the proposal rides with the next flush, the
-        # start before the body or the review's before its interrupt
+        c.flush()
 
     def _settle(self, c: RunController) -> None:
         """A run a process left ``UNSETTLED`` (an older log): the ledger's private history
@@ -481,10 +467,10 @@ class ToolLedger(HeldRuns):
             phase = c.phase(call_id)
             if phase in (Phase.REJECTED, Phase.COMPLETED, Phase.PUBLISHED):
                 answered(c, call_id)
-                return c, call_id, call, self._keyed(c, call_id, _message(c, call_id, call))
+                return c, call_id, call, _message(c, call_id, call)
             done, _ = begin_call(c, call_id, _arguments(call))
             if done:
-                return c, call_id, call, self._keyed(c, call_id, _message(c, call_id, call))
+                return c, call_id, call, _message(c, call_id, call)
             try:
                 c.flush()  # an effect boundary: the start is durable before the body
             except BaseException:
@@ -510,24 +496,12 @@ class ToolLedger(HeldRuns):
                     "refused before it runs)", feature="tools returning Command",
                     run_id=c.run_id, step=c.step, action="tool_completed")
             kept, _ = record_result(c, call_id, _form(result))
-            if self.publishes_to is None:  # (else it rides with its staged publication:
-                try:                       # `OneWriterSaver` flushes before each write)
-                    c.flush()  # the result is durable before LangGraph checkpoints it
-                except BaseException:  # not durable: the call is in doubt on the next load
-                    self._runs.pop(c.run_id, None)
-                    raise
-            return self._keyed(c, call_id, result if kept else _message(c, call_id, call))
-
-    def _keyed(self, c: RunController, call_id: str, message: ToolMessage) -> ToolMessage:
-        """``message`` with an id of its own when it has none and the checkpoint writes
-        are this ledger's publications: the id the run and the call make (the same in
-        every process), not the one LangGraph's reducer would draw when it applies the
-        write, which may come after the write is saved (`OneWriterSaver.put_writes`) and
-        differs each time saved writes are applied again. A staged batch is then the
-        messages the checkpoint gets."""
-        if self.publishes_to is not None and message.id is None:
-            message.id = str(uuid.uuid5(_RESULT_IDS, f"{c.run_id}\x00{call_id}"))
-        return message
+            try:
+                c.flush()  # the result is durable before LangGraph checkpoints it
+            except BaseException:  # not durable: the call is in doubt on the next load
+                self._runs.pop(c.run_id, None)
+                raise
+            return result if kept else _message(c, call_id, call)
 
     def _raised(self, c: RunController, call_id: str, call: Mapping[str, Any],
                 error: BaseException) -> BaseException:
@@ -687,8 +661,6 @@ class ToolLedger(HeldRuns):
                 shown = [{"call_id": call["id"], "name": call["name"],
                           "args": _arguments(call), "fingerprint": c.fingerprint(call["id"])}
                          for call in pending]
-                if pending:  # the attempt ends at the interrupt: what waits is durable
-                    c.flush()  # (the operator's inbox lists it)
             if not pending:
                 break
             asked: dict[str, Any] = {"run_id": run_id, "pending": shown}
@@ -1198,9 +1170,6 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
         self.ledger = ledger
         """With a ledger, each checkpoint that adds the ``ToolMessage`` of a call whose
         result the ledger has not published is that batch's staged publication."""
-        self._staged_on: dict[str, Any] = {}
-        """By run id: the checkpoint whose messages a publication staged before the
-        tools' writes (`put_writes`) was measured against, while that attempt is open."""
         if ledger is not None:
             ledger.publishes_to = self
 
@@ -1308,15 +1277,7 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
             added = []  # not an append (a message replaced): nothing published here
         results = [m.tool_call_id for m in added if isinstance(m, ToolMessage)]
         with ledger._lock:
-            run_id = ledger.run_id_of(config)
-            c = ledger.controller(run_id)
-            staged_on = self._staged_on.pop(run_id, None)
-            envelope = c.envelope
-            if (c.holds_attempt and envelope is not None and staged_on is not None
-                    and staged_on == configurable.get("checkpoint_id")
-                    and sorted(results) == sorted(envelope.call_ids)):
-                # staged (durable) before the tools' writes, on this checkpoint's parent
-                return self._written(c, put, config, checkpoint, metadata, new_versions)
+            c = ledger.controller(ledger.run_id_of(config))
             if c.step is Step.UNSETTLED:  # a write that failed, or a writer that died
                 envelope = c.envelope
                 assert envelope is not None
@@ -1336,8 +1297,6 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
             owed = set(c.unpublished_call_ids())
             answered = [call_id for call_id in results if call_id in owed]
             if not answered or owed - set(answered):
-                if results:
-                    c.flush()  # the results it carries are durable before it
                 return put(config, checkpoint, metadata, new_versions)
             c.stage_publication(_messages_json(added), _messages_json(before),
                                 call_ids=[i for i in c.unpublished_call_ids()
@@ -1417,54 +1376,7 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
 
     def put_writes(self, config: Any, writes: Any, task_id: str, task_path: str = "") -> None:
         with self._lock:  # a write of its own would commit a put's open transaction
-            staged = None if self.ledger is None else self._before_writes(config, writes)
-            try:
-                self.saver.put_writes(config, writes, task_id, task_path)
-            except Exception as error:
-                if staged is not None:
-                    self._staged_on.pop(staged.run_id, None)
-                    with contextlib.suppress(ControlError):  # the write's own error wins
-                        staged.publication_failed(error)
-                        staged.flush()
-                raise
-
-    def _before_writes(self, config: Any, writes: Any) -> RunController | None:
-        """Before LangGraph saves a task's writes (an external write: resumed, LangGraph
-        applies them without running the task again), what the ledger buffered is made
-        durable (DESIGN §7.7: a result rides with the run's next write). When the writes
-        carry the ``ToolMessage`` of every call whose result the ledger holds unpublished,
-        that flush also stages their publication, measured against the messages of the
-        checkpoint the writes belong to: the ``put`` of the checkpoint that adds them
-        commits it (`_publishing`). Returns the controller that staged, else None."""
-        ledger = self.ledger
-        assert ledger is not None
-        configurable = config.get("configurable") or {}
-        if "|" in str(configurable.get("checkpoint_ns") or ""):
-            return None  # a subgraph's (its tool nodes are refused)
-        added = [m for channel, value in writes if channel == "messages"
-                 for m in (value if isinstance(value, list) else [value])]
-        results = [m.tool_call_id for m in added if isinstance(m, ToolMessage)]
-        if not results:
-            return None  # no result of a tool goes out with them
-        with ledger._lock:
-            run_id = ledger.run_id_of(config)
-            c = ledger._runs.get(run_id)
-            if c is None:
-                return None  # nothing of this thread's run is held here, so none buffered
-            owed = set(c.unpublished_call_ids())
-            if (not owed or c.step is Step.UNSETTLED or not owed <= set(results)
-                    or c.in_flight or c.in_doubt()):  # (a sibling call still running)
-                c.flush()  # (a no-op when nothing is buffered)
-                return None
-            parent = self.saver.get_tuple(config)
-            c.stage_publication(
-                _messages_json(added),
-                _messages_json(_channel_messages(None if parent is None
-                                                 else parent.checkpoint)),
-                call_ids=[i for i in c.unpublished_call_ids() if i in results])
-            c.flush()  # the results and their envelope are durable before the write
-            self._staged_on[run_id] = configurable.get("checkpoint_id")
-            return c
+            self.saver.put_writes(config, writes, task_id, task_path)
 
     def delete_thread(self, thread_id: str) -> None:
         with self._lock:
@@ -1505,9 +1417,6 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
 
     async def aput_writes(self, config: Any, writes: Any, task_id: str,
                           task_path: str = "") -> None:
-        if self.ledger is not None:  # an in-memory saver: as `aput`, its put_writes
-            self.put_writes(config, writes, task_id, task_path)
-            return
         await self.saver.aput_writes(config, writes, task_id, task_path)
 
     async def adelete_thread(self, thread_id: str) -> None:

@@ -48,7 +48,6 @@ from statemachine import (
     ConcurrencyConflict,
     InvalidTransition,
     Resolution,
-    RunController,
     SQLiteEventStore,
     ToolCall,
     ToolInDoubt,
@@ -1480,104 +1479,6 @@ def test_a_failed_checkpoint_write_of_results_is_reconciled_by_the_next_write(
     assert c.phase("call-charge") is Phase.PUBLISHED
     with pytest.raises(UnsupportedFeature):
         OneWriterSaver(_Unknown(), ledger=ToolLedger(store))
-
-
-class _Inspecting:
-    """Wraps a saver's ``put_writes`` and ``put``: at each one that carries a tool's
-    result (a ToolMessage of a call the ledger knows), what the ledger's store holds,
-    read afresh (what a process started after a kill would load), is noted beside it."""
-
-    def __init__(self, saver: Any, store_path: Path) -> None:
-        self.store_path = store_path
-        self.seen: list[tuple[str, str, Phase | None, Step, tuple[str, ...]]] = []
-        put_writes, put = saver.put_writes, saver.put
-
-        def writes(config: Any, items: Any, task_id: str, task_path: str = "") -> None:
-            for channel, value in items:
-                if channel == "messages":
-                    self._note("writes", value if isinstance(value, list) else [value])
-            put_writes(config, items, task_id, task_path)
-
-        def putting(config: Any, checkpoint: Any, metadata: Any, versions: Any) -> Any:
-            self._note("put", checkpoint["channel_values"].get("messages") or [])
-            return put(config, checkpoint, metadata, versions)
-
-        saver.put_writes, saver.put = writes, putting
-
-    def _note(self, kind: str, messages: list[Any]) -> None:
-        ids = [m.tool_call_id for m in messages if isinstance(m, ToolMessage)]
-        if not ids:
-            return
-        c = RunController.load(SQLiteEventStore(str(self.store_path)), RUN)
-        envelope = c.envelope
-        staged = () if envelope is None else tuple(envelope.call_ids)
-        self.seen.extend((kind, call_id, c.phase(call_id), c.step, staged)
-                         for call_id in ids)
-
-
-@pytest.mark.invariant("I1", "I12")
-@pytest.mark.parametrize("publications", [False, True], ids=["ledger", "history"])
-@pytest.mark.parametrize("agent", [False, True], ids=["tool-node", "create-agent"])
-def test_each_checkpoint_write_of_a_result_finds_it_durable_in_the_ledger(
-        tmp_path: Path, store: SQLiteEventStore, publications: bool, agent: bool) -> None:
-    """DESIGN §7.7: a result rides with the run's next write, and is durable before any
-    external write carries it. Two calls in one batch (on create_agent each reaches the
-    tool node in its own task, whose writes LangGraph saves apart), on SqliteSaver with
-    ``durability="sync"``: every ``put_writes`` and ``put`` of LangGraph's saver that
-    carries a ToolMessage finds that call's result in the ledger's store, read afresh,
-    and, when the checkpoint writes are the ledger's publications, a checkpoint that
-    adds a result not yet published finds its publication staged there."""
-    path = tmp_path / "effects.txt"
-    ledger = ToolLedger(store)
-    inner = SqliteSaver(sqlite3.connect(str(tmp_path / "checkpoints.db"),
-                                        check_same_thread=False))
-    seen = _Inspecting(inner, tmp_path / "ledger.db").seen
-    saver = OneWriterSaver(inner, ledger=ledger if publications else None)
-    graph: Any
-    if agent:
-        graph = create_agent(ScriptedModel(script=TWO), make_tools(path),
-                             middleware=[LedgerMiddleware(ledger)], checkpointer=saver)
-    else:
-        graph = build("ledger", make_tools(path), ScriptedModel(script=TWO), saver,
-                      ledger=ledger)
-    result = graph.invoke({"messages": [HumanMessage("go")]}, CONFIG, durability="sync")
-    assert result["messages"][-1].content == "done"
-    assert sorted(effects(path)) == ["charge 7", "notify bob"]
-    assert {call_id for _, call_id, *_ in seen} == {"c1", "n1"}  # (the check ran)
-    for kind, call_id, phase, step, staged in seen:
-        assert phase in (Phase.COMPLETED, Phase.PUBLISHED), (kind, call_id, phase)
-        if publications and kind == "put" and phase is Phase.COMPLETED:
-            assert (step, call_id in staged) == (Step.UNSETTLED, True), (call_id, step)
-
-
-@pytest.mark.invariant("I12")
-def test_a_checkpoint_carrying_some_results_is_written_once_they_are_durable(
-        tmp_path: Path, store: SQLiteEventStore) -> None:
-    """A checkpoint that carries a result but is not a publication (another call's result
-    is owed and not in it) is still an external write of that result: `OneWriterSaver`
-    writes it only once the result is durable in the ledger. The batch's two results are
-    recorded through the ledger's tool node (on a checkpointer of its own, which flushes
-    nothing), then a checkpoint holding one of them is put."""
-    from langgraph.checkpoint.base import empty_checkpoint
-
-    path = tmp_path / "effects.txt"
-    ledger = ToolLedger(store)
-    inner = SqliteSaver(sqlite3.connect(str(tmp_path / "checkpoints.db"),
-                                        check_same_thread=False))
-    seen = _Inspecting(inner, tmp_path / "ledger.db").seen
-    saver = OneWriterSaver(inner, ledger=ledger)
-    state = _tools_state([("charge", {"amount": 7}, "c1"), ("notify", {"to": "bob"}, "n1")])
-    done = _graph_of(ledger.tool_node(make_tools(path)), InMemorySaver()).invoke(
-        state, CONFIG)
-    assert sorted(effects(path)) == ["charge 7", "notify bob"]
-    one = next(m for m in done["messages"] if isinstance(m, ToolMessage)
-               and m.tool_call_id == "c1")
-    checkpoint = empty_checkpoint()
-    checkpoint["channel_values"] = {"messages": [*state["messages"], one]}
-    saver.put({"configurable": {"thread_id": "t1", "checkpoint_ns": ""}}, checkpoint,
-              {}, {})
-    assert [(kind, call_id, phase) for kind, call_id, phase, *_ in seen] == [
-        ("put", "c1", Phase.COMPLETED)]
 
 
 class _Unknown(InMemorySaver):

@@ -40,22 +40,15 @@ from tests.drivers.langgraph_driver import effects
 ROOT = Path(__file__).resolve().parents[2]
 RUN = "langgraph:t1"
 
-EFFECT_BEFORE_THE_KILL = {"before-effect": 0, "after-effect": 1, "before-writes": 1,
-                          "after-tool": 1, "before-put": 1, "after-put": 1}
+EFFECT_BEFORE_THE_KILL = {"before-effect": 0, "after-effect": 1, "after-tool": 1,
+                          "before-put": 1, "after-put": 1}
 """How many charges happened when the process died there (the kill points of
 `tests.drivers.langgraph_driver`: in the tool before and after its effect, when LangGraph
-hands the checkpointer the tools' writes, when the saver saves them, before and after the
-checkpoint that follows)."""
+saves the tools' writes, before and after the checkpoint that follows)."""
 IN_DOUBT = {"before-effect", "after-effect"}
 """Where the tool's start is durable and its result is not: the call is in doubt (the
 effect may or may not have happened), and the resumed run must say so, never guess."""
-IN_DOUBT_WITH_PUBLICATIONS = {"before-writes"}
-"""Where the result is not durable either when the checkpoint writes are the ledger's
-publications (``history``): it rides with the flush that stages its publication, before
-the first write that carries it (DESIGN §7.7), so a kill between the tool's return and
-that write leaves the call in doubt, never run again. Without publications (``ledger``)
-the result is flushed before LangGraph sees it, and the resumed run goes on."""
-LANGGRAPH_ALONE_RERUNS = {"before-effect", "after-effect", "before-writes", "after-tool"}
+LANGGRAPH_ALONE_RERUNS = {"before-effect", "after-effect", "after-tool"}
 """Where LangGraph alone, resumed, runs the tools node again (measured: its own saved
 writes are what stops a re-run, and these kills come before them)."""
 LANGGRAPH_ALONE_MAY_RERUN = {"before-put"}
@@ -122,7 +115,7 @@ def _kill_then_resume(tmp_path: Path, point: str, mode: str, *extra: str) -> Non
         assert code == 0
         return
     assert ran == EFFECT_BEFORE_THE_KILL[point]  # at most once, never again
-    if point in IN_DOUBT or (mode == "history" and point in IN_DOUBT_WITH_PUBLICATIONS):
+    if point in IN_DOUBT:
         assert (code, told["refused"]) == (3, "ToolInDoubt")
         return
     assert (code, told["last"]) == (0, "done")

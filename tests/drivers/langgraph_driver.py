@@ -11,10 +11,9 @@ is the same graph through `statemachine.adapters.langgraph`; ``history`` also ma
 checkpoint writes the ledger's publications (``OneWriterSaver(saver, ledger=...)``).
 
 Kill points (``--kill``): ``before-effect`` and ``after-effect`` inside the tool body,
-``before-writes`` when LangGraph hands the checkpointer (`OneWriterSaver` through the
-ledger) the tools' writes or the checkpoint holding their result, whichever comes first,
-before the checkpointer does anything, ``after-tool`` when the saver inside saves them
-(before it: LangGraph writes them on two threads, in no fixed order), ``before-put`` when
+``after-tool`` when LangGraph saves the tools' writes or the checkpoint holding their
+result, whichever comes first (before it: LangGraph writes them on two threads, in no
+fixed order), ``before-put`` when
 it writes the checkpoint after them (before it), ``after-put`` right after that write.
 ``--agent`` builds the agent with LangChain's ``create_agent`` instead (through the ledger:
 ``LedgerMiddleware``); ``--durability default`` runs the graph with LangGraph's default
@@ -197,10 +196,9 @@ def build(mode: str, tools: list[BaseTool], model: BaseChatModel,
 
 class KillingSaver:
     """Wraps a checkpointer's ``put_writes`` and ``put`` with the kill points around the
-    checkpoint write after the tools ran (the effects file is not empty); ``outer``: only
-    ``before-writes``, for the checkpointer LangGraph itself calls."""
+    checkpoint write after the tools ran (the effects file is not empty)."""
 
-    def __init__(self, saver: Any, path: str | Path, *, outer: bool = False) -> None:
+    def __init__(self, saver: Any, path: str | Path) -> None:
         self.saver = saver
         self.path = path
         put_writes, put = saver.put_writes, saver.put
@@ -208,18 +206,16 @@ class KillingSaver:
         def writes(config: Any, items: Any, task_id: str, task_path: str = "") -> None:
             if effects(path) and any(channel == "messages" and _tool_result(value)
                                      for channel, value in items):
-                die_at("before-writes" if outer else "after-tool")
+                die_at("after-tool")
             put_writes(config, items, task_id, task_path)
 
         def putting(config: Any, checkpoint: Any, metadata: Any, versions: Any) -> Any:
             after_tools = effects(path) and _holds_tool_result(checkpoint)
-            if after_tools and outer:
-                die_at("before-writes")
-            elif after_tools:  # LangGraph may write this checkpoint before the tools'
+            if after_tools:  # LangGraph may write this checkpoint before the tools'
                 die_at("after-tool")  # writes (two threads): die before either is saved
                 die_at("before-put")
             done = put(config, checkpoint, metadata, versions)
-            if after_tools and not outer:
+            if after_tools:
                 die_at("after-put")
             return done
 
@@ -324,7 +320,6 @@ def main(argv: list[str] | None = None) -> int:
         ledger = ToolLedger(SQLiteEventStore(str(folder / "ledger.db")),
                             approvals=["charge"] if args.review else ())
         saver = OneWriterSaver(saver, ledger=ledger if args.mode == "history" else None)
-    KillingSaver(saver, path, outer=True)
     graph: Any
     if args.agent:
         from langchain.agents import create_agent
