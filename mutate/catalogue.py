@@ -1732,11 +1732,10 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("GA14", "            self._bodies[call_id] = entered(context_of(c, call_id))",
        "            pass",
        "an ADK tool body runs without its call's tool_context (no key)"),
-    _m("GA15", "                    c.flush()  # the result is durable before ADK makes it "
-               "an event",
-       "                    pass  # the result is durable before ADK makes it an event",
-       "without publications, an ADK call's result is not flushed before ADK makes it an "
-       "event"),
+    _m("GA15", "                c.flush()  # that append would leave a call that ran in doubt",
+       "                pass  # that append would leave a call that ran in doubt",
+       "an ADK call's result is not flushed when recorded: a crash before ADK's append "
+       "leaves a call that ran in doubt"),
     _m("GA16", "            brought = {**_confirmations(tool_context.session, c), call_id: given}",
        "            brought = {call_id: given}",
        "only a call's own confirmation is recorded: the first confirmed call of a message "
@@ -1758,10 +1757,10 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("GA20", "            if c is not None:\n                c.fence()",
        "            if False:\n                c.fence()",
        "the model request is not fenced: a superseded attempt asks the model"),
-    _m("GA21", "                except ConcurrencyConflict:  # superseded: the copy stays "
-               "held, and refuses\n                    raise  # (the session service fences",
-       "                except ValueError:  # superseded: the copy stays "
-       "held, and refuses\n                    raise  # (the session service fences",
+    _m("GA21", "            except ConcurrencyConflict:  # superseded: the copy stays "
+               "held, and refuses\n                raise  # (the session service fences",
+       "            except ValueError:  # superseded: the copy stays "
+       "held, and refuses\n                raise  # (the session service fences",
        "a superseded attempt whose result's flush is refused drops its copy of the run: "
        "ADK writes its error event unfenced"),
     _m("GA22", "            error.add_note(_SETTLING_WRITE)",

@@ -28,14 +28,13 @@ ADK seam                         what the ledger does
                                  `statemachine.tool_context` (its idempotency key)
 ``after_tool_callback``          the response is recorded (a value that is not JSON is
                                  kept as its text, and ADK is given the recorded form, so a
-                                 resent response is the same) and flushed, or, with the
-                                 session appends as publications, it rides with the flush
-                                 that stages the event carrying it (DESIGN §7.7)
+                                 resent response is the same) and flushed at once (a
+                                 crash before ADK's append then finds the call completed)
 ``on_event_callback``            before ADK hands the session service an event carrying
-                                 responses the ledger holds: they are durable, and with
+                                 responses the ledger holds: with
                                  ``OneWriterSessionService(plugin=)`` an event answering
-                                 every unpublished call is staged as their publication in
-                                 the same flush
+                                 every unpublished call is staged (durably) as their
+                                 publication
 ``on_tool_error_callback``       an exception of the body is recorded as the call's error
                                  (``{"error": "<Type>: <message>"}``) and propagates as with
                                  ADK alone; a cancelled body leaves its call in doubt
@@ -676,14 +675,13 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                 c.flush()
                 return None
             kept, recorded = record_result(c, call_id, plain(result, fallback=_as_text))
-            if self.publishes_to is None:  # (else it rides with its staged publication,
-                try:                       # flushed before the event is appended: _stage)
-                    c.flush()  # the result is durable before ADK makes it an event
-                except ConcurrencyConflict:  # superseded: the copy stays held, and refuses
-                    raise  # (the session service fences this attempt's writes with it)
-                except BaseException:  # not durable: the call is in doubt on the next load
-                    self._runs.pop(c.run_id, None)
-                    raise
+            try:  # not left to ride with its publication's staging: a crash before
+                c.flush()  # that append would leave a call that ran in doubt
+            except ConcurrencyConflict:  # superseded: the copy stays held, and refuses
+                raise  # (the session service fences this attempt's writes with it)
+            except BaseException:  # not durable: the call is in doubt on the next load
+                self._runs.pop(c.run_id, None)
+                raise
             if not kept:
                 return {"error": error_text(recorded)}
             return None if recorded == result else self._answer(c, call_id)
@@ -723,8 +721,8 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         """Before ``event``, which carries function responses, is written: when it answers
         every call whose result the ledger holds unpublished (`OneWriterSessionService.
         _publishable`), staged as their publication against ``history`` (the session's
-        events); what the ledger buffered flushed with it either way (DESIGN §7.7: a
-        result rides with the run's next write). Whether it staged."""
+        events); what the ledger buffered flushed with it either way. Whether it
+        staged."""
         answered = OneWriterSessionService._publishable(c, event)
         if answered:
             c.stage_publication([_event_json(event)], history, call_ids=answered,

@@ -955,6 +955,7 @@ def test_a_response_refused_before_it_is_written_leaves_its_publication_failed(
         """Charge a card (meanwhile another writer appends to the session)."""
         charges.append(amount)
         stored = await inner.get_session(app_name=APP, user_id=USER, session_id=SESSION)
+        assert stored is not None
         await inner.append_event(stored, Event(author="user", content=types.Content(
             role="user", parts=[types.Part(text="meanwhile")])))
         return {"charged": amount}

@@ -53,13 +53,12 @@ ALONE_RESUMED = {"before-effect": 1, "after-effect": 2, "after-callback": 2,
                  "before-append": 2, "after-append": 1}
 """ADK alone, the charges in all once the killed invocation is resumed (measured on
 google-adk 2.13: it charges again wherever the session lacks the response)."""
-IN_DOUBT = {"before-effect", "after-effect", "after-callback"}
+IN_DOUBT = {"before-effect", "after-effect"}
 """Where the tool's start is durable and its result is not: the call is in doubt (the
-effect may or may not have happened), and the resumed run must say so, never guess. With
-the session appends as the ledger's publications (the driver's ``ledger`` mode) the
-result rides with the flush that stages the event carrying it (DESIGN §7.7), before the
-session service is asked to append it: a kill after the tool returned and before that
-flush (``after-callback``) leaves the call in doubt too."""
+effect may or may not have happened), and the resumed run must say so, never guess. The
+ledger flushes a result as soon as it records it (the plugin's after-tool callback runs
+before the agent's own), so a kill after the tool returned (``after-callback``) finds the
+call completed, with the session appends as publications or without."""
 
 
 def _start(folder: Path, mode: str, *extra: str) -> subprocess.Popen[str]:
