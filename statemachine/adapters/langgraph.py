@@ -106,12 +106,14 @@ body ran, and is recorded as run, the Command not applied, then refused); a grap
 without a thread (no checkpointer, no ``thread_id``) unless the ledger is given a
 ``run_id``; an async event store; ``durability="exit"`` on a `OneWriterSaver` (no
 checkpoint is written before the run ends, so a refused write would be found only after
-every tool ran). A tool node's ``handle_tool_errors`` (on `ToolLedger.tool_node`,
-``create_agent``'s node, or a ``ToolNode`` you build with the ledger's wrappers, set at
-its first call) applies to the tools' errors as LangGraph alone applies it (a callable
-gets the errors its annotation names), never to the ledger's refusals nor to the error of
-a checkpoint write a step waited for: those propagate. Time travel
-(resuming from a checkpoint that is not the thread's latest) is refused by
+every tool ran); on a `OneWriterSaver`, a ``ToolNode`` with only the sync
+``wrap_tool_call`` run with ``ainvoke`` (LangGraph calls it on the event loop's thread,
+where the step's write cannot be waited for). A tool node's ``handle_tool_errors``
+(on `ToolLedger.tool_node`, ``create_agent``'s node, or a ``ToolNode`` you build with the
+ledger's wrappers, set at its first call) applies to the tools' errors as LangGraph
+alone applies it (a callable gets the errors its annotation names), never to the
+ledger's refusals nor to the error of a checkpoint write a step waited for: those
+propagate. Time travel (resuming from a checkpoint that is not the thread's latest) is refused by
 `OneWriterSaver` at its first write (a step before it runs: given the resume value of an
 approval's pause, the review); without it, the branch goes on with the ledger's record:
 a completed call answers from the cache, a call in doubt is refused. The ledger records
@@ -578,6 +580,14 @@ class ToolLedger(HeldRuns):
         if found is None:
             return
         saver, configurable, step = found
+        if _on_event_loop():
+            raise UnsupportedFeature(
+                "a sync wrap_tool_call on the event loop's thread (a ToolNode without "
+                "awrap_tool_call, run with ainvoke or astream) cannot wait for the step's "
+                "checkpoint write, which that loop makes, nor read an async saver: give the "
+                "ToolNode awrap_tool_call=ledger.awrap_tool_call too (ToolLedger.tool_node "
+                "does); nothing ran", feature="a sync tool-call wrapper on the async path "
+                "with OneWriterSaver", action="begin_tool")
         pending = _write_in_flight(configurable)
         waited = isinstance(pending, concurrent.futures.Future)
         try:
@@ -839,6 +849,15 @@ def _write_in_flight(configurable: Mapping[str, Any]) -> Any:
     keywords = getattr(call, "keywords", None) or {}
     loop = getattr(keywords.get("schedule_task"), "__self__", None)
     return getattr(loop, "_put_checkpoint_fut", None)
+
+
+def _on_event_loop() -> bool:
+    """Whether this thread runs an event loop (a sync wrapper LangGraph called on it)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _refuse_exit(configurable: Mapping[str, Any]) -> None:

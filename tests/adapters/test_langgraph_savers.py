@@ -44,12 +44,17 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 from langgraph.graph import START, MessagesState, StateGraph
-from langgraph.prebuilt import tools_condition
+from langgraph.prebuilt import ToolNode, tools_condition
 from langgraph.types import Command, TimeoutPolicy
 
 from statemachine import ConcurrencyConflict, SQLiteEventStore
 from statemachine.adapters import langgraph as adapter
-from statemachine.adapters.langgraph import OneWriterSaver, ToolLedger, decision
+from statemachine.adapters.langgraph import (
+    OneWriterSaver,
+    ToolLedger,
+    UnsupportedFeature,
+    decision,
+)
 from tests.drivers.langgraph_driver import ScriptedModel, effects, make_tools
 
 CONFIG: Any = {"configurable": {"thread_id": "t1"}}
@@ -275,6 +280,46 @@ def test_check_step_raises_a_failed_writes_own_error(tmp_path: Path) -> None:
     with pytest.raises(DiskFull) as anew:
         asyncio.run(saver.acheck_step("t1", failed[2], timeout=HANG))
     assert anew.value is raised
+
+
+def test_a_sync_wrapper_on_the_async_path_is_refused_before_anything_runs(
+        tmp_path: Path) -> None:
+    """A ``ToolNode`` given only the ledger's sync ``wrap_tool_call``, run with
+    ``ainvoke`` on ``AsyncSqliteSaver`` through `OneWriterSaver`: LangGraph calls the
+    wrapper on the event loop's thread, where waiting for the step's write (the loop makes
+    it) would block the loop. Refused, naming the feature, before the charge runs (before:
+    the saver's sync read on its own loop's thread raised ``InvalidStateError``, or, on
+    another async saver, the loop blocked for 60 s); the same graph with
+    ``awrap_tool_call`` too charges once."""
+    path = tmp_path / "effects.txt"
+    script: list[Any] = [[("charge", {"amount": 7}, "c1")], "done"]
+
+    async def go(wrappers: dict[str, Any], thread: str) -> Any:
+        async with AsyncSqliteSaver.from_conn_string(str(tmp_path / "graph.db")) as inner:
+            model = ScriptedModel(script=script)
+            builder: Any = StateGraph(MessagesState)
+            builder.add_node("model",
+                             lambda state: {"messages": [model.invoke(state["messages"])]})
+            builder.add_node("tools", ToolNode(make_tools(path), **wrappers))
+            builder.add_edge(START, "model")
+            builder.add_conditional_edges("model", tools_condition)
+            builder.add_edge("tools", "model")
+            graph = builder.compile(checkpointer=OneWriterSaver(inner))
+            try:
+                done = await graph.ainvoke({"messages": [HumanMessage("go")]},
+                                           {"configurable": {"thread_id": thread}})
+            except Exception as error:
+                return error
+            return done["messages"][-1].content
+
+    ledger = ToolLedger(SQLiteEventStore(str(tmp_path / "ledger.db")))
+    refused = _unhung(lambda: go({"wrap_tool_call": ledger.wrap_tool_call}, "t1"))
+    assert isinstance(refused, UnsupportedFeature), refused
+    assert refused.feature == "a sync tool-call wrapper on the async path with OneWriterSaver"
+    assert effects(path) == []
+    assert _unhung(lambda: go({"wrap_tool_call": ledger.wrap_tool_call,
+                               "awrap_tool_call": ledger.awrap_tool_call}, "t2")) == "done"
+    assert effects(path) == ["charge 7"]
 
 
 # ------------------------------------------------- a write in flight, cancelled
