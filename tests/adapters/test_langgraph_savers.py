@@ -1,13 +1,13 @@
 """`OneWriterSaver` and the ledger's wait for a step's checkpoint write, on LangGraph's
 async savers and with the write failing or cancelled. The savers are LangGraph's own
-(``AsyncSqliteSaver`` and ``SqliteSaver`` on a file); the model is the scripted chat model
+(``AsyncSqliteSaver`` and ``SqliteSaver`` on a file, ``AsyncPostgresSaver`` on the
+PostgreSQL of the ``pg_dsn`` fixture); the model is the scripted chat model
 of tests/drivers/langgraph_driver.py and what ran is counted from its fsynced effects file.
 
-* ``AsyncSqliteSaver`` runs its sync methods by handing a coroutine to its event loop from
-  another thread: a step that waits for its checkpoint write (a node with a timeout
-  policy, whose write LangGraph has in flight is found through the saver) must never hold
-  a lock the loop needs meanwhile. A hang fails the test (a watchdog thread), it is never
-  waited out.
+* ``AsyncSqliteSaver`` and ``AsyncPostgresSaver`` run their sync methods by handing a
+  coroutine to their event loop from another thread: a step that waits for its
+  checkpoint write (on a node with a timeout policy too) must never hold a lock the loop
+  needs meanwhile. A hang fails the test (a watchdog thread), it is never waited out.
 * The checkpoint write the tools' step runs from raises: that error reaches the caller as
   itself (I6), never retyped as a refusal, and no tool runs.
 * The write a step waits for is cancelled (by LangGraph), or the call waiting for it is:
@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import os
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -114,20 +115,49 @@ TIMEOUTS = [None, TimeoutPolicy(run_timeout=HANG)]
 policy runs under LangGraph's guard, which hides the write in flight from the step)."""
 
 
+@contextlib.asynccontextmanager
+async def _async_saver(kind: str, tmp_path: Path, pg: tuple[str, str] | None
+                       ) -> AsyncIterator[Any]:
+    """LangGraph's ``AsyncSqliteSaver`` on a file, or its ``AsyncPostgresSaver`` on one
+    connection (``pg``: the DSN and a schema of its own)."""
+    if kind == "sqlite":
+        async with AsyncSqliteSaver.from_conn_string(str(tmp_path / "graph.db")) as saver:
+            yield saver
+        return
+    import psycopg
+    from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+    from psycopg.rows import dict_row
+
+    assert pg is not None
+    dsn, schema = pg
+    async with await psycopg.AsyncConnection.connect(
+            dsn, autocommit=True, prepare_threshold=0, row_factory=dict_row) as conn:
+        await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+        await conn.execute(f'SET search_path TO "{schema}"')
+        on_pg = AsyncPostgresSaver(cast("Any", conn))
+        await on_pg.setup()
+        yield on_pg
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
 @pytest.mark.parametrize("timeout", TIMEOUTS, ids=["plain", "timeout-policy"])
-def test_an_async_sqlite_saver_runs_a_step_and_a_resume_without_hanging(
-        tmp_path: Path, timeout: TimeoutPolicy | None) -> None:
-    """On LangGraph's ``AsyncSqliteSaver`` (a file) through `OneWriterSaver`: a turn that
-    pauses for the charge's approval, the resume that approves it, a notify without
-    approval, then the answer. What the script says must run, runs once each, and the
-    graph ends (before: with a timeout policy the step's check held the saver's lock while
-    the saver's read waited for the event loop, which waited for that lock: a hang)."""
+def test_an_async_saver_runs_a_step_and_a_resume_without_hanging(
+        tmp_path: Path, timeout: TimeoutPolicy | None, kind: str,
+        request: pytest.FixtureRequest) -> None:
+    """On LangGraph's ``AsyncSqliteSaver`` (a file) and ``AsyncPostgresSaver`` through
+    `OneWriterSaver`: a turn that pauses for the charge's approval, the resume that
+    approves it, a notify without approval, then the answer. What the script says must
+    run, runs once each, and the graph ends (before: with a timeout policy the step's
+    check held the saver's lock while the saver's read waited for the event loop, which
+    waited for that lock: a hang)."""
     path = tmp_path / "effects.txt"
     script: list[Any] = [[("charge", {"amount": 7}, "c1")], [("notify", {"to": "ops"}, "n1")],
                          "done"]
+    pg = None if kind == "sqlite" else (request.getfixturevalue("pg_dsn"),
+                                        request.getfixturevalue("pg_schema"))
 
     async def go() -> tuple[list[str], str, str]:
-        async with AsyncSqliteSaver.from_conn_string(str(tmp_path / "graph.db")) as inner:
+        async with _async_saver(kind, tmp_path, pg) as inner:
             ledger = ToolLedger(SQLiteEventStore(str(tmp_path / "ledger.db")),
                                 approvals=["charge"])
             graph = _graph(ScriptedModel(script=script), ledger, path,
