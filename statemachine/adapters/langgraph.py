@@ -50,7 +50,8 @@ or `LedgerMiddleware.after_model`  named in ``approvals``: each pending call is 
                                    (its default durability writes a step's checkpoint while
                                    the next step runs) ends and leaves the step's
                                    checkpoint the thread's latest (`ConcurrencyConflict`
-                                   otherwise: a refused resumer runs no tool). With
+                                   otherwise: a refused resumer runs no tool; a write
+                                   that failed raises its own error, I6). With
                                    ``ledger=``, the ``put`` that adds a batch's
                                    ``ToolMessage`` items is the batch's staged publication (the
                                    graph's messages are the Session): staged durably before
@@ -96,10 +97,14 @@ body ran, and is recorded as run, the Command not applied, then refused); a grap
 without a thread (no checkpointer, no ``thread_id``) unless the ledger is given a
 ``run_id``; an async event store; ``durability="exit"`` on a `OneWriterSaver` (no
 checkpoint is written before the run ends, so a refused write would be found only after
-every tool ran). Not refused, but to know: a ToolNode
-you build yourself with ``handle_tool_errors=True`` turns the ledger's refusals into tool
-messages; `ToolLedger.tool_node` builds one that lets them through. Time travel
-(resuming from a checkpoint that is not the thread's latest) is refused by
+every tool ran); on a `OneWriterSaver`, a ``ToolNode`` with only the sync
+``wrap_tool_call`` run with ``ainvoke`` (LangGraph calls it on the event loop's thread,
+where the step's write cannot be waited for). A tool node's ``handle_tool_errors``
+(on `ToolLedger.tool_node`, ``create_agent``'s node, or a ``ToolNode`` you build with the
+ledger's wrappers, set at its first call) applies to the tools' errors as LangGraph
+alone applies it (a callable gets the errors its annotation names), never to the
+ledger's refusals nor to the error of a checkpoint write a step waited for: those
+propagate. Time travel (resuming from a checkpoint that is not the thread's latest) is refused by
 `OneWriterSaver` at its first write (a step before it runs: given the resume value of an
 approval's pause, the review); without it, the branch goes on with the ledger's record:
 a completed call answers from the cache, a call in doubt is refused. The ledger records
@@ -143,6 +148,7 @@ try:
     from langgraph.config import get_config
     from langgraph.errors import GraphBubbleUp
     from langgraph.prebuilt import ToolNode
+    from langgraph.prebuilt.tool_node import _infer_handled_types
     from langgraph.types import Command, interrupt
 except ModuleNotFoundError as error:  # pragma: no cover - the extra is installed in CI
     raise missing_extra(__name__, "langgraph", error) from error
@@ -288,8 +294,7 @@ class ToolLedger(HeldRuns):
     """The tool calls of LangGraph threads, through one event store (DESIGN §7.4).
 
     Use it as ``ToolNode(tools, wrap_tool_call=ledger.wrap_tool_call,
-    awrap_tool_call=ledger.awrap_tool_call)`` (or `tool_node`, which also lets the
-    ledger's refusals through ``handle_tool_errors``), or through `LedgerMiddleware` in
+    awrap_tool_call=ledger.awrap_tool_call)`` (or `tool_node`), or through `LedgerMiddleware` in
     ``create_agent``; put `review` before the tool node for the tools that need approval.
     The ledger must be the innermost tool-call wrapper (nothing between it and the body,
     which could run the body again under one recorded start); a wrapper around it that
@@ -549,28 +554,55 @@ class ToolLedger(HeldRuns):
         if found is None:
             return
         saver, configurable, step = found
+        if _on_event_loop():
+            raise UnsupportedFeature(
+                "a sync wrap_tool_call on the event loop's thread (a ToolNode without "
+                "awrap_tool_call, run with ainvoke or astream) cannot wait for the step's "
+                "checkpoint write, which that loop makes, nor read an async saver: give the "
+                "ToolNode awrap_tool_call=ledger.awrap_tool_call too (ToolLedger.tool_node "
+                "does); nothing ran", feature="a sync tool-call wrapper on the async path "
+                "with OneWriterSaver", action="begin_tool")
         pending = _write_in_flight(configurable)
         waited = isinstance(pending, concurrent.futures.Future)
-        if waited:
-            with contextlib.suppress(concurrent.futures.TimeoutError):  # refused below
-                pending.result(timeout=STEP_WAIT)
-        saver.check_step(configurable.get("thread_id"), step,
-                         timeout=0 if waited else STEP_WAIT)
+        try:
+            if waited:
+                with contextlib.suppress(concurrent.futures.TimeoutError,  # refused below
+                                         concurrent.futures.CancelledError):  # (not written)
+                    pending.result(timeout=STEP_WAIT)
+            saver.check_step(configurable.get("thread_id"), step,
+                             timeout=0 if waited else STEP_WAIT)
+        except Exception as error:
+            _not_the_tools(error)  # the write's own error, or a refusal
+            raise
 
     async def _ain_step(self, request: Any) -> None:
+        """`_in_step` on the event loop: LangGraph's write waited for without cancelling
+        it when this call is cancelled, and the saver read through its async methods (an
+        async saver's sync ones hand their work back to this loop)."""
         found = self._step_of(request)
         if found is None:
             return
         saver, configurable, step = found
         pending = _write_in_flight(configurable)
         waited = isinstance(pending, asyncio.Future | concurrent.futures.Future)
-        if waited:
-            ending = asyncio.shield(pending) if isinstance(pending, asyncio.Future) \
-                else asyncio.wrap_future(pending)
-            with contextlib.suppress(asyncio.TimeoutError):  # refused below
-                await asyncio.wait_for(ending, STEP_WAIT)
-        await asyncio.to_thread(saver.check_step, configurable.get("thread_id"), step,
-                                timeout=0 if waited else STEP_WAIT)
+        try:
+            if waited:
+                ending = pending if isinstance(pending, asyncio.Future) \
+                    else asyncio.wrap_future(pending)
+                try:  # shielded: a cancelled call leaves LangGraph's write alone
+                    await asyncio.wait_for(asyncio.shield(ending), STEP_WAIT)
+                except TimeoutError:
+                    pass  # refused below
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if not ending.cancelled() or (task is not None and task.cancelling()):
+                        raise  # this call is cancelled, not the write
+                    # the write was cancelled: it never lands, and is refused below
+            await saver.acheck_step(configurable.get("thread_id"), step,
+                                    timeout=0 if waited else STEP_WAIT)
+        except Exception as error:
+            _not_the_tools(error)  # the write's own error, or a refusal
+            raise
 
     def wrap_tool_call(self, request: Any, handler: Callable[[Any], Any]) -> Any:
         """LangGraph's ``ToolNode(wrap_tool_call=)``: one call through the ledger."""
@@ -622,9 +654,6 @@ class ToolLedger(HeldRuns):
         node = ToolNode(tools, wrap_tool_call=self.wrap_tool_call,
                         awrap_tool_call=self.awrap_tool_call, **options)
         _check_tool_node(node, self)
-        handling = node._handle_tool_errors
-        if handling is not False:
-            node._handle_tool_errors = _passing_refusals(handling)
         return node
 
     # ------------------------------------------------------------------- decisions
@@ -781,12 +810,26 @@ class ToolLedger(HeldRuns):
 def _write_in_flight(configurable: Mapping[str, Any]) -> Any:
     """The future of the last checkpoint write LangGraph's loop submitted for the run a
     step belongs to (each write waits for the one before it and is not made after one
-    that failed), reached through the step's config as langgraph 1.2 builds it; None
-    where it cannot be told (`OneWriterSaver.check_step` then waits on the saver)."""
+    that failed), reached through the step's config as langgraph 1.2 builds it (through
+    the guard a node with a timeout policy runs under); None where it cannot be told
+    (`OneWriterSaver.check_step` then waits on the saver)."""
     call = configurable.get("__pregel_call")
+    for _ in range(8):  # LangGraph's guard around a node with a timeout policy
+        if getattr(call, "keywords", None) is not None or not callable(call):
+            break
+        call = _cells(call).get("call")
     keywords = getattr(call, "keywords", None) or {}
     loop = getattr(keywords.get("schedule_task"), "__self__", None)
     return getattr(loop, "_put_checkpoint_fut", None)
+
+
+def _on_event_loop() -> bool:
+    """Whether this thread runs an event loop (a sync wrapper LangGraph called on it)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _refuse_exit(configurable: Mapping[str, Any]) -> None:
@@ -959,6 +1002,8 @@ def _check_tool_node(node: ToolNode, ledger: ToolLedger) -> None:
         if mine and mine[-1] != len(owners) - 1:
             _refuse_inside([getattr(owner, "__qualname__", type(owner).__name__)
                             for owner in owners[mine[-1] + 1:]])
+    if node._handle_tool_errors is not False:  # the ledger's refusals pass through it
+        node._handle_tool_errors = _passing_refusals(node._handle_tool_errors)
     ledger._checked.add(node)
 
 
@@ -1011,26 +1056,51 @@ def _check_placement(handler: Any, ledger: ToolLedger) -> None:
                        or [getattr(handler, "__qualname__", type(handler).__name__)])
 
 
-def _passing_refusals(handling: Any) -> Callable[[Exception], str]:
-    """``handle_tool_errors`` that raises the ledger's refusals on and handles every other
-    error as ``handling`` (LangGraph's setting: True, a text, a callable, exception
-    types) does."""
+_PASSES = "_statemachine_passes_tool_error_handlers"
+"""The attribute that marks an error the ledger raised for a call before its body ran
+(the write its step waited for failed: the saver's own error) as no error of the tool's:
+`_passing_refusals` lets it through, as a ledger's refusal."""
 
-    def handle(error: Exception) -> str:
-        if isinstance(error, ControlError):
+
+def _not_the_tools(error: Exception) -> None:
+    """Mark ``error`` as no error of the tool's (`_PASSES`): a ``ToolNode``'s
+    ``handle_tool_errors`` lets it through (a `ControlError` passes anyway)."""
+    if not isinstance(error, ControlError):
+        with contextlib.suppress(AttributeError, TypeError):  # an error taking no attributes
+            setattr(error, _PASSES, True)
+
+
+def _passing_refusals(handling: Any) -> Callable[[Exception], Any]:
+    """``handle_tool_errors`` that raises the ledger's refusals on (and the error of a
+    write a step waited for, `_not_the_tools`), and hands every other error to
+    ``handling`` (LangGraph's setting: True, a text, a callable, exception types)
+    exactly when LangGraph alone would: a callable gets only the errors its annotation
+    names (LangGraph's own reading of it), and what it returns is the message's
+    content. A tool node's wrapper errors reach ``handle_tool_errors`` unfiltered by
+    LangGraph, so the filter is here."""
+    if getattr(handling, _PASSES, False):
+        return cast("Callable[[Exception], Any]", handling)
+
+    def handled() -> tuple[type[Exception], ...]:
+        if isinstance(handling, type) and issubclass(handling, Exception):
+            return (handling,)
+        if isinstance(handling, tuple):
+            return handling
+        if callable(handling):  # (its annotation read when an error comes, as LangGraph)
+            return _infer_handled_types(handling)
+        return (Exception,)
+
+    def handle(error: Exception) -> Any:
+        if isinstance(error, ControlError) or getattr(error, _PASSES, False) or (
+                not isinstance(error, handled())):
             raise error
-        if handling is True:
-            return ERROR_TEMPLATE.format(error=repr(error))
         if isinstance(handling, str):
             return handling
-        if isinstance(handling, type | tuple):
-            if isinstance(error, handling):
-                return ERROR_TEMPLATE.format(error=repr(error))
-            raise error
-        if callable(handling):
-            return str(handling(error))
-        raise error
+        if callable(handling) and not isinstance(handling, type):
+            return handling(error)
+        return ERROR_TEMPLATE.format(error=repr(error))  # True, or exception types
 
+    setattr(handle, _PASSES, True)
     return handle
 
 
@@ -1141,9 +1211,12 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
 
     A refused write stops its run only at its next step with ``durability="sync"``: with
     LangGraph's default (``"async"``) the next step runs while the write is made, so the
-    ledger asks `check_step` before every tool call of a graph this saver checkpoints:
-    the step's checkpoint must be the thread's latest once written, or nothing of the
-    step runs. With ``durability="exit"`` nothing is written before the run ends; its
+    ledger asks `check_step` (`acheck_step` on the async path) before every tool call of
+    a graph this saver checkpoints: the step's checkpoint must be the thread's latest
+    once written, or nothing of the step runs. No lock of this saver is held while it
+    reads the saver inside, nor taken on an event loop while a sync write holds it: an
+    async saver's (``AsyncSqliteSaver``, ``AsyncPostgresSaver``) sync methods hand their
+    work to its event loop. With ``durability="exit"`` nothing is written before the run ends; its
     tool calls are refused (`UnsupportedFeature`)."""
 
     def __init__(self, saver: BaseCheckpointSaver,  # type: ignore[type-arg]
@@ -1151,11 +1224,19 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
         super().__init__(serde=saver.serde)
         self.saver = saver
         self._lock = threading.Lock()
-        self._write_ended = threading.Condition(self._lock)
-        """Notified (under the lock) each time a write of this saver ends."""
-        self._outcomes: OrderedDict[tuple[Any, str, str], bool] = OrderedDict()
-        """Whether each of the latest writes of this saver landed, by (thread, namespace,
-        checkpoint id): False for a write refused or failed."""
+        """Held across a sync write (the check and the write, one step), and never while
+        this saver waits for an event loop or on the loop's own thread: an async saver's
+        sync methods hand their work to its loop (`aput` and `acheck_step` take
+        `_state` only, briefly)."""
+        self._state = threading.Lock()
+        """Guards `_outcomes` and `_async_locks`, held only for their bookkeeping."""
+        self._write_ended = threading.Condition(self._state)
+        """Notified each time a write of this saver ends."""
+        self._outcomes: OrderedDict[tuple[Any, str, str], BaseException | None] = \
+            OrderedDict()
+        """How each of the latest writes of this saver ended, by (thread, namespace,
+        checkpoint id): None when it landed, else its error (`ConcurrencyConflict` for a
+        write refused, the saver's own error for one that failed)."""
         self._async_locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop,
                                                      asyncio.Lock] = weakref.WeakKeyDictionary()
         if ledger is not None and self._sqlite() is None and self._postgres() is None and (
@@ -1220,6 +1301,7 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
                     conn.execute("BEGIN IMMEDIATE")  # the write lock, until the commit
 
             landed = False
+            ended: BaseException | None = None
 
             def write(*args: Any) -> Any:
                 """The saver's put, committed: SqliteSaver's commits itself (ending
@@ -1246,6 +1328,9 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
                     return write(config, checkpoint, metadata, new_versions)
                 return self._publishing(config, checkpoint, metadata, new_versions, found,
                                         write)
+            except BaseException as error:
+                ended = error
+                raise
             finally:
                 if conn is not None:
                     with saver.lock:
@@ -1255,7 +1340,7 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
                     # refused, or it raised: the error that got here wins over this one
                     with saver.lock, contextlib.suppress(Exception):
                         pg.execute("ROLLBACK")
-                self._ended(config, checkpoint, landed=landed)
+                self._ended(config, checkpoint, None if landed else ended)
 
     def _publishing(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any,
                     parent: Any, put: Callable[..., Any]) -> Any:
@@ -1319,54 +1404,106 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
         c.flush()
         return result
 
-    def _ended(self, config: Mapping[str, Any], checkpoint: Any, *, landed: bool) -> None:
-        """Note how a write ended (the lock held) and wake `check_step`'s waiters."""
+    def _ended(self, config: Mapping[str, Any], checkpoint: Any,
+               error: BaseException | None) -> None:
+        """Note how a write ended (``error``: None when it landed, even when it raised
+        after) and wake `check_step`'s waiters."""
         configurable = config.get("configurable") or {}
         key = (configurable.get("thread_id"), str(configurable.get("checkpoint_ns") or ""),
                str(checkpoint["id"]))
-        self._outcomes[key] = landed
-        self._outcomes.move_to_end(key)
-        while len(self._outcomes) > _KEPT_OUTCOMES:
-            self._outcomes.popitem(last=False)
-        self._write_ended.notify_all()
+        with self._write_ended:
+            self._outcomes[key] = error
+            self._outcomes.move_to_end(key)
+            while len(self._outcomes) > _KEPT_OUTCOMES:
+                self._outcomes.popitem(last=False)
+            self._write_ended.notify_all()
 
     def check_step(self, thread_id: Any, checkpoint_id: str, *,
                    timeout: float = STEP_WAIT) -> None:
         """Return once checkpoint ``checkpoint_id`` (the one a step of thread
         ``thread_id`` runs from) is the thread's latest, waiting up to ``timeout`` seconds
         for this saver's write of it to end (LangGraph's default durability writes it
-        while the step runs). `ConcurrencyConflict` when that write was refused (another
-        writer came first, or a fork from an earlier checkpoint) or failed, when the
-        thread moved on past it, or when it is not written in time: the step is not the
-        thread's, and nothing of it may run."""
+        while the step runs). When that write failed, its own error, the same object
+        (I6); `ConcurrencyConflict` when it was refused (another writer came first, or a
+        fork from an earlier checkpoint) or cancelled, when the thread moved on past it,
+        or when it is not written in time: the step is not the thread's, and nothing of
+        it may run. The saver is read without any of this saver's locks held."""
+        judging = self._judging(thread_id, checkpoint_id, timeout)
+        asked = next(judging)
+        while True:
+            if isinstance(asked, float):
+                with self._write_ended:
+                    self._write_ended.wait(asked)
+                answer: Any = None
+            else:
+                answer = self.saver.get_tuple(asked)
+            try:
+                asked = judging.send(answer)
+            except StopIteration:
+                return
+
+    async def acheck_step(self, thread_id: Any, checkpoint_id: str, *,
+                          timeout: float = STEP_WAIT) -> None:
+        """`check_step` on the event loop, reading through the saver's async methods."""
+        judging = self._judging(thread_id, checkpoint_id, timeout)
+        asked = next(judging)
+        while True:
+            if isinstance(asked, float):
+                await asyncio.sleep(asked)
+                answer: Any = None
+            else:
+                answer = await self.saver.aget_tuple(asked)
+            try:
+                asked = judging.send(answer)
+            except StopIteration:
+                return
+
+    def _judging(self, thread_id: Any, checkpoint_id: str,
+                 timeout: float) -> typing.Generator[Any, Any, None]:
+        """`check_step`'s reasoning, without its reads: yields a config to read (sent the
+        saver's tuple for it) or a number of seconds to wait; ends when the step is the
+        thread's, raises when it is not. How the write ended is taken before the reads,
+        so a write landing between them is never mistaken for the thread moving on."""
         key = (thread_id, "", checkpoint_id)
         head: Any = {"configurable": {"thread_id": thread_id, "checkpoint_ns": ""}}
+        itself: Any = {"configurable": {**head["configurable"],
+                                        "checkpoint_id": checkpoint_id}}
         deadline = time.monotonic() + timeout
-        with self._write_ended:
-            while True:
-                found = self.saver.get_tuple(head)
-                if found is not None and found.checkpoint["id"] == checkpoint_id:
-                    return  # written (a write that landed, then raised, among them)
-                outcome = self._outcomes.get(key)
-                if outcome is False:
-                    raise ConcurrencyConflict(
-                        f"thread {thread_id!r}: the checkpoint this step runs from was not "
-                        "written (refused: another resumer wrote first, or this is a fork "
-                        "from an earlier checkpoint; or its write failed): nothing of the "
-                        "step ran", action="begin_tool")
-                if outcome is True or self.saver.get_tuple({"configurable": {
-                        **head["configurable"], "checkpoint_id": checkpoint_id}}):
-                    raise ConcurrencyConflict(
-                        f"thread {thread_id!r} moved on past the checkpoint this step runs "
-                        "from (another resumer, or a fork from an earlier checkpoint): "
-                        "nothing of the step ran", action="begin_tool")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ConcurrencyConflict(
-                        f"thread {thread_id!r}: the checkpoint this step runs from was not "
-                        f"written within {timeout:g} s: nothing of the step ran",
-                        action="begin_tool")
-                self._write_ended.wait(min(left, 0.05))  # a write of another saver: read again
+        while True:
+            with self._state:
+                known = key in self._outcomes
+                error = self._outcomes.get(key)
+            found = yield head
+            if found is not None and found.checkpoint["id"] == checkpoint_id:
+                return  # written (a write that landed, then raised, among them)
+            if known and isinstance(error, ConcurrencyConflict):
+                raise ConcurrencyConflict(
+                    f"thread {thread_id!r}: the checkpoint this step runs from was not "
+                    "written (refused: another resumer wrote first, or this is a fork from "
+                    "an earlier checkpoint): nothing of the step ran", action="begin_tool"
+                ) from error
+            if known and isinstance(error, Exception):
+                raise error  # the write's own error (I6)
+            if known and error is not None:
+                raise ConcurrencyConflict(
+                    f"thread {thread_id!r}: the write of the checkpoint this step runs from "
+                    f"ended without an answer ({type(error).__name__}): nothing of the "
+                    "step ran", action="begin_tool") from error
+            if known or (yield itself) is not None:  # written, not the latest when read:
+                again = yield head  # (read once more: it may have landed since)
+                if again is not None and again.checkpoint["id"] == checkpoint_id:
+                    return
+                raise ConcurrencyConflict(
+                    f"thread {thread_id!r} moved on past the checkpoint this step runs "
+                    "from (another resumer, or a fork from an earlier checkpoint): "
+                    "nothing of the step ran", action="begin_tool")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ConcurrencyConflict(
+                    f"thread {thread_id!r}: the checkpoint this step runs from was not "
+                    f"written within {timeout:g} s: nothing of the step ran",
+                    action="begin_tool")
+            yield min(left, 0.05)  # a write of another saver: read again
 
     def get_tuple(self, config: Any) -> Any:
         return self.saver.get_tuple(config)
@@ -1394,6 +1531,7 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
         if self.ledger is not None:  # an in-memory saver: its put is the same, one step
             return self.put(config, checkpoint, metadata, new_versions)
         landed = False
+        ended: BaseException | None = None
         try:
             async with self._async_lock():  # the check and the write, one step here too
                 found = await self.saver.aget_tuple(_head(config))
@@ -1401,15 +1539,17 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
                 written = await self.saver.aput(config, checkpoint, metadata, new_versions)
                 landed = True
                 return written
-        finally:
-            with self._lock:
-                self._ended(config, checkpoint, landed=landed)
+        except BaseException as error:
+            ended = error
+            raise
+        finally:  # (never `_lock` on the loop: a sync write may be waiting for the loop)
+            self._ended(config, checkpoint, None if landed else ended)
 
     def _async_lock(self) -> asyncio.Lock:
         """The lock of `aput` on the running event loop (an asyncio lock serves one
         loop; a saver shared by threads with loops of their own gets one per loop)."""
         loop = asyncio.get_running_loop()
-        with self._lock:
+        with self._state:
             lock = self._async_locks.get(loop)
             if lock is None:
                 lock = self._async_locks[loop] = asyncio.Lock()

@@ -551,6 +551,108 @@ def test_the_ledgers_refusals_pass_through_handle_tool_errors(
     assert effects(path) == []
 
 
+def _only_value_errors(error: ValueError) -> str:
+    """A ``handle_tool_errors`` callable whose annotation names the errors it handles."""
+    return f"handled {error!r}"
+
+
+def _every_error(error):  # type: ignore[no-untyped-def]
+    """One without an annotation: LangGraph hands it every error."""
+    return f"caught {error!r}"
+
+
+HANDLERS: dict[str, Any] = {"typed": _only_value_errors, "untyped": _every_error}
+
+
+def _flaky(seen: list[str]) -> Any:
+    @tool
+    def flaky(kind: str) -> str:
+        """Fail with the kind of error asked for."""
+        seen.append(kind)
+        if kind == "value":
+            raise ValueError("bad value")
+        raise KeyError("no key")
+
+    return flaky
+
+
+def _outcome(node: ToolNode, kind: str, door: str, thread: str) -> tuple[Any, ...]:
+    """What a caller sees of one ``flaky`` call: the ToolMessage's content and status, or
+    the type of the error raised."""
+    graph = _graph_of(node, InMemorySaver())
+    state = _tools_state([("flaky", {"kind": kind}, f"call-{kind}")])
+    config = {"configurable": {"thread_id": thread}}
+    try:
+        result = (graph.invoke(state, config) if door == "sync"
+                  else asyncio.run(graph.ainvoke(state, config)))
+    except Exception as error:
+        return ("raised", type(error).__name__)
+    (message,) = [m for m in result["messages"] if isinstance(m, ToolMessage)]
+    return ("message", message.content, message.status)
+
+
+@pytest.mark.parametrize("door", ["sync", "async"])
+@pytest.mark.parametrize("handler", sorted(HANDLERS))
+def test_a_callable_handle_tool_errors_sees_what_it_sees_on_langgraph_alone(
+        store: SQLiteEventStore, handler: str, door: str) -> None:
+    """The same tool error alone and through the ledger (its ``tool_node``, and a
+    ToolNode built with its wrappers) gives the same outcome: a callable annotated with
+    the errors it handles gets only those (LangGraph reads the annotation), one without
+    gets every error; what it returns is the message. Expected from the handler alone
+    (before: the ledger's node handed a ValueError-only handler a KeyError too)."""
+    handling = HANDLERS[handler]
+    for kind, error in (("value", ValueError("bad value")), ("key", KeyError("no key"))):
+        if handler == "untyped" or kind == "value":
+            expected: tuple[Any, ...] = ("message", handling(error), "error")
+        else:
+            expected = ("raised", "KeyError")
+        seen: list[str] = []
+        tools = [_flaky(seen)]
+        ledger, own = ToolLedger(store, run_id=f"a-{kind}"), ToolLedger(
+            store, run_id=f"b-{kind}")
+        nodes = {
+            "alone": ToolNode(tools, handle_tool_errors=handling),
+            "tool_node": ledger.tool_node(tools, handle_tool_errors=handling),
+            "own node": ToolNode(tools, wrap_tool_call=own.wrap_tool_call,
+                                 awrap_tool_call=own.awrap_tool_call,
+                                 handle_tool_errors=handling)}
+        outcomes = {name: _outcome(node, kind, door, f"{name}-{kind}")
+                    for name, node in nodes.items()}
+        assert outcomes == dict.fromkeys(nodes, expected), kind
+        assert seen == [kind] * 3  # the body ran once through each
+
+
+@pytest.mark.parametrize("handling", [True, "a text", _every_error, (Exception,),
+                                      ToolInDoubt],
+                         ids=["true", "text", "callable", "exception-tuple", "refusal-type"])
+@pytest.mark.parametrize("built", ["tool_node", "own node"])
+def test_a_refusal_is_never_a_tool_message_whatever_handles_tool_errors(
+        tmp_path: Path, store: SQLiteEventStore, handling: Any, built: str) -> None:
+    """A call in doubt is refused (`ToolInDoubt` out of the graph, nothing run) under
+    every ``handle_tool_errors`` setting, on the ledger's ``tool_node`` and on a
+    ToolNode built with the ledger's wrappers (before: that one's handler turned the
+    refusal into a message the model could answer by calling again)."""
+    path = tmp_path / "effects.txt"
+    ledger = ToolLedger(store)
+    c = ledger.controller(RUN)
+    c.begin_model_call()
+    c.model_responded([ToolCall("x", "charge", {"amount": 7})])
+    c.begin_tool("x")
+    c.flush()  # started, then "the process died"
+    ledger.forget()
+    node = (ledger.tool_node(make_tools(path), handle_tool_errors=handling)
+            if built == "tool_node" else
+            ToolNode(make_tools(path), wrap_tool_call=ledger.wrap_tool_call,
+                     awrap_tool_call=ledger.awrap_tool_call, handle_tool_errors=handling))
+    with pytest.raises(ToolInDoubt):
+        _graph_of(node, InMemorySaver()).invoke(
+            _tools_state([("charge", {"amount": 7}, "x")]), CONFIG)
+    with pytest.raises(ToolInDoubt):
+        asyncio.run(_graph_of(node, InMemorySaver()).ainvoke(
+            _tools_state([("charge", {"amount": 7}, "x")]), CONFIG))
+    assert effects(path) == []
+
+
 def test_what_the_adapter_does_not_carry_is_refused_naming_it(
         tmp_path: Path, store: SQLiteEventStore) -> None:
     path = tmp_path / "effects.txt"
@@ -1291,7 +1393,7 @@ def test_check_step_says_whether_a_step_is_the_threads() -> None:
     with pytest.raises(ConcurrencyConflict):
         graph.update_state(graph.get_state_history(CONFIG).__next__().parent_config,
                            {"messages": []})  # a fork, refused: no child written
-    (refused,) = [key for key, landed in saver._outcomes.items() if not landed]
+    (refused,) = [key for key, error in saver._outcomes.items() if error is not None]
     with pytest.raises(ConcurrencyConflict, match="refused: another resumer"):
         saver.check_step("t1", refused[2], timeout=60)
     written: Any = inner.get_tuple(paused)
