@@ -39,11 +39,13 @@ staged publication reconciled after a failure, and each attempt reads the run's 
 back from it. Without one the run keeps a private history for its own bookkeeping and the
 caller carries the messages (``message_history=``), as with pydantic-ai alone; messages of
 an earlier stop (saved before a crash, after which the run wrote more) are brought up to
-what the run's publications hold, and messages that are no stop of the run are refused
-(`HistoryMismatch`). pydantic-ai merges the consecutive requests of a history it is given
-(a paused turn's results and the ones its resume adds are two): each attempt hands it the
-history in that merged form (``repair_messages``, its own first step), so what was written
-is counted in its terms.
+what the run's publications hold, messages that are no stop of the run are refused
+(`HistoryMismatch`), and so is a retry with none once the run has written some
+(`HistoryRequired`: sent only its prompt, the model would ask for the same calls again).
+pydantic-ai merges the consecutive requests of a history it is given (a paused turn's
+results and the ones its resume adds are two): each attempt hands it the history in that
+merged form (``repair_messages``, its own first step), so what was written is counted in
+its terms.
 
 Before pydantic-ai is called, an attempt on an existing run records ``claim`` (of two
 processes that loaded the same version one goes on, the other gets `ConcurrencyConflict`
@@ -220,9 +222,11 @@ that publishes it."""
 
 
 class HistoryRequired(ControlError):
-    """The run stopped inside a turn and no messages lead back into it: the run has no
-    ``history`` and the caller passed no ``message_history``. Pass the messages the run
-    had at its last stop (``result.messages``), or abandon the run."""
+    """The run has no ``history`` and the caller passed no ``message_history``, where the
+    run needs messages to go on from: it stopped inside a turn, or it has written
+    messages (the error names their calls), which the model would otherwise not see, and
+    would ask for the same effects again. Refused before anything is recorded. Pass the
+    messages the run had at its last stop (``result.messages``), or abandon the run."""
 
 
 class HistoryMismatch(ReconcileRejected):
@@ -1168,10 +1172,28 @@ def _carried(c: RunController, given: list[ModelMessage]) -> list[ModelMessage]:
     after the run had written more). ``given`` when they hold everything the run wrote
     (`_written`); when they end with only the first batches of it, ``given`` and the
     batches written since, so nothing the run wrote is sent or written again;
-    `HistoryMismatch` (nothing recorded) when they hold no stop of the run."""
+    `HistoryMismatch` (nothing recorded) when they hold no stop of the run, and
+    `HistoryRequired` when there are none and the run wrote some (but for a completed
+    run, which sends nothing): the ledger alone cannot stand in for them, lacking the
+    messages the run was first given."""
     batches = _written(c)
-    if not given or not batches:
+    if not batches:
         return given
+    if not given:
+        if c.step is Step.COMPLETED:
+            return given  # its recorded answer: nothing is sent, nothing runs
+        # sent only a prompt, the model would not see the calls the run made and would
+        # ask for them again under new ids: refused, never answered from the ledger alone
+        # (it lacks the messages the run was first given, if any)
+        written = [item for batch in batches for item in batch]
+        calls = [part.tool_call_id for message in _messages(written)
+                 for part in message.parts if isinstance(part, ToolCallPart)]
+        raise HistoryRequired(
+            f"the run wrote {len(written)} message(s) (calls "
+            f"{', '.join(map(repr, calls)) or 'none'}) and no message_history was given "
+            "to carry them: the model would be asked as if they never happened; pass the "
+            "messages of the run's last stop (result.messages), or abandon the run; "
+            "nothing was recorded", run_id=c.run_id, step=c.step, action="run")
     theirs = _parts(_messages_json(given))
     if _holds(theirs, _parts([item for batch in batches for item in batch])):
         return given

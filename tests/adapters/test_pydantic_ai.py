@@ -449,6 +449,76 @@ def test_messages_that_are_no_stop_of_a_run_without_a_history_are_refused() -> N
     run_async(go())
 
 
+def _fresh_ids_agent(effects: Path, asked: list[list[ModelMessage]],
+                     down: list[bool]) -> Agent[None, Any]:
+    """``pay`` appends to ``effects`` (fsynced). The model asks for ``pay`` under a fresh
+    call id, as a real model does, whenever the messages it is sent hold no result of it;
+    with one it answers, or raises while ``down[0]`` is True (once)."""
+
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        asked.append(list(messages))
+        if not any(part.part_kind == "tool-return" for message in messages
+                   for part in message.parts):
+            return ModelResponse(parts=[call("pay", f"id{len(asked)}", x=7)])
+        if down[0]:
+            down[0] = False
+            raise ConnectionError("the model is unreachable")
+        return ModelResponse(parts=[TextPart("done")])
+
+    agent: Agent[None, Any] = Agent(FunctionModel(respond))
+
+    @agent.tool_plain
+    def pay(x: int) -> str:
+        with effects.open("a") as file:
+            file.write(f"pay {x}\n")
+            file.flush()
+            os.fsync(file.fileno())
+        return f"charged {x}"
+
+    return agent
+
+
+@pytest.mark.invariant("I1")
+@pytest.mark.parametrize("prompt", ["pay 7", None], ids=["same-prompt", "no-prompt"])
+@pytest.mark.parametrize("given", ["omitted", "none", "empty"])
+def test_a_retry_without_the_messages_the_run_wrote_is_refused_never_paid_again(
+        tmp_path: Path, given: str, prompt: str | None) -> None:
+    """A run without a history pays (its result written with the next model request),
+    and that request fails: the caller, holding no messages of the run, retries with
+    none. Sent only the prompt, the model would ask for ``pay`` again under a new call
+    id; the retry is refused (`HistoryRequired`, naming the call the run wrote) before
+    anything is recorded, and the messages the run wrote finish it, paying once."""
+
+    async def go() -> None:
+        effects = tmp_path / "effects.txt"
+        asked: list[list[ModelMessage]] = []
+        down = [True]
+        path = tmp_path / "events.db"
+
+        async def opened() -> LedgerRun:
+            return await LedgerRun.open(_fresh_ids_agent(effects, asked, down),
+                                        run_id="retry", store=SQLiteEventStore(path))
+
+        with pytest.raises(ConnectionError):
+            await (await opened()).run("pay 7")
+        assert effects.read_text().splitlines() == ["pay 7"]
+        written = asked[-1]  # the prompt, the call of pay, its result
+        run = await opened()
+        log = SQLiteEventStore(path).load("retry")
+        options: dict[str, Any] = {} if given == "omitted" else {
+            "message_history": None if given == "none" else []}
+        with pytest.raises(HistoryRequired, match="'id1'"):
+            await run.run(prompt, **options)
+        assert SQLiteEventStore(path).load("retry") == log  # nothing recorded
+        assert len(asked) == 2  # the model was not asked
+        assert effects.read_text().splitlines() == ["pay 7"]
+        done = await (await opened()).run(message_history=written)
+        assert (done.step, done.output) == (Step.COMPLETED, "done")
+        assert effects.read_text().splitlines() == ["pay 7"]  # paid once
+
+    run_async(go())
+
+
 # --------------------------------------------- differential: cancelled inside a tool
 
 
