@@ -976,9 +976,12 @@ class LedgerRun:
             await self._publish(messages[self._published:])
             c.begin_model_call()  # refused while a write is unsettled (I2)
         # a model call needs no flush of its own (DESIGN §7.7): a crash before its
-        # response calls the model again; this attempt must still hold the run, though
+        # response calls the model again. But a tool's result recorded since the last
+        # flush is made durable first, with its publication (the messages just staged):
+        # a crash while the model answers then leaves the call completed, not in doubt.
+        # Else this attempt must still hold the run (one read, no write)
         async with self._flush_lock:
-            await c.fence_async()
+            await c.flush_results_async()
 
     def _model_failed(self, error: BaseException) -> None:
         c = self.controller

@@ -162,6 +162,17 @@ def kinds(items: list[Any]) -> list[tuple[str, list[tuple[str, str | None]]]]:
     return shape
 
 
+def _shape(items: list[Any]) -> list[tuple[str, str]]:
+    """The history as (message kind, its parts): a call or result by call id, a prompt or
+    an answer by its text."""
+    shape = []
+    for item in items:
+        parts = [f"{part['part_kind']} {part.get('tool_call_id') or part.get('content')}"
+                 for part in item["parts"] if part["part_kind"] != "system-prompt"]
+        shape.append((item["kind"], " + ".join(parts)))
+    return shape
+
+
 PAUSE = [("request", [("user-prompt", None)]),
          ("response", [("tool-call", "c1"), ("tool-call", "c2")]),
          ("request", [("tool-return", "c2")])]
@@ -1314,6 +1325,83 @@ def test_a_completed_run_answers_with_the_history_as_it_is_now(tmp_path: Path) -
 
 class Crash(BaseException):
     """The process dies here (a stand-in for kill -9 in-process: nothing catches it)."""
+
+
+class DiesWithItsProcess(SQLiteEventStore):
+    """A SQLite store whose process dies once ``dead`` is set: nothing handed to it after
+    lands (`Crash`), as after a kill -9 there."""
+
+    dead = False
+
+    def append(self, run_id: str, events: Any, expected_version: int, *,
+               snapshot: Any = None, step: Any = None, read_model: Any = None,
+               session_write: Any = None) -> None:
+        if self.dead:
+            raise Crash
+        super().append(run_id, events, expected_version, snapshot=snapshot, step=step,
+                       read_model=read_model, session_write=session_write)
+
+
+def test_a_crash_while_the_model_answers_after_a_tool_leaves_the_call_completed(
+        tmp_path: Path) -> None:
+    """The process dies while the model is asked again after ``pay`` (the longest wait of
+    a turn), the history in the store's file: the result and the message carrying it
+    were made durable before that request, so what the store holds while the model is
+    asked (what the crash leaves) is the call completed and written, never in doubt; the
+    next attempt asks the model again and completes, ``pay`` having run once."""
+    path = tmp_path / "events.db"
+    paid: Counter[str] = Counter()
+    durable: list[tuple[Any, ...]] = []
+    store = DiesWithItsProcess(path)
+
+    async def dies(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        if len(messages) == 1:
+            return ModelResponse(parts=[call("pay", "c1", x=7)])
+        store.dead = True  # asked again, after the tool: the process dies here
+        apart = SQLiteEventStore(path, readonly=True)
+        try:
+            held = RunController.load(apart, "r")
+            durable.append((held.phase("c1"), held.in_doubt()))
+        finally:
+            apart.close()
+        durable.append(tuple(_shape(await SQLiteSession("h", path).get_items())))
+        raise Crash
+
+    def agent(respond: Any) -> Agent[None, Any]:
+        built: Agent[None, Any] = Agent(FunctionModel(respond))
+
+        @built.tool_plain
+        def pay(x: int) -> str:
+            paid[f"pay {x}"] += 1
+            return f"charged {x}"
+
+        return built
+
+    asked: list[list[ModelMessage]] = []
+
+    def answers(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        asked.append(list(messages))
+        return ModelResponse(parts=[TextPart("paid")])
+
+    async def go() -> None:
+        with pytest.raises(Crash):
+            await (await LedgerRun.open(agent(dies), run_id="r", store=store,
+                                        history=SQLiteSession("h", path))).run("pay 7")
+        written = [("request", "user-prompt pay 7"), ("response", "tool-call c1"),
+                   ("request", "tool-return c1")]
+        assert durable == [(Phase.PUBLISHED, ()), tuple(written)]
+        again = await LedgerRun.open(agent(answers), run_id="r",
+                                     store=SQLiteEventStore(path),
+                                     history=SQLiteSession("h", path))
+        done = await again.run()
+        assert (done.step, done.output) == (Step.COMPLETED, "paid")
+        assert [_shape(ModelMessagesTypeAdapter.dump_python(messages, mode="json"))
+                for messages in asked] == [written]
+        assert _shape(await SQLiteSession("h", path).get_items()) == [
+            *written, ("response", "text paid")]
+
+    run_async(go())
+    assert paid == Counter({"pay 7": 1})
 
 
 class DiesBeforeAcceptance(MemoryEventStore):
