@@ -145,6 +145,7 @@ _OPENAI_AGENTS = (*(f"tests/adapters/test_openai_agents.py::{test}" for test in 
     "test_row18_a_call_the_run_has_no_room_for_is_refused_before_its_body",
     "test_differential[terminal-output-commit-then-raise-run]",
     "test_differential[approval-while-unsettled-partial-write-run_streamed]",
+    "test_a_crash_while_the_model_answers_after_a_tool_leaves_the_call_completed",
 )), "tests/adapters/test_extras.py")
 """The openai-agents adapter's guard: its differential rows and the tests that run in
 one process, fastest first (the kill -9 rows and the whole matrix run in `just test`)."""
@@ -1554,6 +1555,24 @@ CATALOGUE: tuple[Mutant, ...] = (
        "        pass  # (read afresh by each call: another run may have written)",
        "a LedgerRun keeps the history it read in an earlier call: a completed run's answer "
        "comes with the history as it was, another run's later turn missing"),
+    _m("PD32", "    if not given:\n        if c.step is Step.COMPLETED:",
+       "    if False:\n        if c.step is Step.COMPLETED:",
+       "a run without a history retried with no messages after it wrote some is sent only "
+       "its prompt: the model asks for its calls again under new ids, and they run again"),
+    _m("PD33", "                _refuse_unanswered(c, read[-TAIL_ITEMS:])\n",
+       "                pass\n",
+       "a new run writes onto a history whose last items hold another run's call without "
+       "its result"),
+    _m("PD34", "        if known is None or not riding:\n            return\n",
+       "        if True:\n            return\n",
+       "a flush writes the history after another writer's message, the tail never read "
+       "again"),
+    _m("PD35", "            await c.flush_results_async()", "            await c.fence_async()",
+       "a tool's result waits through the next model request: a crash there leaves its "
+       "call in doubt"),
+    _m("OA36", "            await c.flush_results_async()", "            await c.fence_async()",
+       "a tool's result waits through the next model request: a crash there leaves its "
+       "call in doubt"),
     _m("AN27", "owner=owner, verifiers=checked)", "owner=owner)",
        "the session runner's iterations never ask the verifiers"),
     _m("AN22", "            with running_call(c, call_id):  # tool_context() in the body\n"

@@ -1545,8 +1545,12 @@ class AgentRun:
         if c.step is not Step.AWAITING_MODEL:  # a crash may have come after the record
             c.begin_model_call()  # refused while a write is unsettled (I2)
         # a model call needs no flush of its own (DESIGN §7.7): a crash before its
-        # response calls the model again; this attempt must still hold the run, though
-        await self._fence()
+        # response calls the model again. But a tool's result recorded since the last
+        # flush is made durable first, with what rides along (the Session write of its
+        # call and output): a crash while the model answers then leaves the call
+        # completed, not in doubt. Else this attempt must still hold the run (one read)
+        async with self._flush_lock:
+            await c.flush_results_async()
 
     def _model_failed(self, error: BaseException | type[BaseException]) -> None:
         c = self.controller

@@ -36,14 +36,22 @@ The messages are the conversation. With a ``history`` (any Session of
 `statemachine.sessions`: memory, SQLite, PostgreSQL, or `ConversationStoreHistory` over a
 pydantic-ai `ConversationStore`) every message is written there exactly once, each write a
 staged publication reconciled after a failure, and each attempt reads the run's messages
-back from it. Without one the run keeps a private history for its own bookkeeping and the
-caller carries the messages (``message_history=``), as with pydantic-ai alone; messages of
+back from it, once. A history in the store's database is written by the run's next
+flush, each write staged against what the attempt read followed by what it wrote since:
+before that flush the history's tail is read again, and another writer's message found
+there (a user's, another run's) refuses the write (`ReconcileRejected`), nothing the
+attempt buffered recorded, as after a crash. A new run refuses a history whose last
+items hold another run's call without its result (`PublicationUnsettled`). Without a
+history the run keeps a private one for its own bookkeeping and the caller carries the
+messages (``message_history=``), as with pydantic-ai alone; messages of
 an earlier stop (saved before a crash, after which the run wrote more) are brought up to
-what the run's publications hold, and messages that are no stop of the run are refused
-(`HistoryMismatch`). pydantic-ai merges the consecutive requests of a history it is given
-(a paused turn's results and the ones its resume adds are two): each attempt hands it the
-history in that merged form (``repair_messages``, its own first step), so what was written
-is counted in its terms.
+what the run's publications hold, messages that are no stop of the run are refused
+(`HistoryMismatch`), and so is a retry with none once the run has written some
+(`HistoryRequired`: sent only its prompt, the model would ask for the same calls again).
+pydantic-ai merges the consecutive requests of a history it is given (a paused turn's
+results and the ones its resume adds are two): each attempt hands it the history in that
+merged form (``repair_messages``, its own first step), so what was written is counted in
+its terms.
 
 Before pydantic-ai is called, an attempt on an existing run records ``claim`` (of two
 processes that loaded the same version one goes on, the other gets `ConcurrencyConflict`
@@ -182,11 +190,12 @@ from statemachine.errors import (
     RunNotFound,
     SchemaError,
     ToolInDoubt,
+    excerpt,
 )
 from statemachine.journal import is_async
 from statemachine.payloads import DEFAULT_MAX_BYTES, JSON, canonical_json, json_size
 from statemachine.runner.attempt import Attempt, interrupted
-from statemachine.runner.publish import one_writer, publish, run_history
+from statemachine.runner.publish import TAIL_ITEMS, one_writer, publish, run_history
 from statemachine.sessions import MemorySession, Session
 from statemachine.stores import AsyncEventStore, EventStore
 from statemachine.values import Phase, RecoveryPolicy, Resolution, Step, ToolCall
@@ -220,9 +229,11 @@ that publishes it."""
 
 
 class HistoryRequired(ControlError):
-    """The run stopped inside a turn and no messages lead back into it: the run has no
-    ``history`` and the caller passed no ``message_history``. Pass the messages the run
-    had at its last stop (``result.messages``), or abandon the run."""
+    """The run has no ``history`` and the caller passed no ``message_history``, where the
+    run needs messages to go on from: it stopped inside a turn, or it has written
+    messages (the error names their calls), which the model would otherwise not see, and
+    would ask for the same effects again. Refused before anything is recorded. Pass the
+    messages the run had at its last stop (``result.messages``), or abandon the run."""
 
 
 class HistoryMismatch(ReconcileRejected):
@@ -746,8 +757,10 @@ class LedgerRun:
             self._record_decisions(deferred_tool_results)  # refused while unsettled
             await self._flush()  # decisions are durable before anything acts on them
         if new_run:  # (nothing to settle: the history read here is read once)
-            await one_writer(c, self._history, read=None if self.history is None
-                             else await self._read_history())
+            read = None if self.history is None else await self._read_history()
+            await one_writer(c, self._history, read=read)
+            if read is not None:
+                _refuse_unanswered(c, read[-TAIL_ITEMS:])
         unsettled = c.step is Step.UNSETTLED
         await settle_unsettled(c, self._history, take_over=self.take_over, how=_TAKE_OVER)
         if unsettled:  # what settling recorded (a new run's start waits for an effect)
@@ -903,7 +916,36 @@ class LedgerRun:
         command). pydantic-ai runs a response's tools concurrently, and each flushes
         before its body: one flush at a time."""
         async with self._flush_lock:
+            await self._unmoved()
             await self.controller.flush_async()
+
+    async def _unmoved(self) -> None:
+        """Before a flush that writes the history (publications riding with it, staged
+        against the history this attempt read and followed by what it published since):
+        `ReconcileRejected` when the history's tail is no longer that. Another writer
+        appended (a user's message, another run of the conversation) while the messages
+        waited: written after it, they would split a call from its result or answer what
+        the model never saw. Nothing this attempt buffered is then recorded, as if the
+        process had stopped before the flush (a started call stays in doubt), and the run
+        is loaded again to go on, reading the history afresh. One read of the tail; the
+        read and the flush are two transactions, so a write landing between them is not
+        seen."""
+        c = self.controller
+        known = self._known
+        riding = sum(len(write.items) for write in c._journal.riding)
+        if known is None or not riding:
+            return
+        limit = riding + 1
+        if await run_history(c, self._history, limit=limit) == known[-limit:]:
+            return
+        reason = ("the history changed since this attempt read it: another writer (a "
+                  "user, another run of the conversation) appended to it while this run's "
+                  "messages waited to be written after what the attempt had read; they "
+                  "were not written, and nothing this attempt buffered was recorded (as if "
+                  "it stopped here: a call it started is in doubt); load the run again to "
+                  "go on from the history as it is")
+        c._journal.stop(ReconcileRejected, reason)
+        raise ReconcileRejected(reason, run_id=c.run_id, step=c.step, action="publish")
 
     async def _publish(self, messages: Sequence[ModelMessage]) -> None:
         """Write ``messages`` (with every result the ledger owes) as one publication."""
@@ -972,9 +1014,14 @@ class LedgerRun:
             await self._publish(messages[self._published:])
             c.begin_model_call()  # refused while a write is unsettled (I2)
         # a model call needs no flush of its own (DESIGN §7.7): a crash before its
-        # response calls the model again; this attempt must still hold the run, though
+        # response calls the model again. But a tool's result recorded since the last
+        # flush is made durable first, with its publication (the messages just staged):
+        # a crash while the model answers then leaves the call completed, not in doubt.
+        # Else this attempt must still hold the run (one read, no write)
         async with self._flush_lock:
-            await c.fence_async()
+            if c._journal.holds_results:  # (the flush lands what rides with it)
+                await self._unmoved()
+            await c.flush_results_async()
 
     def _model_failed(self, error: BaseException) -> None:
         c = self.controller
@@ -1168,10 +1215,28 @@ def _carried(c: RunController, given: list[ModelMessage]) -> list[ModelMessage]:
     after the run had written more). ``given`` when they hold everything the run wrote
     (`_written`); when they end with only the first batches of it, ``given`` and the
     batches written since, so nothing the run wrote is sent or written again;
-    `HistoryMismatch` (nothing recorded) when they hold no stop of the run."""
+    `HistoryMismatch` (nothing recorded) when they hold no stop of the run, and
+    `HistoryRequired` when there are none and the run wrote some (but for a completed
+    run, which sends nothing): the ledger alone cannot stand in for them, lacking the
+    messages the run was first given."""
     batches = _written(c)
-    if not given or not batches:
+    if not batches:
         return given
+    if not given:
+        if c.step is Step.COMPLETED:
+            return given  # its recorded answer: nothing is sent, nothing runs
+        # sent only a prompt, the model would not see the calls the run made and would
+        # ask for them again under new ids: refused, never answered from the ledger alone
+        # (it lacks the messages the run was first given, if any)
+        written = [item for batch in batches for item in batch]
+        calls = [part.tool_call_id for message in _messages(written)
+                 for part in message.parts if isinstance(part, ToolCallPart)]
+        raise HistoryRequired(
+            f"the run wrote {len(written)} message(s) (calls "
+            f"{', '.join(map(repr, calls)) or 'none'}) and no message_history was given "
+            "to carry them: the model would be asked as if they never happened; pass the "
+            "messages of the run's last stop (result.messages), or abandon the run; "
+            "nothing was recorded", run_id=c.run_id, step=c.step, action="run")
     theirs = _parts(_messages_json(given))
     if _holds(theirs, _parts([item for batch in batches for item in batch])):
         return given
@@ -1183,6 +1248,33 @@ def _carried(c: RunController, given: list[ModelMessage]) -> list[ModelMessage]:
         "the messages given are not the messages of any stop of this run (they do not end "
         "with what it wrote); pass the messages of its last stop (result.messages); "
         "nothing was recorded", run_id=c.run_id, step=c.step, action="run")
+
+
+def _refuse_unanswered(c: RunController, tail: Sequence[JSON]) -> None:
+    """`PublicationUnsettled` when ``tail`` (the history's last items, pydantic-ai's JSON
+    form) holds a tool call no later part answers: another run is inside its turn there
+    (its tool running, its result not yet written) or stopped in it. A new run writing
+    there would split that call from its result, and pydantic-ai, handed such a history,
+    runs the call itself or refuses the prompt (`one_writer` checks the openai-style
+    items; these are pydantic-ai's own)."""
+    answered: set[str] = set()
+    for item in reversed(tail):
+        parts = item.get("parts") if isinstance(item, dict) else None
+        for part in reversed(parts if isinstance(parts, list) else []):
+            if not isinstance(part, dict):
+                continue
+            call_id = part.get("tool_call_id")
+            if not isinstance(call_id, str):
+                continue
+            if part.get("part_kind") == "tool-call":
+                if call_id not in answered:
+                    raise PublicationUnsettled(
+                        f"the history holds call {excerpt(call_id)} with no result after "
+                        "it: another run is inside its turn there, or stopped in it; "
+                        "settle or repair the run that wrote it before another run "
+                        "writes there", run_id=c.run_id, step=c.step, action="run")
+            else:
+                answered.add(call_id)
 
 
 def _unanswered(messages: Sequence[ModelMessage]) -> list[str]:

@@ -21,7 +21,7 @@ import sys
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -1890,3 +1890,90 @@ def test_row01_an_agent_tool_runs_on_the_callers_run_config(tmp_path: Path) -> N
         assert _count(through) == _count(alone) == Counter({PAID: 1, "model": 4})
 
     asyncio.run(go())
+
+
+# ------------------------------------------- a crash while the model answers after a tool
+
+
+class Crash(BaseException):
+    """The process dies here (a stand-in for kill -9 in-process: nothing catches it)."""
+
+
+class DiesWithItsProcess(SQLiteEventStore):
+    """A SQLite store whose process dies once ``dead`` is set: nothing handed to it after
+    lands (`Crash`), as after a kill -9 there."""
+
+    dead = False
+
+    def append(self, run_id: str, events: Any, expected_version: int, *,
+               snapshot: Any = None, step: Any = None, read_model: Any = None,
+               session_write: Any = None) -> None:
+        if self.dead:
+            raise Crash
+        super().append(run_id, events, expected_version, snapshot=snapshot, step=step,
+                       read_model=read_model, session_write=session_write)
+
+
+def _kind_of(item: Any) -> str:
+    return str(item.get("type") if item.get("type") not in (None, "message")
+               else item.get("role"))
+
+
+def test_a_crash_while_the_model_answers_after_a_tool_leaves_the_call_completed(
+        tmp_path: Path) -> None:
+    """The process dies while the model is asked again after ``pay`` (the longest wait of
+    a turn), the Session the library's `SQLiteSession` in the store's file: the result and
+    the Session write of its call and output were made durable before that request, so
+    what the store holds while the model is asked (what the crash leaves) is the call
+    completed and written, never in doubt; the next attempt asks the model again and
+    completes, ``pay`` having run once."""
+    from statemachine.sessions import SQLiteSession as StoreFileSession
+
+    path = tmp_path / "events.db"
+    paid: list[int] = []
+    durable: list[Any] = []
+    sent: list[list[str]] = []
+    store = DiesWithItsProcess(path)
+
+    class Dies(ScriptedModel):
+        async def get_response(self, *args: Any, **kwargs: Any) -> Any:
+            given = kwargs.get("input", args[1] if len(args) > 1 else None)
+            sent.append(["user"] if isinstance(given, str)
+                        else [_kind_of(item) for item in given or ()])
+            if len(sent) == 2 and self is dying:  # asked again, after the tool: it dies
+                store.dead = True
+                apart = SQLiteEventStore(path, readonly=True)
+                try:
+                    held = RunController.load(apart, "r")
+                    durable.append((held.phase("p1"), held.in_doubt()))
+                finally:
+                    apart.close()
+                items = await StoreFileSession("s", path).get_items()
+                durable.append([_kind_of(item) for item in items])
+                raise Crash
+            return await super().get_response(*args, **kwargs)
+
+    def pay(amount: int) -> str:
+        paid.append(amount)
+        return f"paid {amount}"
+
+    dying = Dies([[function_call("pay", {"amount": 7}, call_id="p1")]])
+    answering = Dies([[assistant_message("paid 7")]])
+
+    async def attempt(model: Any, input: Any, on: Any) -> Any:
+        agent = Agent("payer", model=model, tools=[function_tool(pay)])
+        run = await AgentRun.open(agent, run_id="r", store=on,
+                                  session=cast("Any", StoreFileSession("s", path)))
+        return await run.run(input, run_config=CONFIG)
+
+    with pytest.raises(Crash):
+        asyncio.run(attempt(dying, "pay 7", store))
+    written = ["user", "function_call", "function_call_output"]
+    assert durable == [(Phase.PUBLISHED, ()), written]
+    sent.clear()
+    result = asyncio.run(attempt(answering, None, SQLiteEventStore(path)))
+    assert (result.step, result.final_output) == (Step.COMPLETED, "paid 7")
+    assert sent == [written]  # asked again once, with the call and its output
+    assert paid == [7]
+    items = asyncio.run(StoreFileSession("s", path).get_items())
+    assert [_kind_of(item) for item in items] == [*written, "assistant"]

@@ -54,10 +54,12 @@ from pydantic_ai.conversation_store import InMemoryConversationStore
 from pydantic_ai.messages import (
     ModelMessage,
     ModelMessagesTypeAdapter,
+    ModelRequest,
     ModelResponse,
     TextPart,
     ToolCallPart,
     ToolReturnPart,
+    UserPromptPart,
 )
 from pydantic_ai.models.function import AgentInfo, DeltaToolCall, FunctionModel
 from pydantic_ai.models.test import TestModel
@@ -65,6 +67,7 @@ from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.toolsets import ExternalToolset
 
 from statemachine import (
+    ControlError,
     InvalidTransition,
     MemoryEventStore,
     Phase,
@@ -159,6 +162,17 @@ def kinds(items: list[Any]) -> list[tuple[str, list[tuple[str, str | None]]]]:
         parts = [(part["part_kind"], part.get("tool_call_id")) for part in item["parts"]
                  if part["part_kind"] != "system-prompt"]
         shape.append((item["kind"], parts))
+    return shape
+
+
+def _shape(items: list[Any]) -> list[tuple[str, str]]:
+    """The history as (message kind, its parts): a call or result by call id, a prompt or
+    an answer by its text."""
+    shape = []
+    for item in items:
+        parts = [f"{part['part_kind']} {part.get('tool_call_id') or part.get('content')}"
+                 for part in item["parts"] if part["part_kind"] != "system-prompt"]
+        shape.append((item["kind"], " + ".join(parts)))
     return shape
 
 
@@ -447,6 +461,216 @@ def test_messages_that_are_no_stop_of_a_run_without_a_history_are_refused() -> N
         assert ran == Counter({"lookup 1": 1})  # charge never ran
 
     run_async(go())
+
+
+def _fresh_ids_agent(effects: Path, asked: list[list[ModelMessage]],
+                     down: list[bool]) -> Agent[None, Any]:
+    """``pay`` appends to ``effects`` (fsynced). The model asks for ``pay`` under a fresh
+    call id, as a real model does, whenever the messages it is sent hold no result of it;
+    with one it answers, or raises while ``down[0]`` is True (once)."""
+
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        asked.append(list(messages))
+        if not any(part.part_kind == "tool-return" for message in messages
+                   for part in message.parts):
+            return ModelResponse(parts=[call("pay", f"id{len(asked)}", x=7)])
+        if down[0]:
+            down[0] = False
+            raise ConnectionError("the model is unreachable")
+        return ModelResponse(parts=[TextPart("done")])
+
+    agent: Agent[None, Any] = Agent(FunctionModel(respond))
+
+    @agent.tool_plain
+    def pay(x: int) -> str:
+        with effects.open("a") as file:
+            file.write(f"pay {x}\n")
+            file.flush()
+            os.fsync(file.fileno())
+        return f"charged {x}"
+
+    return agent
+
+
+@pytest.mark.invariant("I1")
+@pytest.mark.parametrize("prompt", ["pay 7", None], ids=["same-prompt", "no-prompt"])
+@pytest.mark.parametrize("given", ["omitted", "none", "empty"])
+def test_a_retry_without_the_messages_the_run_wrote_is_refused_never_paid_again(
+        tmp_path: Path, given: str, prompt: str | None) -> None:
+    """A run without a history pays (its result written with the next model request),
+    and that request fails: the caller, holding no messages of the run, retries with
+    none. Sent only the prompt, the model would ask for ``pay`` again under a new call
+    id; the retry is refused (`HistoryRequired`, naming the call the run wrote) before
+    anything is recorded, and the messages the run wrote finish it, paying once."""
+
+    async def go() -> None:
+        effects = tmp_path / "effects.txt"
+        asked: list[list[ModelMessage]] = []
+        down = [True]
+        path = tmp_path / "events.db"
+
+        async def opened() -> LedgerRun:
+            return await LedgerRun.open(_fresh_ids_agent(effects, asked, down),
+                                        run_id="retry", store=SQLiteEventStore(path))
+
+        with pytest.raises(ConnectionError):
+            await (await opened()).run("pay 7")
+        assert effects.read_text().splitlines() == ["pay 7"]
+        written = asked[-1]  # the prompt, the call of pay, its result
+        run = await opened()
+        log = SQLiteEventStore(path).load("retry")
+        options: dict[str, Any] = {} if given == "omitted" else {
+            "message_history": None if given == "none" else []}
+        with pytest.raises(HistoryRequired, match="'id1'"):
+            await run.run(prompt, **options)
+        assert SQLiteEventStore(path).load("retry") == log  # nothing recorded
+        assert len(asked) == 2  # the model was not asked
+        assert effects.read_text().splitlines() == ["pay 7"]
+        done = await (await opened()).run(message_history=written)
+        assert (done.step, done.output) == (Step.COMPLETED, "done")
+        assert effects.read_text().splitlines() == ["pay 7"]  # paid once
+
+    run_async(go())
+
+
+# ------------------------------------------- rival writers on one SQLite file
+
+
+FIRST_CALL, TOOL_BODY, SECOND_CALL = "first-model-call", "tool-body", "second-model-call"
+USER, NEW_RUN, SAME_RUN = "user-appends", "another-run", "same-run-elsewhere"
+
+
+def _rival_agent(name: str, paid: Counter[str], *,
+                 during: dict[str, Callable[[], Any]] | None = None) -> Agent[None, Any]:
+    """Run ``name``'s program: its model asks for ``pay`` (call id ``<name>-c1``) until the
+    messages hold that call's result, then answers ``<name> done``; ``pay`` counts in
+    ``paid`` by call id. ``during`` maps FIRST_CALL, SECOND_CALL and TOOL_BODY to the
+    rival's move, made once while that request or the tool's body is under way."""
+    during = dict(during or {})
+    requests = [0]
+
+    async def once(where: str) -> None:
+        move = during.pop(where, None)
+        if move is not None:
+            await move()
+
+    async def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        requests[0] += 1
+        await once(FIRST_CALL if requests[0] == 1 else SECOND_CALL)
+        if any(getattr(part, "tool_call_id", None) == f"{name}-c1"
+               and part.part_kind == "tool-return" for message in messages
+               for part in message.parts):
+            return ModelResponse(parts=[TextPart(f"{name} done")])
+        return ModelResponse(parts=[call("pay", f"{name}-c1", x=7)])
+
+    agent: Agent[None, Any] = Agent(FunctionModel(respond))
+
+    @agent.tool_plain
+    async def pay(x: int) -> str:
+        paid[f"{name}-c1"] += 1
+        await once(TOOL_BODY)
+        return f"charged {x}"
+
+    return agent
+
+
+def _a(*ends: tuple[str, str]) -> list[tuple[str, str]]:
+    return [("request", "user-prompt a's prompt"), ("response", "tool-call a-c1"),
+            ("request", "tool-return a-c1"), *ends]
+
+
+_A_DONE = ("response", "text a done")
+_X = ("request", "user-prompt a user's message")
+_B_TURN = [("request", "user-prompt b's prompt"), ("response", "tool-call b-c1"),
+           ("request", "tool-return b-c1"), ("response", "text b done")]
+
+_AGAIN = "a's prompt"
+"""The next attempt of a run whose first attempt was refused before anything of it was
+durable gives its prompt again."""
+
+RIVALS: dict[tuple[str, str], tuple[str, str, str | None, str, list[tuple[str, str]]]] = {
+    # (rival, while): (a's attempt, the rival's, the prompt of a's next attempt, that
+    # attempt's outcome, the history at the end)
+    (USER, FIRST_CALL): ("ReconcileRejected", "written", _AGAIN, "completed",
+                         [_X, *_a(_A_DONE)]),
+    (USER, TOOL_BODY): ("ReconcileRejected", "written", None, "ToolInDoubt",
+                        [*_a()[:2], _X]),
+    (USER, SECOND_CALL): ("ReconcileRejected", "written", None, "completed",
+                          _a(_X, _A_DONE)),
+    (NEW_RUN, FIRST_CALL): ("ReconcileRejected", "completed", _AGAIN, "completed",
+                            [*_B_TURN, *_a(_A_DONE)]),
+    (NEW_RUN, TOOL_BODY): ("completed", "PublicationUnsettled", None, "completed",
+                           _a(_A_DONE)),
+    # (b answered last: a goes on with new input)
+    (NEW_RUN, SECOND_CALL): ("ReconcileRejected", "completed", "go on", "completed",
+                             _a(*_B_TURN, ("request", "user-prompt go on"), _A_DONE)),
+    (SAME_RUN, TOOL_BODY): ("completed", "ToolInDoubt", None, "completed", _a(_A_DONE)),
+    (SAME_RUN, SECOND_CALL): ("ReconcileRejected", "completed", None, "completed",
+                              _a(_A_DONE)),
+}
+"""What the script makes of each rival (never what the ledger recorded): a write landing
+in the history while run ``a``'s messages wait to be written refuses ``a``'s write
+(nothing of it is recorded: its next attempt goes on from the history as it is, or
+finds its tool in doubt when the result had not been made durable); a new run finds a
+call of ``a`` without its result and is refused; the same run claimed elsewhere while
+its tool runs finds that call in doubt."""
+
+
+@pytest.mark.invariant("I1", "I7")
+@pytest.mark.parametrize(("rival", "moment"), list(RIVALS),
+                         ids=[f"{rival}-while-{moment}" for rival, moment in RIVALS])
+def test_a_rival_writer_inside_a_turn_never_reruns_a_tool_nor_writes_on_a_stale_history(
+        tmp_path: Path, rival: str, moment: str) -> None:
+    """Run ``a`` (a run with its history in a SQLite file, the store's) pays once per turn;
+    while its first model request, its tool's body or its second model request is under
+    way, a rival writes to the same file through connections of its own: a user appends
+    a message, another run of the conversation runs a turn, or the same run is opened
+    and run elsewhere. ``a`` is then run again from the store. The tool never runs twice,
+    no message is lost or written twice, and ``a`` never writes after a message it did
+    not read: refused (`ReconcileRejected`) instead, as the script predicts."""
+    a_attempt, rival_outcome, prompt, again_outcome, history = RIVALS[rival, moment]
+    path = tmp_path / "events.db"
+    paid: Counter[str] = Counter()
+    seen: dict[str, str] = {}
+
+    async def outcome(attempt: Any) -> str:
+        try:
+            await attempt
+        except ControlError as refused:
+            return type(refused).__name__
+        return "completed"
+
+    async def opened(name: str, run_id: str, **during: Any) -> LedgerRun:
+        return await LedgerRun.open(_rival_agent(name, paid, during=during), run_id=run_id,
+                                    history=SQLiteSession("h", path),
+                                    store=SQLiteEventStore(path))
+
+    async def move() -> None:
+        if rival == USER:
+            message = ModelRequest(parts=[UserPromptPart("a user's message")])
+            elsewhere = SQLiteSession("h", path)
+            try:
+                await elsewhere.add_items(ModelMessagesTypeAdapter.dump_python(
+                    [message], mode="json"))
+            finally:
+                elsewhere.close()
+            seen["rival"] = "written"
+        elif rival == NEW_RUN:
+            seen["rival"] = await outcome((await opened("b", "b")).run("b's prompt"))
+        else:
+            seen["rival"] = await outcome((await opened("a", "a")).run())
+
+    async def go() -> None:
+        first = await opened("a", "a", **{moment: move})
+        seen["a"] = await outcome(first.run("a's prompt"))
+        seen["again"] = await outcome((await opened("a", "a")).run(prompt))
+
+    run_async(go())
+    assert (seen["a"], seen["rival"], seen["again"]) == (a_attempt, rival_outcome,
+                                                         again_outcome)
+    assert paid["a-c1"] == 1  # never twice (and a refusal before the body: once, later)
+    assert paid["b-c1"] == (1 if rival_outcome == "completed" and rival == NEW_RUN else 0)
+    assert _shape(asyncio.run(SQLiteSession("h", path).get_items())) == history
 
 
 # --------------------------------------------- differential: cancelled inside a tool
@@ -1244,6 +1468,83 @@ def test_a_completed_run_answers_with_the_history_as_it_is_now(tmp_path: Path) -
 
 class Crash(BaseException):
     """The process dies here (a stand-in for kill -9 in-process: nothing catches it)."""
+
+
+class DiesWithItsProcess(SQLiteEventStore):
+    """A SQLite store whose process dies once ``dead`` is set: nothing handed to it after
+    lands (`Crash`), as after a kill -9 there."""
+
+    dead = False
+
+    def append(self, run_id: str, events: Any, expected_version: int, *,
+               snapshot: Any = None, step: Any = None, read_model: Any = None,
+               session_write: Any = None) -> None:
+        if self.dead:
+            raise Crash
+        super().append(run_id, events, expected_version, snapshot=snapshot, step=step,
+                       read_model=read_model, session_write=session_write)
+
+
+def test_a_crash_while_the_model_answers_after_a_tool_leaves_the_call_completed(
+        tmp_path: Path) -> None:
+    """The process dies while the model is asked again after ``pay`` (the longest wait of
+    a turn), the history in the store's file: the result and the message carrying it
+    were made durable before that request, so what the store holds while the model is
+    asked (what the crash leaves) is the call completed and written, never in doubt; the
+    next attempt asks the model again and completes, ``pay`` having run once."""
+    path = tmp_path / "events.db"
+    paid: Counter[str] = Counter()
+    durable: list[tuple[Any, ...]] = []
+    store = DiesWithItsProcess(path)
+
+    async def dies(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        if len(messages) == 1:
+            return ModelResponse(parts=[call("pay", "c1", x=7)])
+        store.dead = True  # asked again, after the tool: the process dies here
+        apart = SQLiteEventStore(path, readonly=True)
+        try:
+            held = RunController.load(apart, "r")
+            durable.append((held.phase("c1"), held.in_doubt()))
+        finally:
+            apart.close()
+        durable.append(tuple(_shape(await SQLiteSession("h", path).get_items())))
+        raise Crash
+
+    def agent(respond: Any) -> Agent[None, Any]:
+        built: Agent[None, Any] = Agent(FunctionModel(respond))
+
+        @built.tool_plain
+        def pay(x: int) -> str:
+            paid[f"pay {x}"] += 1
+            return f"charged {x}"
+
+        return built
+
+    asked: list[list[ModelMessage]] = []
+
+    def answers(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        asked.append(list(messages))
+        return ModelResponse(parts=[TextPart("paid")])
+
+    async def go() -> None:
+        with pytest.raises(Crash):
+            await (await LedgerRun.open(agent(dies), run_id="r", store=store,
+                                        history=SQLiteSession("h", path))).run("pay 7")
+        written = [("request", "user-prompt pay 7"), ("response", "tool-call c1"),
+                   ("request", "tool-return c1")]
+        assert durable == [(Phase.PUBLISHED, ()), tuple(written)]
+        again = await LedgerRun.open(agent(answers), run_id="r",
+                                     store=SQLiteEventStore(path),
+                                     history=SQLiteSession("h", path))
+        done = await again.run()
+        assert (done.step, done.output) == (Step.COMPLETED, "paid")
+        assert [_shape(ModelMessagesTypeAdapter.dump_python(messages, mode="json"))
+                for messages in asked] == [written]
+        assert _shape(await SQLiteSession("h", path).get_items()) == [
+            *written, ("response", "text paid")]
+
+    run_async(go())
+    assert paid == Counter({"pay 7": 1})
 
 
 class DiesBeforeAcceptance(MemoryEventStore):

@@ -1,8 +1,9 @@
 """The adapters with the library's `SQLiteSession` in the store's own file (DESIGN §7.7):
-a publication's write rides with the run's next flush, so a durable one-tool turn is two
-appends (the one before the tool's body, the one at the attempt's end) and nothing else
-writes; the SDK still sends the model the whole conversation so far, and the history
-ends with every item once, in order. Counted by a store that notes each append and what
+a publication's write rides with the run's next flush, so a durable one-tool turn is three
+appends (the one before the tool's body, the one before the model is asked again, which
+makes the tool's result durable, the one at the attempt's end) and nothing else writes;
+the SDK still sends the model the whole conversation so far, and the history ends with
+every item once, in order. Counted by a store that notes each append and what
 Session writes it carried; the expected items are written out from the turn."""
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Noting(SQLiteEventStore):
         self.written.extend(item for write in writes for item in write.items)
 
 
-def test_openai_agents_one_tool_turn_is_two_appends(tmp_path: Path) -> None:
+def test_openai_agents_one_tool_turn_is_three_appends(tmp_path: Path) -> None:
     from agents import RunConfig, function_tool
     from agents.testing import ScriptedModel, assistant_message, function_call
 
@@ -80,15 +81,15 @@ def test_openai_agents_one_tool_turn_is_two_appends(tmp_path: Path) -> None:
     result = asyncio.run(go())
     assert (result.final_output, ran) == ("paid 7", [7])
     # the first append carries the input before the tool runs; the second the call and
-    # its output, and the answer
-    assert store.appends == [1, 2]
+    # its output with its result, before the model is asked again; the third the answer
+    assert store.appends == [1, 1, 1]
     assert session.commits == 0  # the Session never wrote on its own
     items = asyncio.run(session.get_items())
     assert [_kind(item) for item in items] == ["user", "function_call",
                                                "function_call_output", "assistant"]
     assert store.written == items
-    # the model was sent the input, then the input, the call and its output (the call's
-    # items had not landed yet: they rode with the next flush)
+    # the model was sent the input, then the input, the call and its output (landed with
+    # the result just before)
     assert [[_kind(item) for item in given] for given in sent] == [
         ["user"], ["user", "function_call", "function_call_output"]]
     loaded = RunController.load(SQLiteEventStore(path, readonly=True), "r")
@@ -96,7 +97,7 @@ def test_openai_agents_one_tool_turn_is_two_appends(tmp_path: Path) -> None:
     assert loaded.phase("p1") is Phase.PUBLISHED
 
 
-def test_pydantic_ai_one_tool_turn_is_two_appends(tmp_path: Path) -> None:
+def test_pydantic_ai_one_tool_turn_is_three_appends(tmp_path: Path) -> None:
     from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
     from pydantic_ai.models.function import AgentInfo, FunctionModel
 
@@ -128,9 +129,9 @@ def test_pydantic_ai_one_tool_turn_is_two_appends(tmp_path: Path) -> None:
 
     done = asyncio.run(go())
     assert (done.output, ran) == ("paid 7", [7])
-    # the input and the response proposing the call before the tool; its result and the
-    # answer at the end
-    assert store.appends == [2, 2]
+    # the input and the response proposing the call before the tool; its result before
+    # the model is asked again; the answer at the end
+    assert store.appends == [2, 1, 1]
     assert history.commits == 0
     items = asyncio.run(history.get_items())
     assert store.written == items
