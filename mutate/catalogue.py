@@ -1570,15 +1570,23 @@ CATALOGUE: tuple[Mutant, ...] = (
                "                block = execute(use)",
        "            if True:  # tool_context() in the body\n                block = execute(use)",
        "a messages ledger's sync tool body runs without its call's tool_context"),
-    _m("AN28", "        self.controller.fence()\n        try:\n"
+    _m("AN28", "        self.controller.flush_results()\n        try:\n"
                "            reply = resource.create(**params)",
        "        try:\n            reply = resource.create(**params)",
-       "a superseded messages ledger still asks the model (no fence before the request)"),
+       "a superseded messages ledger still asks the model (no fence before the request), "
+       "the results it carries not durable first"),
     _m("AN26", "            with running_call(c, call_id):  # tool_context() in the body\n"
                "                block = await execute(use)",
        "            if True:  # tool_context() in the body\n"
                "                block = await execute(use)",
        "a messages ledger's async tool body runs without its call's tool_context"),
+    _m("AN31", "                c.flush_results()\n", "                c.fence()\n",
+       "an attached sync runner's request waits for the model with the results it carries "
+       "unflushed: a crash then leaves their calls in doubt"),
+    _m("AN32", "                await c.flush_results_async()  # the results it carries",
+       "                await c.fence_async()  # the results it carries",
+       "an attached async runner's request waits for the model with the results it "
+       "carries unflushed: a crash then leaves their calls in doubt"),
     # ------------------------------------------------------------------- langgraph
     _m("LG01", "                c.flush()  # an effect boundary: the start is durable before "
                "the body\n",

@@ -47,10 +47,10 @@ Messages — `MessageToolLedger`
     ``tool_use`` without its ``tool_result`` (`UnansweredToolUse`), any request while a
     call is in doubt (`ToolInDoubt`), and a history older than the run, one lacking the
     ``tool_use`` of a call whose result is recorded and unsent (`StaleHistory`: the model
-    would ask again under a new id, and the tool run twice), before anything is sent, and
-    marks the results a successful request carried as posted; a request that fails (an
-    attached runner's too) makes the results it carried durable before its error
-    propagates. ``ledger.attach(runner)``
+    would ask again under a new id, and the tool run twice), before anything is sent; the
+    results a request carries are made durable before it is sent (``flush_results``: a
+    crash while the model answers leaves their calls completed, not in doubt), and marked
+    posted once it succeeds. ``ledger.attach(runner)``
     puts the same ledger under a ``client.beta.messages.tool_runner(...)`` runner (sync or
     async, streamed or not): each tool call it makes is ledgered by its ``tool_use`` id.
 
@@ -108,6 +108,7 @@ from collections.abc import (
     Collection,
     Generator,
     Iterable,
+    Iterator,
     Mapping,
     Sequence,
 )
@@ -1006,10 +1007,11 @@ class MessageToolLedger:
             return _reply(recorded)
         self._before_request(messages)
         # a model call needs no flush of its own (DESIGN §7.7): a crash before its reply
-        # asks the model again, and the results the request carries ride with the next
-        # write (lost with it, their calls are in doubt, never run again); this ledger
-        # must still hold the run, though (one read, no write)
-        self.controller.fence()
+        # asks the model again; but the results the request carries are made durable
+        # first (the wait for the model is a turn's longest), so a crash during it leaves
+        # their calls completed, not in doubt; with none, this ledger must still hold the
+        # run (one read, no write)
+        self.controller.flush_results()
         try:
             reply = resource.create(**params)
         except BaseException:
@@ -1032,7 +1034,7 @@ class MessageToolLedger:
             await self.controller.flush_async()
             return _reply(recorded)
         self._before_request(messages)
-        await self.controller.fence_async()  # (no flush before a model call: `create`)
+        await self.controller.flush_results_async()  # the results it carries (`create`)
         try:
             reply = await resource.create(**params)
         except BaseException:  # what the attempt recorded made durable (`create`)
@@ -1159,8 +1161,9 @@ class MessageToolLedger:
         async, streamed or not, eager or not): each of its tool calls is ledgered by its
         ``tool_use`` id (a finished call is answered from the cache, a call in doubt raises
         `ToolInDoubt` out of the runner before its first request, and so does a history
-        older than the run, `StaleHistory`), the results each
-        request carried are posted, and the final reply completes the run. A runner of a
+        older than the run, `StaleHistory`), the results each request carries are durable
+        before it is sent and posted once it succeeds, and the final reply completes the
+        run. A runner of a
         completed conversation sends nothing and ends with its recorded final reply
         (``replayed``). Returns ``runner``; attach it before iterating it.
 
@@ -1185,10 +1188,18 @@ class MessageToolLedger:
                 "adapter; it did not run", feature="toolsets", run_id=c.run_id, step=c.step,
                 action="begin_tool")
 
+        request = runner._handle_request
+
         if isinstance(runner, BetaAsyncToolRunner | BetaAsyncStreamingToolRunner):
             async def run_async(tool: Any, tool_use: Any) -> Any:
                 _refuse_in_doubt(c, "run_tools")
                 return await self._arun_one(tool_use, lambda use: original(tool, use))
+
+            @contextlib.asynccontextmanager
+            async def request_async(thread: Any) -> AsyncIterator[Any]:
+                await c.flush_results_async()  # the results it carries (`create`)
+                async with request(thread) as item:
+                    yield item
 
             async def refuse_async(tool_use: Any) -> Any:
                 return refuse_toolset(tool_use)
@@ -1215,10 +1226,20 @@ class MessageToolLedger:
             runner._run_tool = run_async  # type: ignore[method-assign]
             runner._run_toolset_member = refuse_async  # type: ignore[method-assign]
             runner._steps = steps_async  # type: ignore[method-assign]
+            runner._handle_request = request_async  # type: ignore[method-assign]
         else:
             def run_sync(tool: Any, tool_use: Any) -> Any:
                 _refuse_in_doubt(c, "run_tools")
                 return self._run_one(tool_use, lambda use: original(tool, use))
+
+            @contextlib.contextmanager
+            def request_sync(thread: Any) -> Iterator[Any]:
+                # a model call needs no flush of its own, but the results it carries are
+                # made durable first, so a crash while the model answers leaves their
+                # calls completed, not in doubt (`create`); else a fence
+                c.flush_results()
+                with request(thread) as item:
+                    yield item
 
             def steps_sync() -> Generator[Any, None, None]:
                 recorded = self._runner_recorded(runner)
@@ -1244,6 +1265,7 @@ class MessageToolLedger:
             runner._run_tool = run_sync  # type: ignore[method-assign]
             runner._run_toolset_member = refuse_toolset  # type: ignore[method-assign]
             runner._steps = steps_sync  # type: ignore[method-assign]
+            runner._handle_request = request_sync  # type: ignore[method-assign]
         return runner
 
     def _runner_recorded(self, runner: Any) -> bool:

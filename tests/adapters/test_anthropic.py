@@ -340,6 +340,11 @@ def test_kill_9_between_the_tool_and_its_post_then_restart(tmp_path: Path,
     # interpreter start-up each; the next test runs the driver as its own program)
     assert fork(f"{prefix}crash-post", str(tmp_path), "first", *extra) is None  # killed
     assert Effects(tmp_path, "").lines() == ["first charge 7"]
+    if through != "sdk-alone":  # the result was durable before its post: completed
+        store = SQLiteEventStore(tmp_path / "events.db")
+        left = RunController.load(store, f"anthropic-session:{SESSION_ID}")
+        store.close()
+        assert (left.phase("tu_1"), left.in_doubt()) == (Phase.COMPLETED, ())
     assert fork(f"{prefix}resume", str(tmp_path), "second", *extra) == {
         "name": "second", "outcome": "done", "error": None, "posted": [True]}
     remote = json.loads((tmp_path / "remote.json").read_text())["events"]
@@ -837,9 +842,10 @@ def test_run_tools_answers_a_result_holding_datetimes(tmp_path: Path) -> None:
 # the loop again from its first message)
 
 
-def _messages_driver(command: str, folder: Path, name: str, via: str) -> dict[str, Any]:
+def _messages_driver(command: str, folder: Path, name: str, via: str, *extra: str
+                     ) -> dict[str, Any]:
     """One driver command in a forked child (killed by itself: ``{}``)."""
-    answer = fork(command, str(folder), name, via)
+    answer = fork(command, str(folder), name, via, *extra)
     assert (answer is None) == ("crash" in command), answer
     return answer or {}
 
@@ -924,6 +930,28 @@ def test_kill_9_while_the_result_is_sent_then_restart_goes_on(tmp_path: Path,
                                                                      True)
     assert _requests(tmp_path) == ["first request", "second request"]
     assert Effects(tmp_path, "").lines() == ["first charge 7"]
+
+
+@pytest.mark.invariant("I11", "I12")
+@pytest.mark.parametrize("via", ["create", "runner"])
+def test_kill_9_while_the_model_answers_after_a_tool_leaves_the_call_completed(
+        tmp_path: Path, via: str) -> None:
+    """Buffered (the default), kill -9 while the request carrying the tool's result waits
+    for the model: the result was made durable before that request (flush_results), so
+    the call is completed in the log the killed process left (not in doubt, no operator
+    needed), and the restart, from the caller's saved messages, answers it from the ledger
+    and ends; the tool ran once."""
+    _messages_driver("messages-crash-request", tmp_path, "first", via, "buffered")
+    store = SQLiteEventStore(tmp_path / "events.db")
+    left = RunController.load(store, "messages")
+    store.close()
+    assert (left.phase("tu_1"), left.in_doubt()) == (Phase.COMPLETED, ())
+    assert left.call("tu_1").result == {"type": "tool_result", "tool_use_id": "tu_1",
+                                        "content": "charged 7"}
+    resumed = _messages_driver("messages-resume", tmp_path, "second", via, "buffered")
+    assert (resumed["outcome"], resumed["final"]) == ("done", "charged 7"), resumed
+    assert Effects(tmp_path, "").lines() == ["first charge 7"]
+    assert _requests(tmp_path) == ["first request", "second request"]
 
 
 # a conversation that ended
