@@ -246,6 +246,7 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
         "tests/adapters/test_pydantic_ai.py", "tests/adapters/test_pydantic_ai_settled.py",
         "tests/adapters/test_pydantic_ai_corners.py"),
     "statemachine/adapters/anthropic.py": (*_VERIFIERS_AN, "tests/adapters/test_anthropic.py",
+                                           "tests/adapters/test_anthropic_resumed.py",
                                            "tests/adapters/test_anthropic_settled.py",
                                            "tests/adapters/test_anthropic_corners.py",
                                            "tests/adapters/test_anthropic_session_corners.py"),
@@ -1589,15 +1590,38 @@ CATALOGUE: tuple[Mutant, ...] = (
                "                block = execute(use)",
        "            if True:  # tool_context() in the body\n                block = execute(use)",
        "a messages ledger's sync tool body runs without its call's tool_context"),
-    _m("AN28", "        self.controller.fence()\n        try:\n"
+    _m("AN28", "        self.controller.flush_results()\n        try:\n"
                "            reply = resource.create(**params)",
        "        try:\n            reply = resource.create(**params)",
-       "a superseded messages ledger still asks the model (no fence before the request)"),
+       "a superseded messages ledger still asks the model (no fence before the request), "
+       "the results it carries not durable first"),
     _m("AN26", "            with running_call(c, call_id):  # tool_context() in the body\n"
                "                block = await execute(use)",
        "            if True:  # tool_context() in the body\n"
                "                block = await execute(use)",
        "a messages ledger's async tool body runs without its call's tool_context"),
+    _m("AN29", 'if any(_field(block, "type") in _THINKING', 'if any(_field(block, "type") in ()',
+       "a reply with thinking blocks is rebuilt for a history that lacks it (the ledger "
+       "keeps no signatures)"),
+    _m("AN30", "            missing = _missing(c, resumed)\n", "            missing = []\n",
+       "a history lacking two turns is sent with the first one only: the model asks again"),
+    _m("AN31", "                c.flush_results()\n", "                c.fence()\n",
+       "an attached sync runner's request waits for the model with the results it carries "
+       "unflushed: a crash then leaves their calls in doubt"),
+    _m("AN32", "                await c.flush_results_async()  # the results it carries",
+       "                await c.fence_async()  # the results it carries",
+       "an attached async runner's request waits for the model with the results it "
+       "carries unflushed: a crash then leaves their calls in doubt"),
+    _m("AN33", "        self._keep_turn(messages, reply)\n        if self._after_reply(messages, "
+               "reply):\n            self.controller.flush()",
+       "        if self._after_reply(messages, reply):\n            self.controller.flush()",
+       "a create loop's replies are not kept: a retry from an older history is refused, "
+       "the run left to an operator"),
+    _m("AN34", "                self._keep_sent(runner._sent_messages)\n"
+               "                c.flush_results()\n",
+       "                c.flush_results()\n",
+       "a sync tool runner's replies are not kept: a retry from an older history is "
+       "refused, the run left to an operator"),
     # ------------------------------------------------------------------- langgraph
     _m("LG01", "                c.flush()  # an effect boundary: the start is durable before "
                "the body\n",

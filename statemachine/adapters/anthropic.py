@@ -44,13 +44,15 @@ Messages — `MessageToolLedger`
     keyed by the ``tool_use`` id, and returns the user message of their ``tool_result``
     blocks, so a retried turn answers a finished call from the cache instead of running it
     again; ``ledger.create(client.messages, ...)`` refuses a history that holds a
-    ``tool_use`` without its ``tool_result`` (`UnansweredToolUse`), any request while a
-    call is in doubt (`ToolInDoubt`), and a history older than the run, one lacking the
-    ``tool_use`` of a call whose result is recorded and unsent (`StaleHistory`: the model
-    would ask again under a new id, and the tool run twice), before anything is sent, and
-    marks the results a successful request carried as posted; a request that fails (an
-    attached runner's too) makes the results it carried durable before its error
-    propagates. ``ledger.attach(runner)``
+    ``tool_use`` without its ``tool_result`` (`UnansweredToolUse`) and any request while a
+    call is in doubt (`ToolInDoubt`), before anything is sent; a history older than the
+    run, one lacking the ``tool_use`` of a call whose result is recorded and unsent (sent
+    as it is, the model would ask again under a new id, and the tool run twice), is sent
+    followed by the turns it lacks, rebuilt from the ledger (`MessageToolLedger.resumed`:
+    the replies this ledger saw, the recorded results), or refused when that cannot be
+    exact (`StaleHistory`, naming why). The results a request carries are made durable
+    before it is sent (``flush_results``: a crash while the model answers leaves their
+    calls completed, not in doubt), and marked posted once it succeeds. ``ledger.attach(runner)``
     puts the same ledger under a ``client.beta.messages.tool_runner(...)`` runner (sync or
     async, streamed or not): each tool call it makes is ledgered by its ``tool_use`` id.
 
@@ -108,6 +110,7 @@ from collections.abc import (
     Collection,
     Generator,
     Iterable,
+    Iterator,
     Mapping,
     Sequence,
 )
@@ -198,19 +201,30 @@ class UnansweredToolUse(ControlError):
 class StaleHistory(ControlError):
     """The request's history is older than the run: it lacks the ``tool_use`` of a call
     (``call_ids``, in the ledger's order) whose result the ledger recorded and no request
-    has carried yet, as a history saved before the reply that asked for it does. Sent, it
-    would have the model ask again as if the call had not run, under a new ``tool_use``
-    id (the API never gives one twice), so the tool would run a second time and the
-    recorded result never reach the model. Nothing was sent. Send the history that holds
-    that reply, answered by `MessageToolLedger.run_tools` (from the ledger, nothing runs
-    again); when it is lost, end the run (`MessageToolLedger.abandon`)."""
+    has carried yet, as a history saved before the reply that asked for it does, and the
+    turns it lacks cannot be rebuilt exactly (`MessageToolLedger.resumed`; ``why`` says
+    why). Sent as it is, it would have the model ask again as if the call had not run,
+    under a new ``tool_use`` id (the API never gives one twice), so the tool would run a
+    second time and the recorded result never reach the model. Nothing was sent. Send the
+    history that holds that reply, answered by `MessageToolLedger.run_tools` (from the
+    ledger, nothing runs again); when it is lost, end the run
+    (`MessageToolLedger.abandon`)."""
 
-    def __init__(self, reason: str, *, call_ids: Sequence[str], **where: Any) -> None:
+    def __init__(self, reason: str, *, call_ids: Sequence[str], why: str = "not-kept",
+                 **where: Any) -> None:
         self.call_ids = tuple(call_ids)
+        self.why = why
+        """Why the ledger could not rebuild the missing turns exactly
+        (`MessageToolLedger.resumed`): ``"not-kept"`` (this ledger never saw the reply
+        that asked for the calls: another process did, and the log keeps the calls, not
+        the reply), ``"thinking"`` (the reply held thinking blocks, whose signatures the
+        ledger does not keep), ``"diverged"`` (the history differs from every request this
+        ledger saw answered with calls, other than by the missing turns), or
+        ``"unanswered"`` (a call of the reply has no recorded result)."""
         super().__init__(reason, **where)
 
     def _extra(self) -> dict[str, Any]:
-        return {"call_ids": self.call_ids}
+        return {"call_ids": self.call_ids, "why": self.why}
 
 
 class ResultNotPosted(Exception):
@@ -770,25 +784,51 @@ def _tool_uses(content: Any) -> list[Any]:
     return [block for block in content if _field(block, "type") == "tool_use"]
 
 
-def _refuse_older(c: RunController, messages: Sequence[Any]) -> None:
-    """`StaleHistory` when ``messages`` lack the ``tool_use`` of a call whose result is
-    recorded and unsent (a request carrying it marks it posted): the history is older than
-    the run. One that holds it carries its result too (`check_history`)."""
+def _missing(c: RunController, messages: Sequence[Any]) -> list[str]:
+    """The calls whose result is recorded and unsent (a request carrying it marks it
+    posted) and whose ``tool_use`` ``messages`` lack: the history is older than the run.
+    One that holds it carries its result too (`check_history`)."""
     unsent = c.unpublished_call_ids()
     if not unsent:
-        return
+        return []
     asked = {str(_field(block, "id")) for message in messages
              if _field(message, "role") == "assistant"
              for block in _tool_uses(_field(message, "content"))}
-    missing = [call_id for call_id in unsent if call_id not in asked]
-    if missing:
-        raise StaleHistory(
-            f"the history is older than the run: it lacks the tool_use of {len(missing)} "
-            f"call(s) whose result is recorded and was never sent (first: "
-            f"{excerpt(missing[0])}), so the model would ask again under a new id and the "
-            "tool would run twice; nothing was sent. Send the history holding the reply "
-            "that asked for them, answered by run_tools (from the ledger), or abandon the "
-            "run", call_ids=missing, run_id=c.run_id, step=c.step, action="create")
+    return [call_id for call_id in unsent if call_id not in asked]
+
+
+_STALE = {
+    "not-kept": "this ledger never saw the reply that asked for them (the log keeps the "
+                "calls and their results, not the reply's other blocks)",
+    "thinking": "the reply that asked for them held thinking blocks, whose signatures the "
+                "ledger does not keep",
+    "diverged": "the history differs from every request this ledger saw answered with "
+                "calls, other than by the missing turns",
+    "unanswered": "a call of the reply that asked for them has no recorded result",
+}
+
+
+def _stale(c: RunController, missing: Sequence[str], why: str) -> StaleHistory:
+    return StaleHistory(
+        f"the history is older than the run: it lacks the tool_use of {len(missing)} "
+        f"call(s) whose result is recorded and was never sent (first: "
+        f"{excerpt(missing[0])}), and the turns that asked for them cannot be rebuilt "
+        f"exactly: {_STALE[why]}. Sent as it is, the model would ask again under a new id "
+        "and the tool would run twice; nothing was sent. Send the history holding the "
+        "reply that asked for them, answered by run_tools (from the ledger), or abandon "
+        "the run", call_ids=missing, why=why, run_id=c.run_id, step=c.step,
+        action="create")
+
+
+_THINKING = frozenset({"thinking", "redacted_thinking"})
+
+
+def _turn_key(messages: Sequence[Any]) -> str:
+    """A request's messages as the SDK sends them (role and content: an SDK reply appended
+    whole and its ``to_param()`` are one message), as one digest."""
+    return hashlib.sha256(canonical_json(_sendable(
+        [{"role": _field(message, "role"), "content": _field(message, "content")}
+         for message in messages]))).hexdigest()
 
 
 def _result_ids(message: Any) -> set[str]:
@@ -808,12 +848,13 @@ class MessageToolLedger:
     recorded right after), a finished call is answered from the cache and never runs again,
     a started, unfinished call raises `ToolInDoubt` before any call of the reply runs.
     `create` / `acreate` send a request only if every ``tool_use`` in its history is
-    answered (`UnansweredToolUse` otherwise), no call is in doubt (`ToolInDoubt`), and the
-    history holds the ``tool_use`` of every call whose result is recorded and unsent
-    (`StaleHistory`: an older history would have the model ask again, and the tool run
-    twice), and record the results it carried as posted; the final reply completes the run, and a
-    request of a completed conversation is answered with its recorded final reply
-    (``replayed``), nothing sent.
+    answered (`UnansweredToolUse` otherwise) and no call is in doubt (`ToolInDoubt`); a
+    history lacking the ``tool_use`` of a call whose result is recorded and unsent is sent
+    with the turns it lacks (`resumed`), or refused (`StaleHistory`: sent as it is, the
+    model would ask again, and the tool run twice); the results a request carries are
+    durable before it is sent, and recorded as posted once it succeeds; the final reply
+    completes the run, and a request of a completed conversation is answered with its
+    recorded final reply (``replayed``), nothing sent.
     """
 
     def __init__(self, controller: RunController, tools: Sequence[Any] = (), *,
@@ -827,6 +868,10 @@ class MessageToolLedger:
         """True when the last `create` (or attached runner) found the conversation
         completed and returned its recorded final reply: nothing was sent or run."""
         self._idempotent = frozenset(idempotent)
+        self._turns: dict[str, JSON] = {}
+        """The replies with calls this ledger saw, by the request they answered
+        (`_turn_key`): the reply's content as the SDK sends it, or why it is not kept
+        (``"thinking"``); what `resumed` rebuilds a history's missing turns from."""
 
     @classmethod
     def open(cls, run_id: str, tools: Sequence[Any] = (), *, store: EventStore | None = None,
@@ -974,10 +1019,80 @@ class MessageToolLedger:
         self.replayed = True
         return record
 
-    def _before_request(self, messages: Sequence[Any]) -> None:
+    def _keep_turn(self, messages: Sequence[Any], reply: Any) -> None:
+        """Keep ``reply`` (when it asks for calls) as the answer to ``messages``, so a
+        history saved before it can be resumed (`resumed`); a reply with thinking blocks is
+        kept as ``"thinking"`` only (their signatures are not kept), and one this adapter
+        cannot send as JSON is not kept."""
+        content = _field(reply, "content")
+        if not _tool_uses(content):
+            return
+        try:
+            key = _turn_key(messages)
+            kept: JSON = ("thinking" if any(_field(block, "type") in _THINKING
+                                            for block in content) else _sendable(content))
+        except (TypeError, ValueError, RecursionError):
+            return
+        self._turns[key] = kept
+
+    def _keep_sent(self, messages: Sequence[Any]) -> None:
+        """Before a tool runner's request: keep the reply it answers (the assistant turn
+        before its last message, that turn's results), as `create` keeps a reply when it
+        comes (a runner's reply is whole only once its stream ends, after its calls ran
+        when they run eagerly)."""
+        if (len(messages) > 2 and _field(messages[-2], "role") == "assistant"
+                and _result_ids(messages[-1])):
+            self._keep_turn(messages[:-2], messages[-2])
+
+    def resumed(self, messages: Iterable[Any]) -> list[Any]:
+        """The messages to send for ``messages``: as they are, unless they lack the
+        ``tool_use`` of a call whose result is recorded and was never sent (a history saved
+        before the reply that asked for it, as a caller retrying a failed request with the
+        list it had holds), then followed by the turns they lack, rebuilt exactly: each
+        reply this ledger saw answer the history so far (its content as it came) and the
+        user message of its calls' recorded results (what `run_tools` returned), until no
+        such call is missing. Nothing runs. `StaleHistory` (``why`` says which) when that
+        cannot be exact: the reply was seen by another process only (``"not-kept"``), held
+        thinking blocks (``"thinking"``), the history differs from every request this
+        ledger saw answered (``"diverged"``), or a call of a reply has no recorded result
+        (``"unanswered"``)."""
+        c = self.controller
+        history = list(messages)
+        missing = _missing(c, history)
+        if not missing:
+            return history
+        resumed = list(history)
+        while missing:
+            try:
+                kept = self._turns.get(_turn_key(resumed))
+            except (TypeError, ValueError, RecursionError):
+                kept = None
+            if kept is None:
+                raise _stale(c, missing, "diverged" if self._turns else "not-kept")
+            if isinstance(kept, str):
+                raise _stale(c, missing, kept)
+            results: list[JSON] = []
+            for use in _tool_uses(kept):
+                call_id = str(_field(use, "id"))
+                if c.phase(call_id) not in (Phase.COMPLETED, Phase.PUBLISHED):
+                    raise _stale(c, missing, "unanswered")
+                results.append(_as_tool_result(c, call_id, c.call(call_id).result))
+            resumed += [{"role": "assistant", "content": kept},
+                        {"role": "user", "content": results}]
+            missing = _missing(c, resumed)
+        if switch.logging:
+            run_logger(c.run_id).info("resumed", action="create",
+                                      turns=(len(resumed) - len(history)) // 2,
+                                      note="the history lacked turns the ledger holds: "
+                                           "rebuilt from the ledger, nothing run again")
+        return resumed
+
+    def _before_request(self, messages: list[Any]) -> list[Any]:
+        """The gates before a request, and the messages to send (`resumed`)."""
         self.check_history(messages)
         _refuse_in_doubt(self.controller, "create")
-        _refuse_older(self.controller, messages)
+        resumed = self.resumed(messages)
+        return messages if len(resumed) == len(messages) else resumed
 
     def _after_reply(self, messages: Sequence[Any], reply: Any) -> bool:
         """The request was answered: the results it carried are posted, and a final reply
@@ -1004,12 +1119,13 @@ class MessageToolLedger:
         if recorded is not None:
             self.controller.flush()  # the recorded end made durable
             return _reply(recorded)
-        self._before_request(messages)
+        messages = params["messages"] = self._before_request(messages)
         # a model call needs no flush of its own (DESIGN §7.7): a crash before its reply
-        # asks the model again, and the results the request carries ride with the next
-        # write (lost with it, their calls are in doubt, never run again); this ledger
-        # must still hold the run, though (one read, no write)
-        self.controller.fence()
+        # asks the model again; but the results the request carries are made durable
+        # first (the wait for the model is a turn's longest), so a crash during it leaves
+        # their calls completed, not in doubt; with none, this ledger must still hold the
+        # run (one read, no write)
+        self.controller.flush_results()
         try:
             reply = resource.create(**params)
         except BaseException:
@@ -1020,6 +1136,7 @@ class MessageToolLedger:
             with contextlib.suppress(ControlError):
                 self.controller.flush()
             raise
+        self._keep_turn(messages, reply)
         if self._after_reply(messages, reply):
             self.controller.flush()  # the end of the conversation is durable
         return reply
@@ -1031,14 +1148,15 @@ class MessageToolLedger:
         if recorded is not None:
             await self.controller.flush_async()
             return _reply(recorded)
-        self._before_request(messages)
-        await self.controller.fence_async()  # (no flush before a model call: `create`)
+        messages = params["messages"] = self._before_request(messages)
+        await self.controller.flush_results_async()  # the results it carries (`create`)
         try:
             reply = await resource.create(**params)
         except BaseException:  # what the attempt recorded made durable (`create`)
             with contextlib.suppress(ControlError):
                 await self.controller.flush_async()
             raise
+        self._keep_turn(messages, reply)
         if self._after_reply(messages, reply):
             await self.controller.flush_async()
         return reply
@@ -1158,9 +1276,10 @@ class MessageToolLedger:
         """Put the ledger under a ``client.beta.messages.tool_runner(...)`` runner (sync or
         async, streamed or not, eager or not): each of its tool calls is ledgered by its
         ``tool_use`` id (a finished call is answered from the cache, a call in doubt raises
-        `ToolInDoubt` out of the runner before its first request, and so does a history
-        older than the run, `StaleHistory`), the results each
-        request carried are posted, and the final reply completes the run. A runner of a
+        `ToolInDoubt` out of the runner before its first request; a history older than the
+        run gets the turns it lacks, `resumed`, or `StaleHistory`), the results each
+        request carries are durable before it is sent and posted once it succeeds, and the
+        final reply completes the run. A runner of a
         completed conversation sends nothing and ends with its recorded final reply
         (``replayed``). Returns ``runner``; attach it before iterating it.
 
@@ -1185,10 +1304,19 @@ class MessageToolLedger:
                 "adapter; it did not run", feature="toolsets", run_id=c.run_id, step=c.step,
                 action="begin_tool")
 
+        request = runner._handle_request
+
         if isinstance(runner, BetaAsyncToolRunner | BetaAsyncStreamingToolRunner):
             async def run_async(tool: Any, tool_use: Any) -> Any:
                 _refuse_in_doubt(c, "run_tools")
                 return await self._arun_one(tool_use, lambda use: original(tool, use))
+
+            @contextlib.asynccontextmanager
+            async def request_async(thread: Any) -> AsyncIterator[Any]:
+                self._keep_sent(runner._sent_messages)
+                await c.flush_results_async()  # the results it carries (`create`)
+                async with request(thread) as item:
+                    yield item
 
             async def refuse_async(tool_use: Any) -> Any:
                 return refuse_toolset(tool_use)
@@ -1215,10 +1343,21 @@ class MessageToolLedger:
             runner._run_tool = run_async  # type: ignore[method-assign]
             runner._run_toolset_member = refuse_async  # type: ignore[method-assign]
             runner._steps = steps_async  # type: ignore[method-assign]
+            runner._handle_request = request_async  # type: ignore[method-assign]
         else:
             def run_sync(tool: Any, tool_use: Any) -> Any:
                 _refuse_in_doubt(c, "run_tools")
                 return self._run_one(tool_use, lambda use: original(tool, use))
+
+            @contextlib.contextmanager
+            def request_sync(thread: Any) -> Iterator[Any]:
+                # a model call needs no flush of its own, but the results it carries are
+                # made durable first, so a crash while the model answers leaves their
+                # calls completed, not in doubt (`create`); else a fence
+                self._keep_sent(runner._sent_messages)
+                c.flush_results()
+                with request(thread) as item:
+                    yield item
 
             def steps_sync() -> Generator[Any, None, None]:
                 recorded = self._runner_recorded(runner)
@@ -1244,6 +1383,7 @@ class MessageToolLedger:
             runner._run_tool = run_sync  # type: ignore[method-assign]
             runner._run_toolset_member = refuse_toolset  # type: ignore[method-assign]
             runner._steps = steps_sync  # type: ignore[method-assign]
+            runner._handle_request = request_sync  # type: ignore[method-assign]
         return runner
 
     def _runner_recorded(self, runner: Any) -> bool:
@@ -1253,9 +1393,9 @@ class MessageToolLedger:
         messages = list(runner._thread.messages)
         recorded = self._recorded(messages)
         if recorded is None:
-            self.check_history(messages)
-            _refuse_in_doubt(self.controller, "create")
-            _refuse_older(self.controller, messages)
+            resumed = self._before_request(messages)
+            if resumed is not messages:  # the turns the runner's history lacks (`resumed`)
+                runner.append_messages(*resumed[len(messages):])
             return False
         # parsed as the runner's thread parses a reply (its output_format, if any)
         runner._last_message = parse_beta_response(

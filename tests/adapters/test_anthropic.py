@@ -340,6 +340,11 @@ def test_kill_9_between_the_tool_and_its_post_then_restart(tmp_path: Path,
     # interpreter start-up each; the next test runs the driver as its own program)
     assert fork(f"{prefix}crash-post", str(tmp_path), "first", *extra) is None  # killed
     assert Effects(tmp_path, "").lines() == ["first charge 7"]
+    if through != "sdk-alone":  # the result was durable before its post: completed
+        store = SQLiteEventStore(tmp_path / "events.db")
+        left = RunController.load(store, f"anthropic-session:{SESSION_ID}")
+        store.close()
+        assert (left.phase("tu_1"), left.in_doubt()) == (Phase.COMPLETED, ())
     assert fork(f"{prefix}resume", str(tmp_path), "second", *extra) == {
         "name": "second", "outcome": "done", "error": None, "posted": [True]}
     remote = json.loads((tmp_path / "remote.json").read_text())["events"]
@@ -613,28 +618,32 @@ def test_a_saved_answer_holding_a_result_the_ledger_lost_is_refused(tmp_path: Pa
 
 
 @pytest.mark.invariant("I1", "I12")
-@pytest.mark.parametrize("through", ["sdk-alone", "ledger"])
+@pytest.mark.parametrize(("through", "resend"), [
+    ("sdk-alone", "first"), ("ledger", "first"), ("ledger", "kept"), ("ledger", "elsewhere")])
 def test_a_retried_tool_runner_turn_never_reruns_a_finished_tool(
-        tmp_path: Path, through: str) -> None:
+        tmp_path: Path, through: str, resend: str) -> None:
     """``client.beta.messages.tool_runner``: the request carrying the tool's result fails,
     and the runner raises. The SDK alone's caller runs the turn again with a new runner
     from the first message; the model asks for the call again (this one under the same id,
     ``tu_1``; the API would name it afresh) and it runs twice. Through the ledger a new
-    runner from the first message alone is refused before anything is sent
-    (`StaleHistory`: the model would ask again and the tool run twice); one given the
-    reply the runner yielded, answered by ``ledger.run_tools`` from the ledger, goes on,
-    the tool run once."""
+    runner from the first message alone is sent the turn it lacks, rebuilt from the ledger
+    (`MessageToolLedger.resumed`: the reply as it came, the recorded result), the tool run
+    once; a ledger that never saw the reply (another process's, loaded from the store)
+    refuses it before anything is sent (`StaleHistory`, ``why="not-kept"``: the model
+    would ask again and the tool run twice); one given the reply the runner yielded,
+    answered by ``ledger.run_tools`` from the ledger, goes on, the tool run once."""
     effects = Effects(tmp_path, "p")
     model = FakeModel(fail=[False, True])
     client = model.client()
-    ledger = MessageToolLedger.open("t", store=MemoryEventStore())
+    store = MemoryEventStore()
+    ledger = MessageToolLedger.open("t", store=store)
     tools = [sync_charge(effects)]
     first: list[Any] = [{"role": "user", "content": "pay 7"}]
 
-    def runner(messages: list[Any]) -> Any:
+    def runner(messages: list[Any], through_ledger: MessageToolLedger = ledger) -> Any:
         made = client.beta.messages.tool_runner(
             model="claude-test", max_tokens=64, tools=tools, messages=messages)
-        return made if through == "sdk-alone" else ledger.attach(made)
+        return made if through == "sdk-alone" else through_ledger.attach(made)
 
     replies = []
     with pytest.raises(InternalServerError):
@@ -644,14 +653,28 @@ def test_a_retried_tool_runner_turn_never_reruns_a_finished_tool(
         assert effects.lines() == ["p charge 7", "p charge 7"]
         assert final.content[0].text == "charged 7 (run 2)"
         return
-    with pytest.raises(StaleHistory) as refused:
-        runner(first).until_done()
-    assert refused.value.call_ids == ("tu_1",)
-    assert len(model.requests) == 2  # the reply's and the failed one: nothing sent
+    if resend == "elsewhere":  # another process's ledger, which claims the run
+        with pytest.raises(StaleHistory) as refused:
+            runner(first, MessageToolLedger.open("t", store=store)).until_done()
+        assert (refused.value.call_ids, refused.value.why) == (("tu_1",), "not-kept")
+        assert len(model.requests) == 2  # the reply's and the failed one: nothing sent
+        assert effects.lines() == ["p charge 7"]
+        return
     [reply] = replies
-    final = runner([*first, reply.to_param(), ledger.run_tools(reply)]).until_done()
+    if resend == "first":
+        final = runner(first).until_done()
+    else:
+        final = runner([*first, reply.to_param(), ledger.run_tools(reply)]).until_done()
     assert effects.lines() == ["p charge 7"]
     assert final.content[0].text == "charged 7 (run 1)"
+    turn = [{"role": "user", "content": "pay 7"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "tu_1",
+                                               "name": "charge", "input": {"x": 7}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu_1",
+                                          "content": "charged 7 (run 1)"}]}]
+    # the failed request went on the SDK's server-side thread (its results alone); the
+    # new runner's starts a thread with the whole turn
+    assert model.requests[1:] == [turn[2:], turn]
 
 
 def test_an_async_tool_runner_and_arun_tools_use_the_same_ledger(tmp_path: Path) -> None:
@@ -837,9 +860,10 @@ def test_run_tools_answers_a_result_holding_datetimes(tmp_path: Path) -> None:
 # the loop again from its first message)
 
 
-def _messages_driver(command: str, folder: Path, name: str, via: str) -> dict[str, Any]:
+def _messages_driver(command: str, folder: Path, name: str, via: str, *extra: str
+                     ) -> dict[str, Any]:
     """One driver command in a forked child (killed by itself: ``{}``)."""
-    answer = fork(command, str(folder), name, via)
+    answer = fork(command, str(folder), name, via, *extra)
     assert (answer is None) == ("crash" in command), answer
     return answer or {}
 
@@ -924,6 +948,28 @@ def test_kill_9_while_the_result_is_sent_then_restart_goes_on(tmp_path: Path,
                                                                      True)
     assert _requests(tmp_path) == ["first request", "second request"]
     assert Effects(tmp_path, "").lines() == ["first charge 7"]
+
+
+@pytest.mark.invariant("I11", "I12")
+@pytest.mark.parametrize("via", ["create", "runner"])
+def test_kill_9_while_the_model_answers_after_a_tool_leaves_the_call_completed(
+        tmp_path: Path, via: str) -> None:
+    """Buffered (the default), kill -9 while the request carrying the tool's result waits
+    for the model: the result was made durable before that request (flush_results), so
+    the call is completed in the log the killed process left (not in doubt, no operator
+    needed), and the restart, from the caller's saved messages, answers it from the ledger
+    and ends; the tool ran once."""
+    _messages_driver("messages-crash-request", tmp_path, "first", via, "buffered")
+    store = SQLiteEventStore(tmp_path / "events.db")
+    left = RunController.load(store, "messages")
+    store.close()
+    assert (left.phase("tu_1"), left.in_doubt()) == (Phase.COMPLETED, ())
+    assert left.call("tu_1").result == {"type": "tool_result", "tool_use_id": "tu_1",
+                                        "content": "charged 7"}
+    resumed = _messages_driver("messages-resume", tmp_path, "second", via, "buffered")
+    assert (resumed["outcome"], resumed["final"]) == ("done", "charged 7"), resumed
+    assert Effects(tmp_path, "").lines() == ["first charge 7"]
+    assert _requests(tmp_path) == ["first request", "second request"]
 
 
 # a conversation that ended

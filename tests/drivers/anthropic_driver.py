@@ -29,6 +29,8 @@ fsynced line per request to DIR/requests.txt:
 * ``messages-crash-tool DIR NAME VIA``: ``charge`` kills its own process after its effect;
 * ``messages-crash-request DIR NAME VIA``: the process kills itself when the request
   carrying the tool's result reaches the transport;
+* a last argument ``buffered`` opens the ledger buffered (the default of
+  `MessageToolLedger.open`), else one append per event;
 * ``messages-resume DIR NAME VIA``: the loop again from the caller's saved messages
   (`SavedHistory`, DIR/history.json: the reply saved before its calls run, their answer
   before the request carrying it), as a caller retrying the request would; prints
@@ -412,7 +414,7 @@ def converse(ledger: Any, client: Anthropic, history: SavedHistory,
 
 
 def _messages(folder: Path, name: str, via: str, *, ledger: bool, crash_tool: bool = False,
-              crash_request: bool = False) -> dict[str, Any]:
+              crash_request: bool = False, buffered: bool = False) -> dict[str, Any]:
     from statemachine import SQLiteEventStore
     from statemachine.adapters.anthropic import MessageToolLedger
 
@@ -422,9 +424,9 @@ def _messages(folder: Path, name: str, via: str, *, ledger: bool, crash_tool: bo
     tool = sync_charge_tool(Effects(folder, name), crash=crash_tool)
     history: list[Any] = [{"role": "user", "content": "pay 7"}]
     params: dict[str, Any] = {"model": "claude-test", "max_tokens": 64}
-    opened = MessageToolLedger.open(  # one append per event: the kills fall between them
+    opened = MessageToolLedger.open(  # per event, unless asked: the kills fall between
         MESSAGES_RUN, [tool], store=SQLiteEventStore(folder / "events.db"),
-        owner=name, buffered=False) if ledger else None
+        owner=name, buffered=buffered) if ledger else None
     answer: dict[str, Any] = {"name": name, "outcome": "done", "error": None}
     try:
         if opened is not None:
@@ -480,7 +482,7 @@ async def _answer(argv: list[str]) -> dict[str, Any]:
             "messages-resume": {},
         }[command.removeprefix("sdk-")]
         return _messages(folder, name, argv[3], ledger=not command.startswith("sdk-"),
-                         **messages)
+                         buffered=argv[4:] == ["buffered"], **messages)
     buffered = argv[3:] == ["buffered"]
     options = {
         "crash-post": {"ledger": True, "crash_post": True},

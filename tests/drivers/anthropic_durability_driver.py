@@ -110,16 +110,12 @@ class Checker:
         if record is None or record.phase is not Phase.STARTED:
             self._note(f"tool {call_id} ran with its call {record and record.phase}")
 
-    def sent(self, call_id: str, payload: JSON, *, riding: bool = False) -> None:
+    def sent(self, call_id: str, payload: JSON) -> None:
         """``payload`` (a tool_result block or a result event) goes out: the durable log
-        holds it as the call's recorded result. ``riding``: a model request, which needs
-        no flush of its own (DESIGN §7.7): the log may instead still show the call started,
-        its result riding with the next write (lost with it, the call is in doubt), but
-        never another result, nor a call that did not start."""
+        holds it as the call's recorded result (a model request needs no flush of its own,
+        DESIGN §7.7, but the results it carries are made durable first: `flush_results`)."""
         s = self._state()
         record = None if s is None else s.calls.get(call_id)
-        if riding and record is not None and record.phase is Phase.STARTED:
-            return
         if record is None or record.phase not in (Phase.COMPLETED, Phase.PUBLISHED) or (
                 record.result != payload):
             self._note(f"the result of {call_id} was sent with its call "
@@ -140,7 +136,7 @@ def _model(checker: Checker, effect: Effects) -> Callable[[httpx2.Request], http
             content = message["content"]
             for block in content if isinstance(content, list) else ():
                 if block.get("type") == "tool_result":
-                    checker.sent(block["tool_use_id"], block, riding=True)
+                    checker.sent(block["tool_use_id"], block)
         effect("model request")
         last = messages[-1]["content"]
         results = {b["tool_use_id"]: b["content"] for b in last if isinstance(b, dict)
