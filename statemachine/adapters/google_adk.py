@@ -81,13 +81,19 @@ next model request, tool callback or session write, writing nothing. Right after
 the verifiers (by tool name, DESIGN §7.3) are asked about the calls of their tools in
 doubt.
 
-Refused when a run opens (``before_run_callback``, `UnsupportedFeature` naming the
-feature, nothing recorded or run): MCP toolsets and tools (ADK's MCP tool retries a
+Refused when a run opens (``on_user_message_callback``, before the user's message is
+written and before anything is claimed, and ``before_run_callback`` for a resumed
+invocation: `UnsupportedFeature` naming the feature, nothing recorded, written or run, no
+live attempt superseded): MCP toolsets and tools (ADK's MCP tool retries a
 failed call once with a fresh session below the plugin callbacks, so a non-idempotent
 call could run twice unseen), agents used as tools (``AgentTool``: the inner agent's tool
 calls would run outside this run's ledger), workflow agents (``ParallelAgent``,
 ``LoopAgent``, ``SequentialAgent``) and sub-agents (their calls would interleave in one
-run), and live (bidirectional) streaming (``run_live``, or ``StreamingMode.BIDI``).
+run), code executors (the code the model writes runs outside the tool callbacks), a
+plugin placed before the ledger that overrides ``after_tool_callback`` or
+``on_tool_error_callback`` (ADK stops at the first that returns a value, so the ledger
+could miss a body's result: ADK's own ``MultimodalToolResultsPlugin`` always returns
+one), and live (bidirectional) streaming (``run_live``, or ``StreamingMode.BIDI``).
 Refused at the call: a function call without an id (ADK 2.13 gives a call the model sent
 without one an id of its own before any callback, so through its runner this is never
 reached). ADK wraps whatever a plugin callback raises in a ``RuntimeError``; `run_async`
@@ -239,6 +245,9 @@ async def run_async(runner: Any, **options: Any) -> AsyncIterator[Any]:
 
 # ------------------------------------------------------------------------ the plugin
 
+_RESULT_CALLBACKS = ("after_tool_callback", "on_tool_error_callback")
+"""The plugin callbacks through which the ledger records a body's result."""
+
 
 def _ids(c: RunController, calls: Sequence[types.FunctionCall]) -> list[str]:
     """The ids of a batch's calls; `UnsupportedFeature` when one has none."""
@@ -342,18 +351,18 @@ class LedgerPlugin(HeldRuns, BasePlugin):
 
     # ------------------------------------------------------------- opening a run
 
+    async def on_user_message_callback(self, *, invocation_context: Any,
+                                       user_message: Any) -> None:
+        """Before ADK writes the user's message (which opens an invocation, and which
+        `OneWriterSessionService` settles the run for first, claiming it): what this
+        adapter cannot carry is refused here (`_refuse`), so a refused invocation records
+        nothing, writes nothing to the session, and supersedes no live attempt."""
+        await self._refuse(invocation_context)
+
     async def before_run_callback(self, *, invocation_context: Any) -> None:
         """Refuse what this adapter cannot carry (`UnsupportedFeature`) before the run
-        does anything."""
-        run_id = self.run_id_of(invocation_context.session)
-        mode = getattr(invocation_context.run_config, "streaming_mode", None)
-        live = getattr(invocation_context, "live_request_queue", None) is not None
-        if live or getattr(mode, "name", None) == "BIDI":
-            raise UnsupportedFeature(
-                "live (bidirectional) streaming is not carried: its tool calls run outside "
-                "the plugin's ordered callbacks; run the agent with run_async",
-                feature="live streaming", run_id=run_id, action="open")
-        await self._check_agent(invocation_context.agent, invocation_context, run_id)
+        does anything, and before its claim (a resumed invocation brings no message)."""
+        run_id = await self._refuse(invocation_context)
         with self._lock:
             held = self._runs.get(run_id)
             c = self.controller(run_id)
@@ -401,6 +410,39 @@ class LedgerPlugin(HeldRuns, BasePlugin):
             c.publication_committed()
             c.flush()
 
+    async def _refuse(self, invocation_context: Any) -> str:
+        """`UnsupportedFeature` for what this adapter cannot carry, read from the
+        invocation alone (nothing loaded, claimed or recorded); else the run's id."""
+        run_id = self.run_id_of(invocation_context.session)
+        mode = getattr(invocation_context.run_config, "streaming_mode", None)
+        live = getattr(invocation_context, "live_request_queue", None) is not None
+        if live or getattr(mode, "name", None) == "BIDI":
+            raise UnsupportedFeature(
+                "live (bidirectional) streaming is not carried: its tool calls run outside "
+                "the plugin's ordered callbacks; run the agent with run_async",
+                feature="live streaming", run_id=run_id, action="open")
+        self._check_plugins(invocation_context.plugin_manager.plugins, run_id)
+        await self._check_agent(invocation_context.agent, invocation_context, run_id)
+        return run_id
+
+    def _check_plugins(self, plugins: Sequence[Any], run_id: str) -> None:
+        """ADK stops at the first plugin whose ``after_tool_callback`` (or
+        ``on_tool_error_callback``) returns a value: one placed before the ledger that
+        overrides either could answer a call whose body ran without the ledger recording
+        its result (left in doubt for good). Refused, whatever it returns today."""
+        ahead = next((plugins[:n] for n, p in enumerate(plugins) if p is self), [])
+        for plugin in ahead:
+            for name in _RESULT_CALLBACKS:
+                own = getattr(getattr(plugin, name), "__func__", None)
+                if own is not getattr(BasePlugin, name):
+                    raise UnsupportedFeature(
+                        f"plugin {plugin.name!r} ({type(plugin).__name__}) is placed before "
+                        f"the ledger and overrides {name}: ADK stops at the first plugin "
+                        "that returns a value there, so the ledger could miss the result "
+                        "of a body that ran; place the ledger first",
+                        feature="plugins before the ledger on tool results", run_id=run_id,
+                        action="open")
+
     async def _check_agent(self, agent: Any, invocation_context: Any, run_id: str) -> None:
         if not isinstance(agent, LlmAgent):
             raise UnsupportedFeature(
@@ -408,6 +450,12 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                 "an LlmAgent is carried (workflow agents run their sub-agents' tool calls "
                 "side by side or again, which one run per session cannot order)",
                 feature=f"{type(agent).__name__} agents", run_id=run_id, action="open")
+        if agent.code_executor is not None:
+            raise UnsupportedFeature(
+                f"agent {agent.name!r} has a code executor "
+                f"({type(agent.code_executor).__name__}): the code the model writes runs "
+                "outside the plugin's tool callbacks, so outside the ledger",
+                feature="code executors", run_id=run_id, action="open")
         if agent.sub_agents:
             raise UnsupportedFeature(
                 f"agent {agent.name!r} has sub-agents: transfers between agents are not "

@@ -254,25 +254,35 @@ class _Held:
 
 
 class _Holding(BasePlugin):
-    """Holds a call of the crashing attempt: placed before the ledger, in
-    ``before_tool_callback`` (its start not recorded: ``"before"``); after it, in
-    ``after_tool_callback`` (its result recorded and durable: ``"after"``)."""
+    """Holds a call of the crashing attempt before the ledger, in
+    ``before_tool_callback`` (its start not recorded: ``"before"``). It overrides no
+    result callback: a plugin before the ledger that does is refused when the run opens."""
 
-    def __init__(self, held: _Held, place: str) -> None:
+    def __init__(self, held: _Held, place: str = "before") -> None:
         super().__init__(name=f"hold_{place}")
         self.held = held
         self.place = place
 
     async def before_tool_callback(self, *, tool: Any, tool_args: dict[str, Any],
                                    tool_context: Any) -> dict[str, Any] | None:
-        if self.place == "before":
-            await self.held.hold(tool_context.function_call_id, "before")
+        await self.held.hold(tool_context.function_call_id, self.place)
+        return None
+
+
+class _HoldingAfter(_Holding):
+    """Holds a call of the crashing attempt after the ledger, in its
+    ``after_tool_callback`` (its result recorded: ``"after"``)."""
+
+    def __init__(self, held: _Held) -> None:
+        super().__init__(held, "after")
+
+    async def before_tool_callback(self, *, tool: Any, tool_args: dict[str, Any],
+                                   tool_context: Any) -> dict[str, Any] | None:
         return None
 
     async def after_tool_callback(self, *, tool: Any, tool_args: dict[str, Any],
                                   tool_context: Any, result: Any) -> dict[str, Any] | None:
-        if self.place == "after":
-            await self.held.hold(tool_context.function_call_id, "after")
+        await self.held.hold(tool_context.function_call_id, "after")
         return None
 
 
@@ -307,7 +317,7 @@ async def _play_reply(case: ReplyCase, folder: Path) -> ReplySeen:
         return requests.add(_world(
             folder, script, service=_sessions(folder),
             hold=lambda call_id: held.hold(call_id, "body"),
-            before=[_Holding(held, "before")], after=[_Holding(held, "after")]))
+            before=[_Holding(held)], after=[_HoldingAfter(held)]))
 
     w = opened()
     await w.open()
@@ -365,8 +375,8 @@ async def _play_decisions(case: DecisionMixCase, folder: Path) -> DecisionSeen:
 
     def opened() -> World:
         return requests.add(_world(folder, script, service=_sessions(folder),
-                                   before=[_Holding(held, "before")],
-                                   after=[_Holding(held, "after")]))
+                                   before=[_Holding(held)],
+                                   after=[_HoldingAfter(held)]))
 
     w = opened()
     await w.open()
