@@ -31,6 +31,8 @@ ADK seam                         what the ledger does
                                  resent response is the same) and flushed, or, with the
                                  session appends as publications, it rides with the flush
                                  that stages the event carrying it (DESIGN §7.7)
+``before_model_callback``        a result the ledger still buffers is made durable
+                                 (``flush_results``), else the claim is checked
 ``on_event_callback``            before ADK hands the session service an event carrying
                                  responses the ledger holds: they are durable, and with
                                  ``OneWriterSessionService(plugin=)`` an event answering
@@ -701,11 +703,14 @@ class LedgerPlugin(HeldRuns, BasePlugin):
     async def before_model_callback(self, *, callback_context: Any,
                                     llm_request: Any) -> None:
         """The model request is an effect (DESIGN §7.2): an attempt another process
-        claimed the run from since it held it asks nothing (`ConcurrencyConflict`)."""
+        claimed the run from since it held it asks nothing (`ConcurrencyConflict`). A
+        result the ledger still buffers is made durable first (`flush_results`: the
+        model's answer is the longest wait of a turn, and a crash in it must leave the
+        call completed, not in doubt); else the claim is only checked (no write)."""
         with self._lock:
             c = self._runs.get(self.run_id_of(callback_context.session))
             if c is not None:
-                c.fence()
+                c.flush_results()
 
     async def after_tool_callback(self, *, tool: BaseTool, tool_args: dict[str, Any],
                                   tool_context: Any,
