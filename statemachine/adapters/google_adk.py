@@ -26,11 +26,16 @@ ADK seam                         what the ledger does
                                  binds) is refused (`InvalidTransition`); otherwise its start
                                  is made durable (flushed) before the body runs, inside its
                                  `statemachine.tool_context` (its idempotency key)
-``after_tool_callback``          the response is recorded (a value that is not JSON is
-                                 kept as its text, and ADK is given the recorded form, so a
-                                 resent response is the same) and flushed, or, with the
-                                 session appends as publications, it rides with the flush
-                                 that stages the event carrying it (DESIGN §7.7)
+``after_tool_callback``          ADK's own chain after the plugin (the plugins after it,
+                                 then the agent's ``after_tool_callback``) is run here, once,
+                                 and what it made of the output is recorded (a value that is
+                                 not JSON is kept as its text) and given to ADK in its
+                                 recorded form, so a resent response is the same and the
+                                 raw output a callback replaced is not kept (DESIGN §7.4);
+                                 flushed, or, with the session appends as publications, it
+                                 rides with the flush that stages the event carrying it
+                                 (DESIGN §7.7); a call answered from the ledger is given as
+                                 it is (the chain does not run again on what it made)
 ``before_model_callback``        a result the ledger still buffers is made durable
                                  (``flush_results``), else the claim is checked
 ``on_event_callback``            before ADK hands the session service an event carrying
@@ -38,7 +43,11 @@ ADK seam                         what the ledger does
                                  ``OneWriterSessionService(plugin=)`` an event answering
                                  every unpublished call is staged as their publication in
                                  the same flush
-``on_tool_error_callback``       an exception of the body is recorded as the call's error
+``on_tool_error_callback``       the chain after the plugin (the plugins after it, then
+                                 the agent's ``on_tool_error_callback``) is run here; an
+                                 answer it makes goes to ADK, whose after-tool callbacks
+                                 then record what ADK uses; else an exception of the body is
+                                 recorded as the call's error
                                  (``{"error": "<Type>: <message>"}``) and propagates as with
                                  ADK alone; a cancelled body leaves its call in doubt
                                  (the next run of the session, in this process too, is
@@ -128,6 +137,7 @@ try:
     from google.adk.tools.base_toolset import BaseToolset
     from google.adk.tools.set_model_response_tool import SetModelResponseTool
     from google.adk.tools.tool_confirmation import ToolConfirmation
+    from google.adk.utils._callback_pipeline import _run_callbacks, _stop_on_non_none
     from google.genai import types
 except ModuleNotFoundError as error:  # pragma: no cover - the extra is installed in CI
     raise missing_extra(__name__, "google-adk", error) from error
@@ -340,6 +350,9 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         """The session service whose appends are this plugin's publications (set by
         ``OneWriterSessionService(service, plugin=...)``); None: the results are flushed
         as they are recorded."""
+        self._answered: dict[str, dict[str, Any]] = {}
+        """By call id: the answer `before_tool_callback` gave from the ledger, until its
+        `after_tool_callback`."""
         self._staged: dict[str, str] = {}
         """By run id: the id of the event whose publication `_stage` staged, until the
         session service appends it (`OneWriterSessionService`)."""
@@ -632,14 +645,14 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                 self._enter(c, batch, needs)
             answer = self._decided(c, call_id, tool_context)
             if answer is not None:
-                return answer
+                return self._answering(call_id, answer)
             phase = c.phase(call_id)
             if phase in (Phase.REJECTED, Phase.COMPLETED, Phase.PUBLISHED):
                 answered(c, call_id)
-                return self._answer(c, call_id)
+                return self._answering(call_id, self._answer(c, call_id))
             done, _ = begin_call(c, call_id, _arguments(tool_args))
             if done:
-                return self._answer(c, call_id)
+                return self._answering(call_id, self._answer(c, call_id))
             try:
                 c.flush()  # an effect boundary: the start is durable before the body
             except BaseException:
@@ -648,6 +661,13 @@ class LedgerPlugin(HeldRuns, BasePlugin):
             # tool_context() in the body: ADK runs each call in a task of its own
             self._bodies[call_id] = entered(context_of(c, call_id))
             return None
+
+    def _answering(self, call_id: str, answer: dict[str, Any]) -> dict[str, Any]:
+        """``answer``, the ledger's word for a call whose body does not run, noted so
+        that `after_tool_callback` gives it to ADK as it is (the callbacks after it ran
+        when the result was recorded: they do not run again on what they made)."""
+        self._answered[call_id] = answer
+        return answer
 
     def _decided(self, c: RunController, call_id: str,
                  tool_context: Any) -> dict[str, Any] | None:
@@ -715,11 +735,18 @@ class LedgerPlugin(HeldRuns, BasePlugin):
     async def after_tool_callback(self, *, tool: BaseTool, tool_args: dict[str, Any],
                                   tool_context: Any,
                                   result: dict[str, Any]) -> dict[str, Any] | None:
+        """The result ADK will use, recorded: ADK's own chain after this plugin (the
+        ``after_tool_callback`` of the plugins after it, then the agent's own) is run
+        here, once, and what it made of the body's output is what the ledger keeps and
+        what ADK is given (so nothing runs the chain again, and a resend is the same).
+        A call the ledger answered from its record is answered as it is."""
         call_id = tool_context.function_call_id
         with self._lock:
             c = self._runs.get(self.run_id_of(tool_context.session))
+            if self._answered.pop(call_id, None) is not None:
+                return result  # the ledger's word, already what ADK made of the call
             if c is None or call_id not in c.in_flight:
-                return None  # answered from the ledger, or asked for its confirmation
+                return None  # not the ledger's (ADK's set_model_response)
             self._reset(call_id)
             if call_id in (tool_context.actions.requested_tool_confirmations or {}):
                 # the body asked for its confirmation: ADK runs it again once confirmed
@@ -728,7 +755,17 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                                    by="adk:request_confirmation")
                 c.flush()
                 return None
-            kept, recorded = record_result(c, call_id, plain(result, fallback=_as_text))
+        try:  # nothing awaited under the lock
+            made = await self._rest_of_chain(
+                "after_tool_callback", tool=tool, tool_args=tool_args,
+                tool_context=tool_context, result=result)
+        except BaseException:  # no result ADK uses: the effect may have happened
+            with self._lock:
+                interrupted(c, call_id)
+            raise
+        used = result if made is None else made
+        with self._lock:
+            kept, recorded = record_result(c, call_id, plain(used, fallback=_as_text))
             if self.publishes_to is None:  # (else it rides with its staged publication,
                 try:                       # flushed before the event is appended: _stage)
                     c.flush()  # the result is durable before ADK makes it an event
@@ -739,24 +776,70 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                     raise
             if not kept:
                 return {"error": error_text(recorded)}
-            return None if recorded == result else self._answer(c, call_id)
+            if tool.is_long_running and not used:
+                return {}  # as ADK alone: no response yet (the client sends it later)
+            return self._answer(c, call_id)
 
     async def on_tool_error_callback(self, *, tool: BaseTool, tool_args: dict[str, Any],
                                      tool_context: Any,
                                      error: BaseException) -> dict[str, Any] | None:
+        """A body that raised: ADK's own chain after this plugin (the plugins after it,
+        then the agent's ``on_tool_error_callback``) is run here; an answer it makes is
+        given to ADK unrecorded (ADK then runs the after-tool callbacks on it, and
+        `after_tool_callback` records what they made of it); else the error is recorded
+        as the call's result and propagates, as with ADK alone."""
         call_id = tool_context.function_call_id
         with self._lock:
             c = self._runs.get(self.run_id_of(tool_context.session))
             if c is None or call_id not in c.in_flight:
                 return None
-            self._reset(call_id)
             if not isinstance(error, Exception):  # cancelled: the effect may have happened
+                self._reset(call_id)
                 interrupted(c, call_id)
                 return None
+        try:
+            made = await self._rest_of_chain(
+                "on_tool_error_callback", tool=tool, tool_args=tool_args,
+                tool_context=tool_context, error=error)
+        except BaseException:
+            with self._lock:
+                self._reset(call_id)
+                interrupted(c, call_id)
+            raise
+        if made is not None:  # the call stays in flight: its after-tool callbacks record it
+            answer: dict[str, Any] = made
+            return answer
+        with self._lock:
+            self._reset(call_id)
             record_result(c, call_id, {"error": f"{type(error).__name__}: {error}"})
             with contextlib.suppress(ControlError):
                 c.flush()
             return None  # the error propagates, as with ADK alone
+
+    async def _rest_of_chain(self, name: str, **options: Any) -> Any:
+        """What ADK would run after this plugin's callback ``name`` returned None: the
+        same callback of each plugin after it, then the agent's own callbacks (ADK's
+        ``tool_response``/``args`` naming, sync or async), up to the first that returns
+        a value (None when none does)."""
+        invocation = options["tool_context"]._invocation_context
+        plugins = list(invocation.plugin_manager.plugins)
+        after = next((plugins[n + 1:] for n, p in enumerate(plugins) if p is self), [])
+        for plugin in after:
+            made = await getattr(plugin, name)(**options)
+            if made is not None:
+                return made
+        agent = invocation.agent
+        own = (agent.canonical_after_tool_callbacks if name == "after_tool_callback"
+               else agent.canonical_on_tool_error_callbacks)
+        if not own:
+            return None
+        agent_options = {"tool": options["tool"], "args": options["tool_args"],
+                         "tool_context": options["tool_context"]}
+        if name == "after_tool_callback":
+            agent_options["tool_response"] = options["result"]
+        else:
+            agent_options["error"] = options["error"]
+        return await _run_callbacks(own, _stop_on_non_none, **agent_options)
 
     async def on_event_callback(self, *, invocation_context: Any,
                                 event: Any) -> Any:

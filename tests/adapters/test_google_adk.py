@@ -86,13 +86,14 @@ class World:
     """One scenario's world: the effects file, and ADK's runner alone or through the
     ledger (a `LedgerPlugin` on a SQLite store, `OneWriterSessionService` around the
     session service, its appends the ledger's publications unless ``publications`` is
-    False)."""
+    False; ``ledger`` makes the plugin from the store)."""
 
     def __init__(self, folder: Path, mode: str, script: list[Call], tools: list[str], *,
                  service: BaseSessionService | None = None, resumable: bool = False,
                  verifiers: dict[str, Any] | None = None,
                  store: EventStore | None = None, before: Sequence[BasePlugin] = (),
-                 after: Sequence[BasePlugin] = (), publications: bool = True) -> None:
+                 after: Sequence[BasePlugin] = (), publications: bool = True,
+                 ledger: Callable[..., LedgerPlugin] = LedgerPlugin) -> None:
         self.effects = folder / "effects.txt"
         self.store = store if store is not None else SQLiteEventStore(
             str(folder / "ledger.db"))
@@ -102,7 +103,7 @@ class World:
         self.plugin: LedgerPlugin | None = None
         plugins = list(before)  # test plugins around the ledger, which goes first
         if mode == "ledger":
-            self.plugin = LedgerPlugin(self.store, verifiers=verifiers)
+            self.plugin = ledger(self.store, verifiers=verifiers)
             plugins.append(self.plugin)
             inner = OneWriterSessionService(inner,
                                             plugin=self.plugin if publications else None)
@@ -1327,6 +1328,79 @@ def test_a_body_asking_for_its_confirmation_runs_its_effect_once(tmp_path: Path,
         c = RunController.load(w.store, RUN)
         assert c.phase("p1") is Phase.PUBLISHED
         assert c.call("p1").starts == 2
+
+
+CARD = "4111111111111111"
+
+
+@pytest.mark.invariant("I1", "I12")
+@pytest.mark.parametrize("replaced", ["after_tool_callback", "on_tool_error_callback"])
+@pytest.mark.parametrize("publications", [True, False],
+                         ids=["appends-published", "appends-not-published"])
+def test_what_the_agents_callback_made_of_a_result_is_what_the_ledger_keeps_and_resends(
+        tmp_path: Path, replaced: str, publications: bool) -> None:
+    """The agent's own ``after_tool_callback`` replaces a payment's output (the card
+    masked, a stamp counting its runs), or its ``on_tool_error_callback`` answers a
+    payment that raised. The append of the response is lost (nothing written), and the
+    invocation resumed: the model is given exactly what ADK made of the call the first
+    time (the lost event's response), the callback ran once, and the card number is
+    nowhere in the ledger (DESIGN §7.4: the raw output a callback replaced is not kept).
+    Measured before: the ledger kept the raw output (the card, or the error's text) and
+    resent it, and the callback ran again on it (stamp 2), or did not (the error text)."""
+    lost: list[Any] = []
+
+    class Lost(LosesAppend):
+        async def append_event(self, session: Any, event: Any) -> Any:
+            if event.get_function_responses() and event.author != "user" and self.times:
+                lost.extend((str(r.id), r.response) for r in event.get_function_responses())
+            return await super().append_event(session, event)
+
+    from google.adk.tools.function_tool import FunctionTool
+
+    w = World(tmp_path, "ledger", [("p1", "pay", {"amount": 9})], [],
+              service=Lost(InMemorySessionService(), landed=False), resumable=True,
+              publications=publications)
+    runs: list[str] = []
+
+    def pay(amount: int) -> dict[str, Any]:
+        """Pay with the card on file."""
+        world.effect(w.effects, f"pay {amount}")
+        if replaced == "on_tool_error_callback":
+            raise ValueError(f"card {CARD} declined")
+        return {"paid": amount, "card": CARD}
+
+    def masked(tool: Any, args: Any, tool_context: Any, tool_response: Any) -> Any:
+        runs.append(tool_context.function_call_id)
+        return {**tool_response, "card": "****" + CARD[-4:], "stamp": len(runs)}
+
+    def declined(tool: Any, args: Any, tool_context: Any, error: Exception) -> Any:
+        runs.append(tool_context.function_call_id)
+        return {"declined": "****" + CARD[-4:], "stamp": len(runs)}
+
+    agent = w.runner.agent
+    assert isinstance(agent, LlmAgent)
+    agent.tools.append(FunctionTool(pay))
+    if replaced == "after_tool_callback":
+        agent.after_tool_callback = masked
+    else:
+        agent.on_tool_error_callback = declined
+
+    async def scenario() -> list[Any]:
+        await w.open()
+        seen: list[str] = []
+        with pytest.raises(OSError, match="acknowledgement was lost"):
+            await _noting(w.runner, seen)
+        return await run(w.runner, None, invocation_id=seen[-1])
+
+    answered = asyncio.run(scenario())
+    assert _says(answered, "done")
+    assert w.ran() == ["pay 9"]
+    assert runs == ["p1"]  # the callback ran once
+    (first,) = lost
+    assert first[1]["stamp"] == 1
+    given = [pair for request in w.model.seen for pair in request]
+    assert given == [first]  # the model was given what ADK made of the call, once
+    assert CARD not in json.dumps(RunController.load(w.store, RUN).to_json())  # nor in text
 
 
 @pytest.mark.invariant("I1", "I5")

@@ -55,11 +55,11 @@ ALONE_RESUMED = {"before-effect": 1, "after-effect": 2, "after-callback": 2,
 google-adk 2.13: it charges again wherever the session lacks the response)."""
 IN_DOUBT = {"before-effect", "after-effect", "after-callback"}
 """Where the tool's start is durable and its result is not: the call is in doubt (the
-effect may or may not have happened), and the resumed run must say so, never guess. With
-the session appends as the ledger's publications (the driver's ``ledger`` mode) the
-result rides with the flush that stages the event carrying it (DESIGN §7.7), before the
-session service is asked to append it: a kill after the tool returned and before that
-flush (``after-callback``) leaves the call in doubt too."""
+effect may or may not have happened), and the resumed run must say so, never guess. The
+ledger records what the agent's own after-tool callback made of the output, so a kill
+inside that callback (``after-callback``) leaves the call in doubt too; with the session
+appends as the ledger's publications (the driver's ``ledger`` mode) the result then rides
+with the flush that stages the event carrying it (DESIGN §7.7)."""
 
 
 def _start(folder: Path, mode: str, *extra: str) -> subprocess.Popen[str]:
@@ -141,10 +141,11 @@ def test_a_charge_killed_at_each_boundary_runs_at_most_once_through_the_ledger(
 @pytest.mark.invariant("I1", "I12")
 def test_without_publications_a_result_is_durable_when_recorded(tmp_path: Path) -> None:
     """When the session appends are not the ledger's publications, the ledger flushes a
-    result as it records it: a kill after the tool returned (``after-callback``) leaves
-    the call completed, and the resumed invocation answers it from the ledger and goes
-    on, the charge made once."""
-    assert _drive(tmp_path, "ledger", "--kill", "after-callback", "--no-publications") == -9
+    result as it records it (once the agent's own after-tool callback made it): a kill
+    when the session service is then asked to append the response (``before-append``)
+    leaves the call completed, and the resumed invocation answers it from the ledger and
+    goes on, the charge made once."""
+    assert _drive(tmp_path, "ledger", "--kill", "before-append", "--no-publications") == -9
     _drive(tmp_path, "ledger", "--no-publications")
     assert effects(tmp_path / "effects.txt") == ["charge 5"]
     assert _outcomes(tmp_path) == ["ok"]

@@ -12,8 +12,8 @@ ADK by itself; ``ledger`` is the same runner with `LedgerPlugin` and
 
 Kill points (``--kill``): ``before-effect`` inside the body before its line (through the
 ledger its start is durable), ``after-effect`` inside the body once its line is durable,
-``after-callback`` in the agent's own ``after_tool_callback`` (which ADK runs after the
-plugins': the ledger recorded the result, ADK has not made the response event yet),
+``after-callback`` in the agent's own ``after_tool_callback`` (which the ledger runs
+before it records the result: what the callback made of it is what the ledger keeps),
 ``before-append`` when the session service is asked to append the function responses
 (before it; through the ledger, once the plugin staged their publication, the results
 riding with it, or, with ``--no-publications``, once each result was flushed as it was
