@@ -1713,8 +1713,8 @@ CATALOGUE: tuple[Mutant, ...] = (
                "the body\n",
        "                pass  # an effect boundary: the start is durable before the body\n",
        "an ADK call's start is not flushed before its body runs"),
-    _m("GA02", "                answered(c, call_id)\n                return self._answer(c, "
-               "call_id)\n            done, _ = begin_call",
+    _m("GA02", "                answered(c, call_id)\n                return self._answering("
+               "call_id, self._answer(c, call_id))\n            done, _ = begin_call",
        "                answered(c, call_id)\n                return None\n"
        "            done, _ = begin_call",
        "before_tool_callback lets a completed, published or rejected call through to its "
@@ -1797,8 +1797,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        "                pass\n",
        "the ledger's confirmation pause is not marked as ADK's gate marks it: in an app "
        "that is not resumable the model is asked again at the pause"),
-    _m("GA20", "            if c is not None:\n                c.fence()",
-       "            if False:\n                c.fence()",
+    _m("GA20", "            if c is not None:\n                c.flush_results()",
+       "            if False:\n                c.flush_results()",
        "the model request is not fenced: a superseded attempt asks the model"),
     _m("GA21", "            except ConcurrencyConflict:  # superseded: the copy stays "
                "held, and refuses\n                raise  # (the session service fences",
@@ -1835,6 +1835,25 @@ CATALOGUE: tuple[Mutant, ...] = (
        "suppress(ControlError):\n                        c.publication_failed(error)",
        "a staged event whose append is refused before anything was written leaves its "
        "attempt open, not recorded failed"),
+    _m("GA28", "        if agent.code_executor is not None:", "        if False:",
+       "an agent's code executor is not refused when the run opens: the model's code runs "
+       "outside the ledger"),
+    _m("GA29", "                if own is not getattr(BasePlugin, name):",
+       "                if False:",
+       "a plugin before the ledger that answers tool results is not refused: a body's "
+       "result can bypass the ledger, its call left in doubt"),
+    _m("GA30", "supersedes no live attempt.\"\"\"\n        await self._refuse(invocation_context)",
+       "supersedes no live attempt.\"\"\"\n        return None",
+       "what the adapter cannot carry is refused only at before_run_callback: the user's "
+       "message is written and the run claimed first, superseding a live attempt"),
+    _m("GA31", "record_result(c, call_id, plain(used, fallback=_as_text))",
+       "record_result(c, call_id, plain(result, fallback=_as_text))",
+       "the ledger keeps the body's raw output, not what the agent's callback made of it: "
+       "a resend differs from what the model was given, and a masked value is kept"),
+    _m("GA32", "                return result  # the ledger's word, already what ADK made",
+       "                return None  # the ledger's word, already what ADK made",
+       "a call answered from the ledger goes through the agent's after-tool callback "
+       "again: it runs twice, on what it already made"),
     # ------------------------------------------------------------------ telemetry
     _m("TE01", "    span = None if spans is None or not switch.telemetry else "
                "spans.calls.get(call_id)",

@@ -26,16 +26,28 @@ ADK seam                         what the ledger does
                                  binds) is refused (`InvalidTransition`); otherwise its start
                                  is made durable (flushed) before the body runs, inside its
                                  `statemachine.tool_context` (its idempotency key)
-``after_tool_callback``          the response is recorded (a value that is not JSON is
-                                 kept as its text, and ADK is given the recorded form, so a
-                                 resent response is the same) and flushed at once (a
-                                 crash before ADK's append then finds the call completed)
+``after_tool_callback``          ADK's own chain after the plugin (the plugins after it,
+                                 then the agent's ``after_tool_callback``) is run here, once,
+                                 and what it made of the output is recorded (a value that is
+                                 not JSON is kept as its text) and given to ADK in its
+                                 recorded form, so a resent response is the same and the
+                                 raw output a callback replaced is not kept (DESIGN §7.4);
+                                 flushed at once (a crash before ADK's append then finds
+                                 the call completed); a call answered from the ledger is
+                                 given as it is (the chain does not run again on what it
+                                 made)
+``before_model_callback``        a result the ledger still buffers is made durable
+                                 (``flush_results``), else the claim is checked
 ``on_event_callback``            before ADK hands the session service an event carrying
                                  responses the ledger holds: with
                                  ``OneWriterSessionService(plugin=)`` an event answering
                                  every unpublished call is staged (durably) as their
                                  publication
-``on_tool_error_callback``       an exception of the body is recorded as the call's error
+``on_tool_error_callback``       the chain after the plugin (the plugins after it, then
+                                 the agent's ``on_tool_error_callback``) is run here; an
+                                 answer it makes goes to ADK, whose after-tool callbacks
+                                 then record what ADK uses; else an exception of the body is
+                                 recorded as the call's error
                                  (``{"error": "<Type>: <message>"}``) and propagates as with
                                  ADK alone; a cancelled body leaves its call in doubt
                                  (the next run of the session, in this process too, is
@@ -80,13 +92,19 @@ next model request, tool callback or session write, writing nothing. Right after
 the verifiers (by tool name, DESIGN §7.3) are asked about the calls of their tools in
 doubt.
 
-Refused when a run opens (``before_run_callback``, `UnsupportedFeature` naming the
-feature, nothing recorded or run): MCP toolsets and tools (ADK's MCP tool retries a
+Refused when a run opens (``on_user_message_callback``, before the user's message is
+written and before anything is claimed, and ``before_run_callback`` for a resumed
+invocation: `UnsupportedFeature` naming the feature, nothing recorded, written or run, no
+live attempt superseded): MCP toolsets and tools (ADK's MCP tool retries a
 failed call once with a fresh session below the plugin callbacks, so a non-idempotent
 call could run twice unseen), agents used as tools (``AgentTool``: the inner agent's tool
 calls would run outside this run's ledger), workflow agents (``ParallelAgent``,
 ``LoopAgent``, ``SequentialAgent``) and sub-agents (their calls would interleave in one
-run), and live (bidirectional) streaming (``run_live``, or ``StreamingMode.BIDI``).
+run), code executors (the code the model writes runs outside the tool callbacks), a
+plugin placed before the ledger that overrides ``after_tool_callback`` or
+``on_tool_error_callback`` (ADK stops at the first that returns a value, so the ledger
+could miss a body's result: ADK's own ``MultimodalToolResultsPlugin`` always returns
+one), and live (bidirectional) streaming (``run_live``, or ``StreamingMode.BIDI``).
 Refused at the call: a function call without an id (ADK 2.13 gives a call the model sent
 without one an id of its own before any callback, so through its runner this is never
 reached). ADK wraps whatever a plugin callback raises in a ``RuntimeError``; `run_async`
@@ -119,6 +137,7 @@ try:
     from google.adk.tools.base_toolset import BaseToolset
     from google.adk.tools.set_model_response_tool import SetModelResponseTool
     from google.adk.tools.tool_confirmation import ToolConfirmation
+    from google.adk.utils._callback_pipeline import _run_callbacks, _stop_on_non_none
     from google.genai import types
 except ModuleNotFoundError as error:  # pragma: no cover - the extra is installed in CI
     raise missing_extra(__name__, "google-adk", error) from error
@@ -238,6 +257,9 @@ async def run_async(runner: Any, **options: Any) -> AsyncIterator[Any]:
 
 # ------------------------------------------------------------------------ the plugin
 
+_RESULT_CALLBACKS = ("after_tool_callback", "on_tool_error_callback")
+"""The plugin callbacks through which the ledger records a body's result."""
+
 
 def _ids(c: RunController, calls: Sequence[types.FunctionCall]) -> list[str]:
     """The ids of a batch's calls; `UnsupportedFeature` when one has none."""
@@ -328,6 +350,9 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         """The session service whose appends are this plugin's publications (set by
         ``OneWriterSessionService(service, plugin=...)``); None: the results are flushed
         as they are recorded."""
+        self._answered: dict[str, dict[str, Any]] = {}
+        """By call id: the answer `before_tool_callback` gave from the ledger, until its
+        `after_tool_callback`."""
         self._staged: dict[str, str] = {}
         """By run id: the id of the event whose publication `_stage` staged, until the
         session service appends it (`OneWriterSessionService`)."""
@@ -341,18 +366,18 @@ class LedgerPlugin(HeldRuns, BasePlugin):
 
     # ------------------------------------------------------------- opening a run
 
+    async def on_user_message_callback(self, *, invocation_context: Any,
+                                       user_message: Any) -> None:
+        """Before ADK writes the user's message (which opens an invocation, and which
+        `OneWriterSessionService` settles the run for first, claiming it): what this
+        adapter cannot carry is refused here (`_refuse`), so a refused invocation records
+        nothing, writes nothing to the session, and supersedes no live attempt."""
+        await self._refuse(invocation_context)
+
     async def before_run_callback(self, *, invocation_context: Any) -> None:
         """Refuse what this adapter cannot carry (`UnsupportedFeature`) before the run
-        does anything."""
-        run_id = self.run_id_of(invocation_context.session)
-        mode = getattr(invocation_context.run_config, "streaming_mode", None)
-        live = getattr(invocation_context, "live_request_queue", None) is not None
-        if live or getattr(mode, "name", None) == "BIDI":
-            raise UnsupportedFeature(
-                "live (bidirectional) streaming is not carried: its tool calls run outside "
-                "the plugin's ordered callbacks; run the agent with run_async",
-                feature="live streaming", run_id=run_id, action="open")
-        await self._check_agent(invocation_context.agent, invocation_context, run_id)
+        does anything, and before its claim (a resumed invocation brings no message)."""
+        run_id = await self._refuse(invocation_context)
         with self._lock:
             held = self._runs.get(run_id)
             c = self.controller(run_id)
@@ -400,6 +425,39 @@ class LedgerPlugin(HeldRuns, BasePlugin):
             c.publication_committed()
             c.flush()
 
+    async def _refuse(self, invocation_context: Any) -> str:
+        """`UnsupportedFeature` for what this adapter cannot carry, read from the
+        invocation alone (nothing loaded, claimed or recorded); else the run's id."""
+        run_id = self.run_id_of(invocation_context.session)
+        mode = getattr(invocation_context.run_config, "streaming_mode", None)
+        live = getattr(invocation_context, "live_request_queue", None) is not None
+        if live or getattr(mode, "name", None) == "BIDI":
+            raise UnsupportedFeature(
+                "live (bidirectional) streaming is not carried: its tool calls run outside "
+                "the plugin's ordered callbacks; run the agent with run_async",
+                feature="live streaming", run_id=run_id, action="open")
+        self._check_plugins(invocation_context.plugin_manager.plugins, run_id)
+        await self._check_agent(invocation_context.agent, invocation_context, run_id)
+        return run_id
+
+    def _check_plugins(self, plugins: Sequence[Any], run_id: str) -> None:
+        """ADK stops at the first plugin whose ``after_tool_callback`` (or
+        ``on_tool_error_callback``) returns a value: one placed before the ledger that
+        overrides either could answer a call whose body ran without the ledger recording
+        its result (left in doubt for good). Refused, whatever it returns today."""
+        ahead = next((plugins[:n] for n, p in enumerate(plugins) if p is self), [])
+        for plugin in ahead:
+            for name in _RESULT_CALLBACKS:
+                own = getattr(getattr(plugin, name), "__func__", None)
+                if own is not getattr(BasePlugin, name):
+                    raise UnsupportedFeature(
+                        f"plugin {plugin.name!r} ({type(plugin).__name__}) is placed before "
+                        f"the ledger and overrides {name}: ADK stops at the first plugin "
+                        "that returns a value there, so the ledger could miss the result "
+                        "of a body that ran; place the ledger first",
+                        feature="plugins before the ledger on tool results", run_id=run_id,
+                        action="open")
+
     async def _check_agent(self, agent: Any, invocation_context: Any, run_id: str) -> None:
         if not isinstance(agent, LlmAgent):
             raise UnsupportedFeature(
@@ -407,6 +465,12 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                 "an LlmAgent is carried (workflow agents run their sub-agents' tool calls "
                 "side by side or again, which one run per session cannot order)",
                 feature=f"{type(agent).__name__} agents", run_id=run_id, action="open")
+        if agent.code_executor is not None:
+            raise UnsupportedFeature(
+                f"agent {agent.name!r} has a code executor "
+                f"({type(agent.code_executor).__name__}): the code the model writes runs "
+                "outside the plugin's tool callbacks, so outside the ledger",
+                feature="code executors", run_id=run_id, action="open")
         if agent.sub_agents:
             raise UnsupportedFeature(
                 f"agent {agent.name!r} has sub-agents: transfers between agents are not "
@@ -581,14 +645,14 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                 self._enter(c, batch, needs)
             answer = self._decided(c, call_id, tool_context)
             if answer is not None:
-                return answer
+                return self._answering(call_id, answer)
             phase = c.phase(call_id)
             if phase in (Phase.REJECTED, Phase.COMPLETED, Phase.PUBLISHED):
                 answered(c, call_id)
-                return self._answer(c, call_id)
+                return self._answering(call_id, self._answer(c, call_id))
             done, _ = begin_call(c, call_id, _arguments(tool_args))
             if done:
-                return self._answer(c, call_id)
+                return self._answering(call_id, self._answer(c, call_id))
             try:
                 c.flush()  # an effect boundary: the start is durable before the body
             except BaseException:
@@ -597,6 +661,13 @@ class LedgerPlugin(HeldRuns, BasePlugin):
             # tool_context() in the body: ADK runs each call in a task of its own
             self._bodies[call_id] = entered(context_of(c, call_id))
             return None
+
+    def _answering(self, call_id: str, answer: dict[str, Any]) -> dict[str, Any]:
+        """``answer``, the ledger's word for a call whose body does not run, noted so
+        that `after_tool_callback` gives it to ADK as it is (the callbacks after it ran
+        when the result was recorded: they do not run again on what they made)."""
+        self._answered[call_id] = answer
+        return answer
 
     def _decided(self, c: RunController, call_id: str,
                  tool_context: Any) -> dict[str, Any] | None:
@@ -652,20 +723,30 @@ class LedgerPlugin(HeldRuns, BasePlugin):
     async def before_model_callback(self, *, callback_context: Any,
                                     llm_request: Any) -> None:
         """The model request is an effect (DESIGN §7.2): an attempt another process
-        claimed the run from since it held it asks nothing (`ConcurrencyConflict`)."""
+        claimed the run from since it held it asks nothing (`ConcurrencyConflict`). A
+        result the ledger still buffers is made durable first (`flush_results`: the
+        model's answer is the longest wait of a turn, and a crash in it must leave the
+        call completed, not in doubt); else the claim is only checked (no write)."""
         with self._lock:
             c = self._runs.get(self.run_id_of(callback_context.session))
             if c is not None:
-                c.fence()
+                c.flush_results()
 
     async def after_tool_callback(self, *, tool: BaseTool, tool_args: dict[str, Any],
                                   tool_context: Any,
                                   result: dict[str, Any]) -> dict[str, Any] | None:
+        """The result ADK will use, recorded: ADK's own chain after this plugin (the
+        ``after_tool_callback`` of the plugins after it, then the agent's own) is run
+        here, once, and what it made of the body's output is what the ledger keeps and
+        what ADK is given (so nothing runs the chain again, and a resend is the same).
+        A call the ledger answered from its record is answered as it is."""
         call_id = tool_context.function_call_id
         with self._lock:
             c = self._runs.get(self.run_id_of(tool_context.session))
+            if self._answered.pop(call_id, None) is not None:
+                return result  # the ledger's word, already what ADK made of the call
             if c is None or call_id not in c.in_flight:
-                return None  # answered from the ledger, or asked for its confirmation
+                return None  # not the ledger's (ADK's set_model_response)
             self._reset(call_id)
             if call_id in (tool_context.actions.requested_tool_confirmations or {}):
                 # the body asked for its confirmation: ADK runs it again once confirmed
@@ -674,7 +755,17 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                                    by="adk:request_confirmation")
                 c.flush()
                 return None
-            kept, recorded = record_result(c, call_id, plain(result, fallback=_as_text))
+        try:  # nothing awaited under the lock
+            made = await self._rest_of_chain(
+                "after_tool_callback", tool=tool, tool_args=tool_args,
+                tool_context=tool_context, result=result)
+        except BaseException:  # no result ADK uses: the effect may have happened
+            with self._lock:
+                interrupted(c, call_id)
+            raise
+        used = result if made is None else made
+        with self._lock:
+            kept, recorded = record_result(c, call_id, plain(used, fallback=_as_text))
             try:  # not left to ride with its publication's staging: a crash before
                 c.flush()  # that append would leave a call that ran in doubt
             except ConcurrencyConflict:  # superseded: the copy stays held, and refuses
@@ -684,24 +775,70 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                 raise
             if not kept:
                 return {"error": error_text(recorded)}
-            return None if recorded == result else self._answer(c, call_id)
+            if tool.is_long_running and not used:
+                return {}  # as ADK alone: no response yet (the client sends it later)
+            return self._answer(c, call_id)
 
     async def on_tool_error_callback(self, *, tool: BaseTool, tool_args: dict[str, Any],
                                      tool_context: Any,
                                      error: BaseException) -> dict[str, Any] | None:
+        """A body that raised: ADK's own chain after this plugin (the plugins after it,
+        then the agent's ``on_tool_error_callback``) is run here; an answer it makes is
+        given to ADK unrecorded (ADK then runs the after-tool callbacks on it, and
+        `after_tool_callback` records what they made of it); else the error is recorded
+        as the call's result and propagates, as with ADK alone."""
         call_id = tool_context.function_call_id
         with self._lock:
             c = self._runs.get(self.run_id_of(tool_context.session))
             if c is None or call_id not in c.in_flight:
                 return None
-            self._reset(call_id)
             if not isinstance(error, Exception):  # cancelled: the effect may have happened
+                self._reset(call_id)
                 interrupted(c, call_id)
                 return None
+        try:
+            made = await self._rest_of_chain(
+                "on_tool_error_callback", tool=tool, tool_args=tool_args,
+                tool_context=tool_context, error=error)
+        except BaseException:
+            with self._lock:
+                self._reset(call_id)
+                interrupted(c, call_id)
+            raise
+        if made is not None:  # the call stays in flight: its after-tool callbacks record it
+            answer: dict[str, Any] = made
+            return answer
+        with self._lock:
+            self._reset(call_id)
             record_result(c, call_id, {"error": f"{type(error).__name__}: {error}"})
             with contextlib.suppress(ControlError):
                 c.flush()
             return None  # the error propagates, as with ADK alone
+
+    async def _rest_of_chain(self, name: str, **options: Any) -> Any:
+        """What ADK would run after this plugin's callback ``name`` returned None: the
+        same callback of each plugin after it, then the agent's own callbacks (ADK's
+        ``tool_response``/``args`` naming, sync or async), up to the first that returns
+        a value (None when none does)."""
+        invocation = options["tool_context"]._invocation_context
+        plugins = list(invocation.plugin_manager.plugins)
+        after = next((plugins[n + 1:] for n, p in enumerate(plugins) if p is self), [])
+        for plugin in after:
+            made = await getattr(plugin, name)(**options)
+            if made is not None:
+                return made
+        agent = invocation.agent
+        own = (agent.canonical_after_tool_callbacks if name == "after_tool_callback"
+               else agent.canonical_on_tool_error_callbacks)
+        if not own:
+            return None
+        agent_options = {"tool": options["tool"], "args": options["tool_args"],
+                         "tool_context": options["tool_context"]}
+        if name == "after_tool_callback":
+            agent_options["tool_response"] = options["result"]
+        else:
+            agent_options["error"] = options["error"]
+        return await _run_callbacks(own, _stop_on_non_none, **agent_options)
 
     async def on_event_callback(self, *, invocation_context: Any,
                                 event: Any) -> Any:

@@ -17,7 +17,7 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,9 @@ except ImportError:  # pragma: no cover - CI installs the extra
                 allow_module_level=True)
 
 from google.adk.agents import LlmAgent, LoopAgent, ParallelAgent, SequentialAgent
+from google.adk.code_executors.unsafe_local_code_executor import UnsafeLocalCodeExecutor
 from google.adk.plugins.base_plugin import BasePlugin
+from google.adk.plugins.multimodal_tool_results_plugin import MultimodalToolResultsPlugin
 from google.adk.sessions import InMemorySessionService
 from google.adk.sessions.base_session_service import BaseSessionService
 from google.adk.tools.agent_tool import AgentTool
@@ -84,13 +86,14 @@ class World:
     """One scenario's world: the effects file, and ADK's runner alone or through the
     ledger (a `LedgerPlugin` on a SQLite store, `OneWriterSessionService` around the
     session service, its appends the ledger's publications unless ``publications`` is
-    False)."""
+    False; ``ledger`` makes the plugin from the store)."""
 
     def __init__(self, folder: Path, mode: str, script: list[Call], tools: list[str], *,
                  service: BaseSessionService | None = None, resumable: bool = False,
                  verifiers: dict[str, Any] | None = None,
                  store: EventStore | None = None, before: Sequence[BasePlugin] = (),
-                 after: Sequence[BasePlugin] = (), publications: bool = True) -> None:
+                 after: Sequence[BasePlugin] = (), publications: bool = True,
+                 ledger: Callable[..., LedgerPlugin] = LedgerPlugin) -> None:
         self.effects = folder / "effects.txt"
         self.store = store if store is not None else SQLiteEventStore(
             str(folder / "ledger.db"))
@@ -100,7 +103,7 @@ class World:
         self.plugin: LedgerPlugin | None = None
         plugins = list(before)  # test plugins around the ledger, which goes first
         if mode == "ledger":
-            self.plugin = LedgerPlugin(self.store, verifiers=verifiers)
+            self.plugin = ledger(self.store, verifiers=verifiers)
             plugins.append(self.plugin)
             inner = OneWriterSessionService(inner,
                                             plugin=self.plugin if publications else None)
@@ -1021,8 +1024,11 @@ def _tools(path: Path, *more: Any) -> list[Any]:
     ("sub-agents", "sub-agents", lambda model, path: LlmAgent(
         name="agent", model=model, tools=_tools(path), sub_agents=[
             LlmAgent(name="inner", model=ScriptedModel())])),
+    ("code executors", "UnsafeLocalCodeExecutor", lambda model, path: LlmAgent(
+        name="agent", model=model, tools=_tools(path),
+        code_executor=UnsafeLocalCodeExecutor())),
 ], ids=["mcp-toolset", "mcp-tool", "agent-tool", "parallel-agent", "loop-agent",
-        "sequential-agent", "sub-agents"])
+        "sequential-agent", "sub-agents", "code-executor"])
 def test_what_the_adapter_cannot_carry_is_refused_when_the_run_opens(
         tmp_path: Path, feature: str, named: str, agent: Any) -> None:
     """DESIGN §7.4: refused when the run opens with `UnsupportedFeature` naming the
@@ -1049,6 +1055,131 @@ def test_what_the_adapter_cannot_carry_is_refused_when_the_run_opens(
     assert effects(tmp_path / "effects.txt") == []
     with pytest.raises(RunNotFound):
         RunController.load(store, RUN)
+
+
+class _AnswersToolErrors(BasePlugin):
+    """A user's plugin that turns a tool's error into an answer for the model."""
+
+    def __init__(self) -> None:
+        super().__init__(name="answers_tool_errors")
+
+    async def on_tool_error_callback(self, *, tool: Any, tool_args: dict[str, Any],
+                                     tool_context: Any, error: Exception) -> Any:
+        return {"error": "try again later"}
+
+
+@pytest.mark.invariant("I1", "I11")
+@pytest.mark.parametrize(("ahead", "overrides"), [
+    (MultimodalToolResultsPlugin, "after_tool_callback"),
+    (_AnswersToolErrors, "on_tool_error_callback")], ids=["adks-multimodal", "users-errors"])
+def test_a_plugin_answering_tool_results_ahead_of_the_ledger_is_refused_when_the_run_opens(
+        tmp_path: Path, ahead: Callable[[], BasePlugin], overrides: str) -> None:
+    """ADK stops at the first plugin whose ``after_tool_callback`` (or
+    ``on_tool_error_callback``) returns a value; ADK's own ``MultimodalToolResultsPlugin``
+    always does, so placed before the ledger it left a charge that ran in doubt for good
+    (measured before the refusal: charged, the call ``STARTED``). Refused when the run
+    opens (`UnsupportedFeature`), nothing recorded, the model never asked, nothing run;
+    the same plugin after the ledger goes on, the charge made once and published."""
+    (tmp_path / "ahead").mkdir()
+    w = World(tmp_path / "ahead", "ledger", [CHARGE], ["charge"], before=[ahead()])
+
+    async def refused() -> None:
+        await w.open()
+        with pytest.raises(UnsupportedFeature) as error:
+            await run(w.runner, text("go"))
+        assert error.value.feature == "plugins before the ledger on tool results"
+        assert overrides in str(error.value)
+        assert await w.responses() == []
+
+    asyncio.run(refused())
+    assert w.model.requests == 0
+    assert w.ran() == []
+    with pytest.raises(RunNotFound):
+        RunController.load(w.store, RUN)
+    behind = World(tmp_path, "ledger", [CHARGE], ["charge"], after=[ahead()])
+
+    async def goes_on() -> list[Any]:
+        await behind.open()
+        return await run(behind.runner, text("go"))
+
+    assert _says(asyncio.run(goes_on()), "done")
+    assert behind.ran() == ["charge 5"]
+    assert RunController.load(behind.store, RUN).phase("c1") is Phase.PUBLISHED
+
+
+class _BeforeTheAnswer(BasePlugin):
+    """Runs ``during`` when the model is asked for the answer (its second request):
+    the tool's result recorded, nothing in flight."""
+
+    def __init__(self, during: Any) -> None:
+        super().__init__(name="before_the_answer")
+        self.during = during
+        self.requests = 0
+
+    async def before_model_callback(self, *, callback_context: Any,
+                                    llm_request: Any) -> None:
+        self.requests += 1
+        if self.requests == 2:
+            await self.during()
+
+
+@pytest.mark.invariant("I2")
+@pytest.mark.parametrize("publications", [True, False],
+                         ids=["appends-published", "appends-not-published"])
+def test_a_refused_open_records_nothing_and_supersedes_no_live_attempt(
+        tmp_path: Path, publications: bool) -> None:
+    """While one attempt waits for the model's answer (its charge done), a second runner
+    of the same session opens an invocation the adapter refuses (its agent has a code
+    executor). Before the refusal came first, that open claimed the run (and wrote the
+    user's message), so the live attempt was superseded (`ConcurrencyConflict`). Now the
+    refusal records nothing (the log's length is unchanged), writes nothing to the
+    session, and the live attempt goes on to its answer, the charge made once."""
+    from google.adk.apps import App
+    from google.adk.runners import Runner
+
+    seen: dict[str, Any] = {}
+    rival: list[Runner] = []
+
+    async def rival_opens() -> None:
+        events = len(RunController.load(w.store, RUN).events)
+        stored = await w.service.get_session(app_name=APP, user_id=USER,
+                                             session_id=SESSION)
+        assert stored is not None
+        with pytest.raises(UnsupportedFeature) as refused:
+            await run(rival[0], text("go"))
+        seen["feature"] = refused.value.feature
+        seen["events"] = (events, len(RunController.load(w.store, RUN).events))
+        after = await w.service.get_session(app_name=APP, user_id=USER,
+                                            session_id=SESSION)
+        assert after is not None
+        seen["session"] = (len(stored.events), len(after.events))
+
+    w = World(tmp_path, "ledger", [CHARGE], ["charge"], publications=publications,
+              after=[_BeforeTheAnswer(rival_opens)])
+    inner = w.service.service if isinstance(w.service, OneWriterSessionService) else None
+    assert inner is not None
+    plugin = LedgerPlugin(SQLiteEventStore(str(tmp_path / "ledger.db")))
+    rival.append(Runner(app=App(name=APP, root_agent=LlmAgent(
+        name="agent", model=ScriptedModel(script=[CHARGE]), tools=_tools(tmp_path / "rival"),
+        code_executor=UnsafeLocalCodeExecutor()), plugins=[plugin]),
+        session_service=OneWriterSessionService(inner, plugin=plugin if publications
+                                                else None)))
+
+    async def scenario() -> list[Any]:
+        await w.open()
+        return await run(w.runner, text("go"))
+
+    answered = asyncio.run(scenario())
+    assert seen["feature"] == "code executors"
+    before, after = seen["events"]
+    assert after == before  # the refused open recorded nothing
+    assert seen["session"][1] == seen["session"][0]  # nor wrote the session
+    assert _says(answered, "done")  # the live attempt was not superseded
+    assert w.ran() == ["charge 5"]
+    assert effects(tmp_path / "rival") == []
+    # without publications the ledger publishes a result with the next batch (none here)
+    assert RunController.load(w.store, RUN).phase("c1") is (
+        Phase.PUBLISHED if publications else Phase.COMPLETED)
 
 
 @pytest.mark.parametrize("how", ["run_live", "run_async-bidi"])
@@ -1197,6 +1328,79 @@ def test_a_body_asking_for_its_confirmation_runs_its_effect_once(tmp_path: Path,
         c = RunController.load(w.store, RUN)
         assert c.phase("p1") is Phase.PUBLISHED
         assert c.call("p1").starts == 2
+
+
+CARD = "4111111111111111"
+
+
+@pytest.mark.invariant("I1", "I12")
+@pytest.mark.parametrize("replaced", ["after_tool_callback", "on_tool_error_callback"])
+@pytest.mark.parametrize("publications", [True, False],
+                         ids=["appends-published", "appends-not-published"])
+def test_what_the_agents_callback_made_of_a_result_is_what_the_ledger_keeps_and_resends(
+        tmp_path: Path, replaced: str, publications: bool) -> None:
+    """The agent's own ``after_tool_callback`` replaces a payment's output (the card
+    masked, a stamp counting its runs), or its ``on_tool_error_callback`` answers a
+    payment that raised. The append of the response is lost (nothing written), and the
+    invocation resumed: the model is given exactly what ADK made of the call the first
+    time (the lost event's response), the callback ran once, and the card number is
+    nowhere in the ledger (DESIGN §7.4: the raw output a callback replaced is not kept).
+    Measured before: the ledger kept the raw output (the card, or the error's text) and
+    resent it, and the callback ran again on it (stamp 2), or did not (the error text)."""
+    lost: list[Any] = []
+
+    class Lost(LosesAppend):
+        async def append_event(self, session: Any, event: Any) -> Any:
+            if event.get_function_responses() and event.author != "user" and self.times:
+                lost.extend((str(r.id), r.response) for r in event.get_function_responses())
+            return await super().append_event(session, event)
+
+    from google.adk.tools.function_tool import FunctionTool
+
+    w = World(tmp_path, "ledger", [("p1", "pay", {"amount": 9})], [],
+              service=Lost(InMemorySessionService(), landed=False), resumable=True,
+              publications=publications)
+    runs: list[str] = []
+
+    def pay(amount: int) -> dict[str, Any]:
+        """Pay with the card on file."""
+        world.effect(w.effects, f"pay {amount}")
+        if replaced == "on_tool_error_callback":
+            raise ValueError(f"card {CARD} declined")
+        return {"paid": amount, "card": CARD}
+
+    def masked(tool: Any, args: Any, tool_context: Any, tool_response: Any) -> Any:
+        runs.append(tool_context.function_call_id)
+        return {**tool_response, "card": "****" + CARD[-4:], "stamp": len(runs)}
+
+    def declined(tool: Any, args: Any, tool_context: Any, error: Exception) -> Any:
+        runs.append(tool_context.function_call_id)
+        return {"declined": "****" + CARD[-4:], "stamp": len(runs)}
+
+    agent = w.runner.agent
+    assert isinstance(agent, LlmAgent)
+    agent.tools.append(FunctionTool(pay))
+    if replaced == "after_tool_callback":
+        agent.after_tool_callback = masked
+    else:
+        agent.on_tool_error_callback = declined
+
+    async def scenario() -> list[Any]:
+        await w.open()
+        seen: list[str] = []
+        with pytest.raises(OSError, match="acknowledgement was lost"):
+            await _noting(w.runner, seen)
+        return await run(w.runner, None, invocation_id=seen[-1])
+
+    answered = asyncio.run(scenario())
+    assert _says(answered, "done")
+    assert w.ran() == ["pay 9"]
+    assert runs == ["p1"]  # the callback ran once
+    (first,) = lost
+    assert first[1]["stamp"] == 1
+    given = [pair for request in w.model.seen for pair in request]
+    assert given == [first]  # the model was given what ADK made of the call, once
+    assert CARD not in json.dumps(RunController.load(w.store, RUN).to_json())  # nor in text
 
 
 @pytest.mark.invariant("I1", "I5")

@@ -78,7 +78,7 @@ from statemachine import (
 )
 from statemachine import controller as controller_module
 from statemachine import events as ev
-from statemachine.adapters.google_adk import ASK_CONFIRMATION, REJECTED
+from statemachine.adapters.google_adk import ASK_CONFIRMATION, REJECTED, LedgerPlugin
 from statemachine.testing import (
     CaseFailed,
     DecisionMixCase,
@@ -161,13 +161,14 @@ def _sessions(folder: Path) -> SqliteSessionService:
 def _world(folder: Path, script: list[Call], *, service: Any, resumable: bool = True,
            confirm: bool = False, hold: Callable[[str], Any] | None = None,
            label: str = "", during: Callable[[], None] | None = None,
-           before: Sequence[BasePlugin] = (), after: Sequence[BasePlugin] = ()) -> World:
+           before: Sequence[BasePlugin] = (), after: Sequence[BasePlugin] = (),
+           ledger: Callable[..., LedgerPlugin] = LedgerPlugin) -> World:
     """A process running the case's agent through the ledger: its ``work`` tool (its
     calls needing a confirmation when ``confirm``; ``pay`` always needs one) appends
     ``label + call id`` to the effects file, calls ``during``, awaits ``hold(call id)``
     and returns `ReplyCase.result_text`."""
     w = World(folder, "ledger", script, [], resumable=resumable, service=service,
-              before=before, after=after)
+              before=before, after=after, ledger=ledger)
 
     async def body() -> str:
         call_id = tool_context().call_id
@@ -254,26 +255,40 @@ class _Held:
 
 
 class _Holding(BasePlugin):
-    """Holds a call of the crashing attempt: placed before the ledger, in
-    ``before_tool_callback`` (its start not recorded: ``"before"``); after it, in
-    ``after_tool_callback`` (its result recorded and durable: ``"after"``)."""
+    """Holds a call of the crashing attempt before the ledger, in
+    ``before_tool_callback`` (its start not recorded: ``"before"``). It overrides no
+    result callback: a plugin before the ledger that does is refused when the run opens."""
 
-    def __init__(self, held: _Held, place: str) -> None:
+    def __init__(self, held: _Held, place: str = "before") -> None:
         super().__init__(name=f"hold_{place}")
         self.held = held
         self.place = place
 
     async def before_tool_callback(self, *, tool: Any, tool_args: dict[str, Any],
                                    tool_context: Any) -> dict[str, Any] | None:
-        if self.place == "before":
-            await self.held.hold(tool_context.function_call_id, "before")
+        await self.held.hold(tool_context.function_call_id, self.place)
         return None
+
+
+class _HoldingLedger(LedgerPlugin):
+    """The ledger, holding a call of the crashing attempt once its
+    ``after_tool_callback`` recorded the result (``"after"``: what the callbacks after
+    it made of the output, which the ledger runs itself), before ADK makes the event."""
+
+    def __init__(self, held: _Held, store: Any, **options: Any) -> None:
+        super().__init__(store, **options)
+        self.held = held
 
     async def after_tool_callback(self, *, tool: Any, tool_args: dict[str, Any],
                                   tool_context: Any, result: Any) -> dict[str, Any] | None:
-        if self.place == "after":
-            await self.held.hold(tool_context.function_call_id, "after")
-        return None
+        answer = await super().after_tool_callback(
+            tool=tool, tool_args=tool_args, tool_context=tool_context, result=result)
+        await self.held.hold(tool_context.function_call_id, "after")
+        return answer
+
+
+def _holding_ledger(held: _Held) -> Callable[..., LedgerPlugin]:
+    return lambda store, **options: _HoldingLedger(held, store, **options)
 
 
 async def _crash(w: World, held: _Held, calls: int) -> str:
@@ -307,7 +322,7 @@ async def _play_reply(case: ReplyCase, folder: Path) -> ReplySeen:
         return requests.add(_world(
             folder, script, service=_sessions(folder),
             hold=lambda call_id: held.hold(call_id, "body"),
-            before=[_Holding(held, "before")], after=[_Holding(held, "after")]))
+            before=[_Holding(held)], ledger=_holding_ledger(held)))
 
     w = opened()
     await w.open()
@@ -365,8 +380,8 @@ async def _play_decisions(case: DecisionMixCase, folder: Path) -> DecisionSeen:
 
     def opened() -> World:
         return requests.add(_world(folder, script, service=_sessions(folder),
-                                   before=[_Holding(held, "before")],
-                                   after=[_Holding(held, "after")]))
+                                   before=[_Holding(held)],
+                                   ledger=_holding_ledger(held)))
 
     w = opened()
     await w.open()

@@ -43,22 +43,22 @@ from tests.drivers.adk_driver import APP, RUN, SESSION, USER, build, effects, ru
 ROOT = Path(__file__).resolve().parents[2]
 
 EFFECT_BEFORE_THE_KILL = {"before-effect": 0, "after-effect": 1, "after-callback": 1,
-                          "before-append": 1, "after-append": 1}
+                          "before-append": 1, "after-append": 1, "model-answer": 1}
 """How many charges happened when the process died there (the kill points of
 `tests.drivers.adk_driver`: in the body before and after its effect, in the agent's own
 after-tool callback, when the session service is asked to append the function response,
-before it, and once ADK's session service wrote it, before the ledger recorded the
-publication's commit)."""
+before it, once ADK's session service wrote it, before the ledger recorded the
+publication's commit, and when the model is asked again with the response)."""
 ALONE_RESUMED = {"before-effect": 1, "after-effect": 2, "after-callback": 2,
-                 "before-append": 2, "after-append": 1}
+                 "before-append": 2, "after-append": 1, "model-answer": 1}
 """ADK alone, the charges in all once the killed invocation is resumed (measured on
 google-adk 2.13: it charges again wherever the session lacks the response)."""
-IN_DOUBT = {"before-effect", "after-effect"}
+IN_DOUBT = {"before-effect", "after-effect", "after-callback"}
 """Where the tool's start is durable and its result is not: the call is in doubt (the
 effect may or may not have happened), and the resumed run must say so, never guess. The
-ledger flushes a result as soon as it records it (the plugin's after-tool callback runs
-before the agent's own), so a kill after the tool returned (``after-callback``) finds the
-call completed, with the session appends as publications or without."""
+ledger records what the agent's own after-tool callback made of the output, so a kill
+inside that callback (``after-callback``) leaves the call in doubt too; once recorded, the
+result is flushed at once, before ADK makes it an event."""
 
 
 def _start(folder: Path, mode: str, *extra: str) -> subprocess.Popen[str]:
@@ -140,13 +140,35 @@ def test_a_charge_killed_at_each_boundary_runs_at_most_once_through_the_ledger(
 @pytest.mark.invariant("I1", "I12")
 def test_without_publications_a_result_is_durable_when_recorded(tmp_path: Path) -> None:
     """When the session appends are not the ledger's publications, the ledger flushes a
-    result as it records it: a kill after the tool returned (``after-callback``) leaves
-    the call completed, and the resumed invocation answers it from the ledger and goes
-    on, the charge made once."""
-    assert _drive(tmp_path, "ledger", "--kill", "after-callback", "--no-publications") == -9
+    result as it records it (once the agent's own after-tool callback made it): a kill
+    when the session service is then asked to append the response (``before-append``)
+    leaves the call completed, and the resumed invocation answers it from the ledger and
+    goes on, the charge made once."""
+    assert _drive(tmp_path, "ledger", "--kill", "before-append", "--no-publications") == -9
     _drive(tmp_path, "ledger", "--no-publications")
     assert effects(tmp_path / "effects.txt") == ["charge 5"]
     assert _outcomes(tmp_path) == ["ok"]
+
+
+@pytest.mark.invariant("I1", "I12")
+@pytest.mark.parametrize("publications", [True, False],
+                         ids=["appends-published", "appends-not-published"])
+def test_a_kill_while_the_model_is_asked_again_leaves_the_call_completed(
+        tmp_path: Path, publications: bool) -> None:
+    """The process dies while the model is asked again with the charge's response (the
+    longest wait of a turn): the ledger holds the call completed (published with the
+    session's appends as its publications), never in doubt, and the resumed invocation
+    goes on to the answer, the charge made once."""
+    extra = () if publications else ("--no-publications",)
+    assert _drive(tmp_path, "ledger", "--kill", "model-answer", *extra) == -9
+    assert effects(tmp_path / "effects.txt") == ["charge 5"]
+    c = RunController.load(SQLiteEventStore(str(tmp_path / "ledger.db")), RUN)
+    assert c.in_doubt() == ()
+    assert c.phase("c1") is (Phase.PUBLISHED if publications else Phase.COMPLETED)
+    _drive(tmp_path, "ledger", *extra)
+    assert _outcomes(tmp_path) == ["ok"]
+    assert effects(tmp_path / "effects.txt") == ["charge 5"]
+    assert _texts(tmp_path)[-1:] == ["done"]
 
 
 @pytest.mark.invariant("I1", "I7")

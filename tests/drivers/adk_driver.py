@@ -12,17 +12,18 @@ ADK by itself; ``ledger`` is the same runner with `LedgerPlugin` and
 
 Kill points (``--kill``): ``before-effect`` inside the body before its line (through the
 ledger its start is durable), ``after-effect`` inside the body once its line is durable,
-``after-callback`` in the agent's own ``after_tool_callback`` (which ADK runs after the
-plugins': the ledger recorded the result, ADK has not made the response event yet),
+``after-callback`` in the agent's own ``after_tool_callback`` (which the ledger runs
+before it records the result: what the callback made of it is what the ledger keeps),
 ``before-append`` when the session service is asked to append the function responses
 (before it; through the ledger, once the plugin staged their publication, the results
 riding with it, or, with ``--no-publications``, once each result was flushed as it was
-recorded), ``after-append`` once ADK's own
-session service has written them (through the ledger, before the publication's commit
-is recorded). With ``--flow confirm`` the process asks for a confirmed wire (``"go"``,
-then the confirmation ADK asked for, in one process) and dies around recording the
-confirmation: ``before-decision`` / ``after-decision`` when the ledger's append holding
-the approval is made (before it, after it), ``at-decision`` (ADK alone, which records no
+recorded), ``after-append`` once ADK's own session service has written them (through
+the ledger, before the publication's commit is recorded), ``model-answer`` when the
+model is asked again with the function responses (the scripted model's request). With
+``--flow confirm`` the process asks for a confirmed wire (``"go"``, then the
+confirmation ADK asked for, in one process) and dies around recording the confirmation:
+``before-decision`` / ``after-decision`` when the ledger's append holding the approval
+is made (before it, after it), ``at-decision`` (ADK alone, which records no
 decision but the session's) when the confirmed call reaches the tool callbacks.
 
 ``--no-publications``: `OneWriterSessionService` without the plugin (the ledger flushes
@@ -122,6 +123,8 @@ class ScriptedModel(BaseLlm):
                      if part.function_response]
         self.seen.append(responses)
         self.answered.append(False)
+        if responses:
+            die_at("model-answer")
         if responses and self.failing:
             self.failing -= 1
             raise ModelUnavailable("injected model request failure")
