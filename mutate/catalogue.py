@@ -1686,9 +1686,9 @@ CATALOGUE: tuple[Mutant, ...] = (
                "checkpoints it",
        "                pass  # the result is durable before LangGraph checkpoints it",
        "a LangGraph call's result is not flushed before LangGraph checkpoints it"),
-    _m("LG15", "        if handling is not False:\n            node._handle_tool_errors = "
-               "_passing_refusals(handling)",
-       "        if False:\n            node._handle_tool_errors = _passing_refusals(handling)",
+    _m("LG15", "    if node._handle_tool_errors is not False:  # the ledger's refusals pass "
+               "through it",
+       "    if False:  # the ledger's refusals pass through it",
        "tool_node lets handle_tool_errors turn the ledger's refusals (a call in doubt) into "
        "a tool message the model can answer by calling again"),
     _m("LG16", "        async with self._async_lock():  # the check and the write, one step",
