@@ -713,8 +713,8 @@ class RunController:
         rides along: its publication), so a crash during the wait (a model's answer takes
         the longest of a turn) leaves the call completed and its result written, not in
         doubt, and no reader (an operator's inbox) sees a call whose result this attempt
-        holds as in doubt for that long; else `fence`. Either way a superseded attempt is refused
-        (`ConcurrencyConflict`)."""
+        holds as in doubt for that long; else `fence`. Either way a superseded attempt
+        is refused (`ConcurrencyConflict`)."""
         if self._journal.holds_results:
             self.flush()
         else:

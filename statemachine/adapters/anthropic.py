@@ -1110,10 +1110,13 @@ class MessageToolLedger:
 
     def create(self, resource: Any, /, **params: Any) -> Any:
         """``resource.create(**params)`` (``client.messages`` or ``client.beta.messages``)
-        after `check_history`, the in-doubt gate and the stale-history check
-        (`StaleHistory`); the results the request carried are
-        then posted, and a final reply completes the run. A completed conversation's own
-        request gets its recorded final reply, nothing sent (``replayed``)."""
+        after `check_history`, the in-doubt gate and the stale-history check: a history
+        that lacks the turns whose results were never sent is sent with them, rebuilt
+        from the ledger (`resumed`), or refused (`StaleHistory`, naming why); the results
+        the request carries are made durable before it is sent (`RunController.
+        flush_results`), posted once it is answered, and a final reply completes the
+        run. A completed conversation's own request gets its recorded final reply,
+        nothing sent (``replayed``)."""
         messages = list(params.get("messages") or ())
         recorded = self._recorded(messages, stream=bool(params.get("stream")))
         if recorded is not None:
