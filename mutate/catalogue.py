@@ -1714,9 +1714,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        "                pass  # an effect boundary: the start is durable before the body\n",
        "an ADK call's start is not flushed before its body runs"),
     _m("GA02", "                answered(c, call_id)\n                return self._answering("
-               "call_id, self._answer(c, call_id))\n            done, _ = begin_call",
-       "                answered(c, call_id)\n                return None\n"
-       "            done, _ = begin_call",
+               "call_id, self._answer(c, call_id))",
+       "                answered(c, call_id)\n                return None",
        "before_tool_callback lets a completed, published or rejected call through to its "
        "body"),
     _m("GA03", "            answered(c, call_id)  # answered with its rejection, never run\n"
@@ -1775,8 +1774,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("GA14", "            self._bodies[call_id] = entered(context_of(c, call_id))",
        "            pass",
        "an ADK tool body runs without its call's tool_context (no key)"),
-    _m("GA15", "                c.flush()  # that append would leave a call that ran in doubt",
-       "                pass  # that append would leave a call that ran in doubt",
+    _m("GA15", "then finds the call\n                c.flush()  # completed",
+       "then finds the call\n                pass  # completed",
        "an ADK call's result is not flushed when recorded: a crash before ADK's append "
        "leaves a call that ran in doubt"),
     _m("GA16", "            brought = {**_confirmations(tool_context.session, c), call_id: given}",

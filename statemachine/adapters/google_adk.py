@@ -348,8 +348,8 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         self._bodies: dict[str, contextvars.Token[Any]] = {}
         self.publishes_to: OneWriterSessionService | None = None
         """The session service whose appends are this plugin's publications (set by
-        ``OneWriterSessionService(service, plugin=...)``); None: the results are flushed
-        as they are recorded."""
+        ``OneWriterSessionService(service, plugin=...)``); None: the session appends are
+        not the plugin's publications."""
         self._answered: dict[str, dict[str, Any]] = {}
         """By call id: the answer `before_tool_callback` gave from the ledger, until its
         `after_tool_callback`."""
@@ -650,6 +650,9 @@ class LedgerPlugin(HeldRuns, BasePlugin):
             if phase in (Phase.REJECTED, Phase.COMPLETED, Phase.PUBLISHED):
                 answered(c, call_id)
                 return self._answering(call_id, self._answer(c, call_id))
+            # a note left by a run of this id cancelled between its callbacks is not
+            # this run's answer (ADK runs a confirmed call again under the same id)
+            self._answered.pop(call_id, None)
             done, _ = begin_call(c, call_id, _arguments(tool_args))
             if done:
                 return self._answering(call_id, self._answer(c, call_id))
@@ -766,8 +769,8 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         used = result if made is None else made
         with self._lock:
             kept, recorded = record_result(c, call_id, plain(used, fallback=_as_text))
-            try:  # not left to ride with its publication's staging: a crash before
-                c.flush()  # that append would leave a call that ran in doubt
+            try:  # flushed at once: a crash before ADK's append then finds the call
+                c.flush()  # completed
             except ConcurrencyConflict:  # superseded: the copy stays held, and refuses
                 raise  # (the session service fences this attempt's writes with it)
             except BaseException:  # not durable: the call is in doubt on the next load

@@ -1429,3 +1429,32 @@ def test_a_confirmation_showing_no_fingerprint_confirms_nothing(tmp_path: Path,
     asyncio.run(scenario())
     assert w.ran() == ["wire 7"]
 
+
+
+
+@pytest.mark.invariant("I1")
+def test_a_note_left_by_a_call_cancelled_between_its_callbacks_answers_no_later_run(
+        tmp_path: Path) -> None:
+    """The ledger notes the answer its ``before_tool_callback`` gave (here the
+    confirmation request of a wire) until the call's ``after_tool_callback``. A call
+    cancelled between the two leaves the note (the state is set by hand: ADK 2.13 has
+    no suspension point there to cancel at); ADK then runs the confirmed call again
+    under the same id. That run is the wire's: it runs once, its result is recorded and
+    given to the model, and nothing is left in doubt."""
+    w = World(tmp_path, "ledger", [("w1", "wire", {"amount": 7})], ["wire"])
+    assert w.plugin is not None
+
+    async def scenario() -> None:
+        await w.open()
+        request, payload = confirmation_requests(await run(w.runner, text("go")))["w1"]
+        assert w.plugin is not None
+        w.plugin._answered["w1"] = {"error": "This tool call requires confirmation."}
+        await run(w.runner, confirmation(request, fingerprint=payload["fingerprint"]))
+
+    asyncio.run(scenario())
+    assert w.ran() == ["wire 7"]
+    assert ("w1", {"wired": 7}) in w.model.seen[-1]
+    c = RunController.load(w.store, RUN)
+    assert c.in_doubt() == ()
+    assert c.phase("w1") is Phase.PUBLISHED
+    assert c.call("w1").result == {"wired": 7}
