@@ -1713,8 +1713,8 @@ CATALOGUE: tuple[Mutant, ...] = (
                "the body\n",
        "                pass  # an effect boundary: the start is durable before the body\n",
        "an ADK call's start is not flushed before its body runs"),
-    _m("GA02", "                answered(c, call_id)\n                return self._answering("
-               "call_id, self._answer(c, call_id))",
+    _m("GA02", "                answered(c, call_id)\n                return self._answering(\n"
+               "                    call_id, self._answer(c, call_id, long_running=long_running))",
        "                answered(c, call_id)\n                return None",
        "before_tool_callback lets a completed, published or rejected call through to its "
        "body"),

@@ -19,9 +19,11 @@ ADK seam                         what the ledger does
                                  function calls) is entered in the ledger; a completed call
                                  answers with its recorded response (the body never runs
                                  again: finishing one long-running tool, a replayed
-                                 confirmation or a resumed invocation re-run nothing); a
-                                 started, unfinished call is in doubt (`ToolInDoubt`, after
-                                 its verifier was asked); a call asked to run with other
+                                 confirmation or a resumed invocation re-run nothing; a
+                                 long-running tool's empty result is ``{}``, no response
+                                 yet, as ADK gave it the first time); a started,
+                                 unfinished call is in doubt (`ToolInDoubt`, after its
+                                 verifier was asked); a call asked to run with other
                                  arguments than the recorded ones (which its confirmation
                                  binds) is refused (`InvalidTransition`); otherwise its start
                                  is made durable (flushed) before the body runs, inside its
@@ -587,9 +589,12 @@ class LedgerPlugin(HeldRuns, BasePlugin):
     # -------------------------------------------------------------- one tool call
 
     @staticmethod
-    def _answer(c: RunController, call_id: str) -> dict[str, Any]:
+    def _answer(c: RunController, call_id: str, *,
+                long_running: bool = False) -> dict[str, Any]:
         """The recorded response of call ``call_id`` as the dict ADK gets: the tool's own,
-        an operator's or a verifier's word, or a rejection."""
+        an operator's or a verifier's word, or a rejection. A long-running tool's empty
+        result is ``{}``, as ADK gave it the first time: no response yet (its client sends
+        it later)."""
         view = c.call(call_id)
         if view.phase is Phase.REJECTED or (view.phase is Phase.PUBLISHED and view.decisions
                                             and view.decisions[-1].kind == "rejected"
@@ -600,6 +605,8 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         output = view.result
         if settled is Resolution.FAILED:
             return {"error": error_text(output)}
+        if long_running and not output:
+            return {}
         if settled is Resolution.COMPLETED:
             return output if isinstance(output, dict) else {"result": output}
         if isinstance(output, dict):
@@ -647,15 +654,18 @@ class LedgerPlugin(HeldRuns, BasePlugin):
             if answer is not None:
                 return self._answering(call_id, answer)
             phase = c.phase(call_id)
+            long_running = bool(tool.is_long_running)
             if phase in (Phase.REJECTED, Phase.COMPLETED, Phase.PUBLISHED):
                 answered(c, call_id)
-                return self._answering(call_id, self._answer(c, call_id))
+                return self._answering(
+                    call_id, self._answer(c, call_id, long_running=long_running))
             # a note left by a run of this id cancelled between its callbacks is not
             # this run's answer (ADK runs a confirmed call again under the same id)
             self._answered.pop(call_id, None)
             done, _ = begin_call(c, call_id, _arguments(tool_args))
             if done:
-                return self._answering(call_id, self._answer(c, call_id))
+                return self._answering(
+                    call_id, self._answer(c, call_id, long_running=long_running))
             try:
                 c.flush()  # an effect boundary: the start is durable before the body
             except BaseException:

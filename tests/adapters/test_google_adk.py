@@ -1458,3 +1458,59 @@ def test_a_note_left_by_a_call_cancelled_between_its_callbacks_answers_no_later_
     assert c.in_doubt() == ()
     assert c.phase("w1") is Phase.PUBLISHED
     assert c.call("w1").result == {"wired": 7}
+
+
+
+@pytest.mark.invariant("I1", "I12")
+@pytest.mark.parametrize("reload", [False, True], ids=["same-runner", "new-process"])
+@pytest.mark.parametrize("resumed", [False, True], ids=["new-invocations", "resumed"])
+def test_a_replayed_confirmation_of_a_long_running_call_sends_no_response_yet(
+        tmp_path: Path, resumed: bool, reload: bool) -> None:
+    """A long-running render needing a confirmation: confirmed, it starts and returns
+    nothing (its client sends the result later), so ADK sends the model no response for
+    it yet. The same confirmation sent again (resuming the paused invocation with
+    ``ResumabilityConfig``, or as a new invocation; to the same runner, or to a second
+    runner over a new store instance): ADK alone starts the render again (measured) and
+    sends no response; through the ledger the render started once and the model is
+    given what ADK alone gives it, no response of the render (not ``{"result": None}``,
+    which the model would take for the render's result)."""
+    script: list[Call] = [("r1", "render", {"shot": 1})]
+
+    def gated(folder: Path, mode: str, service: BaseSessionService | None) -> World:
+        w = World(folder, mode, script, ["render"], service=service, resumable=resumed,
+                  store=SQLiteEventStore(str(folder / "ledger.db")))
+        agent = w.runner.agent
+        assert isinstance(agent, LlmAgent)
+        agent.tools[0]._require_confirmation = True  # type: ignore[union-attr]
+        return w
+
+    def scenario(mode: str) -> tuple[list[Any], list[str]]:
+        folder = tmp_path / mode
+        folder.mkdir()
+        w = gated(folder, mode, None)
+
+        async def go() -> list[Any]:
+            await w.open()
+            first = await run(w.runner, text("go"))
+            request, payload = confirmation_requests(first)["r1"]
+            message = response(request, "adk_request_confirmation",
+                               {"confirmed": True, "payload": payload})
+            invocation = first[-1].invocation_id if resumed else None
+            await run(w.runner, message, invocation_id=invocation)
+            again = gated(folder, mode, w.service) if reload else w
+            replayed = await run(again.runner, message, invocation_id=invocation)
+            given = [r.response for e in replayed for r in e.get_function_responses()
+                     if r.id == "r1"]
+            return [given, again.model.seen[-1]]
+
+        return asyncio.run(go()), w.ran()
+
+    alone, alone_ran = scenario("alone")
+    seen, ran = scenario("ledger")
+    assert alone_ran == ["render 1", "render 1"]  # ADK alone starts it again
+    assert ran == ["render 1"]
+    assert seen == alone
+    given, model = seen
+    assert given == []  # no response of the render yet
+    placeholder = "This tool call requires confirmation, please approve or reject."
+    assert [r for call_id, r in model if call_id == "r1"] == [{"error": placeholder}]
