@@ -1845,8 +1845,10 @@ CATALOGUE: tuple[Mutant, ...] = (
        "supersedes no live attempt.\"\"\"\n        return None",
        "what the adapter cannot carry is refused only at before_run_callback: the user's "
        "message is written and the run claimed first, superseding a live attempt"),
-    _m("GA31", "record_result(c, call_id, plain(used, fallback=_as_text))",
-       "record_result(c, call_id, plain(result, fallback=_as_text))",
+    _m("GA31", "        with self._lock:\n            kept, recorded = record_result("
+               "c, call_id, plain(used, fallback=_as_text))",
+       "        with self._lock:\n            kept, recorded = record_result("
+       "c, call_id, plain(result, fallback=_as_text))",
        "the ledger keeps the body's raw output, not what the agent's callback made of it: "
        "a resend differs from what the model was given, and a masked value is kept"),
     _m("GA32", "                return result  # the ledger's word, already what ADK made",
