@@ -1713,10 +1713,9 @@ CATALOGUE: tuple[Mutant, ...] = (
                "the body\n",
        "                pass  # an effect boundary: the start is durable before the body\n",
        "an ADK call's start is not flushed before its body runs"),
-    _m("GA02", "                answered(c, call_id)\n                return self._answering("
-               "call_id, self._answer(c, call_id))\n            done, _ = begin_call",
-       "                answered(c, call_id)\n                return None\n"
-       "            done, _ = begin_call",
+    _m("GA02", "                answered(c, call_id)\n                return self._answering(\n"
+               "                    call_id, self._answer(c, call_id, long_running=long_running))",
+       "                answered(c, call_id)\n                return None",
        "before_tool_callback lets a completed, published or rejected call through to its "
        "body"),
     _m("GA03", "            answered(c, call_id)  # answered with its rejection, never run\n"
@@ -1775,8 +1774,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("GA14", "            self._bodies[call_id] = entered(context_of(c, call_id))",
        "            pass",
        "an ADK tool body runs without its call's tool_context (no key)"),
-    _m("GA15", "                c.flush()  # that append would leave a call that ran in doubt",
-       "                pass  # that append would leave a call that ran in doubt",
+    _m("GA15", "then finds the call\n                c.flush()  # completed",
+       "then finds the call\n                pass  # completed",
        "an ADK call's result is not flushed when recorded: a crash before ADK's append "
        "leaves a call that ran in doubt"),
     _m("GA16", "            brought = {**_confirmations(tool_context.session, c), call_id: given}",
@@ -1846,8 +1845,10 @@ CATALOGUE: tuple[Mutant, ...] = (
        "supersedes no live attempt.\"\"\"\n        return None",
        "what the adapter cannot carry is refused only at before_run_callback: the user's "
        "message is written and the run claimed first, superseding a live attempt"),
-    _m("GA31", "record_result(c, call_id, plain(used, fallback=_as_text))",
-       "record_result(c, call_id, plain(result, fallback=_as_text))",
+    _m("GA31", "        with self._lock:\n            kept, recorded = record_result("
+               "c, call_id, plain(used, fallback=_as_text))",
+       "        with self._lock:\n            kept, recorded = record_result("
+       "c, call_id, plain(result, fallback=_as_text))",
        "the ledger keeps the body's raw output, not what the agent's callback made of it: "
        "a resend differs from what the model was given, and a masked value is kept"),
     _m("GA32", "                return result  # the ledger's word, already what ADK made",

@@ -19,13 +19,18 @@ ADK seam                         what the ledger does
                                  function calls) is entered in the ledger; a completed call
                                  answers with its recorded response (the body never runs
                                  again: finishing one long-running tool, a replayed
-                                 confirmation or a resumed invocation re-run nothing); a
-                                 started, unfinished call is in doubt (`ToolInDoubt`, after
-                                 its verifier was asked); a call asked to run with other
+                                 confirmation or a resumed invocation re-run nothing; a
+                                 long-running tool's empty result is ``{}``, no response
+                                 yet, as ADK gave it the first time); a started,
+                                 unfinished call is in doubt (`ToolInDoubt`, after its
+                                 verifier was asked); a call asked to run with other
                                  arguments than the recorded ones (which its confirmation
-                                 binds) is refused (`InvalidTransition`); otherwise its start
-                                 is made durable (flushed) before the body runs, inside its
-                                 `statemachine.tool_context` (its idempotency key)
+                                 binds) is refused (`InvalidTransition`); a call of a tool
+                                 the agent does not have is not begun (no body runs: ADK
+                                 answers it, and the ledger records that answer); otherwise
+                                 its start is made durable (flushed) before the body runs,
+                                 inside its `statemachine.tool_context` (its idempotency
+                                 key)
 ``after_tool_callback``          ADK's own chain after the plugin (the plugins after it,
                                  then the agent's ``after_tool_callback``) is run here, once,
                                  and what it made of the output is recorded (a value that is
@@ -35,7 +40,9 @@ ADK seam                         what the ledger does
                                  flushed at once (a crash before ADK's append then finds
                                  the call completed); a call answered from the ledger is
                                  given as it is (the chain does not run again on what it
-                                 made)
+                                 made); a call ADK could not look up that a before-tool
+                                 callback after the plugin answered is recorded here, begun
+                                 and completed at once
 ``before_model_callback``        a result the ledger still buffers is made durable
                                  (``flush_results``), else the claim is checked
 ``on_event_callback``            before ADK hands the session service an event carrying
@@ -51,7 +58,11 @@ ADK seam                         what the ledger does
                                  (``{"error": "<Type>: <message>"}``) and propagates as with
                                  ADK alone; a cancelled body leaves its call in doubt
                                  (the next run of the session, in this process too, is
-                                 refused when it opens, as a fresh process's would be)
+                                 refused when it opens, as a fresh process's would be); a
+                                 call of a tool the agent does not have (ADK's lookup error,
+                                 no after-tool callback follows) is recorded here, begun and
+                                 completed at once, with the answer of the chain or else
+                                 ADK's own not-found response, and that answer goes to ADK
 ``require_confirmation``         the call awaits a decision in the ledger; the confirmation
                                  request ADK shows carries the call's fingerprint in its
                                  ``payload``, and a confirmation is taken only with that
@@ -130,6 +141,9 @@ try:
     from google.adk.agents.readonly_context import ReadonlyContext
     from google.adk.errors import StaleSessionError
     from google.adk.events.event import Event
+    from google.adk.flows.llm_flows.tools._error_handler import (
+        build_tool_not_found_response,
+    )
     from google.adk.plugins.base_plugin import BasePlugin
     from google.adk.sessions.base_session_service import BaseSessionService
     from google.adk.tools.agent_tool import AgentTool
@@ -348,8 +362,8 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         self._bodies: dict[str, contextvars.Token[Any]] = {}
         self.publishes_to: OneWriterSessionService | None = None
         """The session service whose appends are this plugin's publications (set by
-        ``OneWriterSessionService(service, plugin=...)``); None: the results are flushed
-        as they are recorded."""
+        ``OneWriterSessionService(service, plugin=...)``); None: the session appends are
+        not the plugin's publications."""
         self._answered: dict[str, dict[str, Any]] = {}
         """By call id: the answer `before_tool_callback` gave from the ledger, until its
         `after_tool_callback`."""
@@ -587,9 +601,12 @@ class LedgerPlugin(HeldRuns, BasePlugin):
     # -------------------------------------------------------------- one tool call
 
     @staticmethod
-    def _answer(c: RunController, call_id: str) -> dict[str, Any]:
+    def _answer(c: RunController, call_id: str, *,
+                long_running: bool = False) -> dict[str, Any]:
         """The recorded response of call ``call_id`` as the dict ADK gets: the tool's own,
-        an operator's or a verifier's word, or a rejection."""
+        an operator's or a verifier's word, or a rejection. A long-running tool's empty
+        result is ``{}``, as ADK gave it the first time: no response yet (its client sends
+        it later)."""
         view = c.call(call_id)
         if view.phase is Phase.REJECTED or (view.phase is Phase.PUBLISHED and view.decisions
                                             and view.decisions[-1].kind == "rejected"
@@ -600,6 +617,8 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         output = view.result
         if settled is Resolution.FAILED:
             return {"error": error_text(output)}
+        if long_running and not output:
+            return {}
         if settled is Resolution.COMPLETED:
             return output if isinstance(output, dict) else {"result": output}
         if isinstance(output, dict):
@@ -647,12 +666,20 @@ class LedgerPlugin(HeldRuns, BasePlugin):
             if answer is not None:
                 return self._answering(call_id, answer)
             phase = c.phase(call_id)
+            long_running = bool(tool.is_long_running)
             if phase in (Phase.REJECTED, Phase.COMPLETED, Phase.PUBLISHED):
                 answered(c, call_id)
-                return self._answering(call_id, self._answer(c, call_id))
+                return self._answering(
+                    call_id, self._answer(c, call_id, long_running=long_running))
+            if tool.name not in tools:  # no tool has its name: ADK answers it through
+                return None  # on_tool_error_callback, where it is recorded; never begun
+            # a note left by a run of this id cancelled between its callbacks is not
+            # this run's answer (ADK runs a confirmed call again under the same id)
+            self._answered.pop(call_id, None)
             done, _ = begin_call(c, call_id, _arguments(tool_args))
             if done:
-                return self._answering(call_id, self._answer(c, call_id))
+                return self._answering(
+                    call_id, self._answer(c, call_id, long_running=long_running))
             try:
                 c.flush()  # an effect boundary: the start is durable before the body
             except BaseException:
@@ -739,12 +766,20 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         ``after_tool_callback`` of the plugins after it, then the agent's own) is run
         here, once, and what it made of the body's output is what the ledger keeps and
         what ADK is given (so nothing runs the chain again, and a resend is the same).
-        A call the ledger answered from its record is answered as it is."""
+        A call the ledger answered from its record is answered as it is; a call of a tool
+        the agent does not have that another before-tool callback answered: `_unknown`."""
         call_id = tool_context.function_call_id
         with self._lock:
             c = self._runs.get(self.run_id_of(tool_context.session))
             if self._answered.pop(call_id, None) is not None:
                 return result  # the ledger's word, already what ADK made of the call
+            unbegun = c is not None and c.phase(call_id) is Phase.APPROVED
+        if unbegun:  # another before-tool callback answered a call ADK could not look up
+            assert c is not None
+            return await self._unknown(c, "after_tool_callback", tool=tool,
+                                       tool_args=tool_args, tool_context=tool_context,
+                                       result=result)
+        with self._lock:
             if c is None or call_id not in c.in_flight:
                 return None  # not the ledger's (ADK's set_model_response)
             self._reset(call_id)
@@ -766,8 +801,8 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         used = result if made is None else made
         with self._lock:
             kept, recorded = record_result(c, call_id, plain(used, fallback=_as_text))
-            try:  # not left to ride with its publication's staging: a crash before
-                c.flush()  # that append would leave a call that ran in doubt
+            try:  # flushed at once: a crash before ADK's append then finds the call
+                c.flush()  # completed
             except ConcurrencyConflict:  # superseded: the copy stays held, and refuses
                 raise  # (the session service fences this attempt's writes with it)
             except BaseException:  # not durable: the call is in doubt on the next load
@@ -786,12 +821,22 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         then the agent's ``on_tool_error_callback``) is run here; an answer it makes is
         given to ADK unrecorded (ADK then runs the after-tool callbacks on it, and
         `after_tool_callback` records what they made of it); else the error is recorded
-        as the call's result and propagates, as with ADK alone."""
+        as the call's result and propagates, as with ADK alone. Not so for a call of a
+        tool the agent does not have (no body ran, and ADK runs no after-tool callback on
+        it): `_unknown` records what ADK uses here."""
         call_id = tool_context.function_call_id
         with self._lock:
             c = self._runs.get(self.run_id_of(tool_context.session))
-            if c is None or call_id not in c.in_flight:
+            if c is None:
                 return None
+            unbegun = c.phase(call_id) is Phase.APPROVED  # ADK's lookup error: no body
+            if call_id not in c.in_flight and not (unbegun and isinstance(error, Exception)):
+                return None
+        if unbegun:
+            return await self._unknown(c, "on_tool_error_callback", tool=tool,
+                                       tool_args=tool_args, tool_context=tool_context,
+                                       error=error)
+        with self._lock:
             if not isinstance(error, Exception):  # cancelled: the effect may have happened
                 self._reset(call_id)
                 interrupted(c, call_id)
@@ -814,6 +859,46 @@ class LedgerPlugin(HeldRuns, BasePlugin):
             with contextlib.suppress(ControlError):
                 c.flush()
             return None  # the error propagates, as with ADK alone
+
+    async def _unknown(self, c: RunController, name: str,
+                       **options: Any) -> dict[str, Any] | None:
+        """A call of a tool the agent does not have, which ``before_tool_callback`` left
+        unbegun (no body to run): ADK answers it through its lookup error (the
+        ``on_tool_error_callback`` chain, ``name``), or with the answer of a before-tool
+        callback after this plugin (then the ``after_tool_callback`` chain), and runs no
+        other callback of this plugin on it. ADK's chain after this plugin is run here,
+        and what ADK uses (what the chain made; else ADK's own not-found response, or the
+        before-tool answer) is recorded as the call's result, begun and completed at once
+        (nothing runs in between) and flushed, and given to ADK in its recorded form,
+        which a resend gives again."""
+        tool, tool_context = options["tool"], options["tool_context"]
+        call_id = str(tool_context.function_call_id)
+        invocation = tool_context._invocation_context
+        tools = {t.name: t for t in await invocation.agent.canonical_tools(
+            ReadonlyContext(invocation))}
+        if tool.name in tools:
+            return None  # not a call ADK could not look up: left to ADK
+        made = await self._rest_of_chain(name, **options)  # raised: nothing begun or ran
+        if made is not None:
+            used = made
+        elif name == "after_tool_callback":
+            used = options["result"]
+        else:
+            used = build_tool_not_found_response(tool.name, tools)
+        with self._lock:
+            done, _ = begin_call(c, call_id, _arguments(options["tool_args"]))
+            if not done:
+                kept, recorded = record_result(c, call_id, plain(used, fallback=_as_text))
+                try:
+                    c.flush()
+                except ConcurrencyConflict:
+                    raise
+                except BaseException:  # nothing of it durable: a reload finds it unbegun
+                    self._runs.pop(c.run_id, None)
+                    raise
+                if not kept:
+                    return {"error": error_text(recorded)}
+            return self._answer(c, call_id)
 
     async def _rest_of_chain(self, name: str, **options: Any) -> Any:
         """What ADK would run after this plugin's callback ``name`` returned None: the

@@ -1429,3 +1429,182 @@ def test_a_confirmation_showing_no_fingerprint_confirms_nothing(tmp_path: Path,
     asyncio.run(scenario())
     assert w.ran() == ["wire 7"]
 
+
+
+
+@pytest.mark.invariant("I1")
+def test_a_note_left_by_a_call_cancelled_between_its_callbacks_answers_no_later_run(
+        tmp_path: Path) -> None:
+    """The ledger notes the answer its ``before_tool_callback`` gave (here the
+    confirmation request of a wire) until the call's ``after_tool_callback``. A call
+    cancelled between the two leaves the note (the state is set by hand: ADK 2.13 has
+    no suspension point there to cancel at); ADK then runs the confirmed call again
+    under the same id. That run is the wire's: it runs once, its result is recorded and
+    given to the model, and nothing is left in doubt."""
+    w = World(tmp_path, "ledger", [("w1", "wire", {"amount": 7})], ["wire"])
+    assert w.plugin is not None
+
+    async def scenario() -> None:
+        await w.open()
+        request, payload = confirmation_requests(await run(w.runner, text("go")))["w1"]
+        assert w.plugin is not None
+        w.plugin._answered["w1"] = {"error": "This tool call requires confirmation."}
+        await run(w.runner, confirmation(request, fingerprint=payload["fingerprint"]))
+
+    asyncio.run(scenario())
+    assert w.ran() == ["wire 7"]
+    assert ("w1", {"wired": 7}) in w.model.seen[-1]
+    c = RunController.load(w.store, RUN)
+    assert c.in_doubt() == ()
+    assert c.phase("w1") is Phase.PUBLISHED
+    assert c.call("w1").result == {"wired": 7}
+
+
+
+@pytest.mark.invariant("I1", "I12")
+@pytest.mark.parametrize("reload", [False, True], ids=["same-runner", "new-process"])
+@pytest.mark.parametrize("resumed", [False, True], ids=["new-invocations", "resumed"])
+def test_a_replayed_confirmation_of_a_long_running_call_sends_no_response_yet(
+        tmp_path: Path, resumed: bool, reload: bool) -> None:
+    """A long-running render needing a confirmation: confirmed, it starts and returns
+    nothing (its client sends the result later), so ADK sends the model no response for
+    it yet. The same confirmation sent again (resuming the paused invocation with
+    ``ResumabilityConfig``, or as a new invocation; to the same runner, or to a second
+    runner over a new store instance): ADK alone starts the render again (measured) and
+    sends no response; through the ledger the render started once and the model is
+    given what ADK alone gives it, no response of the render (not ``{"result": None}``,
+    which the model would take for the render's result)."""
+    script: list[Call] = [("r1", "render", {"shot": 1})]
+
+    def gated(folder: Path, mode: str, service: BaseSessionService | None) -> World:
+        w = World(folder, mode, script, ["render"], service=service, resumable=resumed,
+                  store=SQLiteEventStore(str(folder / "ledger.db")))
+        agent = w.runner.agent
+        assert isinstance(agent, LlmAgent)
+        agent.tools[0]._require_confirmation = True  # type: ignore[union-attr]
+        return w
+
+    def scenario(mode: str) -> tuple[list[Any], list[str]]:
+        folder = tmp_path / mode
+        folder.mkdir()
+        w = gated(folder, mode, None)
+
+        async def go() -> list[Any]:
+            await w.open()
+            first = await run(w.runner, text("go"))
+            request, payload = confirmation_requests(first)["r1"]
+            message = response(request, "adk_request_confirmation",
+                               {"confirmed": True, "payload": payload})
+            invocation = first[-1].invocation_id if resumed else None
+            await run(w.runner, message, invocation_id=invocation)
+            again = gated(folder, mode, w.service) if reload else w
+            replayed = await run(again.runner, message, invocation_id=invocation)
+            given = [r.response for e in replayed for r in e.get_function_responses()
+                     if r.id == "r1"]
+            return [given, again.model.seen[-1]]
+
+        return asyncio.run(go()), w.ran()
+
+    alone, alone_ran = scenario("alone")
+    seen, ran = scenario("ledger")
+    assert alone_ran == ["render 1", "render 1"]  # ADK alone starts it again
+    assert ran == ["render 1"]
+    assert seen == alone
+    given, model = seen
+    assert given == []  # no response of the render yet
+    placeholder = "This tool call requires confirmation, please approve or reject."
+    assert [r for call_id, r in model if call_id == "r1"] == [{"error": placeholder}]
+
+
+class _Keeps(LosesAppend):
+    """`LosesAppend` keeping the function responses of each event it was asked to append
+    (by call id): what ADK gave the model, written or not."""
+
+    def __init__(self, service: BaseSessionService, **options: Any) -> None:
+        super().__init__(service, **options)
+        self.asked: list[dict[str, Any]] = []
+
+    async def append_event(self, session: Any, event: Any) -> Any:
+        if event.get_function_responses() and event.author != "user":
+            self.asked.append({str(r.id): r.response for r in event.get_function_responses()})
+        return await super().append_event(session, event)
+
+
+@pytest.mark.invariant("I1", "I3", "I12")
+@pytest.mark.parametrize("publications", [True, False], ids=["staged", "unstaged"])
+@pytest.mark.parametrize("answers", ["adk-not-found", "on-tool-error", "before-tool"])
+def test_a_call_of_a_tool_the_agent_lacks_is_answered_the_same_after_a_reload(
+        tmp_path: Path, answers: str, publications: bool) -> None:
+    """The model calls ``ghost``, a tool the agent does not have, beside a charge; the
+    append of their responses is lost and the invocation resumed by a second runner (a
+    new plugin over a new store instance: another process), which appends the staged
+    event again (``staged``) or, the session's appends not the ledger's publications,
+    runs both calls again and the ledger answers them from its record. ADK answers the ghost call
+    through its lookup error (the agent's ``on_tool_error_callback`` when it answers,
+    else ADK's own not-found text) and runs no after-tool callback on it, or with the
+    answer of the agent's ``before_tool_callback`` (then the after-tool callbacks run). Through the
+    ledger the run goes on to its answer, the model is given the same ghost response
+    as with ADK alone, the second runner gives what the first gave, the callback ran
+    once (ADK alone asks it again), the charge ran once and nothing is left in doubt."""
+    script: list[Call] = [("g1", "ghost", {"x": 1}), CHARGE]
+    asked: list[str] = []
+
+    def on_error(tool: Any, args: Any, tool_context: Any, error: Exception) -> Any:
+        asked.append(tool.name)
+        return {"error": "ghost is not a tool here"} if answers == "on-tool-error" else None
+
+    def before(tool: Any, args: Any, tool_context: Any) -> Any:
+        if answers != "before-tool" or tool.name != "ghost":
+            return None
+        asked.append(tool.name)
+        return {"error": "ghost is not a tool here"}
+
+    def world_of(folder: Path, mode: str, service: BaseSessionService | None) -> World:
+        w = World(folder, mode, script, ["charge"], service=service, resumable=True,
+                  store=SQLiteEventStore(str(folder / "ledger.db")),
+                  publications=publications)
+        agent = w.runner.agent
+        assert isinstance(agent, LlmAgent)
+        agent.on_tool_error_callback = on_error
+        agent.before_tool_callback = before
+        return w
+
+    def scenario(mode: str) -> tuple[Any, Any, bool, int]:
+        folder = tmp_path / mode
+        folder.mkdir()
+        keeps = _Keeps(InMemorySessionService(), landed=False)
+        first = world_of(folder, mode, keeps)
+        asked.clear()
+
+        async def go() -> bool:
+            await first.open()
+            seen: list[str] = []
+            with pytest.raises(OSError, match="acknowledgement was lost"):
+                await _noting(first.runner, seen)
+            second = world_of(folder, mode, keeps)  # another process: a new store too
+            events = await run(second.runner, None, invocation_id=seen[-1])
+            assert second.model.seen[-1][0][0] == "g1"
+            given.append(dict(second.model.seen[-1])["g1"])
+            return _says(events, "done")
+
+        given: list[Any] = []
+        done = asyncio.run(go())
+        if mode == "ledger":
+            c = RunController.load(SQLiteEventStore(str(folder / "ledger.db")), RUN)
+            assert c.in_doubt() == ()
+            held = Phase.PUBLISHED if publications else Phase.COMPLETED  # not published
+            assert [c.phase("g1"), c.phase("c1")] == [held] * 2
+            assert first.ran() == ["charge 5"]
+        return keeps.asked[0]["g1"], given[0], done, len(asked)
+
+    alone_first, alone_resent, alone_done, alone_asked = scenario("alone")
+    first, resent, done, times = scenario("ledger")
+    assert alone_done
+    assert done
+    assert first == resent == alone_first == alone_resent  # the model's view: the same
+    if answers != "adk-not-found":
+        assert first == {"error": "ghost is not a tool here"}
+    else:
+        assert "ghost" in first["error"]
+        assert "charge" in first["error"]
+    assert (alone_asked, times) == (2, 1)  # ADK alone asks the callback again
