@@ -85,6 +85,7 @@ from statemachine.adapters.openai_agents import (
 from statemachine.events import HandedOff, RunClaimed
 from statemachine.stores import AsyncSQLiteEventStore, SQLiteEventStore
 from statemachine.testing import FlakySession, InjectedWriteError
+from tests.adapters.dying import Crash, DiesWithItsProcess
 from tests.drivers.effects import Effects
 from tests.drivers.openai_agents_driver import Receipt
 
@@ -1893,25 +1894,6 @@ def test_row01_an_agent_tool_runs_on_the_callers_run_config(tmp_path: Path) -> N
 
 
 # ------------------------------------------- a crash while the model answers after a tool
-
-
-class Crash(BaseException):
-    """The process dies here (a stand-in for kill -9 in-process: nothing catches it)."""
-
-
-class DiesWithItsProcess(SQLiteEventStore):
-    """A SQLite store whose process dies once ``dead`` is set: nothing handed to it after
-    lands (`Crash`), as after a kill -9 there."""
-
-    dead = False
-
-    def append(self, run_id: str, events: Any, expected_version: int, *,
-               snapshot: Any = None, step: Any = None, read_model: Any = None,
-               session_write: Any = None) -> None:
-        if self.dead:
-            raise Crash
-        super().append(run_id, events, expected_version, snapshot=snapshot, step=step,
-                       read_model=read_model, session_write=session_write)
 
 
 def _kind_of(item: Any) -> str:

@@ -92,6 +92,7 @@ from statemachine.adapters.pydantic_ai import (
 )
 from statemachine.sessions import MemorySession, SQLiteSession
 from statemachine.testing import FlakySession, InjectedWriteError
+from tests.adapters.dying import Crash, DiesWithItsProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATOR = "charged 7 (confirmed by the operator)"
@@ -1464,25 +1465,6 @@ def test_a_completed_run_answers_with_the_history_as_it_is_now(tmp_path: Path) -
 
 
 # ------------------------------------------- a final output is accepted after its checks
-
-
-class Crash(BaseException):
-    """The process dies here (a stand-in for kill -9 in-process: nothing catches it)."""
-
-
-class DiesWithItsProcess(SQLiteEventStore):
-    """A SQLite store whose process dies once ``dead`` is set: nothing handed to it after
-    lands (`Crash`), as after a kill -9 there."""
-
-    dead = False
-
-    def append(self, run_id: str, events: Any, expected_version: int, *,
-               snapshot: Any = None, step: Any = None, read_model: Any = None,
-               session_write: Any = None) -> None:
-        if self.dead:
-            raise Crash
-        super().append(run_id, events, expected_version, snapshot=snapshot, step=step,
-                       read_model=read_model, session_write=session_write)
 
 
 def test_a_crash_while_the_model_answers_after_a_tool_leaves_the_call_completed(
