@@ -58,10 +58,12 @@ class SeeingModel(ScriptedModel):
         return await super().respond(history, agent)
 
 
-def _agent(counters: Counters) -> tuple[Agent, SeeingModel]:
+def _agent(counters: Counters, *, tools: bool = True) -> tuple[Agent, SeeingModel]:
+    """The billing agent; ``tools=False``: its model answers at once."""
     charge = counted_tool(counters, "charge", lambda x: f"charged {x}")
     model = SeeingModel([ModelResponse((("c1", "charge", {"x": 7}),)),
-                         ModelResponse(output="charged")])
+                         ModelResponse(output="charged")] if tools
+                        else [ModelResponse(output="charged")])
     return Agent("billing", model, (charge,)), model
 
 
@@ -135,9 +137,9 @@ async def _close(*things: Any) -> None:
 
 
 def _turn(backend: dict[str, Any], *, many: bool = True, hooks: RunHooks | None = None,
-          ) -> dict[str, Any]:
+          tools: bool = True) -> dict[str, Any]:
     counters = Counters()
-    agent, model = _agent(counters)
+    agent, model = _agent(counters, tools=tools)
     appends = Appends()
     store = _counting(backend["store"], appends, many=many)(*backend["args"], **backend["kw"])
 
@@ -223,6 +225,21 @@ def test_a_store_that_takes_one_session_write_per_append_never_gets_two(
     assert turn["appends"] == ["one", "one", "one"]  # the answer no longer rides with the result
     assert turn["seen"] == SEEN
     assert turn["items"] == SESSION_AFTER
+
+
+@pytest.mark.parametrize("many", [True, False])
+def test_a_turn_without_tools_writes_its_input_and_answer_as_the_store_takes_them(
+        backend: dict[str, Any], many: bool) -> None:
+    """The model answers at once: no tool's result made a flush before the model call, so
+    the input's publication still rides when the answer's is staged. A store that takes
+    many Session writes per append gets both in the attempt's one append; one that takes
+    one per append is flushed before the second is staged: two appends, one write each."""
+    turn = _turn(backend, many=many, tools=False)
+    assert turn["result"].step is Step.COMPLETED
+    assert turn["counters"] == {}
+    assert turn["seen"] == [[USER]]
+    assert turn["items"] == [USER, ANSWER]
+    assert turn["appends"] == (["tuple of 2"] if many else ["one", "one"])
 
 
 class Failing(SQLiteEventStore):
