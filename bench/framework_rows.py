@@ -42,7 +42,7 @@ import sqlite3
 import statistics
 import tempfile
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -225,6 +225,25 @@ def _langgraph_pg(dsn: str, schema: str, turns: int) -> dict[str, Any]:
     return _figures((_wal_syncs(dsn, ended) - syncs) / (turns + 1), times, cpus)
 
 
+def _three_modes(modes: Sequence[str], steps: Callable[[Path, str, int], Steps],
+                 turns: int) -> dict[str, Any]:
+    """A framework's three configurations, each in a folder of its own: the first (the
+    framework alone) and the last (through the ledger with its publications), which the
+    CPU verdict compares, turn by turn in turn (a slow while falls on both); the middle
+    one on its own."""
+    rows: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        places = [Path(folder) / f"mode-{index}" for index in range(len(modes))]
+        for place in places:
+            place.mkdir()
+        compared = _side_by_side(steps(places[0], modes[0], turns),
+                                 steps(places[2], modes[2], turns))
+        rows[modes[0]] = compared[0]
+        rows[modes[1]] = _side_by_side(steps(places[1], modes[1], turns))[0]
+        rows[modes[2]] = compared[1]
+    return rows
+
+
 def langgraph_row(args: Any = None) -> dict[str, Any]:
     """The durable turn through the LangGraph adapter beside LangGraph alone (see the
     module's docstring). ImportError without LangGraph."""
@@ -233,17 +252,7 @@ def langgraph_row(args: Any = None) -> dict[str, Any]:
     import langgraph.checkpoint.sqlite  # noqa: F401
 
     turns = min(_turns(args), MOST_TURNS)
-    rows: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as folder:
-        places = [Path(folder) / f"lg-{index}" for index in range(len(LANGGRAPH_MODES))]
-        for place in places:
-            place.mkdir()
-        # the two the verdict compares, turn by turn in turn (a slow while falls on both)
-        compared = _side_by_side(_langgraph_steps(places[0], LANGGRAPH_MODES[0], turns),
-                                 _langgraph_steps(places[2], LANGGRAPH_MODES[2], turns))
-        rows[LANGGRAPH_MODES[0]] = compared[0]
-        rows[LANGGRAPH_MODES[1]] = _langgraph_turns(places[1], LANGGRAPH_MODES[1], turns)
-        rows[LANGGRAPH_MODES[2]] = compared[1]
+    rows = _three_modes(LANGGRAPH_MODES, _langgraph_steps, turns)
     with _server(args) as (dsn, schema, skipped):
         if dsn is None:
             rows[LANGGRAPH_PG] = {"skipped": skipped}
@@ -299,12 +308,6 @@ def _adk_parts() -> tuple[type, Callable[..., Any]]:
         return Counted(str(path))
 
     return Scripted, counted
-
-
-def _adk_turns(folder: Path, mode: str, turns: int) -> dict[str, Any]:
-    """`_adk_steps`, alone."""
-    found: dict[str, Any] = _side_by_side(_adk_steps(folder, mode, turns))[0]
-    return found
 
 
 def _adk_steps(folder: Path, mode: str, turns: int) -> Steps:
@@ -375,16 +378,7 @@ def google_adk_row(args: Any = None) -> dict[str, Any]:
     import google.adk  # noqa: F401
 
     turns = min(_turns(args), MOST_TURNS)
-    rows: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as folder:
-        places = [Path(folder) / f"adk-{index}" for index in range(len(ADK_MODES))]
-        for place in places:
-            place.mkdir()
-        compared = _side_by_side(_adk_steps(places[0], ADK_MODES[0], turns),
-                                 _adk_steps(places[2], ADK_MODES[2], turns))
-        rows[ADK_MODES[0]] = compared[0]
-        rows[ADK_MODES[1]] = _adk_turns(places[1], ADK_MODES[1], turns)
-        rows[ADK_MODES[2]] = compared[1]
+    rows = _three_modes(ADK_MODES, _adk_steps, turns)
     rows["PostgreSQL"] = {"skipped": "skipped: ADK's session service on PostgreSQL needs "
                                      "an async SQLAlchemy driver the extras do not install"}
     return _row(rows, ADK_MODES[0], ADK_MODES[2], "ADK")
