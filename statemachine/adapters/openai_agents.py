@@ -144,6 +144,7 @@ try:
     from agents.mcp import MCPServer
     from agents.memory import Session as SDKSession
     from agents.run_internal.items import function_tool_error_output
+    from agents.run_internal.turn_preparation import get_model_settings as sdk_model_settings
     from agents.tool import default_tool_error_function
     from agents.tool_context import ToolContext
     from agents.tool_guardrails import ToolInputGuardrailData, ToolOutputGuardrailData
@@ -1059,6 +1060,7 @@ class AgentRun:
         self._wrapped: dict[int, Agent[Any]] = {
             id(each): each.clone(
                 model=_LedgerModel(self, each.model),
+                model_settings=each.model_settings,  # (each attempt sets them: `_config`)
                 tools=[_ledgered_tool(self, t) if isinstance(t, FunctionTool) else t
                        for t in each.tools],
                 input_guardrails=[_agent_guardrail(self, g, "input")
@@ -1338,6 +1340,14 @@ class AgentRun:
         self._user_config = run_config
         self._config_now = config
         self._models = {}
+        # the settings the SDK alone would send each agent's model: the SDK derives those
+        # an agent leaves implicit from the model's *name* (a gpt-5's reasoning effort and
+        # verbosity), which the copies, whose model is the ledger's, no longer have; so
+        # each copy is given them outright (the run's own settings still go on top)
+        named = copy.copy(config)
+        named.model_settings = None
+        for original in self._originals.values():
+            self._wrapped[id(original)].model_settings = sdk_model_settings(original, named)
         if config.model is not None:  # the run's model overrides every agent's (the SDK)
             config.model = _LedgerModel(self, config.model)
         config.input_guardrails = [_agent_guardrail(self, g, "input")

@@ -37,6 +37,8 @@ from agents import (
     Agent,
     GuardrailFunctionOutput,
     InputGuardrailTripwireTriggered,
+    ModelProvider,
+    ModelSettings,
     OutputGuardrailTripwireTriggered,
     RunConfig,
     RunHooks,
@@ -1959,3 +1961,81 @@ def test_a_crash_while_the_model_answers_after_a_tool_leaves_the_call_completed(
     assert paid == [7]
     items = asyncio.run(StoreFileSession("s", path).get_items())
     assert [_kind_of(item) for item in items] == [*written, "assistant"]
+
+
+# ------------------------------------------------- the model settings the model is sent
+
+
+class _SettingsSeen(ScriptedModel):
+    """A scripted model (the front agent hands off, the other answers) that keeps the
+    name it was asked for and the `ModelSettings` of every request."""
+
+    def __init__(self, seen: list[tuple[str, Any]]) -> None:
+        super().__init__([[function_call("transfer_to_back", {}, call_id="h1")],
+                          [assistant_message("done")]])
+        self._seen = seen
+        self.name = ""
+
+    async def get_response(self, system_instructions: Any, input: Any, model_settings: Any,
+                           *args: Any, **kwargs: Any) -> Any:
+        self._seen.append((self.name, model_settings))
+        return await super().get_response(system_instructions, input, model_settings,
+                                          *args, **kwargs)
+
+
+class _Provider(ModelProvider):
+    """One scripted model behind every name (its script goes on across agents)."""
+
+    def __init__(self, seen: list[tuple[str, Any]]) -> None:
+        self._model = _SettingsSeen(seen)
+
+    def get_model(self, model_name: str | None) -> Any:
+        self._model.name = str(model_name)
+        return self._model
+
+
+SETTINGS_CASES = {
+    # (the front agent's model, its explicit settings, the back agent's model,
+    #  the run's model, the run's settings)
+    "a gpt-5 by name": ("gpt-5", None, "gpt-5", None, None),
+    "the default model": (None, None, None, None, None),
+    "a name without defaults": ("gpt-4.1", None, "gpt-5", None, None),
+    "explicit settings": ("gpt-5", ModelSettings(temperature=0.3), None, None, None),
+    "the run's model by name": (None, None, "gpt-4.1", "gpt-5", None),
+    "the run's settings on top": ("gpt-5", None, None, None, ModelSettings(max_tokens=9)),
+    "the run's model and settings": ("gpt-4.1", None, None, "gpt-5",
+                                     ModelSettings(verbosity="high")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SETTINGS_CASES))
+def test_each_model_is_sent_the_settings_it_is_sent_alone(case: str) -> None:
+    """The SDK derives the settings an agent leaves implicit from the model's name (a
+    gpt-5's reasoning effort and verbosity); the ledger's copies of the agents hold the
+    ledger's model instead of the name, which must not change what any request carries:
+    every request (the front agent's, and the agent it hands off to) is sent the settings
+    the SDK alone sends, across agent and run models given by name or left default,
+    explicit settings and the run's settings on top."""
+    front_model, explicit, back_model, run_model, run_settings = SETTINGS_CASES[case]
+
+    def agents_() -> Agent[Any]:
+        back = Agent("back", model=back_model)
+        options: dict[str, Any] = {} if explicit is None else {"model_settings": explicit}
+        return Agent("front", model=front_model, handoffs=[back], **options)
+
+    def config(seen: list[tuple[str, Any]]) -> RunConfig:
+        return RunConfig(model=run_model, model_settings=run_settings,
+                         model_provider=_Provider(seen), tracing_disabled=True)
+
+    alone: list[tuple[str, Any]] = []
+    through: list[tuple[str, Any]] = []
+    result = asyncio.run(Runner.run(agents_(), "go", run_config=config(alone)))
+    assert result.final_output == "done"
+
+    async def ledgered() -> Any:
+        run = await AgentRun.open(agents_(), run_id="r", session=SQLiteSession("s"))
+        return await run.run("go", run_config=config(through))
+
+    assert asyncio.run(ledgered()).final_output == "done"
+    assert len(alone) == 2  # (the handoff's request, then the answer's)
+    assert through == alone
