@@ -69,6 +69,7 @@ from statemachine.adapters.anthropic import (
 from statemachine.cli.describe import verdict
 from statemachine.cli.main import main as cli_main
 from statemachine.stores import AsyncSQLiteEventStore
+from tests.adapters.dying import Crash
 from tests.drivers.anthropic_driver import (
     SESSION_ID,
     FakeSession,
@@ -522,6 +523,46 @@ def test_a_superseded_messages_ledger_sends_no_request(tmp_path: Path,
         with pytest.raises(ConcurrencyConflict):
             first.create(model.client().messages, **params)
     assert len(model.requests) == 1  # the second request was never sent
+    assert effects.lines() == ["p charge 7"]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_request_answering_a_call_in_doubt_on_its_own_is_never_sent(
+        tmp_path: Path, asynchronous: bool) -> None:
+    """The process died inside ``charge``; the restarted caller answers the interrupted
+    call itself (an error result asking to retry, a common way to go on) and asks again.
+    The call is in doubt: the request is refused (`ToolInDoubt`) before anything is sent,
+    for the model would be told the charge never happened and could ask for it again."""
+    effects = Effects(tmp_path, "p")
+    model = FakeModel()
+
+    @beta_tool
+    def charge(x: int) -> str:
+        """Charge the customer x dollars."""
+        effects(f"charge {x}")
+        raise Crash  # (the process dies here: nothing after the effect is recorded)
+
+    first = MessageToolLedger.open("m", [charge], store=SQLiteEventStore(tmp_path / "e.db"))
+    history: list[Any] = [{"role": "user", "content": "pay 7"}]
+    reply = first.create(model.client().messages, model="claude-test", max_tokens=64,
+                         messages=history)
+    with pytest.raises(Crash):
+        first.run_tools(reply)
+    again = MessageToolLedger.open("m", [charge], store=SQLiteEventStore(tmp_path / "e.db"))
+    history += [{"role": "assistant", "content": reply.content},
+                {"role": "user", "content": [{
+                    "type": "tool_result", "tool_use_id": reply.content[0].id,
+                    "content": "interrupted: please try again", "is_error": True}]}]
+    params: dict[str, Any] = {"model": "claude-test", "max_tokens": 64, "messages": history}
+    if asynchronous:
+        client = AsyncAnthropic(api_key="test-key", max_retries=0, http_client=httpx2.AsyncClient(
+            transport=httpx2.MockTransport(model.handle)))
+        with pytest.raises(ToolInDoubt, match=reply.content[0].id):
+            asyncio.run(again.acreate(client.messages, **params))
+    else:
+        with pytest.raises(ToolInDoubt, match=reply.content[0].id):
+            again.create(model.client().messages, **params)
+    assert len(model.requests) == 1  # only the first request was ever sent
     assert effects.lines() == ["p charge 7"]
 
 
