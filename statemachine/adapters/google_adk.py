@@ -50,19 +50,23 @@ ADK seam                         what the ledger does
                                  ``OneWriterSessionService(plugin=)`` an event answering
                                  every unpublished call is staged (durably) as their
                                  publication
-``on_tool_error_callback``       the chain after the plugin (the plugins after it, then
-                                 the agent's ``on_tool_error_callback``) is run here; an
-                                 answer it makes goes to ADK, whose after-tool callbacks
-                                 then record what ADK uses; else an exception of the body is
-                                 recorded as the call's error
-                                 (``{"error": "<Type>: <message>"}``) and propagates as with
-                                 ADK alone; a cancelled body leaves its call in doubt
+``on_tool_error_callback``       an exception of the body is noted and left to ADK's
+                                 chain after the plugin (the plugins after it, then the
+                                 agent's ``on_tool_error_callback``), run once, by ADK: an
+                                 answer it makes goes to the after-tool callbacks, which
+                                 record what ADK uses; a cancelled body leaves its call in
+                                 doubt
                                  (the next run of the session, in this process too, is
                                  refused when it opens, as a fresh process's would be); a
                                  call of a tool the agent does not have (ADK's lookup error,
                                  no after-tool callback follows) is recorded here, begun and
                                  completed at once, with the answer of the chain or else
                                  ADK's own not-found response, and that answer goes to ADK
+``on_agent_error_callback``,     the noted exception of a body that nothing answered, which
+``on_run_error_callback``        ADK then raised, is recorded as the call's error
+                                 (``{"error": "<Type>: <message>"}``) and propagates as with
+                                 ADK alone (were neither callback to come, the call would
+                                 stay started: in doubt, never run again)
 ``require_confirmation``         the call awaits a decision in the ledger; the confirmation
                                  request ADK shows carries the call's fingerprint in its
                                  ``payload``, and a confirmation is taken only with that
@@ -370,6 +374,10 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         self._staged: dict[str, str] = {}
         """By run id: the id of the event whose publication `_stage` staged, until the
         session service appends it (`OneWriterSessionService`)."""
+        self._raised: dict[str, tuple[str, Exception]] = {}
+        """By call id: the run and the exception of a body that raised, from its
+        ``on_tool_error_callback`` until an after-tool callback (a later error callback
+        answered it) or the error escaping the agent (nothing did: `_errors_escaped`)."""
 
     # ------------------------------------------------------------------ the runs
 
@@ -780,6 +788,7 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                                        tool_args=tool_args, tool_context=tool_context,
                                        result=result)
         with self._lock:
+            self._raised.pop(call_id, None)  # (a later error callback answered it)
             if c is None or call_id not in c.in_flight:
                 return None  # not the ledger's (ADK's set_model_response)
             self._reset(call_id)
@@ -817,13 +826,14 @@ class LedgerPlugin(HeldRuns, BasePlugin):
     async def on_tool_error_callback(self, *, tool: BaseTool, tool_args: dict[str, Any],
                                      tool_context: Any,
                                      error: BaseException) -> dict[str, Any] | None:
-        """A body that raised: ADK's own chain after this plugin (the plugins after it,
-        then the agent's ``on_tool_error_callback``) is run here; an answer it makes is
-        given to ADK unrecorded (ADK then runs the after-tool callbacks on it, and
-        `after_tool_callback` records what they made of it); else the error is recorded
-        as the call's result and propagates, as with ADK alone. Not so for a call of a
-        tool the agent does not have (no body ran, and ADK runs no after-tool callback on
-        it): `_unknown` records what ADK uses here."""
+        """A body that raised: noted, and left to ADK, which runs its chain after this
+        plugin (the plugins after it, then the agent's ``on_tool_error_callback``) once. An
+        answer it makes goes through the after-tool callbacks, where `after_tool_callback`
+        records what ADK used; else ADK raises the error, and `_errors_escaped` records it
+        as the call's result (running the chain here to learn its answer would have ADK
+        run it a second time when it answers nothing). Not so for a call of a tool the
+        agent does not have (no body ran, and ADK runs no after-tool callback on it):
+        `_unknown` records what ADK uses here."""
         call_id = tool_context.function_call_id
         with self._lock:
             c = self._runs.get(self.run_id_of(tool_context.session))
@@ -838,27 +848,42 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                                        error=error)
         with self._lock:
             if not isinstance(error, Exception):  # cancelled: the effect may have happened
+                self._raised.pop(call_id, None)
                 self._reset(call_id)
                 interrupted(c, call_id)
                 return None
-        try:
-            made = await self._rest_of_chain(
-                "on_tool_error_callback", tool=tool, tool_args=tool_args,
-                tool_context=tool_context, error=error)
-        except BaseException:
-            with self._lock:
-                self._reset(call_id)
-                interrupted(c, call_id)
-            raise
-        if made is not None:  # the call stays in flight: its after-tool callbacks record it
-            answer: dict[str, Any] = made
-            return answer
+            self._raised[call_id] = (c.run_id, error)
+        return None
+
+    async def on_agent_error_callback(self, *, agent: Any, callback_context: Any,
+                                      error: Exception) -> None:
+        """An error escaped the agent: `_errors_escaped`."""
+        self._errors_escaped(self.run_id_of(callback_context.session))
+
+    async def on_run_error_callback(self, *, invocation_context: Any,
+                                    error: Exception) -> None:
+        """An error escaped the run (where no agent's error callback came first):
+        `_errors_escaped`."""
+        self._errors_escaped(self.run_id_of(invocation_context.session))
+
+    def _errors_escaped(self, run_id: str) -> None:
+        """Each body of run ``run_id`` that raised and that no error callback answered
+        (ADK raised its error, as alone): its error recorded as the call's result and
+        made durable."""
         with self._lock:
-            self._reset(call_id)
-            record_result(c, call_id, {"error": f"{type(error).__name__}: {error}"})
+            c = self._runs.get(run_id)
+            escaped = [(call_id, error) for call_id, (run, error) in self._raised.items()
+                       if run == run_id]
+            for call_id, _ in escaped:
+                del self._raised[call_id]
+            if c is None:
+                return
+            for call_id, error in escaped:
+                self._reset(call_id)
+                if call_id in c.in_flight:
+                    record_result(c, call_id, {"error": f"{type(error).__name__}: {error}"})
             with contextlib.suppress(ControlError):
                 c.flush()
-            return None  # the error propagates, as with ADK alone
 
     async def _unknown(self, c: RunController, name: str,
                        **options: Any) -> dict[str, Any] | None:

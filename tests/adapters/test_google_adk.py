@@ -550,6 +550,53 @@ def test_a_tool_that_raised_is_answered_from_the_ledger_when_resumed(tmp_path: P
     assert c.call("r1").result == {"error": "ValueError: negative refund"}
 
 
+class _DeclinesToolErrors(BasePlugin):
+    """A plugin after the ledger whose ``on_tool_error_callback`` looks at a tool's error
+    (counted) and leaves it to the next callback."""
+
+    def __init__(self, seen: list[str]) -> None:
+        super().__init__(name="declines_tool_errors")
+        self.seen = seen
+
+    async def on_tool_error_callback(self, *, tool: Any, tool_args: dict[str, Any],
+                                     tool_context: Any, error: Exception) -> Any:
+        self.seen.append(f"plugin {tool_context.function_call_id}")
+        return None
+
+
+@pytest.mark.invariant("I1", "I12")
+@pytest.mark.parametrize("mode", ["alone", "ledger"])
+def test_error_callbacks_that_answer_nothing_run_once(tmp_path: Path, mode: str) -> None:
+    """A body raises; a plugin after the ledger and the agent's ``on_tool_error_callback``
+    each look at the error and answer nothing. With ADK alone each runs once and the
+    error propagates; through the ledger the same (measured before: each ran twice, the
+    ledger running ADK's chain after it to learn whether anyone answered, and ADK then
+    running it again), and the error is the call's recorded result."""
+    seen: list[str] = []
+    w = World(tmp_path, mode, [("r1", "refund", {"amount": -1})], ["refund"],
+              after=[_DeclinesToolErrors(seen)])
+
+    def looks(tool: Any, args: Any, tool_context: Any, error: Exception) -> Any:
+        seen.append(f"agent {tool_context.function_call_id} {type(error).__name__}")
+        return None
+
+    agent = w.runner.agent
+    assert isinstance(agent, LlmAgent)
+    agent.on_tool_error_callback = looks
+
+    async def scenario() -> None:
+        await w.open()
+        with pytest.raises(ValueError, match="negative refund"):
+            await run(w.runner, text("go"))
+
+    asyncio.run(scenario())
+    assert w.ran() == ["refund -1"]
+    assert seen == ["plugin r1", "agent r1 ValueError"]
+    if mode == "ledger":
+        c = RunController.load(w.store, RUN)
+        assert c.call("r1").result == {"error": "ValueError: negative refund"}
+
+
 @pytest.mark.invariant("I11")
 def test_a_call_in_doubt_refuses_the_run_until_the_operator_resolves_it(
         tmp_path: Path) -> None:
