@@ -1855,6 +1855,17 @@ CATALOGUE: tuple[Mutant, ...] = (
        "                return None  # the ledger's word, already what ADK made",
        "a call answered from the ledger goes through the agent's after-tool callback "
        "again: it runs twice, on what it already made"),
+    _m("GA33", "                       if run == run_id]",
+       "                       ]",
+       "an error escaping one run settles the errors another run's bodies raised too: "
+       "a call whose error callback then declines is left started, in doubt"),
+    _m("GA34", "            self._raised[(c.run_id, call_id)] = error\n        return None",
+       "            self._raised[(c.run_id, call_id)] = error\n"
+       "        return await self._rest_of_chain(\n"
+       "            \"on_tool_error_callback\", tool=tool, tool_args=tool_args,\n"
+       "            tool_context=tool_context, error=error)",
+       "the plugin runs ADK's error chain after it itself (as before): a chain that "
+       "answers nothing runs twice"),
     # ------------------------------------------------------------------ telemetry
     _m("TE01", "    span = None if spans is None or not switch.telemetry else "
                "spans.calls.get(call_id)",

@@ -374,8 +374,8 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         self._staged: dict[str, str] = {}
         """By run id: the id of the event whose publication `_stage` staged, until the
         session service appends it (`OneWriterSessionService`)."""
-        self._raised: dict[str, tuple[str, Exception]] = {}
-        """By call id: the run and the exception of a body that raised, from its
+        self._raised: dict[tuple[str, str], Exception] = {}
+        """By run id and call id: the exception of a body that raised, from its
         ``on_tool_error_callback`` until an after-tool callback (a later error callback
         answered it) or the error escaping the agent (nothing did: `_errors_escaped`)."""
 
@@ -788,7 +788,8 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                                        tool_args=tool_args, tool_context=tool_context,
                                        result=result)
         with self._lock:
-            self._raised.pop(call_id, None)  # (a later error callback answered it)
+            if c is not None:  # (a later error callback answered it)
+                self._raised.pop((c.run_id, call_id), None)
             if c is None or call_id not in c.in_flight:
                 return None  # not the ledger's (ADK's set_model_response)
             self._reset(call_id)
@@ -848,11 +849,11 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                                        error=error)
         with self._lock:
             if not isinstance(error, Exception):  # cancelled: the effect may have happened
-                self._raised.pop(call_id, None)
+                self._raised.pop((c.run_id, call_id), None)
                 self._reset(call_id)
                 interrupted(c, call_id)
                 return None
-            self._raised[call_id] = (c.run_id, error)
+            self._raised[(c.run_id, call_id)] = error
         return None
 
     async def on_agent_error_callback(self, *, agent: Any, callback_context: Any,
@@ -872,10 +873,10 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         made durable."""
         with self._lock:
             c = self._runs.get(run_id)
-            escaped = [(call_id, error) for call_id, (run, error) in self._raised.items()
+            escaped = [(call_id, error) for (run, call_id), error in self._raised.items()
                        if run == run_id]
             for call_id, _ in escaped:
-                del self._raised[call_id]
+                del self._raised[(run_id, call_id)]
             if c is None:
                 return
             for call_id, error in escaped:

@@ -597,6 +597,55 @@ def test_error_callbacks_that_answer_nothing_run_once(tmp_path: Path, mode: str)
         assert c.call("r1").result == {"error": "ValueError: negative refund"}
 
 
+@pytest.mark.invariant("I1", "I12")
+@pytest.mark.parametrize("then", ["answers", "declines"])
+def test_an_error_escaping_one_run_settles_only_that_runs_calls(tmp_path: Path,
+                                                                then: str) -> None:
+    """Two sessions on one runner (one plugin), each calling ``refund`` with the same
+    call id, whose body raises. Session s2's error callback is still deciding when s1's
+    error (nothing answered it) escapes its agent; then it answers, or declines too. s1's
+    call is recorded with its error; s2's with the answer its callback made (what its
+    model was given), or, declined, with its own error once that escapes in turn; each
+    body ran once: the escape of one run's error settles that run's calls alone."""
+    w = World(tmp_path, "ledger", [("r1", "refund", {"amount": -1})], ["refund"])
+    deciding, decided = asyncio.Event(), asyncio.Event()
+    answer = {"refund": "declined, sent to a person"}
+
+    async def decides_on_s2(tool: Any, args: Any, tool_context: Any,
+                            error: Exception) -> Any:
+        if tool_context.session.id != "s2":
+            return None
+        deciding.set()
+        await decided.wait()
+        return answer if then == "answers" else None
+
+    agent = w.runner.agent
+    assert isinstance(agent, LlmAgent)
+    agent.on_tool_error_callback = decides_on_s2
+
+    async def scenario() -> None:
+        await w.open()
+        await w.service.create_session(app_name=APP, user_id=USER, session_id="s2")
+        second = asyncio.create_task(run(w.runner, text("go"), session="s2"))
+        await deciding.wait()
+        with pytest.raises(ValueError, match="negative refund"):
+            await run(w.runner, text("go"))
+        decided.set()
+        if then == "answers":
+            assert _says(await second, "done")
+        else:
+            with pytest.raises(ValueError, match="negative refund"):
+                await second
+
+    asyncio.run(scenario())
+    assert w.ran() == ["refund -1", "refund -1"]
+    first = RunController.load(w.store, RUN)
+    assert first.call("r1").result == {"error": "ValueError: negative refund"}
+    other = RunController.load(w.store, RUN.replace(SESSION, "s2"))
+    assert other.call("r1").result == (
+        answer if then == "answers" else {"error": "ValueError: negative refund"})
+
+
 @pytest.mark.invariant("I11")
 def test_a_call_in_doubt_refuses_the_run_until_the_operator_resolves_it(
         tmp_path: Path) -> None:
