@@ -1866,6 +1866,24 @@ CATALOGUE: tuple[Mutant, ...] = (
        "            tool_context=tool_context, error=error)",
        "the plugin runs ADK's error chain after it itself (as before): a chain that "
        "answers nothing runs twice"),
+    _m("GA35", "        elif name == \"after_tool_callback\":\n            used = options[\"result\"]",
+       "        elif name == \"after_tool_callback\":\n            used = {}",
+       "a call of a tool the agent lacks, answered by a before-tool callback after the "
+       "ledger, is recorded with nothing: a resend differs from what the model was given"),
+    _m("GA36", "            used = build_tool_not_found_response(tool.name, tools)",
+       "            used = {\"error\": f\"no tool {tool.name}\"}",
+       "a call of a tool the agent lacks is recorded with a text of the ledger's, not "
+       "ADK's not-found response the model was given"),
+    _m("GA37", "                kept, recorded = record_result(c, call_id, plain(used, "
+               "fallback=_as_text))\n                try:\n                    c.flush()\n"
+               "                except ConcurrencyConflict:\n                    raise\n"
+               "                except BaseException:  # nothing of it durable",
+       "                kept, recorded = record_result(c, call_id, plain(used, "
+       "fallback=_as_text))\n                try:\n                    pass\n"
+       "                except ConcurrencyConflict:\n                    raise\n"
+       "                except BaseException:  # nothing of it durable",
+       "the answer to a call of a tool the agent lacks is not made durable before ADK "
+       "uses it: a crash then leaves the call begun, in doubt"),
     # ------------------------------------------------------------------ telemetry
     _m("TE01", "    span = None if spans is None or not switch.telemetry else "
                "spans.calls.get(call_id)",
