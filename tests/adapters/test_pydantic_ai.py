@@ -742,6 +742,39 @@ def test_cancelled_inside_a_tool_the_ledger_fails_closed_until_the_operator_reso
     run_async(go())
 
 
+@pytest.mark.invariant("I11", "I12")
+@pytest.mark.parametrize("kind", ["model-retry", "tool-failed"])
+def test_an_operators_json_shaped_like_a_tools_answer_is_sent_as_its_output(
+        kind: str) -> None:
+    """The operator settles a call in doubt as completed with JSON that happens to have
+    the shape of a recorded answer (``{"kind": "model-retry", "message": ...}``, the form
+    the ledger keeps a tool's `ModelRetry` in). It is the call's output: the model is
+    sent it as the tool's return, never a retry prompt or a failure built from it."""
+    settled = {"kind": kind, "message": "charged 7 by hand"}
+
+    async def go() -> None:
+        ran: Counter[str] = Counter()
+        hang = asyncio.Event()
+        asked: list[list[ModelMessage]] = []
+        run = await LedgerRun.open(billing(scripted([[call("charge", "c1", x=7)]],
+                                                    asked=asked), ran, hang=hang),
+                                   run_id="x", history=MemorySession("h"),
+                                   store=MemoryEventStore())
+        await run.run("charge me 7")
+        await run.approve("c1")
+        await _cancel_inside_charge(run.run, hang)
+        await run.resolve_in_doubt("c1", settled)
+        done = await within(run.run())
+        assert done.step is Step.COMPLETED
+        sent = [part for part in asked[-1][-1].parts
+                if getattr(part, "tool_call_id", None) == "c1"]
+        assert [(part.part_kind, part.content) for part in sent] == [
+            ("tool-return", settled)]
+        assert ran["charge 7"] == 1
+
+    run_async(go())
+
+
 @pytest.mark.invariant("I1", "I12")
 def test_a_completed_call_is_resent_from_the_cache_never_run_again() -> None:
     """lookup completes, charge (no approval here) is cancelled in the same response; once
