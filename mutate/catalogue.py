@@ -1866,7 +1866,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        "            tool_context=tool_context, error=error)",
        "the plugin runs ADK's error chain after it itself (as before): a chain that "
        "answers nothing runs twice"),
-    _m("GA35", "        elif name == \"after_tool_callback\":\n            used = options[\"result\"]",
+    _m("GA35", "        elif name == \"after_tool_callback\":\n"
+               "            used = options[\"result\"]",
        "        elif name == \"after_tool_callback\":\n            used = {}",
        "a call of a tool the agent lacks, answered by a before-tool callback after the "
        "ledger, is recorded with nothing: a resend differs from what the model was given"),
@@ -1883,7 +1884,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        "                except ConcurrencyConflict:\n                    raise\n"
        "                except BaseException:  # nothing of it durable",
        "the answer to a call of a tool the agent lacks is not made durable before ADK "
-       "uses it: a crash then leaves the call begun, in doubt"),
+       "uses it: a crash right after ADK appends it leaves the ledger without the call "
+       "the session answered"),
     # ------------------------------------------------------------------ telemetry
     _m("TE01", "    span = None if spans is None or not switch.telemetry else "
                "spans.calls.get(call_id)",

@@ -61,6 +61,7 @@ from statemachine.errors import RunNotFound
 from statemachine.stores import EventStore
 from statemachine.values import Phase, Step
 from statemachine.verifiers import Completed, NotExecuted, Unknown
+from tests.adapters.dying import Crash
 from tests.drivers import adk_driver as world
 from tests.drivers.adk_driver import (
     APP,
@@ -1624,6 +1625,44 @@ class _Keeps(LosesAppend):
         if event.get_function_responses() and event.author != "user":
             self.asked.append({str(r.id): r.response for r in event.get_function_responses()})
         return await super().append_event(session, event)
+
+
+class _DiesOnceAppended(LosesAppend):
+    """Appends the event carrying a tool's function responses, and the process dies right
+    after (`Crash`: nothing after it runs, no callback of ADK's either)."""
+
+    async def append_event(self, session: Any, event: Any) -> Any:
+        written = await self.service.append_event(session, event)
+        if event.get_function_responses() and event.author != "user" and self.times:
+            self.times -= 1
+            raise Crash
+        return written
+
+
+@pytest.mark.invariant("I3")
+def test_the_answer_to_a_call_of_a_tool_the_agent_lacks_is_durable_before_adk_uses_it(
+        tmp_path: Path) -> None:
+    """The model calls only ``ghost``, a tool the agent does not have; ADK appends its
+    not-found response (the session's appends not the ledger's publications) and the
+    process dies before anything else. The ledger, reloaded, holds the call completed
+    with the answer the session holds: it was durable before ADK used it, as every
+    result the ledger hands ADK is."""
+    service = _DiesOnceAppended(InMemorySessionService(), landed=True)
+    w = World(tmp_path, "ledger", [("g1", "ghost", {"x": 1})], ["charge"], service=service,
+              publications=False)
+
+    async def scenario() -> None:
+        await w.open()
+        with pytest.raises(Crash):
+            await run(w.runner, text("go"))
+
+    asyncio.run(scenario())
+    c = RunController.load(SQLiteEventStore(str(tmp_path / "ledger.db")), RUN)
+    assert c.phase("g1") is Phase.COMPLETED
+    (answer,) = [r.response for e in asyncio.run(w.service.get_session(
+        app_name=APP, user_id=USER, session_id=SESSION)).events  # type: ignore[union-attr]
+        for r in e.get_function_responses()]
+    assert c.call("g1").result == answer
 
 
 @pytest.mark.invariant("I1", "I3", "I12")
