@@ -133,7 +133,7 @@ async def _cut_then_resume(tmp_path: Path, server: Server, tool: str, *,
         else:  # pragma: no cover - the assertion below says what happened
             raise AssertionError("the attempt whose response was lost completed")
     # in doubt, or (an idempotent call) the transport's failure: sent again next attempt
-    assert isinstance(first, ToolInDoubt) is not trusted, first
+    assert isinstance(first, ToolInDoubt) is (not trusted), first  # (trusted: a tuple)
     assert server.counted() == Counter({tool: 1})  # received once, never answered
     server.start()
     async with _client(server) as client:
