@@ -402,6 +402,14 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         run_id = await self._refuse(invocation_context)
         with self._lock:
             held = self._runs.get(run_id)
+            for key in [key for key in self._raised if key[0] == run_id]:
+                # a body's error left to an error chain that never ended (its invocation
+                # cancelled): neither an answer nor the error reached ADK, as if the body
+                # were cancelled
+                del self._raised[key]
+                if held is not None and key[1] in held.in_flight:
+                    self._reset(key[1])
+                    interrupted(held, key[1])
             c = self.controller(run_id)
             if c.in_doubt() and c is held:  # a body this process ran was interrupted:
                 self.forget(run_id)  # opened afresh, its verifier asked, as in another

@@ -1627,6 +1627,39 @@ class _Keeps(LosesAppend):
         return await super().append_event(session, event)
 
 
+@pytest.mark.invariant("I11")
+def test_an_invocation_cancelled_while_an_error_callback_decides_leaves_the_call_in_doubt(
+        tmp_path: Path) -> None:
+    """The body raised; the agent's ``on_tool_error_callback`` is still deciding when the
+    invocation is cancelled: neither an answer nor the error ever reached ADK. The call
+    is in doubt: the next run of the session, in this process, is refused with
+    `ToolInDoubt` before anything runs, and the body ran once."""
+    w = World(tmp_path, "ledger", [("r1", "refund", {"amount": -1})], ["refund"])
+    deciding = asyncio.Event()
+
+    async def decides(tool: Any, args: Any, tool_context: Any, error: Exception) -> Any:
+        deciding.set()
+        await asyncio.Event().wait()  # (never decides)
+
+    agent = w.runner.agent
+    assert isinstance(agent, LlmAgent)
+    agent.on_tool_error_callback = decides
+
+    async def scenario() -> None:
+        await w.open()
+        first = asyncio.create_task(run(w.runner, text("go")))
+        await deciding.wait()
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        with pytest.raises(ToolInDoubt):
+            await run(w.runner, text("go on"))
+
+    asyncio.run(scenario())
+    assert w.ran() == ["refund -1"]
+    assert RunController.load(w.store, RUN).in_doubt() == ("r1",)
+
+
 class _DiesOnceAppended(LosesAppend):
     """Appends the event carrying a tool's function responses, and the process dies right
     after (`Crash`: nothing after it runs, no callback of ADK's either)."""
