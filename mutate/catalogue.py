@@ -930,7 +930,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        "the PostgreSQL head keeps the time of the run's first append"),
     _m("PGT2", "2: (*sql.ddl_3, *sql.ddl_4, *sql.ddl_5),", "2: (*sql.ddl_4, *sql.ddl_5),",
        "a version 2 PostgreSQL schema is labelled current without its updated_at column"),
-    _m("PGT3", '        sql.heads = sql.heads.replace("updated_at", "NULL::bigint")\n', "",
+    _m("PGT3", '            sql.heads = sql.heads.replace("updated_at", "NULL::bigint")\n',
+       "            pass\n",
        "a read-only store on a version 2 schema selects a column it does not have"),
     # ---------------------------------------------------------------- leases (§7.2)
     _m("SDL1", "    if until is not None and now < until and any(",
@@ -1461,7 +1462,9 @@ CATALOGUE: tuple[Mutant, ...] = (
        '            "step": None if journal is None else journal.state.step, '
        '"action": self.action}',
        "a failed append names the step its event would have led to"),
-    _m("JOH1", "                replay_onto(before, self.events, first=self.base)\n", "",
+    _m("JOH1", "                    before = found\n"
+               "                    replay_onto(before, self.events, first=self.base)\n",
+       "                    before = found\n",
        "an append that did not land leaves a run loaded from a snapshot at its snapshot"),
     _m("SDH1", "    if step is not None and model is not None:\n        return step, model\n",
        "    if step is not None:\n        return step, model or ReadModel(None)\n",
@@ -1494,7 +1497,7 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("PGH1", '                      f"UPDATE {runs} SET step = NULL")',
        '                      "SELECT 1")',
        "a version 4 PostgreSQL schema keeps its heads folded with no read model"),
-    _m("PGH2", '                 "blocker = %(kind)s, "', '                 "',
+    _m("PGH2", '                 "blocker = %(kind)s, "', '                 ""',
        "a later PostgreSQL append keeps the read model but not the blocker's kind"),
     _m("PGH3", '        "model": None if model is None else model.encode(),',
        '        "model": None,',

@@ -115,7 +115,25 @@ def check_catalogue(mutants: Sequence[Mutant], root: Path = ROOT) -> list[str]:
             problems.append(f"{m.id}: STALE: no file {m.target}")
         elif found != 1:
             problems.append(f"{m.id}: STALE: its snippet occurs {found} times in {m.target}")
+        elif m.target.endswith(".py"):
+            broken = _uncompilable(root, m)
+            if broken is not None:
+                problems.append(f"{m.id}: the mutated {m.target} does not compile ({broken}): "
+                                "its tests would fail on the import, not on what it does")
     return problems
+
+
+def _uncompilable(root: Path, mutant: Mutant) -> str | None:
+    """Why ``mutant`` planted in its target is not Python (None: it compiles). A snippet
+    taken at another indentation than its line's, or one that cuts a string in two,
+    makes a file no test can import: such a mutant would be killed without a test
+    checking anything it does."""
+    text = (root / mutant.target).read_text(encoding="utf-8")
+    try:
+        compile(text.replace(mutant.original, mutant.replacement, 1), mutant.target, "exec")
+    except SyntaxError as error:
+        return f"{type(error).__name__} at line {error.lineno}: {error.msg}"
+    return None
 
 
 def apply(root: Path, mutant: Mutant) -> str:

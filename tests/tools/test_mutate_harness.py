@@ -4,6 +4,7 @@ mutant works on a copy, leaving the checkout untouched."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,29 @@ def test_a_stale_mutant_is_refused_and_reported(tree: Path) -> None:
         assert any(p.startswith(f"{first.id}: STALE") for p in check_catalogue(CATALOGUE, tree))
     finally:
         unapply(tree, first, saved)
+
+
+def test_a_mutant_that_breaks_the_syntax_is_a_catalogue_problem(tree: Path) -> None:
+    """A snippet taken at another indentation than its line's (its removal leaves the
+    line's first spaces before the next line), or a replacement that cuts a string in
+    two, makes a module no test can import: every test would fail on the import, a kill
+    that checks nothing the mutant does. The catalogue refuses it; the catalogue's own
+    mutants all compile."""
+    target = "statemachine/journal.py"
+    text = (tree / target).read_text(encoding="utf-8")
+    rows = text.splitlines(keepends=True)
+
+    def plain(row: str) -> bool:  # a simple statement of its own, at eight spaces
+        return (row.startswith("        ") and row[8] not in " #\"'\n" and ":" not in row
+                and not row.rstrip().endswith((",", "(", "[", "{", ")", "]", "\\")))
+
+    line = next(row for row, after in itertools.pairwise(rows)
+                if plain(row) and plain(after) and text.count(row[4:]) == 1)
+    deeper = Mutant("Y1", target, line[4:], "", "a line taken four spaces in")
+    cut = Mutant("Y2", target, line, line.rstrip("\n") + ' "\n', "a string cut open")
+    problems = check_catalogue([deeper, cut], tree)
+    assert [p.split(":")[0] for p in problems if "does not compile" in p] == ["Y1", "Y2"]
+    assert not [p for p in check_catalogue(CATALOGUE, tree) if "does not compile" in p]
 
 
 def test_equivalent_mutants_are_not_run_and_do_not_count() -> None:
