@@ -37,6 +37,7 @@ from statemachine import MemoryEventStore, Phase, RunController, Step, ToolInDou
 from statemachine.adapters.openai_agents import AgentRun, UnsupportedFeature
 from statemachine.stores import SQLiteEventStore
 from statemachine.verifiers import Completed, NotExecuted, ToolContext
+from statemachine.adapters._mcp import IDEMPOTENCY_KEY
 from tests.adapters.mcp_world import Server
 
 set_tracing_disabled(True)
@@ -108,8 +109,35 @@ def test_a_tools_call_goes_through_the_ledger_once_with_its_key_in_meta(
         assert [(v.call.name, v.phase, v.starts) for v in ledger.calls] == [
             ("charge", Phase.PUBLISHED, 1)]
         assert server.calls()[1] == {"tool": "charge", "arguments": {"amount": 5},
-                                     "key": ledger.idempotency_key("m1")}
+                                     "key": ledger.idempotency_key("m1"), "tenant": None}
         assert server.counted() == Counter({"charge": 2})  # once alone, once adapted
+
+    asyncio.run(go())
+
+
+def test_a_key_a_meta_resolver_set_is_replaced_by_the_calls_own(tmp_path: Path,
+                                                                 server: Server) -> None:
+    """The server's ``tool_meta_resolver`` puts a key of its own under the ledger's
+    ``_meta`` name (a stale key copied from an earlier request, say): the request carries
+    the call's idempotency key, never that one, or a server deduplicating by it would
+    take the call for another (or another call for this one); the resolver's other
+    ``_meta`` entries are sent as they were."""
+    server.start()
+
+    def stale(context: Any) -> dict[str, Any]:
+        return {IDEMPOTENCY_KEY: "a key from another call", "tenant": "t1"}
+
+    async def go() -> None:
+        asked: list[str] = []
+        async with _client(server, tool_meta_resolver=stale) as client:
+            agent = _agent(client, _calls("charge", amount=5), [assistant_message("done")],
+                           asked=asked)
+            run = await _open(agent, tmp_path)
+            done = await run.run("pay", run_config=CONFIG)
+        assert done.step is Step.COMPLETED
+        ledger = RunController.load(SQLiteEventStore(tmp_path / "ev.db"), RUN)
+        assert [c["key"] for c in server.calls()] == [ledger.idempotency_key("m1")]
+        assert [c["tenant"] for c in server.calls()] == ["t1"]
 
     asyncio.run(go())
 

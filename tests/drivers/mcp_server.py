@@ -49,11 +49,12 @@ def main(argv: list[str]) -> None:
     def received(tool: str, arguments: dict[str, Any], ctx: Context) -> None:
         meta: Any = ctx.request_context.meta or {}
         key = meta.get(KEY) if isinstance(meta, dict) else getattr(meta, KEY, None)
+        tenant = meta.get("tenant") if isinstance(meta, dict) else getattr(meta, "tenant", None)
         earlier = sum(1 for call in calls(log) if call["tool"] == tool)
         fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, (json.dumps({"tool": tool, "arguments": arguments, "key": key})
-                          + "\n").encode())
+            os.write(fd, (json.dumps({"tool": tool, "arguments": arguments, "key": key,
+                                      "tenant": tenant}) + "\n").encode())
             os.fsync(fd)
         finally:
             os.close(fd)
