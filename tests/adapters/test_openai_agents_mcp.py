@@ -34,10 +34,10 @@ from agents.mcp import MCPServerStreamableHttp
 from agents.testing import ScriptedModel, assistant_message, function_call
 
 from statemachine import MemoryEventStore, Phase, RunController, Step, ToolInDoubt
+from statemachine.adapters._mcp import IDEMPOTENCY_KEY
 from statemachine.adapters.openai_agents import AgentRun, UnsupportedFeature
 from statemachine.stores import SQLiteEventStore
 from statemachine.verifiers import Completed, NotExecuted, ToolContext
-from statemachine.adapters._mcp import IDEMPOTENCY_KEY
 from tests.adapters.mcp_world import Server
 
 set_tracing_disabled(True)
