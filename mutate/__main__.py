@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problems:
         for problem in problems:
             print(problem, file=sys.stderr)
-        print(f"{len(problems)} catalogue problem(s): fix or drop the stale mutants first",
+        print(f"{len(problems)} catalogue problem(s): fix or drop those mutants first",
               file=sys.stderr)
         return 2
     if not chosen:
