@@ -56,7 +56,7 @@ demo *args:
 
 # Mutation testing (long; not in CI): each mutant of mutate/catalogue.py alone in a temp
 # copy of the tree, against its module's tests; killed / survived / equivalent per module
-# and the score. Exits non-zero below 90% or on a stale mutant or one that does not compile (`--module machine`,
-# `--list`, `--jobs 1`).
+# and the score. Exits non-zero below 90%, or on a stale mutant or one whose module does not
+# compile once planted (`--module machine`, `--list`, `--jobs 1`).
 mutate *args:
     {{python}} -m mutate "$@"
