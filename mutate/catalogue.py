@@ -1858,8 +1858,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        "                return None  # the ledger's word, already what ADK made",
        "a call answered from the ledger goes through the agent's after-tool callback "
        "again: it runs twice, on what it already made"),
-    _m("GA33", "                       if run == run_id]",
-       "                       ]",
+    _m("GA33", "                 if run == run_id]",
+       "                 ]",
        "an error escaping one run settles the errors another run's bodies raised too: "
        "a call whose error callback then declines is left started, in doubt"),
     _m("GA34", "            self._raised[(c.run_id, call_id)] = error\n        return None",

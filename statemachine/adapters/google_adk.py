@@ -402,14 +402,13 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         run_id = await self._refuse(invocation_context)
         with self._lock:
             held = self._runs.get(run_id)
-            for key in [key for key in self._raised if key[0] == run_id]:
+            for call_id, _ in self._take_raised(run_id):
                 # a body's error left to an error chain that never ended (its invocation
                 # cancelled): neither an answer nor the error reached ADK, as if the body
                 # were cancelled
-                del self._raised[key]
-                if held is not None and key[1] in held.in_flight:
-                    self._reset(key[1])
-                    interrupted(held, key[1])
+                if held is not None and call_id in held.in_flight:
+                    self._reset(call_id)
+                    interrupted(held, call_id)
             c = self.controller(run_id)
             if c.in_doubt() and c is held:  # a body this process ran was interrupted:
                 self.forget(run_id)  # opened afresh, its verifier asked, as in another
@@ -880,12 +879,9 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         (ADK raised its error, as alone): its error recorded as the call's result and
         made durable."""
         with self._lock:
+            escaped = self._take_raised(run_id)
             c = self._runs.get(run_id)
-            escaped = [(call_id, error) for (run, call_id), error in self._raised.items()
-                       if run == run_id]
-            for call_id, _ in escaped:
-                del self._raised[(run_id, call_id)]
-            if c is None:
+            if c is None or not escaped:
                 return
             for call_id, error in escaped:
                 self._reset(call_id)
@@ -893,6 +889,14 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                     record_result(c, call_id, {"error": f"{type(error).__name__}: {error}"})
             with contextlib.suppress(ControlError):
                 c.flush()
+
+    def _take_raised(self, run_id: str) -> list[tuple[str, Exception]]:
+        """The call ids and errors `_raised` notes for run ``run_id``, taken out of it."""
+        taken = [(call_id, error) for (run, call_id), error in self._raised.items()
+                 if run == run_id]
+        for call_id, _ in taken:
+            del self._raised[(run_id, call_id)]
+        return taken
 
     async def _unknown(self, c: RunController, name: str,
                        **options: Any) -> dict[str, Any] | None:
