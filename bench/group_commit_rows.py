@@ -29,8 +29,8 @@ checked as there. Durable writes are counted by the store and the Sessions thems
 transaction, one fsync of the write-ahead log.
 
 Targets: with group commit, the 64 turns take 3 times less wall time than ``before``
-or better, and 2 or fewer commits per run. The median of ``repeats`` rounds (3 unless
-told; 1 with ``--quick``) is shown. The speed-up is bounded by what a commit's fsync
+or better, and 2 or fewer commits per run. The median of ``repeats`` rounds (3 at most;
+1 with ``--quick``) is shown. The speed-up is bounded by what a commit's fsync
 costs on the machine against the runner's own work per turn, so the row also shows
 ``commit_ms``: one one-row WAL transaction with ``synchronous=FULL`` in the same folder
 (median of 200); where that is a fraction of a millisecond (a disk with a write cache),
@@ -70,6 +70,7 @@ from bench.durable_rows import RUNNER, _pid, _wal_syncs
 RUNS = 64
 SPEEDUP = 3.0
 COMMITS_PER_RUN = 2.0
+ROUNDS = 3
 HOWS = ("grouped", "apart", "before")
 """The three configurations of a round (see the module's docstring), in the order run."""
 BASELINE = "before"
@@ -161,10 +162,16 @@ def _judged(runs: int, repeats: int, commit_ms: float, wall: dict[str, float],
     }
 
 
+def _rounds(args: Any) -> int:
+    """Rounds of the three configurations: ``--repeats``, 3 at most (the command rows'
+    seven would add half a minute for a median that moves little), 1 with ``--quick``."""
+    wanted = 1 if getattr(args, "quick", False) else ROUNDS
+    return max(1, min(getattr(args, "repeats", None) or wanted, wanted))
+
+
 def bench_row(args: Any = None) -> dict[str, Any]:
     runs = RUNS  # (not --runs: the fresh runs of the command rows, 1000 of them)
-    repeats = 1 if getattr(args, "quick", False) else max(1, getattr(args, "repeats", None)
-                                                          or 3)
+    repeats = _rounds(args)
     measured: dict[str, list[tuple[float, float]]] = {how: [] for how in HOWS}
     with tempfile.TemporaryDirectory() as folder:
         commit_ms = _commit_ms(Path(folder))
@@ -201,8 +208,9 @@ async def _pg_turns(dsn: str, schema: str, runs: int, how: str
     pids: list[int] = []
     try:
         await store.version("-")  # every connection open, the tables made, before the clock
-        for session in sessions:
-            await session.get_items()
+        # every Session's connection open before the clock (side by side: 64 in turn
+        # took longer than the turns)
+        await asyncio.gather(*(session.get_items() for session in sessions))
         pids = [pid for opened in (store, *sessions) for pid in _pid(opened)]
         before = _wal_syncs(dsn, ())
         made = [RUNNER.make() for _ in sessions]  # (each system builds its agents so)
@@ -215,8 +223,7 @@ async def _pg_turns(dsn: str, schema: str, runs: int, how: str
             await check()
     finally:
         await store.close()
-        for session in sessions:
-            await session.close()
+        await asyncio.gather(*(session.close() for session in sessions))
     syncs = _wal_syncs(dsn, pids) - before
     return wall, commits / runs, syncs / runs
 
@@ -238,8 +245,7 @@ def _pg_commit_ms(dsn: str, schema: str) -> float:
 def postgres_row(args: Any = None) -> dict[str, Any]:
     from bench.durable_rows import _server
 
-    wanted = 1 if getattr(args, "quick", False) else 3
-    repeats = max(1, min(getattr(args, "repeats", None) or wanted, wanted))
+    repeats = _rounds(args)
     measured: dict[str, list[tuple[float, float, float]]] = {how: [] for how in HOWS}
     with _server(args) as (dsn, schema, skipped):
         if dsn is None:

@@ -4,8 +4,8 @@ with a call in doubt, each read off the run heads in one query. Target: the inbo
 0.5 s or less. The store is built once (one buffered append per run, in a temporary
 directory on a memory file system where there is one, ``/dev/shm``: the row times
 reads, and 10,000 fsynced appends on a disk would be most of the bench's time); each
-read is timed ``repeats`` times (once with ``--quick``) on a fresh store object, median shown,
-and checked (every waiting call listed, nothing else).
+read is timed ``repeats`` times, 3 at most (once with ``--quick``), on a fresh store
+object, median shown, and checked (every waiting call listed, nothing else).
 
 With the console extra, the console's runs page and inbox page over the same store too
 (DESIGN §7.5: each under a second), each request served whole in process (read, render,
@@ -61,7 +61,7 @@ def bench_row(args: Any = None) -> dict[str, Any]:
     from statemachine import SQLiteEventStore, operator
 
     runs = RUNS
-    repeats = 1 if getattr(args, "quick", False) else max(3, getattr(args, "repeats", None) or 3)
+    repeats = 1 if getattr(args, "quick", False) else min(3, getattr(args, "repeats", None) or 3)
     memory = str(MEMORY_FS) if MEMORY_FS.is_dir() and os.access(MEMORY_FS, os.W_OK) else None
     with tempfile.TemporaryDirectory(dir=memory) as folder:
         path = Path(folder) / "events.db"
