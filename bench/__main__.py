@@ -229,9 +229,22 @@ EXTRA_ROWS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+def settle() -> None:
+    """Before each section and row: collect what the last one left, then freeze what
+    survives (`gc.freeze`: every module imported so far, the frameworks' included). The
+    bench imports half a dozen agent frameworks into one process, half a million
+    objects, which no user's process holds at once; frozen, they are out of every later
+    collection's way (each of the bench's own ``gc.collect()`` calls between samples
+    cost 0.2 s over them), and a row is not charged for the frameworks the rows before
+    it imported. Both sides of every ratio run after the same freeze."""
+    gc.collect()
+    gc.freeze()
+
+
 def measure_extra(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for key, module, function in EXTRA_ROWS:
+        settle()
         began = time.perf_counter()
         try:
             row = dict(getattr(importlib.import_module(module), function)(args))
@@ -360,7 +373,7 @@ def measure_store(appends: int, repeats: int) -> dict[str, float]:
 
 # Sizes of the full run and of ``--quick``; an option given explicitly wins over both.
 FULL: dict[str, Any] = {
-    "runs": 1000, "repeats": 7, "appends": 500, "sizes": [100, 10_000, 100_000],
+    "runs": 1000, "repeats": 7, "appends": 500, "sizes": [100, 10_000, 50_000],
     "idle_runs": 5000, "fuzz_examples": 20, "turns": 500, "batch_items": [5000, 10_000],
     "event_mb": [0.5, 1.0], "pg_appends": 200, "scenarios": 10, "lag_runs": 50,
     "workers": [1, 2, 4], "worker_runs": 10, "adapter_calls": 50, "adapter_repeats": 3,
@@ -384,7 +397,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--json", action="store_true", help="print JSON instead of tables")
     add("--markdown", action="store_true", help="print the README's performance table instead")
     add("--appends", type=int, help="SQLite appends per repeat (500; quick 200)")
-    add("--sizes", type=int, nargs="+", help="log lengths to load (100 10000 100000)")
+    add("--sizes", type=int, nargs="+", help="log lengths to load (100 10000 50000)")
     add("--idle-runs", type=int, help="runs for the memory row (5000)")
     add("--fuzz-examples", type=int, help="stateful examples for the throughput row (20)")
     add("--turns", type=int, help="turns of the paused run (500)")
@@ -450,10 +463,12 @@ def main(argv: list[str] | None = None) -> int:
         if pg.dsn is not None:
             args.pg_dsn = pg.dsn
         for key, measure_section in sections:
+            settle()
             start, start_cpu = time.perf_counter(), time.process_time()
             report[key] = measure_section()
             seconds[key] = round(time.perf_counter() - start, 2)
             cpu[key] = round(time.process_time() - start_cpu, 2)
+        settle()
         start, start_cpu = time.perf_counter(), time.process_time()
         report.update(backends.measure_all(
             pg, pg_appends=args.pg_appends, repeats=max(1, min(3, half)),
