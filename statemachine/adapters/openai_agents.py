@@ -717,6 +717,18 @@ def _tool_output_guardrail(run: AgentRun, tool: FunctionTool, guardrail: Any, la
 # --------------------------------------------------------------------- the tools
 
 
+def _copied(agent: Agent[Any], **fields: Any) -> Agent[Any]:
+    """A copy of ``agent`` with ``fields`` replaced, each of the type the SDK checks
+    for. Not ``agent.clone``: its ``__post_init__`` checks again every field the user's
+    agent passed already, and compares the settings with a fresh default, about 70 µs a
+    copy, on every attempt; the settings it would derive for the ledger's model are set
+    by each attempt anyway (`AgentRun._config`)."""
+    copied = copy.copy(agent)
+    for name, value in fields.items():
+        setattr(copied, name, value)
+    return copied
+
+
 def _ledgered_tool(run: AgentRun, tool: FunctionTool) -> FunctionTool:
     wrapped = copy.copy(tool)
     inner = tool.on_invoke_tool
@@ -1058,9 +1070,9 @@ class AgentRun:
         self._models: dict[str | None, Model] = {}
         originals = _agents(agent)
         self._wrapped: dict[int, Agent[Any]] = {
-            id(each): each.clone(
+            id(each): _copied(
+                each,
                 model=_LedgerModel(self, each.model),
-                model_settings=each.model_settings,  # (each attempt sets them: `_config`)
                 tools=[_ledgered_tool(self, t) if isinstance(t, FunctionTool) else t
                        for t in each.tools],
                 input_guardrails=[_agent_guardrail(self, g, "input")
