@@ -1717,7 +1717,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        "                pass  # an effect boundary: the start is durable before the body\n",
        "an ADK call's start is not flushed before its body runs"),
     _m("GA02", "                answered(c, call_id)\n                return self._answering(\n"
-               "                    call_id, self._answer(c, call_id, long_running=long_running))",
+               "                    run_id, call_id, self._answer(c, call_id, "
+               "long_running=long_running))",
        "                answered(c, call_id)\n                return None",
        "before_tool_callback lets a completed, published or rejected call through to its "
        "body"),
@@ -1774,7 +1775,7 @@ CATALOGUE: tuple[Mutant, ...] = (
        "        self.verifiers = {}",
        "the LedgerPlugin checks its verifiers, then never asks them: a call they could "
        "settle stays in doubt"),
-    _m("GA14", "            self._bodies[call_id] = entered(context_of(c, call_id))",
+    _m("GA14", "            self._bodies[(run_id, call_id)] = entered(context_of(c, call_id))",
        "            pass",
        "an ADK tool body runs without its call's tool_context (no key)"),
     _m("GA15", "then finds the call\n                c.flush()  # completed",

@@ -363,13 +363,15 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         self.owner = owner
         self._lock = threading.RLock()
         self._runs: dict[str, RunController] = {}
-        self._bodies: dict[str, contextvars.Token[Any]] = {}
+        self._bodies: dict[tuple[str, str], contextvars.Token[Any]] = {}
+        """By run id and call id: the body's `tool_context` entered, until it ends."""
         self.publishes_to: OneWriterSessionService | None = None
         """The session service whose appends are this plugin's publications (set by
         ``OneWriterSessionService(service, plugin=...)``); None: the session appends are
         not the plugin's publications."""
-        self._answered: dict[str, dict[str, Any]] = {}
-        """By call id: the answer `before_tool_callback` gave from the ledger, until its
+        self._answered: dict[tuple[str, str], dict[str, Any]] = {}
+        """By run id and call id (two sessions on one plugin may reuse a call id): the
+        answer `before_tool_callback` gave from the ledger, until its
         `after_tool_callback`."""
         self._staged: dict[str, str] = {}
         """By run id: the id of the event whose publication `_stage` staged, until the
@@ -407,7 +409,7 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                 # cancelled): neither an answer nor the error reached ADK, as if the body
                 # were cancelled
                 if held is not None and call_id in held.in_flight:
-                    self._reset(call_id)
+                    self._reset(run_id, call_id)
                     interrupted(held, call_id)
             c = self.controller(run_id)
             if c.in_doubt() and c is held:  # a body this process ran was interrupted:
@@ -679,36 +681,37 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                 self._enter(c, batch, needs)
             answer = self._decided(c, call_id, tool_context)
             if answer is not None:
-                return self._answering(call_id, answer)
+                return self._answering(run_id, call_id, answer)
             phase = c.phase(call_id)
             long_running = bool(tool.is_long_running)
             if phase in (Phase.REJECTED, Phase.COMPLETED, Phase.PUBLISHED):
                 answered(c, call_id)
                 return self._answering(
-                    call_id, self._answer(c, call_id, long_running=long_running))
+                    run_id, call_id, self._answer(c, call_id, long_running=long_running))
             if tool.name not in tools:  # no tool has its name: ADK answers it through
                 return None  # on_tool_error_callback, where it is recorded; never begun
             # a note left by a run of this id cancelled between its callbacks is not
             # this run's answer (ADK runs a confirmed call again under the same id)
-            self._answered.pop(call_id, None)
+            self._answered.pop((run_id, call_id), None)
             done, _ = begin_call(c, call_id, _arguments(tool_args))
             if done:
                 return self._answering(
-                    call_id, self._answer(c, call_id, long_running=long_running))
+                    run_id, call_id, self._answer(c, call_id, long_running=long_running))
             try:
                 c.flush()  # an effect boundary: the start is durable before the body
             except BaseException:
                 self._runs.pop(run_id, None)
                 raise
             # tool_context() in the body: ADK runs each call in a task of its own
-            self._bodies[call_id] = entered(context_of(c, call_id))
+            self._bodies[(run_id, call_id)] = entered(context_of(c, call_id))
             return None
 
-    def _answering(self, call_id: str, answer: dict[str, Any]) -> dict[str, Any]:
+    def _answering(self, run_id: str, call_id: str, answer: dict[str, Any]
+                   ) -> dict[str, Any]:
         """``answer``, the ledger's word for a call whose body does not run, noted so
         that `after_tool_callback` gives it to ADK as it is (the callbacks after it ran
         when the result was recorded: they do not run again on what they made)."""
-        self._answered[call_id] = answer
+        self._answered[(run_id, call_id)] = answer
         return answer
 
     def _decided(self, c: RunController, call_id: str,
@@ -784,9 +787,10 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         A call the ledger answered from its record is answered as it is; a call of a tool
         the agent does not have that another before-tool callback answered: `_unknown`."""
         call_id = tool_context.function_call_id
+        run_id = self.run_id_of(tool_context.session)
         with self._lock:
-            c = self._runs.get(self.run_id_of(tool_context.session))
-            if self._answered.pop(call_id, None) is not None:
+            c = self._runs.get(run_id)
+            if self._answered.pop((run_id, call_id), None) is not None:
                 return result  # the ledger's word, already what ADK made of the call
             unbegun = c is not None and c.phase(call_id) is Phase.APPROVED
         if unbegun:  # another before-tool callback answered a call ADK could not look up
@@ -799,7 +803,7 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                 self._raised.pop((c.run_id, call_id), None)
             if c is None or call_id not in c.in_flight:
                 return None  # not the ledger's (ADK's set_model_response)
-            self._reset(call_id)
+            self._reset(run_id, call_id)
             if call_id in (tool_context.actions.requested_tool_confirmations or {}):
                 # the body asked for its confirmation: ADK runs it again once confirmed
                 c.tool_interrupted(call_id)
@@ -857,7 +861,7 @@ class LedgerPlugin(HeldRuns, BasePlugin):
         with self._lock:
             if not isinstance(error, Exception):  # cancelled: the effect may have happened
                 self._raised.pop((c.run_id, call_id), None)
-                self._reset(call_id)
+                self._reset(c.run_id, call_id)
                 interrupted(c, call_id)
                 return None
             self._raised[(c.run_id, call_id)] = error
@@ -884,7 +888,7 @@ class LedgerPlugin(HeldRuns, BasePlugin):
             if c is None or not escaped:
                 return
             for call_id, error in escaped:
-                self._reset(call_id)
+                self._reset(run_id, call_id)
                 if call_id in c.in_flight:
                     record_result(c, call_id, {"error": f"{type(error).__name__}: {error}"})
             with contextlib.suppress(ControlError):
@@ -1003,8 +1007,8 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                         c.publication_failed(error)
                         c.flush()
 
-    def _reset(self, call_id: str) -> None:
-        token = self._bodies.pop(call_id, None)
+    def _reset(self, run_id: str, call_id: str) -> None:
+        token = self._bodies.pop((run_id, call_id), None)
         if token is not None:
             with contextlib.suppress(ValueError):  # entered in another context
                 left(token)

@@ -1545,7 +1545,8 @@ def test_a_note_left_by_a_call_cancelled_between_its_callbacks_answers_no_later_
         await w.open()
         request, payload = confirmation_requests(await run(w.runner, text("go")))["w1"]
         assert w.plugin is not None
-        w.plugin._answered["w1"] = {"error": "This tool call requires confirmation."}
+        w.plugin._answered[(RUN, "w1")] = {
+            "error": "This tool call requires confirmation."}
         await run(w.runner, confirmation(request, fingerprint=payload["fingerprint"]))
 
     asyncio.run(scenario())
