@@ -722,7 +722,8 @@ def _copied(agent: Agent[Any], **fields: Any) -> Agent[Any]:
     for. Not ``agent.clone``: its ``__post_init__`` checks again every field the user's
     agent passed already, and compares the settings with a fresh default, about 70 µs a
     copy, on every attempt; the settings it would derive for the ledger's model are set
-    by each attempt anyway (`AgentRun._config`)."""
+    by each attempt anyway (`AgentRun._config`). The copy shares every other field with
+    the user's agent, as ``clone`` does."""
     copied = copy.copy(agent)
     for name, value in fields.items():
         setattr(copied, name, value)
