@@ -387,7 +387,7 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("ST04", "self.unpublished_results() > len(call_ids)",
        "self.unpublished_results() >= len(call_ids)",
        "continuation off by one: a batch publishing every result continues to TOOLS"),
-    _m("ST05", "if counts[Phase.APPROVED] or self.unpublished_results()",
+    _m("ST05", "if counts[_APPROVED] or self.unpublished_results()",
        "if self.unpublished_results()",
        "continuation forgets approved calls: a batch continues past unrun calls"),
     _m("ST06", "return self.policy is RecoveryPolicy.FAIL_CLOSED or not self.final_lossless",
@@ -415,7 +415,7 @@ CATALOGUE: tuple[Mutant, ...] = (
        equivalent="_phase from a phase to itself decrements and increments the same count "
                   "and touches awaiting_ids only for AWAITING: no change"),
     _m("ST13", "        s.calls[call.call_id] = CallRecord(call, Phase.APPROVED)\n"
-               "        s.counts[Phase.APPROVED] += 1\n",
+               "        s.counts[_APPROVED] += 1\n",
        "        s.calls[call.call_id] = CallRecord(call, Phase.APPROVED)\n",
        "received calls not counted as approved"),
     _m("ST14", "        if phase == Phase.AWAITING:\n"
@@ -554,7 +554,7 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("CT10", "at=self._clock()))\n        self._in_flight.pop(call_id, None)\n",
        "at=self._clock()))\n",
        "a completed call stays in flight"),
-    _m("CT11", "if s.step is Step.INTERRUPTION and s.counts[Phase.APPROVED]:",
+    _m("CT11", "if s.step is Step.INTERRUPTION and s.count(Phase.APPROVED):",
        "if s.step is Step.INTERRUPTION:",
        "resume records Resumed with nothing approved"),
     _m("CT12", "        doubtful = self.in_doubt()\n        if doubtful:\n"

@@ -185,8 +185,8 @@ def read_model(s: RunState, *, settled_to: Step | None = None) -> ReadModel:
                            reason="its unsettled publication fails closed")
                    if envelope.fail_closed else
                    Blocker(BlockerKind.UNSETTLED, s.staged_at, publication=publication))
-    elif (step is Step.INTERRUPTION and s.counts[Phase.AWAITING]
-          and not s.counts[Phase.APPROVED] and not _input_left(s, settled_to)):
+    elif (step is Step.INTERRUPTION and s.count(Phase.AWAITING)
+          and not s.count(Phase.APPROVED) and not _input_left(s, settled_to)):
         # what next_action answers AWAIT_DECISIONS for (input waiting for the Session
         # is published first)
         blocker = Blocker(BlockerKind.AWAITING_DECISIONS, s.responded_at,

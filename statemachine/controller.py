@@ -532,8 +532,7 @@ class RunController:
         """Calls ``begin_tool`` would answer `Execute` for now, in proposal order: approved
         and unstarted, or started by an idempotent call no live controller holds."""
         s = self._state
-        counts = s.counts
-        if not (counts[Phase.APPROVED] or counts[Phase.STARTED]):
+        if not (s.count(Phase.APPROVED) or s.count(Phase.STARTED)):
             return ()
         in_flight = self._in_flight
         return tuple(
@@ -902,7 +901,7 @@ class RunController:
         doubtful = self.in_doubt()
         if doubtful:
             self._refuse_in_doubt("resume", doubtful[0])
-        if s.step is Step.INTERRUPTION and s.counts[Phase.APPROVED]:
+        if s.step is Step.INTERRUPTION and s.count(Phase.APPROVED):
             self._record("resume", ev.Resumed(self._journal.version, at=self._clock()))
         return self.next_action()
 
