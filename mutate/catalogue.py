@@ -613,7 +613,7 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("JO30", "            return int(reader(run_id)) == 0\n", "            return False\n",
        "a sync store's missing run is looked for on a worker thread made for it (a thread "
        "per event loop, made and shut down for nothing)"),
-    _m("JO27", "        self.riding.clear()\n", "",
+    _m("JO27", "        self.riding = ()\n", "",
        "a Session write that rode is written again by the next flush"),
     _m("JO28", "        writes = list(self.riding)  #", "        writes = []  #",
        "a flush drops the Session writes that ride with it"),
