@@ -873,7 +873,10 @@ def _crash_child(system: str, folder: Path, die: bool) -> str:
                 and time.monotonic() < deadline:
             time.sleep(0.01)
             status = DBOS.get_workflow_status("t")
-        return "still pending" if status is None else str(status.output)
+        if status is None or status.status != "SUCCESS":  # (get_result raised so)
+            raise RuntimeError(f"DBOS's recovered workflow ended "
+                               f"{'unknown' if status is None else status.status}")
+        return str(status.output)
     if system == "langgraph":
         app, conn = _langgraph_app(folder / "langgraph.db", pay)
         config = {"configurable": {"thread_id": "t"}}
