@@ -800,7 +800,7 @@ class LedgerPlugin(HeldRuns, BasePlugin):
                                        result=result)
         with self._lock:
             if c is not None:  # (a later error callback answered it)
-                self._raised.pop((c.run_id, call_id), None)
+                self._raised.pop((run_id, call_id), None)
             if c is None or call_id not in c.in_flight:
                 return None  # not the ledger's (ADK's set_model_response)
             self._reset(run_id, call_id)

@@ -48,8 +48,11 @@ def main(argv: list[str]) -> None:
 
     def received(tool: str, arguments: dict[str, Any], ctx: Context) -> None:
         meta: Any = ctx.request_context.meta or {}
-        key = meta.get(KEY) if isinstance(meta, dict) else getattr(meta, KEY, None)
-        tenant = meta.get("tenant") if isinstance(meta, dict) else getattr(meta, "tenant", None)
+
+        def entry(name: str) -> Any:  # (the request's _meta: a dict, or an object)
+            return meta.get(name) if isinstance(meta, dict) else getattr(meta, name, None)
+
+        key, tenant = entry(KEY), entry("tenant")
         earlier = sum(1 for call in calls(log) if call["tool"] == tool)
         fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
