@@ -77,7 +77,7 @@ _RUNNER = ("tests/runner/test_one_writer.py", "tests/runner/test_runner_promises
            "tests/core/test_claim.py", "tests/storage/test_durability.py",
            "tests/runner/test_fencing.py", "tests/runner/test_verifiers.py",
            "tests/runner/test_riding.py", "tests/runner/test_new_input.py",
-           "tests/runner/test_repeated_tail.py")
+           "tests/runner/test_repeated_tail.py", "tests/storage/test_session_tail.py")
 _CODEC = ("tests/core/test_codec.py", "tests/core/test_limits.py",
           "tests/core/test_keyed_chain.py", "tests/core/test_decoding.py",
           "tests/core/test_controller.py")
@@ -87,19 +87,21 @@ _POSTGRES = ("tests/storage/test_read_models.py", "tests/storage/test_leases.py"
              "tests/storage/test_postgres_locks.py",
              "tests/storage/test_postgres_session.py",
              "tests/storage/test_postgres.py", "tests/storage/test_async_stores.py",
-             "tests/runner/test_fencing.py::test_the_fence_on_postgresql_reads_the_run_head")
+             "tests/runner/test_fencing.py::test_the_fence_on_postgresql_reads_the_run_head",
+             "tests/storage/test_session_tail.py")
 _STORES = ("tests/storage/test_read_models.py", "tests/storage/test_leases.py",
            "tests/storage/test_stores.py",
            "tests/storage/test_storage_faults.py",
            "tests/storage/test_async_stores.py", "tests/storage/test_snapshots.py",
-           "tests/core/test_claim.py", "tests/runner/test_fencing.py")
+           "tests/core/test_claim.py", "tests/runner/test_fencing.py",
+           "tests/storage/test_session_tail.py")
 
 _CONTROLLER = ("tests/core/test_copies.py", "tests/storage/test_leases.py", *_CORE,
                "tests/storage/test_read_models.py",
                "tests/storage/test_storage_faults.py",
                "tests/storage/test_snapshots.py", "tests/core/test_tool_interrupted.py",
                _WORLDS, "tests/storage/test_durability.py", "tests/runner/test_fencing.py",
-               "tests/runner/test_riding.py")
+               "tests/runner/test_riding.py", "tests/storage/test_session_tail.py")
 
 _OPENAI_AGENTS_MCP = "tests/adapters/test_openai_agents_mcp.py"
 _OPENAI_AGENTS = (*(f"tests/adapters/test_openai_agents.py::{test}" for test in (
@@ -626,9 +628,10 @@ CATALOGUE: tuple[Mutant, ...] = (
        "the hot path skips the room check too close to max_events"),
     _m("JO02", '_FINISHING = {"begin_tool": 3,', '_FINISHING = {"begin_tool": 1,',
        "a tool may start with no room left to record its result"),
-    _m("JO04", "            if (journal is not None and isinstance(error, StorageError)\n"
+    _m("JO04", "                    and error.outcome != Outcome.NOT_WRITTEN):\n"
+               "                journal.stop(StorageError, _unknown(what))\n",
                "                    and error.outcome != Outcome.NOT_WRITTEN):\n"
-               "                journal.stop(StorageError, _unknown(what))\n", "",
+               "                pass\n",
        "an append of unknown outcome does not stop the controller"),
     _m("JO05", "        if not self.buffered:\n            self.flushed = self.version\n", "",
        "an unbuffered controller forgets what the store holds"),
@@ -934,6 +937,53 @@ CATALOGUE: tuple[Mutant, ...] = (
        "            pass\n",
        "a read-only store on a version 2 schema selects a column it does not have"),
     # ---------------------------------------------------------------- leases (§7.2)
+    _m("SD20", "        if write.whole:\n            return True\n", "",
+       "a write staged against a whole Session lands on one that holds items before them"),
+    _m("SD21", "    if after is None:\n        return False\n",
+       "    if after is None or not write.whole:\n        return False\n",
+       "a write staged against a Session's tail is never checked, only a whole Session's"),
+    _m("SQ30", "                    if session_moved(write, _session_bodies(conn, "
+               "write.session_id,",
+       "                    if False and session_moved(write, _session_bodies(conn, "
+       "write.session_id,",
+       "the SQLite store writes a publication onto a Session another writer moved"),
+    _m("SQ31", "                    conn.executemany(_INSERT_ITEM, a.items[start:position])\n"
+               "                    start = position\n", "",
+       "the SQLite store checks each write's tail before the writes before it are in"),
+    _m("PG30", "            if not same[0]:", "            if False:",
+       "the PostgreSQL store writes a publication onto a Session another writer moved"),
+    _m("PG31", '"limit": len(write.after) + (1 if write.whole else 0)}',
+       '"limit": len(write.after)}',
+       "the PostgreSQL store writes onto a whole Session that holds items before them"),
+    _m("JO40", "            elif (journal is not None and journal.buffered\n",
+       "            elif (False and journal is not None and journal.buffered\n",
+       "a buffered controller whose riding write was refused goes on as if it landed"),
+    _m("CT30", "        return SessionWrite(write.session_id, write.publication_id, items, after,\n"
+               "                            write.whole)",
+       "        return SessionWrite(write.session_id, write.publication_id, items)",
+       "publication_committed drops the tail a Session write was staged against"),
+    _m("LP30", "                await c.flush_async()  # an effect boundary: the start is durable "
+               "first\n                self.known = None\n",
+       "                await c.flush_async()  # an effect boundary: the start is durable "
+       "first\n",
+       "the runner keeps the Session it read across a tool, which may have written to it"),
+    _m("LP31", "                await _before_user_code(c)  # a superseded attempt runs no hook "
+               "(I1)\n                self.known = None\n",
+       "                await _before_user_code(c)  # a superseded attempt runs no hook (I1)\n",
+       "the runner keeps the Session it read across a hook, which may have written to it"),
+    _m("LP32", "        await _before_user_code(c)  # a superseded attempt runs no guardrail "
+               "(I1)\n        self.known = None\n",
+       "        await _before_user_code(c)  # a superseded attempt runs no guardrail (I1)\n",
+       "the runner keeps the Session it read across a guardrail, which may have written to it"),
+    _m("LP33", "            self.known = None  # the consumer's code ran meanwhile\n", "",
+       "the runner keeps the Session it read while a stream's consumer ran"),
+    _m("LP34", "            self.known.extend(detach(item) for item in items)\n",
+       "            pass\n",
+       "the Session the runner keeps misses what it published"),
+    _m("LP35", "        return [detach(item) for item in self.known]",
+       "        return self.known",
+       "the model is handed the Session the runner keeps, and what it changes there is "
+       "what the next publication is staged against"),
     _m("SDL1", "    if until is not None and now < until and any(",
        "    if until is not None and now > until and any(",
        "a live lease lets anyone claim and an ended one refuses every other owner"),
@@ -1033,8 +1083,7 @@ CATALOGUE: tuple[Mutant, ...] = (
        "a tool output guardrail's rejection is ignored"),
     _m("LP08", '                c.abandon(f"output guardrail {guard.name}")\n', "",
        "an output guardrail tripwire leaves the run live"),
-    _m("LP09", "        await one_writer(c, self.session)  # §6.4: never write over another "
-               "run's batch\n", "",
+    _m("LP09", "        await one_writer(c, self.session, read=self.known)\n", "",
        "the one-writer check is skipped (§6.4)"),
     _m("LP12", "            if progress == (c.version, action):", "            if False:",
        "no guard against a loop that records nothing"),
@@ -1057,7 +1106,7 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("LP19", "    if c.riding_items:\n        await c.flush_async()\n    else:\n"
                "        await c.fence_async()\n", "    await c.fence_async()\n",
        "a hook reads the Session without the publications that ride to the next flush"),
-    _m("LP20", "        items = await run_history(c, self.session)",
+    _m("LP20", "        items = await run_history(self.controller, self.session)",
        "        items = await self.session.get_items()",
        "the model is sent the Session without what rides to the next flush"),
     # ------------------------------------------------------------- runner/attempt
@@ -1112,8 +1161,14 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("PU13", "    if not many_session_writes(controller.store) and controller.riding_items:\n",
        "    if False:\n",
        "a store that takes one Session write per append is handed a second that rides"),
-    _m("PU14", "            and isinstance(store, SQLiteEventStore)\n", "\n",
-       "a Session beside an async store is read through the store, which has no such read"),
+    _m("PU14", "    elif isinstance(store, AsyncSQLiteEventStore) and _reads_through_store(store, "
+               "session):\n", "    elif False:\n",
+       "a Session beside an async store is read on a thread of its own, not the store's"),
+    _m("PU16", "    await _write(controller, session, items, ride=ride, "
+               "after=(tuple(tail), whole))",
+       "    await _write(controller, session, items, ride=ride)",
+       "a publication's write does not carry the tail it was staged against: it lands on a "
+       "Session another writer moved"),
     _m("PU10", "        return (writer is not None and writer.lease is not None\n",
        "        return (writer is not None\n",
        "a writer that took no lease is taken over by the next claimant"),
@@ -1567,7 +1622,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        "                pass\n",
        "a new run writes onto a history whose last items hold another run's call without "
        "its result"),
-    _m("PD34", "        if known is None or not riding:\n            return\n",
+    _m("PD34", "        if known is None or not riding or checks_session_tail(c.store):\n"
+               "            return\n",
        "        if True:\n            return\n",
        "a flush writes the history after another writer's message, the tail never read "
        "again"),

@@ -1220,7 +1220,14 @@ class RunController:
         if not same:
             self._refuse(InvalidTransition, action,
                          "session_write's items are not the staged batch")
-        return SessionWrite(write.session_id, write.publication_id, items)
+        after = write.after
+        if after is not None:
+            if type(after) is not tuple or type(write.whole) is not bool:
+                self._refuse(SchemaError, action,
+                             "session_write's after must be a tuple, its whole a bool")
+            after = tuple(self._detach(action, "a Session item", item) for item in after)
+        return SessionWrite(write.session_id, write.publication_id, items, after,
+                            write.whole)
 
     def publication_failed(self, error: BaseException | type[BaseException]) -> None:
         """The write has *ended* without committing (it can no longer land). Under

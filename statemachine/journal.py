@@ -42,6 +42,7 @@ from statemachine.errors import (
     ControlError,
     InvalidTransition,
     Outcome,
+    ReconcileRejected,
     RunNotFound,
     SchemaError,
     StorageError,
@@ -704,6 +705,13 @@ class _StoreCall:
             if (journal is not None and isinstance(error, StorageError)
                     and error.outcome != Outcome.NOT_WRITTEN):
                 journal.stop(StorageError, _unknown(what))
+            elif (journal is not None and journal.buffered
+                  and isinstance(error, ReconcileRejected)):
+                # the Session moved under a riding write (`SessionWrite.after`): written
+                # again, it would be refused again; they stay behind, refused
+                journal.stop(ReconcileRejected,
+                             f"this controller's buffered events were refused ({what}): "
+                             f"{error.reason}")
             _placed(error, **where)
             return
         if journal is not None:  # interrupted, or untyped: the append may have landed

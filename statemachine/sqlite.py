@@ -52,8 +52,10 @@ from statemachine.stored import (
     dumps,
     head_of_log,
     kept_model,
+    moved_refusal,
     next_lease,
     now_micros,
+    session_moved,
     session_writes,
     snapshot_ignored,
     started_session,
@@ -328,6 +330,9 @@ class _Prepared(NamedTuple):
     kept: tuple[str, int, str, str] | None
     fold: tuple[Step, ReadModel] | None
     items: list[tuple[str, str]] | None
+    checks: tuple[tuple[int, SessionWrite], ...] = ()
+    """Each write with a tail to check (`SessionWrite.after`), with the position in
+    ``items`` where its own rows begin: its check comes after the rows before it."""
 
 
 class SQLiteEventStore:
@@ -409,6 +414,9 @@ class SQLiteEventStore:
     step, in the append's transaction (`stores.keeps_read_models`)."""
     many_session_writes = True
     """``append`` takes a tuple of `SessionWrite` (`stores.many_session_writes`)."""
+    checks_session_tail = True
+    """A `SessionWrite`'s ``after`` is checked in the append's transaction, against the
+    Session's rows in this file (`stores.checks_session_tail`)."""
 
     def __init__(self, path: str | os.PathLike[str], *, timeout: float = 30.0,
                  readonly: bool = False, leave_shm: bool = False) -> None:
@@ -681,13 +689,14 @@ class SQLiteEventStore:
             raise ValueError("events must carry the sequence numbers that follow "
                              "expected_version")
         items = None if session_write is None else _session_rows(session_write, events)
+        checks = () if session_write is None else _tail_checks(session_write)
         kept = None
         if snapshot is not None:
             text = dumps(snapshot)
             kept = (run_id, expected_version, text, digest(text))
         fold = to_index(run_id, events, step, read_model, expected_version)
         return _Prepared(run_id, tuple(events), expected_version, batch_id, rows, kept, fold,
-                         items)
+                         items, checks)
 
     def _write(self, conn: sqlite3.Connection, a: _Prepared) -> None:
         """The body of one append, inside a write transaction (its own, or a group's
@@ -718,8 +727,15 @@ class SQLiteEventStore:
                 if not self._session_table:  # (known made once an append of items landed)
                     conn.execute(_SESSION_TABLE)
                     conn.execute(_SESSION_INDEX)
-                conn.executemany("INSERT INTO session_items (session_id, body) "
-                                 "VALUES (?, ?)", a.items)
+                start = 0
+                for position, write in a.checks:  # each Session's tail as it was staged
+                    conn.executemany(_INSERT_ITEM, a.items[start:position])
+                    start = position
+                    assert write.after is not None
+                    if session_moved(write, _session_bodies(conn, write.session_id,
+                                                            len(write.after) + 1)):
+                        raise moved_refusal(write, run_id)
+                conn.executemany(_INSERT_ITEM, a.items[start:] if start else a.items)
         except sqlite3.IntegrityError:  # UNIQUE(run_id, seq): another writer got there
             raise conflict(run_id, expected_version, expected_version + 1) from None
 
@@ -946,8 +962,8 @@ class SQLiteEventStore:
         the last ``limit``), as the Session's ``get_items`` reads them, through this
         store's connection: the Session whose items this store writes in its appends
         (``session_write``), read where they are written, with no thread of the
-        Session's (`runner.publish.run_history` reads so beside a sync store).
-        `StorageError` as `SQLiteSession.get_items` raises it."""
+        Session's (`runner.publish.run_history` reads so beside this store and its async
+        face). `StorageError` as `SQLiteSession.get_items` raises it."""
         def query(conn: sqlite3.Connection) -> list[Any]:
             if not self._has_session_items(conn):
                 return []
@@ -1169,6 +1185,9 @@ class AsyncSQLiteEventStore:
     step, in the append's transaction (`stores.keeps_read_models`)."""
     many_session_writes = True
     """``append`` takes a tuple of `SessionWrite` (`stores.many_session_writes`)."""
+    checks_session_tail = True
+    """A `SessionWrite`'s ``after`` is checked in the append's transaction, against the
+    Session's rows in this file (`stores.checks_session_tail`)."""
 
     def __init__(self, path: str | os.PathLike[str], *, timeout: float = 30.0,
                  group_commit: bool = True) -> None:
@@ -1286,6 +1305,11 @@ class AsyncSQLiteEventStore:
         """As `SQLiteEventStore.version`."""
         return await self._call(self.sync.version, run_id)
 
+    async def session_items(self, session_id: str, limit: int | None = None) -> list[JSON]:
+        """`SQLiteEventStore.session_items` on the store's worker thread, after the calls
+        made before it (an append's items it waited for included)."""
+        return await self._call(self.sync.session_items, session_id, limit)
+
     async def close(self) -> None:
         await self._call(self.sync.close)
         self._worker.shutdown(wait=False)
@@ -1340,6 +1364,22 @@ def _item(body: Any, path: str, doing: str) -> JSON:
     except (ValueError, TypeError, RecursionError):
         raise StorageError(f"cannot {doing}: {shown(path)} holds a damaged "
                            "item (not JSON)", outcome=Outcome.NOT_WRITTEN) from None
+
+
+def _tail_checks(write: SessionWrite | tuple[SessionWrite, ...]
+                 ) -> tuple[tuple[int, SessionWrite], ...]:
+    """`_Prepared.checks` of a ``session_write``: each write whose ``after`` is set, with
+    the position of its first row among the append's Session rows."""
+    checks = []
+    position = 0
+    for one in session_writes(write):
+        if one.after is not None:
+            checks.append((position, one))
+        position += len(one.items)
+    return tuple(checks)
+
+
+_INSERT_ITEM = "INSERT INTO session_items (session_id, body) VALUES (?, ?)"
 
 
 def _session_rows(write: SessionWrite | tuple[SessionWrite, ...],
@@ -1467,8 +1507,7 @@ class SQLiteSession:
         with self._lock:
             try:
                 with write_transaction(self._conn) as conn:
-                    conn.executemany(
-                        "INSERT INTO session_items (session_id, body) VALUES (?, ?)", bodies)
+                    conn.executemany(_INSERT_ITEM, bodies)
                     self._before_commit()
             except CommitFailed as failed:
                 raise self._failed(failed.__cause__ or failed, doing, Outcome.UNKNOWN) from None

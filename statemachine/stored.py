@@ -34,7 +34,13 @@ import attrs
 from statemachine import codec, fastload
 from statemachine import events as ev
 from statemachine.blocker import Blocker, ReadModel, Waiting, read_model
-from statemachine.errors import ConcurrencyConflict, ControlError, SchemaError, lease_held
+from statemachine.errors import (
+    ConcurrencyConflict,
+    ControlError,
+    ReconcileRejected,
+    SchemaError,
+    lease_held,
+)
 from statemachine.events import Event
 from statemachine.machine import replay, replay_onto
 from statemachine.payloads import JSON
@@ -358,6 +364,56 @@ class SessionWrite:
     """``f"{run_id}:{seq}"``: the seq of the event that opened the attempt (its
     `PublicationStaged`, or the `ReconciledAppend` of a reconcile that said Append)."""
     items: tuple[JSON, ...]
+    after: tuple[JSON, ...] | None = None
+    """The Session's last items as the publication was staged against them (`runner.
+    publish` sets them), or None. A store that says ``checks_session_tail``
+    (`checks_session_tail`) writes ``items`` only onto a Session that still ends with
+    exactly these, read inside the append's own transaction, and otherwise refuses the
+    whole append with `ReconcileRejected`, nothing of it written: another writer moved the
+    Session after the run read it (DESIGN §6.4 says one writer; this is what holds when
+    there are two)."""
+    whole: bool = False
+    """With ``after``: ``after`` is the whole Session (it held fewer items than were
+    read), so a Session holding anything before them has moved too."""
+
+
+def checks_session_tail(store: object) -> bool:
+    """Whether ``store`` checks a `SessionWrite`'s ``after`` in its append's transaction:
+    a true ``checks_session_tail`` attribute (the SQLite and PostgreSQL stores have it).
+    A runner may then stage a publication against the history it already holds, not a
+    fresh read: a write that would land on a Session that moved meanwhile is refused
+    whole."""
+    return getattr(store, "checks_session_tail", False) is True and takes_session_write(store)
+
+
+def session_moved(write: SessionWrite, found: Sequence[Any]) -> bool:
+    """Whether a Session whose last stored bodies (JSON text, oldest first; at most
+    ``len(write.after) + 1`` of them) are ``found`` no longer ends as ``write`` was staged
+    against (`SessionWrite.after`): fewer items than staged, other items, or, for a whole
+    Session, an item before them. A body that is not JSON has moved too."""
+    after = write.after
+    if after is None:
+        return False
+    if len(found) > len(after):
+        if write.whole:
+            return True
+        found = found[len(found) - len(after):]
+    if len(found) != len(after):
+        return True
+    try:
+        return [json.loads(body) if isinstance(body, (str, bytes)) else body
+                for body in found] != list(after)
+    except (ValueError, RecursionError):
+        return True
+
+
+def moved_refusal(write: SessionWrite, run_id: str) -> ControlError:
+    """The refusal of an append whose Session moved (`session_moved`): nothing written."""
+    return ReconcileRejected(
+        f"the Session {write.session_id!r} no longer ends as this run's write was staged "
+        "against: another writer appended to it (or removed from it) after the run read "
+        "it; nothing of the append was written (the run's events neither); load the run "
+        "again to go on from the Session as it is", run_id=run_id, action="append")
 
 
 _TAKES_WRITE: dict[type, bool] = {}

@@ -197,7 +197,7 @@ from statemachine.payloads import DEFAULT_MAX_BYTES, JSON, canonical_json, json_
 from statemachine.runner.attempt import Attempt, interrupted
 from statemachine.runner.publish import TAIL_ITEMS, one_writer, publish, run_history
 from statemachine.sessions import MemorySession, Session
-from statemachine.stores import AsyncEventStore, EventStore
+from statemachine.stores import AsyncEventStore, EventStore, checks_session_tail
 from statemachine.values import Phase, RecoveryPolicy, Resolution, Step, ToolCall
 from statemachine.verifiers import Verifier, running_call
 
@@ -929,11 +929,14 @@ class LedgerRun:
         process had stopped before the flush (a started call stays in doubt), and the run
         is loaded again to go on, reading the history afresh. One read of the tail; the
         read and the flush are two transactions, so a write landing between them is not
-        seen."""
+        seen. A store that checks each write's staged tail inside the flush's own
+        transaction (`stores.checks_session_tail`: the SQLite and PostgreSQL stores)
+        refuses such a write itself (`ReconcileRejected`, the controller stopped alike),
+        and then nothing is read here."""
         c = self.controller
         known = self._known
         riding = sum(len(write.items) for write in c._journal.riding)
-        if known is None or not riding:
+        if known is None or not riding or checks_session_tail(c.store):
             return
         limit = riding + 1
         if await run_history(c, self._history, limit=limit) == known[-limit:]:

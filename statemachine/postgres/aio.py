@@ -291,6 +291,9 @@ class AsyncPostgresEventStore(_AsyncClient):
     step, in the append's transaction (`stores.keeps_read_models`)."""
     many_session_writes = True
     """``append`` takes a tuple of `SessionWrite` (`stores.many_session_writes`)."""
+    checks_session_tail = True
+    """A `SessionWrite`'s ``after`` is checked in the append's transaction, against the
+    Session's rows in the store's schema (`stores.checks_session_tail`)."""
     commits = 0
     """How many transactions of appends this store committed (counting one whose COMMIT
     answer was lost but whose batch the read-back found): durable writes, one WAL flush

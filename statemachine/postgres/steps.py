@@ -47,6 +47,7 @@ from statemachine.stored import (
     decode_rows,
     digest,
     dumps,
+    moved_refusal,
     started_session,
     to_index,
     verified_snapshot,
@@ -322,6 +323,11 @@ class Sql:
                           "unnest(%(bodies)s::text[]) WITH ORDINALITY AS t(body, n) "
                           "ORDER BY t.n")
         self.items = f"SELECT body FROM {items} WHERE session_id = %s ORDER BY id"
+        # a write's staged tail (`SessionWrite.after`), compared as JSON values
+        self.tail_is = ("SELECT coalesce(array_agg(b ORDER BY id), '{}') = "
+                        f"%(after)s::jsonb[] FROM (SELECT id, body::jsonb AS b FROM {items} "
+                        "WHERE session_id = %(session)s ORDER BY id DESC LIMIT %(limit)s) "
+                        "AS tail")
         self.items_tail = (f"SELECT body FROM (SELECT id, body FROM {items} WHERE "
                            "session_id = %s ORDER BY id DESC LIMIT %s) AS tail ORDER BY id")
         self.pop_item = (f"DELETE FROM {items} WHERE id = (SELECT max(id) FROM {items} "
@@ -408,6 +414,9 @@ class PreparedAppend:
     batch_id: str
     items: tuple[dict[str, Any], ...] | None = None
     """The rows of each ``session_write``, in order, written in the same transaction."""
+    tails: tuple[tuple[dict[str, Any], SessionWrite] | None, ...] = ()
+    """For each of ``items``: the check of its write's staged tail (`SessionWrite.after`)
+    made just before its rows, or None."""
 
 
 def prepare(run_id: str, events: Sequence[Event], expected_version: int,
@@ -420,11 +429,14 @@ def prepare(run_id: str, events: Sequence[Event], expected_version: int,
         raise ValueError("events must carry the sequence numbers that follow "
                          "expected_version")
     items = None
+    tails: tuple[tuple[dict[str, Any], SessionWrite] | None, ...] = ()
     if session_write is not None:
         writes = session_writes(session_write)
         if not events:  # the read-back after a lost COMMIT finds a batch by its events
             raise ValueError("a session_write needs events to carry it")
         items = tuple(session_rows(write.session_id, write.publication_id, write.items)
+                      for write in writes)
+        tails = tuple(None if write.after is None else (tail_check(write), write)
                       for write in writes)
     batch_id = uuid.uuid4().hex
     bodies = [dumps(codec.encode_event(event)) for event in events]
@@ -450,7 +462,16 @@ def prepare(run_id: str, events: Sequence[Event], expected_version: int,
         params.update(seq=events[0].seq, body=bodies[0])
     else:
         params.update(seqs=[event.seq for event in events], bodies=bodies)
-    return PreparedAppend(run_id, expected_version, len(events), params, kept, batch_id, items)
+    return PreparedAppend(run_id, expected_version, len(events), params, kept, batch_id, items,
+                          tails if any(tails) else ())
+
+
+def tail_check(write: SessionWrite) -> dict[str, Any]:
+    """The parameters of ``tail_is`` for ``write``: its last ``len(after)`` items (one more
+    for a ``whole`` Session, which must then hold no more) against ``after``."""
+    assert write.after is not None
+    return {"session": write.session_id, "after": [dumps(detach(item)) for item in write.after],
+            "limit": len(write.after) + (1 if write.whole else 0)}
 
 
 def session_rows(session_id: str, publication_id: str | None,
@@ -478,7 +499,12 @@ def append_steps(sql: Sql, a: PreparedAppend) -> Op[None]:
         version = 0 if row is None else row[0]
         if version != a.expected:
             raise lost_race(a.run_id, a.expected, version)
-    for rows in a.items or ():
+    for position, rows in enumerate(a.items or ()):
+        check = a.tails[position] if a.tails else None
+        if check is not None:  # the Session as the write was staged against, or refused
+            same = yield Query(sql.tail_is, check[0], "one")
+            if not same[0]:
+                raise moved_refusal(check[1], a.run_id)
         yield Query(sql.add_items, rows)
     if a.snapshot is not None:
         yield Query(sql.snapshot, a.snapshot)

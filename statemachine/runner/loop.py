@@ -30,7 +30,7 @@ from statemachine import telemetry
 from statemachine.controller import RunController
 from statemachine.errors import ControlError, RunNotFound
 from statemachine.machine import TABLE
-from statemachine.payloads import JSON
+from statemachine.payloads import JSON, detach
 from statemachine.runner.agents import (
     ALLOW,
     Agent,
@@ -45,7 +45,14 @@ from statemachine.runner.agents import (
     Verdict,
 )
 from statemachine.runner.attempt import Attempt, interrupted, maybe_await
-from statemachine.runner.publish import one_writer, publish, run_history, settle, writer_gone
+from statemachine.runner.publish import (
+    keeps_history,
+    one_writer,
+    publish,
+    run_history,
+    settle,
+    writer_gone,
+)
 from statemachine.sessions import MemorySession, Session
 from statemachine.stores import AsyncEventStore, EventStore
 from statemachine.values import Action, CallView, Execute, Phase, RecoveryPolicy, Step, ToolCall
@@ -84,6 +91,14 @@ class _AgentLoop:
         self.hooks = hooks
         self.emit = emit
         self.take_over = take_over
+        self.keeps = False
+        """Whether this attempt may keep the Session it read (`run` decides, once the
+        attempt's buffering is set)."""
+        self.known: list[JSON] | None = None
+        """The run's Session as this attempt sees it (read whole once, then followed by
+        each item it published), where it may be kept (`publish.keeps_history`): what a
+        publication is staged against and the model is sent, without reading again.
+        Dropped once code of the user's ran (it may have written to the Session)."""
 
     async def run(self, input_items: Sequence[JSON]) -> RunResult:
         c = self.controller
@@ -93,10 +108,14 @@ class _AgentLoop:
             # resume() would move a run whose approved calls can run on to TOOLS, where
             # input is refused); the loop below resumes it
             c.resume()
-        await one_writer(c, self.session)  # §6.4: never write over another run's batch
+        self.keeps = keeps_history(c, self.session)
+        if input_items and self.keeps:  # (the model is sent the whole Session next)
+            self.known = await run_history(c, self.session)
+        # §6.4: never write over another run's batch
+        await one_writer(c, self.session, read=self.known)
         if input_items:
             c.add_input(list(input_items))
-            await publish(c, self.session, list(input_items), ride=True)
+            await self._published(list(input_items))
         progress: tuple[int, Action] | None = None
         while True:
             action = c.next_action()
@@ -117,6 +136,7 @@ class _AgentLoop:
                                                 and c.step is Step.UNSETTLED):
                 # a writer whose lease ended is gone: take its write over, recorded
                 take_over = self.take_over or writer_gone(c, self.session)
+                self.known = None  # (what a reconcile writes is its own)
                 decision = await settle(c, self.session, take_over=take_over)
                 await self._emit(StreamEvent("reconciled",
                                              {"decision": type(decision).__name__}))
@@ -159,6 +179,7 @@ class _AgentLoop:
         waiting = self.emit(event)
         if waiting is not None:
             await waiting
+            self.known = None  # the consumer's code ran meanwhile
 
     async def _hook(self, hook: str, call: Callable[[], Awaitable[None]],
                     call_id: str | None = None) -> None:
@@ -166,6 +187,7 @@ class _AgentLoop:
         if not c.hook_done(hook, call_id=call_id):
             if type(self.hooks) is not RunHooks:  # (the library's own hooks do nothing)
                 await _before_user_code(c)  # a superseded attempt runs no hook (I1)
+                self.known = None
             await call()
             c.hook_ran(hook, call_id=call_id)
 
@@ -178,7 +200,7 @@ class _AgentLoop:
                 raise MaxTurnsExceeded(f"agent {agent.name!r} used its {c.max_turns} turns")
             c.begin_model_call()
         await self._hook("model_start", lambda: self.hooks.on_llm_start(agent))
-        items = await run_history(c, self.session)  # (with what rides to the next flush)
+        items = await self._history()  # (with what rides to the next flush)
         # a model call needs no flush of its own (DESIGN §7.7): a crash before its
         # response calls the model again, which no invariant forbids; what it proposes
         # is made durable before any tool body runs. But a tool's result recorded since
@@ -209,6 +231,7 @@ class _AgentLoop:
         if recorded is not None:
             return Verdict(recorded.result["behavior"], recorded.result["message"])
         await _before_user_code(c)  # a superseded attempt runs no guardrail (I1)
+        self.known = None
         outcome: Verdict = await maybe_await(check())
         c.guardrail_evaluated(name, outcome.as_json(), stage=stage, call_id=call_id)
         return outcome
@@ -246,6 +269,7 @@ class _AgentLoop:
             decision = c.begin_tool(call_id)  # Execute, or Resend: never a second run
             if isinstance(decision, Execute):
                 await c.flush_async()  # an effect boundary: the start is durable first
+                self.known = None
                 try:
                     output: JSON = await self._execute(tool, call, decision, verdict)
                     c.tool_completed(call_id, output)
@@ -325,7 +349,30 @@ class _AgentLoop:
         if c.step is Step.FINAL_OUTPUT:
             items.append({"role": "assistant", "content": c.final_output})
         await self._emit(StreamEvent("publish", {"items": len(items), "call_ids": list(ids)}))
-        await publish(c, self.session, items, call_ids=ids, ride=True)
+        await self._published(items, ids)
+
+    async def _history(self) -> list[JSON]:
+        """The run's Session as the run sees it (`run_history`), for the model: read
+        whole, or the one this attempt keeps; a copy either way, which the model may
+        change without changing what a publication is staged against."""
+        if self.known is None:
+            items = await run_history(self.controller, self.session)
+            if not self.keeps:
+                return [detach(item) for item in items]  # (riding items are the journal's)
+            self.known = items
+        return [detach(item) for item in self.known]
+
+    async def _published(self, items: list[JSON], call_ids: list[str] | None = None
+                         ) -> None:
+        """`publish` ``items`` (riding with the next flush), staged against the Session
+        this attempt keeps (read whole first, where it keeps one), which then follows
+        them (copies: the caller's items may change after)."""
+        if self.keeps and self.known is None:
+            self.known = await run_history(self.controller, self.session)
+        await publish(self.controller, self.session, items, call_ids=call_ids, ride=True,
+                      known=self.known)
+        if self.known is not None:
+            self.known.extend(detach(item) for item in items)
 
 
 _NONE = object()

@@ -25,8 +25,10 @@ from statemachine.payloads import JSON
 from statemachine.sessions import Session, SQLiteSession
 from statemachine.stores import (
     AsyncEventStore,
+    AsyncSQLiteEventStore,
     SessionWrite,
     SQLiteEventStore,
+    checks_session_tail,
     indexes_runs,
     many_session_writes,
     takes_session_write,
@@ -122,27 +124,29 @@ async def run_history(controller: RunController, session: Session,
     if limit is not None and len(riding) >= limit:
         return riding[len(riding) - limit:] if limit > 0 else []
     wanted = None if limit is None else limit - len(riding)
-    if _reads_through_store(controller, session):
-        held = controller.store.session_items(  # type: ignore[union-attr]
-            session.session_id, wanted)
+    store = controller.store
+    if isinstance(store, SQLiteEventStore) and _reads_through_store(store, session):
+        held = store.session_items(session.session_id, wanted)
+    elif isinstance(store, AsyncSQLiteEventStore) and _reads_through_store(store, session):
+        held = await store.session_items(session.session_id, wanted)
     else:
         held = await session.get_items(limit=wanted)
     return [*held, *riding]
 
 
-def _reads_through_store(controller: RunController, session: Session) -> bool:
-    """Whether ``session`` is read through the run's store, on the event loop's thread: a
-    `SQLiteSession` (one that reads as it reads, not a subclass that reads otherwise) in
-    the file of the sync `SQLiteEventStore` the run is bound to, which writes the
-    Session's items in its own appends. That store already runs every append (its fsync
-    included), fence and load on the loop; its read of the same file there blocks it no
-    more, finds the pages it just wrote in its own cache, and saves the hop to the
-    Session's thread and back (two thread switches per read, most of a read's cost: the
-    durable turn reads the Session four to six times). Any other Session, or this one
-    beside an async store, is read through its ``get_items``."""
-    store = controller.store
+def _reads_through_store(store: object, session: Session) -> bool:
+    """Whether ``session`` is read through the run's ``store``: a `SQLiteSession` (one
+    that reads as it reads, not a subclass that reads otherwise) in the file of the
+    `SQLiteEventStore` (or its async face) the run is bound to, which writes the
+    Session's items in its own appends. A sync store reads it on the event loop's thread,
+    where it already runs every append (its fsync included), fence and load: the read
+    blocks the loop no more, finds the pages the store just wrote in its own cache, and
+    saves the hop to the Session's thread and back (two thread switches per read, most of
+    a read's cost). The async store reads it on its own worker thread, after the calls
+    made before (one thread for every run's reads, already awake for their appends,
+    where each Session's own thread would be one more to wake). Any other Session is read
+    through its ``get_items``."""
     return (getattr(type(session), "get_items", None) is SQLiteSession.get_items
-            and isinstance(store, SQLiteEventStore)
             and session.shares_transaction_with(store))  # type: ignore[attr-defined]
 
 
@@ -157,6 +161,10 @@ async def publish(controller: RunController, session: Session, items: list[JSON]
     DESIGN §6.4): its tail is staged against instead of reading the Session again, where
     the publication lands in one append with its staging and commit (`_lands_whole`), so
     that tail is never reconciled against; elsewhere the Session is read.
+
+    A write the store makes in its own append carries the tail it was staged against
+    (`SessionWrite.after`): a store that checks it (`keeps_history`) refuses the write,
+    whole, onto a Session that another writer moved after the tail was read.
 
     ``ride=True``: a Session that shares the store's transaction is written by the
     controller's next flush, with the commit (DESIGN §7.7; `RunController.
@@ -189,7 +197,19 @@ async def publish(controller: RunController, session: Session, items: list[JSON]
             if whole or TOO_SHORT not in refused.reason:
                 raise
             limit *= 2
-    await _write(controller, session, items, ride=ride)
+    await _write(controller, session, items, ride=ride, after=(tuple(tail), whole))
+
+
+def keeps_history(controller: RunController, session: Session) -> bool:
+    """Whether a runner may keep the run's Session as it read it once in an attempt (with
+    every item it published since) and pass that as `publish`'s ``known`` and as what it
+    sends the model, instead of reading the Session again: a publication then lands whole
+    (`_lands_whole`) and its store checks, in that same transaction, that the Session
+    still ends as the publication was staged against (`stores.checks_session_tail`), so a
+    Session another writer moved meanwhile refuses the write (`ReconcileRejected`),
+    nothing of it written. Code of the user's that may have written to the Session (a
+    tool, a hook, a guardrail, a stream's consumer) is followed by a fresh read."""
+    return _lands_whole(controller, session) and checks_session_tail(controller.store)
 
 
 def _lands_whole(controller: RunController, session: Session) -> bool:
@@ -256,7 +276,8 @@ def writer_gone(controller: RunController, session: Session) -> bool:
 
 
 async def _write(controller: RunController, session: Session, items: list[JSON], *,
-                 ride: bool = False) -> None:
+                 ride: bool = False, after: tuple[tuple[JSON, ...], bool] | None = None
+                 ) -> None:
     """Write the attempt's batch, then report. Its publication id is ``run_id:seq`` (the
     seq of the event that opened the attempt). A Session that shares the run's store's
     database (``shares_transaction_with(store)``: `PostgresSession`, `SQLiteSession` on
@@ -274,7 +295,10 @@ async def _write(controller: RunController, session: Session, items: list[JSON],
         # no flush first: the write IS the append, so the staging, the commit and the
         # items land in one transaction or not at all (DESIGN §7.7); nothing outside
         # the store happens before it
-        write = SessionWrite(session.session_id, publication_id, tuple(items))
+        # with the tail it was staged against (``after``: a store that checks it refuses
+        # the write onto a Session another writer moved since, in the same transaction)
+        write = SessionWrite(session.session_id, publication_id, tuple(items),
+                             *(after or (None, False)))
         try:
             controller.publication_committed(session_write=write, ride=ride)
             if controller.holds_attempt:  # (riding, it is committed: the next flush writes it)

@@ -606,7 +606,9 @@ RIVALS: dict[tuple[str, str], tuple[str, str, str | None, str, list[tuple[str, s
     (NEW_RUN, SECOND_CALL): ("ReconcileRejected", "completed", "go on", "completed",
                              _a(*_B_TURN, ("request", "user-prompt go on"), _A_DONE)),
     (SAME_RUN, TOOL_BODY): ("completed", "ToolInDoubt", None, "completed", _a(_A_DONE)),
-    (SAME_RUN, SECOND_CALL): ("ReconcileRejected", "completed", None, "completed",
+    # (the history moved and so did the log: a store that checks the history's tail in
+    # the append checks the log first; `_Unchecked` below gives ReconcileRejected)
+    (SAME_RUN, SECOND_CALL): ("ConcurrencyConflict", "completed", None, "completed",
                               _a(_A_DONE)),
 }
 """What the script makes of each rival (never what the ledger recorded): a write landing
@@ -614,37 +616,53 @@ in the history while run ``a``'s messages wait to be written refuses ``a``'s wri
 (nothing of it is recorded: its next attempt goes on from the history as it is, or
 finds its tool in doubt when the result had not been made durable); a new run finds a
 call of ``a`` without its result and is refused; the same run claimed elsewhere while
-its tool runs finds that call in doubt."""
+its tool runs finds that call in doubt, and while its second request is under way
+finds its log moved (`ConcurrencyConflict`: the append checks the log before the
+history)."""
+
+
+class _Unchecked(SQLiteEventStore):
+    """A store that does not say it checks a Session write's staged tail: the adapter
+    reads the history's tail itself before each flush that writes to it (`_unmoved`)."""
+
+    checks_session_tail = False
 
 
 @pytest.mark.invariant("I1", "I7")
+@pytest.mark.parametrize("checked", [True, False], ids=["store-checks", "adapter-reads"])
 @pytest.mark.parametrize(("rival", "moment"), list(RIVALS),
                          ids=[f"{rival}-while-{moment}" for rival, moment in RIVALS])
 def test_a_rival_writer_inside_a_turn_never_reruns_a_tool_nor_writes_on_a_stale_history(
-        tmp_path: Path, rival: str, moment: str) -> None:
+        tmp_path: Path, rival: str, moment: str, checked: bool) -> None:
     """Run ``a`` (a run with its history in a SQLite file, the store's) pays once per turn;
     while its first model request, its tool's body or its second model request is under
     way, a rival writes to the same file through connections of its own: a user appends
     a message, another run of the conversation runs a turn, or the same run is opened
     and run elsewhere. ``a`` is then run again from the store. The tool never runs twice,
     no message is lost or written twice, and ``a`` never writes after a message it did
-    not read: refused (`ReconcileRejected`) instead, as the script predicts."""
+    not read: refused (`ReconcileRejected`) instead, as the script predicts: by the
+    store, in the flush's own transaction, or by the adapter's read of the tail before
+    the flush where the store does not check it (``checked``)."""
     a_attempt, rival_outcome, prompt, again_outcome, history = RIVALS[rival, moment]
+    if not checked and (rival, moment) == (SAME_RUN, SECOND_CALL):
+        a_attempt = "ReconcileRejected"  # (the adapter reads the history before the flush)
     path = tmp_path / "events.db"
     paid: Counter[str] = Counter()
     seen: dict[str, str] = {}
+    said: dict[str, str] = {}
 
     async def outcome(attempt: Any) -> str:
         try:
             await attempt
         except ControlError as refused:
+            said.setdefault(type(refused).__name__, str(refused))
             return type(refused).__name__
         return "completed"
 
     async def opened(name: str, run_id: str, **during: Any) -> LedgerRun:
         return await LedgerRun.open(_rival_agent(name, paid, during=during), run_id=run_id,
                                     history=SQLiteSession("h", path),
-                                    store=SQLiteEventStore(path))
+                                    store=(SQLiteEventStore if checked else _Unchecked)(path))
 
     async def move() -> None:
         if rival == USER:
@@ -669,6 +687,9 @@ def test_a_rival_writer_inside_a_turn_never_reruns_a_tool_nor_writes_on_a_stale_
     run_async(go())
     assert (seen["a"], seen["rival"], seen["again"]) == (a_attempt, rival_outcome,
                                                          again_outcome)
+    if seen["a"] == "ReconcileRejected":  # refused by whom the variant says
+        assert ("another writer appended to it" if checked
+                else "the history changed since") in said["ReconcileRejected"]
     assert paid["a-c1"] == 1  # never twice (and a refusal before the body: once, later)
     assert paid["b-c1"] == (1 if rival_outcome == "completed" and rival == NEW_RUN else 0)
     assert _shape(asyncio.run(SQLiteSession("h", path).get_items())) == history

@@ -239,12 +239,12 @@ def _agent(counters: Counters) -> Agent:
 
 
 @pytest.mark.parametrize("store_kind", ["sync", "async"])
-def test_a_runner_reads_the_session_of_a_sync_store_through_it(tmp_path: Path,
-                                                                store_kind: str) -> None:
-    """Beside a sync store of its file, the runner reads the Session through the store,
-    on the loop's thread (the Session's own thread never starts); beside an async store
-    it reads through the Session (its thread runs the reads). Either way the turn sees
-    and leaves the same history: the input, the call, its output, the answer."""
+def test_a_runner_reads_the_session_through_the_store_of_its_file(tmp_path: Path,
+                                                                   store_kind: str) -> None:
+    """Beside a store of its file, the runner reads the Session through the store: a sync
+    store on the loop's thread, an async one on its worker thread. The Session's own
+    thread never starts, and the turn sees and leaves the same history: the input, the
+    call, its output, the answer."""
     path = tmp_path / "events.db"
     counters = Counters()
     session = SQLiteSession(SESSION, path)
@@ -265,7 +265,7 @@ def test_a_runner_reads_the_session_of_a_sync_store_through_it(tmp_path: Path,
     assert kinds == ["user", "function_call", "function_call_output", "assistant"]
     assert counters.tools == {"charge": 1}
     threads = len(session._worker._threads)  # (started on its first call, not before)
-    assert threads == (0 if store_kind == "sync" else 1)
+    assert threads == 0
     session.close()
 
 
