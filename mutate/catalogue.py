@@ -980,6 +980,11 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("LP34", "            self.known.extend(detach(item) for item in items)\n",
        "            pass\n",
        "the Session the runner keeps misses what it published"),
+    _m("LP36", "        if type(self.hooks) is not RunHooks:  # (the library's own ran nothing "
+               "since the\n",
+       "        if False:  # (the library's own ran nothing since the\n",
+       "a tool runs after a start hook of the user's during which another attempt claimed "
+       "the run"),
     _m("LP35", "        return [detach(item) for item in self.known]",
        "        return self.known",
        "the model is handed the Session the runner keeps, and what it changes there is "

@@ -294,7 +294,9 @@ class _AgentLoop:
             return verdict.message
         await self._hook("tool_start", partial(self.hooks.on_tool_start, agent, call),
                          call.call_id)
-        await self.controller.fence_async()  # the start hook may have waited: still ours
+        if type(self.hooks) is not RunHooks:  # (the library's own ran nothing since the
+            # flush before the body) the start hook may have waited: still ours
+            await self.controller.fence_async()
         try:
             with running_call(self.controller, call.call_id):  # tool_context()
                 output: JSON = await maybe_await(tool.function(**decision.call.arguments))

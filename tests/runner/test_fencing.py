@@ -157,6 +157,33 @@ def test_a_rival_claim_during_a_hook_stops_the_guardrails_after_it(
     assert not checked
 
 
+@pytest.mark.invariant("I1")
+@pytest.mark.parametrize("buffered", [False, True], ids=["per-event", "buffered"])
+@pytest.mark.parametrize("kind", ["sqlite", "async-sqlite"])
+def test_a_rival_claim_during_a_tool_start_hook_stops_the_tool(
+        tmp_path: Path, kind: str, buffered: bool) -> None:
+    """Superseded while a hook of the user's ``on_tool_start`` runs (after the flush that
+    made the tool's start durable): the tool body does not run. (With the library's own
+    hooks nothing runs between that flush and the body, and no read is made there.)"""
+    counters = Counters()
+    store, rival = _stores(tmp_path, kind)
+
+    class RivalInTheHook(CountingHooks):
+        async def on_tool_start(self, agent: Agent, call: Any) -> None:
+            await super().on_tool_start(agent, call)
+            rival()
+
+    agent = Agent("a", ScriptedModel([ModelResponse((("c1", "charge", {"x": 7}),)),
+                                      ModelResponse(output="charged")]),
+                  (counted_tool(counters, "charge", lambda x: f"charged {x}"),))
+    with pytest.raises(ConcurrencyConflict):
+        asyncio.run(Runner.run(agent, "hi", session=MemorySession("s"), store=store,
+                               run_id=RUN, hooks=RivalInTheHook(counters),
+                               buffered=buffered))
+    assert counters.hooks["tool_start:charge"] == 1
+    assert not counters.tools
+
+
 def test_a_fence_on_a_run_nobody_else_touched_passes_and_reads_only(tmp_path: Path) -> None:
     """The fence writes nothing: the log is the same before and after, and a controller
     that buffered events passes it (what it has not flushed is its own)."""
