@@ -950,11 +950,17 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("SQ31", "                    conn.executemany(_INSERT_ITEM, a.items[start:position])\n"
                "                    start = position\n", "",
        "the SQLite store checks each write's tail before the writes before it are in"),
-    _m("PG30", "            if not same[0]:", "            if False:",
+    _m("PG30", "            if session_moved(write, [body for (body,) in found]):",
+       "            if False:",
        "the PostgreSQL store writes a publication onto a Session another writer moved"),
-    _m("PG31", '"limit": len(write.after) + (1 if write.whole else 0)}',
-       '"limit": len(write.after)}',
+    _m("PG31", "(write.session_id, len(write.after) + 1),", "(write.session_id, len(write.after)),",
        "the PostgreSQL store writes onto a whole Session that holds items before them"),
+    _m("PG32", "            yield Query(sql.lock_session, (write.session_id,), \"one\")\n", "",
+       "the PostgreSQL store checks a Session's tail while another writer's rows, their ids "
+       "taken, are not committed yet"),
+    _m("PG33", "    yield Query(sql.lock_session, (rows[\"session\"],), \"one\")  # (see "
+               "`Sql.lock_session`)\n", "",
+       "PostgresSession writes without the Session's lock: a check under way misses it"),
     _m("JO40", "            elif (journal is not None and journal.buffered\n",
        "            elif (False and journal is not None and journal.buffered\n",
        "a buffered controller whose riding write was refused goes on as if it landed"),
@@ -977,15 +983,20 @@ CATALOGUE: tuple[Mutant, ...] = (
        "the runner keeps the Session it read across a guardrail, which may have written to it"),
     _m("LP33", "            self.known = None  # the consumer's code ran meanwhile\n", "",
        "the runner keeps the Session it read while a stream's consumer ran"),
-    _m("LP34", "            self.known.extend(detach(item) for item in items)\n",
+    _m("LP34", "            self.known.extend(_copied(item) for item in items)\n",
        "            pass\n",
        "the Session the runner keeps misses what it published"),
-    _m("LP36", "        if type(self.hooks) is not RunHooks:  # (the library's own ran nothing "
-               "since the\n",
-       "        if False:  # (the library's own ran nothing since the\n",
+    _m("LP36", "        if not self.own_hooks:  # (the library's own ran nothing since the "
+               "flush before\n",
+       "        if False:  # (the library's own ran nothing since the flush before\n",
        "a tool runs after a start hook of the user's during which another attempt claimed "
        "the run"),
-    _m("LP35", "        return [detach(item) for item in self.known]",
+    _m("LP37", '        self.own_hooks = type(hooks) is RunHooks and not getattr(hooks, '
+               '"__dict__", None)',
+       "        self.own_hooks = type(hooks) is RunHooks",
+       "a hook set on a RunHooks instance is taken for the library's own: no fence before "
+       "the tool body after it"),
+    _m("LP35", "        return [_copied(item) for item in self.known]",
        "        return self.known",
        "the model is handed the Session the runner keeps, and what it changes there is "
        "what the next publication is staged against"),

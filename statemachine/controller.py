@@ -1225,7 +1225,10 @@ class RunController:
             if type(after) is not tuple or type(write.whole) is not bool:
                 self._refuse(SchemaError, action,
                              "session_write's after must be a tuple, its whole a bool")
-            after = tuple(self._detach(action, "a Session item", item) for item in after)
+            try:  # (a Session item another writer left may be deeper than this run's limit)
+                after = tuple(copy_plain(item) for item in after)
+            except PayloadError as exc:
+                self._refuse(SchemaError, action, f"a Session item is not plain JSON: {exc}")
         return SessionWrite(write.session_id, write.publication_id, items, after,
                             write.whole)
 

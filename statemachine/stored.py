@@ -368,10 +368,11 @@ class SessionWrite:
     """The Session's last items as the publication was staged against them (`runner.
     publish` sets them), or None. A store that says ``checks_session_tail``
     (`checks_session_tail`) writes ``items`` only onto a Session that still ends with
-    exactly these, read inside the append's own transaction, and otherwise refuses the
-    whole append with `ReconcileRejected`, nothing of it written: another writer moved the
-    Session after the run read it (DESIGN §6.4 says one writer; this is what holds when
-    there are two)."""
+    exactly these (compared as JSON values), read inside the append's own transaction, and
+    otherwise refuses the whole append with `ReconcileRejected`, nothing of it written:
+    another writer changed the Session's last items after the run read them (DESIGN §6.4
+    says one writer; this is what holds when there are two). Only the last items are
+    compared: a writer that appended exactly those items again is not told apart."""
     whole: bool = False
     """With ``after``: ``after`` is the whole Session (it held fewer items than were
     read), so a Session holding anything before them has moved too."""

@@ -48,6 +48,7 @@ from statemachine.stored import (
     digest,
     dumps,
     moved_refusal,
+    session_moved,
     started_session,
     to_index,
     verified_snapshot,
@@ -323,11 +324,12 @@ class Sql:
                           "unnest(%(bodies)s::text[]) WITH ORDINALITY AS t(body, n) "
                           "ORDER BY t.n")
         self.items = f"SELECT body FROM {items} WHERE session_id = %s ORDER BY id"
-        # a write's staged tail (`SessionWrite.after`), compared as JSON values
-        self.tail_is = ("SELECT coalesce(array_agg(b ORDER BY id), '{}') = "
-                        f"%(after)s::jsonb[] FROM (SELECT id, body::jsonb AS b FROM {items} "
-                        "WHERE session_id = %(session)s ORDER BY id DESC LIMIT %(limit)s) "
-                        "AS tail")
+        # every write of this library's to a Session (an append's checked one, and
+        # PostgresSession's own) holds this lock until its transaction ends: a write
+        # checking the Session's tail (`SessionWrite.after`) then sees every such write
+        # that got its rows' ids before it, committed
+        key = items.replace("'", "''")
+        self.lock_session = f"SELECT pg_advisory_xact_lock(hashtextextended('{key}:' || %s, 0))"
         self.items_tail = (f"SELECT body FROM (SELECT id, body FROM {items} WHERE "
                            "session_id = %s ORDER BY id DESC LIMIT %s) AS tail ORDER BY id")
         self.pop_item = (f"DELETE FROM {items} WHERE id = (SELECT max(id) FROM {items} "
@@ -414,9 +416,9 @@ class PreparedAppend:
     batch_id: str
     items: tuple[dict[str, Any], ...] | None = None
     """The rows of each ``session_write``, in order, written in the same transaction."""
-    tails: tuple[tuple[dict[str, Any], SessionWrite] | None, ...] = ()
-    """For each of ``items``: the check of its write's staged tail (`SessionWrite.after`)
-    made just before its rows, or None."""
+    tails: tuple[SessionWrite | None, ...] = ()
+    """For each of ``items``: its write, where its staged tail (`SessionWrite.after`) is
+    checked just before its rows; else None."""
 
 
 def prepare(run_id: str, events: Sequence[Event], expected_version: int,
@@ -429,15 +431,14 @@ def prepare(run_id: str, events: Sequence[Event], expected_version: int,
         raise ValueError("events must carry the sequence numbers that follow "
                          "expected_version")
     items = None
-    tails: tuple[tuple[dict[str, Any], SessionWrite] | None, ...] = ()
+    tails: tuple[SessionWrite | None, ...] = ()
     if session_write is not None:
         writes = session_writes(session_write)
         if not events:  # the read-back after a lost COMMIT finds a batch by its events
             raise ValueError("a session_write needs events to carry it")
         items = tuple(session_rows(write.session_id, write.publication_id, write.items)
                       for write in writes)
-        tails = tuple(None if write.after is None else (tail_check(write), write)
-                      for write in writes)
+        tails = tuple(None if write.after is None else write for write in writes)
     batch_id = uuid.uuid4().hex
     bodies = [dumps(codec.encode_event(event)) for event in events]
     kept = None
@@ -466,14 +467,6 @@ def prepare(run_id: str, events: Sequence[Event], expected_version: int,
                           tails if any(tails) else ())
 
 
-def tail_check(write: SessionWrite) -> dict[str, Any]:
-    """The parameters of ``tail_is`` for ``write``: its last ``len(after)`` items (one more
-    for a ``whole`` Session, which must then hold no more) against ``after``."""
-    assert write.after is not None
-    return {"session": write.session_id, "after": [dumps(detach(item)) for item in write.after],
-            "limit": len(write.after) + (1 if write.whole else 0)}
-
-
 def session_rows(session_id: str, publication_id: str | None,
                  items: Sequence[JSON]) -> dict[str, Any]:
     """The parameters of ``add_items``'s statement (items as detached JSON text; a value
@@ -500,11 +493,14 @@ def append_steps(sql: Sql, a: PreparedAppend) -> Op[None]:
         if version != a.expected:
             raise lost_race(a.run_id, a.expected, version)
     for position, rows in enumerate(a.items or ()):
-        check = a.tails[position] if a.tails else None
-        if check is not None:  # the Session as the write was staged against, or refused
-            same = yield Query(sql.tail_is, check[0], "one")
-            if not same[0]:
-                raise moved_refusal(check[1], a.run_id)
+        write = a.tails[position] if a.tails else None
+        if write is not None:  # the Session as the write was staged against, or refused
+            assert write.after is not None
+            yield Query(sql.lock_session, (write.session_id,), "one")
+            found = yield Query(sql.items_tail, (write.session_id, len(write.after) + 1),
+                                "all")
+            if session_moved(write, [body for (body,) in found]):
+                raise moved_refusal(write, a.run_id)
         yield Query(sql.add_items, rows)
     if a.snapshot is not None:
         yield Query(sql.snapshot, a.snapshot)
@@ -829,12 +825,19 @@ def _get_items(sql: Sql, session_id: str, limit: int | None) -> Op[list[JSON]]:
 
 
 def _add_items(sql: Sql, rows: dict[str, Any]) -> Op[None]:
+    yield Query(sql.lock_session, (rows["session"],), "one")  # (see `Sql.lock_session`)
     yield Query(sql.add_items, rows)
 
 
 def _pop_item(sql: Sql, session_id: str) -> Op[JSON | None]:
+    yield Query(sql.lock_session, (session_id,), "one")
     row = yield Query(sql.pop_item, (session_id,), "one")
     return None if row is None else _item(row[0])  # damaged: refused, rolled back, kept
+
+
+def _clear_session(sql: Sql, session_id: str) -> Op[None]:
+    yield Query(sql.lock_session, (session_id,), "one")
+    yield Query(sql.clear_session, (session_id,))
 
 
 def _count(sql: Sql, session_id: str, publication_id: str) -> Op[int]:
@@ -926,7 +929,7 @@ class SessionMethods(Base):
         return item
 
     async def clear_session(self) -> None:
-        await _through(self._write, one(self._sql.clear_session, (self.session_id,), "none"),
+        await _through(self._write, _clear_session(self._sql, self.session_id),
                        doing=_CLEAR)
 
     async def publication_items(self, publication_id: str) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from functools import partial
@@ -30,7 +31,7 @@ from statemachine import telemetry
 from statemachine.controller import RunController
 from statemachine.errors import ControlError, RunNotFound
 from statemachine.machine import TABLE
-from statemachine.payloads import JSON, detach
+from statemachine.payloads import JSON, PayloadError, copy_plain
 from statemachine.runner.agents import (
     ALLOW,
     Agent,
@@ -89,6 +90,9 @@ class _AgentLoop:
         self.controller = controller
         self.session = session
         self.hooks = hooks
+        self.own_hooks = type(hooks) is RunHooks and not getattr(hooks, "__dict__", None)
+        """Whether the hooks are the library's own, which do nothing: a `RunHooks` with no
+        method set on the instance (one set there is code of the user's)."""
         self.emit = emit
         self.take_over = take_over
         self.keeps = False
@@ -185,7 +189,7 @@ class _AgentLoop:
                     call_id: str | None = None) -> None:
         c = self.controller
         if not c.hook_done(hook, call_id=call_id):
-            if type(self.hooks) is not RunHooks:  # (the library's own hooks do nothing)
+            if not self.own_hooks:
                 await _before_user_code(c)  # a superseded attempt runs no hook (I1)
                 self.known = None
             await call()
@@ -294,8 +298,8 @@ class _AgentLoop:
             return verdict.message
         await self._hook("tool_start", partial(self.hooks.on_tool_start, agent, call),
                          call.call_id)
-        if type(self.hooks) is not RunHooks:  # (the library's own ran nothing since the
-            # flush before the body) the start hook may have waited: still ours
+        if not self.own_hooks:  # (the library's own ran nothing since the flush before
+            # the body) the start hook may have waited: still ours
             await self.controller.fence_async()
         try:
             with running_call(self.controller, call.call_id):  # tool_context()
@@ -360,9 +364,9 @@ class _AgentLoop:
         if self.known is None:
             items = await run_history(self.controller, self.session)
             if not self.keeps:
-                return [detach(item) for item in items]  # (riding items are the journal's)
+                return items
             self.known = items
-        return [detach(item) for item in self.known]
+        return [_copied(item) for item in self.known]
 
     async def _published(self, items: list[JSON], call_ids: list[str] | None = None
                          ) -> None:
@@ -374,10 +378,19 @@ class _AgentLoop:
         await publish(self.controller, self.session, items, call_ids=call_ids, ride=True,
                       known=self.known)
         if self.known is not None:
-            self.known.extend(detach(item) for item in items)
+            self.known.extend(_copied(item) for item in items)
 
 
 _NONE = object()
+
+
+def _copied(item: JSON) -> JSON:
+    """A copy of a Session item the runner keeps (plain JSON, as read or as published,
+    at any depth), or of anything else a Session of the user's held."""
+    try:
+        return copy_plain(item)
+    except PayloadError:
+        return copy.deepcopy(item)
 
 
 async def _before_user_code(c: RunController) -> None:

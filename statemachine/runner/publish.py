@@ -163,8 +163,9 @@ async def publish(controller: RunController, session: Session, items: list[JSON]
     that tail is never reconciled against; elsewhere the Session is read.
 
     A write the store makes in its own append carries the tail it was staged against
-    (`SessionWrite.after`): a store that checks it (`keeps_history`) refuses the write,
-    whole, onto a Session that another writer moved after the tail was read.
+    (`SessionWrite.after`): a store that checks it (`stores.checks_session_tail`) refuses
+    the write, whole, onto a Session whose last items another writer changed after the
+    tail was read.
 
     ``ride=True``: a Session that shares the store's transaction is written by the
     controller's next flush, with the commit (DESIGN §7.7; `RunController.

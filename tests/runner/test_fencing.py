@@ -15,7 +15,7 @@ import pytest
 
 from statemachine import ConcurrencyConflict, MemoryEventStore, RunController, SQLiteEventStore
 from statemachine import events as ev
-from statemachine.runner import Agent, ModelResponse, Runner
+from statemachine.runner import Agent, ModelResponse, RunHooks, Runner
 from statemachine.runner.agents import OutputGuardrail, Verdict
 from statemachine.sessions import MemorySession
 from statemachine.stores import AsyncSQLiteEventStore
@@ -160,27 +160,37 @@ def test_a_rival_claim_during_a_hook_stops_the_guardrails_after_it(
 @pytest.mark.invariant("I1")
 @pytest.mark.parametrize("buffered", [False, True], ids=["per-event", "buffered"])
 @pytest.mark.parametrize("kind", ["sqlite", "async-sqlite"])
+@pytest.mark.parametrize("hooks", ["subclass", "instance"])
 def test_a_rival_claim_during_a_tool_start_hook_stops_the_tool(
-        tmp_path: Path, kind: str, buffered: bool) -> None:
+        tmp_path: Path, kind: str, buffered: bool, hooks: str) -> None:
     """Superseded while a hook of the user's ``on_tool_start`` runs (after the flush that
-    made the tool's start durable): the tool body does not run. (With the library's own
-    hooks nothing runs between that flush and the body, and no read is made there.)"""
+    made the tool's start durable): the tool body does not run, whether the hook is a
+    subclass's method or one set on a `RunHooks` instance. (With the library's own hooks
+    nothing runs between that flush and the body, and no read is made there.)"""
     counters = Counters()
     store, rival = _stores(tmp_path, kind)
+    started: list[str] = []
 
-    class RivalInTheHook(CountingHooks):
-        async def on_tool_start(self, agent: Agent, call: Any) -> None:
-            await super().on_tool_start(agent, call)
-            rival()
+    async def on_tool_start(agent: Agent, call: Any) -> None:
+        started.append(call.name)
+        rival()
 
+    if hooks == "subclass":
+        class RivalInTheHook(RunHooks):
+            async def on_tool_start(self, agent: Agent, call: Any) -> None:
+                await on_tool_start(agent, call)
+
+        chosen: RunHooks = RivalInTheHook()
+    else:
+        chosen = RunHooks()
+        chosen.on_tool_start = on_tool_start  # type: ignore[method-assign]
     agent = Agent("a", ScriptedModel([ModelResponse((("c1", "charge", {"x": 7}),)),
                                       ModelResponse(output="charged")]),
                   (counted_tool(counters, "charge", lambda x: f"charged {x}"),))
     with pytest.raises(ConcurrencyConflict):
         asyncio.run(Runner.run(agent, "hi", session=MemorySession("s"), store=store,
-                               run_id=RUN, hooks=RivalInTheHook(counters),
-                               buffered=buffered))
-    assert counters.hooks["tool_start:charge"] == 1
+                               run_id=RUN, hooks=chosen, buffered=buffered))
+    assert started == ["charge"]
     assert not counters.tools
 
 

@@ -51,7 +51,7 @@ from tests import pg_cluster
 
 SESSION = "s"
 ITEMS = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
-         {"type": "note", "n": 1}]
+         {"type": "note", "n": 1, "text": "a\x00b"}]
 """Few distinct items, so that a tail that differs often differs only in its order or
 its length."""
 NEW = {"role": "assistant", "content": "new"}
@@ -557,3 +557,105 @@ def test_a_model_that_changes_what_it_is_sent_changes_nothing_the_run_writes(
         assert await place.items() == [USER, CALL, OUTPUT, ANSWER]
 
     asyncio.run(go())
+
+
+def test_a_tail_deeper_than_the_runs_limit_is_carried_as_it_is(tmp_path: Path) -> None:
+    """The staged tail is the Session's, not the run's input: an item another writer left
+    there, nested deeper than this run's ``max_depth``, is carried and checked, not
+    refused."""
+    path = tmp_path / "events.db"
+    deep: Any = "leaf"
+    for _ in range(6):
+        deep = {"in": deep}
+    asyncio.run(Place("sqlite-sync", path).write(deep))
+    store = SQLiteEventStore(path)
+    c = RunController.start(run_id="r", session_id=SESSION, store=store, max_depth=4)
+    c.add_input([NEW])
+    c.stage_publication([NEW], [deep], whole=True)
+    publication = c.publication_id
+    assert publication is not None
+    c.publication_committed(session_write=SessionWrite(SESSION, publication, (NEW,),
+                                                       after=(deep,), whole=True))
+    assert c.step is Step.RUN_AGAIN
+    store.close()
+    assert asyncio.run(Place("sqlite-sync", path).items()) == [deep, NEW]
+
+
+def test_a_session_of_the_users_is_sent_to_the_model_as_it_holds_it(tmp_path: Path) -> None:
+    """A Session the runner does not keep (one of the user's) is read before each model
+    call and sent as it is: its items need not be plain JSON (a tuple here)."""
+    class Loose:
+        """A Session of the user's that keeps what it is given as it is."""
+
+        session_id = SESSION
+
+        def __init__(self) -> None:
+            self.items: list[Any] = []
+
+        async def get_items(self, limit: int | None = None) -> list[Any]:
+            return list(self.items if limit is None else self.items[-limit:] if limit else [])
+
+        async def add_items(self, items: list[Any]) -> None:
+            self.items.extend(items)
+
+        async def pop_item(self) -> Any:
+            return self.items.pop() if self.items else None
+
+        async def clear_session(self) -> None:
+            self.items.clear()
+
+    session = Loose()
+    old = {"role": "user", "content": ("a", "tuple")}
+    session.items.append(old)
+    ran: list[int] = []
+    model = WritingModel(_responses())
+    done = asyncio.run(Runner.run(_paying(ran, model), "pay 7", session=session,
+                                  store=SQLiteEventStore(tmp_path / "events.db"),
+                                  run_id="r"))
+    assert done.step is Step.COMPLETED
+    assert ran == [7]
+    assert model.seen == [[old, USER], [old, USER, CALL, OUTPUT]]
+
+
+def test_a_write_under_way_on_postgresql_is_waited_for_and_seen(
+        request: pytest.FixtureRequest) -> None:
+    """PostgreSQL, read committed: another writer's Session write whose transaction has
+    inserted its row but not committed yet is invisible to a plain read, and its row's id
+    is already below the one the append would take. Every write of this library's to a
+    Session holds the Session's lock until it commits, so the append's check waits for
+    it, then sees the row and refuses; before, the append landed and the Session read
+    [the other writer's item, the append's]."""
+    class Paused(AsyncPostgresSession):
+        """A Session whose write stops just before its COMMIT until told to go on."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.waiting = asyncio.Event()
+            self.go_on = asyncio.Event()
+
+        async def _before_commit(self) -> None:
+            self.waiting.set()
+            await self.go_on.wait()
+
+    async def go(place: Place) -> None:
+        await _ready(place)
+        rival = Paused(place.dsn, SESSION, schema=place.schema)
+        writing = asyncio.ensure_future(rival.add_items([RIVAL]))
+        await asyncio.wait_for(rival.waiting.wait(), 10)
+        events = list(RunController.start(run_id="r", session_id=SESSION).events)
+        store = place.store()
+        write = SessionWrite(SESSION, "r:0", (NEW,), after=(), whole=True)
+        appending = asyncio.ensure_future(store.append("r", events, 0, session_write=write))
+        await asyncio.sleep(0.3)
+        assert not appending.done()  # it waits for the other writer's lock
+        rival.go_on.set()
+        await writing
+        with pytest.raises(ReconcileRejected, match="another writer"):
+            await appending
+        await store.close()
+        await rival.close()
+        assert await place.items() == [RIVAL]
+        assert await place.version("r") == 0
+
+    with _places("pg-async", request) as place:
+        asyncio.run(go(place))
