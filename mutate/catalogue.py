@@ -955,9 +955,13 @@ CATALOGUE: tuple[Mutant, ...] = (
        "the PostgreSQL store writes a publication onto a Session another writer moved"),
     _m("PG31", "(write.session_id, len(write.after) + 1),", "(write.session_id, len(write.after)),",
        "the PostgreSQL store writes onto a whole Session that holds items before them"),
-    _m("PG32", "            yield Query(sql.lock_session, (write.session_id,), \"one\")\n", "",
+    _m("PG32", "    yield from lock_steps(sql, locked_sessions([a]))\n", "",
        "the PostgreSQL store checks a Session's tail while another writer's rows, their ids "
        "taken, are not committed yet"),
+    _m("PA30", "            if sessions:  # every Session's lock before any run's row, outside "
+               "the savepoints\n", "            if False:\n",
+       "a group takes each Session's lock with its append, after other runs' rows: two "
+       "stores' groups deadlock"),
     _m("PG33", "    yield Query(sql.lock_session, (rows[\"session\"],), \"one\")  # (see "
                "`Sql.lock_session`)\n", "",
        "PostgresSession writes without the Session's lock: a check under way misses it"),

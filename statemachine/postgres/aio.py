@@ -73,6 +73,8 @@ BEGIN = ("BEGIN",)
 
 
 # unasync: async only
+from statemachine.postgres.steps import lock_steps, locked_sessions  # noqa: E402
+
 GROUP_LIMIT = 64
 """The most appends `AsyncPostgresEventStore` writes in one group (one transaction): a
 writing savepoint takes a subtransaction id, and a transaction holding more than 64 makes
@@ -504,8 +506,12 @@ class AsyncPostgresEventStore(_AsyncClient):
         except StorageError as error:
             return [_again(error, a) for a in group]
         written: list[int] = []
-        begin = ("BEGIN", "SAVEPOINT one_append")
+        begin: tuple[str, ...] = ("BEGIN", "SAVEPOINT one_append")
+        sessions = locked_sessions(group)
         try:
+            if sessions:  # every Session's lock before any run's row, outside the savepoints
+                await run_statements(conn, lock_steps(self._sql, sessions), begin=("BEGIN",))
+                begin = ("SAVEPOINT one_append",)
             for i in sorted(range(len(group)), key=lambda j: group[j].run_id):
                 try:
                     await run_statements(conn, append_steps(self._sql, group[i]),

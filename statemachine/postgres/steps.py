@@ -479,8 +479,24 @@ def session_rows(session_id: str, publication_id: str | None,
             "bodies": [dumps(detach(item)) for item in items]}
 
 
+def locked_sessions(group: Sequence[PreparedAppend]) -> list[str]:
+    """The Sessions whose lock (`Sql.lock_session`) the appends of ``group`` take: those of
+    their checked writes, in the order every transaction takes them (sorted), and all of
+    them before any run's row, so that no two transactions wait on each other."""
+    return sorted({write.session_id for a in group for write in a.tails if write is not None})
+
+
+def lock_steps(sql: Sql, session_ids: Sequence[str]) -> Op[None]:
+    """Take the Sessions' locks (`Sql.lock_session`), in the order given."""
+    for session_id in session_ids:
+        yield Query(sql.lock_session, (session_id,), "one")
+
+
 def append_steps(sql: Sql, a: PreparedAppend) -> Op[None]:
-    """The body of an append's transaction (its driver runs BEGIN and COMMIT)."""
+    """The body of an append's transaction (its driver runs BEGIN and COMMIT). The locks
+    of the Sessions it checks come first (`locked_sessions`; a group takes them all
+    before its first append, and taking one again is free)."""
+    yield from lock_steps(sql, locked_sessions([a]))
     if a.count:
         statement = sql.append[a.expected == 0, a.count == 1]
         moved = yield Query(statement, a.params, "rowcount")
@@ -496,7 +512,6 @@ def append_steps(sql: Sql, a: PreparedAppend) -> Op[None]:
         write = a.tails[position] if a.tails else None
         if write is not None:  # the Session as the write was staged against, or refused
             assert write.after is not None
-            yield Query(sql.lock_session, (write.session_id,), "one")
             found = yield Query(sql.items_tail, (write.session_id, len(write.after) + 1),
                                 "all")
             if session_moved(write, [body for (body,) in found]):
