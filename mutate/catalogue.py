@@ -955,7 +955,7 @@ CATALOGUE: tuple[Mutant, ...] = (
        "the PostgreSQL store writes a publication onto a Session another writer moved"),
     _m("PG31", "(write.session_id, len(write.after) + 1),", "(write.session_id, len(write.after)),",
        "the PostgreSQL store writes onto a whole Session that holds items before them"),
-    _m("PG32", "    yield from lock_steps(sql, locked_sessions([a]))\n", "",
+    _m("PG32", "        yield from lock_steps(sql, locked_sessions([a]))\n", "        pass\n",
        "the PostgreSQL store checks a Session's tail while another writer's rows, their ids "
        "taken, are not committed yet"),
     _m("PA30", "            if sessions:  # every Session's lock before any run's row, outside "

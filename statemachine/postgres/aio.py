@@ -514,7 +514,8 @@ class AsyncPostgresEventStore(_AsyncClient):
                 begin = ("SAVEPOINT one_append",)
             for i in sorted(range(len(group)), key=lambda j: group[j].run_id):
                 try:
-                    await run_statements(conn, append_steps(self._sql, group[i]),
+                    await run_statements(conn, append_steps(self._sql, group[i],
+                                                            locked=bool(sessions)),
                                          begin=begin)
                 except Exception as error:
                     outcomes[i] = self._append_error(error, group[i])

@@ -492,11 +492,12 @@ def lock_steps(sql: Sql, session_ids: Sequence[str]) -> Op[None]:
         yield Query(sql.lock_session, (session_id,), "one")
 
 
-def append_steps(sql: Sql, a: PreparedAppend) -> Op[None]:
+def append_steps(sql: Sql, a: PreparedAppend, *, locked: bool = False) -> Op[None]:
     """The body of an append's transaction (its driver runs BEGIN and COMMIT). The locks
-    of the Sessions it checks come first (`locked_sessions`; a group takes them all
-    before its first append, and taking one again is free)."""
-    yield from lock_steps(sql, locked_sessions([a]))
+    of the Sessions it checks come first (`locked_sessions`), unless its transaction
+    holds them already (``locked``: a group takes them all before its first append)."""
+    if not locked:
+        yield from lock_steps(sql, locked_sessions([a]))
     if a.count:
         statement = sql.append[a.expected == 0, a.count == 1]
         moved = yield Query(statement, a.params, "rowcount")
