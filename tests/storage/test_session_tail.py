@@ -617,14 +617,16 @@ def test_a_session_of_the_users_is_sent_to_the_model_as_it_holds_it(tmp_path: Pa
     assert model.seen == [[old, USER], [old, USER, CALL, OUTPUT]]
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["alone", "in-a-group"])
 def test_a_write_under_way_on_postgresql_is_waited_for_and_seen(
-        request: pytest.FixtureRequest) -> None:
+        request: pytest.FixtureRequest, grouped: bool) -> None:
     """PostgreSQL, read committed: another writer's Session write whose transaction has
     inserted its row but not committed yet is invisible to a plain read, and its row's id
     is already below the one the append would take. Every write of this library's to a
     Session holds the Session's lock until it commits, so the append's check waits for
     it, then sees the row and refuses; before, the append landed and the Session read
-    [the other writer's item, the append's]."""
+    [the other writer's item, the append's]. In a group (with another run's append on
+    another Session, which lands), the group takes the lock before its first append."""
     class Paused(AsyncPostgresSession):
         """A Session whose write stops just before its COMMIT until told to go on."""
 
@@ -642,20 +644,32 @@ def test_a_write_under_way_on_postgresql_is_waited_for_and_seen(
         rival = Paused(place.dsn, SESSION, schema=place.schema)
         writing = asyncio.ensure_future(rival.add_items([RIVAL]))
         await asyncio.wait_for(rival.waiting.wait(), 10)
-        events = list(RunController.start(run_id="r", session_id=SESSION).events)
         store = place.store()
-        write = SessionWrite(SESSION, "r:0", (NEW,), after=(), whole=True)
-        appending = asyncio.ensure_future(store.append("r", events, 0, session_write=write))
+        await store.version("-")  # (its connection open)
+        runs = [("r", SESSION), ("r2", "s-other")] if grouped else [("r", SESSION)]
+        await store._lock.acquire()  # (the appends below queued as one group)
+        appending = []
+        for run_id, session_id in runs:
+            events = list(RunController.start(run_id=run_id, session_id=session_id).events)
+            write = SessionWrite(session_id, f"{run_id}:0", (NEW,), after=(), whole=True)
+            appending.append(asyncio.ensure_future(
+                store.append(run_id, events, 0, session_write=write)))
+        await asyncio.sleep(0.05)
+        store._lock.release()
         await asyncio.sleep(0.3)
-        assert not appending.done()  # it waits for the other writer's lock
+        assert not any(append.done() for append in appending)  # waiting for the lock
         rival.go_on.set()
         await writing
-        with pytest.raises(ReconcileRejected, match="another writer"):
-            await appending
+        outcomes = await asyncio.gather(*appending, return_exceptions=True)
+        assert isinstance(outcomes[0], ReconcileRejected)
+        assert "another writer" in str(outcomes[0])
+        assert outcomes[1:] == [None] * (len(runs) - 1)
         await store.close()
         await rival.close()
         assert await place.items() == [RIVAL]
         assert await place.version("r") == 0
+        if grouped:
+            assert await place.items("s-other") == [NEW]
 
     with _places("pg-async", request) as place:
         asyncio.run(go(place))
