@@ -1412,9 +1412,10 @@ class SQLiteSession:
     holds the file's lock), one call at a time and in the order they were made: a read
     after a write sees it. A call cancelled while it runs is finished on that thread (a
     write lands whole or not at all, as ever), and the calls made after it wait for it.
-    Beside a sync `SQLiteEventStore` of its own file, which writes its items in the
-    store's appends on the caller's thread, the runners read it through that store
-    (`SQLiteEventStore.session_items`), not through these calls.
+    Beside a `SQLiteEventStore` of its own file (or its async face), which writes its
+    items in the store's appends, the runners read it through that store
+    (`SQLiteEventStore.session_items`: the sync store on the caller's thread, the async
+    one on its worker thread), not through these calls.
     """
 
     def __init__(self, session_id: str, path: str | os.PathLike[str], *,
