@@ -950,20 +950,31 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("SQ31", "                    conn.executemany(_INSERT_ITEM, a.items[start:position])\n"
                "                    start = position\n", "",
        "the SQLite store checks each write's tail before the writes before it are in"),
-    _m("PG30", "            if session_moved(write, [body for (body,) in found]):",
-       "            if False:",
+    _m("PG30", "        if session_moved(write, [body for (body,) in answers[at]]):",
+       "        if False:",
        "the PostgreSQL store writes a publication onto a Session another writer moved"),
-    _m("PG31", "(write.session_id, len(write.after) + 1),", "(write.session_id, len(write.after)),",
+    _m("PG31", '{**rows, "tail": len(write.after) + 1}, "all"))',
+       '{**rows, "tail": len(write.after)}, "all"))',
        "the PostgreSQL store writes onto a whole Session that holds items before them"),
-    _m("PG32", "        yield from lock_steps(sql, locked_sessions([a]))\n", "        pass\n",
+    _m("PG32", "    sessions = [] if locked else locked_sessions([a])\n",
+       "    sessions = []\n",
        "the PostgreSQL store checks a Session's tail while another writer's rows, their ids "
        "taken, are not committed yet"),
+    _m("PG35", "                                  \"SELECT body FROM tail ORDER BY id\")",
+       "                                  \"SELECT body FROM tail ORDER BY id DESC\")",
+       "a checked write reads the Session's tail backwards and refuses writes that should "
+       "land"),
     _m("PA30", "            if sessions:  # every Session's lock before any run's row, outside "
                "the savepoints\n", "            if False:\n",
        "a group takes each Session's lock with its append, after other runs' rows: two "
        "stores' groups deadlock"),
-    _m("PG33", "    yield Query(sql.lock_session, (rows[\"session\"],), \"one\")  # (see "
-               "`Sql.lock_session`)\n", "",
+    _m("PA31", "                    begin = (\"SAVEPOINT one_append\",)",
+       "                    begin = ()",
+       "in a group, an append refused after one that landed rolls that one back too, "
+       "which its caller is told landed"),
+    _m("PG33", "    yield Batch((Query(sql.lock_session, (rows[\"session\"],), \"one\"),\n"
+               "                 Query(sql.add_items, rows)))",
+       "    yield Query(sql.add_items, rows)",
        "PostgresSession writes without the Session's lock: a check under way misses it"),
     _m("JO40", "            elif (journal is not None and journal.buffered\n",
        "            elif (False and journal is not None and journal.buffered\n",

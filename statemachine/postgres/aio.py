@@ -26,6 +26,7 @@ from statemachine.postgres.steps import (
     PIPELINE,
     Backend,
     Base,
+    Batch,
     Op,
     PreparedAppend,
     SessionMethods,
@@ -109,9 +110,10 @@ async def answer(cursor: psycopg.AsyncCursor[Any], want: str) -> Any:
 
 async def run_statements(conn: psycopg.AsyncConnection[Any], op: Op[T], *,
                          begin: Sequence[str] = ()) -> T:
-    """Run the statements ``op`` yields on ``conn``, sending each its answer, and return
-    what ``op`` returns; ``begin``: statements to run first (``BEGIN``, which opens a
-    transaction), pipelined with the first statement where libpq can."""
+    """Run the statements ``op`` yields on ``conn``, sending each its answer (a `Batch`
+    its answers, pipelined where libpq can), and return what ``op`` returns; ``begin``:
+    statements to run first (``BEGIN``, which opens a transaction), pipelined with the
+    first statement where libpq can."""
     if begin and not PIPELINE:
         for statement in begin:
             await conn.execute(statement)
@@ -119,18 +121,21 @@ async def run_statements(conn: psycopg.AsyncConnection[Any], op: Op[T], *,
     reply: Any = None
     while True:
         try:
-            q = op.send(reply)
+            step = op.send(reply)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
-        if begin:
+        queries = step.queries if isinstance(step, Batch) else (step,)
+        if PIPELINE and (begin or len(queries) > 1):
             async with conn.pipeline():
                 for statement in begin:
                     await conn.execute(statement)
-                cursor = await conn.execute(q.sql, q.params)
+                cursors = [await conn.execute(q.sql, q.params) for q in queries]
             begin = ()
         else:
-            cursor = await conn.execute(q.sql, q.params)
-        reply = await answer(cursor, q.want)
+            cursors = [await conn.execute(q.sql, q.params) for q in queries]
+        answers = [await answer(cursor, q.want) for cursor, q in zip(cursors, queries,
+                                                                       strict=True)]
+        reply = answers if isinstance(step, Batch) else answers[0]
 
 
 class _AsyncClient(Base):
@@ -522,9 +527,13 @@ class AsyncPostgresEventStore(_AsyncClient):
                     if not _in_transaction(conn):  # the group's transaction is lost
                         raise
                     await conn.execute("ROLLBACK TO SAVEPOINT one_append")
+                    begin = ()  # the savepoint, kept and empty, serves the next append
                 else:
                     written.append(i)
-                begin = ("RELEASE SAVEPOINT one_append", "SAVEPOINT one_append")
+                    # the next append's savepoint inside this one's, which is kept (not
+                    # released: a statement fewer); rolling back to it undoes the next
+                    # append alone
+                    begin = ("SAVEPOINT one_append",)
             if not written:
                 await conn.execute("ROLLBACK")
                 return outcomes

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import json
 import math
@@ -182,9 +183,20 @@ class Query:
     want: str = "none"
 
 
-Op = Generator[Query, Any, T]
-"""An operation, sans I/O: it yields statements and is sent their answers; the sync and
-the async store drive the same operations."""
+@attrs.frozen
+class Batch:
+    """Statements an operation sends together, none of them waiting for the answer of
+    another: its driver pipelines them (one round trip where libpq can) and sends back
+    their answers as a list, in order. The server still runs them one after another,
+    each statement seeing what the ones before it wrote; the first that fails ends the
+    batch with its error, and the statements after it are not run."""
+
+    queries: tuple[Query, ...]
+
+
+Op = Generator[Query | Batch, Any, T]
+"""An operation, sans I/O: it yields statements (a `Query`, or a `Batch` of them) and is
+sent their answers; the sync and the async store drive the same operations."""
 
 
 class Sql:
@@ -246,7 +258,7 @@ class Sql:
         now = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint"
         one = ("SELECT head.run_id, %(seq)s::bigint, %(batch)s, %(body)s FROM head")
         many = ("SELECT head.run_id, e.seq, %(batch)s, e.body FROM head CROSS JOIN "
-                "unnest(%(seqs)s::bigint[], %(bodies)s::text[]) AS e(seq, body)")
+                "unnest(%(seqs)s::bigint[], %(bodies)b::text[]) AS e(seq, body)")
         insert = f"INSERT INTO {events} (run_id, seq, batch_id, body) "
         first = (f"WITH head AS (INSERT INTO {runs} (run_id, version, owner, step, "
                  "session_id, updated_at, lease_owner, lease_until, lease, read_model, "
@@ -321,7 +333,7 @@ class Sql:
         # PostgresSession (and an append's session_write=)
         self.add_items = (f"INSERT INTO {items} (session_id, publication_id, body) "
                           "SELECT %(session)s, %(publication)s, t.body FROM "
-                          "unnest(%(bodies)s::text[]) WITH ORDINALITY AS t(body, n) "
+                          "unnest(%(bodies)b::text[]) WITH ORDINALITY AS t(body, n) "
                           "ORDER BY t.n")
         self.items = f"SELECT body FROM {items} WHERE session_id = %s ORDER BY id"
         # every write of this library's to a Session (an append's checked one, and
@@ -330,8 +342,20 @@ class Sql:
         # that got its rows' ids before it, committed
         key = items.replace("'", "''")
         self.lock_session = f"SELECT pg_advisory_xact_lock(hashtextextended('{key}:' || %s, 0))"
+        # the same locks, of several Sessions in one statement, taken in the array's order
+        self.lock_sessions = (f"SELECT count(pg_advisory_xact_lock(hashtextextended('{key}:' "
+                              "|| t.s, 0))) FROM (SELECT s FROM unnest(%s::text[]) WITH "
+                              "ORDINALITY AS u(s, n) ORDER BY n) AS t")
         self.items_tail = (f"SELECT body FROM (SELECT id, body FROM {items} WHERE "
                            "session_id = %s ORDER BY id DESC LIMIT %s) AS tail ORDER BY id")
+        # a checked write (`SessionWrite.after`) in one statement: it adds the items and
+        # answers the Session's last %(tail)s items as they were before it (the statement's
+        # one snapshot, in which its own rows are not), so that a moved tail refuses it,
+        # rolled back with its append
+        self.add_items_checked = (f"WITH tail AS (SELECT id, body FROM {items} WHERE "
+                                  "session_id = %(session)s ORDER BY id DESC LIMIT %(tail)s), "
+                                  f"added AS ({self.add_items}) "
+                                  "SELECT body FROM tail ORDER BY id")
         self.pop_item = (f"DELETE FROM {items} WHERE id = (SELECT max(id) FROM {items} "
                          "WHERE session_id = %s) RETURNING body")
         self.clear_session = f"DELETE FROM {items} WHERE session_id = %s"
@@ -487,39 +511,58 @@ def locked_sessions(group: Sequence[PreparedAppend]) -> list[str]:
 
 
 def lock_steps(sql: Sql, session_ids: Sequence[str]) -> Op[None]:
-    """Take the Sessions' locks (`Sql.lock_session`), in the order given."""
-    for session_id in session_ids:
-        yield Query(sql.lock_session, (session_id,), "one")
+    """Take the Sessions' locks (`Sql.lock_session`), in the order given, in one
+    statement."""
+    yield lock_query(sql, session_ids)
+
+
+def lock_query(sql: Sql, session_ids: Sequence[str]) -> Query:
+    """The statement that takes the Sessions' locks, in the order given."""
+    return Query(sql.lock_sessions, (list(session_ids),), "one")
 
 
 def append_steps(sql: Sql, a: PreparedAppend, *, locked: bool = False) -> Op[None]:
-    """The body of an append's transaction (its driver runs BEGIN and COMMIT). The locks
-    of the Sessions it checks come first (`locked_sessions`), unless its transaction
-    holds them already (``locked``: a group takes them all before its first append)."""
-    if not locked:
-        yield from lock_steps(sql, locked_sessions([a]))
+    """The body of an append's transaction (its driver runs BEGIN and COMMIT), its
+    statements sent as one `Batch`. The locks of the Sessions it checks come first
+    (`locked_sessions`), unless its transaction holds them already (``locked``: a group
+    takes them all before its first append). Then the run's own statement, then each
+    Session write (a checked one answering the tail it found), then the snapshot. The
+    answers are judged once all have run: a version the append did not expect first,
+    then each checked write's tail in order; either refusal raises, and the driver rolls
+    the whole append back (its transaction, or its savepoint in a group)."""
+    batch: list[Query] = []
+    sessions = [] if locked else locked_sessions([a])
+    if sessions:
+        batch.append(lock_query(sql, sessions))
     if a.count:
-        statement = sql.append[a.expected == 0, a.count == 1]
-        moved = yield Query(statement, a.params, "rowcount")
-        if moved != a.count:
+        batch.append(Query(sql.append[a.expected == 0, a.count == 1], a.params, "rowcount"))
+    else:
+        batch.append(Query(sql.lock_head, (a.run_id,), "one"))
+    head = len(batch) - 1
+    checked: list[tuple[SessionWrite, int]] = []
+    for position, rows in enumerate(a.items or ()):
+        write = a.tails[position] if a.tails else None
+        if write is None:
+            batch.append(Query(sql.add_items, rows))
+        else:  # the Session as the write was staged against, or refused
+            assert write.after is not None
+            checked.append((write, len(batch)))
+            batch.append(Query(sql.add_items_checked,
+                               {**rows, "tail": len(write.after) + 1}, "all"))
+    if a.snapshot is not None:
+        batch.append(Query(sql.snapshot, a.snapshot))
+    answers = yield Batch(tuple(batch))
+    if a.count:
+        if answers[head] != a.count:
             row = yield Query(sql.head_version, (a.run_id,), "one")
             raise refusal(a, row)
     else:
-        row = yield Query(sql.lock_head, (a.run_id,), "one")
-        version = 0 if row is None else row[0]
+        version = 0 if answers[head] is None else answers[head][0]
         if version != a.expected:
             raise lost_race(a.run_id, a.expected, version)
-    for position, rows in enumerate(a.items or ()):
-        write = a.tails[position] if a.tails else None
-        if write is not None:  # the Session as the write was staged against, or refused
-            assert write.after is not None
-            found = yield Query(sql.items_tail, (write.session_id, len(write.after) + 1),
-                                "all")
-            if session_moved(write, [body for (body,) in found]):
-                raise moved_refusal(write, a.run_id)
-        yield Query(sql.add_items, rows)
-    if a.snapshot is not None:
-        yield Query(sql.snapshot, a.snapshot)
+    for write, at in checked:
+        if session_moved(write, [body for (body,) in answers[at]]):
+            raise moved_refusal(write, a.run_id)
 
 
 def refusal(a: PreparedAppend, row: Any) -> ConcurrencyConflict:
@@ -840,20 +883,23 @@ def _get_items(sql: Sql, session_id: str, limit: int | None) -> Op[list[JSON]]:
     return [_item(body) for (body,) in rows]
 
 
+# each write takes the Session's lock first (see `Sql.lock_session`), in one batch with it
+
+
 def _add_items(sql: Sql, rows: dict[str, Any]) -> Op[None]:
-    yield Query(sql.lock_session, (rows["session"],), "one")  # (see `Sql.lock_session`)
-    yield Query(sql.add_items, rows)
+    yield Batch((Query(sql.lock_session, (rows["session"],), "one"),
+                 Query(sql.add_items, rows)))
 
 
 def _pop_item(sql: Sql, session_id: str) -> Op[JSON | None]:
-    yield Query(sql.lock_session, (session_id,), "one")
-    row = yield Query(sql.pop_item, (session_id,), "one")
+    _, row = yield Batch((Query(sql.lock_session, (session_id,), "one"),
+                          Query(sql.pop_item, (session_id,), "one")))
     return None if row is None else _item(row[0])  # damaged: refused, rolled back, kept
 
 
 def _clear_session(sql: Sql, session_id: str) -> Op[None]:
-    yield Query(sql.lock_session, (session_id,), "one")
-    yield Query(sql.clear_session, (session_id,))
+    yield Batch((Query(sql.lock_session, (session_id,), "one"),
+                 Query(sql.clear_session, (session_id,))))
 
 
 def _count(sql: Sql, session_id: str, publication_id: str) -> Op[int]:
@@ -861,9 +907,12 @@ def _count(sql: Sql, session_id: str, publication_id: str) -> Op[int]:
     return int(row[0])
 
 
-def _conninfo(dsn: str) -> dict[str, str] | str:
+@functools.lru_cache(maxsize=256)
+def _conninfo(dsn: str) -> tuple[tuple[str, str], ...] | str:
+    """A DSN's settings, to compare two DSNs by (parsed once per DSN: `publish` asks
+    `shares_transaction_with` at each publication)."""
     try:
-        return conninfo_to_dict(dsn)  # type: ignore[return-value]
+        return tuple(sorted(conninfo_to_dict(dsn).items()))  # type: ignore[arg-type]
     except psycopg.Error:
         return dsn
 

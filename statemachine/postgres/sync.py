@@ -25,6 +25,7 @@ from statemachine.postgres.steps import (
     PIPELINE,
     Backend,
     Base,
+    Batch,
     Op,
     PreparedAppend,
     SessionMethods,
@@ -84,9 +85,10 @@ def answer(cursor: psycopg.Cursor[Any], want: str) -> Any:
 
 def run_statements(conn: psycopg.Connection[Any], op: Op[T], *,
                    begin: Sequence[str] = ()) -> T:
-    """Run the statements ``op`` yields on ``conn``, sending each its answer, and return
-    what ``op`` returns; ``begin``: statements to run first (``BEGIN``, which opens a
-    transaction), pipelined with the first statement where libpq can."""
+    """Run the statements ``op`` yields on ``conn``, sending each its answer (a `Batch`
+    its answers, pipelined where libpq can), and return what ``op`` returns; ``begin``:
+    statements to run first (``BEGIN``, which opens a transaction), pipelined with the
+    first statement where libpq can."""
     if begin and not PIPELINE:
         for statement in begin:
             conn.execute(statement)
@@ -94,18 +96,21 @@ def run_statements(conn: psycopg.Connection[Any], op: Op[T], *,
     reply: Any = None
     while True:
         try:
-            q = op.send(reply)
+            step = op.send(reply)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
-        if begin:
+        queries = step.queries if isinstance(step, Batch) else (step,)
+        if PIPELINE and (begin or len(queries) > 1):
             with conn.pipeline():
                 for statement in begin:
                     conn.execute(statement)
-                cursor = conn.execute(q.sql, q.params)
+                cursors = [conn.execute(q.sql, q.params) for q in queries]
             begin = ()
         else:
-            cursor = conn.execute(q.sql, q.params)
-        reply = answer(cursor, q.want)
+            cursors = [conn.execute(q.sql, q.params) for q in queries]
+        answers = [answer(cursor, q.want) for cursor, q in zip(cursors, queries,
+                                                                       strict=True)]
+        reply = answers if isinstance(step, Batch) else answers[0]
 
 
 class _Client(Base):

@@ -27,7 +27,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from statemachine import ConcurrencyConflict, RunController, codec
+from statemachine import ConcurrencyConflict, ReconcileRejected, RunController, codec
 from statemachine import events as ev
 from statemachine.errors import StorageError
 from statemachine.postgres import AsyncPostgresEventStore, AsyncPostgresSession, PostgresEventStore
@@ -240,6 +240,61 @@ def test_session_items_ride_in_their_appends_savepoint(pg_dsn: str, pg_schema: s
                 assert items == [{"role": "user", "n": c.run_id}]
                 assert len(await store.load(c.run_id)) == c.version
             await session.close()
+        await store.close()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("pattern", ["LRRL", "RLLR", "RRRR", "LLLL", "RLRLR", "LRLRL"])
+def test_refusals_anywhere_in_a_group_undo_their_own_append_alone(
+        pg_dsn: str, pg_schema: str, pattern: str) -> None:
+    """A group's appends each run in a savepoint inside the one before (none released),
+    and a refused one is rolled back to its own. Every append writes to ONE Session,
+    checked against the items of the landing appends before it (``L`` in ``pattern``,
+    in run id order: the group's order); a refused one (``R``) is refused by a version
+    conflict (a rival flushed its run) or, every other one, by a tail it was not staged
+    against. If a refusal undid an earlier append, or left its own items behind, the
+    next landing append's tail would not match and it would be refused too: the outcome
+    of each, every run's log and the Session's items come from ``pattern`` alone."""
+    async def go() -> None:
+        store = _pg(pg_dsn, pg_schema)
+        run_ids = [f"run-{i}" for i in range(len(pattern))]
+        controllers = await _paused(store, run_ids)
+        logged = {c.run_id: list(c.events)[:c.version - c.unflushed] for c in controllers}
+        for i, c in enumerate(controllers):
+            if pattern[i] == "R" and i % 2 == 0:
+                rival = await RunController.load_async(store, c.run_id)
+                rival.claim("rival")
+                await rival.flush_async()
+                logged[c.run_id] = list(rival.events)
+        session = AsyncPostgresSession(pg_dsn, "shared", schema=pg_schema)
+        items = [{"role": "user", "n": i} for i in range(len(pattern))]
+        landing = [item for item, how in zip(items, pattern, strict=True) if how == "L"]
+        before = store.commits
+        async with _hold(store):
+            appends = []
+            for i, c in enumerate(controllers):
+                after = tuple(landing[:pattern[:i].count("L")])
+                if pattern[i] == "R" and i % 2:
+                    after = ({"role": "user", "n": "never written"},)
+                pending = list(c.events)[c.version - c.unflushed:]
+                write = SessionWrite("shared", f"{c.run_id}:{pending[0].seq}", (items[i],),
+                                     after=after, whole=True)
+                appends.append(asyncio.ensure_future(store.append(
+                    c.run_id, pending, pending[0].seq, session_write=write)))
+        outcomes = await _outcomes(appends)
+        assert store.commits == before + (1 if "L" in pattern else 0)
+        for i, (c, outcome) in enumerate(zip(controllers, outcomes, strict=True)):
+            if pattern[i] == "L":
+                assert outcome is None
+                logged[c.run_id] = list(c.events)
+            elif i % 2 == 0:
+                assert isinstance(outcome, ConcurrencyConflict)
+            else:
+                assert isinstance(outcome, ReconcileRejected)
+            assert await store.load(c.run_id) == logged[c.run_id]
+        assert await session.get_items() == landing
+        await session.close()
         await store.close()
 
     asyncio.run(go())

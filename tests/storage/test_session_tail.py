@@ -679,7 +679,15 @@ def test_an_append_takes_its_sessions_locks_before_its_runs_row() -> None:
     """PostgreSQL: every transaction takes the Sessions' locks it needs first, sorted,
     then the runs' rows (in run id order, in a group), so two stores' groups, or a group
     and a lone append, never wait on each other in a cycle."""
-    from statemachine.postgres.steps import Sql, append_steps, locked_sessions, prepare
+    from statemachine.postgres.steps import (
+        Batch,
+        Query,
+        Sql,
+        append_steps,
+        lock_steps,
+        locked_sessions,
+        prepare,
+    )
 
     sql = Sql("s")
     appends = []
@@ -688,12 +696,20 @@ def test_an_append_takes_its_sessions_locks_before_its_runs_row() -> None:
         write = SessionWrite(session_id, f"{run_id}:0", (NEW,), after=(), whole=True)
         appends.append(prepare(run_id, events, 0, None, None, write))
     assert locked_sessions(appends) == ["s-a", "s-b"]
-    steps = append_steps(sql, appends[0])
-    first = steps.send(None)
-    assert (first.sql, first.params) == (sql.lock_session, ("s-b",))
-    second = steps.send(None)
-    assert second.sql != sql.lock_session  # then the run's own statement
-    assert "pg_advisory_xact_lock" not in second.sql
+    batch = append_steps(sql, appends[0]).send(None)
+    assert isinstance(batch, Batch)  # one round trip
+    first, second, *rest = batch.queries
+    assert (first.sql, first.params) == (sql.lock_sessions, (["s-b"],))
+    assert "pg_advisory_xact_lock" not in second.sql  # then the run's own statement
+    assert "session_items" not in second.sql
+    assert [query.sql for query in rest] == [sql.add_items_checked]  # then its write
+    # a group's: one statement, in the sorted order, taken before its first append
+    locks = lock_steps(sql, locked_sessions(appends)).send(None)
+    assert isinstance(locks, Query)
+    assert (locks.sql, locks.params) == (sql.lock_sessions, (["s-a", "s-b"],))
+    grouped = append_steps(sql, appends[0], locked=True).send(None)
+    assert isinstance(grouped, Batch)
+    assert "pg_advisory_xact_lock" not in grouped.queries[0].sql
 
 
 def test_two_stores_groups_over_the_same_sessions_both_land(
