@@ -23,11 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import psycopg
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from statemachine import ReconcileRejected, RunController, SchemaError, Step
+from statemachine.errors import StorageError
 from statemachine.postgres import (
     AsyncPostgresEventStore,
     AsyncPostgresSession,
@@ -749,4 +751,60 @@ def test_two_stores_groups_over_the_same_sessions_both_land(
         assert len(await place.items("s-a")) == len(await place.items("s-b")) == 20
 
     with _places("pg-async", request) as place:
+        asyncio.run(go(place))
+
+
+@pytest.mark.parametrize(("kind", "how"), [("pg-sync", "refused"), ("pg-async", "refused"),
+                                         ("pg-async", "cancelled")])
+def test_an_append_stopped_in_the_middle_of_its_batch_leaves_nothing(
+        request: pytest.FixtureRequest, kind: str, how: str) -> None:
+    """PostgreSQL sends an append's statements in one pipeline (the Session's lock, the
+    run's statement, the checked Session write). Another session holds the run's head
+    row, so the run's statement waits: past the store's ``lock_timeout`` the server
+    refuses it (``refused``: the statements after it are not run), or the caller cancels
+    the append while it waits (``cancelled``: the async store without group commit; a
+    group's append, once taken, lands or fails with its group). Either way nothing of
+    the append is written and the Session's lock is let go (another writer's item goes
+    in), and the same store then makes the same append, staged after that item: it
+    lands once, its item once."""
+    async def go(place: Place) -> None:
+        await _ready(place)
+        store = (store_class(place.dsn, schema=place.schema, lock_timeout=0.3)
+                 if how == "refused" else
+                 AsyncPostgresEventStore(place.dsn, schema=place.schema, lock_timeout=None,
+                                         group_commit=False))
+        c = RunController.start(run_id="r", session_id=SESSION)
+        first = list(c.events)
+        await _maybe(store.append("r", first, 0))
+        c.begin_model_call()
+        later = list(c.events)[len(first):]
+        write = SessionWrite(SESSION, f"r:{len(first)}", (NEW,), after=(), whole=True)
+        with psycopg.connect(place.dsn, autocommit=True) as rival:
+            rival.execute("BEGIN")
+            rival.execute(f'SELECT 1 FROM "{place.schema}".runs WHERE run_id = %s FOR UPDATE',
+                          ("r",))
+            if how == "refused":
+                with pytest.raises(StorageError) as refused:
+                    await _maybe(store.append("r", later, len(first), session_write=write))
+                assert refused.value.outcome == "not_written"
+            else:
+                appending = asyncio.ensure_future(
+                    store.append("r", later, len(first), session_write=write))
+                await asyncio.sleep(0.3)
+                assert not appending.done()  # waiting for the head row
+                appending.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await appending
+            assert await place.items() == []
+            await asyncio.wait_for(place.write(RIVAL), 10)  # the lock is not held
+            assert await place.version("r") == len(first)
+            rival.execute("ROLLBACK")
+        write = SessionWrite(SESSION, f"r:{len(first)}", (NEW,), after=(RIVAL,), whole=True)
+        await _maybe(store.append("r", later, len(first), session_write=write))
+        assert await place.items() == [RIVAL, NEW]
+        assert await place.version("r") == len(first) + len(later)
+        await _closed(store)
+
+    store_class = PostgresEventStore if kind == "pg-sync" else AsyncPostgresEventStore
+    with _places(kind, request) as place:
         asyncio.run(go(place))
