@@ -769,10 +769,10 @@ def test_an_append_stopped_in_the_middle_of_its_batch_leaves_nothing(
     lands once, its item once."""
     async def go(place: Place) -> None:
         await _ready(place)
-        store = (store_class(place.dsn, schema=place.schema, lock_timeout=0.3)
-                 if how == "refused" else
-                 AsyncPostgresEventStore(place.dsn, schema=place.schema, lock_timeout=None,
-                                         group_commit=False))
+        store: Any = (store_class(place.dsn, schema=place.schema, lock_timeout=0.3)
+                      if how == "refused" else
+                      AsyncPostgresEventStore(place.dsn, schema=place.schema,
+                                              lock_timeout=None, group_commit=False))
         c = RunController.start(run_id="r", session_id=SESSION)
         first = list(c.events)
         await _maybe(store.append("r", first, 0))
