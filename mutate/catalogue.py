@@ -972,6 +972,19 @@ CATALOGUE: tuple[Mutant, ...] = (
        "                    begin = ()",
        "in a group, an append refused after one that landed rolls that one back too, "
        "which its caller is told landed"),
+    _m("PA32", "                UNPREPARED.add(conn)\n", "                pass\n",
+       "a statement behind another in a pipeline is prepared: when the one before it fails, "
+       "psycopg counts it prepared while the server skipped it, and every later append "
+       "fails"),
+    _m("PA33", "                                        a.params, prepare=prepared(conn))",
+       "                                        a.params)",
+       "an append of events alone uses a statement psycopg counts as prepared while the "
+       "server skipped its PREPARE in a refused pipeline: every such append fails"),
+    _m("PG36", "    answers = yield Batch(tuple(batch))\n    if a.count:",
+       "    if a.snapshot is not None:\n        batch.append(Query(sql.snapshot, a.snapshot))\n"
+       "    answers = yield Batch(tuple(batch))\n    if a.count:",
+       "a stale append writes its snapshot before its version is judged: it waits for the "
+       "snapshot row an append in flight holds, and fails with StorageError"),
     _m("PG33", "    yield Batch((Query(sql.lock_session, (rows[\"session\"],), \"one\"),\n"
                "                 Query(sql.add_items, rows)))",
        "    yield Query(sql.add_items, rows)",

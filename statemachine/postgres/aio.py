@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
@@ -69,6 +70,18 @@ T = TypeVar("T")
 BEGIN = ("BEGIN",)
 """What `run_statements` runs first to open a transaction."""
 
+UNPREPARED: weakref.WeakSet[Any] = weakref.WeakSet()
+"""The connections on which a pipeline failed or was cancelled: nothing is prepared on
+them any more. psycopg prepares a statement it has run a few times, and in a pipeline it
+counts the statement prepared as soon as it sends the PREPARE; when a statement before it
+fails, the server skips that PREPARE, and every later use of the name would fail."""
+
+
+def prepared(conn: Any) -> bool | None:
+    """``prepare=`` for a statement on ``conn``: never on a connection in `UNPREPARED`,
+    else psycopg's choice."""
+    return False if conn in UNPREPARED else None
+
 
 # ------------------------------------------------------------------------- driver
 
@@ -125,14 +138,20 @@ async def run_statements(conn: psycopg.AsyncConnection[Any], op: Op[T], *,
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
         queries = step.queries if isinstance(step, Batch) else (step,)
+        prepare = prepared(conn)
         if PIPELINE and (begin or len(queries) > 1):
-            async with conn.pipeline():
-                for statement in begin:
-                    await conn.execute(statement)
-                cursors = [await conn.execute(q.sql, q.params) for q in queries]
+            try:
+                async with conn.pipeline():
+                    for statement in begin:
+                        await conn.execute(statement, prepare=prepare)
+                    cursors = [await conn.execute(q.sql, q.params, prepare=prepare)
+                               for q in queries]
+            except BaseException:
+                UNPREPARED.add(conn)
+                raise
             begin = ()
         else:
-            cursors = [await conn.execute(q.sql, q.params) for q in queries]
+            cursors = [await conn.execute(q.sql, q.params, prepare=prepare) for q in queries]
         answers = [await answer(cursor, q.want) for cursor, q in zip(cursors, queries,
                                                                        strict=True)]
         reply = answers if isinstance(step, Batch) else answers[0]
@@ -405,7 +424,7 @@ class AsyncPostgresEventStore(_AsyncClient):
                                 **where) from error
         try:
             cursor = await conn.execute(self._sql.append[a.expected == 0, a.count == 1],
-                                        a.params)
+                                        a.params, prepare=prepared(conn))
             moved = cursor.rowcount
         except psycopg.errors.UniqueViolation:  # the log is ahead of its head
             raise lost_race(a.run_id, a.expected, a.expected + 1) from None

@@ -526,10 +526,11 @@ def append_steps(sql: Sql, a: PreparedAppend, *, locked: bool = False) -> Op[Non
     statements sent as one `Batch`. The locks of the Sessions it checks come first
     (`locked_sessions`), unless its transaction holds them already (``locked``: a group
     takes them all before its first append). Then the run's own statement, then each
-    Session write (a checked one answering the tail it found), then the snapshot. The
-    answers are judged once all have run: a version the append did not expect first,
-    then each checked write's tail in order; either refusal raises, and the driver rolls
-    the whole append back (its transaction, or its savepoint in a group)."""
+    Session write (a checked one answering the tail it found). The answers are judged
+    once all have run: a version the append did not expect first, then each checked
+    write's tail in order; either refusal raises, and the driver rolls the whole append
+    back (its transaction, or its savepoint in a group). The snapshot, if any, is
+    written after that, on its own."""
     batch: list[Query] = []
     sessions = [] if locked else locked_sessions([a])
     if sessions:
@@ -549,8 +550,6 @@ def append_steps(sql: Sql, a: PreparedAppend, *, locked: bool = False) -> Op[Non
             checked.append((write, len(batch)))
             batch.append(Query(sql.add_items_checked,
                                {**rows, "tail": len(write.after) + 1}, "all"))
-    if a.snapshot is not None:
-        batch.append(Query(sql.snapshot, a.snapshot))
     answers = yield Batch(tuple(batch))
     if a.count:
         if answers[head] != a.count:
@@ -563,6 +562,9 @@ def append_steps(sql: Sql, a: PreparedAppend, *, locked: bool = False) -> Op[Non
     for write, at in checked:
         if session_moved(write, [body for (body,) in answers[at]]):
             raise moved_refusal(write, a.run_id)
+    if a.snapshot is not None:  # only once the run's statement moved its head: a stale
+        # append must not wait for the snapshot row an append in flight holds
+        yield Query(sql.snapshot, a.snapshot)
 
 
 def refusal(a: PreparedAppend, row: Any) -> ConcurrencyConflict:

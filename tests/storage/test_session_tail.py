@@ -28,7 +28,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from statemachine import ReconcileRejected, RunController, SchemaError, Step
+from statemachine import ConcurrencyConflict, ReconcileRejected, RunController, SchemaError, Step
 from statemachine.errors import StorageError
 from statemachine.postgres import (
     AsyncPostgresEventStore,
@@ -806,5 +806,154 @@ def test_an_append_stopped_in_the_middle_of_its_batch_leaves_nothing(
         await _closed(store)
 
     store_class = PostgresEventStore if kind == "pg-sync" else AsyncPostgresEventStore
+    with _places(kind, request) as place:
+        asyncio.run(go(place))
+
+
+@pytest.mark.parametrize("kind", ["pg-sync", "pg-async"])
+def test_a_statement_behind_a_refused_one_in_a_batch_stays_usable(
+        request: pytest.FixtureRequest, kind: str) -> None:
+    """psycopg prepares a statement once it has run it a few times; in a pipeline it
+    counts the statement as prepared as soon as it sends the PREPARE, and when a
+    statement before it in the pipeline fails the server skips that PREPARE. So a
+    Session write behind a run's statement refused by ``lock_timeout`` could leave the
+    write's statement "prepared" on the client and missing on the server, and every
+    later append with a Session write on that connection failed. Here the append at
+    position ``k`` is refused (another session holds the run's head row), for every
+    ``k`` around psycopg's threshold, each on a connection of its own (the Session's
+    lock held instead, at even positions: the batch's first statement fails): every
+    other append lands, and so does an append of events alone after it (one statement,
+    the run's statement of the batch), and the Session holds exactly their items."""
+    from statemachine.postgres.steps import Sql
+
+    async def go(place: Place) -> None:
+        await _ready(place)
+        for k in range(2, 10):
+            store: Any = (PostgresEventStore if kind == "pg-sync" else AsyncPostgresEventStore)(
+                place.dsn, schema=place.schema, lock_timeout=0.2, **(
+                    {} if kind == "pg-sync" else {"group_commit": False}))
+            landed: list[Any] = []
+            for n in range(12):
+                run_id, session_id = f"{k}-{n}", f"s-{k}"
+                c = RunController.start(run_id=run_id, session_id=session_id)
+                first = list(c.events)
+                await _maybe(store.append(run_id, first, 0))
+                c.begin_model_call()
+                later = list(c.events)[len(first):]
+                item = {"n": n}
+                write = SessionWrite(session_id, f"{run_id}:{len(first)}", (item,),
+                                     after=tuple(landed[-1:]), whole=not landed)
+                if n in (1, k):  # (1: the first ROLLBACK, which psycopg clears its cache on)
+                    with psycopg.connect(place.dsn, autocommit=True) as rival:
+                        rival.execute("BEGIN")
+                        if n % 2:  # the run's head row: its statement fails
+                            rival.execute(f'SELECT 1 FROM "{place.schema}".runs '
+                                          "WHERE run_id = %s FOR UPDATE", (run_id,))
+                        else:  # the Session's lock: the first statement fails
+                            rival.execute(Sql(place.schema).lock_session, (session_id,))
+                        with pytest.raises(StorageError):
+                            await _maybe(store.append(run_id, later, len(first),
+                                                      session_write=write))
+                        rival.execute("ROLLBACK")
+                    continue
+                await _maybe(store.append(run_id, later, len(first), session_write=write))
+                landed.append(item)
+                c.model_responded(output="done")  # and an append of events alone (one statement)
+                more = list(c.events)[len(first) + len(later):]
+                await _maybe(store.append(run_id, more, len(first) + len(later)))
+                assert await place.version(run_id) == len(c.events)
+            assert await place.items(f"s-{k}") == landed
+            assert len(landed) == 10
+            await _closed(store)
+
+    with _places(kind, request) as place:
+        asyncio.run(go(place))
+
+
+@pytest.mark.parametrize("kind", ["pg-sync", "pg-async"])
+def test_a_stale_append_with_a_snapshot_is_refused_without_waiting(
+        request: pytest.FixtureRequest, kind: str) -> None:
+    """An append made from a version the run has moved past, carrying a snapshot, while
+    another transaction (an append of the run in flight) holds the run's snapshot row:
+    it is refused with `ConcurrencyConflict` at once. Its snapshot is written only once
+    its run's statement moved the head; written before, it waited for that row and
+    ended in `StorageError` at the ``lock_timeout``."""
+    async def go(place: Place) -> None:
+        await _ready(place)
+        store: Any = (PostgresEventStore if kind == "pg-sync" else AsyncPostgresEventStore)(
+            place.dsn, schema=place.schema, lock_timeout=1.0)
+        c = RunController.start(run_id="r", session_id=SESSION)
+        first = list(c.events)
+        await _maybe(store.append("r", first, 0))
+        c.begin_model_call()
+        later = list(c.events)[len(first):]
+        await _maybe(store.append("r", later, len(first)))  # the run is ahead
+        with psycopg.connect(place.dsn, autocommit=True) as rival:
+            rival.execute("BEGIN")
+            rival.execute(f'INSERT INTO "{place.schema}".snapshots VALUES (%s, 9, %s, %s) '
+                          "ON CONFLICT (run_id) DO UPDATE SET body = EXCLUDED.body",
+                          ("r", "{}", "d"))
+            with pytest.raises(ConcurrencyConflict):
+                await _maybe(store.append("r", later, len(first),
+                                          snapshot=c.state.snapshot()))
+            rival.execute("ROLLBACK")
+        assert await place.version("r") == len(first) + len(later)
+        await _closed(store)
+
+    with _places(kind, request) as place:
+        asyncio.run(go(place))
+
+
+@pytest.mark.parametrize("kind", ["pg-sync", "pg-async"])
+def test_an_append_alone_after_a_refused_batch_uses_no_statement_it_skipped(
+        request: pytest.FixtureRequest, kind: str) -> None:
+    """The run's statement of a batch is also the whole of an append of events alone. A
+    batch whose first statement (the Session's lock) is refused past ``lock_timeout``
+    skips the rest, the PREPARE psycopg may have sent for the run's statement among them:
+    the same append then made without its Session write (one statement, not pipelined)
+    must land. One append is refused first, its Session having moved (psycopg forgets
+    what it prepared on the first ROLLBACK it sees, and only then), ``k`` land, then one
+    is refused by the lock, for every ``k`` around psycopg's threshold, each time on a
+    connection of its own."""
+    from statemachine.postgres.steps import Sql
+
+    async def go(place: Place) -> None:
+        await _ready(place)
+        for k in range(1, 10):
+            store: Any = (PostgresEventStore if kind == "pg-sync" else AsyncPostgresEventStore)(
+                place.dsn, schema=place.schema, lock_timeout=0.2, **(
+                    {} if kind == "pg-sync" else {"group_commit": False}))
+            for n in range(k + 2):
+                run_id = session_id = f"{k}-{n}"
+                c = RunController.start(run_id=run_id, session_id=session_id)
+                first = list(c.events)
+                await _maybe(store.append(run_id, first, 0))
+                c.begin_model_call()
+                later = list(c.events)[len(first):]
+                write = SessionWrite(session_id, f"{run_id}:{len(first)}", (NEW,),
+                                     after=(), whole=True)
+                if 0 < n <= k:
+                    await _maybe(store.append(run_id, later, len(first),
+                                              session_write=write))
+                    continue
+                if n == 0:
+                    moved = SessionWrite(session_id, f"{run_id}:{len(first)}", (NEW,),
+                                         after=(RIVAL,), whole=True)
+                    with pytest.raises(ReconcileRejected):
+                        await _maybe(store.append(run_id, later, len(first),
+                                                  session_write=moved))
+                    continue
+                with psycopg.connect(place.dsn, autocommit=True) as rival:
+                    rival.execute("BEGIN")
+                    rival.execute(Sql(place.schema).lock_session, (session_id,))
+                    with pytest.raises(StorageError):
+                        await _maybe(store.append(run_id, later, len(first),
+                                                  session_write=write))
+                    rival.execute("ROLLBACK")
+                await _maybe(store.append(run_id, later, len(first)))
+                assert await place.version(run_id) == len(c.events)
+                assert await place.items(session_id) == []
+            await _closed(store)
+
     with _places(kind, request) as place:
         asyncio.run(go(place))
