@@ -754,6 +754,17 @@ def test_two_stores_groups_over_the_same_sessions_both_land(
         asyncio.run(go(place))
 
 
+async def _started(store: Any, run_id: str, session_id: str
+                   ) -> tuple[RunController, list[Any], list[Any]]:
+    """A run whose first event is in ``store``, and its next (a model call begun, not
+    appended): the controller, the events appended, the events to append next."""
+    c = RunController.start(run_id=run_id, session_id=session_id)
+    first = list(c.events)
+    await _maybe(store.append(run_id, first, 0))
+    c.begin_model_call()
+    return c, first, list(c.events)[len(first):]
+
+
 @pytest.mark.parametrize(("kind", "how"), [("pg-sync", "refused"), ("pg-async", "refused"),
                                          ("pg-async", "cancelled")])
 def test_an_append_stopped_in_the_middle_of_its_batch_leaves_nothing(
@@ -773,11 +784,7 @@ def test_an_append_stopped_in_the_middle_of_its_batch_leaves_nothing(
                       if how == "refused" else
                       AsyncPostgresEventStore(place.dsn, schema=place.schema,
                                               lock_timeout=None, group_commit=False))
-        c = RunController.start(run_id="r", session_id=SESSION)
-        first = list(c.events)
-        await _maybe(store.append("r", first, 0))
-        c.begin_model_call()
-        later = list(c.events)[len(first):]
+        _, first, later = await _started(store, "r", SESSION)
         write = SessionWrite(SESSION, f"r:{len(first)}", (NEW,), after=(), whole=True)
         with psycopg.connect(place.dsn, autocommit=True) as rival:
             rival.execute("BEGIN")
@@ -835,11 +842,7 @@ def test_a_statement_behind_a_refused_one_in_a_batch_stays_usable(
             landed: list[Any] = []
             for n in range(12):
                 run_id, session_id = f"{k}-{n}", f"s-{k}"
-                c = RunController.start(run_id=run_id, session_id=session_id)
-                first = list(c.events)
-                await _maybe(store.append(run_id, first, 0))
-                c.begin_model_call()
-                later = list(c.events)[len(first):]
+                c, first, later = await _started(store, run_id, session_id)
                 item = {"n": n}
                 write = SessionWrite(session_id, f"{run_id}:{len(first)}", (item,),
                                      after=tuple(landed[-1:]), whole=not landed)
@@ -882,11 +885,7 @@ def test_a_stale_append_with_a_snapshot_is_refused_without_waiting(
         await _ready(place)
         store: Any = (PostgresEventStore if kind == "pg-sync" else AsyncPostgresEventStore)(
             place.dsn, schema=place.schema, lock_timeout=1.0)
-        c = RunController.start(run_id="r", session_id=SESSION)
-        first = list(c.events)
-        await _maybe(store.append("r", first, 0))
-        c.begin_model_call()
-        later = list(c.events)[len(first):]
+        c, first, later = await _started(store, "r", SESSION)
         await _maybe(store.append("r", later, len(first)))  # the run is ahead
         with psycopg.connect(place.dsn, autocommit=True) as rival:
             rival.execute("BEGIN")
@@ -925,11 +924,7 @@ def test_an_append_alone_after_a_refused_batch_uses_no_statement_it_skipped(
                     {} if kind == "pg-sync" else {"group_commit": False}))
             for n in range(k + 2):
                 run_id = session_id = f"{k}-{n}"
-                c = RunController.start(run_id=run_id, session_id=session_id)
-                first = list(c.events)
-                await _maybe(store.append(run_id, first, 0))
-                c.begin_model_call()
-                later = list(c.events)[len(first):]
+                c, first, later = await _started(store, run_id, session_id)
                 write = SessionWrite(session_id, f"{run_id}:{len(first)}", (NEW,),
                                      after=(), whole=True)
                 if 0 < n <= k:
