@@ -754,6 +754,15 @@ def test_two_stores_groups_over_the_same_sessions_both_land(
         asyncio.run(go(place))
 
 
+def _lone_store(place: Place, lock_timeout: float | None) -> Any:
+    """A PostgreSQL store of ``place``'s kind whose appends are each a transaction of
+    their own (the async one without group commit)."""
+    if place.kind == "pg-sync":
+        return PostgresEventStore(place.dsn, schema=place.schema, lock_timeout=lock_timeout)
+    return AsyncPostgresEventStore(place.dsn, schema=place.schema, lock_timeout=lock_timeout,
+                                   group_commit=False)
+
+
 async def _started(store: Any, run_id: str, session_id: str
                    ) -> tuple[RunController, list[Any], list[Any]]:
     """A run whose first event is in ``store``, and its next (a model call begun, not
@@ -780,10 +789,7 @@ def test_an_append_stopped_in_the_middle_of_its_batch_leaves_nothing(
     lands once, its item once."""
     async def go(place: Place) -> None:
         await _ready(place)
-        store: Any = (store_class(place.dsn, schema=place.schema, lock_timeout=0.3)
-                      if how == "refused" else
-                      AsyncPostgresEventStore(place.dsn, schema=place.schema,
-                                              lock_timeout=None, group_commit=False))
+        store = _lone_store(place, 0.3 if how == "refused" else None)
         _, first, later = await _started(store, "r", SESSION)
         write = SessionWrite(SESSION, f"r:{len(first)}", (NEW,), after=(), whole=True)
         with psycopg.connect(place.dsn, autocommit=True) as rival:
@@ -812,7 +818,6 @@ def test_an_append_stopped_in_the_middle_of_its_batch_leaves_nothing(
         assert await place.version("r") == len(first) + len(later)
         await _closed(store)
 
-    store_class = PostgresEventStore if kind == "pg-sync" else AsyncPostgresEventStore
     with _places(kind, request) as place:
         asyncio.run(go(place))
 
@@ -836,9 +841,7 @@ def test_a_statement_behind_a_refused_one_in_a_batch_stays_usable(
     async def go(place: Place) -> None:
         await _ready(place)
         for k in range(3, 9):
-            store: Any = (PostgresEventStore if kind == "pg-sync" else AsyncPostgresEventStore)(
-                place.dsn, schema=place.schema, lock_timeout=0.2, **(
-                    {} if kind == "pg-sync" else {"group_commit": False}))
+            store = _lone_store(place, 0.2)
             landed: list[Any] = []
             for n in range(10):
                 run_id, session_id = f"{k}-{n}", f"s-{k}"
@@ -883,8 +886,7 @@ def test_a_stale_append_with_a_snapshot_is_refused_without_waiting(
     ended in `StorageError` at the ``lock_timeout``."""
     async def go(place: Place) -> None:
         await _ready(place)
-        store: Any = (PostgresEventStore if kind == "pg-sync" else AsyncPostgresEventStore)(
-            place.dsn, schema=place.schema, lock_timeout=1.0)
+        store = _lone_store(place, 1.0)
         c, first, later = await _started(store, "r", SESSION)
         await _maybe(store.append("r", later, len(first)))  # the run is ahead
         with psycopg.connect(place.dsn, autocommit=True) as rival:
@@ -919,9 +921,7 @@ def test_an_append_alone_after_a_refused_batch_uses_no_statement_it_skipped(
     async def go(place: Place) -> None:
         await _ready(place)
         for k in range(3, 9):
-            store: Any = (PostgresEventStore if kind == "pg-sync" else AsyncPostgresEventStore)(
-                place.dsn, schema=place.schema, lock_timeout=0.2, **(
-                    {} if kind == "pg-sync" else {"group_commit": False}))
+            store = _lone_store(place, 0.2)
             for n in range(k + 2):
                 run_id = session_id = f"{k}-{n}"
                 c, first, later = await _started(store, run_id, session_id)
