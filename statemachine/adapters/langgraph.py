@@ -761,7 +761,13 @@ class ToolLedger(HeldRuns):
         if edits:
             self._repropose(c, calls, edits, {call_id for call_id, kind, _ in planned
                                               if kind == "approve"})
-        c.flush()  # decisions are durable before anything acts on them
+        if planned:
+            c.flush()  # decisions are durable before anything acts on them
+        # else each was recorded before (by the other resumer of the same interrupt, a
+        # replayed value, the operator): a flush would append only this attempt's claim,
+        # superseding the attempt that recorded them, and then neither would go on (the
+        # checkpoint's write decides between two resumers; the claim rides with the next
+        # write, the tool's start)
         return bool(edits)
 
     def _repropose(self, c: RunController, calls: list[dict[str, Any]],

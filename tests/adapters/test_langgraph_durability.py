@@ -211,10 +211,96 @@ def test_two_processes_resume_the_same_approval_at_once(tmp_path: Path, mode: st
         assert ran == 2
         assert outcomes == [(0, None), (0, None)]
         return
-    assert ran == 1
-    assert sorted(code for code, _ in outcomes) == [0, 3]
+    assert ran == 1, outcomes
+    assert sorted(code for code, _ in outcomes) == [0, 3], outcomes
     assert {refused for _, refused in outcomes} - {None} <= {"ConcurrencyConflict",
                                                             "ToolInDoubt"}
+
+
+@pytest.mark.invariant("I1", "I7")
+def test_a_resumer_finding_the_approval_recorded_leaves_the_other_to_go_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race above in the order that once stopped both resumers (two in-process
+    resumers on the same files, each with its own ledger and saver): B has loaded the
+    paused run and waits before its decision; A approves, writes its checkpoint and
+    stops before its charge's start is made durable; B then finds the approval recorded
+    (and agrees), is refused at its checkpoint write, and must have appended nothing: its
+    claim alone would have superseded A, whose start was then refused too, and the
+    charge never ran. A goes on: the charge runs once."""
+    import threading
+
+    from langchain_core.messages import HumanMessage
+    from langgraph.checkpoint.sqlite import SqliteSaver
+    from langgraph.types import Command
+
+    from statemachine import ConcurrencyConflict
+    from statemachine.adapters import langgraph as adapter
+    from statemachine.adapters._calls import begin_call
+    from tests.drivers.langgraph_driver import SCRIPT, ScriptedModel, build, make_tools
+
+    path = tmp_path / "effects.txt"
+    config = {"configurable": {"thread_id": "t1"}}
+
+    def resumer() -> tuple[Any, adapter.ToolLedger]:
+        saver = SqliteSaver(sqlite3.connect(tmp_path / "checkpoints.db",
+                                            check_same_thread=False, timeout=30))
+        ledger = adapter.ToolLedger(SQLiteEventStore(str(tmp_path / "ledger.db")),
+                                    approvals=["charge"])
+        graph = build("ledger", make_tools(path), ScriptedModel(script=SCRIPT),
+                      adapter.OneWriterSaver(saver, ledger=ledger), ledger=ledger,
+                      review=True)
+        return graph, ledger
+
+    starter, _ = resumer()
+    starter.invoke({"messages": [HumanMessage("charge me 7")]}, config, durability="sync")
+    (first, a_ledger), (second, b_ledger) = resumer(), resumer()
+    (pending,) = first.get_state(config).interrupts
+    value = {item["call_id"]: adapter.decision("approve", item["fingerprint"])
+             for item in pending.value["pending"]}
+
+    b_deciding, a_starting, b_ended = (threading.Event() for _ in range(3))
+    loads = {"b": 0}
+    b_controller = b_ledger.controller
+
+    def b_loads(run_id: str, **options: Any) -> RunController:
+        loads["b"] += 1
+        if loads["b"] == 2:  # the review's second look, with the resume value in hand
+            b_deciding.set()
+            assert a_starting.wait(60)
+        return b_controller(run_id, **options)
+
+    monkeypatch.setattr(b_ledger, "controller", b_loads)
+
+    def a_begins(c: RunController, *args: Any) -> Any:
+        if c is a_ledger._runs.get(RUN):  # (A's tool node runs it on a worker thread)
+            a_starting.set()
+            assert b_ended.wait(60)
+        return begin_call(c, *args)
+
+    monkeypatch.setattr(adapter, "begin_call", a_begins)
+    told: dict[str, Any] = {}
+
+    def resume(name: str, graph: Any) -> None:
+        try:
+            told[name] = graph.invoke(Command(resume=value), config, durability="sync")
+        except BaseException as error:  # (judged below, on this thread)
+            told[name] = error
+        finally:
+            if name == "b":
+                b_ended.set()
+
+    threads = {name: threading.Thread(target=resume, args=(name, graph))
+               for name, graph in (("b", second), ("a", first))}
+    threads["b"].start()
+    assert b_deciding.wait(60)  # B loaded the run before A recorded anything
+    threads["a"].start()
+    for thread in threads.values():
+        thread.join(60)
+    assert isinstance(told["b"], ConcurrencyConflict), told
+    assert not isinstance(told["a"], BaseException), told
+    assert told["a"]["messages"][-1].content == "done"
+    assert effects(path) == ["charge 7"]
+    assert a_ledger.controller(RUN).phase("call-charge") is Phase.PUBLISHED
 
 
 # ------------------------------------------------------- LangGraph's PostgresSaver
