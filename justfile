@@ -6,9 +6,10 @@ set shell := ["bash", "-uc"]
 
 python := "python"
 
-# Run the test suite (the CI profile of the property tests when CI is set).
+# Run the test suite (the CI profile of the property tests when CI is set), one worker
+# per core, each test module on one worker (`just test -n 0` runs it in this process).
 test *args:
-    {{python}} -m pytest "$@"
+    {{python}} -m pytest -n auto --dist loadscope "$@"
 
 # The invariant index: the tests marked with each of I1-I12 (collection only, nothing runs;
 # `--markdown` for the README's table). Fails when an invariant has no test.

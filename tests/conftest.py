@@ -144,9 +144,30 @@ def _skip_reason(report: pytest.TestReport) -> str:
 # ------------------------------------------------------- stateful steps (DESIGN §6.9)
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """The number of stateful steps the Hypothesis world machines ran in this session."""
+_WORKER_STEPS: list[int] = []
+"""The stateful steps each pytest-xdist worker ran (`just test` runs one per core)."""
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """On a pytest-xdist worker: hand the steps it ran to the controlling process."""
     from statemachine.testing.explore import STEPS
 
-    if STEPS["stateful"]:
-        terminalreporter.write_line(f"stateful steps executed: {STEPS['stateful']}")
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        output["stateful_steps"] = STEPS["stateful"]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """pytest-xdist's: a worker ended; keep the steps it ran."""
+    _WORKER_STEPS.append(int(getattr(node, "workeroutput", {}).get("stateful_steps", 0)))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The number of stateful steps the Hypothesis world machines ran in this session, in
+    this process and its workers."""
+    from statemachine.testing.explore import STEPS
+
+    steps = STEPS["stateful"] + sum(_WORKER_STEPS)
+    if steps:
+        terminalreporter.write_line(f"stateful steps executed: {steps}")
