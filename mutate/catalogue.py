@@ -1811,6 +1811,10 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("LG20", "    claim_at_open = False", "    claim_at_open = True",
        "a resumer that finds nothing to record supersedes the resumer that goes on: of two, "
        "neither goes on"),
+    _m("LG21", "        if planned:\n            c.flush()  # decisions are durable before anything",
+       "        if True:\n            c.flush()  # decisions are durable before anything",
+       "a resumer that finds the decisions recorded appends its claim alone: it supersedes "
+       "the resumer that recorded them, and of two neither goes on"),
     # ------------------------------------------------------------------ google-adk
     _m("GA01", "                c.flush()  # an effect boundary: the start is durable before "
                "the body\n",
