@@ -1811,8 +1811,8 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("LG20", "    claim_at_open = False", "    claim_at_open = True",
        "a resumer that finds nothing to record supersedes the resumer that goes on: of two, "
        "neither goes on"),
-    _m("LG21", "        if planned:\n            c.flush()  # decisions are durable before anything",
-       "        if True:\n            c.flush()  # decisions are durable before anything",
+    _m("LG21", "        if planned:\n            c.flush()  # decisions are durable before",
+       "        if True:\n            c.flush()  # decisions are durable before",
        "a resumer that finds the decisions recorded appends its claim alone: it supersedes "
        "the resumer that recorded them, and of two neither goes on"),
     # ------------------------------------------------------------------ google-adk
