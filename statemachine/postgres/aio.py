@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import weakref
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
@@ -25,6 +24,7 @@ from statemachine.postgres.steps import (
     LOAD,
     LOCK_TIMEOUT,
     PIPELINE,
+    UNPREPARED,
     Backend,
     Base,
     Batch,
@@ -46,6 +46,7 @@ from statemachine.postgres.steps import (
     one,
     one_statement,
     prepare,
+    prepared,
     probe_steps,
     refusal,
 )
@@ -69,19 +70,6 @@ T = TypeVar("T")
 
 BEGIN = ("BEGIN",)
 """What `run_statements` runs first to open a transaction."""
-
-UNPREPARED: weakref.WeakSet[Any] = weakref.WeakSet()
-"""The connections on which a pipeline failed or was cancelled: nothing is prepared on
-them any more. psycopg prepares a statement it has run a few times, and in a pipeline it
-counts the statement prepared as soon as it sends the PREPARE; when a statement before it
-fails, the server skips that PREPARE, and every later use of the name would fail."""
-
-
-def prepared(conn: Any) -> bool | None:
-    """``prepare=`` for a statement on ``conn``: never on a connection in `UNPREPARED`,
-    else psycopg's choice."""
-    return False if conn in UNPREPARED else None
-
 
 # ------------------------------------------------------------------------- driver
 

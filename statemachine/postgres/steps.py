@@ -194,6 +194,19 @@ class Batch:
     queries: tuple[Query, ...]
 
 
+UNPREPARED: weakref.WeakSet[Any] = weakref.WeakSet()
+"""The connections on which a pipeline failed or was cancelled: nothing is prepared on
+them any more. psycopg prepares a statement it has run a few times, and in a pipeline it
+counts the statement prepared as soon as it sends the PREPARE; when a statement before it
+fails, the server skips that PREPARE, and every later use of the name would fail."""
+
+
+def prepared(conn: Any) -> bool | None:
+    """``prepare=`` for a statement on ``conn``: never on a connection in `UNPREPARED`,
+    else psycopg's choice."""
+    return False if conn in UNPREPARED else None
+
+
 Op = Generator[Query | Batch, Any, T]
 """An operation, sans I/O: it yields statements (a `Query`, or a `Batch` of them) and is
 sent their answers; the sync and the async store drive the same operations."""
