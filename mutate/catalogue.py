@@ -1994,6 +1994,10 @@ CATALOGUE: tuple[Mutant, ...] = (
        "the answer to a call of a tool the agent lacks is not made durable before ADK "
        "uses it: a crash right after ADK appends it leaves the ledger without the call "
        "the session answered"),
+    _m("GA38", "            if not self._unsettled(run_id):\n                return\n",
+       "",
+       "a user's message claims the run (the claim flushed alone) before its write decides "
+       "between two resumers: the loser supersedes the winner, and neither goes on"),
     # ------------------------------------------------------------------ telemetry
     _m("TE01", "    span = None if spans is None or not switch.telemetry else "
                "spans.calls.get(call_id)",

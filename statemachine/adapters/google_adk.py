@@ -172,6 +172,7 @@ from statemachine.adapters._calls import (
     plain,
     record_result,
     resolution,
+    stored_run,
 )
 from statemachine.controller import RunController
 from statemachine.errors import (
@@ -424,11 +425,32 @@ class LedgerPlugin(HeldRuns, BasePlugin):
     async def _settle(self, session: Any, service: BaseSessionService) -> None:
         """Before a user's message is written to ``session``: a session append left
         unsettled is reconciled first (I2: no new input while a write is unsettled; the
-        message would change the tail its reconcile reads, for good)."""
+        message would change the tail its reconcile reads, for good). A run with nothing
+        to settle is not claimed here: the claim would be flushed alone, before the
+        message's write decides between two writers, and a loser of that write would
+        supersede its winner, so that neither went on (`before_run_callback` claims the
+        run once the message is written)."""
+        run_id = self.run_id_of(session)
         with self._lock:
-            c = self.controller(self.run_id_of(session))
+            if not self._unsettled(run_id):
+                return
+            c = self.controller(run_id)
         if c.step is Step.UNSETTLED:
             await self._reconcile(c, session, service)
+
+    def _unsettled(self, run_id: str) -> bool:
+        """Whether the run is ``UNSETTLED``, read without claiming it: from the copy this
+        process holds when no other process wrote since, else from the store."""
+        held = self._runs.get(run_id)
+        if held is not None:
+            try:
+                held.fence()
+            except ControlError:  # another process wrote (the copy is loaded again later)
+                pass
+            else:
+                return held.step is Step.UNSETTLED
+        stored = stored_run(self.store, run_id, buffered=True)
+        return stored is not None and stored.step is Step.UNSETTLED
 
     async def _reconcile(self, c: RunController, session: Any,
                          service: BaseSessionService) -> None:

@@ -461,3 +461,69 @@ def test_a_resumer_claiming_while_the_other_writes_leaves_both_refused_and_the_n
     assert effects(path) == ["charge 5"]
     assert _responses(tmp_path) == ["c1"]
     assert _texts(tmp_path)[-1:] == ["done"]
+
+
+@pytest.mark.invariant("I1", "I7")
+def test_a_resumer_whose_message_is_refused_never_supersedes_the_one_that_wrote_it(
+        tmp_path: Path) -> None:
+    """Two resumers of one confirmation (each sends it as the user's message): B reads
+    the session for its message's check before A's message lands, then waits; A writes
+    its message and claims the run (its ``before_run_callback``); B goes on, finds
+    nothing to settle and has its message refused as stale. B must have appended
+    nothing: settling claimed the run and flushed the claim alone, which superseded A,
+    whose tool callback was then refused too, and the wire never ran (neither went on).
+    Two runners in one process, each with its own ledger store and ADK session service
+    on the same files, stand for the two processes; the gates fix the order."""
+    from google.adk.sessions.sqlite_session_service import SqliteSessionService
+
+    from statemachine.adapters.google_adk import LedgerPlugin, OneWriterSessionService
+    from tests.drivers.adk_driver import confirmation_requests, response, text
+
+    path = tmp_path / "effects.txt"
+
+    def side(*plugins: BasePlugin) -> tuple[Runner, LedgerPlugin]:
+        plugin = LedgerPlugin(SQLiteEventStore(str(tmp_path / "ledger.db")))
+        service = OneWriterSessionService(
+            SqliteSessionService(str(tmp_path / "sessions.db")), plugin=plugin)
+        runner, _, _ = build(path, [("w1", "wire", {"amount": 7})], tools=["wire"],
+                             service=service, plugins=[plugin, *plugins], resumable=True)
+        return runner, plugin
+
+    async def attempt(runner: Runner, message: Any) -> str:
+        try:
+            await run(runner, message)
+        except ConcurrencyConflict:
+            return "conflict"
+        return "ok"
+
+    async def scenario() -> tuple[str, str]:
+        starter, _ = side()
+        await starter.session_service.create_session(app_name=APP, user_id=USER,
+                                                     session_id=SESSION)
+        request, payload = confirmation_requests(await run(starter, text("go")))["w1"]
+        confirm = response(request, "adk_request_confirmation",
+                           {"confirmed": True, "payload": payload})
+        a = _Held()
+        ra, _ = side(a)
+        rb, b_plugin = side()
+        b_checked = asyncio.Event()
+        settle = b_plugin._settle
+
+        async def b_settles(session: Any, service: BaseSessionService) -> None:
+            b_checked.set()  # B's check read the session without A's message
+            await a.claimed.wait()
+            await settle(session, service)
+
+        b_plugin._settle = b_settles  # type: ignore[method-assign]
+        later = asyncio.create_task(attempt(rb, confirm))
+        await b_checked.wait()
+        first = asyncio.create_task(attempt(ra, confirm))
+        await a.claimed.wait()  # A's message written, the run claimed
+        b_outcome = await later
+        a.go.set()
+        return await first, b_outcome
+
+    assert asyncio.run(scenario()) == ("ok", "conflict")
+    assert effects(path) == ["wire 7"]
+    assert RunController.load(SQLiteEventStore(str(tmp_path / "ledger.db")),
+                              RUN).phase("w1") is Phase.PUBLISHED
