@@ -440,13 +440,15 @@ class LedgerPlugin(HeldRuns, BasePlugin):
 
     def _unsettled(self, run_id: str) -> bool:
         """Whether the run is ``UNSETTLED``, read without claiming it: from the copy this
-        process holds when no other process wrote since, else from the store."""
+        process holds when no other process wrote since, else from the store (a copy
+        another process wrote past is dropped, as `controller` would replace it: the
+        next attempt loads the run again, and claims it)."""
         held = self._runs.get(run_id)
         if held is not None:
             try:
                 held.fence()
-            except ControlError:  # another process wrote (the copy is loaded again later)
-                pass
+            except ControlError:  # another process wrote: the copy stopped
+                self._runs.pop(run_id, None)
             else:
                 return held.step is Step.UNSETTLED
         stored = stored_run(self.store, run_id, buffered=True)
