@@ -223,8 +223,9 @@ def bench_row(args: Any) -> dict[str, Any]:
 # ------------------------------------------------------------- the durable one-tool turn
 
 DURABLE_MODES = ("SDK alone, its messages saved to SQLite after the turn",
-                 "MessageToolLedger on SQLite, the messages saved so too")
-DURABLE_PG = "PostgreSQL: MessageToolLedger on PostgresEventStore"
+                 "MessageToolLedger on SQLite, the messages in its history (the store's file)")
+DURABLE_PG = ("PostgreSQL: MessageToolLedger on PostgresEventStore, its history a "
+              "PostgresSession")
 
 
 def _paying_client(ran: list[int]) -> tuple[Any, Any]:
@@ -258,16 +259,20 @@ def _paying_client(ran: list[int]) -> tuple[Any, Any]:
 
 
 def _durable_turn(store: Any, run_id: str, kept: Any) -> None:
-    """One turn of the messages loop, alone (``store`` None) or through the ledger; the
-    messages then saved to ``kept`` (a SQLite connection) in one transaction, as a caller
-    keeping the conversation would (neither the SDK nor the ledger keeps it)."""
+    """One turn of the messages loop, alone (``store`` None: the messages then saved to
+    ``kept``, a SQLite connection, in one transaction, as a caller keeping the
+    conversation would; the SDK keeps none) or through the ledger, the conversation kept
+    in its history (``kept``: a Session the store writes in its own transaction), written
+    with the run's end."""
     from statemachine.adapters.anthropic import MessageToolLedger
 
     ran: list[int] = []
     client, pay = _paying_client(ran)
     params: dict[str, Any] = {"model": "bench", "max_tokens": 16, "tools": [pay.to_dict()]}
-    ledger = None if store is None else MessageToolLedger.open(run_id, [pay], store=store)
-    history: list[Any] = [{"role": "user", "content": "pay 7"}]
+    ledger = None if store is None else MessageToolLedger.open(run_id, [pay], store=store,
+                                                               history=kept)
+    history: list[Any] = [*([] if ledger is None else ledger.messages),
+                          {"role": "user", "content": "pay 7"}]
     while True:
         reply = (client.messages.create(messages=history, **params) if ledger is None
                  else ledger.create(client.messages, messages=history, **params))
@@ -281,6 +286,10 @@ def _durable_turn(store: Any, run_id: str, kept: Any) -> None:
     client.close()
     if reply.content[0].text != "paid 7" or ran != [7]:
         raise RuntimeError(f"the Anthropic turn went wrong: ran {ran}")
+    if ledger is not None:
+        if ledger.messages[-1]["content"][0]["text"] != "paid 7":
+            raise RuntimeError("the Anthropic turn's history lacks its final reply")
+        return
     history.append({"role": "assistant", "content": reply.content})
     with kept:
         kept.execute("INSERT INTO messages VALUES (?, ?)", (run_id, json.dumps(
@@ -288,15 +297,16 @@ def _durable_turn(store: Any, run_id: str, kept: Any) -> None:
 
 
 def durable_row(args: Any = None) -> dict[str, Any]:
-    """The durable one-tool turn through `MessageToolLedger` (the messages loop; the
-    caller keeps the messages, as with the SDK alone) beside the SDK alone, on one mock
-    transport: the ledger's durable writes per turn (`SQLiteEventStore.commits`; on
+    """The durable one-tool turn through `MessageToolLedger` (the messages loop) beside
+    the SDK alone, on one mock transport: the ledger's durable writes per turn
+    (`SQLiteEventStore.commits` and the history's own, `SQLiteSession.commits`; on
     PostgreSQL the server's WAL flushes, as `bench.durable_rows` counts them) and the CPU
     per turn (``time.process_time``) against the SDK alone's, turn by turn in turn. The
-    conversation is the caller's on both sides, saved to SQLite after the turn (one
-    write); on SQLite the turn's writes are that and the ledger's (DESIGN §7.9: <= 3), on
-    PostgreSQL the ledger's alone; CPU <= 1.3x the SDK alone's. ImportError without
-    ``anthropic``; ``--quick`` leaves it out."""
+    conversation is kept on both sides: by the SDK alone's caller, saved to SQLite after
+    the turn (one write); by the ledger in its history (``history=``: a `SQLiteSession`
+    on the store's file, a `PostgresSession` on its schema), written with the run's end
+    in the same append. DESIGN §7.9: <= 3 writes; CPU <= 1.3x the SDK alone's.
+    ImportError without ``anthropic``; ``--quick`` leaves it out."""
     from bench.framework_rows import QUICK
 
     if getattr(args, "quick", False):  # (--quick has 20 s for every row)
@@ -312,6 +322,7 @@ def durable_row(args: Any = None) -> dict[str, Any]:
         _turns,
         _wal_syncs,
     )
+    from statemachine.sqlite import SQLiteSession
     from statemachine.stores import SQLiteEventStore
 
     logging.getLogger("anthropic").setLevel(logging.WARNING)
@@ -328,34 +339,37 @@ def durable_row(args: Any = None) -> dict[str, Any]:
         commits = 0
         for i in range(turns + 1):  # (the first warms up)
             for mode in DURABLE_MODES:
+                ours = mode != DURABLE_MODES[0]
+                history = SQLiteSession(f"chat-{i}", Path(folder) / "events.db")
                 before = store.commits
                 start, cpu = time.perf_counter(), time.process_time()
-                _durable_turn(None if mode == DURABLE_MODES[0] else store,
-                              f"{mode[:3]}-{i}", kept)
+                _durable_turn(store if ours else None, f"{mode[:3]}-{i}",
+                              history if ours else kept)
                 if i:
                     times[mode].append(time.perf_counter() - start)
                     cpus[mode].append(time.process_time() - cpu)
-                    commits += store.commits - before
+                    commits += store.commits - before + history.commits
+                history.close()
         store.close()
         kept.close()
-    for mode in DURABLE_MODES:  # (the messages' save is one write on each side)
+    for mode in DURABLE_MODES:  # (the SDK alone's save is one write)
         rows[mode] = {"writes_per_turn": 1.0 if mode == DURABLE_MODES[0]
-                      else round(1 + commits / turns, 2),
+                      else round(commits / turns, 2),
                       "turn_ms": round(statistics.median(times[mode]) * 1000, 2),
                       "cpu_ms": round(statistics.median(cpus[mode]) * 1000, 2)}
     with _server(args) as (dsn, schema, skipped):
         if dsn is None:
             rows[DURABLE_PG] = {"skipped": skipped}
         else:
-            from statemachine.postgres import PostgresEventStore
+            from statemachine.postgres import PostgresEventStore, PostgresSession
 
             with schema() as name:
                 syncs = _counting_from(dsn, name)
                 pg = PostgresEventStore(dsn, schema=name)
-                kept = sqlite3.connect(":memory:")  # (the ledger's flushes alone counted)
-                kept.execute("CREATE TABLE messages (run_id TEXT, body TEXT)")
                 for i in range(turns + 1):
-                    _durable_turn(pg, f"run-{i}", kept)
+                    on_pg = PostgresSession(dsn, f"chat-{i}", schema=name)
+                    _durable_turn(pg, f"run-{i}", on_pg)
+                    on_pg.close()
                 ended = _pid(pg)
                 pg.close()
                 rows[DURABLE_PG] = {"writes_per_turn": round(

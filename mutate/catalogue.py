@@ -251,7 +251,8 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
                                            "tests/adapters/test_anthropic_resumed.py",
                                            "tests/adapters/test_anthropic_settled.py",
                                            "tests/adapters/test_anthropic_corners.py",
-                                           "tests/adapters/test_anthropic_session_corners.py"),
+                                           "tests/adapters/test_anthropic_session_corners.py",
+                                           "tests/adapters/test_anthropic_history.py"),
     # the durability files run each row in fresh processes (kill -9, two resumers): last
     "statemachine/adapters/langgraph.py": ("tests/adapters/test_langgraph.py",
                                            "tests/adapters/test_langgraph_corners.py",
@@ -1172,9 +1173,12 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("PU01", 'elif kind == "function_call" and call_id not in answered:',
        'elif kind == "function_call":',
        "one_writer blocks on a call that has its output"),
-    _m("PU02", "    limit = len(items) + 1\n    if known is not None",
-       "    limit = len(items)\n    if known is not None",
+    _m("PU02", "        limit = len(items) + 1\n        while True:",
+       "        limit = len(items)\n        while True:",
        "publish reads one history item too few"),
+    _m("PU17", "    limit = len(items) + 1\n    while not _staged",
+       "    limit = len(items)\n    while not _staged",
+       "a publication staged against the Session a runner keeps takes one item too few"),
     _m("PU03", "    await controller.flush_async()  # an effect boundary: the staged envelope "
                "is durable\n", "",
        "the Session is written before the envelope is durable"),
@@ -1208,8 +1212,7 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("PU14", "    elif isinstance(store, AsyncSQLiteEventStore) and _reads_through_store(store, "
                "session):\n", "    elif False:\n",
        "a Session beside an async store is read on a thread of its own, not the store's"),
-    _m("PU16", "    await _write(controller, session, items, ride=ride, "
-               "after=(tuple(tail), whole))",
+    _m("PU16", "    await _write(controller, session, items, ride=ride, after=after)",
        "    await _write(controller, session, items, ride=ride)",
        "a publication's write does not carry the tail it was staged against: it lands on a "
        "Session another writer moved"),
@@ -1221,8 +1224,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        "            ):",
        "a write to a Session outside the store's transaction is taken over: a stalled writer "
        "could still land it, twice"),
-    _m("PU15", "            if whole or TOO_SHORT not in refused.reason:",
-       "            if whole:",
+    _m("PU15", "        if whole or TOO_SHORT not in refused.reason:",
+       "        if whole:",
        "a publication refused for another reason reads the Session again and again"),
     # -------------------------------------------------------------- runner/remote
     _m("RE01", 'answered = {e.call_id for e in history if e.kind == "tool_result"}',
@@ -1418,7 +1421,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        "the ledger records a tool's result before an outer capability rewrites it"),
     _m("PD03", "        if not self.run._driving:\n", "        if False:\n",
        "run_stream / iter with the capability run tools no one publishes"),
-    _m("PD04", "            _same_history(controller, history)\n", "            pass\n",
+    _m("PD04", "            same_history(controller, history, \"passing message_history to "
+               "run()\")\n", "            pass\n",
        "a run opened with another history"),
     _m("PD05", "            return _rebuilt(cached)\n", "            return cached\n",
        "a resent result is its JSON form, not what pydantic-ai sent"),
@@ -1725,6 +1729,20 @@ CATALOGUE: tuple[Mutant, ...] = (
        "                c.flush_results()\n",
        "a sync tool runner's replies are not kept: a retry from an older history is "
        "refused, the run left to an operator"),
+    _m("AN35", "        self._goes_on(messages)\n        self.check_history(messages)",
+       "        self.check_history(messages)",
+       "a request that does not go on from the history is sent: the end would write after "
+       "it a conversation the model never had"),
+    _m("AN36", "                c._journal.stop(InvalidTransition, reason)\n", "",
+       "an end whose staging failed leaves the final answer buffered: the next flush lands "
+       "it without its conversation"),
+    _m("AN37", "        return [*(_message(message) for message in messages[len(known):]),\n"
+               "                _message({\"role\": \"assistant\", \"content\": "
+               "_field(reply, \"content\")})]",
+       "        return [_message(message) for message in messages[len(known):]]",
+       "the history is written without the final reply"),
+    _m("AN38", "    elif not buffered:\n", "    elif False:\n",
+       "a per-event run keeps a history: its staging lands apart from the commit"),
     # ------------------------------------------------------------------- langgraph
     _m("LG01", "                c.flush()  # an effect boundary: the start is durable before "
                "the body\n",

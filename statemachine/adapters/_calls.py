@@ -68,6 +68,33 @@ class UnsupportedFeature(ControlError, ValueError):
         return {"feature": self.feature}
 
 
+class HistoryMismatch(ReconcileRejected):
+    """The history the run was opened with is not the run's: another Session, none for a
+    run that writes to one, or one for a run started without. Refused when the run is
+    opened, before anything is recorded; open it with its own history. Also messages that
+    do not go on from the run's history (pydantic-ai: ``message_history`` that is no stop
+    of a run without a history; Anthropic: a request whose messages do not begin with the
+    conversation its history holds): refused before anything runs or is sent."""
+
+
+def same_history(c: RunController, history: Session | None, carried: str) -> None:
+    """`HistoryMismatch` unless ``history`` is the history the run writes to; ``carried``
+    says how a run without one is given its messages."""
+    given = None if history is None else history.session_id
+    if given == c.session_id:
+        return
+    if c.session_id is None:
+        reason = (f"the run was started without a history (the caller carries its messages), "
+                  f"and was opened with history {given!r}: open it without one, {carried}")
+    elif given is None:
+        reason = (f"the run writes its messages to history {c.session_id!r} and was opened "
+                  "without a history: open it with that history")
+    else:
+        reason = (f"the history {given!r} is not the run's history {c.session_id!r}: open "
+                  "the run with its own history; nothing was recorded")
+    raise HistoryMismatch(reason, run_id=c.run_id, step=c.step, action="open")
+
+
 class InvalidVerifier(ConfigurationError):
     """A verifier an adapter was given when the run was opened that it cannot use: one
     naming no tool of the run (``tool`` names it), one for an idempotent tool (its calls

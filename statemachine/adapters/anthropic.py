@@ -139,6 +139,7 @@ except ModuleNotFoundError as error:  # pragma: no cover - the extra is installe
     raise missing_extra(__name__, "anthropic", error) from error
 
 from statemachine.adapters._calls import (
+    HistoryMismatch,
     InvalidVerifier,
     UnsupportedFeature,
     Walk,
@@ -150,6 +151,7 @@ from statemachine.adapters._calls import (
     plain,
     resolution,
     resolving,
+    same_history,
     stored_run,
 )
 from statemachine.controller import RunController
@@ -164,7 +166,15 @@ from statemachine.errors import (
 )
 from statemachine.payloads import JSON, canonical_json
 from statemachine.runner.attempt import VERIFY_TIMEOUT, Attempt, interrupted, maybe_await
-from statemachine.stores import AsyncEventStore, EventStore
+from statemachine.runner.publish import stage_known
+from statemachine.sessions import Session
+from statemachine.stores import (
+    AsyncEventStore,
+    EventStore,
+    SessionWrite,
+    checks_session_tail,
+    takes_session_write,
+)
 from statemachine.structured_logging import run_logger, switch
 from statemachine.values import Phase, Resolution, Step, ToolCall
 from statemachine.verifiers import (
@@ -175,6 +185,7 @@ from statemachine.verifiers import (
 )
 
 __all__ = [
+    "HistoryMismatch",
     "InvalidVerifier",
     "LedgerSessionToolRunner",
     "MessageToolLedger",
@@ -288,14 +299,52 @@ def _content_of(value: Any) -> JSON:
         return str(value)
 
 
-def _open_sync(run_id: str, store: EventStore | None, buffered: bool
-               ) -> tuple[RunController, bool]:
+def _open_sync(run_id: str, store: EventStore | None, buffered: bool,
+               history: Session | None = None) -> tuple[RunController, bool]:
     buffered = buffered and store is not None
     loaded = None if store is None else stored_run(store, run_id, buffered=buffered)
     if loaded is not None:
+        same_history(loaded, history, "keeping the messages yourself")
         return loaded, True
-    return RunController.start(run_id=run_id, session_id=None, store=store,
-                               buffered=buffered), False
+    return RunController.start(run_id=run_id, session_id=None if history is None
+                               else history.session_id, store=store, buffered=buffered), False
+
+
+def _reads_sessions(store: EventStore) -> bool:
+    """Whether ``store`` reads a Session's items in this thread (``session_items``: the
+    SQLite and PostgreSQL stores; their async faces read in a coroutine)."""
+    read = getattr(store, "session_items", None)
+    return callable(read) and not inspect.iscoroutinefunction(read)
+
+
+def _refuse_history(history: Session | None, store: EventStore | None, buffered: bool,
+                    run_id: str) -> None:
+    """`UnsupportedFeature` (``feature="history"``) for a history `MessageToolLedger` cannot
+    write with the run's end in one transaction: its conversation is written in the
+    store's append that completes the run, or not at all, so the Session must be one the
+    store writes in its own transaction (`SQLiteSession` on a `SQLiteEventStore`'s file,
+    `PostgresSession` on a `PostgresEventStore`'s schema) and checks the tail of (a write
+    onto a Session another writer moved is refused whole), and the run must be buffered
+    (per event, the staging would land apart from the commit)."""
+    if history is None:
+        return
+    shares = getattr(history, "shares_transaction_with", None)
+    if store is None:
+        why = "without a store"
+    elif not buffered:
+        why = "per event (buffered=False): its staging would land apart from the commit"
+    elif not (callable(shares) and shares(store) and takes_session_write(store)
+              and checks_session_tail(store) and _reads_sessions(store)):
+        why = (f"in a Session the store does not write in its own transaction "
+               f"({type(history).__name__} {excerpt(str(history.session_id))} beside "
+               f"{type(store).__name__}): give a SQLiteSession on the store's file, or a "
+               "PostgresSession on its schema")
+    else:
+        return
+    raise UnsupportedFeature(
+        f"the conversation cannot be kept in a history {why}; it is written with the "
+        "run's end in one transaction, or not at all. Nothing was opened",
+        feature="history", run_id=run_id, action="open")
 
 
 async def _open_async(run_id: str, store: EventStore | AsyncEventStore | None, buffered: bool
@@ -473,10 +522,12 @@ def _digests(messages: Iterable[Any]) -> list[JSON]:
             for message in messages]
 
 
-def _finished(c: RunController, output: JSON) -> bool:
+def _finished(c: RunController, output: JSON, end: Callable[[], None] | None = None
+              ) -> bool:
     """Record ``output`` as the run's final output and complete it, when nothing is left
     to run or post (True); otherwise record nothing (False). Each step goes on from where
-    an earlier process that died recording the end left it."""
+    an earlier process that died recording the end left it. ``end``: what completes a run
+    with a Session (its last publication), in place of ``complete``."""
     if c.in_flight or c.in_doubt() or c.unpublished_call_ids():
         return c.step is Step.COMPLETED
     if c.step is Step.RUN_AGAIN:
@@ -487,7 +538,10 @@ def _finished(c: RunController, output: JSON) -> bool:
     if c.step in (Step.TOOLS, Step.FINALIZING):
         c.accept_final_output(output)
     if c.step is Step.FINAL_OUTPUT:
-        c.complete()
+        if end is None:
+            c.complete()
+        else:
+            end()
     return c.step is Step.COMPLETED
 
 
@@ -823,6 +877,12 @@ def _stale(c: RunController, missing: Sequence[str], why: str) -> StaleHistory:
 _THINKING = frozenset({"thinking", "redacted_thinking"})
 
 
+def _message(message: Any) -> JSON:
+    """A message as a history keeps it: its ``role`` and ``content`` as the SDK sends
+    them (an SDK reply appended whole and its ``to_param()`` are one message)."""
+    return _sendable({"role": _field(message, "role"), "content": _field(message, "content")})
+
+
 def _turn_key(messages: Sequence[Any]) -> str:
     """A request's messages as the SDK sends them (role and content: an SDK reply appended
     whole and its ``to_param()`` are one message), as one digest."""
@@ -858,9 +918,20 @@ class MessageToolLedger:
     """
 
     def __init__(self, controller: RunController, tools: Sequence[Any] = (), *,
-                 idempotent: Collection[str] = (), owner: str | None = None) -> None:
+                 idempotent: Collection[str] = (), owner: str | None = None,
+                 history: Session | None = None) -> None:
         _refuse_mcp(tools, controller.run_id, "open", controller.step)
         self.controller = controller
+        self.history = history
+        """The Session the conversation is kept in (`open`'s ``history``), or None."""
+        self._known: list[JSON] | None = None
+        """The history's items as this ledger read them when it opened, followed by what
+        it wrote since (the Session has one writer); None without a history."""
+        same_history(controller, history, "keeping the messages yourself")
+        if history is not None:
+            store = cast(EventStore, controller.store)
+            _refuse_history(history, store, controller._journal.buffered, controller.run_id)
+            self._known = list(cast(Any, store).session_items(history.session_id))
         self.owner = owner
         """Who claims the run (`open`, `resolve_in_doubt`, `abandon`)."""
         self.tools: dict[str, Any] = {str(tool.name): tool for tool in tools}
@@ -875,8 +946,8 @@ class MessageToolLedger:
 
     @classmethod
     def open(cls, run_id: str, tools: Sequence[Any] = (), *, store: EventStore | None = None,
-             idempotent: Collection[str] = (), owner: str | None = None,
-             buffered: bool = True,
+             history: Session | None = None, idempotent: Collection[str] = (),
+             owner: str | None = None, buffered: bool = True,
              verifiers: Mapping[str, Verifier] | None = None) -> MessageToolLedger:
         """The ledger of run ``run_id``: loaded from ``store`` when it holds it (and claimed
         by ``owner``: of two processes that loaded the same version one goes on; a
@@ -894,19 +965,21 @@ class MessageToolLedger:
         checked = checked_verifiers(verifiers, _names(tools), idempotent=idempotent,
                                     run_id=run_id, sync_only="MessageToolLedger.open_async")
         _refuse_mcp(tools, run_id, "open")  # before any load or claim
-        controller, existing = _open_sync(run_id, store, buffered)
+        _refuse_history(history, store, buffered, run_id)
+        controller, existing = _open_sync(run_id, store, buffered, history)
         if existing and controller.step is not Step.COMPLETED:
             controller.claim(owner)
             controller.flush()  # durable before any effect, the verifiers' questions too
             if checked:
                 verify_in_doubt(controller, checked)
                 controller.flush()
-        return cls(controller, tools, idempotent=idempotent, owner=owner)
+        return cls(controller, tools, idempotent=idempotent, owner=owner, history=history)
 
     @classmethod
     async def open_async(cls, run_id: str, tools: Sequence[Any] = (), *,
-                         store: EventStore | None = None, idempotent: Collection[str] = (),
-                         owner: str | None = None, buffered: bool = True,
+                         store: EventStore | None = None, history: Session | None = None,
+                         idempotent: Collection[str] = (), owner: str | None = None,
+                         buffered: bool = True,
                          verifiers: Mapping[str, Verifier] | None = None,
                          verify_timeout: float | None = VERIFY_TIMEOUT) -> MessageToolLedger:
         """`open` for verifiers that may be async (for a loop on ``client.messages`` of an
@@ -914,14 +987,15 @@ class MessageToolLedger:
         seconds, after which its call stays in doubt."""
         checked = checked_verifiers(verifiers, _names(tools), idempotent=idempotent,
                                     run_id=run_id)
-        controller, existing = _open_sync(run_id, store, buffered)
+        _refuse_history(history, store, buffered, run_id)
+        controller, existing = _open_sync(run_id, store, buffered, history)
         if existing and controller.step is not Step.COMPLETED:
             controller.claim(owner)
             await controller.flush_async()
             if checked:
                 await verify_in_doubt_async(controller, checked, timeout=verify_timeout)
                 await controller.flush_async()
-        return cls(controller, tools, idempotent=idempotent, owner=owner)
+        return cls(controller, tools, idempotent=idempotent, owner=owner, history=history)
 
     # --------------------------------------------------------------- the operator
 
@@ -946,6 +1020,77 @@ class MessageToolLedger:
         decide(c, by if by is not None else self.owner, abandoning(reason, by=by))
 
     # ------------------------------------------------------------------ history
+
+    @property
+    def messages(self) -> list[JSON]:
+        """The conversation the history holds (``history`` given at `open`), as this
+        ledger read it when it opened, with the turns it wrote since: each message its
+        ``role`` and ``content`` as the SDK sends them (a copy). A request goes on from
+        it: ``messages=ledger.messages + [new user message]``. Empty without a history."""
+        return [] if self._known is None else json.loads(json.dumps(self._known))
+
+    def _goes_on(self, messages: Sequence[Any]) -> None:
+        """`HistoryMismatch` (nothing sent) unless ``messages`` begin with the
+        conversation the history holds: the run's end writes the messages after it there
+        (`_conversation`), so a request built on another start would write a
+        conversation the model never had."""
+        known = self._known
+        if known is None:
+            return
+        n = len(known)
+        head = list(messages[:n])
+        if len(head) == n and head == known:
+            return
+        try:
+            if len(head) == n and [_message(message) for message in head] == known:
+                return
+        except (TypeError, ValueError, RecursionError):
+            pass  # not a message the SDK could send: not the history's
+        c = self.controller
+        raise HistoryMismatch(
+            f"the request's messages do not begin with the {n} message(s) the history "
+            f"{excerpt(str(c.session_id))} holds: the run's end writes its messages after "
+            "them; send ledger.messages followed by the new turn. Nothing was sent",
+            run_id=c.run_id, step=c.step, action="create")
+
+    def _conversation(self, messages: Sequence[Any], reply: Any) -> list[JSON] | None:
+        """The messages the run's end writes to the history: the request's after what
+        the history holds, and the final reply; None without a history."""
+        known = self._known
+        if known is None:
+            return None
+        return [*(_message(message) for message in messages[len(known):]),
+                _message({"role": "assistant", "content": _field(reply, "content")})]
+
+    def _end_with(self, items: list[JSON]) -> Callable[[], None]:
+        """What completes the run with a history (see `_finished`): ``items`` staged as
+        the run's last publication against the history as this ledger knows it, and
+        committed with their write riding with the end's flush, one transaction: the
+        conversation lands with the run's end, or neither does."""
+        def end() -> None:
+            c = self.controller
+            known = self._known
+            assert known is not None
+            assert self.history is not None
+            try:
+                tail, whole = stage_known(c, items, known)
+                publication_id = c.publication_id
+                assert publication_id is not None
+                c.publication_committed(session_write=SessionWrite(
+                    self.history.session_id, publication_id, tuple(items), tail, whole),
+                    ride=True)
+            except BaseException as error:
+                # the final answer is recorded in this controller, and must not land
+                # without its conversation: nothing it buffered is recorded (load the
+                # run again to go on)
+                reason = (f"the conversation could not be written with the run's end "
+                          f"({type(error).__name__}): nothing of the end was recorded; "
+                          "open the run again")
+                c._journal.stop(InvalidTransition, reason)
+                raise
+            known.extend(items)
+
+        return end
 
     def check_history(self, messages: Iterable[Any]) -> None:
         """`UnansweredToolUse` unless every assistant ``tool_use`` is answered by a
@@ -1089,6 +1234,7 @@ class MessageToolLedger:
 
     def _before_request(self, messages: list[Any]) -> list[Any]:
         """The gates before a request, and the messages to send (`resumed`)."""
+        self._goes_on(messages)
         self.check_history(messages)
         _refuse_in_doubt(self.controller, "create")
         resumed = self.resumed(messages)
@@ -1104,9 +1250,10 @@ class MessageToolLedger:
         try:
             record: JSON = {"kind": _kind(reply), "reply": _sendable(reply),
                             "request": _digests(messages)}
+            items = self._conversation(messages, reply)
         except (TypeError, ValueError, RecursionError):
             return False  # a reply or history this adapter cannot record: the run goes on
-        return _finished(c, record)
+        return _finished(c, record, None if items is None else self._end_with(items))
 
     def create(self, resource: Any, /, **params: Any) -> Any:
         """``resource.create(**params)`` (``client.messages`` or ``client.beta.messages``)
@@ -1325,9 +1472,8 @@ class MessageToolLedger:
                 return refuse_toolset(tool_use)
 
             async def steps_async() -> AsyncGenerator[Any, None]:
-                recorded = self._runner_recorded(runner)
-                await c.flush_async()
-                if recorded:
+                if self._runner_recorded(runner):
+                    await c.flush_async()  # the recorded end made durable (`create`)
                     return
                 try:
                     async with contextlib.aclosing(cast(AsyncGenerator[Any, None],
@@ -1363,10 +1509,9 @@ class MessageToolLedger:
                     yield item
 
             def steps_sync() -> Generator[Any, None, None]:
-                recorded = self._runner_recorded(runner)
-                c.flush()
-                if recorded:
-                    return
+                if self._runner_recorded(runner):
+                    c.flush()  # the recorded end made durable (`create`); a run going on
+                    return  # needs no write before its request (`request_sync`)
                 try:
                     for item in cast(Generator[Any, None, None], steps()):
                         self._posted(runner._sent_messages)  # the request was sent

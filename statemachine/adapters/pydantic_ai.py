@@ -164,6 +164,7 @@ except ModuleNotFoundError as error:  # pragma: no cover - the extra is installe
 
 from statemachine import events as ev
 from statemachine.adapters._calls import (
+    HistoryMismatch,
     InvalidVerifier,
     UnsupportedFeature,
     Walk,
@@ -178,6 +179,7 @@ from statemachine.adapters._calls import (
     recorded_output,
     resolution,
     resolving,
+    same_history,
     settle_unsettled,
     stored_run,
 )
@@ -234,14 +236,6 @@ class HistoryRequired(ControlError):
     messages (the error names their calls), which the model would otherwise not see, and
     would ask for the same effects again. Refused before anything is recorded. Pass the
     messages the run had at its last stop (``result.messages``), or abandon the run."""
-
-
-class HistoryMismatch(ReconcileRejected):
-    """The history the run was opened with is not the run's: another Session, none for a
-    run that writes to one, or one for a run started without. Refused when the run is
-    opened, before anything is recorded; open it with its own history. For a run without
-    a history, also the messages given to `LedgerRun.run` (``message_history``) when they
-    are not the messages of any stop of the run: refused before anything runs."""
 
 
 class UnsupportedDeferral(ControlError, ValueError):
@@ -595,7 +589,7 @@ class LedgerRun:
                 policy=policy, store=store, buffered=buffered,  # type: ignore[arg-type]
                 max_bytes=max_bytes)
         else:
-            _same_history(controller, history)
+            same_history(controller, history, "passing message_history to run()")
         return cls(agent, controller, history, existing=existing, owner=owner,
                    take_over=take_over, idempotent=idempotent, max_bytes=max_bytes,
                    max_result_bytes=max_result_bytes, verifiers=verifiers)
@@ -1424,24 +1418,6 @@ def _timed_out(retry: ToolRetryError) -> bool:
     while trace is not None and trace.tb_next is not None:
         trace = trace.tb_next
     return trace is not None and trace.tb_frame.f_code is FunctionToolset.call_tool.__code__
-
-
-def _same_history(c: RunController, history: Session | None) -> None:
-    """`HistoryMismatch` unless ``history`` is the history the run writes to."""
-    given = None if history is None else history.session_id
-    if given == c.session_id:
-        return
-    if c.session_id is None:
-        reason = (f"the run was started without a history (the caller carries its messages), "
-                  f"and was opened with history {given!r}: open it without one, passing "
-                  "message_history to run()")
-    elif given is None:
-        reason = (f"the run writes its messages to history {c.session_id!r} and was opened "
-                  "without a history: open it with that history")
-    else:
-        reason = (f"the history {given!r} is not the run's history {c.session_id!r}: open "
-                  "the run with its own history; nothing was recorded")
-    raise HistoryMismatch(reason, run_id=c.run_id, step=c.step, action="open")
 
 
 def _refuse_rewriters(capability: AbstractCapability[Any], run_id: str) -> None:

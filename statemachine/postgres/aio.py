@@ -17,6 +17,7 @@ import psycopg
 
 from statemachine.errors import ConcurrencyConflict, Outcome, StorageError
 from statemachine.events import Event
+from statemachine.payloads import JSON
 from statemachine.postgres.steps import (
     APPEND,
     BACKEND_ERRORS,
@@ -24,6 +25,7 @@ from statemachine.postgres.steps import (
     LOAD,
     LOCK_TIMEOUT,
     PIPELINE,
+    READ_SESSION,
     UNPREPARED,
     Backend,
     Base,
@@ -49,6 +51,7 @@ from statemachine.postgres.steps import (
     prepared,
     probe_steps,
     refusal,
+    session_items_steps,
 )
 from statemachine.stored import (
     Head,
@@ -659,6 +662,15 @@ class AsyncPostgresEventStore(_AsyncClient):
         of its head row, what `RunController.fence` asks before an effect."""
         rows = await self._read(one(self._sql.version, (run_id,)), doing=LOAD, run_id=run_id)
         return int(rows[0][0]) if rows else 0
+
+    async def session_items(self, session_id: str, limit: int | None = None) -> list[JSON]:
+        """The items of the PostgreSQL Session ``session_id`` in this store's schema (all
+        of them, or the last ``limit``), as its ``get_items`` reads them, through this
+        store's connection (a sync store: no thread of the Session's). `StorageError` as
+        the Session raises it."""
+        items: list[JSON] = await self._read(
+            session_items_steps(self._sql, session_id, limit), doing=READ_SESSION)
+        return items
 
     async def run_ids(self, limit: int | None = None) -> list[str]:
         """The ids of the runs the store holds, sorted (the first ``limit`` of them)."""

@@ -875,7 +875,7 @@ LIST = "list the runs of the event store"
 
 # ----------------------------------------------------------------------- sessions
 
-_READ = "read the Session"
+READ_SESSION = "read the Session"
 _ADD = "write to the Session"
 _POP = "pop an item from the Session"
 _CLEAR = "clear the Session"
@@ -890,7 +890,7 @@ def _item(body: Any) -> JSON:
                            outcome=Outcome.NOT_WRITTEN) from None
 
 
-def _get_items(sql: Sql, session_id: str, limit: int | None) -> Op[list[JSON]]:
+def session_items_steps(sql: Sql, session_id: str, limit: int | None) -> Op[list[JSON]]:
     if limit is None:
         rows = yield Query(sql.items, (session_id,), "all")
     else:
@@ -994,7 +994,7 @@ class SessionMethods(Base):
 
     async def get_items(self, limit: int | None = None) -> list[JSON]:
         items: list[JSON] = await _through(
-            self._read, _get_items(self._sql, self.session_id, limit), doing=_READ)
+            self._read, session_items_steps(self._sql, self.session_id, limit), doing=READ_SESSION)
         return items
 
     async def add_items(self, items: list[JSON], *, publication_id: str | None = None

@@ -16,6 +16,7 @@ import psycopg
 
 from statemachine.errors import ConcurrencyConflict, Outcome, StorageError
 from statemachine.events import Event
+from statemachine.payloads import JSON
 from statemachine.postgres.steps import (
     APPEND,
     BACKEND_ERRORS,
@@ -23,6 +24,7 @@ from statemachine.postgres.steps import (
     LOAD,
     LOCK_TIMEOUT,
     PIPELINE,
+    READ_SESSION,
     UNPREPARED,
     Backend,
     Base,
@@ -48,6 +50,7 @@ from statemachine.postgres.steps import (
     prepared,
     probe_steps,
     refusal,
+    session_items_steps,
 )
 from statemachine.stored import (
     Head,
@@ -476,6 +479,15 @@ class PostgresEventStore(_Client):
         of its head row, what `RunController.fence` asks before an effect."""
         rows = self._read(one(self._sql.version, (run_id,)), doing=LOAD, run_id=run_id)
         return int(rows[0][0]) if rows else 0
+
+    def session_items(self, session_id: str, limit: int | None = None) -> list[JSON]:
+        """The items of the PostgreSQL Session ``session_id`` in this store's schema (all
+        of them, or the last ``limit``), as its ``get_items`` reads them, through this
+        store's connection (a sync store: no thread of the Session's). `StorageError` as
+        the Session raises it."""
+        items: list[JSON] = self._read(
+            session_items_steps(self._sql, session_id, limit), doing=READ_SESSION)
+        return items
 
     def run_ids(self, limit: int | None = None) -> list[str]:
         """The ids of the runs the store holds, sorted (the first ``limit`` of them)."""

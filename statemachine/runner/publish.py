@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+from collections.abc import Sequence
 
 from statemachine.controller import TOO_SHORT, RunController
 from statemachine.errors import (
@@ -180,25 +181,45 @@ async def publish(controller: RunController, session: Session, items: list[JSON]
     _same_session(controller, session, "publish")
     if not many_session_writes(controller.store) and controller.riding_items:
         await controller.flush_async()  # (its store writes one Session write per append)
-    limit = len(items) + 1
-    if known is not None and not _lands_whole(controller, session):
-        known = None
-    while True:
-        tail = (known[-limit:] if known is not None
-                else await run_history(controller, session, limit=limit))
-        whole = len(tail) < limit  # (a shorter list is the whole Session)
-        try:
-            controller.stage_publication(items, tail, call_ids=call_ids, whole=whole)
-            break
-        except InvalidTransition as refused:
-            # a tail that repeats the batch's items may need more of the Session to tell
-            # the write's outcomes apart (DESIGN §2.3, read_limit): read twice as much,
-            # up to the whole Session, which always tells them apart; a refusal for any
-            # other reason is raised at once
-            if whole or TOO_SHORT not in refused.reason:
-                raise
+    if known is not None and _lands_whole(controller, session):
+        after = stage_known(controller, items, known, call_ids=call_ids)
+    else:
+        limit = len(items) + 1
+        while True:
+            tail = await run_history(controller, session, limit=limit)
+            if _staged(controller, items, tail, limit, call_ids):
+                break
             limit *= 2
-    await _write(controller, session, items, ride=ride, after=(tuple(tail), whole))
+        after = (tuple(tail), len(tail) < limit)
+    await _write(controller, session, items, ride=ride, after=after)
+
+
+def stage_known(controller: RunController, items: list[JSON], known: Sequence[JSON], *,
+                call_ids: list[str] | None = None) -> tuple[tuple[JSON, ...], bool]:
+    """`publish`'s staging against ``known``, the whole Session as the run sees it (read
+    in this attempt, with what it published since), nothing read: the tail it was staged
+    against and whether that is the whole Session (`SessionWrite.after`, ``whole``)."""
+    limit = len(items) + 1
+    while not _staged(controller, items, known[-limit:], limit, call_ids):
+        limit *= 2
+    return tuple(known[-limit:]), len(known) < limit
+
+
+def _staged(controller: RunController, items: list[JSON], tail: Sequence[JSON], limit: int,
+            call_ids: list[str] | None) -> bool:
+    """Stage ``items`` against ``tail``, the Session's last ``limit`` items (a shorter
+    list is the whole Session); False when that tail is too short to tell the write's
+    outcomes apart and more of the Session may (DESIGN §2.3, read_limit: read twice as
+    much, up to the whole Session, which always tells them apart); a refusal for any other
+    reason is raised."""
+    whole = len(tail) < limit
+    try:
+        controller.stage_publication(items, tail, call_ids=call_ids, whole=whole)
+    except InvalidTransition as refused:
+        if whole or TOO_SHORT not in refused.reason:
+            raise
+        return False
+    return True
 
 
 def keeps_history(controller: RunController, session: Session) -> bool:

@@ -1,7 +1,9 @@
 """The Anthropic adapter at its effect boundaries (DESIGN §6.7, §7.4), as
 tests/storage/test_durability.py checks the reference runner: a messages loop through
 `MessageToolLedger` (per event and buffered) and a managed session through
-`LedgerSessionToolRunner` (per event, buffered, and on the async SQLite store), each with a
+`LedgerSessionToolRunner` (per event, buffered, and on the async SQLite store), the
+messages loop also with its conversation kept in a history (``history``: a `SQLiteSession`
+on the store's file, written with the run's end), each with a
 paying tool (``pay``) and an idempotent one (``lookup``), run by forked driver processes
 (tests/drivers/anthropic_durability_driver.py).
 
@@ -13,6 +15,8 @@ paying tool (``pay``) and an idempotent one (``lookup``), run by forked driver p
    random boundaries) until the run ends: ``pay`` never runs twice, no committed event is
    lost, each result lands at most once, and the run completes (with the reference
    answer) or fails closed with ``pay`` in doubt; one more restart agrees and runs nothing.
+   With a history, it holds the whole conversation once the run completed, none of it
+   before.
 3. The test of the test: a ledger whose flush before a tool body does nothing is caught
    by the tools' own checks, and a kill inside ``pay`` then makes the restart pay again.
 
@@ -49,6 +53,16 @@ from tests.helpers import crash_folder
 
 SEED = int(os.environ.get("ANTHROPIC_DURABILITY_SEED", "0"))
 MAX_KILLS = 3
+CONVERSATION = [
+    {"role": "user", "content": "pay 7"},
+    {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "tu_pay", "name": "pay", "input": {"amount": 7}},
+        {"type": "tool_use", "id": "tu_lookup", "name": "lookup", "input": {"q": "rate"}}]},
+    {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "tu_pay", "content": "charged 7"},
+        {"type": "tool_result", "tool_use_id": "tu_lookup", "content": "rate is 1.0"}]},
+    {"role": "assistant", "content": [{"type": "text", "text": "paid: charged 7"}]}]
+"""What the ``history`` run's Session holds once it completed: the script's turns."""
 CASES = [(scenario, mode) for scenario, modes in driver.MODES.items() for mode in modes]
 IDS = [f"{scenario}-{mode}" for scenario, mode in CASES]
 
@@ -90,6 +104,8 @@ def test_an_effect_never_precedes_the_durable_record_that_allows_it(
                                                          "text": "rate is 1.0"}]]}
     else:
         assert result["final"] == "paid: charged 7"
+    if mode == "history":  # the conversation, written with the end
+        assert driver.history(folder) == CONVERSATION
     appends = sum(tick.startswith("flush-after") for tick in result["ticks"])
     if mode == "per-event":
         assert appends == len(log)
@@ -100,6 +116,8 @@ def test_an_effect_never_precedes_the_durable_record_that_allows_it(
     assert (again["outcome"], again["replayed"]) == ("completed", True)
     assert Counter(driver.effects(folder)) == effects
     assert driver.log(folder) == log
+    if mode == "history":
+        assert driver.history(folder) == CONVERSATION  # written once
 
 
 def _trial(folder: Path, scenario: str, mode: str, first: int, total: int,
@@ -129,6 +147,9 @@ def _trial(folder: Path, scenario: str, mode: str, first: int, total: int,
     if scenario == "session":
         landed = driver.posted(folder)
         assert all(len(results) == 1 for results in landed.values()), (where, landed)
+    if mode == "history":  # the whole conversation with the end, or none of it
+        assert driver.history(folder) == (
+            CONVERSATION if result["outcome"] == "completed" else []), where
     if result["outcome"] == "completed":
         assert effects["tool pay"] == 1, where
         if scenario == "messages":

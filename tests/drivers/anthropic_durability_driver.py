@@ -7,7 +7,9 @@ Each run has two tool calls: ``pay`` (not idempotent) and ``lookup`` (idempotent
 * ``messages``: a ``messages.create`` loop through the ledger (``create`` / ``run_tools``)
   against a scripted model that asks for both calls in one reply, then answers with the
   ``pay`` result; a user retrying goes on from the messages the loop saved
-  (`tests.drivers.anthropic_driver.SavedHistory`, DIR/history.json).
+  (`tests.drivers.anthropic_driver.SavedHistory`, DIR/history.json). Mode ``history``:
+  buffered, the conversation also kept in a `SQLiteSession` on the store's file (`HISTORY`),
+  written with the run's end.
 * ``session``: a managed session (tests.drivers.anthropic_driver.FakeSession, its history in
   DIR/remote.json) that asks this client for both calls; the run ends when the session
   does.
@@ -40,10 +42,17 @@ from anthropic import Anthropic
 from anthropic.lib.tools import beta_async_tool, beta_tool
 
 import statemachine.adapters.anthropic as adapter
-from statemachine import ConcurrencyConflict, RunController, Step, ToolInDoubt
+from statemachine import (
+    ConcurrencyConflict,
+    RunController,
+    SQLiteEventStore,
+    Step,
+    ToolInDoubt,
+)
 from statemachine.events import Event, ToolStarted
 from statemachine.machine import replay
 from statemachine.payloads import JSON
+from statemachine.sqlite import SQLiteSession
 from statemachine.values import Phase
 from tests.drivers.anthropic_driver import (
     SESSION_ID,
@@ -58,7 +67,10 @@ from tests.drivers.durability_driver import TickingAsyncStore, TickingStore, run
 from tests.drivers.durability_driver import log as durable_log
 
 RUN_ID = "durable"
-MODES = {"messages": ("per-event", "buffered"), "session": ("per-event", "buffered", "async")}
+MODES = {"messages": ("per-event", "buffered", "history"),
+         "session": ("per-event", "buffered", "async")}
+HISTORY = "chat"
+"""The Session a ``history`` run keeps its conversation in (the store's file)."""
 EFFECTS = "effects.txt"
 VIOLATIONS = "violations.txt"
 REMOTE = "remote.json"
@@ -185,7 +197,9 @@ async def messages(folder: Path, mode: str, ticks: Ticks) -> dict[str, Any]:
     try:
         ledger = MessageToolLedger.open(RUN_ID, [pay, lookup], store=store,
                                         idempotent={"lookup"}, owner=str(os.getpid()),
-                                        buffered=mode == "buffered")
+                                        buffered=mode != "per-event",
+                                        history=SQLiteSession(HISTORY, folder / "events.db")
+                                        if mode == "history" else None)
         reply = converse(ledger, client, SavedHistory(folder, "pay 7"), **params)
         return _outcome(ledger.controller, final=reply.content[0].text,
                         replayed=ledger.replayed)
@@ -295,6 +309,15 @@ def fork(folder: Path, scenario: str, mode: str, kill_at: int | None, *,
 
 
 # ------------------------------------------------------------------ what it left
+
+
+def history(folder: Path) -> list[Any]:
+    """What the ``history`` run's Session holds, read as another process would."""
+    reader = SQLiteEventStore(folder / "events.db", readonly=True)
+    try:
+        return reader.session_items(HISTORY)
+    finally:
+        reader.close()
 
 
 def _lines(path: Path) -> list[str]:

@@ -466,3 +466,29 @@ def test_publish_reads_more_of_the_session_only_for_too_short_a_history() -> Non
     asyncio.run(publish(c, session, [OUTPUT], call_ids=["c1"]))
     assert session.limits[:2] == [2, 4]
     assert c.step is not Step.UNSETTLED
+
+
+@pytest.mark.parametrize("held", [0, 1, 2, 3, 10])
+def test_a_publication_staged_against_a_kept_session_records_its_last_items(
+        held: int) -> None:
+    """`stage_known` (the Session an attempt keeps, nothing read) stages against the
+    Session's last ``len(items) + 1`` items (DESIGN §2.3), the whole Session when it
+    holds fewer: the envelope's frontier is those items' digests, and the write carries
+    them as the tail the store checks."""
+    from statemachine.runner.publish import stage_known
+
+    known = [{"role": "user", "content": f"m{i}"} for i in range(held)]
+    items = [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]
+    c = RunController.start(run_id="r", session_id="s")
+    tail, whole = stage_known(c, items, known)
+    expected = known[-3:]  # len(items) + 1, or all of a Session shorter than that
+    assert (list(tail), whole) == (expected, held < 3)
+    staged = c.events[-1]
+    assert isinstance(staged, ev.PublicationStaged)
+    assert staged.frontier_whole is (held < 3)
+    assert len(staged.frontier) == len(expected)
+    other = RunController.start(run_id="r2", session_id="s")  # the same, staged directly
+    other.stage_publication(items, expected, whole=held < 3)
+    twin = other.events[-1]
+    assert isinstance(twin, ev.PublicationStaged)
+    assert (twin.frontier, twin.read_limit) == (staged.frontier, staged.read_limit)
