@@ -1743,6 +1743,20 @@ CATALOGUE: tuple[Mutant, ...] = (
        "the history is written without the final reply"),
     _m("AN38", "    elif not buffered:\n", "    elif False:\n",
        "a per-event run keeps a history: its staging lands apart from the commit"),
+    _m("AN39", "                self._goes_on(runner._sent_messages)  # (its messages may have "
+               "been set)\n                self._keep_sent(runner._sent_messages)\n"
+               "                c.flush_results()",
+       "                self._keep_sent(runner._sent_messages)\n                c.flush_results()",
+       "a sync tool runner's messages are checked against the history before its first "
+       "request only: messages set later end in a conversation the model never had"),
+    _m("AN40", "        block.pop(\"cache_control\", None)\n", "",
+       "a prompt cache mark is kept in the history: moving the breakpoint is refused"),
+    _m("AN41", "                and not journal.unflushed):", "                and True):",
+       "ledger.messages holds a conversation whose end was refused and never landed"),
+    _m("AN42", "            if size + STAGED_BYTES <= left:\n                return",
+       "            if True:\n                return",
+       "messages the log has no room for are sent: the end, once the model answered, can "
+       "never complete"),
     # ------------------------------------------------------------------- langgraph
     _m("LG01", "                c.flush()  # an effect boundary: the start is durable before "
                "the body\n",

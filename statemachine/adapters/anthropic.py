@@ -139,6 +139,7 @@ except ModuleNotFoundError as error:  # pragma: no cover - the extra is installe
     raise missing_extra(__name__, "anthropic", error) from error
 
 from statemachine.adapters._calls import (
+    STAGED_BYTES,
     HistoryMismatch,
     InvalidVerifier,
     UnsupportedFeature,
@@ -151,6 +152,7 @@ from statemachine.adapters._calls import (
     plain,
     resolution,
     resolving,
+    room,
     same_history,
     stored_run,
 )
@@ -164,7 +166,7 @@ from statemachine.errors import (
     ToolInDoubt,
     excerpt,
 )
-from statemachine.payloads import JSON, canonical_json
+from statemachine.payloads import JSON, canonical_json, walk_size
 from statemachine.runner.attempt import VERIFY_TIMEOUT, Attempt, interrupted, maybe_await
 from statemachine.runner.publish import stage_known
 from statemachine.sessions import Session
@@ -879,8 +881,23 @@ _THINKING = frozenset({"thinking", "redacted_thinking"})
 
 def _message(message: Any) -> JSON:
     """A message as a history keeps it: its ``role`` and ``content`` as the SDK sends
-    them (an SDK reply appended whole and its ``to_param()`` are one message)."""
-    return _sendable({"role": _field(message, "role"), "content": _field(message, "content")})
+    them (an SDK reply appended whole and its ``to_param()`` are one message), without
+    the ``cache_control`` marks of its blocks (and of a tool result's blocks): a prompt
+    cache breakpoint belongs to a request, and moves from one to the next."""
+    kept = _sendable({"role": _field(message, "role"), "content": _field(message, "content")})
+    for block in _content_blocks(kept):
+        block.pop("cache_control", None)
+        for inner in _content_blocks(block):
+            inner.pop("cache_control", None)
+    return kept
+
+
+def _content_blocks(value: JSON) -> list[dict[str, JSON]]:
+    """The blocks of ``value``'s ``content`` (a message's, a tool result's) that are
+    objects; none for content given as text."""
+    content = value.get("content") if isinstance(value, dict) else None
+    return [block for block in content if isinstance(block, dict)] if isinstance(
+        content, list) else []
 
 
 def _turn_key(messages: Sequence[Any]) -> str:
@@ -927,6 +944,9 @@ class MessageToolLedger:
         self._known: list[JSON] | None = None
         """The history's items as this ledger read them when it opened, followed by what
         it wrote since (the Session has one writer); None without a history."""
+        self._ending: list[JSON] | None = None
+        """The conversation the run's end wrote, riding with its flush until that lands
+        (`_held`)."""
         same_history(controller, history, "keeping the messages yourself")
         if history is not None:
             store = cast(EventStore, controller.store)
@@ -1025,40 +1045,76 @@ class MessageToolLedger:
     def messages(self) -> list[JSON]:
         """The conversation the history holds (``history`` given at `open`), as this
         ledger read it when it opened, with the turns it wrote since: each message its
-        ``role`` and ``content`` as the SDK sends them (a copy). A request goes on from
-        it: ``messages=ledger.messages + [new user message]``. Empty without a history."""
-        return [] if self._known is None else json.loads(json.dumps(self._known))
+        ``role`` and ``content`` as the SDK sends them, without the request-only
+        ``cache_control`` marks (a copy). A request goes on from it: ``messages=[*ledger.
+        messages, new user message]``. Empty without a history."""
+        known = self._held()
+        return [] if known is None else json.loads(json.dumps(known))
+
+    def _held(self) -> list[JSON] | None:
+        """`_known`, with the conversation the run's end wrote once its flush landed
+        (everything the controller recorded is in the store: nothing buffered, no
+        commit waiting with its write; a refused or undecided flush leaves both)."""
+        known, ending = self._known, self._ending
+        journal = self.controller._journal
+        if (known is not None and ending is not None and journal.write is None
+                and not journal.unflushed):
+            known.extend(ending)
+            self._ending = None
+        return known
 
     def _goes_on(self, messages: Sequence[Any]) -> None:
-        """`HistoryMismatch` (nothing sent) unless ``messages`` begin with the
-        conversation the history holds: the run's end writes the messages after it there
-        (`_conversation`), so a request built on another start would write a
-        conversation the model never had."""
-        known = self._known
+        """Before every request: `HistoryMismatch` (nothing sent) unless ``messages``
+        begin with the conversation the history holds, since the run's end writes the
+        messages after it there (`_conversation`), so a request built on another start
+        would write a conversation the model never had; and `SchemaError` (nothing sent)
+        when the messages after it are more than the run's log can hold with its end, as
+        the end would find once the model answered (a run that could then never
+        complete): nested past ``max_depth``, or past the room left under
+        ``max_bytes``."""
+        known = self._held()
         if known is None:
             return
         n = len(known)
         head = list(messages[:n])
-        if len(head) == n and head == known:
-            return
-        try:
-            if len(head) == n and [_message(message) for message in head] == known:
-                return
-        except (TypeError, ValueError, RecursionError):
-            pass  # not a message the SDK could send: not the history's
         c = self.controller
-        raise HistoryMismatch(
-            f"the request's messages do not begin with the {n} message(s) the history "
-            f"{excerpt(str(c.session_id))} holds: the run's end writes its messages after "
-            "them; send ledger.messages followed by the new turn. Nothing was sent",
-            run_id=c.run_id, step=c.step, action="create")
+        try:
+            same = len(head) == n and (head == known
+                                       or [_message(message) for message in head] == known)
+            added = [_message(message) for message in messages[n:]]
+        except (TypeError, ValueError, RecursionError):
+            same, added = False, []  # not messages the SDK could send: not the history's
+        if not same:
+            raise HistoryMismatch(
+                f"the request's messages do not begin with the {n} message(s) the history "
+                f"{excerpt(str(c.session_id))} holds: the run's end writes its messages "
+                "after them; send ledger.messages followed by the new turn. Nothing was "
+                "sent", run_id=c.run_id, step=c.step, action="create")
+        depth = c._journal.limits.max_depth
+        sizes = [walk_size(item, depth) for item in added]
+        if None in sizes:
+            problem = (f"a message is nested deeper than max_depth={depth}, or holds a "
+                       "value JSON cannot write")
+        else:
+            size = sum(cast(list[int], sizes))
+            left = room(c)
+            if size + STAGED_BYTES <= left:
+                return
+            problem = (f"its {len(added)} message(s) after the history take {size} bytes, "
+                       f"and the run may record only {left} more under max_bytes")
+        raise SchemaError(
+            f"the conversation could not be kept in the history with the run's end "
+            f"({problem}); nothing was sent. This run cannot end with its conversation "
+            "kept: abandon it, and keep such a conversation yourself (a run without a "
+            "history)", run_id=c.run_id, step=c.step, action="create")
 
     def _conversation(self, messages: Sequence[Any], reply: Any) -> list[JSON] | None:
         """The messages the run's end writes to the history: the request's after what
         the history holds, and the final reply; None without a history."""
-        known = self._known
+        known = self._held()
         if known is None:
             return None
+        self._goes_on(messages)
         return [*(_message(message) for message in messages[len(known):]),
                 _message({"role": "assistant", "content": _field(reply, "content")})]
 
@@ -1069,7 +1125,7 @@ class MessageToolLedger:
         conversation lands with the run's end, or neither does."""
         def end() -> None:
             c = self.controller
-            known = self._known
+            known = self._held()
             assert known is not None
             assert self.history is not None
             try:
@@ -1088,7 +1144,7 @@ class MessageToolLedger:
                           "open the run again")
                 c._journal.stop(InvalidTransition, reason)
                 raise
-            known.extend(items)
+            self._ending = items  # (in the history once the end's flush lands)
 
         return end
 
@@ -1463,6 +1519,7 @@ class MessageToolLedger:
 
             @contextlib.asynccontextmanager
             async def request_async(thread: Any) -> AsyncIterator[Any]:
+                self._goes_on(runner._sent_messages)  # (its messages may have been set)
                 self._keep_sent(runner._sent_messages)
                 await c.flush_results_async()  # the results it carries (`create`)
                 async with request(thread) as item:
@@ -1503,6 +1560,7 @@ class MessageToolLedger:
                 # a model call needs no flush of its own, but the results it carries are
                 # made durable first, so a crash while the model answers leaves their
                 # calls completed, not in doubt (`create`); else a fence
+                self._goes_on(runner._sent_messages)  # (its messages may have been set)
                 self._keep_sent(runner._sent_messages)
                 c.flush_results()
                 with request(thread) as item:

@@ -38,6 +38,8 @@ from statemachine import (
     InvalidTransition,
     MemoryEventStore,
     ReconcileRejected,
+    RunController,
+    SchemaError,
     SQLiteEventStore,
     Step,
 )
@@ -295,6 +297,7 @@ def test_a_history_another_writer_moved_refuses_the_end_whole(tmp_path: Path) ->
     with pytest.raises(ReconcileRejected):
         converse(ledger, client, pay, "pay 7")
     assert held(path) == [moved]  # nothing of the conversation written after it
+    assert ledger.messages == []  # what it read, nothing it wrote: its end never landed
     assert ran == [7]
     log = SQLiteEventStore(path, readonly=True).load("run-1")
     assert not any(isinstance(e, ev.FinalOutputAccepted | ev.PublicationStaged)
@@ -385,3 +388,112 @@ def test_on_postgresql_the_conversation_lands_with_the_end(pg_dsn: str,
     finally:
         store.close()
         session.close()
+
+
+def test_a_tool_runner_whose_messages_are_replaced_is_refused_before_its_request(
+        tmp_path: Path) -> None:
+    """The history is checked before every request of an attached runner, not its first
+    alone: messages set between requests (``set_messages_params``) would have the end
+    write a conversation the model never had."""
+    path = tmp_path / "events.db"
+    store = SQLiteEventStore(path)
+    model = Model()
+    ran: list[int] = []
+    pay = paying_tool(ran)
+    converse(MessageToolLedger.open("run-1", [pay], store=store,
+                                    history=SQLiteSession(CHAT, path)),
+             model.client(), pay, "pay 7")
+    ledger = MessageToolLedger.open("run-2", [pay], store=store,
+                                    history=SQLiteSession(CHAT, path))
+    runner = ledger.attach(model.client().beta.messages.tool_runner(
+        model="claude-test", max_tokens=64, tools=[pay],
+        messages=[*ledger.messages, {"role": "user", "content": "pay 8"}]))
+    sent = len(model.requests)
+
+    def replaced_after_each_reply() -> None:
+        for _ in runner:
+            runner.set_messages_params(lambda params: {**params, "messages": [
+                {"role": "user", "content": "something else"}]})
+
+    with pytest.raises(HistoryMismatch, match="Nothing was sent"):
+        replaced_after_each_reply()
+    assert len(model.requests) == sent + 1  # the first request only
+    assert held(path) == turn("pay 7")
+    assert ledger.controller.step is not Step.COMPLETED
+    store.close()
+
+
+def test_prompt_cache_marks_are_the_requests_not_the_historys(tmp_path: Path) -> None:
+    """A ``cache_control`` breakpoint moves from request to request: the history keeps
+    the messages without it, and a request marking other blocks goes on from it."""
+    path = tmp_path / "events.db"
+    store = SQLiteEventStore(path)
+    model = Model()
+    pay = paying_tool([])
+
+    def marked(text: str) -> dict[str, Any]:
+        return {"role": "user", "content": [{"type": "text", "text": text,
+                                              "cache_control": {"type": "ephemeral"}}]}
+
+    for i in (1, 2, 3):
+        ledger = MessageToolLedger.open(f"run-{i}", [pay], store=store,
+                                        history=SQLiteSession(CHAT, path))
+        earlier = ledger.messages
+        if earlier:  # the breakpoint on the last message of the history, too
+            earlier[-1]["content"][0]["cache_control"] = {"type": "ephemeral"}
+        ledger.create(model.client().messages, model="claude-test", max_tokens=64,
+                      messages=[*earlier, marked(f"hello {i}")])
+    assert held(path) == [message for i in (1, 2, 3) for message in (
+        {"role": "user", "content": [{"type": "text", "text": f"hello {i}"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "done"}]})]
+    assert sum("cache_control" in json.dumps(request) for request in model.requests) == 3
+    store.close()
+
+
+def test_a_conversation_the_log_cannot_hold_is_refused_before_the_model_is_asked_again(
+        tmp_path: Path) -> None:
+    """Messages nested past the log's ``max_depth`` (a tool input the call's arguments
+    could hold sits three levels deeper in a message) or past its room under
+    ``max_bytes`` are refused before the request that carries them: found only at the
+    end, once the model answered, the run could never complete and every retry would
+    ask the model again."""
+    deep: Any = 1
+    for _ in range(197):
+        deep = {"a": deep}
+
+    @beta_tool
+    def note(text: Any) -> str:
+        """Keep a note."""
+        return "kept"
+
+    for case in ("deep", "large"):
+        path = tmp_path / f"{case}.db"
+        store = SQLiteEventStore(path)
+        requests: list[Any] = []
+        arguments = {"text": deep if case == "deep" else "x" * 75_000}
+
+        def handle(request: httpx2.Request, arguments: Any = arguments,
+                   requests: list[Any] = requests) -> httpx2.Response:
+            requests.append(request)
+            return httpx2.Response(200, json={
+                "id": "msg", "type": "message", "role": "assistant", "model": "m",
+                "content": [{"type": "tool_use", "id": "toolu_1", "name": "note",
+                             "input": arguments}],
+                "stop_reason": "tool_use", "stop_sequence": None,
+                "usage": {"input_tokens": 1, "output_tokens": 1}})
+
+        client = Anthropic(api_key="test-key", max_retries=0, http_client=httpx2.Client(
+            transport=httpx2.MockTransport(handle)))
+        # the large input: room under max_bytes for the call, not for it and its copy
+        # in the conversation (75,000 bytes twice)
+        ledger = MessageToolLedger(RunController.start(
+            run_id="run-1", session_id=CHAT, store=store, buffered=True,
+            max_bytes=150_000), [note], history=SQLiteSession(CHAT, path))
+        messages: list[Any] = [{"role": "user", "content": "note this"}]
+        reply = ledger.create(client.messages, model="m", max_tokens=9, messages=messages)
+        messages += [{"role": "assistant", "content": reply.content}, ledger.run_tools(reply)]
+        with pytest.raises(SchemaError, match="nothing was sent"):
+            ledger.create(client.messages, model="m", max_tokens=9, messages=messages)
+        assert len(requests) == 1, case
+        assert held(path) == [], case
+        store.close()
