@@ -1736,10 +1736,10 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("AN36", "                c._journal.stop(InvalidTransition, reason)\n", "",
        "an end whose staging failed leaves the final answer buffered: the next flush lands "
        "it without its conversation"),
-    _m("AN37", "        return [*(_message(message) for message in messages[len(known):]),\n"
+    _m("AN37", "        return [*self._goes_on(messages),\n"
                "                _message({\"role\": \"assistant\", \"content\": "
                "_field(reply, \"content\")})]",
-       "        return [_message(message) for message in messages[len(known):]]",
+       "        return self._goes_on(messages)",
        "the history is written without the final reply"),
     _m("AN38", "    elif not buffered:\n", "    elif False:\n",
        "a per-event run keeps a history: its staging lands apart from the commit"),
@@ -1753,8 +1753,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        "a prompt cache mark is kept in the history: moving the breakpoint is refused"),
     _m("AN41", "                and not journal.unflushed):", "                and True):",
        "ledger.messages holds a conversation whose end was refused and never landed"),
-    _m("AN42", "            if size + STAGED_BYTES <= left:\n                return",
-       "            if True:\n                return",
+    _m("AN42", "            if size + STAGED_BYTES <= left:\n                return added",
+       "            if True:\n                return added",
        "messages the log has no room for are sent: the end, once the model answered, can "
        "never complete"),
     # ------------------------------------------------------------------- langgraph

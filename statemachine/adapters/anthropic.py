@@ -1063,7 +1063,7 @@ class MessageToolLedger:
             self._ending = None
         return known
 
-    def _goes_on(self, messages: Sequence[Any]) -> None:
+    def _goes_on(self, messages: Sequence[Any]) -> list[JSON]:
         """Before every request: `HistoryMismatch` (nothing sent) unless ``messages``
         begin with the conversation the history holds, since the run's end writes the
         messages after it there (`_conversation`), so a request built on another start
@@ -1071,10 +1071,11 @@ class MessageToolLedger:
         when the messages after it are more than the run's log can hold with its end, as
         the end would find once the model answered (a run that could then never
         complete): nested past ``max_depth``, or past the room left under
-        ``max_bytes``."""
+        ``max_bytes``. The messages after it, as the history would keep them (none
+        without a history)."""
         known = self._held()
         if known is None:
-            return
+            return []
         n = len(known)
         head = list(messages[:n])
         c = self.controller
@@ -1099,7 +1100,7 @@ class MessageToolLedger:
             size = sum(cast(list[int], sizes))
             left = room(c)
             if size + STAGED_BYTES <= left:
-                return
+                return added
             problem = (f"its {len(added)} message(s) after the history take {size} bytes, "
                        f"and the run may record only {left} more under max_bytes")
         raise SchemaError(
@@ -1111,11 +1112,9 @@ class MessageToolLedger:
     def _conversation(self, messages: Sequence[Any], reply: Any) -> list[JSON] | None:
         """The messages the run's end writes to the history: the request's after what
         the history holds, and the final reply; None without a history."""
-        known = self._held()
-        if known is None:
+        if self._held() is None:
             return None
-        self._goes_on(messages)
-        return [*(_message(message) for message in messages[len(known):]),
+        return [*self._goes_on(messages),
                 _message({"role": "assistant", "content": _field(reply, "content")})]
 
     def _end_with(self, items: list[JSON]) -> Callable[[], None]:
