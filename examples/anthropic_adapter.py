@@ -7,7 +7,9 @@ instead: the customer is charged once. Then a plain ``messages.create`` loop who
 carrying the tool result fails is retried: `MessageToolLedger` answers the retried turn
 from its cache, and a history with an unanswered ``tool_use`` is refused before sending;
 the conversation's final reply completes the run, and the same request made again gets
-that recorded reply without any request.
+that recorded reply without any request. Last, a conversation kept in a history
+(``history=``, a `SQLiteSession` on the store's file): each user turn is a run, and its
+messages land with its end, in one write.
 
 Every request goes through the SDK's HTTP layer into a local mock transport; nothing
 touches the network. The ledger lives in a SQLite event store in a fresh temporary
@@ -28,7 +30,7 @@ import httpx2
 from anthropic import Anthropic, AsyncAnthropic, InternalServerError
 from anthropic.lib.tools import beta_async_tool, beta_tool
 
-from statemachine import SQLiteEventStore
+from statemachine import SQLiteEventStore, SQLiteSession
 from statemachine.adapters.anthropic import (
     LedgerSessionToolRunner,
     MessageToolLedger,
@@ -166,6 +168,33 @@ def messages_loop(store: SQLiteEventStore) -> None:
     assert refunds == [3]
 
 
+def kept_conversation(path: Path) -> None:
+    """Two user turns, each a run, the conversation kept in a history on the store's
+    file: each run's messages land with its end, in the append that completes it."""
+    store = SQLiteEventStore(path)
+    history = SQLiteSession("chat-2", path)  # the store's own file
+
+    def model(request: httpx2.Request) -> httpx2.Response:
+        messages = json.loads(request.content)["messages"]
+        text = f"you said {len(messages) // 2 + 1} thing(s)"
+        return httpx2.Response(200, json={
+            "id": "msg", "type": "message", "role": "assistant", "model": "claude-offline",
+            "content": [{"type": "text", "text": text}], "stop_reason": "end_turn",
+            "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1}})
+
+    client = Anthropic(api_key="offline", max_retries=0, http_client=httpx2.Client(
+        transport=httpx2.MockTransport(model)))
+    for turn, said in enumerate(("hello", "and goodbye")):
+        before = store.commits
+        ledger = MessageToolLedger.open(f"chat-2-turn-{turn}", store=store, history=history)
+        reply = ledger.create(client.messages, model="claude-offline", max_tokens=64,
+                              messages=[*ledger.messages, {"role": "user", "content": said}])
+        print(f"  turn {turn}: {reply.content[0].text!r}; the history holds "
+              f"{len(ledger.messages)} message(s), {store.commits - before} write(s)")
+    assert len(ledger.messages) == 4
+    store.close()
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         store = SQLiteEventStore(Path(folder) / "events.db")
@@ -174,6 +203,8 @@ def main() -> None:
         print("messages loop: the request carrying the result fails once")
         messages_loop(store)
         store.close()
+        print("a conversation kept in a history, a run per user turn")
+        kept_conversation(Path(folder) / "chat.db")
 
 
 if __name__ == "__main__":
