@@ -497,3 +497,41 @@ def test_a_conversation_the_log_cannot_hold_is_refused_before_the_model_is_asked
         assert len(requests) == 1, case
         assert held(path) == [], case
         store.close()
+
+
+def test_an_async_loop_keeps_its_conversation_as_the_sync_one_does(tmp_path: Path) -> None:
+    """`open_async`, `acreate` and `arun_tools`: the same three writes, the same
+    conversation in the history."""
+    from anthropic import AsyncAnthropic
+
+    path = tmp_path / "events.db"
+    store = SQLiteEventStore(path)
+    model = Model()
+    ran: list[int] = []
+    pay = paying_tool(ran)
+
+    async def handle(request: httpx2.Request) -> httpx2.Response:
+        return model.handle(request)
+
+    async def loop() -> None:
+        client = AsyncAnthropic(api_key="test-key", max_retries=0,
+                                http_client=httpx2.AsyncClient(
+                                    transport=httpx2.MockTransport(handle)))
+        ledger = await MessageToolLedger.open_async("run-1", [pay], store=store,
+                                                    history=SQLiteSession(CHAT, path))
+        messages: list[Any] = [*ledger.messages, {"role": "user", "content": "pay 7"}]
+        while True:
+            reply = await ledger.acreate(client.messages, messages=messages,
+                                         model="claude-test", max_tokens=64,
+                                         tools=[pay.to_dict()])
+            if reply.stop_reason != "tool_use":
+                break
+            messages += [{"role": "assistant", "content": reply.content},
+                         await ledger.arun_tools(reply)]
+        await client.close()
+
+    asyncio.run(loop())
+    assert ran == [7]
+    assert store.commits == 3
+    assert held(path) == turn("pay 7")
+    store.close()
