@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -96,6 +97,31 @@ def paying_tool(ran: list[int]) -> Any:
     return pay
 
 
+class Chat(NamedTuple):
+    """A test's parts: the store's file and the store, the scripted model, the paying
+    tool and what it ran."""
+
+    path: Path
+    store: SQLiteEventStore
+    model: Model
+    ran: list[int]
+    pay: Any
+
+    def open(self, run_id: str, **options: Any) -> MessageToolLedger:
+        """The ledger of ``run_id``, its history `CHAT` on the store's file."""
+        return MessageToolLedger.open(run_id, [self.pay], store=self.store,
+                                      history=SQLiteSession(CHAT, self.path), **options)
+
+
+@pytest.fixture
+def chat(tmp_path: Path) -> Iterator[Chat]:
+    path = tmp_path / "events.db"
+    store = SQLiteEventStore(path)
+    ran: list[int] = []
+    yield Chat(path, store, Model(), ran, paying_tool(ran))
+    store.close()
+
+
 def held(path: Path, session_id: str = CHAT) -> list[Any]:
     """What the Session holds, read through a connection of its own (another process's
     view: only what is committed)."""
@@ -167,15 +193,9 @@ def test_the_conversation_lands_with_the_runs_end_in_one_write(tmp_path: Path) -
     store.close()
 
 
-def test_a_completed_run_is_answered_from_its_record_and_writes_nothing_again(
-        tmp_path: Path) -> None:
-    path = tmp_path / "events.db"
-    store = SQLiteEventStore(path)
-    model = Model()
-    ran: list[int] = []
-    pay = paying_tool(ran)
-    ledger = MessageToolLedger.open("run-1", [pay], store=store,
-                                    history=SQLiteSession(CHAT, path))
+def test_a_completed_run_is_answered_from_its_record_and_writes_nothing_again(chat: Chat) -> None:
+    path, store, model, ran, pay = chat
+    ledger = chat.open("run-1")
     converse(ledger, model.client(), pay, "pay 7")
     last_request = model.requests[-1]
     again = MessageToolLedger.open("run-1", [pay], store=store,
@@ -187,7 +207,6 @@ def test_a_completed_run_is_answered_from_its_record_and_writes_nothing_again(
     assert len(model.requests) == 2  # nothing sent
     assert held(path) == turn("pay 7")  # written once
     assert ran == [7]
-    store.close()
 
 
 @pytest.mark.parametrize("case", ["no store", "per event", "another file", "memory session",
@@ -220,11 +239,8 @@ def test_a_history_the_end_cannot_carry_is_refused_when_the_run_opens(
 @pytest.mark.parametrize(("started", "opened"), [(CHAT, "chat-2"), (CHAT, None),
                                                  (None, CHAT)])
 def test_a_run_opened_with_a_history_not_its_own_is_refused(
-        tmp_path: Path, started: str | None, opened: str | None) -> None:
-    path = tmp_path / "events.db"
-    store = SQLiteEventStore(path)
-    model = Model()
-    pay = paying_tool([])
+        chat: Chat, started: str | None, opened: str | None) -> None:
+    path, store, model, _ran, pay = chat
     first = MessageToolLedger.open("run-1", [pay], store=store,
                                    history=None if started is None
                                    else SQLiteSession(started, path))
@@ -237,22 +253,14 @@ def test_a_run_opened_with_a_history_not_its_own_is_refused(
         MessageToolLedger.open("run-1", [pay], store=store, owner="other",
                                history=None if opened is None else SQLiteSession(opened, path))
     assert store.version("run-1") == version  # not claimed
-    store.close()
 
 
 @pytest.mark.invariant("I7")
-def test_a_request_that_does_not_go_on_from_the_history_is_refused_unsent(
-        tmp_path: Path) -> None:
-    path = tmp_path / "events.db"
-    store = SQLiteEventStore(path)
-    model = Model()
-    ran: list[int] = []
-    pay = paying_tool(ran)
-    converse(MessageToolLedger.open("run-1", [pay], store=store,
-                                    history=SQLiteSession(CHAT, path)),
+def test_a_request_that_does_not_go_on_from_the_history_is_refused_unsent(chat: Chat) -> None:
+    path, store, model, _ran, pay = chat
+    converse(chat.open("run-1"),
              model.client(), pay, "pay 7")
-    ledger = MessageToolLedger.open("run-2", [pay], store=store,
-                                    history=SQLiteSession(CHAT, path))
+    ledger = chat.open("run-2")
     sent = len(model.requests)
     version = store.version("run-2")
     for messages in ([{"role": "user", "content": "pay 7"}],  # the history left out
@@ -272,18 +280,12 @@ def test_a_request_that_does_not_go_on_from_the_history_is_refused_unsent(
     ledger.create(model.client().messages, messages=same, model="claude-test",
                   max_tokens=64)
     assert held(path) == turn("pay 7") + turn("and again", tool=False)
-    store.close()
 
 
 @pytest.mark.invariant("I7")
-def test_a_history_another_writer_moved_refuses_the_end_whole(tmp_path: Path) -> None:
-    path = tmp_path / "events.db"
-    store = SQLiteEventStore(path)
-    model = Model()
-    ran: list[int] = []
-    pay = paying_tool(ran)
-    ledger = MessageToolLedger.open("run-1", [pay], store=store,
-                                    history=SQLiteSession(CHAT, path))
+def test_a_history_another_writer_moved_refuses_the_end_whole(chat: Chat) -> None:
+    path, store, model, ran, pay = chat
+    ledger = chat.open("run-1")
     other = SQLiteSession(CHAT, path)
     moved = {"role": "user", "content": "written by someone else"}
 
@@ -317,19 +319,14 @@ def test_a_history_another_writer_moved_refuses_the_end_whole(tmp_path: Path) ->
     assert reply.content[0].text == "done"
     assert ran == [7]
     assert held(path) == [moved, *turn("pay 7")]
-    store.close()
 
 
 def test_an_end_whose_staging_fails_records_nothing_of_the_end(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        chat: Chat, monkeypatch: pytest.MonkeyPatch) -> None:
     import statemachine.adapters.anthropic as adapter
 
-    path = tmp_path / "events.db"
-    store = SQLiteEventStore(path)
-    model = Model()
-    pay = paying_tool([])
-    ledger = MessageToolLedger.open("run-1", [pay], store=store,
-                                    history=SQLiteSession(CHAT, path))
+    path, store, model, _ran, pay = chat
+    ledger = chat.open("run-1")
 
     def refused(*args: Any, **kwargs: Any) -> Any:
         raise InvalidTransition("staging refused", run_id="run-1")
@@ -344,18 +341,11 @@ def test_an_end_whose_staging_fails_records_nothing_of_the_end(
     log = SQLiteEventStore(path, readonly=True).load("run-1")
     assert not any(isinstance(e, ev.ModelResponded) and e.output is not None for e in log)
     assert held(path) == []
-    store.close()
 
 
-def test_the_sdk_tool_runner_ends_with_its_conversation_in_the_history(
-        tmp_path: Path) -> None:
-    path = tmp_path / "events.db"
-    store = SQLiteEventStore(path)
-    model = Model()
-    ran: list[int] = []
-    pay = paying_tool(ran)
-    ledger = MessageToolLedger.open("run-1", [pay], store=store,
-                                    history=SQLiteSession(CHAT, path))
+def test_the_sdk_tool_runner_ends_with_its_conversation_in_the_history(chat: Chat) -> None:
+    path, store, model, ran, pay = chat
+    ledger = chat.open("run-1")
     runner = ledger.attach(model.client().beta.messages.tool_runner(
         model="claude-test", max_tokens=64, tools=[pay],
         messages=[*ledger.messages, {"role": "user", "content": "pay 7"}]))
@@ -365,7 +355,6 @@ def test_the_sdk_tool_runner_ends_with_its_conversation_in_the_history(
     assert ledger.controller.step is Step.COMPLETED
     assert store.commits == 3
     assert held(path) == turn("pay 7")
-    store.close()
 
 
 def test_on_postgresql_the_conversation_lands_with_the_end(pg_dsn: str,
@@ -391,20 +380,14 @@ def test_on_postgresql_the_conversation_lands_with_the_end(pg_dsn: str,
 
 
 def test_a_tool_runner_whose_messages_are_replaced_is_refused_before_its_request(
-        tmp_path: Path) -> None:
+        chat: Chat) -> None:
     """The history is checked before every request of an attached runner, not its first
     alone: messages set between requests (``set_messages_params``) would have the end
     write a conversation the model never had."""
-    path = tmp_path / "events.db"
-    store = SQLiteEventStore(path)
-    model = Model()
-    ran: list[int] = []
-    pay = paying_tool(ran)
-    converse(MessageToolLedger.open("run-1", [pay], store=store,
-                                    history=SQLiteSession(CHAT, path)),
+    path, _store, model, _ran, pay = chat
+    converse(chat.open("run-1"),
              model.client(), pay, "pay 7")
-    ledger = MessageToolLedger.open("run-2", [pay], store=store,
-                                    history=SQLiteSession(CHAT, path))
+    ledger = chat.open("run-2")
     runner = ledger.attach(model.client().beta.messages.tool_runner(
         model="claude-test", max_tokens=64, tools=[pay],
         messages=[*ledger.messages, {"role": "user", "content": "pay 8"}]))
@@ -420,16 +403,12 @@ def test_a_tool_runner_whose_messages_are_replaced_is_refused_before_its_request
     assert len(model.requests) == sent + 1  # the first request only
     assert held(path) == turn("pay 7")
     assert ledger.controller.step is not Step.COMPLETED
-    store.close()
 
 
-def test_prompt_cache_marks_are_the_requests_not_the_historys(tmp_path: Path) -> None:
+def test_prompt_cache_marks_are_the_requests_not_the_historys(chat: Chat) -> None:
     """A ``cache_control`` breakpoint moves from request to request: the history keeps
     the messages without it, and a request marking other blocks goes on from it."""
-    path = tmp_path / "events.db"
-    store = SQLiteEventStore(path)
-    model = Model()
-    pay = paying_tool([])
+    path, store, model, _ran, pay = chat
 
     def marked(text: str) -> dict[str, Any]:
         return {"role": "user", "content": [{"type": "text", "text": text,
@@ -447,7 +426,6 @@ def test_prompt_cache_marks_are_the_requests_not_the_historys(tmp_path: Path) ->
         {"role": "user", "content": [{"type": "text", "text": f"hello {i}"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "done"}]})]
     assert sum("cache_control" in json.dumps(request) for request in model.requests) == 3
-    store.close()
 
 
 def test_a_conversation_the_log_cannot_hold_is_refused_before_the_model_is_asked_again(
@@ -499,16 +477,12 @@ def test_a_conversation_the_log_cannot_hold_is_refused_before_the_model_is_asked
         store.close()
 
 
-def test_an_async_loop_keeps_its_conversation_as_the_sync_one_does(tmp_path: Path) -> None:
+def test_an_async_loop_keeps_its_conversation_as_the_sync_one_does(chat: Chat) -> None:
     """`open_async`, `acreate` and `arun_tools`: the same three writes, the same
     conversation in the history."""
     from anthropic import AsyncAnthropic
 
-    path = tmp_path / "events.db"
-    store = SQLiteEventStore(path)
-    model = Model()
-    ran: list[int] = []
-    pay = paying_tool(ran)
+    path, store, model, ran, pay = chat
 
     async def handle(request: httpx2.Request) -> httpx2.Response:
         return model.handle(request)
@@ -534,4 +508,3 @@ def test_an_async_loop_keeps_its_conversation_as_the_sync_one_does(tmp_path: Pat
     assert ran == [7]
     assert store.commits == 3
     assert held(path) == turn("pay 7")
-    store.close()
