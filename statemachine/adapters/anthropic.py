@@ -981,7 +981,12 @@ class MessageToolLedger:
         durable before this returns; a tool's body finds its call's idempotency key in
         `statemachine.tool_context()`. An async verifier needs `open_async`; a verifier
         naming none of ``tools``, or not callable, is refused (`InvalidVerifier`) before
-        anything is recorded."""
+        anything is recorded. ``history``: a Session the conversation is kept in, written
+        with the run's end in the append that completes it (`messages`): a `SQLiteSession`
+        on the store's file or a `PostgresSession` on its schema, for a buffered run
+        (`UnsupportedFeature`, ``feature="history"``, otherwise); a run the store holds
+        opened with a history not its own, or without the one it has, is refused
+        (`HistoryMismatch`), nothing claimed."""
         checked = checked_verifiers(verifiers, _names(tools), idempotent=idempotent,
                                     run_id=run_id, sync_only="MessageToolLedger.open_async")
         _refuse_mcp(tools, run_id, "open")  # before any load or claim
@@ -1082,15 +1087,16 @@ class MessageToolLedger:
         try:
             same = len(head) == n and (head == known
                                        or [_message(message) for message in head] == known)
-            added = [_message(message) for message in messages[n:]]
         except (TypeError, ValueError, RecursionError):
-            same, added = False, []  # not messages the SDK could send: not the history's
+            same = False  # not messages the SDK could send: not the history's
         if not same:
             raise HistoryMismatch(
                 f"the request's messages do not begin with the {n} message(s) the history "
                 f"{excerpt(str(c.session_id))} holds: the run's end writes its messages "
                 "after them; send ledger.messages followed by the new turn. Nothing was "
                 "sent", run_id=c.run_id, step=c.step, action="create")
+        # (a message the SDK's encoder refuses raises here, as the request would)
+        added = [_message(message) for message in messages[n:]]
         depth = c._journal.limits.max_depth
         sizes = [walk_size(item, depth) for item in added]
         if None in sizes:
