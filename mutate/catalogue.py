@@ -1757,6 +1757,9 @@ CATALOGUE: tuple[Mutant, ...] = (
        "            if True:\n                return added",
        "messages the log has no room for are sent: the end, once the model answered, can "
        "never complete"),
+    _m("AN43", "        if self._known is not None:\n            def refuse_compaction",
+       "        if False:\n            def refuse_compaction",
+       "a tool runner with a history compacts: the end writes a summary as the conversation"),
     # ------------------------------------------------------------------- langgraph
     _m("LG01", "                c.flush()  # an effect boundary: the start is durable before "
                "the body\n",

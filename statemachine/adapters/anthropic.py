@@ -1508,6 +1508,15 @@ class MessageToolLedger:
                 "ledgered by this adapter: their members would run outside the ledger; "
                 "give the runner function tools", feature="toolsets", run_id=c.run_id,
                 step=c.step, action="attach")
+        if self._known is not None:
+            def refuse_compaction(*args: Any, **kwargs: Any) -> None:
+                raise UnsupportedFeature(
+                    "compaction replaces the messages the run's end writes to its history "
+                    "with a summary; with a history it is not supported, and nothing was "
+                    "scheduled", feature="compaction", run_id=c.run_id, step=c.step,
+                    action="compact_before_next_turn")
+
+            runner.compact_before_next_turn = refuse_compaction  # type: ignore[method-assign]
 
         def refuse_toolset(tool_use: Any) -> Any:
             raise UnsupportedFeature(

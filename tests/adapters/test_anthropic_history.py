@@ -508,3 +508,23 @@ def test_an_async_loop_keeps_its_conversation_as_the_sync_one_does(chat: Chat) -
     assert ran == [7]
     assert store.commits == 3
     assert held(path) == turn("pay 7")
+
+
+def test_compaction_in_a_tool_runner_with_a_history_is_refused_when_asked(chat: Chat) -> None:
+    """Compaction replaces the runner's messages with a summary, which the end would then
+    write as the conversation: with a history, `compact_before_next_turn` is refused
+    naming it, before anything is scheduled or sent."""
+    _path, _store, model, _ran, pay = chat
+    ledger = chat.open("run-1")
+    runner = ledger.attach(model.client().beta.messages.tool_runner(
+        model="claude-test", max_tokens=64, tools=[pay],
+        messages=[{"role": "user", "content": "pay 7"}]))
+    with pytest.raises(UnsupportedFeature) as refused:
+        runner.compact_before_next_turn()
+    assert refused.value.feature == "compaction"
+    assert model.requests == []
+    plain = MessageToolLedger.open("run-2", [pay], store=chat.store)  # no history: allowed
+    other = plain.attach(model.client().beta.messages.tool_runner(
+        model="claude-test", max_tokens=64, tools=[pay],
+        messages=[{"role": "user", "content": "pay 7"}]))
+    other.compact_before_next_turn()
