@@ -1850,6 +1850,16 @@ CATALOGUE: tuple[Mutant, ...] = (
        "        if True:\n            c.flush()  # decisions are durable before",
        "a resumer that finds the decisions recorded appends its claim alone: it supersedes "
        "the resumer that recorded them, and of two neither goes on"),
+    _m("LG22", "                self._enter(c, batch, flush=False)\n",
+       "                self._enter(c, batch)\n",
+       "a new batch is flushed on its own before its first start: two writes before the "
+       "body where one does"),
+    _m("LG23", "            except BaseException:\n                if entered:\n"
+               "                    with contextlib.suppress(ControlError):\n"
+               "                        c.flush()\n                raise\n",
+       "            except BaseException:\n                raise\n",
+       "a batch entered for a call whose start is refused stays buffered: a call awaiting "
+       "approval is not durable for the operator to decide"),
     # ------------------------------------------------------------------ google-adk
     _m("GA01", "                c.flush()  # an effect boundary: the start is durable before "
                "the body\n",

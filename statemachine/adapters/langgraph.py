@@ -369,10 +369,13 @@ class ToolLedger(HeldRuns):
                 return list(message.tool_calls)
         return []
 
-    def _enter(self, c: RunController, calls: Sequence[Mapping[str, Any]]) -> None:
+    def _enter(self, c: RunController, calls: Sequence[Mapping[str, Any]], *,
+               flush: bool = True) -> None:
         """Enter a batch of calls the ledger has not seen, as one model response: the
         results of the batch before it published first (each batch's results are in the
-        graph's messages by the time the model proposed the next one)."""
+        graph's messages by the time the model proposed the next one). ``flush=False``:
+        the batch rides with the caller's next flush (a tool's start, which follows it
+        at once)."""
         ids = [call.get("id") for call in calls]
         if any(not isinstance(call_id, str) or not call_id for call_id in ids):
             raise UnsupportedFeature(
@@ -400,7 +403,8 @@ class ToolLedger(HeldRuns):
                      needs_approval=call.get("name") in self.approvals,
                      idempotent=call.get("name") in self.idempotent)
             for call in calls])
-        c.flush()
+        if flush:
+            c.flush()
 
     def _settle(self, c: RunController) -> None:
         """A run a process left ``UNSETTLED`` (an older log): the ledger's private history
@@ -459,6 +463,7 @@ class ToolLedger(HeldRuns):
                 # runs, nor is answered, beside a call in doubt; ToolInDoubt names the
                 # first of them, whichever call LangGraph's threads bring first
                 c.resume()
+            entered = False
             if c.phase(call_id) is None:
                 batch = self._batch(request.state, call_id)
                 if not batch:
@@ -468,13 +473,25 @@ class ToolLedger(HeldRuns):
                         "or a state without its messages): it cannot be entered with its "
                         "batch; it did not run", feature="Send fan-out of calls outside "
                         "the model's reply", run_id=run_id, action="begin_tool")
-                self._enter(c, batch)
+                # the batch rides with the start's flush below: one write before the
+                # body, not two (elsewhere it is flushed as it was on its own)
+                self._enter(c, batch, flush=False)
+                entered = True
             phase = c.phase(call_id)
-            if phase in (Phase.REJECTED, Phase.COMPLETED, Phase.PUBLISHED):
-                answered(c, call_id)
-                return c, call_id, call, _message(c, call_id, call)
-            done, _ = begin_call(c, call_id, _arguments(call))
+            try:
+                if phase in (Phase.REJECTED, Phase.COMPLETED, Phase.PUBLISHED):
+                    answered(c, call_id)
+                    done = True
+                else:
+                    done, _ = begin_call(c, call_id, _arguments(call))
+            except BaseException:
+                if entered:
+                    with contextlib.suppress(ControlError):
+                        c.flush()
+                raise
             if done:
+                if entered:
+                    c.flush()
                 return c, call_id, call, _message(c, call_id, call)
             try:
                 c.flush()  # an effect boundary: the start is durable before the body

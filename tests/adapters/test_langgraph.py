@@ -460,6 +460,40 @@ def test_a_tool_node_run_again_answers_from_the_ledger_byte_for_byte(
     assert len(effects(through)) == 2
 
 
+def test_a_new_batch_and_its_first_start_are_one_write_before_the_body(
+        tmp_path: Path) -> None:
+    """Entering a batch and starting its first call need one durable write before the
+    body (DESIGN §7.7: the start before the body), not one each; the body still finds
+    both the batch and its start in the durable log, read through another store."""
+    appended: list[list[str]] = []
+
+    class Counting(SQLiteEventStore):
+        def append(self, run_id: str, events: Any, expected_version: int,
+                   **options: Any) -> None:
+            appended.append([type(event).__name__ for event in events])
+            super().append(run_id, events, expected_version, **options)
+
+    path = tmp_path / "ledger.db"
+    store = Counting(str(path))
+    seen: list[tuple[int, list[str]]] = []
+
+    @tool
+    def charge(amount: int) -> str:
+        """Charge."""
+        durable = SQLiteEventStore(str(path), readonly=True).load("one-run")
+        seen.append((len(appended), [type(event).__name__ for event in durable]))
+        return f"charged {amount}"
+
+    ledger = ToolLedger(store, run_id="one-run")
+    graph = _graph_of(ledger.tool_node([charge]), InMemorySaver())
+    graph.invoke(_tools_state([("charge", {"amount": 7}, "x")]),
+                 {"configurable": {"thread_id": "t1"}})
+    ((appends, durable),) = seen
+    assert appends == 1  # one append before the body: the batch with its start
+    assert durable == appended[0]
+    assert {"ModelResponded", "ToolStarted"} <= set(durable)
+
+
 def test_the_async_tool_node_goes_through_the_same_ledger(
         tmp_path: Path, store: SQLiteEventStore) -> None:
     through = tmp_path / "ledger.txt"
@@ -1002,6 +1036,23 @@ def test_an_approval_made_through_the_operator_lets_the_graph_go_on(
     result = graph.invoke(Command(resume={}), CONFIG)
     assert effects(path) == ["charge 7"]
     assert result["messages"][-1].content == "done"
+
+
+def test_a_call_awaiting_approval_without_a_review_is_durable_for_the_operator(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """A call that needs approval reaching the tool node without a review step is
+    refused before its body, and its batch is durable: the operator's inbox lists it
+    (the batch rides with a start's flush, and there is no start here)."""
+    path = tmp_path / "effects.txt"
+    ledger = ToolLedger(store, approvals=["charge"])
+    script = [[("charge", {"amount": 7}, "c1")], "done"]
+    graph = build("ledger", make_tools(path), ScriptedModel(script=script),
+                  OneWriterSaver(InMemorySaver()), ledger=ledger, review=False)
+    with pytest.raises(InvalidTransition, match="awaits a decision"):
+        graph.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    assert effects(path) == []
+    (waiting,) = operator.inbox(SQLiteEventStore(store.path, readonly=True))
+    assert waiting.call_id == "c1"
 
 
 def test_verifiers_settle_a_call_in_doubt_and_bodies_see_their_idempotency_key(
