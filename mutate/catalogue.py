@@ -1757,9 +1757,13 @@ CATALOGUE: tuple[Mutant, ...] = (
        "            if True:\n                return added",
        "messages the log has no room for are sent: the end, once the model answered, can "
        "never complete"),
-    _m("AN43", "        if self._known is not None:\n            def refuse_compaction",
-       "        if False:\n            def refuse_compaction",
+    _m("AN43", "            runner.compact_before_next_turn = refuse_compaction  # type: "
+               "ignore[method-assign]\n", "",
        "a tool runner with a history compacts: the end writes a summary as the conversation"),
+    _m("AN44", "            if (getattr(runner, \"_pending_compaction\", None) is not None\n",
+       "            if (False\n",
+       "a runner that scheduled a compaction before it was attached compacts: with an empty "
+       "history the summary is written as the conversation"),
     # ------------------------------------------------------------------- langgraph
     _m("LG01", "                c.flush()  # an effect boundary: the start is durable before "
                "the body\n",
@@ -1854,10 +1858,9 @@ CATALOGUE: tuple[Mutant, ...] = (
        "                self._enter(c, batch)\n",
        "a new batch is flushed on its own before its first start: two writes before the "
        "body where one does"),
-    _m("LG23", "            except BaseException:\n                if entered:\n"
-               "                    with contextlib.suppress(ControlError):\n"
-               "                        c.flush()\n                raise\n",
-       "            except BaseException:\n                raise\n",
+    _m("LG23", "                if entered:  # the batch durable all the same, as a caller "
+               "sees it\n",
+       "                if False:\n",
        "a batch entered for a call whose start is refused stays buffered: a call awaiting "
        "approval is not durable for the operator to decide"),
     # ------------------------------------------------------------------ google-adk

@@ -1509,6 +1509,14 @@ class MessageToolLedger:
                 "give the runner function tools", feature="toolsets", run_id=c.run_id,
                 step=c.step, action="attach")
         if self._known is not None:
+            if (getattr(runner, "_pending_compaction", None) is not None
+                    or getattr(runner, "_messages_being_compacted", None) is not None):
+                raise UnsupportedFeature(
+                    "the runner has a compaction scheduled, which would replace the "
+                    "messages the run's end writes to its history with a summary; with a "
+                    "history it is not supported. Nothing was attached",
+                    feature="compaction", run_id=c.run_id, step=c.step, action="attach")
+
             def refuse_compaction(*args: Any, **kwargs: Any) -> None:
                 raise UnsupportedFeature(
                     "compaction replaces the messages the run's end writes to its history "

@@ -484,10 +484,13 @@ class ToolLedger(HeldRuns):
                     done = True
                 else:
                     done, _ = begin_call(c, call_id, _arguments(call))
-            except BaseException:
-                if entered:
-                    with contextlib.suppress(ControlError):
+            except BaseException as refused:
+                if entered:  # the batch durable all the same, as a caller sees it
+                    try:
                         c.flush()
+                    except BaseException as failed:  # its own write's error is raised
+                        self._runs.pop(run_id, None)  # (the next attempt loads again)
+                        raise failed from refused
                 raise
             if done:
                 if entered:

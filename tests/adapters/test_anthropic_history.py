@@ -513,7 +513,9 @@ def test_an_async_loop_keeps_its_conversation_as_the_sync_one_does(chat: Chat) -
 def test_compaction_in_a_tool_runner_with_a_history_is_refused_when_asked(chat: Chat) -> None:
     """Compaction replaces the runner's messages with a summary, which the end would then
     write as the conversation: with a history, `compact_before_next_turn` is refused
-    naming it, before anything is scheduled or sent."""
+    naming it, before anything is scheduled or sent, and a runner that scheduled one
+    before it was attached is refused when attached (with an empty history, no other
+    check would see the summary)."""
     _path, _store, model, _ran, pay = chat
     ledger = chat.open("run-1")
     runner = ledger.attach(model.client().beta.messages.tool_runner(
@@ -523,6 +525,15 @@ def test_compaction_in_a_tool_runner_with_a_history_is_refused_when_asked(chat: 
         runner.compact_before_next_turn()
     assert refused.value.feature == "compaction"
     assert model.requests == []
+    scheduled = model.client().beta.messages.tool_runner(  # before it is attached
+        model="claude-test", max_tokens=64, tools=[pay],
+        messages=[{"role": "user", "content": "pay 7"}])
+    scheduled.compact_before_next_turn()
+    with pytest.raises(UnsupportedFeature, match="Nothing was attached") as refused:
+        chat.open("run-3").attach(scheduled)
+    assert refused.value.feature == "compaction"
+    assert model.requests == []
+    assert held(chat.path) == []
     plain = MessageToolLedger.open("run-2", [pay], store=chat.store)  # no history: allowed
     other = plain.attach(model.client().beta.messages.tool_runner(
         model="claude-test", max_tokens=64, tools=[pay],

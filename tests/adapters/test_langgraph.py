@@ -49,6 +49,7 @@ from statemachine import (
     InvalidTransition,
     Resolution,
     SQLiteEventStore,
+    StorageError,
     ToolCall,
     ToolInDoubt,
     operator,
@@ -62,6 +63,7 @@ from statemachine.adapters.langgraph import (
     UnsupportedFeature,
     decision,
 )
+from statemachine.errors import Outcome
 from statemachine.stores import AsyncSQLiteEventStore
 from statemachine.values import Phase, Step
 from statemachine.verifiers import Completed, NotExecuted, Unknown
@@ -1050,6 +1052,36 @@ def test_a_call_awaiting_approval_without_a_review_is_durable_for_the_operator(
                   OneWriterSaver(InMemorySaver()), ledger=ledger, review=False)
     with pytest.raises(InvalidTransition, match="awaits a decision"):
         graph.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    assert effects(path) == []
+    (waiting,) = operator.inbox(SQLiteEventStore(store.path, readonly=True))
+    assert waiting.call_id == "c1"
+
+
+def test_a_batch_whose_write_fails_raises_that_write_s_error_not_the_refusal(
+        tmp_path: Path) -> None:
+    """Where the batch is written on its own (a call refused before its body), a failed
+    write is what the caller is told, as when the batch was always written first, and
+    the next attempt loads the run again: the batch lands then, for the operator."""
+    failures = [StorageError("disk full (injected)", outcome=Outcome.NOT_WRITTEN)]
+
+    class Failing(SQLiteEventStore):
+        def append(self, run_id: str, events: Any, expected_version: int,
+                   **options: Any) -> None:
+            if failures:
+                raise failures.pop()
+            super().append(run_id, events, expected_version, **options)
+
+    store = Failing(str(tmp_path / "ledger.db"))
+    path = tmp_path / "effects.txt"
+    ledger = ToolLedger(store, approvals=["charge"])
+    script = [[("charge", {"amount": 7}, "c1")], "done"]
+    graph = build("ledger", make_tools(path), ScriptedModel(script=script),
+                  OneWriterSaver(InMemorySaver()), ledger=ledger, review=False)
+    with pytest.raises(StorageError, match="disk full") as failed:
+        graph.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    assert isinstance(failed.value.__cause__, InvalidTransition)  # the refusal, chained
+    with pytest.raises(InvalidTransition, match="awaits a decision"):
+        graph.invoke(None, CONFIG)  # the tool step again, from its checkpoint
     assert effects(path) == []
     (waiting,) = operator.inbox(SQLiteEventStore(store.path, readonly=True))
     assert waiting.call_id == "c1"
