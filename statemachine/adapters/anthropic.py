@@ -168,14 +168,12 @@ from statemachine.errors import (
 )
 from statemachine.payloads import JSON, canonical_json, walk_size
 from statemachine.runner.attempt import VERIFY_TIMEOUT, Attempt, interrupted, maybe_await
-from statemachine.runner.publish import stage_known
+from statemachine.runner.publish import keeps_history_on, stage_known
 from statemachine.sessions import Session
 from statemachine.stores import (
     AsyncEventStore,
     EventStore,
     SessionWrite,
-    checks_session_tail,
-    takes_session_write,
 )
 from statemachine.structured_logging import run_logger, switch
 from statemachine.values import Phase, Resolution, Step, ToolCall
@@ -330,13 +328,11 @@ def _refuse_history(history: Session | None, store: EventStore | None, buffered:
     (per event, the staging would land apart from the commit)."""
     if history is None:
         return
-    shares = getattr(history, "shares_transaction_with", None)
     if store is None:
         why = "without a store"
     elif not buffered:
         why = "per event (buffered=False): its staging would land apart from the commit"
-    elif not (callable(shares) and shares(store) and takes_session_write(store)
-              and checks_session_tail(store) and _reads_sessions(store)):
+    elif not (keeps_history_on(store, history, buffered=True) and _reads_sessions(store)):
         why = (f"in a Session the store does not write in its own transaction "
                f"({type(history).__name__} {excerpt(str(history.session_id))} beside "
                f"{type(store).__name__}): give a SQLiteSession on the store's file, or a "

@@ -231,7 +231,15 @@ def keeps_history(controller: RunController, session: Session) -> bool:
     Session another writer moved meanwhile refuses the write (`ReconcileRejected`),
     nothing of it written. Code of the user's that may have written to the Session (a
     tool, a hook, a guardrail, a stream's consumer) is followed by a fresh read."""
-    return _lands_whole(controller, session) and checks_session_tail(controller.store)
+    return keeps_history_on(controller.store, session,
+                            buffered=controller._journal.buffered)
+
+
+def keeps_history_on(store: object, session: object, *, buffered: bool) -> bool:
+    """`keeps_history` for a run on ``store`` that buffers (``buffered``) or not, asked
+    before its controller exists (an adapter refusing, when a run opens, a history it
+    cannot keep)."""
+    return lands_whole_on(store, session, buffered=buffered) and checks_session_tail(store)
 
 
 def _lands_whole(controller: RunController, session: Session) -> bool:
@@ -239,9 +247,13 @@ def _lands_whole(controller: RunController, session: Session) -> bool:
     append, or not at all: the controller buffers (its staging waits for the flush that
     writes the commit) and the Session is written in the store's transaction (`_write`).
     Its frontier is then never reconciled against: no append leaves it unsettled."""
-    store = controller.store
+    return lands_whole_on(controller.store, session, buffered=controller._journal.buffered)
+
+
+def lands_whole_on(store: object, session: object, *, buffered: bool) -> bool:
+    """`_lands_whole` for a run on ``store`` that buffers (``buffered``) or not."""
     shares = getattr(session, "shares_transaction_with", None)
-    return (controller._journal.buffered and store is not None
+    return (buffered and store is not None
             and callable(shares) and bool(shares(store)) and takes_session_write(store))
 
 
