@@ -252,7 +252,8 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
                                            "tests/adapters/test_anthropic_settled.py",
                                            "tests/adapters/test_anthropic_corners.py",
                                            "tests/adapters/test_anthropic_session_corners.py",
-                                           "tests/adapters/test_anthropic_history.py"),
+                                           "tests/adapters/test_anthropic_history.py",
+                                           "tests/adapters/test_anthropic_compaction.py"),
     # the durability files run each row in fresh processes (kill -9, two resumers): last
     "statemachine/adapters/langgraph.py": ("tests/adapters/test_langgraph.py",
                                            "tests/adapters/test_langgraph_corners.py",
@@ -1531,8 +1532,7 @@ CATALOGUE: tuple[Mutant, ...] = (
        "a run whose process died between its final output and its completion never "
        "completes"),
     _m("AN12", "                    for item in cast(Generator[Any, None, None], steps()):\n"
-               "                        self._posted(runner._sent_messages)  # the request was "
-               "sent\n",
+               "                        self._posted(sent[0])  # the request was sent\n",
        "                    for item in cast(Generator[Any, None, None], steps()):\n",
        "an attached sync runner records the results its requests carried as posted only "
        "when it ends"),
@@ -1724,9 +1724,9 @@ CATALOGUE: tuple[Mutant, ...] = (
        "        if self._after_reply(messages, reply):\n            self.controller.flush()",
        "a create loop's replies are not kept: a retry from an older history is refused, "
        "the run left to an operator"),
-    _m("AN34", "                self._keep_sent(runner._sent_messages)\n"
-               "                c.flush_results()\n",
-       "                c.flush_results()\n",
+    _m("AN34", "                self._keep_sent(messages)\n                sent[0] = messages\n"
+               "                # a model call",
+       "                sent[0] = messages\n                # a model call",
        "a sync tool runner's replies are not kept: a retry from an older history is "
        "refused, the run left to an operator"),
     _m("AN35", "        self._goes_on(messages)\n        self.check_history(messages)",
@@ -1743,10 +1743,11 @@ CATALOGUE: tuple[Mutant, ...] = (
        "the history is written without the final reply"),
     _m("AN38", "    elif not buffered:\n", "    elif False:\n",
        "a per-event run keeps a history: its staging lands apart from the commit"),
-    _m("AN39", "                self._goes_on(runner._sent_messages)  # (its messages may have "
-               "been set)\n                self._keep_sent(runner._sent_messages)\n"
-               "                c.flush_results()",
-       "                self._keep_sent(runner._sent_messages)\n                c.flush_results()",
+    _m("AN39", "                self._goes_on(messages)  # (its messages may have been set)\n"
+               "                self._keep_sent(messages)\n                sent[0] = messages\n"
+               "                # a model call",
+       "                self._keep_sent(messages)\n                sent[0] = messages\n"
+               "                # a model call",
        "a sync tool runner's messages are checked against the history before its first "
        "request only: messages set later end in a conversation the model never had"),
     _m("AN40", "        block.pop(\"cache_control\", None)\n", "",
@@ -1764,6 +1765,21 @@ CATALOGUE: tuple[Mutant, ...] = (
        "            if (False\n",
        "a runner that scheduled a compaction before it was attached compacts: with an empty "
        "history the summary is written as the conversation"),
+    _m("AN45", "                            self._posted(sent[0])  # the request was sent\n"
+               "                            yield item",
+       "                            self._posted(runner._sent_messages)  # the request was "
+       "sent\n                            yield item",
+       "the results a compaction request carried are never posted: the async runner's run "
+       "never completes"),
+    _m("AN46", "                if _compacting(runner) and self._end_before_compaction(\n",
+       "                if False and self._end_before_compaction(\n",
+       "a compaction after the final reply is sent before the run's end is recorded: the "
+       "sync runner's conversation is left unrecorded"),
+    _m("AN47", "        return last is not None and _final(last) and self._after_reply("
+               "messages, last)",
+       "        return False",
+       "a compaction after the final reply leaves the run at tools once the runner ends "
+       "(the last message is the compaction's)"),
     # ------------------------------------------------------------------- langgraph
     _m("LG01", "                c.flush()  # an effect boundary: the start is durable before "
                "the body\n",

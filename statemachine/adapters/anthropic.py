@@ -513,6 +513,13 @@ def _final(reply: Any) -> bool:
             and not _tool_uses(_field(reply, "content")))
 
 
+def _compacting(runner: Any) -> bool:
+    """Whether an SDK tool runner's request under way is a compaction's (scheduled with
+    ``compact_before_next_turn``): it goes out on a fork of the runner's thread, carrying
+    the whole conversation, and its answer replaces the messages the runner sends next."""
+    return getattr(runner, "_messages_being_compacted", None) is not None
+
+
 def _digests(messages: Iterable[Any]) -> list[JSON]:
     """One digest per message, of its JSON as the SDK sends it: what tells a request of
     the recorded conversation (or a start of it) from any other."""
@@ -1312,6 +1319,14 @@ class MessageToolLedger:
             return False  # a reply or history this adapter cannot record: the run goes on
         return _finished(c, record, None if items is None else self._end_with(items))
 
+    def _end_before_compaction(self, messages: Sequence[Any], last: Any) -> bool:
+        """Before a tool runner's compaction request: when ``last``, the reply to the
+        request of ``messages``, ended the conversation, the run's end is recorded from
+        them (True: the caller flushes), so the run is completed, and durably, before the
+        compaction is sent, whatever it answers. A compaction before the first request, or
+        after a reply that asks for calls, records nothing (False)."""
+        return last is not None and _final(last) and self._after_reply(messages, last)
+
     def create(self, resource: Any, /, **params: Any) -> Any:
         """``resource.create(**params)`` (``client.messages`` or ``client.beta.messages``)
         after `check_history`, the in-doubt gate and the stale-history check: a history
@@ -1529,6 +1544,10 @@ class MessageToolLedger:
                 action="begin_tool")
 
         request = runner._handle_request
+        # the messages of the runner's latest request: its thread's, or those of the fork
+        # a compaction goes out on (`compact_before_next_turn`), which carries the whole
+        # conversation, the results of its calls included
+        sent: list[Sequence[Any]] = [()]
 
         if isinstance(runner, BetaAsyncToolRunner | BetaAsyncStreamingToolRunner):
             async def run_async(tool: Any, tool_use: Any) -> Any:
@@ -1537,8 +1556,14 @@ class MessageToolLedger:
 
             @contextlib.asynccontextmanager
             async def request_async(thread: Any) -> AsyncIterator[Any]:
-                self._goes_on(runner._sent_messages)  # (its messages may have been set)
-                self._keep_sent(runner._sent_messages)
+                messages = thread.messages
+                if _compacting(runner):
+                    last = await runner._get_last_message()
+                    if self._end_before_compaction(sent[0], last):
+                        await c.flush_async()
+                self._goes_on(messages)  # (its messages may have been set)
+                self._keep_sent(messages)
+                sent[0] = messages
                 await c.flush_results_async()  # the results it carries (`create`)
                 async with request(thread) as item:
                     yield item
@@ -1554,14 +1579,14 @@ class MessageToolLedger:
                     async with contextlib.aclosing(cast(AsyncGenerator[Any, None],
                                                         steps())) as items:
                         async for item in items:
-                            self._posted(runner._sent_messages)  # the request was sent
+                            self._posted(sent[0])  # the request was sent
                             yield item
                 except BaseException:  # what the attempt recorded made durable (`create`)
                     with contextlib.suppress(ControlError):
                         await c.flush_async()
                     raise
                 if not runner._closed:
-                    self._after_reply(runner._sent_messages, await runner._get_last_message())
+                    self._after_reply(sent[0], await runner._get_last_message())
                 await c.flush_async()
 
             runner._run_tool = run_async  # type: ignore[method-assign]
@@ -1575,11 +1600,16 @@ class MessageToolLedger:
 
             @contextlib.contextmanager
             def request_sync(thread: Any) -> Iterator[Any]:
+                messages = thread.messages
+                if _compacting(runner) and self._end_before_compaction(
+                        sent[0], runner._get_last_message()):
+                    c.flush()
+                self._goes_on(messages)  # (its messages may have been set)
+                self._keep_sent(messages)
+                sent[0] = messages
                 # a model call needs no flush of its own, but the results it carries are
                 # made durable first, so a crash while the model answers leaves their
                 # calls completed, not in doubt (`create`); else a fence
-                self._goes_on(runner._sent_messages)  # (its messages may have been set)
-                self._keep_sent(runner._sent_messages)
                 c.flush_results()
                 with request(thread) as item:
                     yield item
@@ -1590,7 +1620,7 @@ class MessageToolLedger:
                     return  # needs no write before its request (`request_sync`)
                 try:
                     for item in cast(Generator[Any, None, None], steps()):
-                        self._posted(runner._sent_messages)  # the request was sent
+                        self._posted(sent[0])  # the request was sent
                         yield item
                 except BaseException:
                     # a request (or a tool) failed: the results the attempt recorded, which
@@ -1601,7 +1631,7 @@ class MessageToolLedger:
                         c.flush()
                     raise
                 if not runner._closed:
-                    self._after_reply(runner._sent_messages, runner._get_last_message())
+                    self._after_reply(sent[0], runner._get_last_message())
                 c.flush()
 
             runner._run_tool = run_sync  # type: ignore[method-assign]
