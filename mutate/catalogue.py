@@ -2062,6 +2062,23 @@ CATALOGUE: tuple[Mutant, ...] = (
        "",
        "a user's message claims the run (the claim flushed alone) before its write decides "
        "between two resumers: the loser supersedes the winner, and neither goes on"),
+    _m("GA39", "    \"ORDER BY timestamp DESC, rowid DESC LIMIT 1)\")",
+       "    \"ORDER BY timestamp DESC LIMIT 1)\")",
+       "the last stored event is read without ADK's order for events of the same time: "
+       "another writer's event stamped with the copy's last time goes unseen, and the "
+       "stale copy writes over it"),
+    _m("GA40", "            if last == (session.events[-1].id if session.events else None):",
+       "            if True:",
+       "a session copy another writer moved past is taken for the stored session"),
+    _m("GA41", "            self.path = str(service._db_connect_path)",
+       "            self.path = None",
+       "every append's check loads the whole session through ADK (about 2 ms, four "
+       "times a turn)"),
+    _m("GA42", "                and getattr(type(service), \"get_session\", None)\n"
+               "                is SqliteSessionService.get_session\n",
+       "",
+       "a subclass's own get_session is bypassed by the check: its answer is not the one "
+       "that counts"),
     # ------------------------------------------------------------------ telemetry
     _m("TE01", "    span = None if spans is None or not switch.telemetry else "
                "spans.calls.get(call_id)",

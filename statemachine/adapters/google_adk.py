@@ -133,6 +133,7 @@ import asyncio
 import contextlib
 import contextvars
 import json
+import sqlite3
 import threading
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from typing import Any
@@ -150,6 +151,7 @@ try:
     )
     from google.adk.plugins.base_plugin import BasePlugin
     from google.adk.sessions.base_session_service import BaseSessionService
+    from google.adk.sessions.sqlite_session_service import SqliteSessionService
     from google.adk.tools.agent_tool import AgentTool
     from google.adk.tools.base_tool import BaseTool
     from google.adk.tools.base_toolset import BaseToolset
@@ -184,6 +186,7 @@ from statemachine.errors import (
 from statemachine.journal import is_async
 from statemachine.payloads import JSON
 from statemachine.runner.attempt import interrupted
+from statemachine.sqlite import connect_readonly
 from statemachine.stores import EventStore
 from statemachine.values import Append, Phase, Resolution, Step, ToolCall
 from statemachine.verifiers import Verifier, context_of, entered, left
@@ -1063,6 +1066,61 @@ async def _appended(service: BaseSessionService, session: Any, event: Any) -> An
             action="append_event") from stale
 
 
+_LAST_EVENT = (
+    "SELECT EXISTS (SELECT 1 FROM sessions WHERE app_name = ? AND user_id = ? AND id = ?), "
+    "(SELECT id FROM events WHERE app_name = ? AND user_id = ? AND session_id = ? "
+    "ORDER BY timestamp DESC, rowid DESC LIMIT 1)")
+"""Whether an ADK ``SqliteSessionService`` holds a session, and the id of its last event
+(``get_session``'s last, in its own order: by timestamp, ties in the order appended)."""
+
+
+class _LastEvent:
+    """What `OneWriterSessionService` checks before each append, read in one statement:
+    whether the session is stored and the id of its last event, for an ADK
+    ``SqliteSessionService`` on a file whose ``get_session`` is ADK's own (a subclass that
+    reads otherwise is asked through it). ADK's ``get_session`` opens a connection (and
+    its thread) and decodes every event, about 2 ms, four times in a one-tool turn;
+    this reads through one read-only connection of its own. None when it cannot tell
+    (a database in memory or named by URI, a session id ADK would strip, a file not made
+    yet, a schema that is not the one it knows, any SQLite error): then the service is
+    asked, as before."""
+
+    def __init__(self, service: BaseSessionService) -> None:
+        self.path: str | None = None
+        if (isinstance(service, SqliteSessionService)
+                and getattr(type(service), "get_session", None)
+                is SqliteSessionService.get_session
+                and getattr(service, "_db_connect_uri", True) is False
+                and getattr(service, "_db_path", "") not in ("", ":memory:")):
+            self.path = str(service._db_connect_path)
+        self._conn: sqlite3.Connection | None = None
+        self._lock = threading.Lock()  # (a runner's loop may run in a thread of its own)
+
+    def read(self, session: Any) -> tuple[bool, str | None] | None:
+        """``(stored, last event id or None)`` for ``session``; None: ask the service."""
+        app, user, key = session.app_name, session.user_id, session.id
+        if self.path is None or key != key.strip():  # (ADK looks a padded id up twice)
+            return None
+        with self._lock:
+            try:
+                if self._conn is None:
+                    self._conn = connect_readonly(self.path, timeout=5.0, immutable=False)
+                # (fetchall: the statement ends, so no read lock outlives it)
+                [(stored, last)] = self._conn.execute(
+                    _LAST_EVENT, (app, user, key, app, user, key)).fetchall()
+            except (sqlite3.Error, ValueError):
+                self.close()
+                return None
+        if last is not None and type(last) is not str:
+            return None
+        return bool(stored), last
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+
 class OneWriterSessionService(BaseSessionService):
     """Any ADK session service with one writer per session: an ``append_event`` made on
     a session copy whose last event is not the stored session's last event (another
@@ -1079,6 +1137,7 @@ class OneWriterSessionService(BaseSessionService):
         self.service = service
         self.plugin = plugin
         self._locks: dict[tuple[str, str, str], asyncio.Lock] = {}
+        self._last_event = _LastEvent(service)
         if plugin is not None:
             plugin.publishes_to = self
 
@@ -1097,6 +1156,14 @@ class OneWriterSessionService(BaseSessionService):
     def __getattr__(self, name: str) -> Any:
         return getattr(self.service, name)
 
+    async def close(self) -> None:
+        """Close the connection the check before each append reads through, then the
+        service, when it has a ``close``."""
+        self._last_event.close()
+        close = getattr(self.service, "close", None)
+        if close is not None:
+            await close()
+
     async def append_event(self, session: Any, event: Any) -> Any:
         if getattr(event, "partial", False):
             return await self.service.append_event(session, event)
@@ -1105,9 +1172,7 @@ class OneWriterSessionService(BaseSessionService):
         async with lock:
             try:
                 self._fence(session, event)
-                stored = await self.service.get_session(
-                    app_name=session.app_name, user_id=session.user_id,
-                    session_id=session.id)
+                stored = await self._stored(session, event)
             except ConcurrencyConflict as refused:
                 if self.plugin is not None:
                     self.plugin._unstage(session, event, refused)
@@ -1131,6 +1196,32 @@ class OneWriterSessionService(BaseSessionService):
 
     async def _write(self, session: Any, event: Any) -> Any:
         return await _appended(self.service, session, event)
+
+    async def _stored(self, session: Any, event: Any) -> Any:
+        """The stored session ``append_event`` checks ``session`` against (None when the
+        service holds none), or ``session`` itself when its last event is the stored
+        session's last (`_LastEvent`, one statement) and nothing of the stored one is
+        needed: `_publishing` stages ``event`` from the stored events only when it
+        publishes responses the plugin did not stage when it saw the event."""
+        read = self._last_event.read(session)
+        if read is not None and not self._stages_from_stored(session, event):
+            stored, last = read
+            if not stored:
+                return None
+            if last == (session.events[-1].id if session.events else None):
+                return session
+        return await self.service.get_session(
+            app_name=session.app_name, user_id=session.user_id, session_id=session.id)
+
+    def _stages_from_stored(self, session: Any, event: Any) -> bool:
+        """Whether `_publishing` would stage ``event`` from the stored events."""
+        plugin = self.plugin
+        if plugin is None or not _response_ids(event):
+            return False
+        with plugin._lock:
+            c = plugin._runs.get(plugin.run_id_of(session))
+            return c is not None and not (c.holds_attempt
+                                          and plugin._staged.get(c.run_id) == event.id)
 
     @staticmethod
     def _publishable(c: RunController, event: Any) -> list[str]:

@@ -979,6 +979,114 @@ def test_a_second_writer_of_a_session_is_refused(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
+def _events(author: str, *texts: str, at: float | None = None) -> list[Any]:
+    """Events of ``author`` saying ``texts`` (stamped ``at``), each with the id
+    ``"<first letter>-<text>"``."""
+    from google.adk.events.event import Event
+
+    events = [Event(author=author, content=text(value[2:]), id=value) for value in texts]
+    if at is not None:
+        for event in events:
+            event.timestamp = at
+    return events
+
+
+@pytest.mark.invariant("I7")
+@pytest.mark.parametrize("first", ["a-one", "z-one"])
+@pytest.mark.parametrize("other", ["the-same-service", "another-service-same-timestamp",
+                                   "another-service-in-memory-file"])
+def test_a_second_writer_of_an_adk_sqlite_session_is_refused(
+        tmp_path: Path, other: str, first: str) -> None:
+    """On ADK's own ``SqliteSessionService`` (`OneWriterSessionService` reads the stored
+    session's last event in one statement): a session copy read before another writer
+    appended is refused (`ConcurrencyConflict`, "moved on"), nothing of it written. The
+    other writer is this wrapper, or ADK's service on the same file as another process
+    would be, appending events stamped with the same time as the copy's last, which
+    ADK's own staleness check (by update time) does not see: the last is the one
+    appended last, whichever way the ids sort (the copy's last event id sorts before or
+    after theirs); ``:memory:``, which the wrapper cannot read itself, is checked
+    through ``get_session``."""
+    from google.adk.sessions.sqlite_session_service import SqliteSessionService
+
+    path = ":memory:" if other.endswith("in-memory-file") else str(tmp_path / "s.db")
+    inner = SqliteSessionService(path)
+    service = OneWriterSessionService(inner)
+    at = 1_800_000_000.25
+
+    async def scenario() -> list[str]:
+        await service.create_session(app_name=APP, user_id=USER, session_id=SESSION)
+        ours = await service.get_session(app_name=APP, user_id=USER, session_id=SESSION)
+        assert ours is not None
+        await service.append_event(ours, _events("user", first, at=at)[0])
+        stale = await service.get_session(app_name=APP, user_id=USER, session_id=SESSION)
+        assert stale is not None
+        writer = (SqliteSessionService(path) if other.startswith("another-service")
+                  and not other.endswith("in-memory-file") else service)
+        theirs = await writer.get_session(app_name=APP, user_id=USER, session_id=SESSION)
+        assert theirs is not None
+        for event in _events("user", "m-two", "m-three", at=at):  # (the same time)
+            await writer.append_event(theirs, event)
+        with pytest.raises(ConcurrencyConflict, match="moved on"):
+            await service.append_event(stale, _events("user", "b-mine")[0])
+        stored = await inner.get_session(app_name=APP, user_id=USER, session_id=SESSION)
+        assert stored is not None
+        return [str(part.text) for e in stored.events if e.content
+                for part in e.content.parts or ()]
+
+    assert asyncio.run(scenario()) == ["one", "two", "three"]
+    assert (service._last_event.path is None) == (path == ":memory:")
+
+
+class _CountedReads:
+    """Counts ADK's ``SqliteSessionService.get_session`` calls (the class's own method,
+    patched, so the service still reads as ADK's)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from google.adk.sessions.sqlite_session_service import SqliteSessionService
+
+        self.calls = 0
+        read = SqliteSessionService.get_session
+
+        async def counted(service: Any, **options: Any) -> Any:
+            self.calls += 1
+            return await read(service, **options)
+
+        monkeypatch.setattr(SqliteSessionService, "get_session", counted)
+
+
+@pytest.mark.parametrize("publications", [True, False])
+def test_a_one_tool_turn_on_adk_sqlite_reads_the_whole_session_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, publications: bool) -> None:
+    """The check before each of a turn's four appends reads the last stored event
+    itself: ADK's ``get_session`` is asked once in the turn (the runner's own load, as
+    ADK alone asks it), not once per append. A service whose ``get_session`` is its own
+    is asked by every check (a subclass may read otherwise: its answer is the one that
+    counts)."""
+    from google.adk.sessions.sqlite_session_service import SqliteSessionService
+
+    counted = _CountedReads(monkeypatch)
+
+    class Overrides(SqliteSessionService):
+        async def get_session(self, **options: Any) -> Any:
+            return await super().get_session(**options)
+
+    outcomes = []
+    for kind in (SqliteSessionService, Overrides):
+        folder = tmp_path / kind.__name__
+        folder.mkdir()
+        w = World(folder, "ledger", [CHARGE], ["charge"],
+                  service=kind(str(folder / "sessions.db")), publications=publications)
+
+        async def turn(w: World = w) -> int:
+            await w.open()
+            before = counted.calls
+            await run(w.runner, text("go"))
+            return counted.calls - before
+
+        outcomes.append((asyncio.run(turn()), w.ran()))
+    assert outcomes == [(1, ["charge 5"]), (5, ["charge 5"])]
+
+
 class _AnotherWriterFirst(DieBeforeAppend):
     """ADK's ``SqliteSessionService``, where another process appends to the session
     (its own service on the same file) right before this writer's append reaches it:

@@ -56,6 +56,7 @@ from google.adk.plugins.base_plugin import BasePlugin
 from google.adk.runners import Runner
 from google.adk.sessions import InMemorySessionService
 from google.adk.sessions.base_session_service import BaseSessionService
+from google.adk.sessions.sqlite_session_service import SqliteSessionService
 from google.adk.tools.function_tool import FunctionTool
 from google.adk.tools.long_running_tool import LongRunningFunctionTool
 from google.genai import types
@@ -204,12 +205,14 @@ class DieBeforeAppend(BaseSessionService):
         return await self.service.append_event(session, event)
 
 
-class DieAfterAppend(DieBeforeAppend):
-    """Kills the process once ``service`` has appended an event carrying a tool's
-    function responses (``--kill after-append``)."""
+class DieAfterAppend(SqliteSessionService):
+    """ADK's ``SqliteSessionService``, killing the process once it has appended an event
+    carrying a tool's function responses (``--kill after-append``). A subclass that keeps
+    ADK's ``get_session``: `OneWriterSessionService` reads the last stored event itself,
+    as it does for ADK's own service."""
 
     async def append_event(self, session: Any, event: Any) -> Any:
-        written = await self.service.append_event(session, event)
+        written = await super().append_event(session, event)
         if event.get_function_responses() and not event.partial and event.author != "user":
             die_at("after-append")
         return written
@@ -347,15 +350,13 @@ def _dying_store(path: Path) -> Any:
 async def _child(folder: Path, mode: str, wait_for: str, flow: str, hold: str, *,
                  publications: bool) -> int:
     from google.adk.errors import StaleSessionError
-    from google.adk.sessions.sqlite_session_service import SqliteSessionService
 
     from statemachine import ConcurrencyConflict, ToolInDoubt
     from statemachine.adapters.google_adk import LedgerPlugin, OneWriterSessionService
 
     # the after-append kill sits under the ledger's publication, the before-append one
     # above it (the response recorded, its publication staged by the plugin)
-    sessions: BaseSessionService = DieAfterAppend(
-        SqliteSessionService(str(folder / "sessions.db")))
+    sessions: BaseSessionService = DieAfterAppend(str(folder / "sessions.db"))
     plugins: list[BasePlugin] = []
     if mode == "ledger":
         plugin = LedgerPlugin(_dying_store(folder / "ledger.db"))
