@@ -1879,6 +1879,20 @@ CATALOGUE: tuple[Mutant, ...] = (
        "                if False:\n",
        "a batch entered for a call whose start is refused stays buffered: a call awaiting "
        "approval is not durable for the operator to decide"),
+    _m("LG24", "            if named:\n", "            if False:\n",
+       "check_step asks whether a checkpoint is written and is told the thread's latest: a "
+       "step whose checkpoint was never written is said to be moved past"),
+    _m("LG25", "            if c.step is not Step.UNSETTLED and not any(\n",
+       "            if True or not any(\n",
+       "a checkpoint carrying a tool's result is written without its publication"),
+    _m("LG26", "            if c.step is not Step.UNSETTLED and not any(\n",
+       "            if False and not any(\n",
+       "every checkpoint write of a graph with publications reads and decodes the whole "
+       "parent checkpoint"),
+    _m("LG27", "        if self._sqlite() is None:\n            found = saver.get_tuple(config)",
+       "        if True:\n            found = saver.get_tuple(config)",
+       "the one-writer check on SqliteSaver reads and decodes a whole checkpoint, six times "
+       "a turn"),
     # ------------------------------------------------------------------ google-adk
     _m("GA01", "                c.flush()  # an effect boundary: the start is durable before "
                "the body\n",

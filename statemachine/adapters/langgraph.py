@@ -1298,6 +1298,30 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
             return conn
         return None
 
+    def _read_id(self, config: Any) -> str | None:
+        """The id of the checkpoint ``config`` names (the latest of its thread and
+        namespace when it names none), None when there is none. On LangGraph's
+        ``SqliteSaver`` (`_sqlite`: its own class, not a subclass of another module) one
+        statement on its connection, the query ``get_tuple`` makes without the
+        checkpoint's body, its metadata and its pending writes, which it would read and
+        decode; on any other saver ``get_tuple``."""
+        saver: Any = self.saver
+        if self._sqlite() is None:
+            found = saver.get_tuple(config)
+            return None if found is None else str(found.checkpoint["id"])
+        configurable = config["configurable"]
+        asked = (str(configurable["thread_id"]), configurable.get("checkpoint_ns", ""))
+        named = configurable.get("checkpoint_id")
+        with saver.cursor(transaction=False) as cur:
+            if named:
+                cur.execute("SELECT checkpoint_id FROM checkpoints WHERE thread_id = ? AND "
+                            "checkpoint_ns = ? AND checkpoint_id = ?", (*asked, named))
+            else:
+                cur.execute("SELECT checkpoint_id FROM checkpoints WHERE thread_id = ? AND "
+                            "checkpoint_ns = ? ORDER BY checkpoint_id DESC LIMIT 1", asked)
+            row = cur.fetchone()
+        return None if row is None else str(row[0])
+
     def _postgres(self) -> Any:
         """The psycopg ``Connection`` of LangGraph's ``PostgresSaver`` when the check and
         the write can share its transaction (None for another saver, its shallow one and
@@ -1348,11 +1372,19 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
                         pg.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
                                    (json.dumps(["langgraph", configurable.get("thread_id"),
                                                 configurable.get("checkpoint_ns", "")]),))
-                found = self.saver.get_tuple(_head(config))
-                self._check(config, None if found is None else found.checkpoint["id"])
+                if pg is None:
+                    self._check(config, self._read_id(_head(config)))
+                    found = None
+                else:  # (one read: the parent, which a publication stages against)
+                    found = self.saver.get_tuple(_head(config))
+                    self._check(config, None if found is None else found.checkpoint["id"])
                 if self.ledger is None:
                     return write(config, checkpoint, metadata, new_versions)
-                return self._publishing(config, checkpoint, metadata, new_versions, found,
+
+                def parent() -> Any:  # (read under the write lock, as the check was)
+                    return found if pg is not None else self.saver.get_tuple(_head(config))
+
+                return self._publishing(config, checkpoint, metadata, new_versions, parent,
                                         write)
             except BaseException as error:
                 ended = error
@@ -1369,20 +1401,29 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
                 self._ended(config, checkpoint, None if landed else ended)
 
     def _publishing(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any,
-                    parent: Any, put: Callable[..., Any]) -> Any:
+                    parent: Callable[[], Any], put: Callable[..., Any]) -> Any:
         """The ``put`` of a checkpoint as the ledger's staged publication of the results
         it adds (the graph's history is the Session): staged (durable) before the write,
         committed after it, recorded failed when it raises; an earlier write left
         unsettled is reconciled first against the thread's latest messages (this runs
         under the saver's write lock, or PostgreSQL's lock on the thread, so no other
-        writer can still land it). ``put`` is the saver's write, committed."""
+        writer can still land it). ``put`` is the saver's write, committed; ``parent``
+        reads the thread's latest checkpoint, which a checkpoint that answers no call
+        whose result is unpublished (nothing to publish) is written without."""
         ledger = self.ledger
         assert ledger is not None
         configurable = config.get("configurable") or {}
         if "|" in str(configurable.get("checkpoint_ns") or ""):
             return put(config, checkpoint, metadata, new_versions)
-        before = _channel_messages(None if parent is None else parent.checkpoint)
         after = _channel_messages(checkpoint)
+        with ledger._lock:
+            c = ledger.controller(ledger.run_id_of(config))
+            owed = set(c.unpublished_call_ids())
+            if c.step is not Step.UNSETTLED and not any(
+                    isinstance(m, ToolMessage) and m.tool_call_id in owed for m in after):
+                return put(config, checkpoint, metadata, new_versions)
+        found = parent()
+        before = _channel_messages(None if found is None else found.checkpoint)
         added = after[len(before):]
         if [m.id for m in after[:len(before)]] != [m.id for m in before]:
             added = []  # not an append (a message replaced): nothing published here
@@ -1462,7 +1503,7 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
                     self._write_ended.wait(asked)
                 answer: Any = None
             else:
-                answer = self.saver.get_tuple(asked)
+                answer = self._read_id(asked)
             try:
                 asked = judging.send(answer)
             except StopIteration:
@@ -1478,7 +1519,8 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
                 await asyncio.sleep(asked)
                 answer: Any = None
             else:
-                answer = await self.saver.aget_tuple(asked)
+                found = await self.saver.aget_tuple(asked)
+                answer = None if found is None else str(found.checkpoint["id"])
             try:
                 asked = judging.send(answer)
             except StopIteration:
@@ -1487,7 +1529,8 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
     def _judging(self, thread_id: Any, checkpoint_id: str,
                  timeout: float) -> typing.Generator[Any, Any, None]:
         """`check_step`'s reasoning, without its reads: yields a config to read (sent the
-        saver's tuple for it) or a number of seconds to wait; ends when the step is the
+        id of the checkpoint it names, None for none) or a number of seconds to wait; ends
+        when the step is the
         thread's, raises when it is not. How the write ended is taken before the reads,
         so a write landing between them is never mistaken for the thread moving on."""
         key = (thread_id, "", checkpoint_id)
@@ -1500,7 +1543,7 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
                 known = key in self._outcomes
                 error = self._outcomes.get(key)
             found = yield head
-            if found is not None and found.checkpoint["id"] == checkpoint_id:
+            if found == checkpoint_id:
                 return  # written (a write that landed, then raised, among them)
             if known and isinstance(error, ConcurrencyConflict):
                 raise ConcurrencyConflict(
@@ -1517,7 +1560,7 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
                     "step ran", action="begin_tool") from error
             if known or (yield itself) is not None:  # written, not the latest when read:
                 again = yield head  # (read once more: it may have landed since)
-                if again is not None and again.checkpoint["id"] == checkpoint_id:
+                if again == checkpoint_id:
                     return
                 raise ConcurrencyConflict(
                     f"thread {thread_id!r} moved on past the checkpoint this step runs "

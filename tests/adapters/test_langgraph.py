@@ -1457,12 +1457,15 @@ def test_an_async_resumer_whose_write_is_refused_runs_no_tool(tmp_path: Path,
     assert effects(path) == ["charge 7"] * (2 if mode == "alone" else 1)
 
 
-def test_check_step_says_whether_a_step_is_the_threads() -> None:
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+def test_check_step_says_whether_a_step_is_the_threads(tmp_path: Path, kind: str) -> None:
     """`OneWriterSaver.check_step` on its own (the ledger asks it before a step's calls):
     the thread's latest checkpoint passes; one this saver's write was refused for, or one
     the thread moved past, is refused at once, saying which; one not yet written passes
-    once a write lands it, and is refused when none does in time."""
-    inner = InMemorySaver()
+    once a write lands it, and is refused when none does in time. On ``SqliteSaver`` the
+    saver reads checkpoint ids itself, one statement each."""
+    inner: Any = InMemorySaver() if kind == "memory" else SqliteSaver(sqlite3.connect(
+        str(tmp_path / "checkpoints.db"), check_same_thread=False))
     saver, other = OneWriterSaver(inner), OneWriterSaver(inner)
     builder: Any = StateGraph(MessagesState)
     builder.add_node("step", lambda state: {"messages": []})
@@ -1494,6 +1497,56 @@ def test_check_step_says_whether_a_step_is_the_threads() -> None:
     writer.start()  # lands before the check, or while it waits
     saver.check_step("t1", "newest", timeout=60)
     writer.join()
+
+
+class _Reads(SqliteSaver):
+    """LangGraph's ``SqliteSaver`` subclassed in another module, its ``get_tuple`` its
+    own (a subclass may read otherwise: its answer is the one that counts), counting its
+    calls."""
+
+    reads = 0
+
+    def get_tuple(self, config: Any) -> Any:
+        _Reads.reads += 1
+        return super().get_tuple(config)
+
+
+@pytest.mark.parametrize("publications", [True, False])
+def test_a_one_tool_turn_on_sqlite_saver_reads_whole_checkpoints_only_to_publish(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, publications: bool) -> None:
+    """The one-writer check before each of a turn's five checkpoint writes, and before
+    its tool step, reads the thread's latest checkpoint id alone: ``SqliteSaver``'s
+    ``get_tuple`` (which reads and decodes a whole checkpoint) is asked once by the
+    graph's own load, and once more with publications, for the checkpoint that publishes
+    the tool's result (staged against its parent's messages). A subclass (another
+    module's, whose checkpoint writes cannot be publications) is asked by every check."""
+    counted = [0]
+    read = SqliteSaver.get_tuple
+
+    def counting(saver: Any, config: Any) -> Any:
+        counted[0] += 1
+        return read(saver, config)
+
+    monkeypatch.setattr(SqliteSaver, "get_tuple", counting)
+    outcomes = []
+    for kind in (SqliteSaver, _Reads):
+        folder = tmp_path / kind.__name__
+        folder.mkdir()
+        saver = kind(sqlite3.connect(str(folder / "checkpoints.db"),
+                                     check_same_thread=False))
+        ledger = ToolLedger(SQLiteEventStore(str(folder / "ledger.db")))
+        publishes = publications and kind is SqliteSaver
+        graph = build("ledger", make_tools(folder / "effects.txt"),
+                      ScriptedModel(script=[[("charge", {"amount": 7}, "c1")], "done"]),
+                      OneWriterSaver(saver, ledger=ledger if publishes else None),
+                      ledger=ledger)
+        before = counted[0], _Reads.reads
+        graph.invoke({"messages": [HumanMessage("go")]}, CONFIG, durability="sync")
+        outcomes.append((counted[0] - before[0], _Reads.reads - before[1],
+                         effects(folder / "effects.txt")))
+    ours = 2 if publications else 1
+    assert outcomes[0] == (ours, 0, ["charge 7"])
+    assert outcomes[1][1:] == (7, ["charge 7"])  # (the graph's load, 5 writes, the step)
 
 
 @pytest.mark.parametrize("door", ["toolnode", "agent"])
