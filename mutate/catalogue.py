@@ -1532,7 +1532,7 @@ CATALOGUE: tuple[Mutant, ...] = (
        "a run whose process died between its final output and its completion never "
        "completes"),
     _m("AN12", "                    for item in cast(Generator[Any, None, None], steps()):\n"
-               "                        self._posted(sent[0])  # the request was sent\n",
+               "                        answered()\n",
        "                    for item in cast(Generator[Any, None, None], steps()):\n",
        "an attached sync runner records the results its requests carried as posted only "
        "when it ends"),
@@ -1724,11 +1724,11 @@ CATALOGUE: tuple[Mutant, ...] = (
        "        if self._after_reply(messages, reply):\n            self.controller.flush()",
        "a create loop's replies are not kept: a retry from an older history is refused, "
        "the run left to an operator"),
-    _m("AN34", "                self._keep_sent(messages)\n                sent[0] = messages\n"
-               "                # a model call",
-       "                sent[0] = messages\n                # a model call",
-       "a sync tool runner's replies are not kept: a retry from an older history is "
-       "refused, the run left to an operator"),
+    _m("AN34", "            self._goes_on(messages)  # (its messages may have been set)\n"
+               "            self._keep_sent(messages)\n",
+       "            self._goes_on(messages)  # (its messages may have been set)\n",
+       "a tool runner's replies are not kept: a retry from an older history is refused, the "
+       "run left to an operator"),
     _m("AN35", "        self._goes_on(messages)\n        self.check_history(messages)",
        "        self.check_history(messages)",
        "a request that does not go on from the history is sent: the end would write after "
@@ -1743,12 +1743,10 @@ CATALOGUE: tuple[Mutant, ...] = (
        "the history is written without the final reply"),
     _m("AN38", "    elif not buffered:\n", "    elif False:\n",
        "a per-event run keeps a history: its staging lands apart from the commit"),
-    _m("AN39", "                self._goes_on(messages)  # (its messages may have been set)\n"
-               "                self._keep_sent(messages)\n                sent[0] = messages\n"
-               "                # a model call",
-       "                self._keep_sent(messages)\n                sent[0] = messages\n"
-               "                # a model call",
-       "a sync tool runner's messages are checked against the history before its first "
+    _m("AN39", "            self._goes_on(messages)  # (its messages may have been set)\n"
+               "            self._keep_sent(messages)\n",
+       "            self._keep_sent(messages)\n",
+       "a tool runner's messages are checked against the history before its first "
        "request only: messages set later end in a conversation the model never had"),
     _m("AN40", "        block.pop(\"cache_control\", None)\n", "",
        "a prompt cache mark is kept in the history: moving the breakpoint is refused"),
@@ -1765,12 +1763,14 @@ CATALOGUE: tuple[Mutant, ...] = (
        "            if (False\n",
        "a runner that scheduled a compaction before it was attached compacts: with an empty "
        "history the summary is written as the conversation"),
-    _m("AN45", "                            self._posted(sent[0])  # the request was sent\n"
-               "                            yield item",
-       "                            self._posted(runner._sent_messages)  # the request was "
-       "sent\n                            yield item",
-       "the results a compaction request carried are never posted: the async runner's run "
-       "never completes"),
+    _m("AN45", "            self._posted(compacted[0])\n", "",
+       "the results a compaction request carried are never posted: the run never completes"),
+    _m("AN48", "            if _compacting(runner):\n                return\n"
+               "            self._posted(sent[0])",
+       "            self._posted(sent[0])",
+       "the results a compaction carried are posted before a request built on its summary "
+       "is answered: a retry from the first message after that request failed runs the "
+       "tool again"),
     _m("AN46", "                if _compacting(runner) and self._end_before_compaction(\n",
        "                if False and self._end_before_compaction(\n",
        "a compaction after the final reply is sent before the run's end is recorded: the "

@@ -1544,10 +1544,30 @@ class MessageToolLedger:
                 action="begin_tool")
 
         request = runner._handle_request
-        # the messages of the runner's latest request: its thread's, or those of the fork
-        # a compaction goes out on (`compact_before_next_turn`), which carries the whole
-        # conversation, the results of its calls included
+        # the messages of the runner's latest request on its thread (posted once it is
+        # answered), and those of a compaction since (`compact_before_next_turn`: sent on
+        # a fork of the thread, carrying the whole conversation), whose results are
+        # posted only once a request built on its summary is answered: until then a retry
+        # from an older history finds them unsent, and is given them (`resumed`)
         sent: list[Sequence[Any]] = [()]
+        compacted: list[Sequence[Any]] = [()]
+
+        def answered() -> None:
+            """After each of the runner's requests: the results it carried are posted (a
+            compaction's with the request that follows it)."""
+            if _compacting(runner):
+                return
+            self._posted(sent[0])
+            self._posted(compacted[0])
+            compacted[0] = ()
+
+        def requesting(messages: Sequence[Any]) -> None:
+            if _compacting(runner):
+                compacted[0] = messages
+            else:
+                sent[0] = messages
+            self._goes_on(messages)  # (its messages may have been set)
+            self._keep_sent(messages)
 
         if isinstance(runner, BetaAsyncToolRunner | BetaAsyncStreamingToolRunner):
             async def run_async(tool: Any, tool_use: Any) -> Any:
@@ -1556,14 +1576,11 @@ class MessageToolLedger:
 
             @contextlib.asynccontextmanager
             async def request_async(thread: Any) -> AsyncIterator[Any]:
-                messages = thread.messages
                 if _compacting(runner):
                     last = await runner._get_last_message()
                     if self._end_before_compaction(sent[0], last):
                         await c.flush_async()
-                self._goes_on(messages)  # (its messages may have been set)
-                self._keep_sent(messages)
-                sent[0] = messages
+                requesting(thread.messages)
                 await c.flush_results_async()  # the results it carries (`create`)
                 async with request(thread) as item:
                     yield item
@@ -1579,7 +1596,7 @@ class MessageToolLedger:
                     async with contextlib.aclosing(cast(AsyncGenerator[Any, None],
                                                         steps())) as items:
                         async for item in items:
-                            self._posted(sent[0])  # the request was sent
+                            answered()
                             yield item
                 except BaseException:  # what the attempt recorded made durable (`create`)
                     with contextlib.suppress(ControlError):
@@ -1600,13 +1617,10 @@ class MessageToolLedger:
 
             @contextlib.contextmanager
             def request_sync(thread: Any) -> Iterator[Any]:
-                messages = thread.messages
                 if _compacting(runner) and self._end_before_compaction(
                         sent[0], runner._get_last_message()):
                     c.flush()
-                self._goes_on(messages)  # (its messages may have been set)
-                self._keep_sent(messages)
-                sent[0] = messages
+                requesting(thread.messages)
                 # a model call needs no flush of its own, but the results it carries are
                 # made durable first, so a crash while the model answers leaves their
                 # calls completed, not in doubt (`create`); else a fence
@@ -1620,7 +1634,7 @@ class MessageToolLedger:
                     return  # needs no write before its request (`request_sync`)
                 try:
                     for item in cast(Generator[Any, None, None], steps()):
-                        self._posted(sent[0])  # the request was sent
+                        answered()
                         yield item
                 except BaseException:
                     # a request (or a tool) failed: the results the attempt recorded, which

@@ -35,11 +35,11 @@ except ImportError:  # pragma: no cover - CI installs the extra
     missing_extra("anthropic")
 
 import httpx2
-from anthropic import Anthropic, AsyncAnthropic
+from anthropic import Anthropic, AsyncAnthropic, InternalServerError
 from anthropic.lib.tools import beta_async_tool, beta_tool
 
 from statemachine import Phase, RunNotResumable, SQLiteEventStore, Step
-from statemachine.adapters.anthropic import MessageToolLedger
+from statemachine.adapters.anthropic import MessageToolLedger, StaleHistory
 from tests.drivers.effects import Effects
 
 WHEN = ("before-the-first-request", "after-a-call-was-asked-for", "after-the-final-reply")
@@ -50,15 +50,22 @@ class Model:
     ``requests`` keeps each request's kind and messages; ``ended`` whether the run's end
     was in the store (read by a store of its own) when each request arrived."""
 
-    def __init__(self, store_path: Path) -> None:
+    def __init__(self, store_path: Path, *, fail_after_compaction: bool = False) -> None:
         self.store_path = store_path
         self.requests: list[tuple[str, list[dict[str, Any]]]] = []
         self.ended: list[bool] = []
+        self.fail_after_compaction = fail_after_compaction
 
     def handle(self, request: httpx2.Request) -> httpx2.Response:
         body = json.loads(request.content)
         messages = body["messages"]
         compaction = bool(body.get("compaction"))
+        if (not compaction and self.fail_after_compaction
+                and any(kind == "compaction" for kind, _ in self.requests)):
+            self.fail_after_compaction = False
+            self.requests.append(("failed", messages))
+            return httpx2.Response(500, json={"type": "error", "error": {
+                "type": "api_error", "message": "injected"}})
         self.requests.append(("compaction" if compaction else "turn", messages))
         reader = SQLiteEventStore(self.store_path)
         try:
@@ -228,3 +235,53 @@ def test_a_retry_of_a_completed_compacted_conversation_sends_nothing(
     assert len(model.requests) == sent
     assert Effects(tmp_path, "p").lines() == ["p charge 7"]
     reader.close()
+
+
+@pytest.mark.parametrize("ledger_of_retry", ["the-same", "loaded-from-the-store"])
+def test_a_request_failing_after_a_compaction_leaves_its_results_unsent(
+        tmp_path: Path, ledger_of_retry: str) -> None:
+    """A compaction between a call's result and the next request, which fails: the
+    results the compaction carried count as sent only once a request built on its
+    summary is answered, so a retry from the first message (a new runner, as after any
+    failed request) is given the turn it lacks, rebuilt from the ledger (`resumed`), or,
+    on a ledger that never saw the reply, refused before anything is sent
+    (`StaleHistory`). Counted as sent, the first message would go out alone, the model
+    would ask again under a new id and the tool run twice."""
+    effects = Effects(tmp_path, "p")
+    model = Model(tmp_path / "events.db", fail_after_compaction=True)
+    ledger = MessageToolLedger.open("t", store=SQLiteEventStore(tmp_path / "events.db"))
+    client = Anthropic(api_key="test-key", max_retries=0, http_client=httpx2.Client(
+        transport=httpx2.MockTransport(model.handle)))
+
+    @beta_tool
+    def charge(x: int) -> str:
+        """Charge the customer x dollars."""
+        effects(f"charge {x}")
+        return f"charged {x} (run {len(effects.lines())})"
+
+    runner = ledger.attach(_runner(client, charge))
+
+    def compacting() -> None:
+        for message in runner:
+            if message.stop_reason == "tool_use":
+                runner.compact_before_next_turn()
+
+    with pytest.raises(InternalServerError):
+        compacting()
+    assert [kind for kind, _ in model.requests] == ["turn", "compaction", "failed"]
+    retry = (ledger if ledger_of_retry == "the-same" else MessageToolLedger.open(
+        "t", store=SQLiteEventStore(tmp_path / "events.db")))
+    again = retry.attach(_runner(client, charge))
+    if ledger_of_retry == "the-same":
+        assert again.until_done().content[0].text == "done"
+        assert model.requests[-1][1][1:] == [  # the turn the first message lacked
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "tu_1",
+                                               "name": "charge", "input": {"x": 7}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu_1",
+                                          "content": "charged 7 (run 1)"}]}]
+        assert retry.controller.step is Step.COMPLETED
+    else:
+        with pytest.raises(StaleHistory):
+            again.until_done()
+        assert len(model.requests) == 3  # nothing sent
+    assert effects.lines() == ["p charge 7"]
