@@ -2088,11 +2088,24 @@ CATALOGUE: tuple[Mutant, ...] = (
        "            self.path = None",
        "every append's check loads the whole session through ADK (about 2 ms, four "
        "times a turn)"),
-    _m("GA42", "                and getattr(type(service), \"get_session\", None)\n"
-               "                is SqliteSessionService.get_session\n",
+    _m("GA42", "                and all(getattr(type(service), name, None)\n"
+               "                        is getattr(SqliteSessionService, name) for name in "
+               "self._READS_AS_ADK)\n",
        "",
        "a subclass's own get_session is bypassed by the check: its answer is not the one "
        "that counts"),
+    _m("GA43", '    _READS_AS_ADK = ("get_session", "_get_db_connection", "_resolve_session_id")',
+       '    _READS_AS_ADK = ("get_session",)',
+       "a subclass that reads its sessions from another file, or maps their ids, is read "
+       "by the check as ADK's own file and ids"),
+    _m("GA44", "                if self._conn is None or self._file != file:\n",
+       "                if self._conn is None:\n",
+       "the check keeps reading the sessions file it first opened after the path names "
+       "another (a restored file): a stale copy writes over the other writer's event"),
+    _m("GA45", "connect_readonly(where, timeout=0.0, immutable=False)",
+       "connect_readonly(where, timeout=5.0, immutable=False)",
+       "the check waits on the event loop for another connection's lock: every session "
+       "the loop runs stalls"),
     # ------------------------------------------------------------------ telemetry
     _m("TE01", "    span = None if spans is None or not switch.telemetry else "
                "spans.calls.get(call_id)",

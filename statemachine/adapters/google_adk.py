@@ -132,7 +132,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import inspect
 import json
+import os
 import sqlite3
 import threading
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
@@ -1077,23 +1079,29 @@ _LAST_EVENT = (
 class _LastEvent:
     """What `OneWriterSessionService` checks before each append, read in one statement:
     whether the session is stored and the id of its last event, for an ADK
-    ``SqliteSessionService`` on a file whose ``get_session`` is ADK's own (a subclass that
-    reads otherwise is asked through it). ADK's ``get_session`` opens a connection (and
-    its thread) and decodes every event, about 2 ms, four times in a one-tool turn;
-    this reads through one read-only connection of its own. None when it cannot tell
-    (a database in memory or named by URI, a session id ADK would strip, a file not made
-    yet, a schema that is not the one it knows, any SQLite error): then the service is
-    asked, as before."""
+    ``SqliteSessionService`` on a file that reads as ADK's own does (``get_session``,
+    its connections and its session ids unchanged by a subclass). ADK's ``get_session``
+    opens a connection (and its thread) and decodes every event, about 2 ms, four times
+    in a one-tool turn; this reads through one read-only connection of its own, on the
+    file the path names when it reads (one is reopened when the path names another, as
+    a file replaced, or a relative path after a change of directory). None when it
+    cannot tell at once (a database in memory or named by URI, a session id ADK would
+    strip, a file not made yet or locked by a writer: it never waits, on the event
+    loop, for another connection's lock; a schema that is not the one it knows, any
+    SQLite error): then the service is asked, as before."""
+
+    _READS_AS_ADK = ("get_session", "_get_db_connection", "_resolve_session_id")
 
     def __init__(self, service: BaseSessionService) -> None:
         self.path: str | None = None
         if (isinstance(service, SqliteSessionService)
-                and getattr(type(service), "get_session", None)
-                is SqliteSessionService.get_session
+                and all(getattr(type(service), name, None)
+                        is getattr(SqliteSessionService, name) for name in self._READS_AS_ADK)
                 and getattr(service, "_db_connect_uri", True) is False
                 and getattr(service, "_db_path", "") not in ("", ":memory:")):
             self.path = str(service._db_connect_path)
         self._conn: sqlite3.Connection | None = None
+        self._file: tuple[str, int, int] | None = None  # (path, device, inode) it reads
         self._lock = threading.Lock()  # (a runner's loop may run in a thread of its own)
 
     def read(self, session: Any) -> tuple[bool, str | None] | None:
@@ -1103,12 +1111,17 @@ class _LastEvent:
             return None
         with self._lock:
             try:
-                if self._conn is None:
-                    self._conn = connect_readonly(self.path, timeout=5.0, immutable=False)
+                where = os.path.abspath(self.path)
+                found = os.stat(where)
+                file = (where, found.st_dev, found.st_ino)
+                if self._conn is None or self._file != file:
+                    self.close()
+                    self._conn = connect_readonly(where, timeout=0.0, immutable=False)
+                    self._file = file
                 # (fetchall: the statement ends, so no read lock outlives it)
                 [(stored, last)] = self._conn.execute(
                     _LAST_EVENT, (app, user, key, app, user, key)).fetchall()
-            except (sqlite3.Error, ValueError):
+            except (OSError, sqlite3.Error, ValueError):
                 self.close()
                 return None
         if last is not None and type(last) is not str:
@@ -1116,7 +1129,7 @@ class _LastEvent:
         return bool(stored), last
 
     def close(self) -> None:
-        conn, self._conn = self._conn, None
+        conn, self._conn, self._file = self._conn, None, None
         if conn is not None:
             conn.close()
 
@@ -1162,7 +1175,9 @@ class OneWriterSessionService(BaseSessionService):
         self._last_event.close()
         close = getattr(self.service, "close", None)
         if close is not None:
-            await close()
+            closed = close()
+            if inspect.isawaitable(closed):
+                await closed
 
     async def append_event(self, session: Any, event: Any) -> Any:
         if getattr(event, "partial", False):

@@ -11,13 +11,14 @@ Under CI a missing ``google-adk`` package fails this module instead of skipping 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -1054,24 +1055,43 @@ class _CountedReads:
         monkeypatch.setattr(SqliteSessionService, "get_session", counted)
 
 
+def _reading_otherwise() -> list[type]:
+    """ADK's ``SqliteSessionService`` subclassed to read otherwise, one way each: its
+    ``get_session``, its connections, its lookup of a session id (here each delegating,
+    as a subclass that reads another file, or maps ids, would not)."""
+    from google.adk.sessions.sqlite_session_service import SqliteSessionService
+
+    class OwnGetSession(SqliteSessionService):
+        async def get_session(self, **options: Any) -> Any:
+            return await super().get_session(**options)
+
+    class OwnConnections(SqliteSessionService):
+        @contextlib.asynccontextmanager
+        async def _get_db_connection(self) -> AsyncIterator[Any]:
+            async with super()._get_db_connection() as db:
+                yield db
+
+    class OwnSessionIds(SqliteSessionService):
+        async def _resolve_session_id(self, db: Any, app_name: str, user_id: str,
+                                      session_id: str) -> str:
+            return await super()._resolve_session_id(db, app_name, user_id, session_id)
+
+    return [OwnGetSession, OwnConnections, OwnSessionIds]
+
+
 @pytest.mark.parametrize("publications", [True, False])
 def test_a_one_tool_turn_on_adk_sqlite_reads_the_whole_session_once(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, publications: bool) -> None:
     """The check before each of a turn's four appends reads the last stored event
     itself: ADK's ``get_session`` is asked once in the turn (the runner's own load, as
-    ADK alone asks it), not once per append. A service whose ``get_session`` is its own
-    is asked by every check (a subclass may read otherwise: its answer is the one that
-    counts)."""
+    ADK alone asks it), not once per append. A subclass that reads otherwise (its own
+    ``get_session``, connections or session ids) is asked by every check: its answer is
+    the one that counts."""
     from google.adk.sessions.sqlite_session_service import SqliteSessionService
 
     counted = _CountedReads(monkeypatch)
-
-    class Overrides(SqliteSessionService):
-        async def get_session(self, **options: Any) -> Any:
-            return await super().get_session(**options)
-
     outcomes = []
-    for kind in (SqliteSessionService, Overrides):
+    for kind in (SqliteSessionService, *_reading_otherwise()):
         folder = tmp_path / kind.__name__
         folder.mkdir()
         w = World(folder, "ledger", [CHARGE], ["charge"],
@@ -1084,7 +1104,83 @@ def test_a_one_tool_turn_on_adk_sqlite_reads_the_whole_session_once(
             return counted.calls - before
 
         outcomes.append((asyncio.run(turn()), w.ran()))
-    assert outcomes == [(1, ["charge 5"]), (5, ["charge 5"])]
+    assert outcomes == [(1, ["charge 5"])] + [(5, ["charge 5"])] * 3
+
+
+@pytest.mark.invariant("I7")
+def test_a_sessions_file_replaced_under_the_check_is_read_anew(tmp_path: Path) -> None:
+    """The sessions file is replaced (a restore, ``os.replace``) by one where another
+    writer appended, stamped with the time of the copy's last event (so ADK's own
+    staleness check, by update time, does not see it): the check reads the file the path
+    names now, not the one it first opened, and refuses the stale copy."""
+    import shutil
+
+    from google.adk.sessions.sqlite_session_service import SqliteSessionService
+
+    path = tmp_path / "s.db"
+    service = OneWriterSessionService(SqliteSessionService(str(path)))
+    at = 1_800_000_000.25
+
+    async def scenario() -> list[str]:
+        ours = await service.create_session(app_name=APP, user_id=USER, session_id=SESSION)
+        await service.append_event(ours, _events("user", "a-one", at=at)[0])
+        stale = await service.get_session(app_name=APP, user_id=USER, session_id=SESSION)
+        assert stale is not None
+        shutil.copy(path, tmp_path / "restored.db")
+        other = SqliteSessionService(str(tmp_path / "restored.db"))
+        theirs = await other.get_session(app_name=APP, user_id=USER, session_id=SESSION)
+        assert theirs is not None
+        await other.append_event(theirs, _events("user", "m-two", at=at)[0])
+        os.replace(tmp_path / "restored.db", path)
+        with pytest.raises(ConcurrencyConflict, match="moved on"):
+            await service.append_event(stale, _events("user", "b-mine", at=at)[0])
+        stored = await service.get_session(app_name=APP, user_id=USER, session_id=SESSION)
+        assert stored is not None
+        return [str(e.id) for e in stored.events]
+
+    assert asyncio.run(scenario()) == ["a-one", "m-two"]
+
+
+def test_the_check_never_waits_for_a_lock_on_the_event_loop(tmp_path: Path) -> None:
+    """While another process holds the sessions file's lock, the check's own read does
+    not wait for it (its connection's busy timeout is 0: the event loop would stall for
+    every session it runs); the service is asked instead, in its own thread, and the
+    append lands once the lock is released."""
+    from google.adk.sessions.sqlite_session_service import SqliteSessionService
+
+    path = tmp_path / "s.db"
+    service = OneWriterSessionService(SqliteSessionService(str(path)))
+    release = tmp_path / "release"
+
+    async def scenario() -> tuple[int, list[str]]:
+        ours = await service.create_session(app_name=APP, user_id=USER, session_id=SESSION)
+        await service.append_event(ours, _events("user", "a-one")[0])
+        conn = service._last_event._conn
+        assert conn is not None
+        [(waits,)] = conn.execute("PRAGMA busy_timeout").fetchall()
+        holder = subprocess.Popen(
+            [sys.executable, "-c", "import os, sqlite3, sys, time\n"
+             f"c = sqlite3.connect({str(path)!r}, isolation_level=None)\n"
+             "c.execute('BEGIN EXCLUSIVE'); print('held', flush=True)\n"
+             f"while not os.path.exists({str(release)!r}): time.sleep(0.01)\n"
+             "c.execute('COMMIT')"], stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout is not None
+            assert holder.stdout.readline() == "held\n"
+            assert service._last_event.read(ours) is None  # (locked: the service asks)
+            appending = asyncio.ensure_future(
+                service.append_event(ours, _events("user", "b-two")[0]))
+            await asyncio.sleep(0)
+            release.touch()
+            await appending
+        finally:
+            release.touch()
+            holder.wait()
+        stored = await service.get_session(app_name=APP, user_id=USER, session_id=SESSION)
+        assert stored is not None
+        return waits, [str(e.id) for e in stored.events]
+
+    assert asyncio.run(scenario()) == (0, ["a-one", "b-two"])
 
 
 class _AnotherWriterFirst(DieBeforeAppend):
