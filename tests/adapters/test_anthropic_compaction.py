@@ -107,21 +107,31 @@ def _compacts_now(when: str, seen: list[Any]) -> bool:
     return when == WHEN[2] and seen[-1].stop_reason == "end_turn"
 
 
-def _sync(tmp_path: Path, when: str) -> tuple[Model, list[str], MessageToolLedger]:
-    effects = Effects(tmp_path, "p")
-    model = Model(tmp_path / "events.db")
-    store = SQLiteEventStore(tmp_path / "events.db")
-    ledger = MessageToolLedger.open("t", store=store)
-    client = Anthropic(api_key="test-key", max_retries=0, http_client=httpx2.Client(
+def _opened(tmp_path: Path, **model: Any) -> tuple[Effects, Model, MessageToolLedger]:
+    """The effects file, the model (``model``: its options) and the run's ledger on a
+    SQLite store in ``tmp_path``."""
+    ledger = MessageToolLedger.open("t", store=SQLiteEventStore(tmp_path / "events.db"))
+    return Effects(tmp_path, "p"), Model(tmp_path / "events.db", **model), ledger
+
+
+def _client(model: Model) -> Anthropic:
+    return Anthropic(api_key="test-key", max_retries=0, http_client=httpx2.Client(
         transport=httpx2.MockTransport(model.handle)))
 
+
+def _charge(effects: Effects) -> Any:
     @beta_tool
     def charge(x: int) -> str:
         """Charge the customer x dollars."""
         effects(f"charge {x}")
         return f"charged {x} (run {len(effects.lines())})"
 
-    runner = _runner(client, charge)
+    return charge
+
+
+def _sync(tmp_path: Path, when: str) -> tuple[Model, list[str], MessageToolLedger]:
+    effects, model, ledger = _opened(tmp_path)
+    runner = _runner(_client(model), _charge(effects))
     if when == WHEN[0]:
         runner.compact_before_next_turn()
     runner = ledger.attach(runner)
@@ -134,10 +144,7 @@ def _sync(tmp_path: Path, when: str) -> tuple[Model, list[str], MessageToolLedge
 
 
 def _async(tmp_path: Path, when: str) -> tuple[Model, list[str], MessageToolLedger]:
-    effects = Effects(tmp_path, "p")
-    model = Model(tmp_path / "events.db")
-    store = SQLiteEventStore(tmp_path / "events.db")
-    ledger = MessageToolLedger.open("t", store=store)
+    effects, model, ledger = _opened(tmp_path)
     client = AsyncAnthropic(api_key="test-key", max_retries=0, http_client=httpx2.AsyncClient(
         transport=httpx2.MockTransport(model.handle)))
 
@@ -218,15 +225,7 @@ def test_a_retry_of_a_completed_compacted_conversation_sends_nothing(
     sent = len(model.requests)
     reader = SQLiteEventStore(tmp_path / "events.db")
     ledger = MessageToolLedger.open("t", store=reader)
-    client = Anthropic(api_key="test-key", max_retries=0, http_client=httpx2.Client(
-        transport=httpx2.MockTransport(model.handle)))
-
-    @beta_tool
-    def charge(x: int) -> str:
-        """Charge the customer x dollars."""
-        raise AssertionError("a completed conversation's tool ran again")
-
-    runner = ledger.attach(_runner(client, charge))
+    runner = ledger.attach(_runner(_client(model), _charge(Effects(tmp_path, "again"))))
     if when == WHEN[2]:
         assert runner.until_done().content[0].text == "done"
     else:
@@ -247,18 +246,8 @@ def test_a_request_failing_after_a_compaction_leaves_its_results_unsent(
     on a ledger that never saw the reply, refused before anything is sent
     (`StaleHistory`). Counted as sent, the first message would go out alone, the model
     would ask again under a new id and the tool run twice."""
-    effects = Effects(tmp_path, "p")
-    model = Model(tmp_path / "events.db", fail_after_compaction=True)
-    ledger = MessageToolLedger.open("t", store=SQLiteEventStore(tmp_path / "events.db"))
-    client = Anthropic(api_key="test-key", max_retries=0, http_client=httpx2.Client(
-        transport=httpx2.MockTransport(model.handle)))
-
-    @beta_tool
-    def charge(x: int) -> str:
-        """Charge the customer x dollars."""
-        effects(f"charge {x}")
-        return f"charged {x} (run {len(effects.lines())})"
-
+    effects, model, ledger = _opened(tmp_path, fail_after_compaction=True)
+    client, charge = _client(model), _charge(effects)
     runner = ledger.attach(_runner(client, charge))
 
     def compacting() -> None:
