@@ -1530,9 +1530,9 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
                  timeout: float) -> typing.Generator[Any, Any, None]:
         """`check_step`'s reasoning, without its reads: yields a config to read (sent the
         id of the checkpoint it names, None for none) or a number of seconds to wait; ends
-        when the step is the
-        thread's, raises when it is not. How the write ended is taken before the reads,
-        so a write landing between them is never mistaken for the thread moving on."""
+        when the step is the thread's, raises when it is not. How the write ended is taken
+        before the reads, so a write landing between them is never mistaken for the
+        thread moving on."""
         key = (thread_id, "", checkpoint_id)
         head: Any = {"configurable": {"thread_id": thread_id, "checkpoint_ns": ""}}
         itself: Any = {"configurable": {**head["configurable"],
