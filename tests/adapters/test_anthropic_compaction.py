@@ -12,8 +12,10 @@ tool's body appends a line to an fsynced file, so a second run of it shows.
 What must hold wherever the compaction falls (before the first request, between a
 reply asking for a call and the request carrying its result, after the final reply):
 the tool runs once, the run is completed once the runner ends, in the store, with the
-final reply recorded, and every result is posted (published). A compaction after the final reply
-finds the run's end already in the store when its request arrives.
+final reply recorded, and every result is posted (published). A compaction after the
+final reply finds the run's end already in the store when its request arrives. A request
+failing right after a compaction, retried from the first message: the SDK alone runs the
+tool again; through the ledger it runs once.
 
 Under CI a missing ``anthropic`` package fails this module instead of skipping it.
 """
@@ -236,19 +238,20 @@ def test_a_retry_of_a_completed_compacted_conversation_sends_nothing(
     reader.close()
 
 
-@pytest.mark.parametrize("ledger_of_retry", ["the-same", "loaded-from-the-store"])
+@pytest.mark.parametrize("through", ["sdk-alone", "the-same-ledger", "a-ledger-from-the-store"])
 def test_a_request_failing_after_a_compaction_leaves_its_results_unsent(
-        tmp_path: Path, ledger_of_retry: str) -> None:
-    """A compaction between a call's result and the next request, which fails: the
-    results the compaction carried count as sent only once a request built on its
-    summary is answered, so a retry from the first message (a new runner, as after any
-    failed request) is given the turn it lacks, rebuilt from the ledger (`resumed`), or,
-    on a ledger that never saw the reply, refused before anything is sent
-    (`StaleHistory`). Counted as sent, the first message would go out alone, the model
-    would ask again under a new id and the tool run twice."""
+        tmp_path: Path, through: str) -> None:
+    """A compaction between a call's result and the next request, which fails; the caller
+    retries with a new runner from the first message, as after any failed request. The
+    SDK alone sends it as it is, the model asks again under a new id and the tool runs
+    twice. Through the ledger the results the compaction carried count as sent only once
+    a request built on its summary is answered, so the retry is given the turn it lacks,
+    rebuilt from the ledger (`resumed`), or, on a ledger that never saw the reply,
+    refused before anything is sent (`StaleHistory`): the tool runs once."""
     effects, model, ledger = _opened(tmp_path, fail_after_compaction=True)
     client, charge = _client(model), _charge(effects)
-    runner = ledger.attach(_runner(client, charge))
+    alone = through == "sdk-alone"
+    runner = _runner(client, charge) if alone else ledger.attach(_runner(client, charge))
 
     def compacting() -> None:
         for message in runner:
@@ -258,10 +261,14 @@ def test_a_request_failing_after_a_compaction_leaves_its_results_unsent(
     with pytest.raises(InternalServerError):
         compacting()
     assert [kind for kind, _ in model.requests] == ["turn", "compaction", "failed"]
-    retry = (ledger if ledger_of_retry == "the-same" else MessageToolLedger.open(
+    if alone:
+        assert _runner(client, charge).until_done().content[0].text == "done"
+        assert effects.lines() == ["p charge 7", "p charge 7"]
+        return
+    retry = (ledger if through == "the-same-ledger" else MessageToolLedger.open(
         "t", store=SQLiteEventStore(tmp_path / "events.db")))
     again = retry.attach(_runner(client, charge))
-    if ledger_of_retry == "the-same":
+    if through == "the-same-ledger":
         assert again.until_done().content[0].text == "done"
         assert model.requests[-1][1][1:] == [  # the turn the first message lacked
             {"role": "assistant", "content": [{"type": "tool_use", "id": "tu_1",
