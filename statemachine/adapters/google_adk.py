@@ -1218,8 +1218,9 @@ class OneWriterSessionService(BaseSessionService):
         session's last (`_LastEvent`, one statement) and nothing of the stored one is
         needed: `_publishing` stages ``event`` from the stored events only when it
         publishes responses the plugin did not stage when it saw the event."""
-        read = self._last_event.read(session)
-        if read is not None and not self._stages_from_stored(session, event):
+        read = None if self._stages_from_stored(session, event) else (
+            self._last_event.read(session))  # (not read when the whole session is)
+        if read is not None:
             stored, last = read
             if not stored:
                 return None
