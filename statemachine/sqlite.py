@@ -137,7 +137,11 @@ def write_transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
 
 @contextlib.contextmanager
 def read_transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
-    """One consistent snapshot for several reads."""
+    """One consistent snapshot for several reads (on a connection inside a transaction
+    already, that transaction's: `SQLiteEventStore.in_transaction_of`)."""
+    if conn.in_transaction:
+        yield conn
+        return
     conn.execute("BEGIN")
     try:
         yield conn
@@ -217,6 +221,11 @@ class FileIdentity:
     def __init__(self, path: str) -> None:
         self.path = os.path.abspath(path)
         self._identity = self._now()
+
+    @property
+    def identity(self) -> tuple[int, int]:
+        """The (device, inode) of the file opened."""
+        return self._identity
 
     def _now(self) -> tuple[int, int]:
         st = os.stat(self.path)
@@ -431,6 +440,8 @@ class SQLiteEventStore:
         self._has_runs = self._has_digests = self._has_versions = True
         self._has_updated_at = self._has_leases = self._has_read_models = True
         self._session_table = False  # (True once a Session's table was seen in the file)
+        self._through = threading.local()
+        """Per thread: the connection (and its lock) `appending_in` routes appends to."""
         self.commits = 0
         """How many write transactions of appends this object committed (each one fsync
         of the write-ahead log: an `append`'s, or an `append_group`'s of several appends):
@@ -604,6 +615,12 @@ class SQLiteEventStore:
         backend failure is a `StorageError` (``"not_written"``: nothing was)."""
         where: dict[str, Any] = {} if run_id is None else {"run_id": run_id}
         with storage_errors(self.path, doing=doing, **where):
+            through = getattr(self._through, "into", None)
+            if through is not None:  # (`in_transaction_of`: what it wrote, seen)
+                conn, lock = through
+                with lock if lock is not None else contextlib.nullcontext():
+                    self._check(doing, **where)
+                    return query(conn)
             if self.readonly:
                 self._check(doing, **where)
                 return self._read_only(query)
@@ -651,6 +668,10 @@ class SQLiteEventStore:
         a = self._prepare(run_id, events, expected_version, snapshot, step, read_model,
                           session_write)
         where: dict[str, Any] = {"run_id": run_id}
+        through = getattr(self._through, "into", None)
+        if through is not None:  # (`in_transaction_of`)
+            self._append_in(through[0], through[1], a)
+            return
         with self._lock:
             self._check(_APPEND, **where)
             try:
@@ -671,6 +692,70 @@ class SQLiteEventStore:
             self.commits += 1
             if a.items is not None:
                 self._session_table = True
+
+    def shares_file_with(self, conn: sqlite3.Connection) -> bool:
+        """Whether ``conn``, a connection of someone else's, has this store's file open as
+        its main database (the same device and inode; a database in memory, a read-only
+        store or a closed connection shares nothing): its transactions may then carry
+        this store's appends (`appending_in`)."""
+        if self.readonly or self._identity is None:
+            return False
+        try:  # (in memory: no file, an empty name, which stat refuses)
+            (main,) = [row[2] for row in conn.execute("PRAGMA database_list").fetchall()
+                       if row[1] == "main"]
+            st = os.stat(main)
+        except (sqlite3.Error, OSError):
+            return False
+        return (st.st_dev, st.st_ino) == self._identity.identity
+
+    @contextlib.contextmanager
+    def in_transaction_of(self, conn: sqlite3.Connection, lock: Any = None
+                          ) -> Iterator[None]:
+        """Within: this thread's appends and reads of this store go through ``conn`` (a
+        connection to this store's file, `shares_file_with`), inside the transaction it
+        holds open with the file's write lock (``BEGIN IMMEDIATE``); the appends are
+        never committed here. They land when that transaction commits and not at all when
+        it rolls back: its owner decides, and nothing tells this store which. The reads
+        see them meanwhile, so a run's fence finds the version its controller flushed;
+        after a rollback it finds the store behind the controller, which then stops (load
+        the run again). Each append runs in a savepoint of its own, so a refused one (a
+        version conflict, `LeaseHeld`) leaves the transaction as it found it. ``lock``:
+        held around each call's statements, for a connection other threads use too
+        (`SqliteSaver.lock`). An append when ``conn`` holds no open transaction is
+        refused, nothing written.
+
+        For a write of someone else's that must land with a run's events or not at all
+        (a LangGraph checkpoint and its publication: `adapters.langgraph.OneWriterSaver`);
+        `commits` does not count these appends, the transaction is not this store's."""
+        if self.readonly:
+            raise StorageError(f"cannot {_APPEND}: {shown(self.path)} is open read-only; "
+                               "nothing was written", outcome=Outcome.NOT_WRITTEN)
+        before = getattr(self._through, "into", None)
+        self._through.into = (conn, lock)
+        try:
+            yield
+        finally:
+            self._through.into = before
+
+    def _append_in(self, conn: sqlite3.Connection, lock: Any, a: _Prepared) -> None:
+        """One append inside ``conn``'s open transaction (`in_transaction_of`)."""
+        where: dict[str, Any] = {"run_id": a.run_id}
+        with storage_errors(self.path, doing=_APPEND, **where), (
+                lock if lock is not None else contextlib.nullcontext()):
+            self._check(_APPEND, **where)
+            if not conn.in_transaction:
+                raise StorageError(
+                    f"cannot {_APPEND}: the connection it was to share holds no open "
+                    "transaction; nothing was written", outcome=Outcome.NOT_WRITTEN,
+                    **where)
+            conn.execute("SAVEPOINT statemachine_append")
+            try:
+                self._write(conn, a)
+            except BaseException:
+                conn.execute("ROLLBACK TO statemachine_append")
+                raise
+            finally:
+                conn.execute("RELEASE statemachine_append")
 
     def _prepare(self, run_id: str, events: Sequence[Event], expected_version: int,
                  snapshot: Snapshot | None, step: Step | None, read_model: ReadModel | None,
@@ -999,8 +1084,8 @@ class SQLiteEventStore:
             return None
         head = head_of_log(run_id, snapshot, tail, lambda: self.load(run_id))
         version, step, session, model = head
-        if self.readonly:
-            return head
+        if self.readonly or getattr(self._through, "into", None) is not None:
+            return head  # (keeping it is a cache: not inside another's transaction)
         with self._lock:
             try:
                 self._check("fold a run's head", run_id=run_id)
