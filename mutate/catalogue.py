@@ -213,7 +213,8 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
                                 "worker_thread"),
     "statemachine/stores.py": _STORES,
     "statemachine/stored.py": _STORES,
-    "statemachine/sqlite.py": ("tests/storage/test_sessions.py", *_STORES,
+    "statemachine/sqlite.py": ("tests/storage/test_sqlite_in_transaction.py",
+                               "tests/storage/test_sessions.py", *_STORES,
                                "tests/storage/test_sqlite_shared_session.py",
                                "tests/storage/test_nul.py",
                                "tests/tools/test_cli_reads.py::"
@@ -255,7 +256,8 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
                                            "tests/adapters/test_anthropic_history.py",
                                            "tests/adapters/test_anthropic_compaction.py"),
     # the durability files run each row in fresh processes (kill -9, two resumers): last
-    "statemachine/adapters/langgraph.py": ("tests/adapters/test_langgraph.py",
+    "statemachine/adapters/langgraph.py": ("tests/adapters/test_langgraph_together.py",
+                                           "tests/adapters/test_langgraph.py",
                                            "tests/adapters/test_langgraph_corners.py",
                                            "tests/adapters/test_langgraph_durability.py"),
     "statemachine/adapters/google_adk.py": ("tests/adapters/test_google_adk.py",
@@ -1597,6 +1599,34 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("SQH4", "                          model, kind))\n",
        "                          None, None))\n",
        "a SQLite run's first append keeps no read model"),
+    # ------------------------------------------------- appends in another's transaction
+    _m("SQX1", "                conn.execute(\"ROLLBACK TO statemachine_append\")\n",
+       "                pass\n",
+       "an append refused inside another connection's transaction leaves its rows there, "
+       "to be committed with it"),
+    _m("SQX2", "            if not conn.in_transaction:\n                raise StorageError(\n"
+               "                    f\"cannot {_APPEND}: the connection it was to share",
+       "            if False:\n                raise StorageError(\n"
+       "                    f\"cannot {_APPEND}: the connection it was to share",
+       "an append routed to a connection with no open transaction commits on its own"),
+    _m("SQX3", "            if through is not None:  # (`in_transaction_of`: what it wrote, "
+               "seen)",
+       "            if False:  # (`in_transaction_of`: what it wrote, seen)",
+       "reads inside another's transaction miss what the run appended there: its fence "
+       "finds the store behind it"),
+    _m("SQX4", "    if conn.in_transaction:\n        yield conn\n        return\n"
+               "    conn.execute(\"BEGIN\")",
+       "    conn.execute(\"BEGIN\")",
+       "a load inside another's transaction begins one more and fails"),
+    _m("SQX5", "        if self.readonly or getattr(self._through, \"into\", None) is not None:",
+       "        if self.readonly:",
+       "a fold read inside another's transaction is kept through the store's own "
+       "connection",
+       equivalent="the fold is a cache: keeping it there waits out the busy timeout and "
+                  "is dropped, the same answer later"),
+    _m("SQX6", "        return (st.st_dev, st.st_ino) == self._identity.identity",
+       "        return True",
+       "any connection is taken for one to the store's file"),
     _m("PGH1", '                      f"UPDATE {runs} SET step = NULL")',
        '                      "SELECT 1")',
        "a version 4 PostgreSQL schema keeps its heads folded with no read model"),
@@ -1820,9 +1850,9 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("LG09", "        c.publication_committed()\n        c.flush()\n        return result",
        "        c.flush()\n        return result",
        "a checkpoint write that carried a batch's results never commits its publication"),
-    _m("LG10", "                                if i in answered])\n"
-               "            c.flush()  # the envelope is durable before the write\n",
-       "                                if i in answered])\n",
+    _m("LG10", "            if together is None:\n"
+               "                c.flush()  # the envelope is durable before the write\n",
+       "",
        "the publication staged for a checkpoint write is not flushed before the write"),
     _m("LG11", "        if \"|\" in str(configurable.get(\"checkpoint_ns\") or \"\"):  # a task "
                "of a subgraph",
@@ -1893,6 +1923,30 @@ CATALOGUE: tuple[Mutant, ...] = (
        "        if True:\n            found = saver.get_tuple(config)",
        "the one-writer check on SqliteSaver reads and decodes a whole checkpoint, six times "
        "a turn"),
+    _m("LG28", "        held = ledger._lock if self._together and ledger is not None else "
+               "contextlib.nullcontext()",
+       "        held = contextlib.nullcontext()",
+       "in one file with the ledger, a put takes the file's write lock before the ledger's "
+       "lock: a ledger call on another thread waiting for the file deadlocks it"),
+    _m("LG29", "            written = self._put_held(*args)",
+       "            written = saver.put(*args)",
+       "the checkpoint that publishes commits on its own, before its publication's commit"),
+    _m("LG30", "            written = self._put_held(*args)\n"
+               "            c.publication_committed()\n",
+       "            written = self._put_held(*args)\n",
+       "a checkpoint written with its publication never commits the publication"),
+    _m("LG31", "            if threading.get_ident() != me:\n",
+       "            if False:\n",
+       "another thread's read during the held put runs without the saver's lock and sees "
+       "the checkpoint before its commit"),
+    _m("LG32", "        self._together = (ledger is not None and conn is not None\n",
+       "        self._together = False and (ledger is not None and conn is not None\n",
+       "the ledger in the checkpoints' file is not noticed: the staging waits for the "
+       "put's own write lock"),
+    _m("LG33", "                with self.ledger.store.in_transaction_of(conn, saver.lock):\n",
+       "                with contextlib.nullcontext():\n",
+       "the ledger's calls during a put in one file go through the store's own connection, "
+       "which waits for the put's write lock"),
     # ------------------------------------------------------------------ google-adk
     _m("GA01", "                c.flush()  # an effect boundary: the start is durable before "
                "the body\n",

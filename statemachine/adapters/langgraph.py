@@ -59,7 +59,10 @@ or `LedgerMiddleware.after_model`  named in ``approvals``: each pending call is 
                                    raised or a writer that died, the next ``put`` reconciles
                                    it against the thread's latest messages (acknowledged when
                                    it had landed; else LangGraph writes the batch again, the
-                                   results answered from the ledger, and that write commits)
+                                   results answered from the ledger, and that write commits).
+                                   With the ledger's `SQLiteEventStore` in ``SqliteSaver``'s
+                                   own file, that ``put`` carries the staging and the commit
+                                   in its transaction: one commit, all of it or nothing
 =================================  ==========================================================
 
 Every attempt on a run that already exists (the first ledger call of a process, or after
@@ -177,7 +180,7 @@ from statemachine.errors import (
 from statemachine.journal import is_async
 from statemachine.payloads import JSON
 from statemachine.runner.attempt import interrupted
-from statemachine.stores import EventStore
+from statemachine.stores import EventStore, SQLiteEventStore
 from statemachine.values import Append, Phase, Resolution, Step, ToolCall
 from statemachine.verifiers import Verifier, running_call
 
@@ -1249,6 +1252,7 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
                  *, ledger: ToolLedger | None = None) -> None:
         super().__init__(serde=saver.serde)
         self.saver = saver
+        self._sqlite_conn = self._sqlite_of(saver)
         self._lock = threading.Lock()
         """Held across a sync write (the check and the write, one step), and never while
         this saver waits for an event loop or on the loop's own thread: an async saver's
@@ -1279,6 +1283,14 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
         result the ledger has not published is that batch's staged publication."""
         if ledger is not None:
             ledger.publishes_to = self
+        conn = self._sqlite()
+        self._together = (ledger is not None and conn is not None
+                          and isinstance(ledger.store, SQLiteEventStore)
+                          and ledger.store.shares_file_with(conn))
+        """The ledger's `SQLiteEventStore` is in this ``SqliteSaver``'s file: a checkpoint
+        that publishes is written in one transaction with the ledger's events (the
+        staging, the commit, and whatever the ledger records while the put holds the
+        file's write lock), one commit for all of them: `_written_together`."""
 
     def _check(self, config: Mapping[str, Any], latest: str | None) -> None:
         configurable = config.get("configurable") or {}
@@ -1292,8 +1304,12 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
 
     def _sqlite(self) -> sqlite3.Connection | None:
         """The connection of LangGraph's ``SqliteSaver`` (None for another saver)."""
-        conn = getattr(self.saver, "conn", None)
-        if (type(self.saver).__module__.startswith("langgraph.checkpoint.sqlite")
+        return self._sqlite_conn
+
+    @staticmethod
+    def _sqlite_of(saver: Any) -> sqlite3.Connection | None:
+        conn = getattr(saver, "conn", None)
+        if (type(saver).__module__.startswith("langgraph.checkpoint.sqlite")
                 and isinstance(conn, sqlite3.Connection)):
             return conn
         return None
@@ -1340,13 +1356,18 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
         return None
 
     def put(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any) -> Any:
-        with self._lock:
+        ledger = self.ledger
+        # in one file with the ledger's store, the ledger's lock is taken before the file's
+        # write lock: a ledger call on another thread holds it while it waits for that lock
+        held = ledger._lock if self._together and ledger is not None else contextlib.nullcontext()
+        with self._lock, held:
             conn = self._sqlite()
             pg = self._postgres()
             saver: Any = self.saver
             if conn is not None:
-                with saver.cursor(transaction=False):
-                    pass  # its tables exist: creating them would commit our transaction
+                if not saver.is_setup:
+                    with saver.cursor(transaction=False):
+                        pass  # its tables exist: creating them would commit our transaction
                 with saver.lock:
                     conn.execute("BEGIN IMMEDIATE")  # the write lock, until the commit
 
@@ -1384,8 +1405,17 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
                 def parent() -> Any:  # (read under the write lock, as the check was)
                     return found if pg is not None else self.saver.get_tuple(_head(config))
 
-                return self._publishing(config, checkpoint, metadata, new_versions, parent,
-                                        write)
+                if not self._together:
+                    return self._publishing(config, checkpoint, metadata, new_versions,
+                                            parent, write)
+                assert conn is not None
+                assert isinstance(self.ledger.store, SQLiteEventStore)
+                # the ledger's reads and appends, in this put's transaction until it ends
+                with self.ledger.store.in_transaction_of(conn, saver.lock):
+                    written = self._publishing(config, checkpoint, metadata, new_versions,
+                                               parent, write, conn)
+                landed = True
+                return written
             except BaseException as error:
                 ended = error
                 raise
@@ -1401,7 +1431,8 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
                 self._ended(config, checkpoint, None if landed else ended)
 
     def _publishing(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any,
-                    parent: Callable[[], Any], put: Callable[..., Any]) -> Any:
+                    parent: Callable[[], Any], put: Callable[..., Any],
+                    together: sqlite3.Connection | None = None) -> Any:
         """The ``put`` of a checkpoint as the ledger's staged publication of the results
         it adds (the graph's history is the Session): staged (durable) before the write,
         committed after it, recorded failed when it raises; an earlier write left
@@ -1409,7 +1440,10 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
         under the saver's write lock, or PostgreSQL's lock on the thread, so no other
         writer can still land it). ``put`` is the saver's write, committed; ``parent``
         reads the thread's latest checkpoint, which a checkpoint that answers no call
-        whose result is unpublished (nothing to publish) is written without."""
+        whose result is unpublished (nothing to publish) is written without. ``together``
+        (the saver's connection): the ledger's store is in the saver's file, its calls go
+        into the put's transaction, and a publication is written with its staging and
+        commit in it (`_written_together`)."""
         ledger = self.ledger
         assert ledger is not None
         configurable = config.get("configurable") or {}
@@ -1443,7 +1477,7 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
                             "and this write does not carry them again: resume the thread "
                             "from its latest checkpoint; nothing was written",
                             run_id=c.run_id, step=c.step, action="checkpoint_put")
-                    return self._written(c, put, config, checkpoint, metadata,
+                    return self._written(c, put, together, config, checkpoint, metadata,
                                          new_versions)
                 c.flush()  # acknowledged: the write had landed
             owed = set(c.unpublished_call_ids())
@@ -1453,13 +1487,18 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
             c.stage_publication(_messages_json(added), _messages_json(before),
                                 call_ids=[i for i in c.unpublished_call_ids()
                                           if i in answered])
-            c.flush()  # the envelope is durable before the write
-            return self._written(c, put, config, checkpoint, metadata, new_versions)
+            if together is None:
+                c.flush()  # the envelope is durable before the write
+            return self._written(c, put, together, config, checkpoint, metadata,
+                                 new_versions)
 
-    @staticmethod
-    def _written(c: RunController, put: Callable[..., Any], *args: Any) -> Any:
+    def _written(self, c: RunController, put: Callable[..., Any],
+                 together: sqlite3.Connection | None, *args: Any) -> Any:
         """The checkpoint written as the publication ``c`` holds open: committed once it
-        is written, recorded failed (the write's own error propagating) when it raises."""
+        is written, recorded failed (the write's own error propagating) when it raises;
+        with ``together``, in one transaction with its staging and commit."""
+        if together is not None:
+            return self._written_together(c, together, *args)
         try:
             result = put(*args)
         except Exception as error:
@@ -1470,6 +1509,55 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
         c.publication_committed()
         c.flush()
         return result
+
+    def _written_together(self, c: RunController, conn: sqlite3.Connection, *args: Any
+                          ) -> Any:
+        """The ledger's store in the saver's file: the publication ``c`` holds open (its
+        staging, or the reconcile that calls for the write again, not yet flushed), the
+        checkpoint, and the publication's commit, in the put's transaction, one COMMIT.
+        All of it lands or none of it does: a kill or a failure anywhere in between
+        leaves the thread and the ledger as they were before the put (``put`` rolls the
+        transaction back; ``c`` is then ahead of the store, and its next fence loads the
+        run again). Under the saver's lock until the commit, so no reader of the saver's
+        connection sees the checkpoint before it."""
+        saver: Any = self.saver
+        ledger = self.ledger
+        assert ledger is not None
+        assert isinstance(ledger.store, SQLiteEventStore)
+        with saver.lock, ledger.store.in_transaction_of(conn):
+            c.flush()  # the envelope, in the transaction the checkpoint goes into
+            written = self._put_held(*args)
+            c.publication_committed()
+            c.flush()
+            conn.commit()  # (ends BEGIN IMMEDIATE: the checkpoint and its publication)
+        return written
+
+    def _put_held(self, *args: Any) -> Any:
+        """``SqliteSaver.put`` on this thread, its commit held back (its cursor opened
+        without the commit and without the saver's lock, which this thread holds): the
+        caller commits. Other threads' calls get the saver's own cursor meanwhile."""
+        saver: Any = self.saver
+        own = type(saver).cursor
+        me = threading.get_ident()
+
+        @contextlib.contextmanager
+        def cursor(transaction: bool = True) -> typing.Iterator[sqlite3.Cursor]:
+            if threading.get_ident() != me:
+                with own(saver, transaction) as theirs:
+                    yield theirs
+                return
+            saver.setup()
+            cur = saver.conn.cursor()
+            try:
+                yield cur
+            finally:
+                cur.close()
+
+        saver.cursor = cursor
+        try:
+            return saver.put(*args)
+        finally:
+            del saver.cursor
 
     def _ended(self, config: Mapping[str, Any], checkpoint: Any,
                error: BaseException | None) -> None:

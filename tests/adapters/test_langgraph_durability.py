@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - CI installs the extra
 from statemachine import RunController, SQLiteEventStore
 from statemachine import events as ev
 from statemachine.values import Phase
-from tests.drivers.langgraph_driver import effects
+from tests.drivers.langgraph_driver import effects, ledger_file
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = "langgraph:t1"
@@ -68,7 +68,7 @@ def _drive(folder: Path, mode: str, action: str, *extra: str) -> tuple[int, dict
 
 
 @pytest.mark.invariant("I1", "I11")
-@pytest.mark.parametrize("mode", ["alone", "ledger", "history"])
+@pytest.mark.parametrize("mode", ["alone", "ledger", "history", "together"])
 @pytest.mark.parametrize("point", list(EFFECT_BEFORE_THE_KILL))
 def test_kill_9_around_a_tool_then_resume_in_a_fresh_process(
         tmp_path: Path, point: str, mode: str) -> None:
@@ -119,8 +119,8 @@ def _kill_then_resume(tmp_path: Path, point: str, mode: str, *extra: str) -> Non
         assert (code, told["refused"]) == (3, "ToolInDoubt")
         return
     assert (code, told["last"]) == (0, "done")
-    if mode == "history":  # the result's checkpoint write settled: published once
-        c = RunController.load(SQLiteEventStore(str(tmp_path / "ledger.db")), RUN)
+    if mode in ("history", "together"):  # the result's checkpoint write settled: once
+        c = RunController.load(SQLiteEventStore(str(tmp_path / ledger_file(mode))), RUN)
         assert c.phase("call-charge") is Phase.PUBLISHED
         settled = (ev.PublicationCommitted, ev.ReconciledAcknowledge)
         assert sum(isinstance(event, settled) for event in c.events) == 1

@@ -8,7 +8,9 @@ file and fsync it before returning (what ran is counted from the file, never fro
 ledger), and the graph ``model → [review →] tools → model``. ``mode`` ``alone`` is
 LangGraph by itself (its ``ToolNode``, a plain review node that interrupts); ``ledger``
 is the same graph through `statemachine.adapters.langgraph`; ``history`` also makes the
-checkpoint writes the ledger's publications (``OneWriterSaver(saver, ledger=...)``).
+checkpoint writes the ledger's publications (``OneWriterSaver(saver, ledger=...)``);
+``together`` is ``history`` with the ledger's store in the checkpoints' file (a checkpoint
+that publishes written in one transaction with its publication).
 
 Kill points (``--kill``): ``before-effect`` and ``after-effect`` inside the tool body,
 ``after-tool`` when LangGraph saves the tools' writes or the checkpoint holding their
@@ -280,6 +282,11 @@ def postgres_saver(dsn: str, schema: str) -> Any:
     return saver
 
 
+def ledger_file(mode: str) -> str:
+    """The file of the ledger's store in ``mode`` (in the folder)."""
+    return "checkpoints.db" if mode == "together" else "ledger.db"
+
+
 def main(argv: list[str] | None = None) -> int:
     from langgraph.checkpoint.sqlite import SqliteSaver
 
@@ -287,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     from statemachine.adapters.langgraph import OneWriterSaver, ToolLedger, decision
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["alone", "ledger", "history"], required=True)
+    parser.add_argument("--mode", choices=["alone", "ledger", "history", "together"],
+                        required=True)
     parser.add_argument("--folder", required=True)
     parser.add_argument("--action", choices=["start", "resume", "approve", "fork"], required=True)
     parser.add_argument("--kill", default="")
@@ -317,9 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     KillingSaver(saver, path)
     ledger = None
     if args.mode != "alone":
-        ledger = ToolLedger(SQLiteEventStore(str(folder / "ledger.db")),
+        ledger = ToolLedger(SQLiteEventStore(str(folder / ledger_file(args.mode))),
                             approvals=["charge"] if args.review else ())
-        saver = OneWriterSaver(saver, ledger=ledger if args.mode == "history" else None)
+        saver = OneWriterSaver(saver, ledger=None if args.mode == "ledger" else ledger)
     graph: Any
     if args.agent:
         from langchain.agents import create_agent
