@@ -10,9 +10,12 @@ the framework's own commits plus the ledger's (`SQLiteEventStore.commits`):
 * `langgraph_row`: a graph ``model → tools → model`` (LangChain's own fake chat model,
   scripted) on LangGraph's ``SqliteSaver`` with ``durability="sync"``, its commits
   counted off its connection's statements (``COMMIT``): alone (LangGraph's ``ToolNode``);
-  through `ToolLedger` (``ledger.tool_node``) with the saver behind `OneWriterSaver`; and
+  through `ToolLedger` (``ledger.tool_node``) with the saver behind `OneWriterSaver`;
   with the checkpoint writes as the ledger's publications (``OneWriterSaver(saver,
-  ledger=ledger)``). On PostgreSQL the last once more, on ``PostgresSaver`` and
+  ledger=ledger)``), the ledger's store in a file of its own; and the same with the
+  ledger's store in the checkpoints' file, where a checkpoint that publishes is written
+  in one transaction with the ledger's staging and commit (the configuration judged). On
+  PostgreSQL the publications once more, on ``PostgresSaver`` and
   `PostgresEventStore` in one server, counted as the server's WAL flushes
   (``pg_stat_wal.wal_sync``, as `bench.durable_rows` reads them);
 * `google_adk_row`: an ``LlmAgent`` (a scripted ``BaseLlm``) and one ``FunctionTool`` on
@@ -26,7 +29,8 @@ Targets: DESIGN §7.9's "≤ 3 durable writes per turn" holds for a history in t
 own store (its Session in the store's database); here the history is the framework's, so
 the writes are reported. CPU per turn (``time.process_time``, the process's threads
 included) is judged against the framework alone, ≤ 1.3x, as for every adapter; the two
-configurations it compares run turn by turn in turn (`bench.durable_rows._side_by_side`),
+configurations it compares (the framework alone and the last of its configurations) run
+turn by turn in turn (`bench.durable_rows._side_by_side`),
 so a slow while on a shared machine falls on both. At most `MOST_TURNS` turns per
 configuration; ``--quick`` leaves both rows out.
 
@@ -102,7 +106,9 @@ def _figures(writes: float, times: list[float], cpus: list[float]) -> dict[str, 
 
 LANGGRAPH_MODES = ("LangGraph alone, SqliteSaver (sync)",
                    "ToolLedger, SqliteSaver behind OneWriterSaver",
-                   "ToolLedger, the checkpoint writes as its publications")
+                   "ToolLedger, the checkpoint writes as its publications",
+                   "ToolLedger, the checkpoint writes as its publications, the ledger in "
+                   "the checkpoints' file")
 LANGGRAPH_PG = ("PostgreSQL: ToolLedger, PostgresSaver's writes as its publications, "
                 "PostgresEventStore")
 
@@ -154,11 +160,16 @@ def _langgraph_steps(folder: Path, mode: str, turns: int) -> Steps:
     from statemachine.stores import SQLiteEventStore
 
     conn = sqlite3.connect(folder / "checkpoints.db", check_same_thread=False)
-    store = None if mode == LANGGRAPH_MODES[0] else SQLiteEventStore(folder / "events.db")
+    together = mode == LANGGRAPH_MODES[3]
+    store = None if mode == LANGGRAPH_MODES[0] else SQLiteEventStore(
+        folder / ("checkpoints.db" if together else "events.db"))
     ledger = None if store is None else ToolLedger(store)
     saver: Any = SqliteSaver(conn)
     if ledger is not None:
-        saver = OneWriterSaver(saver, ledger=ledger if mode == LANGGRAPH_MODES[2] else None)
+        saver = OneWriterSaver(saver, ledger=None if mode == LANGGRAPH_MODES[1] else ledger)
+        if saver._together != together:
+            raise RuntimeError(f"{mode}: the checkpoint and its publication are not "
+                               "written together as they should be")
     ran: list[int] = []
     app = _langgraph_app(saver, ledger, ran)
     statements: list[str] = []
@@ -225,23 +236,22 @@ def _langgraph_pg(dsn: str, schema: str, turns: int) -> dict[str, Any]:
     return _figures((_wal_syncs(dsn, ended) - syncs) / (turns + 1), times, cpus)
 
 
-def _three_modes(modes: Sequence[str], steps: Callable[[Path, str, int], Steps],
-                 turns: int) -> dict[str, Any]:
-    """A framework's three configurations, each in a folder of its own: the first (the
+def _modes(modes: Sequence[str], steps: Callable[[Path, str, int], Steps],
+           turns: int) -> dict[str, Any]:
+    """A framework's configurations, each in a folder of its own: the first (the
     framework alone) and the last (through the ledger with its publications), which the
-    CPU verdict compares, turn by turn in turn (a slow while falls on both); the middle
-    one on its own."""
-    rows: dict[str, Any] = {}
+    CPU verdict compares, turn by turn in turn (a slow while falls on both); the ones
+    between on their own."""
+    found: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as folder:
         places = [Path(folder) / f"mode-{index}" for index in range(len(modes))]
         for place in places:
             place.mkdir()
-        compared = _side_by_side(steps(places[0], modes[0], turns),
-                                 steps(places[2], modes[2], turns))
-        rows[modes[0]] = compared[0]
-        rows[modes[1]] = _side_by_side(steps(places[1], modes[1], turns))[0]
-        rows[modes[2]] = compared[1]
-    return rows
+        found[modes[0]], found[modes[-1]] = _side_by_side(
+            steps(places[0], modes[0], turns), steps(places[-1], modes[-1], turns))
+        for mode, place in zip(modes[1:-1], places[1:-1], strict=True):
+            found[mode] = _side_by_side(steps(place, mode, turns))[0]
+    return {mode: found[mode] for mode in modes}  # (in their order)
 
 
 def langgraph_row(args: Any = None) -> dict[str, Any]:
@@ -252,14 +262,14 @@ def langgraph_row(args: Any = None) -> dict[str, Any]:
     import langgraph.checkpoint.sqlite  # noqa: F401
 
     turns = min(_turns(args), MOST_TURNS)
-    rows = _three_modes(LANGGRAPH_MODES, _langgraph_steps, turns)
+    rows = _modes(LANGGRAPH_MODES, _langgraph_steps, turns)
     with _server(args) as (dsn, schema, skipped):
         if dsn is None:
             rows[LANGGRAPH_PG] = {"skipped": skipped}
         else:
             with schema() as name:
                 rows[LANGGRAPH_PG] = _langgraph_pg(dsn, name, turns)
-    return _row(rows, LANGGRAPH_MODES[0], LANGGRAPH_MODES[2], "LangGraph")
+    return _row(rows, LANGGRAPH_MODES[0], LANGGRAPH_MODES[-1], "LangGraph")
 
 
 # ------------------------------------------------------------------------ Google ADK
@@ -378,10 +388,10 @@ def google_adk_row(args: Any = None) -> dict[str, Any]:
     import google.adk  # noqa: F401
 
     turns = min(_turns(args), MOST_TURNS)
-    rows = _three_modes(ADK_MODES, _adk_steps, turns)
+    rows = _modes(ADK_MODES, _adk_steps, turns)
     rows["PostgreSQL"] = {"skipped": "skipped: ADK's session service on PostgreSQL needs "
                                      "an async SQLAlchemy driver the extras do not install"}
-    return _row(rows, ADK_MODES[0], ADK_MODES[2], "ADK")
+    return _row(rows, ADK_MODES[0], ADK_MODES[-1], "ADK")
 
 
 if __name__ == "__main__":
