@@ -2160,6 +2160,10 @@ CATALOGUE: tuple[Mutant, ...] = (
        "connect_readonly(where, timeout=5.0, immutable=False)",
        "the check waits on the event loop for another connection's lock: every session "
        "the loop runs stalls"),
+    _m("GA46", "        if plugin is not None and _same_file(service, plugin.store):\n",
+       "        if False:\n",
+       "ADK's session service on the ledger's file is carried until its first event's "
+       "write fails inside ADK"),
     # ------------------------------------------------------------------ telemetry
     _m("TE01", "    span = None if spans is None or not switch.telemetry else "
                "spans.calls.get(call_id)",

@@ -189,7 +189,7 @@ from statemachine.journal import is_async
 from statemachine.payloads import JSON
 from statemachine.runner.attempt import interrupted
 from statemachine.sqlite import connect_readonly
-from statemachine.stores import EventStore
+from statemachine.stores import EventStore, SQLiteEventStore
 from statemachine.values import Append, Phase, Resolution, Step, ToolCall
 from statemachine.verifiers import Verifier, context_of, entered, left
 
@@ -1076,6 +1076,20 @@ _LAST_EVENT = (
 (``get_session``'s last, in its own order: by timestamp, ties in the order appended)."""
 
 
+def _same_file(service: BaseSessionService, store: EventStore) -> bool:
+    """Whether ADK's ``SqliteSessionService`` keeps its sessions in the file of
+    ``store``, a `SQLiteEventStore`."""
+    path = getattr(service, "_db_connect_path", None)
+    if (not isinstance(service, SqliteSessionService) or not isinstance(store, SQLiteEventStore)
+            or getattr(service, "_db_connect_uri", True) is not False
+            or not isinstance(path, str)):
+        return False
+    try:
+        return os.path.samefile(path, store.path)
+    except OSError:  # (a file not made yet is not the store's)
+        return False
+
+
 class _LastEvent:
     """What `OneWriterSessionService` checks before each append, read in one statement:
     whether the session is stored and the id of its last event, for an ADK
@@ -1147,6 +1161,12 @@ class OneWriterSessionService(BaseSessionService):
 
     def __init__(self, service: BaseSessionService, *,
                  plugin: LedgerPlugin | None = None) -> None:
+        if plugin is not None and _same_file(service, plugin.store):
+            raise UnsupportedFeature(
+                "ADK's SqliteSessionService and the ledger's SQLiteEventStore on one file: "
+                "both keep a table named events, and neither can read the other's; give "
+                "the ledger's store a file of its own", feature="the ledger's store in "
+                "the session service's file", action="open")
         self.service = service
         self.plugin = plugin
         self._locks: dict[tuple[str, str, str], asyncio.Lock] = {}

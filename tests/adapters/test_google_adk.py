@@ -1369,6 +1369,36 @@ class _AnswersToolErrors(BasePlugin):
         return {"error": "try again later"}
 
 
+def test_the_session_service_in_the_ledgers_file_is_refused_when_it_is_built(
+        tmp_path: Path) -> None:
+    """ADK's ``SqliteSessionService`` and the ledger's `SQLiteEventStore` on one file both
+    keep a table named ``events`` and cannot read each other's: `OneWriterSessionService`
+    with ``plugin=`` refuses that when it is built, naming it (before, the first session
+    event's write failed inside ADK: "table events has no column named id"); the same
+    service on another file is carried. (A file where ADK's service wrote first, the
+    store refuses to open.)"""
+    from google.adk.sessions.sqlite_session_service import SqliteSessionService
+
+    service = SqliteSessionService(str(tmp_path / "one.db"))  # (its tables made at first use)
+    plugin = LedgerPlugin(SQLiteEventStore(str(tmp_path / "one.db")))
+    with pytest.raises(UnsupportedFeature) as refused:
+        OneWriterSessionService(service, plugin=plugin)
+    assert refused.value.feature == "the ledger's store in the session service's file"
+    from google.adk.events import Event
+    from google.genai import types
+
+    async def a_message() -> None:  # what ADK met, before: its first event's write failed
+        session = await service.create_session(app_name="app", user_id="u", session_id="s")
+        await service.append_event(session, Event(author="user", content=types.Content(
+            role="user", parts=[types.Part(text="hi")])))
+
+    with pytest.raises(Exception, match="no column named id"):
+        asyncio.run(a_message())
+    apart = SqliteSessionService(str(tmp_path / "sessions.db"))
+    assert OneWriterSessionService(apart, plugin=plugin).plugin is plugin
+    assert OneWriterSessionService(service).plugin is None  # (no ledger writes through it)
+
+
 @pytest.mark.invariant("I1", "I11")
 @pytest.mark.parametrize(("ahead", "overrides"), [
     (MultimodalToolResultsPlugin, "after_tool_callback"),
