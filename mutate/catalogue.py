@@ -1627,6 +1627,11 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("SQX6", "        return (st.st_dev, st.st_ino) == self._identity.identity",
        "        return True",
        "any connection is taken for one to the store's file"),
+    _m("SQX7", "        if getattr(self._through, \"into\", None) is None:\n"
+               "            self._session_table = found\n",
+       "        self._session_table = found\n",
+       "a Session table seen inside another's transaction is kept as made, though that "
+       "transaction may roll it back"),
     _m("PGH1", '                      f"UPDATE {runs} SET step = NULL")',
        '                      "SELECT 1")',
        "a version 4 PostgreSQL schema keeps its heads folded with no read model"),
@@ -1943,10 +1948,19 @@ CATALOGUE: tuple[Mutant, ...] = (
        "        self._together = False and (ledger is not None and conn is not None\n",
        "the ledger in the checkpoints' file is not noticed: the staging waits for the "
        "put's own write lock"),
-    _m("LG33", "                with self.ledger.store.in_transaction_of(conn, saver.lock):\n",
-       "                with contextlib.nullcontext():\n",
+    _m("LG33", "                with self.ledger.store.in_transaction_of(conn, saver.lock) "
+               "as routed:\n",
+       "                with contextlib.nullcontext(set()) as routed:\n",
        "the ledger's calls during a put in one file go through the store's own connection, "
        "which waits for the put's write lock"),
+    _m("LG34", "                    except BaseException:\n"
+               "                        self._drop(routed)\n",
+       "                    except BaseException:\n",
+       "a copy of the run left ahead of a rolled-back write is kept: another attempt "
+       "appending as many events passes its fence"),
+    _m("LG35", "        kept = vars(saver).get(\"cursor\")",
+       "        kept = None",
+       "a cursor the user set on the saver is dropped by a checkpoint that publishes"),
     # ------------------------------------------------------------------ google-adk
     _m("GA01", "                c.flush()  # an effect boundary: the start is durable before "
                "the body\n",

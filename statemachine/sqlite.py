@@ -617,7 +617,7 @@ class SQLiteEventStore:
         with storage_errors(self.path, doing=doing, **where):
             through = getattr(self._through, "into", None)
             if through is not None:  # (`in_transaction_of`: what it wrote, seen)
-                conn, lock = through
+                conn, lock, _ = through
                 with lock if lock is not None else contextlib.nullcontext():
                     self._check(doing, **where)
                     return query(conn)
@@ -670,7 +670,7 @@ class SQLiteEventStore:
         where: dict[str, Any] = {"run_id": run_id}
         through = getattr(self._through, "into", None)
         if through is not None:  # (`in_transaction_of`)
-            self._append_in(through[0], through[1], a)
+            self._append_in(through[0], through[1], through[2], a)
             return
         with self._lock:
             self._check(_APPEND, **where)
@@ -709,16 +709,19 @@ class SQLiteEventStore:
         return (st.st_dev, st.st_ino) == self._identity.identity
 
     @contextlib.contextmanager
-    def in_transaction_of(self, conn: sqlite3.Connection, lock: Any = None
-                          ) -> Iterator[None]:
+    def in_transaction_of(self, conn: sqlite3.Connection, lock: Any = None, *,
+                          gather: set[str] | None = None) -> Iterator[set[str]]:
         """Within: this thread's appends and reads of this store go through ``conn`` (a
         connection to this store's file, `shares_file_with`), inside the transaction it
         holds open with the file's write lock (``BEGIN IMMEDIATE``); the appends are
         never committed here. They land when that transaction commits and not at all when
-        it rolls back: its owner decides, and nothing tells this store which. The reads
-        see them meanwhile, so a run's fence finds the version its controller flushed;
-        after a rollback it finds the store behind the controller, which then stops (load
-        the run again). Each append runs in a savepoint of its own, so a refused one (a
+        it rolls back: its owner decides, and nothing tells this store which. An owner
+        that does not commit them as planned must stop the controllers that made them
+        (their runs' ids are gathered in the set yielded, ``gather`` when given): a
+        controller ahead of the store is caught by its next fence only until another
+        attempt appends as many events (a fence counts events). The reads see them
+        meanwhile, so a run's fence finds the version its controller flushed. Each append
+        runs in a savepoint of its own, so a refused one (a
         version conflict, `LeaseHeld`) leaves the transaction as it found it. ``lock``:
         held around each call's statements, for a connection other threads use too
         (`SqliteSaver.lock`). An append when ``conn`` holds no open transaction is
@@ -731,13 +734,15 @@ class SQLiteEventStore:
             raise StorageError(f"cannot {_APPEND}: {shown(self.path)} is open read-only; "
                                "nothing was written", outcome=Outcome.NOT_WRITTEN)
         before = getattr(self._through, "into", None)
-        self._through.into = (conn, lock)
+        routed: set[str] = set() if gather is None else gather
+        self._through.into = (conn, lock, routed)
         try:
-            yield
+            yield routed
         finally:
             self._through.into = before
 
-    def _append_in(self, conn: sqlite3.Connection, lock: Any, a: _Prepared) -> None:
+    def _append_in(self, conn: sqlite3.Connection, lock: Any, routed: set[str],
+                   a: _Prepared) -> None:
         """One append inside ``conn``'s open transaction (`in_transaction_of`)."""
         where: dict[str, Any] = {"run_id": a.run_id}
         with storage_errors(self.path, doing=_APPEND, **where), (
@@ -748,6 +753,7 @@ class SQLiteEventStore:
                     f"cannot {_APPEND}: the connection it was to share holds no open "
                     "transaction; nothing was written", outcome=Outcome.NOT_WRITTEN,
                     **where)
+            routed.add(a.run_id)  # (from here on its events may be in the transaction)
             conn.execute("SAVEPOINT statemachine_append")
             try:
                 self._write(conn, a)
@@ -1059,12 +1065,15 @@ class SQLiteEventStore:
 
     def _has_session_items(self, conn: sqlite3.Connection) -> bool:
         """Whether the file holds a Session table (kept once found: never dropped). Read
-        outside any write transaction, so what it finds is committed."""
-        if not self._session_table:
-            self._session_table = conn.execute(
-                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = "
-                "'session_items'").fetchone() is not None
-        return self._session_table
+        outside any write transaction, so what it finds is committed; inside another's
+        (`in_transaction_of`) it may be that transaction's own, so it is not kept."""
+        if self._session_table:
+            return True
+        found = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = "
+                             "'session_items'").fetchone() is not None
+        if getattr(self._through, "into", None) is None:
+            self._session_table = found
+        return found
 
     def run_ids(self, limit: int | None = None) -> list[str]:
         """The ids of the runs the store holds, sorted (the first ``limit`` of them)."""

@@ -125,6 +125,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import json
 import re
 import sqlite3
@@ -175,6 +176,7 @@ from statemachine.errors import (
     ControlError,
     InvalidTransition,
     PublicationUnsettled,
+    StorageError,
     ToolInDoubt,
 )
 from statemachine.journal import is_async
@@ -1411,9 +1413,14 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
                 assert conn is not None
                 assert isinstance(self.ledger.store, SQLiteEventStore)
                 # the ledger's reads and appends, in this put's transaction until it ends
-                with self.ledger.store.in_transaction_of(conn, saver.lock):
-                    written = self._publishing(config, checkpoint, metadata, new_versions,
-                                               parent, write, conn)
+                with self.ledger.store.in_transaction_of(conn, saver.lock) as routed:
+                    try:
+                        written = self._publishing(config, checkpoint, metadata,
+                                                   new_versions, parent, write,
+                                                   (conn, routed))
+                    except BaseException:
+                        self._drop(routed)
+                        raise
                 landed = True
                 return written
             except BaseException as error:
@@ -1432,7 +1439,7 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
 
     def _publishing(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any,
                     parent: Callable[[], Any], put: Callable[..., Any],
-                    together: sqlite3.Connection | None = None) -> Any:
+                    together: tuple[sqlite3.Connection, set[str]] | None = None) -> Any:
         """The ``put`` of a checkpoint as the ledger's staged publication of the results
         it adds (the graph's history is the Session): staged (durable) before the write,
         committed after it, recorded failed when it raises; an earlier write left
@@ -1441,9 +1448,10 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
         writer can still land it). ``put`` is the saver's write, committed; ``parent``
         reads the thread's latest checkpoint, which a checkpoint that answers no call
         whose result is unpublished (nothing to publish) is written without. ``together``
-        (the saver's connection): the ledger's store is in the saver's file, its calls go
-        into the put's transaction, and a publication is written with its staging and
-        commit in it (`_written_together`)."""
+        (the saver's connection, and the runs whose events went into its transaction):
+        the ledger's store is in the saver's file, its calls go into the put's
+        transaction, and a publication is written with its staging and commit in it
+        (`_written_together`)."""
         ledger = self.ledger
         assert ledger is not None
         configurable = config.get("configurable") or {}
@@ -1493,12 +1501,12 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
                                  new_versions)
 
     def _written(self, c: RunController, put: Callable[..., Any],
-                 together: sqlite3.Connection | None, *args: Any) -> Any:
+                 together: tuple[sqlite3.Connection, set[str]] | None, *args: Any) -> Any:
         """The checkpoint written as the publication ``c`` holds open: committed once it
         is written, recorded failed (the write's own error propagating) when it raises;
         with ``together``, in one transaction with its staging and commit."""
         if together is not None:
-            return self._written_together(c, together, *args)
+            return self._written_together(c, *together, *args)
         try:
             result = put(*args)
         except Exception as error:
@@ -1510,21 +1518,21 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
         c.flush()
         return result
 
-    def _written_together(self, c: RunController, conn: sqlite3.Connection, *args: Any
-                          ) -> Any:
+    def _written_together(self, c: RunController, conn: sqlite3.Connection,
+                          routed: set[str], *args: Any) -> Any:
         """The ledger's store in the saver's file: the publication ``c`` holds open (its
         staging, or the reconcile that calls for the write again, not yet flushed), the
         checkpoint, and the publication's commit, in the put's transaction, one COMMIT.
         All of it lands or none of it does: a kill or a failure anywhere in between
         leaves the thread and the ledger as they were before the put (``put`` rolls the
-        transaction back; ``c`` is then ahead of the store, and its next fence loads the
-        run again). Under the saver's lock until the commit, so no reader of the saver's
-        connection sees the checkpoint before it."""
+        transaction back and drops ``c``, then ahead of the store: `_drop`). Under the
+        saver's lock until the commit, so no reader of the saver's connection sees the
+        checkpoint before it."""
         saver: Any = self.saver
         ledger = self.ledger
         assert ledger is not None
         assert isinstance(ledger.store, SQLiteEventStore)
-        with saver.lock, ledger.store.in_transaction_of(conn):
+        with saver.lock, ledger.store.in_transaction_of(conn, gather=routed):
             c.flush()  # the envelope, in the transaction the checkpoint goes into
             written = self._put_held(*args)
             c.publication_committed()
@@ -1537,13 +1545,14 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
         without the commit and without the saver's lock, which this thread holds): the
         caller commits. Other threads' calls get the saver's own cursor meanwhile."""
         saver: Any = self.saver
-        own = type(saver).cursor
+        kept = vars(saver).get("cursor")  # (one of the user's own, put back after)
+        own = kept if kept is not None else functools.partial(type(saver).cursor, saver)
         me = threading.get_ident()
 
         @contextlib.contextmanager
         def cursor(transaction: bool = True) -> typing.Iterator[sqlite3.Cursor]:
             if threading.get_ident() != me:
-                with own(saver, transaction) as theirs:
+                with own(transaction) as theirs:
                     yield theirs
                 return
             saver.setup()
@@ -1557,7 +1566,28 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
         try:
             return saver.put(*args)
         finally:
-            del saver.cursor
+            if kept is None:
+                del saver.cursor
+            else:
+                saver.cursor = kept
+
+    def _drop(self, routed: set[str]) -> None:
+        """After a put in one file with the ledger that did not end with its commit as
+        planned: the events it put into its transaction may have landed or not (rolled
+        back with it, or committed by the saver on its own), so each such run's copy is
+        stopped and dropped, and the next call loads the run from the store. (Its fence
+        alone would not do: it counts events, and another attempt appending as many as
+        were rolled back would pass it.)"""
+        ledger = self.ledger
+        assert ledger is not None
+        with ledger._lock:
+            for run_id in routed:
+                c = ledger._runs.pop(run_id, None)
+                if c is not None:
+                    c._journal.stop(StorageError, (
+                        "a checkpoint write that carried this run's events did not commit "
+                        "as planned: they may not have landed; load the run again to go "
+                        "on"))
 
     def _ended(self, config: Mapping[str, Any], checkpoint: Any,
                error: BaseException | None) -> None:

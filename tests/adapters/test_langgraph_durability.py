@@ -76,7 +76,7 @@ def test_kill_9_around_a_tool_then_resume_in_a_fresh_process(
 
 
 @pytest.mark.invariant("I1", "I11")
-@pytest.mark.parametrize("mode", ["alone", "ledger"])
+@pytest.mark.parametrize("mode", ["alone", "ledger", "together"])
 def test_kill_9_inside_the_tool_with_langgraphs_default_durability(tmp_path: Path,
                                                                    mode: str) -> None:
     """The rows above run ``durability="sync"``; the README says LangGraph alone charges

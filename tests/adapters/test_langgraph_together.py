@@ -283,3 +283,50 @@ def test_a_threads_first_write_settles_a_call_in_doubt_inside_its_transaction(
     found = SqliteSaver(sqlite3.connect(str(one.file))).get_tuple(_config("t1"))
     assert found is not None
     assert effects(one.effects) == []
+
+
+@pytest.mark.invariant("I1")
+def test_a_copy_ahead_of_a_rolled_back_write_is_dropped_before_another_attempt_catches_up(
+        tmp_path: Path) -> None:
+    """The checkpoint that publishes fails before the saver writes it, and its
+    transaction, which carried the publication's staging, rolls back: this process's
+    copy of the run is then one event ahead of the store. Another attempt (another
+    process's ledger on the same file) then appends one event of its own, its claim: a
+    fence that counts events would find the counts equal, and the copy would append its
+    reconcile onto the other attempt's claim, a log that no longer replays. Resumed
+    here, the graph goes on from the run as the store holds it (the copy was dropped
+    when the write failed): the log replays, the result is published once, the tool
+    never runs again."""
+    one = _Place(tmp_path)
+    FailingPut(landed=False).attach(one.inner)
+    with pytest.raises(OSError, match="injected"):
+        one.turn("t1")
+    run = "langgraph:t1"
+    other = ToolLedger(SQLiteEventStore(str(one.file)), owner="p2").controller(run)
+    other.flush()  # (as many events as were rolled back)
+    result = one.graph.invoke(None, _config("t1"), durability="sync")
+    assert result["messages"][-1].content == "done"
+    assert effects(one.effects) == ["charge 7"]
+    replayed = ToolLedger(SQLiteEventStore(str(one.file))).controller(run)
+    assert replayed.phase("call-charge") is Phase.PUBLISHED
+    kinds = [type(event).__name__ for event in replayed.events]
+    assert kinds.count("PublicationStaged") == kinds.count("PublicationCommitted") == 1
+
+
+def test_a_cursor_of_the_users_own_on_the_saver_is_kept(tmp_path: Path) -> None:
+    """A ``cursor`` the user set on the ``SqliteSaver`` instance (instrumentation) is in
+    place after a checkpoint that publishes, and still used."""
+    one = _Place(tmp_path)
+    calls: list[bool] = []
+    plain = SqliteSaver.cursor
+
+    def counted(transaction: bool = True) -> Any:
+        calls.append(transaction)
+        return plain(one.inner, transaction)
+
+    one.inner.cursor = counted  # type: ignore[method-assign]
+    assert one.turn("t1")["messages"][-1].content == "done"
+    assert one.inner.cursor is counted
+    before = len(calls)
+    assert one.inner.get_tuple(_config("t1")) is not None
+    assert len(calls) == before + 1

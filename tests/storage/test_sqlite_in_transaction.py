@@ -12,8 +12,13 @@ from pathlib import Path
 import pytest
 
 from statemachine import ConcurrencyConflict, LeaseHeld, RunController
+from statemachine import events as ev
 from statemachine.errors import Outcome, StorageError
-from statemachine.stores import SQLiteEventStore
+from statemachine.stores import SessionWrite, SQLiteEventStore
+from statemachine.values import RecoveryPolicy
+
+SESSION = "chat-1"
+AT = 1_767_225_600_000_000
 
 
 def _owner(path: Path) -> sqlite3.Connection:
@@ -122,3 +127,27 @@ def test_only_a_connection_to_the_stores_own_file_shares_it(tmp_path: Path) -> N
     assert not readonly.shares_file_with(sqlite3.connect(str(path)))
     with pytest.raises(StorageError), readonly.in_transaction_of(sqlite3.connect(str(path))):
         pass
+
+
+def test_a_session_table_made_inside_a_transaction_that_rolls_back_is_not_taken_as_made(
+        tmp_path: Path) -> None:
+    """A commit carrying a Session's items, appended inside another's transaction, makes
+    the Session's table there, and a read of the Session inside finds it; the owner
+    rolls back, the table with it: later appends carrying a Session's items through the
+    store's own connection make it again and land (the store did not keep "made")."""
+    path = tmp_path / "one.db"
+    store = SQLiteEventStore(str(path))
+    c = _started(store)
+    owner = _owner(path)
+    with store.in_transaction_of(owner):
+        c.claim("worker-a")
+        c.flush()
+        store.append("other", [ev.RunStarted(0, "other", SESSION, RecoveryPolicy.FAIL_CLOSED,
+                                             None, "{}", at=AT)], 0,
+                     session_write=SessionWrite(SESSION, "p-1", ({"role": "user"},)))
+        assert store.session_items(SESSION) == [{"role": "user"}]
+    owner.rollback()
+    store.append("other", [ev.RunStarted(0, "other", SESSION, RecoveryPolicy.FAIL_CLOSED,
+                                         None, "{}", at=AT)], 0,
+                 session_write=SessionWrite(SESSION, "p-1", ({"role": "user"},)))
+    assert SQLiteEventStore(str(path)).session_items(SESSION) == [{"role": "user"}]
