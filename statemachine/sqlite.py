@@ -441,7 +441,8 @@ class SQLiteEventStore:
         self._has_updated_at = self._has_leases = self._has_read_models = True
         self._session_table = False  # (True once a Session's table was seen in the file)
         self._through = threading.local()
-        """Per thread: the connection (and its lock) `appending_in` routes appends to."""
+        """Per thread: where `in_transaction_of` sends its appends and reads (the connection,
+        its lock, the runs appended to), or nothing."""
         self.commits = 0
         """How many write transactions of appends this object committed (each one fsync
         of the write-ahead log: an `append`'s, or an `append_group`'s of several appends):
@@ -697,7 +698,7 @@ class SQLiteEventStore:
         """Whether ``conn``, a connection of someone else's, has this store's file open as
         its main database (the same device and inode; a database in memory, a read-only
         store or a closed connection shares nothing): its transactions may then carry
-        this store's appends (`appending_in`)."""
+        this store's appends (`in_transaction_of`)."""
         if self.readonly or self._identity is None:
             return False
         try:  # (in memory: no file, an empty name, which stat refuses)
