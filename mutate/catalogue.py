@@ -1961,6 +1961,14 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("LG35", "        kept = vars(saver).get(\"cursor\")",
        "        kept = None",
        "a cursor the user set on the saver is dropped by a checkpoint that publishes"),
+    _m("LG36", "        self._lock = self._locks.write\n",
+       "        self._lock = threading.Lock()\n",
+       "two OneWriterSavers around one SqliteSaver write on its connection at once: one's "
+       "BEGIN IMMEDIATE meets the other's open transaction"),
+    _m("LG37", "            lock = self._locks.loops.get(loop)\n",
+       "            lock = None\n",
+       "each async put gets a lock of its own: two resumers through one saver both check "
+       "before either writes"),
     # ------------------------------------------------------------------ google-adk
     _m("GA01", "                c.flush()  # an effect boundary: the start is durable before "
                "the body\n",

@@ -1220,6 +1220,39 @@ def _messages_json(messages: Sequence[BaseMessage]) -> list[JSON]:
     return [plain(message_to_dict(message), fallback=_as_text) for message in messages]
 
 
+class _SaverLocks:
+    """The locks of one checkpointer, shared by every `OneWriterSaver` around it (a
+    wrapper per graph, or per request, around one saver): their writes go through one
+    connection, whose transactions must not interleave (before, a second wrapper's
+    ``BEGIN IMMEDIATE`` met the first one's open transaction on the shared connection)."""
+
+    def __init__(self) -> None:
+        self.write = threading.Lock()
+        """A sync write's (`OneWriterSaver._lock`)."""
+        self.state = threading.Lock()
+        """Guards ``loops``."""
+        self.loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = \
+            weakref.WeakKeyDictionary()
+        """`OneWriterSaver.aput`'s, one per event loop."""
+
+
+_SAVER_LOCKS: weakref.WeakKeyDictionary[Any, _SaverLocks] = weakref.WeakKeyDictionary()
+_SAVER_LOCKS_GUARD = threading.Lock()
+
+
+def _locks_of(saver: Any) -> _SaverLocks:
+    """The locks every `OneWriterSaver` around ``saver`` shares (a saver that cannot be
+    weakly referenced, or hashed, gets locks of its wrapper's own)."""
+    with _SAVER_LOCKS_GUARD:
+        try:
+            found = _SAVER_LOCKS.get(saver)
+            if found is None:
+                found = _SAVER_LOCKS[saver] = _SaverLocks()
+        except TypeError:
+            return _SaverLocks()
+        return found
+
+
 class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
     """Any LangGraph checkpointer (``InMemorySaver``, ``SqliteSaver``, ...) with one writer
     per thread: a ``put`` whose parent (the checkpoint the writer resumed from) is not the
@@ -1255,13 +1288,15 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
         super().__init__(serde=saver.serde)
         self.saver = saver
         self._sqlite_conn = self._sqlite_of(saver)
-        self._lock = threading.Lock()
+        self._locks = _locks_of(saver)
+        self._lock = self._locks.write
         """Held across a sync write (the check and the write, one step), and never while
         this saver waits for an event loop or on the loop's own thread: an async saver's
         sync methods hand their work to its loop (`aput` and `acheck_step` take
-        `_state` only, briefly)."""
+        `_state` only, briefly). Every `OneWriterSaver` around the same saver shares it
+        (`_SaverLocks`)."""
         self._state = threading.Lock()
-        """Guards `_outcomes` and `_async_locks`, held only for their bookkeeping."""
+        """Guards `_outcomes`, held only for its bookkeeping."""
         self._write_ended = threading.Condition(self._state)
         """Notified each time a write of this saver ends."""
         self._outcomes: OrderedDict[tuple[Any, str, str], BaseException | None] = \
@@ -1269,8 +1304,6 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
         """How each of the latest writes of this saver ended, by (thread, namespace,
         checkpoint id): None when it landed, else its error (`ConcurrencyConflict` for a
         write refused, the saver's own error for one that failed)."""
-        self._async_locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop,
-                                                     asyncio.Lock] = weakref.WeakKeyDictionary()
         if ledger is not None and self._sqlite() is None and self._postgres() is None and (
                 type(saver) is not InMemorySaver):
             raise UnsupportedFeature(
@@ -1736,10 +1769,10 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
         """The lock of `aput` on the running event loop (an asyncio lock serves one
         loop; a saver shared by threads with loops of their own gets one per loop)."""
         loop = asyncio.get_running_loop()
-        with self._state:
-            lock = self._async_locks.get(loop)
+        with self._locks.state:
+            lock = self._locks.loops.get(loop)
             if lock is None:
-                lock = self._async_locks[loop] = asyncio.Lock()
+                lock = self._locks.loops[loop] = asyncio.Lock()
         return lock
 
     async def aput_writes(self, config: Any, writes: Any, task_id: str,

@@ -1277,25 +1277,70 @@ class _AsyncSaver(InMemorySaver):
         return self.put(config, checkpoint, metadata, new_versions)
 
 
-def test_two_async_resumers_of_one_checkpoint_in_one_process_one_goes_on() -> None:
+@pytest.mark.parametrize("wrappers", [1, 2])
+def test_two_async_resumers_of_one_checkpoint_in_one_process_one_goes_on(
+        wrappers: int) -> None:
     """The class promises one writer per thread in this process always: the async put
     too (the saver yields to the loop between its read and its write, as LangGraph's
-    async savers do), under a lock around the check and the write."""
-    builder: Any = StateGraph(MessagesState)
-    builder.add_node("step", lambda state: {"messages": []})
-    builder.add_edge(START, "step")
-    builder.add_edge("step", END)
-    graph = builder.compile(checkpointer=OneWriterSaver(_AsyncSaver()))
+    async savers do), under a lock around the check and the write, shared by every
+    `OneWriterSaver` around the saver (``wrappers``: a graph per resumer, each with a
+    wrapper of its own around one saver)."""
+    inner = _AsyncSaver()
+
+    def compiled() -> Any:
+        builder: Any = StateGraph(MessagesState)
+        builder.add_node("step", lambda state: {"messages": []})
+        builder.add_edge(START, "step")
+        builder.add_edge("step", END)
+        return builder.compile(checkpointer=OneWriterSaver(inner))
+
+    graph = compiled()
+    other = graph if wrappers == 1 else compiled()
     graph.invoke({"messages": [HumanMessage("go")]}, CONFIG)
     paused = graph.get_state(CONFIG).config
 
     async def both() -> list[Any]:
         return list(await asyncio.gather(
             graph.aupdate_state(paused, {"messages": []}),
-            graph.aupdate_state(paused, {"messages": []}), return_exceptions=True))
+            other.aupdate_state(paused, {"messages": []}), return_exceptions=True))
 
     outcomes = asyncio.run(both())
     assert sorted(type(o).__name__ for o in outcomes) == ["ConcurrencyConflict", "dict"]
+
+
+def test_a_one_writer_saver_per_request_around_one_sqlite_saver_writes_one_at_a_time(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """A `OneWriterSaver` built per request around one ``SqliteSaver`` (one connection),
+    four requests at once on threads, five turns each: every turn completes and each
+    charge runs once. The wrappers share the saver's write lock: before, a second
+    wrapper's ``BEGIN IMMEDIATE`` met the first one's open transaction on the shared
+    connection, and most turns failed ("cannot start a transaction within a
+    transaction")."""
+    inner = SqliteSaver(sqlite3.connect(str(tmp_path / "checkpoints.db"),
+                                        check_same_thread=False))
+    ledger = ToolLedger(store)
+    path = tmp_path / "effects.txt"
+    outcomes: list[Any] = []
+
+    def requests(worker: int) -> None:
+        for turn in range(5):
+            graph = build("ledger", make_tools(path), ScriptedModel(script=SCRIPT_ONE),
+                          OneWriterSaver(inner, ledger=ledger), ledger=ledger)
+            try:
+                done = graph.invoke({"messages": [HumanMessage("charge me 7")]},
+                                    {"configurable": {"thread_id": f"w{worker}-{turn}"}},
+                                    durability="sync")
+                outcomes.append(done["messages"][-1].content)
+            except Exception as error:  # (the outcome is what is asserted)
+                outcomes.append(error)
+
+    workers = [threading.Thread(target=requests, args=(k,)) for k in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    assert outcomes == ["done"] * 20
+    assert effects(path) == ["charge 7"] * 20
 
 
 _REPLIES = itertools.count(1)
