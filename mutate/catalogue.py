@@ -212,7 +212,8 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
                                 "test_a_sync_stores_missing_run_is_not_found_without_a_"
                                 "worker_thread"),
     "statemachine/stores.py": _STORES,
-    "statemachine/stored.py": _STORES,
+    "statemachine/stored.py": (*_STORES, "tests/core/test_codec.py::"
+                               "test_a_stored_events_text_is_its_encoded_documents"),
     "statemachine/sqlite.py": ("tests/storage/test_sqlite_in_transaction.py",
                                "tests/storage/test_sessions.py", *_STORES,
                                "tests/storage/test_sqlite_shared_session.py",
@@ -527,6 +528,18 @@ CATALOGUE: tuple[Mutant, ...] = (
                "parse_constant=_reject_constant)\n",
        "            pass\n",
        "an int past the 4,300-digit limit is refused as not valid JSON, not by its reason"),
+    # ---------------------------------------------- a stored event's text (shared form)
+    _m("CO12", "def _enum_value(member: Any) -> Any:\n    return member.value\n",
+       "def _enum_value(member: Any) -> Any:\n    return member.name\n",
+       "a stored event names its step, policy or resolution by its member's name"),
+    _m("CO13", '        data: dict[str, Any] = {} if named is None else {"type": named}\n',
+       "        data: dict[str, Any] = {}\n",
+       "a stored event's text leaves out its type"),
+    _m("SD22", "        try:\n            return _COMPACT.encode(shared)\n"
+               "        except (TypeError, ValueError, RecursionError):\n            pass\n",
+       "        return _COMPACT.encode(shared)\n",
+       "a payload json cannot serialize as it is (an object cattrs turns into a dict) "
+       "refuses the append, where the document's encoding writes it"),
     _m("FL01", "    if not encodable(compact) or _NUL in compact:\n        return None\n"
                "    return tree, compact",
        "    if _NUL in compact:\n        return None\n    return tree, compact",

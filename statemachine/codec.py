@@ -22,6 +22,7 @@ import hashlib
 import hmac
 import json
 import sys
+import typing
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -234,6 +235,59 @@ def encode_event(event: ev.Event) -> dict[str, JSON]:
     data: dict[str, JSON] = {"type": type(event).__name__}
     data.update(converter.unstructure(event))
     return data
+
+
+# `encode_event` for a document serialized at once (`stored.event_text`): the same keys
+# in the same order, but a payload (a field typed JSON) is handed over as it is, not
+# copied value by value as cattrs copies a value it only knows at run time (most of an
+# event's encoding time). Its text is `encode_event`'s wherever the payload is plain JSON;
+# anything else (which `json` refuses) is left to `encode_event` by the caller.
+
+
+def _field_form(kind: Any) -> Callable[[Any], Any] | None:
+    """How a field of type ``kind`` is encoded (None: as it is)."""
+    if kind in (int, str, bool, JSON, int | None, str | None):
+        return None
+    if kind in (Step, RecoveryPolicy, Resolution):
+        return _enum_value
+    if kind in (tuple[str, ...], tuple[JSON, ...]):
+        return list
+    if kind in (ToolCall, GuardrailResult):
+        return _shared_form(kind)
+    if kind == tuple[ToolCall, ...]:
+        tool_call = _shared_form(ToolCall)
+        return lambda calls: [tool_call(call) for call in calls]
+    raise TypeError(f"no shared form for a field of type {kind!r}: add it to _field_form")
+
+
+def _enum_value(member: Any) -> Any:
+    return member.value
+
+
+def _shared_form(cls: type, named: str | None = None) -> Callable[[Any], dict[str, Any]]:
+    """``cls``'s fields as a dict (``named``: with ``"type"`` first), each by its form."""
+    hints = typing.get_type_hints(cls)
+    forms = tuple((f.name, _field_form(hints[f.name])) for f in attrs.fields(cls))
+
+    def form(value: Any) -> dict[str, Any]:
+        data: dict[str, Any] = {} if named is None else {"type": named}
+        for name, encode in forms:
+            field = getattr(value, name)
+            data[name] = field if encode is None else encode(field)
+        return data
+
+    return form
+
+
+_SHARED = {cls: _shared_form(cls, cls.__name__) for cls in ev.EVENT_TYPES}
+
+
+def shared_event(event: ev.Event) -> dict[str, Any] | None:
+    """`encode_event`'s dict with each payload as it is in ``event`` (shared, not copied:
+    serialize it at once and keep nothing of it), or None for an event of a class this
+    module does not declare (a subclass): `encode_event` it."""
+    form = _SHARED.get(type(event))
+    return None if form is None else form(event)
 
 
 def encode_log(run_id: str, events: list[ev.Event] | tuple[ev.Event, ...], *,

@@ -50,6 +50,7 @@ from statemachine.stored import (
     decode_rows,
     digest,
     dumps,
+    event_text,
     head_of_log,
     kept_model,
     moved_refusal,
@@ -775,8 +776,7 @@ class SQLiteEventStore:
                                "read-only; nothing was written", outcome=Outcome.NOT_WRITTEN,
                                run_id=run_id)
         batch_id = uuid.uuid4().hex
-        rows = [(run_id, event.seq, batch_id, dumps(codec.encode_event(event)))
-                for event in events]
+        rows = [(run_id, event.seq, batch_id, event_text(event)) for event in events]
         if any(event.seq != expected_version + i for i, event in enumerate(events)):
             raise ValueError("events must carry the sequence numbers that follow "
                              "expected_version")

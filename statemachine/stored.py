@@ -314,10 +314,29 @@ Rows = list[tuple[Any, Any]]
 """Stored rows (seq, body), as a SQL store reads them."""
 
 
+_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+"""`json.dumps` with these options builds an encoder per call; one serves every call (an
+encoder keeps no state between calls)."""
+
+
 def dumps(value: Any) -> str:
     """The JSON text a SQL store keeps for an event, a snapshot or an item: compact, not
     ASCII-escaped (what `codec.decode_stored_text` decodes on its fast path)."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return _COMPACT.encode(value)
+
+
+def event_text(event: Event) -> str:
+    """``dumps(codec.encode_event(event))``, the text a SQL store keeps for an event,
+    without copying its payloads first (`codec.shared_event`); an event whose shared form
+    `json` refuses (a payload that is not plain JSON) is encoded by `codec.encode_event`,
+    which then decides: the same text, or the same error."""
+    shared = codec.shared_event(event)
+    if shared is not None:
+        try:
+            return _COMPACT.encode(shared)
+        except (TypeError, ValueError, RecursionError):
+            pass
+    return _COMPACT.encode(codec.encode_event(event))
 
 
 def decode_rows(run_id: str, rows: Rows, first: int) -> Loaded:

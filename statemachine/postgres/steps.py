@@ -29,7 +29,6 @@ import attrs
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from statemachine import codec
 from statemachine.errors import (
     ConcurrencyConflict,
     ConfigurationError,
@@ -48,6 +47,7 @@ from statemachine.stored import (
     decode_rows,
     digest,
     dumps,
+    event_text,
     moved_refusal,
     session_moved,
     started_session,
@@ -477,7 +477,7 @@ def prepare(run_id: str, events: Sequence[Event], expected_version: int,
                       for write in writes)
         tails = tuple(None if write.after is None else write for write in writes)
     batch_id = uuid.uuid4().hex
-    bodies = [dumps(codec.encode_event(event)) for event in events]
+    bodies = [event_text(event) for event in events]
     kept = None
     if snapshot is not None:
         text = dumps(snapshot)
