@@ -535,11 +535,14 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("CO13", '        data: dict[str, Any] = {} if named is None else {"type": named}\n',
        "        data: dict[str, Any] = {}\n",
        "a stored event's text leaves out its type"),
-    _m("SD22", "        try:\n            return _COMPACT.encode(shared)\n"
-               "        except (TypeError, ValueError, RecursionError):\n            pass\n",
-       "        return _COMPACT.encode(shared)\n",
+    _m("SD22", "    with contextlib.suppress(Exception):  # (then `encode_event` decides)\n",
+       "    if True:\n",
        "a payload json cannot serialize as it is (an object cattrs turns into a dict) "
        "refuses the append, where the document's encoding writes it"),
+    _m("CO14", "        if type(value) is not cls:  # (a subclass has fields of its own: "
+               "`encode_event`)\n",
+       "        if False:\n",
+       "a stored tool call of a subclass of ToolCall loses the subclass's own fields"),
     _m("FL01", "    if not encodable(compact) or _NUL in compact:\n        return None\n"
                "    return tree, compact",
        "    if _NUL in compact:\n        return None\n    return tree, compact",

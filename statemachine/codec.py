@@ -260,6 +260,11 @@ def _field_form(kind: Any) -> Callable[[Any], Any] | None:
     raise TypeError(f"no shared form for a field of type {kind!r}: add it to _field_form")
 
 
+class _NotShared(TypeError):
+    """A value the shared form does not know (a subclass of a value class, or no value
+    class at all): the caller encodes the event by `encode_event`."""
+
+
 def _enum_value(member: Any) -> Any:
     return member.value
 
@@ -270,6 +275,8 @@ def _shared_form(cls: type, named: str | None = None) -> Callable[[Any], dict[st
     forms = tuple((f.name, _field_form(hints[f.name])) for f in attrs.fields(cls))
 
     def form(value: Any) -> dict[str, Any]:
+        if type(value) is not cls:  # (a subclass has fields of its own: `encode_event`)
+            raise _NotShared(f"a {type_name(value)} is not a {cls.__name__}")
         data: dict[str, Any] = {} if named is None else {"type": named}
         for name, encode in forms:
             field = getattr(value, name)
@@ -285,7 +292,9 @@ _SHARED = {cls: _shared_form(cls, cls.__name__) for cls in ev.EVENT_TYPES}
 def shared_event(event: ev.Event) -> dict[str, Any] | None:
     """`encode_event`'s dict with each payload as it is in ``event`` (shared, not copied:
     serialize it at once and keep nothing of it), or None for an event of a class this
-    module does not declare (a subclass): `encode_event` it."""
+    module does not declare (a subclass): `encode_event` it. Raises (`TypeError`) for a
+    tool call or guardrail result that is not exactly of its class, whose own fields only
+    `encode_event` knows."""
     form = _SHARED.get(type(event))
     return None if form is None else form(event)
 

@@ -20,6 +20,7 @@ here, so that `stores` can re-export those stores by name without an import circ
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import inspect
@@ -327,15 +328,20 @@ def dumps(value: Any) -> str:
 
 def event_text(event: Event) -> str:
     """``dumps(codec.encode_event(event))``, the text a SQL store keeps for an event,
-    without copying its payloads first (`codec.shared_event`); an event whose shared form
-    `json` refuses (a payload that is not plain JSON) is encoded by `codec.encode_event`,
-    which then decides: the same text, or the same error."""
-    shared = codec.shared_event(event)
-    if shared is not None:
-        try:
+    without copying its payloads first (`codec.shared_event`): the same text for every
+    event whose payloads are plain JSON (every event a controller records: its payloads
+    are detached copies within its depth limit, `payloads.detach`). Whatever the shared
+    form cannot take as it is (a payload json refuses, a subclass of a value class, a
+    field of the wrong kind) is encoded by `codec.encode_event`, which then decides: the
+    same text, or the same error. Two kinds of payload, only ever built by hand, come out
+    as json writes them rather than as cattrs copies them: one nested past about 330
+    levels (json writes it to about 990, and it loads back, where `encode_event` raises
+    `RecursionError`), and an enum member that is an int or a str with a value of its own
+    (json writes the int or the str)."""
+    with contextlib.suppress(Exception):  # (then `encode_event` decides)
+        shared = codec.shared_event(event)
+        if shared is not None:
             return _COMPACT.encode(shared)
-        except (TypeError, ValueError, RecursionError):
-            pass
     return _COMPACT.encode(codec.encode_event(event))
 
 

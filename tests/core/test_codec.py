@@ -305,15 +305,30 @@ _PAYLOADS = st.recursive(
     max_leaves=8)
 
 
+@attrs.frozen
+class _OwnCall(ToolCall):
+    note: str = "n"
+
+
+@attrs.frozen
+class _OwnResult(GuardrailResult):
+    note: str = "n"
+
+
+_SUBCLASSES: dict[Any, Any] = {ToolCall: _OwnCall, GuardrailResult: _OwnResult}
+
+
 def _field(kind: Any) -> st.SearchStrategy[Any]:
     if kind is Any:
         return _PAYLOADS
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         return st.sampled_from(list(kind))
-    if kind in (ToolCall, GuardrailResult):
-        return _built(kind)
-    if typing.get_origin(kind) is tuple:
-        return st.lists(_field(typing.get_args(kind)[0]), max_size=3).map(tuple)
+    if kind in (ToolCall, GuardrailResult):  # (or a subclass with a field of its own)
+        return _built(kind) | _built(_SUBCLASSES[kind])
+    if typing.get_origin(kind) is tuple:  # (now and then an item of another kind)
+        item = _field(typing.get_args(kind)[0])
+        return st.lists(item | _PAYLOADS if kind == tuple[ToolCall, ...] else item,
+                        max_size=3).map(tuple)
     simple = {int: st.integers(), str: st.text(max_size=5), bool: st.booleans()}
     if kind in simple:
         return simple[kind]
@@ -348,7 +363,9 @@ def test_a_stored_events_text_is_its_encoded_documents(event: ev.Event) -> None:
     # the stores' text of an event (payloads handed to json as they are) against the
     # document's encoding serialized, for every event class and field, with payloads
     # json serializes alike either way (tuples, an IntEnum, a str Enum, keys of any
-    # scalar) and payloads it refuses (a set, bytes, NaN: the same error either way)
+    # scalar), payloads it refuses (a set, bytes, NaN: the same error either way), tool
+    # calls and guardrail results of a subclass (its own field written too), and a tool
+    # call that is no ToolCall at all
     expected = _outcome(lambda: dumps(codec.encode_event(event)))
     assert _outcome(lambda: event_text(event)) == expected
 
@@ -368,3 +385,24 @@ def test_a_stored_events_text_copies_nothing_it_keeps() -> None:
 
     assert codec.shared_event(Later(5, "c", 1)) is None
     assert event_text(Later(5, "c", 1)) == dumps(codec.encode_event(Later(5, "c", 1)))
+
+
+def test_a_payload_nested_past_what_cattrs_copies_is_stored_and_loads_back(
+        tmp_path: Path) -> None:
+    # encode_event raises RecursionError on it (cattrs copies it frame by frame); the
+    # stored text is json's, and the log loads back as it was (a hand-built event: a
+    # controller never records a payload past its depth limit)
+    from statemachine import RecoveryPolicy
+    from statemachine.stores import SQLiteEventStore
+
+    deep: Any = 0
+    for _ in range(500):
+        deep = [deep]
+    events = [ev.RunStarted(0, "r", None, RecoveryPolicy.FAIL_CLOSED, None, "c"),
+              ev.ToolCompleted(1, "c", deep)]
+    with pytest.raises(RecursionError):
+        dumps(codec.encode_event(events[1]))
+    store = SQLiteEventStore(tmp_path / "events.db")
+    store.append("r", events, 0)
+    assert store.load("r") == events
+    store.close()
