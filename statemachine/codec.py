@@ -241,7 +241,8 @@ def encode_event(event: ev.Event) -> dict[str, JSON]:
 # in the same order, but a payload (a field typed JSON) is handed over as it is, not
 # copied value by value as cattrs copies a value it only knows at run time (most of an
 # event's encoding time). Its text is `encode_event`'s wherever the payload is plain JSON;
-# anything else (which `json` refuses) is left to `encode_event` by the caller.
+# anything else (what `json` refuses, a subclass of a value class) is left to
+# `encode_event` by the caller.
 
 
 def _field_form(kind: Any) -> Callable[[Any], Any] | None:
