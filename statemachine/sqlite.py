@@ -151,6 +151,15 @@ def read_transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
             conn.execute("COMMIT")
 
 
+def same_file(path: str | os.PathLike[str], other: str | os.PathLike[str]) -> bool:
+    """Whether two paths name one file (False when either cannot be read: a file not
+    made yet is no other's)."""
+    try:
+        return os.path.samefile(path, other)
+    except OSError:
+        return False
+
+
 def in_transaction(conn: Any) -> bool:
     """Whether ``conn`` is still inside a transaction (a failed ROLLBACK leaves it so)."""
     try:
@@ -1550,10 +1559,7 @@ class SQLiteSession:
         if (not isinstance(sync, SQLiteEventStore) or sync.readonly
                 or not takes_session_write(sync)):
             return False
-        try:
-            shared = os.path.samefile(sync.path, self.path)
-        except OSError:
-            return False
+        shared = same_file(sync.path, self.path)
         if shared:
             self._sharing = weakref.ref(store)
         return shared

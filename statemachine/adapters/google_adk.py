@@ -188,7 +188,7 @@ from statemachine.errors import (
 from statemachine.journal import is_async
 from statemachine.payloads import JSON
 from statemachine.runner.attempt import interrupted
-from statemachine.sqlite import connect_readonly
+from statemachine.sqlite import connect_readonly, same_file
 from statemachine.stores import EventStore, SQLiteEventStore
 from statemachine.values import Append, Phase, Resolution, Step, ToolCall
 from statemachine.verifiers import Verifier, context_of, entered, left
@@ -1084,10 +1084,7 @@ def _same_file(service: BaseSessionService, store: EventStore) -> bool:
             or getattr(service, "_db_connect_uri", True) is not False
             or not isinstance(path, str)):
         return False
-    try:
-        return os.path.samefile(path, store.path)
-    except OSError:  # (a file not made yet is not the store's)
-        return False
+    return same_file(path, store.path)
 
 
 class _LastEvent:
