@@ -1634,7 +1634,7 @@ CATALOGUE: tuple[Mutant, ...] = (
                "    conn.execute(\"BEGIN\")",
        "    conn.execute(\"BEGIN\")",
        "a load inside another's transaction begins one more and fails"),
-    _m("SQX5", "        if self.readonly or getattr(self._through, \"into\", None) is not None:",
+    _m("SQX5", "        if self.readonly or self._routed() is not None:",
        "        if self.readonly:",
        "a fold read inside another's transaction is kept through the store's own "
        "connection",
@@ -1643,7 +1643,7 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("SQX6", "        return (st.st_dev, st.st_ino) == self._identity.identity",
        "        return True",
        "any connection is taken for one to the store's file"),
-    _m("SQX7", "        if getattr(self._through, \"into\", None) is None:\n"
+    _m("SQX7", "        if self._routed() is None:\n"
                "            self._session_table = found\n",
        "        self._session_table = found\n",
        "a Session table seen inside another's transaction is kept as made, though that "

@@ -611,6 +611,11 @@ class SQLiteEventStore:
             self._conn = self._connect()
         return self._conn  # type: ignore[no-any-return]
 
+    def _routed(self) -> tuple[sqlite3.Connection, Any, set[str]] | None:
+        """Where `in_transaction_of` sends this thread's appends and reads (the
+        connection, its lock, the runs appended to), or None."""
+        return getattr(self._through, "into", None)
+
     def _check(self, doing: str, outcome: Outcome = Outcome.NOT_WRITTEN, **where: Any) -> None:
         """`StorageError` when the store is closed, or its path no longer names the file
         it opened."""
@@ -626,7 +631,7 @@ class SQLiteEventStore:
         backend failure is a `StorageError` (``"not_written"``: nothing was)."""
         where: dict[str, Any] = {} if run_id is None else {"run_id": run_id}
         with storage_errors(self.path, doing=doing, **where):
-            through = getattr(self._through, "into", None)
+            through = self._routed()
             if through is not None:  # (`in_transaction_of`: what it wrote, seen)
                 conn, lock, _ = through
                 with lock if lock is not None else contextlib.nullcontext():
@@ -679,7 +684,7 @@ class SQLiteEventStore:
         a = self._prepare(run_id, events, expected_version, snapshot, step, read_model,
                           session_write)
         where: dict[str, Any] = {"run_id": run_id}
-        through = getattr(self._through, "into", None)
+        through = self._routed()
         if through is not None:  # (`in_transaction_of`)
             self._append_in(through[0], through[1], through[2], a)
             return
@@ -744,7 +749,7 @@ class SQLiteEventStore:
         if self.readonly:
             raise StorageError(f"cannot {_APPEND}: {shown(self.path)} is open read-only; "
                                "nothing was written", outcome=Outcome.NOT_WRITTEN)
-        before = getattr(self._through, "into", None)
+        before = self._routed()
         routed: set[str] = set() if gather is None else gather
         self._through.into = (conn, lock, routed)
         try:
@@ -1081,7 +1086,7 @@ class SQLiteEventStore:
             return True
         found = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = "
                              "'session_items'").fetchone() is not None
-        if getattr(self._through, "into", None) is None:
+        if self._routed() is None:
             self._session_table = found
         return found
 
@@ -1103,7 +1108,7 @@ class SQLiteEventStore:
             return None
         head = head_of_log(run_id, snapshot, tail, lambda: self.load(run_id))
         version, step, session, model = head
-        if self.readonly or getattr(self._through, "into", None) is not None:
+        if self.readonly or self._routed() is not None:
             return head  # (keeping it is a cache: not inside another's transaction)
         with self._lock:
             try:
