@@ -970,6 +970,13 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("SQ31", "                    conn.executemany(_INSERT_ITEM, a.items[start:position])\n"
                "                    start = position\n", "",
        "the SQLite store checks each write's tail before the writes before it are in"),
+    _m("SQ32", "                                tuple(held) if headed else None)",
+       "                                None)",
+       "the SQLite store takes every run for one without a head and inserts a second one"),
+    _m("SQ33", "                                tuple(held) if headed else None)",
+       "                                tuple(held))",
+       "the SQLite store moves a head that is not there (a run an older writer logged): "
+       "the run is left without one"),
     _m("PG30", "        if session_moved(write, [body for (body,) in answers[at]]):",
        "        if False:",
        "the PostgreSQL store writes a publication onto a Session another writer moved"),

@@ -811,9 +811,10 @@ class SQLiteEventStore:
         A refusal raises (`ConcurrencyConflict`, `SchemaError`); the caller rolls back."""
         run_id, expected_version = a.run_id, a.expected
         try:
-            last, head = conn.execute(
-                "SELECT (SELECT MAX(seq) FROM events WHERE run_id = ?), "
-                "(SELECT version FROM runs WHERE run_id = ?)",
+            last, headed, head, *held = conn.execute(
+                "SELECT (SELECT MAX(seq) FROM events WHERE run_id = ?), runs.run_id IS NOT "
+                "NULL, runs.version, runs.owner, runs.lease_owner, runs.lease_until, "
+                "runs.lease FROM (SELECT 1) LEFT JOIN runs ON runs.run_id = ?",
                 (run_id, run_id)).fetchone()
             version = 0 if last is None else last + 1
             # never on top of lost rows: the log must be as long as its head says
@@ -828,7 +829,8 @@ class SQLiteEventStore:
                     "INSERT OR REPLACE INTO snapshots (run_id, version, body, digest) "
                     "VALUES (?, ?, ?, ?)", a.kept)
             if a.events:
-                self._keep_head(conn, run_id, a.events, expected_version, a.fold)
+                self._keep_head(conn, run_id, a.events, expected_version, a.fold,
+                                tuple(held) if headed else None)
             if a.items is not None:
                 if not self._session_table:  # (known made once an append of items landed)
                     conn.execute(_SESSION_TABLE)
@@ -960,11 +962,13 @@ class SQLiteEventStore:
         return row is not None
 
     def _keep_head(self, conn: sqlite3.Connection, run_id: str, events: Sequence[Event],
-                   expected_version: int, fold: tuple[Step, ReadModel] | None) -> None:
+                   expected_version: int, fold: tuple[Step, ReadModel] | None,
+                   row: tuple[Any, ...] | None) -> None:
         """Move the run's head (its version, step and read model, owner, ``updated_at``
         and lease) in the append's transaction (``fold`` None: unfolded); `LeaseHeld`
         (the transaction rolls back) for a claim that another owner's live lease refuses
-        (`stored.next_lease`, by the wall clock)."""
+        (`stored.next_lease`, by the wall clock). ``row``: the head's owner and lease as
+        the append's transaction read them (None: the run has no head)."""
         claimed, owner = claimed_owner(events)
         value, model, kind = _fold_columns(fold)
         version = expected_version + len(events)
@@ -977,8 +981,6 @@ class SQLiteEventStore:
                          (run_id, value, started_session(events), owner, version, at, *lease,
                           model, kind))
             return
-        row = conn.execute("SELECT owner, lease_owner, lease_until, lease FROM runs "
-                           "WHERE run_id = ?", (run_id,)).fetchone()
         if row is None:  # a run an older writer logged without a head (and no lease)
             session, logged_owner = self._read_head(conn, run_id)
             lease = next_lease(run_id, NO_LEASE, events, now_micros())

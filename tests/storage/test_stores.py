@@ -357,6 +357,27 @@ def test_a_database_of_the_previous_version_opens_and_its_heads_gain_updated_at(
     assert SQLiteEventStore(path).list_runs()[0].updated_at == 42  # opened again: as is
 
 
+def test_an_append_to_a_run_logged_without_a_head_gives_it_one(tmp_path: Path) -> None:
+    # SQ32, SQ33: a run whose log has no head (an older writer logged it while this
+    # store was open) gains one with the append's version, its owner and Session read
+    # off the log; a run with a head has it moved, never a second one made
+    path = tmp_path / "events.db"
+    store = SQLiteEventStore(path)
+    c = at_interruption(store=store)
+    c.claim("worker-1")
+    with sqlite3.connect(path) as raw:
+        raw.execute("DELETE FROM runs WHERE run_id = 'run-1'")
+    c.approve("charge")
+    with sqlite3.connect(path) as raw:
+        heads = raw.execute("SELECT version, owner, session_id FROM runs WHERE run_id = "
+                            "'run-1'").fetchall()
+        logged = raw.execute("SELECT COUNT(*) FROM events WHERE run_id = 'run-1'").fetchone()
+    assert heads == [(logged[0], "worker-1", SESSION)]
+    c.approve("audit")  # and the head now there is moved
+    (head,) = SQLiteEventStore(path).list_runs()
+    assert (head.run_id, head.version, head.owner) == ("run-1", c.version, "worker-1")
+
+
 def test_a_head_time_that_is_not_an_integer_is_a_schema_error(tmp_path: Path) -> None:
     path = tmp_path / "e.db"
     store = SQLiteEventStore(path)
