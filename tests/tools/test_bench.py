@@ -6,6 +6,7 @@ the same outcome as the strict paths they stand in for, on valid and hostile inp
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import json
 import re
@@ -266,6 +267,36 @@ def test_extra_rows_are_measured_or_skipped(report: dict[str, Any],
 
 
 # ------------------------------------------------------- the durable-turn rows' verdicts
+
+
+def test_side_by_side_turns_start_with_the_garbage_before_them_collected() -> None:
+    """Each system's turn starts with the collector's counts at zero, whatever the turns
+    before it (its own system's and the other's) left as garbage: a turn pays only for
+    the collections its own allocations set off. Each turn here leaves 600 cycles (under
+    the first generation's threshold of 700, so nothing collects them on its own); the
+    collector stays on."""
+    from bench.durable_rows import _side_by_side
+
+    def system(seen: list[int]) -> Any:
+        for _ in range(4):
+            seen.append(gc.get_count()[0])
+            for _ in range(600):
+                cycle: list[Any] = []
+                cycle.append(cycle)
+            yield
+        return len(seen)
+
+    first: list[int] = []
+    second: list[int] = []
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        assert _side_by_side(system(first), system(second)) == [4, 4]
+    finally:
+        if not was:
+            gc.disable()
+    assert max(first + second) < 100, (first, second)
+    assert gc.get_threshold()[0] > 600  # (else the test proves nothing)
 
 
 def test_group_commit_is_judged_against_the_store_before_it() -> None:
