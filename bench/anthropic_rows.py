@@ -25,6 +25,7 @@ adapter minus SDK alone). Usage: ``python -m bench.anthropic_rows``. Raises Impo
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import sqlite3
@@ -342,6 +343,7 @@ def durable_row(args: Any = None) -> dict[str, Any]:
                 ours = mode != DURABLE_MODES[0]
                 history = SQLiteSession(f"chat-{i}", Path(folder) / "events.db")
                 before = store.commits
+                gc.collect()  # (outside the clock, as `bench.durable_rows._side_by_side`)
                 start, cpu = time.perf_counter(), time.process_time()
                 _durable_turn(store if ours else None, f"{mode[:3]}-{i}",
                               history if ours else kept)
