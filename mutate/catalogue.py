@@ -1992,15 +1992,6 @@ CATALOGUE: tuple[Mutant, ...] = (
        "            lock = None\n",
        "each async put gets a lock of its own: two resumers through one saver both check "
        "before either writes"),
-    _m("LG38", "            if run_id not in ledger._runs:\n",
-       "            if False:\n",
-       "a thread's first write opens its run under the saver's write lock: a verifier "
-       "settling a call in doubt keeps every other writer of the file waiting"),
-    _m("LG39", "                self._check(config, self._read_id(_head(config)))\n"
-               "                ledger.controller(run_id)\n",
-       "                ledger.controller(run_id)\n",
-       "a resumer the thread moved past is refused as in doubt (the call the writer that "
-       "won is running), not as superseded"),
     # ------------------------------------------------------------------ google-adk
     _m("GA01", "                c.flush()  # an effect boundary: the start is durable before "
                "the body\n",

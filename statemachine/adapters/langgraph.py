@@ -1399,8 +1399,6 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
             conn = self._sqlite()
             pg = self._postgres()
             saver: Any = self.saver
-            if ledger is not None:
-                self._opened(ledger, config, checkpoint)
             if conn is not None:
                 if not saver.is_setup:
                     with saver.cursor(transaction=False):
@@ -1471,27 +1469,6 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
                     with saver.lock, contextlib.suppress(Exception):
                         pg.execute("ROLLBACK")
                 self._ended(config, checkpoint, None if landed else ended)
-
-    def _opened(self, ledger: ToolLedger, config: Mapping[str, Any], checkpoint: Any) -> None:
-        """Before a put takes the saver's write lock: the thread's run opened when this
-        process does not hold it (loaded and claimed, a call in doubt that a verifier can
-        settle handed to it: the user's code, which may take its time), its writes made on
-        the ledger's store as they come, so that no other writer of the file (or of the
-        thread, on PostgreSQL) waits for them; a put whose parent is not the thread's
-        latest checkpoint is refused first, as the check under the lock would refuse it.
-        Its error is the put's (`_ended`)."""
-        configurable = config.get("configurable") or {}
-        if "|" in str(configurable.get("checkpoint_ns") or ""):
-            return  # (a subgraph's checkpoint: not the ledger's, `_publishing`)
-        try:
-            run_id = ledger.run_id_of(config)
-            if run_id not in ledger._runs:
-                # a writer the thread moved past hears so first, as under the lock
-                self._check(config, self._read_id(_head(config)))
-                ledger.controller(run_id)
-        except BaseException as error:
-            self._ended(config, checkpoint, error)
-            raise
 
     def _publishing(self, config: Any, checkpoint: Any, metadata: Any, new_versions: Any,
                     parent: Callable[[], Any], put: Callable[..., Any],

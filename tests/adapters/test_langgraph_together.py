@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover - CI installs the extra
 from langchain_core.messages import HumanMessage, ToolMessage
 from langgraph.checkpoint.sqlite import SqliteSaver
 
-from statemachine import SQLiteEventStore, ToolCall, ToolInDoubt
+from statemachine import SQLiteEventStore, ToolCall
 from statemachine.adapters.langgraph import OneWriterSaver, ToolLedger
 from statemachine.events import RunClaimed
 from statemachine.values import Phase
@@ -255,85 +255,34 @@ def test_a_reader_on_another_thread_waits_for_the_checkpoint_to_commit(
     assert seen["holds"] is True  # read once the checkpoint committed
 
 
-@pytest.mark.parametrize("one", [True, False])
-def test_a_threads_first_write_settles_a_call_in_doubt_before_taking_the_write_lock(
-        tmp_path: Path, one: bool) -> None:
+def test_a_threads_first_write_settles_a_call_in_doubt_inside_its_transaction(
+        tmp_path: Path) -> None:
     """A fresh process whose first call on a thread is a checkpoint write (here an
-    ``update_state``) opens the run first: a call in doubt that a verifier can settle is
-    claimed and settled, and the verifier (the user's code, which may take its time)
-    runs while the checkpoints' file is free to write: another connection takes its
-    write lock at once from inside the verifier. Before, it ran inside the write's
-    transaction, and every other writer of the file waited for it. The settled result
-    and the checkpoint both land. ``one``: the ledger's store in the checkpoints' file,
-    or in a file of its own."""
-    place = _Place(tmp_path, one=one)
-    c = place.ledger.controller("langgraph:t1")
+    ``update_state``) opens the run there: a call in doubt that a verifier can settle is
+    claimed and settled then, its events written into the write's transaction (on the
+    store's own connection they would wait for the file's write lock the write holds,
+    until the busy timeout). The settled result and the checkpoint land together."""
+    one = _Place(tmp_path)
+    c = one.ledger.controller("langgraph:t1")
     c.begin_model_call()
     c.model_responded([ToolCall("x", "charge", {"amount": 7})])
     c.begin_tool("x")
     c.flush()  # started; then the process died
-    free: list[bool] = []
-
-    def verifier(context: Any) -> Completed:
-        other = sqlite3.connect(str(place.file), timeout=0, isolation_level=None)
-        try:
-            other.execute("BEGIN IMMEDIATE")
-            other.execute("ROLLBACK")
-            free.append(True)
-        except sqlite3.OperationalError:  # database is locked
-            free.append(False)
-        finally:
-            other.close()
-        return Completed("charged 7")
-
-    fresh = ToolLedger(SQLiteEventStore(str(place.store.path), timeout=BUSY),
-                       verifiers={"charge": verifier})
-    saver = OneWriterSaver(SqliteSaver(sqlite3.connect(str(place.file),
+    fresh = ToolLedger(SQLiteEventStore(str(one.file), timeout=BUSY),
+                       verifiers={"charge": lambda context: Completed("charged 7")})
+    saver = OneWriterSaver(SqliteSaver(sqlite3.connect(str(one.file),
                                                        check_same_thread=False)),
                            ledger=fresh)
-    graph = build("ledger", make_tools(place.effects), ScriptedModel(script=SCRIPT), saver,
+    graph = build("ledger", make_tools(one.effects), ScriptedModel(script=SCRIPT), saver,
                   ledger=fresh)
     graph.update_state(_config("t1"), {"messages": [HumanMessage("a note")]},
                        as_node="model")
-    assert free == [True]
-    settled = ToolLedger(SQLiteEventStore(str(place.store.path))).controller("langgraph:t1")
+    settled = ToolLedger(SQLiteEventStore(str(one.file))).controller("langgraph:t1")
     assert settled.phase("x") is Phase.COMPLETED
     assert any(isinstance(e, RunClaimed) for e in settled.events)
-    found = SqliteSaver(sqlite3.connect(str(place.file))).get_tuple(_config("t1"))
+    found = SqliteSaver(sqlite3.connect(str(one.file))).get_tuple(_config("t1"))
     assert found is not None
-    assert found.checkpoint["channel_values"]["messages"][-1].content == "a note"
-    assert effects(place.effects) == []
-
-
-@pytest.mark.invariant("I11")
-def test_a_threads_first_write_with_a_call_in_doubt_is_refused_before_the_write_lock(
-        tmp_path: Path) -> None:
-    """The same fresh process without a verifier for the call in doubt: its first write
-    on the thread is refused with `ToolInDoubt`, nothing of it written and nothing
-    claimed, and the saver's connection is left in no transaction (the refusal comes
-    before the write lock is taken, and the put still reports how it ended)."""
-    place = _Place(tmp_path)
-    c = place.ledger.controller("langgraph:t1")
-    c.begin_model_call()
-    c.model_responded([ToolCall("x", "charge", {"amount": 7})])
-    c.begin_tool("x")
-    c.flush()  # started; then the process died
-    conn = sqlite3.connect(str(place.file), check_same_thread=False)
-    fresh = ToolLedger(SQLiteEventStore(str(place.file), timeout=BUSY))
-    saver = OneWriterSaver(SqliteSaver(conn), ledger=fresh)
-    graph = build("ledger", make_tools(place.effects), ScriptedModel(script=SCRIPT), saver,
-                  ledger=fresh)
-    before = SqliteSaver(sqlite3.connect(str(place.file))).get_tuple(_config("t1"))
-    with pytest.raises(ToolInDoubt):
-        graph.update_state(_config("t1"), {"messages": [HumanMessage("a note")]},
-                           as_node="model")
-    assert not conn.in_transaction
-    after = SqliteSaver(sqlite3.connect(str(place.file))).get_tuple(_config("t1"))
-    assert (None if after is None else after.checkpoint["id"]) == (
-        None if before is None else before.checkpoint["id"])
-    log = SQLiteEventStore(str(place.file)).load("langgraph:t1")
-    assert [type(e).__name__ for e in log][-1] == "ToolStarted"  # nothing claimed
-    assert effects(place.effects) == []
+    assert effects(one.effects) == []
 
 
 @pytest.mark.invariant("I1")
