@@ -11,6 +11,7 @@ Under CI a missing ``langgraph`` package fails this module instead of skipping i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import sqlite3
@@ -46,6 +47,7 @@ from langgraph.types import Command, Send, interrupt
 
 from statemachine import (
     ConcurrencyConflict,
+    ControlError,
     InvalidTransition,
     Resolution,
     SQLiteEventStore,
@@ -1881,3 +1883,95 @@ def test_a_send_of_a_call_outside_the_models_reply_is_refused_before_it_runs(
         graph.invoke({"messages": [HumanMessage("go")]}, CONFIG)
     assert refused.value.feature == "Send fan-out of calls outside the model's reply"
     assert effects(path) == []
+
+
+@pytest.mark.invariant("I1", "I7", "I11")
+@pytest.mark.parametrize("kind", ["one file", "a ledger file of its own", "postgres"])
+def test_a_resumer_about_to_be_refused_never_settles_the_winners_live_call(
+        tmp_path: Path, kind: str, request: pytest.FixtureRequest) -> None:
+    """Two resumers of one thread, each its own saver, store and ledger (as two
+    processes), the verifier answering from the effects file. The second starts the
+    moment the first looks its run up inside its first checkpoint write, and goes on
+    into the tool's body while the first waits (or it waits for the first's write lock,
+    then goes on). The first must never take the second's live call for one in doubt and
+    have the verifier settle it as not executed: the second's result would then be
+    refused, and a third resume would charge again. Found in review of a change that
+    opened the run before the write lock (taken back): the one-writer check under the
+    lock comes first, so the first writer is refused or goes on whole, and the charge
+    happens once."""
+    charges = tmp_path / "effects.txt"
+    checkpoints = tmp_path / "checkpoints.db"
+    in_body, release = threading.Event(), threading.Event()
+
+    def tools(hold: bool) -> list[Any]:
+        @tool
+        def charge(amount: int) -> str:
+            """Charge the customer."""
+            if hold:
+                in_body.set()
+                release.wait(10)
+            effect(charges, f"charge {amount}")
+            return f"charged {amount}"
+        return [charge]
+
+    def verifier(context: Any) -> Any:
+        return Completed("charged 7") if effects(charges) else NotExecuted()
+
+    if kind == "postgres":
+        from statemachine.postgres import PostgresEventStore
+        from tests.drivers.langgraph_driver import postgres_saver
+
+        dsn, schema = request.getfixturevalue("pg_dsn"), request.getfixturevalue("pg_schema")
+
+        def store() -> Any:
+            return PostgresEventStore(dsn, schema=schema)
+
+        def inner() -> Any:
+            return postgres_saver(dsn, schema)
+    else:
+        SqliteSaver(sqlite3.connect(str(checkpoints))).setup()
+        ledger_file = checkpoints if kind == "one file" else tmp_path / "ledger.db"
+
+        def store() -> Any:
+            return SQLiteEventStore(str(ledger_file), timeout=5)
+
+        def inner() -> Any:
+            return SqliteSaver(sqlite3.connect(str(checkpoints), check_same_thread=False))
+
+    def process(hold: bool) -> tuple[Any, ToolLedger]:
+        ledger = ToolLedger(store(), verifiers={"charge": verifier})
+        graph = build("ledger", tools(hold), ScriptedModel(script=SCRIPT_ONE),
+                      OneWriterSaver(inner(), ledger=ledger), ledger=ledger)
+        return graph, ledger
+
+    second, _ = process(True)
+    outcome: dict[str, Any] = {}
+
+    def resume_second() -> None:
+        try:
+            outcome["second"] = second.invoke({"messages": [HumanMessage("charge me 7")]},
+                                              CONFIG, durability="sync")
+        except Exception as error:  # (a refusal, as the race decides)
+            outcome["second"] = error
+
+    racing = threading.Thread(target=resume_second)
+    first, ledger = process(False)
+    looked_up = ledger.controller
+
+    def controller(run_id: str, **options: Any) -> Any:
+        if not racing.ident:  # (the first lookup)
+            racing.start()  # the second goes now, into its tool's body if it can
+            in_body.wait(2)
+        return looked_up(run_id, **options)
+
+    ledger.controller = controller  # type: ignore[method-assign]
+    with contextlib.suppress(ConcurrencyConflict):
+        first.invoke({"messages": [HumanMessage("charge me 7")]}, CONFIG,
+                     durability="sync")
+    release.set()
+    racing.join(30)
+    assert not racing.is_alive()
+    third, _ = process(False)
+    with contextlib.suppress(ControlError):
+        third.invoke(None, CONFIG, durability="sync")
+    assert effects(charges) == ["charge 7"]
