@@ -259,6 +259,7 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     # the durability files run each row in fresh processes (kill -9, two resumers): last
     "statemachine/adapters/langgraph.py": ("tests/adapters/test_langgraph_together.py",
                                            "tests/adapters/test_langgraph.py",
+                                           "tests/adapters/test_langgraph_savers.py",
                                            "tests/adapters/test_langgraph_corners.py",
                                            "tests/adapters/test_langgraph_durability.py"),
     "statemachine/adapters/google_adk.py": ("tests/adapters/test_google_adk.py",
@@ -1992,6 +1993,11 @@ CATALOGUE: tuple[Mutant, ...] = (
        "            lock = None\n",
        "each async put gets a lock of its own: two resumers through one saver both check "
        "before either writes"),
+    _m("LG38", "                    self._ended(config, checkpoint, error)  # a step waiting "
+               "hears it now\n",
+       "                    pass\n",
+       "a put that cannot take the file's write lock never says how it ended: the step "
+       "waits out its timeout and is refused, the write's own error lost"),
     # ------------------------------------------------------------------ google-adk
     _m("GA01", "                c.flush()  # an effect boundary: the start is durable before "
                "the body\n",

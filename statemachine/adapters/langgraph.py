@@ -1400,11 +1400,15 @@ class OneWriterSaver(BaseCheckpointSaver):  # type: ignore[type-arg]
             pg = self._postgres()
             saver: Any = self.saver
             if conn is not None:
-                if not saver.is_setup:
-                    with saver.cursor(transaction=False):
-                        pass  # its tables exist: creating them would commit our transaction
-                with saver.lock:
-                    conn.execute("BEGIN IMMEDIATE")  # the write lock, until the commit
+                try:
+                    if not saver.is_setup:
+                        with saver.cursor(transaction=False):
+                            pass  # its tables exist: creating them would commit ours
+                    with saver.lock:
+                        conn.execute("BEGIN IMMEDIATE")  # the write lock, until the commit
+                except BaseException as error:  # (a file locked past its busy timeout)
+                    self._ended(config, checkpoint, error)  # a step waiting hears it now
+                    raise
 
             landed = False
             ended: BaseException | None = None

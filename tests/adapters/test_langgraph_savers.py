@@ -24,6 +24,7 @@ import concurrent.futures
 import contextlib
 import functools
 import os
+import sqlite3
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
@@ -41,6 +42,7 @@ except ImportError:  # pragma: no cover - CI installs the extra
                 allow_module_level=True)
 
 from langchain_core.messages import AIMessage, HumanMessage
+from langgraph.checkpoint.base import empty_checkpoint
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
@@ -310,6 +312,36 @@ def test_check_step_raises_a_failed_writes_own_error(tmp_path: Path) -> None:
     with pytest.raises(DiskFull) as anew:
         asyncio.run(saver.acheck_step("t1", failed[2], timeout=HANG))
     assert anew.value is raised
+
+
+@pytest.mark.invariant("I6")
+@pytest.mark.parametrize("ledgered", [False, True])
+def test_a_write_that_cannot_take_the_files_lock_is_heard_by_check_step_at_once(
+        tmp_path: Path, ledgered: bool) -> None:
+    """Another connection holds the checkpoints' file's write lock past the saver's busy
+    timeout: `OneWriterSaver.put` raises SQLite's error before it writes anything, and
+    `check_step` asked about that checkpoint raises the same object at once (before: the
+    put never said how it ended, and the step waited out its timeout for a write that
+    had failed, then was refused with `ConcurrencyConflict`)."""
+    path = tmp_path / "graph.db"
+    SqliteSaver(sqlite3.connect(str(path))).setup()
+    ledger = ToolLedger(SQLiteEventStore(str(tmp_path / "ledger.db"))) if ledgered else None
+    conn = sqlite3.connect(str(path), timeout=0.05, check_same_thread=False)
+    saver = OneWriterSaver(SqliteSaver(conn), ledger=ledger)
+    checkpoint = empty_checkpoint()
+    holder = sqlite3.connect(str(path), isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(sqlite3.OperationalError) as raised:
+            saver.put({"configurable": {"thread_id": "t1", "checkpoint_ns": ""}},
+                      checkpoint, {}, {})
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert not conn.in_transaction
+    with pytest.raises(sqlite3.OperationalError) as heard:
+        saver.check_step("t1", checkpoint["id"], timeout=1)
+    assert heard.value is raised.value
 
 
 def test_a_sync_wrapper_on_the_async_path_is_refused_before_anything_runs(
