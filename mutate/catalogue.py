@@ -1558,7 +1558,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        "a run whose process died between its final output and its completion never "
        "completes"),
     _m("AN12", "                    for item in cast(Generator[Any, None, None], steps()):\n"
-               "                        answered()\n",
+               "                        if not streams:\n"
+               "                            answered()\n",
        "                    for item in cast(Generator[Any, None, None], steps()):\n",
        "an attached sync runner records the results its requests carried as posted only "
        "when it ends"),
@@ -1839,6 +1840,25 @@ CATALOGUE: tuple[Mutant, ...] = (
        "        return False",
        "a compaction after the final reply leaves the run at tools once the runner ends "
        "(the last message is the compaction's)"),
+    _m("AN49", "        if params.get(\"stream\"):\n            # a stream is answered whole",
+       "        if False:\n            # a stream is answered whole",
+       "create posts the results a streamed request carries when its stream opens: broken "
+       "mid-body, a retry from the first message goes out as it was and the tool runs twice"),
+    _m("AN50", "        if params.get(\"stream\"):  # answered whole only once read to its end",
+       "        if False:  # answered whole only once read to its end",
+       "acreate posts a streamed request's results when its stream opens (AN49, async)"),
+    _m("AN51", "        streams = isinstance(runner, BetaStreamingToolRunner | "
+               "BetaAsyncStreamingToolRunner)",
+       "        streams = False",
+       "a streamed runner's results are posted when the stream opens: broken mid-body, a "
+       "retry from the first message runs the tool twice"),
+    _m("AN52", "            _refuse_abandoned(c, \"create\")\n            return None",
+       "            return None",
+       "create and a runner's first request go out on a run this ledger abandoned"),
+    _m("AN53", "            _refuse_abandoned(c, \"create\")  # (abandoned while the runner "
+               "went on)",
+       "            pass",
+       "a runner abandoned between two requests sends the next one"),
     # ------------------------------------------------------------------- langgraph
     _m("LG01", "                c.flush()  # an effect boundary: the start is durable before "
                "the body\n",

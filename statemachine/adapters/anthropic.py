@@ -52,7 +52,8 @@ Messages — `MessageToolLedger`
     the replies this ledger saw, the recorded results), or refused when that cannot be
     exact (`StaleHistory`, naming why). The results a request carries are made durable
     before it is sent (``flush_results``: a crash while the model answers leaves their
-    calls completed, not in doubt), and marked posted once it succeeds. ``ledger.attach(runner)``
+    calls completed, not in doubt), and marked posted once its reply came whole (a stream
+    read to its end). ``ledger.attach(runner)``
     puts the same ledger under a ``client.beta.messages.tool_runner(...)`` runner (sync or
     async, streamed or not): each tool call it makes is ledgered by its ``tool_use`` id.
 
@@ -144,6 +145,7 @@ from statemachine.adapters._calls import (
     InvalidVerifier,
     UnsupportedFeature,
     Walk,
+    abandoned_reason,
     abandoning,
     begin_call,
     checked_verifiers,
@@ -393,6 +395,15 @@ def _names(tools: Sequence[Any]) -> list[str]:
     """The names of the runnable tools given to a runner or a ledger: the tools a verifier
     may be given for."""
     return [str(tool.name) for tool in tools]
+
+
+def _refuse_abandoned(c: RunController, action: str) -> None:
+    """`RunNotResumable` for a run that was abandoned (`abandon`, here or by an operator
+    whose record this controller holds): nothing more is sent to the model."""
+    if c.step is Step.TERMINAL_UNRECOVERABLE:
+        raise RunNotResumable(f"the run was abandoned ({abandoned_reason(c)}) and never "
+                              "resumes; nothing was sent", run_id=c.run_id, step=c.step,
+                              action=action)
 
 
 def _refuse_in_doubt(c: RunController, action: str) -> None:
@@ -932,7 +943,7 @@ class MessageToolLedger:
     history lacking the ``tool_use`` of a call whose result is recorded and unsent is sent
     with the turns it lacks (`resumed`), or refused (`StaleHistory`: sent as it is, the
     model would ask again, and the tool run twice); the results a request carries are
-    durable before it is sent, and recorded as posted once it succeeds; the final reply
+    durable before it is sent, and recorded as posted once its reply came whole; the final reply
     completes the run, and a request of a completed conversation is answered with its
     recorded final reply (``replayed``), nothing sent.
     """
@@ -1201,10 +1212,11 @@ class MessageToolLedger:
         """Before a request: the record of the final reply (``{"kind", "reply",
         "request"}``) when the conversation completed and ``messages`` are its own (or a
         start of them); None when the run goes on. `RunNotResumable` for a completed run
-        asked anything else (nothing is sent)."""
+        asked anything else, and for an abandoned run (nothing is sent)."""
         c = self.controller
         self.replayed = False
         if not _end_recorded(c):
+            _refuse_abandoned(c, "create")
             return None
         record = c.final_output
         if not isinstance(record, dict) or not isinstance(record.get("request"), list):
@@ -1333,9 +1345,11 @@ class MessageToolLedger:
         that lacks the turns whose results were never sent is sent with them, rebuilt
         from the ledger (`resumed`), or refused (`StaleHistory`, naming why); the results
         the request carries are made durable before it is sent (`RunController.
-        flush_results`), posted once it is answered, and a final reply completes the
-        run. A completed conversation's own request gets its recorded final reply,
-        nothing sent (``replayed``)."""
+        flush_results`), posted once it is answered (with ``stream=True``, by a later
+        request answered whole that carries them: a stream may break mid-body), and a
+        final reply completes the run. A completed conversation's own request gets its
+        recorded final reply, nothing sent (``replayed``); an abandoned run's is refused
+        (`RunNotResumable`)."""
         messages = list(params.get("messages") or ())
         recorded = self._recorded(messages, stream=bool(params.get("stream")))
         if recorded is not None:
@@ -1358,6 +1372,13 @@ class MessageToolLedger:
             with contextlib.suppress(ControlError):
                 self.controller.flush()
             raise
+        if params.get("stream"):
+            # a stream is answered whole only once its last event is read, and it may
+            # break before (an error event mid-body): the results it carries are posted by
+            # the next request answered whole that carries them, so until then a retry
+            # from an older history is given them (`resumed`) or refused, never sent
+            # without them
+            return reply
         self._keep_turn(messages, reply)
         if self._after_reply(messages, reply):
             self.controller.flush()  # the end of the conversation is durable
@@ -1378,6 +1399,8 @@ class MessageToolLedger:
             with contextlib.suppress(ControlError):
                 await self.controller.flush_async()
             raise
+        if params.get("stream"):  # answered whole only once read to its end (`create`)
+            return reply
         self._keep_turn(messages, reply)
         if self._after_reply(messages, reply):
             await self.controller.flush_async()
@@ -1500,8 +1523,9 @@ class MessageToolLedger:
         ``tool_use`` id (a finished call is answered from the cache, a call in doubt raises
         `ToolInDoubt` out of the runner before its first request; a history older than the
         run gets the turns it lacks, `resumed`, or `StaleHistory`), the results each
-        request carries are durable before it is sent and posted once it succeeds, and the
-        final reply completes the run. A runner of a
+        request carries are durable before it is sent and posted once its reply is whole
+        (a stream, once the runner read it to the end), and the final reply completes the
+        run. A runner of a
         completed conversation sends nothing and ends with its recorded final reply
         (``replayed``). Returns ``runner``; attach it before iterating it.
 
@@ -1552,9 +1576,15 @@ class MessageToolLedger:
         sent: list[Sequence[Any]] = [()]
         compacted: list[Sequence[Any]] = [()]
 
+        # a reply is whole when the runner yields it, or, streamed, once the runner's
+        # step read its stream to the last event
+        streams = isinstance(runner, BetaStreamingToolRunner | BetaAsyncStreamingToolRunner)
+
         def answered() -> None:
-            """After each of the runner's requests: the results it carried are posted (a
-            compaction's with the request that follows it)."""
+            """After each of the runner's requests, once its reply is whole: the results
+            it carried are posted (a compaction's with the request that follows it). A
+            stream that broke off (an error event mid-body) posts nothing: a retry from
+            an older history then finds them unsent, and is given them (`resumed`)."""
             if _compacting(runner):
                 return
             self._posted(sent[0])
@@ -1562,6 +1592,7 @@ class MessageToolLedger:
             compacted[0] = ()
 
         def requesting(messages: Sequence[Any]) -> None:
+            _refuse_abandoned(c, "create")  # (abandoned while the runner went on)
             if _compacting(runner):
                 compacted[0] = messages
             else:
@@ -1583,7 +1614,9 @@ class MessageToolLedger:
                 requesting(thread.messages)
                 await c.flush_results_async()  # the results it carries (`create`)
                 async with request(thread) as item:
-                    yield item
+                    yield item  # (back here once the runner read the reply whole)
+                if streams:
+                    answered()
 
             async def refuse_async(tool_use: Any) -> Any:
                 return refuse_toolset(tool_use)
@@ -1596,7 +1629,8 @@ class MessageToolLedger:
                     async with contextlib.aclosing(cast(AsyncGenerator[Any, None],
                                                         steps())) as items:
                         async for item in items:
-                            answered()
+                            if not streams:
+                                answered()
                             yield item
                 except BaseException:  # what the attempt recorded made durable (`create`)
                     with contextlib.suppress(ControlError):
@@ -1626,7 +1660,9 @@ class MessageToolLedger:
                 # calls completed, not in doubt (`create`); else a fence
                 c.flush_results()
                 with request(thread) as item:
-                    yield item
+                    yield item  # (back here once the runner read the reply whole)
+                if streams:
+                    answered()
 
             def steps_sync() -> Generator[Any, None, None]:
                 if self._runner_recorded(runner):
@@ -1634,7 +1670,8 @@ class MessageToolLedger:
                     return  # needs no write before its request (`request_sync`)
                 try:
                     for item in cast(Generator[Any, None, None], steps()):
-                        answered()
+                        if not streams:
+                            answered()
                         yield item
                 except BaseException:
                     # a request (or a tool) failed: the results the attempt recorded, which

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +35,10 @@ except ImportError:  # pragma: no cover - CI installs the extra
     missing_extra("anthropic")
 
 import httpx2
-from anthropic import Anthropic, AsyncAnthropic, InternalServerError
+from anthropic import Anthropic, APIStatusError, AsyncAnthropic, InternalServerError
 from anthropic.lib.tools import beta_async_tool, beta_tool
 
-from statemachine import Phase, RunController, SQLiteEventStore, Step
+from statemachine import Phase, RunController, RunNotResumable, SQLiteEventStore, Step
 from statemachine.adapters.anthropic import MessageToolLedger, StaleHistory
 from tests.drivers.effects import Effects
 
@@ -299,3 +300,237 @@ def test_a_request_carrying_a_result_finds_it_durable(tmp_path: Path, kind: str)
     assert run(kind, ledger, script, effects, [USER]).content[0].text == "charged 7"
     assert seen == [(Phase.COMPLETED, ())]
     assert effects.lines() == ["p charge 7"]
+
+
+# ------------------------------------------------- a stream that breaks mid-body
+
+
+class Fresh:
+    """A model that names each call afresh, as the API does: a request ending with the
+    user's text is answered with ``charge(x=7)`` under the id ``tu_r<n>`` (``n``: the
+    request's number, from 1), one ending with results with a final text naming them.
+    Every request is answered as it asks (streamed or not); the ``broken`` ones (by
+    number) with a 200 whose stream breaks after its first event (an ``error`` event,
+    which the API sends mid-body when overloaded), their answer never given."""
+
+    def __init__(self, broken: Collection[int] = (), pause: bool = False) -> None:
+        self.broken = broken
+        self.pause = pause
+        self.requests: list[list[dict[str, Any]]] = []
+
+    def handle(self, request: httpx2.Request) -> httpx2.Response:
+        body = json.loads(request.content)
+        self.requests.append(body["messages"])
+        n = len(self.requests)
+        # (after a paused turn the runner's thread sends nothing new)
+        last = body["messages"][-1]["content"] if body["messages"] else ""
+        answered = [block for block in last if block["type"] == "tool_result"] if isinstance(
+            last, list) else []
+        content: list[dict[str, Any]]
+        if self.pause and n == 1:  # (a server tool's turn, paused: the runner goes on)
+            content, stop = [{"type": "text", "text": "searching"}], "pause_turn"
+        elif answered:
+            content = [{"type": "text", "text": "done: " + "; ".join(
+                str(block["content"]) for block in answered)}]
+            stop = "end_turn"
+        else:
+            content = [{"type": "tool_use", "id": f"tu_r{n}", "name": "charge",
+                        "input": {"x": 7}}]
+            stop = "tool_use"
+        reply = {"id": f"msg_{n}", "type": "message", "role": "assistant",
+                 "model": "claude-test", "content": content, "stop_reason": stop,
+                 "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1}}
+        if not body.get("stream"):
+            assert n not in self.broken, "only a stream breaks mid-body"
+            return httpx2.Response(200, json=reply)
+        text = streamed(reply)
+        if n in self.broken:  # its first event, then the error
+            error = {"type": "error", "error": {"type": "overloaded_error",
+                                                "message": "Overloaded"}}
+            text = text.split(b"\n\n")[0] + b"\n\n" + (
+                f"event: error\ndata: {json.dumps(error)}\n\n".encode())
+        return httpx2.Response(200, headers={"content-type": "text/event-stream"},
+                               content=text)
+
+    def client(self) -> Anthropic:
+        return Anthropic(api_key="test-key", max_retries=0, http_client=httpx2.Client(
+            transport=httpx2.MockTransport(self.handle)))
+
+    def async_client(self) -> AsyncAnthropic:
+        return AsyncAnthropic(api_key="test-key", max_retries=0,
+                              http_client=httpx2.AsyncClient(
+                                  transport=httpx2.MockTransport(self.handle)))
+
+
+class Reading:
+    """A streamed reply's events read into the message they stream (its content as the
+    SDK sends it back), as a caller's loop over ``create(stream=True)`` builds it."""
+
+    def __init__(self) -> None:
+        self.content: list[dict[str, Any]] = []
+        self.stop_reason: str | None = None
+        self._json: dict[int, str] = {}
+
+    def read(self, event: Any) -> None:
+        if event.type == "content_block_start":
+            self.content.append(event.content_block.model_dump(exclude_none=True))
+            self._json[event.index] = ""
+        elif event.type == "content_block_delta" and event.delta.type == "text_delta":
+            self.content[event.index]["text"] += event.delta.text
+        elif event.type == "content_block_delta" and event.delta.type == "input_json_delta":
+            self._json[event.index] += event.delta.partial_json
+        elif event.type == "content_block_stop" and self._json[event.index]:
+            self.content[event.index]["input"] = json.loads(self._json[event.index])
+        elif event.type == "message_delta":
+            self.stop_reason = event.delta.stop_reason
+
+
+STREAMED = ["streamed-runner", "eager-runner", "async-streamed-runner", "create-stream",
+            "acreate-stream"]
+"""Every way a conversation reads its replies as streams."""
+
+
+def streaming(kind: str, ledger: MessageToolLedger, model: Fresh, effects: Effects,
+              messages: list[Any]) -> tuple[str, list[Any]]:
+    """One attempt at the conversation from ``messages``, every reply streamed: the
+    SDK's streamed tool runner (sync, eager, async) attached to ``ledger``, or a loop
+    of ``create(stream=True)`` / ``acreate`` reading each stream to its end and
+    answering its calls with ``run_tools``. (The final text, and the history the loop
+    built: for a runner, the messages it had.)"""
+    charge, acharge = charge_tools(effects)
+    if kind in ("streamed-runner", "eager-runner"):
+        final = ledger.attach(model.client().beta.messages.tool_runner(
+            tools=[charge], messages=messages, stream=True,
+            run_tools_eagerly=kind == "eager-runner", **PARAMS)).until_done()
+        return final.content[0].text, messages
+    if kind == "async-streamed-runner":
+        final = asyncio.run(ledger.attach(model.async_client().beta.messages.tool_runner(
+            tools=[acharge], messages=messages, stream=True, **PARAMS)).until_done())
+        return final.content[0].text, messages
+    params = {**PARAMS, "tools": [charge.to_dict()], "stream": True}
+    history = list(messages)
+
+    async def loop() -> str:
+        client = model.async_client()
+        while True:
+            reading = Reading()
+            async for event in await ledger.acreate(client.messages, messages=history,
+                                                    **params):
+                reading.read(event)
+            if reading.stop_reason != "tool_use":
+                return str(reading.content[0]["text"])
+            history.extend([{"role": "assistant", "content": reading.content},
+                            await ledger.arun_tools(reading.content)])
+
+    if kind == "acreate-stream":
+        return asyncio.run(loop()), history
+    client = model.client()
+    while True:
+        reading = Reading()
+        for event in ledger.create(client.messages, messages=history, **params):
+            reading.read(event)
+        if reading.stop_reason != "tool_use":
+            return str(reading.content[0]["text"]), history
+        history += [{"role": "assistant", "content": reading.content},
+                    ledger.run_tools(reading.content)]
+
+
+@pytest.mark.invariant("I1", "I12")
+@pytest.mark.parametrize("kind", STREAMED)
+def test_a_stream_broken_mid_body_leaves_its_results_unsent(tmp_path: Path,
+                                                            kind: str) -> None:
+    """The request carrying the tool's result is answered (200) and its stream breaks
+    after its first event: the model's answer never came, so the result it carried was
+    not posted. The caller retries with the one message it had. A runner's ledger saw
+    the reply that asked for the call (it is in the runner's thread): it sends the turn
+    the history lacks, and the conversation ends. A ``create`` loop's never saw it (the
+    caller read the stream): refused before anything is sent (`StaleHistory`, ``why=
+    "not-kept"``), and the history the caller built goes on. The tool ran once either
+    way. (Posted when its stream opened, the result was taken as seen: the retry went
+    out as it was, the model asked again under a new id, and the tool ran twice.)"""
+    effects = Effects(tmp_path, "p")
+    model = Fresh(broken={2})
+    ledger = open_ledger("acreate" if kind.startswith("async") or kind == "acreate-stream"
+                         else kind, tmp_path / "events.db", effects)
+    asked = {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "tu_r1", "name": "charge", "input": {"x": 7}}]}
+    answer = {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "tu_r1", "content": "charged 7"}]}
+    with pytest.raises(APIStatusError):
+        streaming(kind, ledger, model, effects, [USER])
+    assert effects.lines() == ["p charge 7"]
+    assert ledger.controller.phase("tu_r1") is Phase.COMPLETED  # (not posted)
+    if kind.endswith("runner"):
+        final, _ = streaming(kind, ledger, model, effects, [USER])
+        assert model.requests[-1] == [USER, asked, answer]
+        assert len(model.requests) == 3
+    else:
+        with pytest.raises(StaleHistory) as refused:
+            streaming(kind, ledger, model, effects, [USER])
+        assert (refused.value.why, refused.value.call_ids) == ("not-kept", ("tu_r1",))
+        assert len(model.requests) == 2  # nothing sent
+        final, _ = streaming(kind, ledger, model, effects, [USER, asked, answer])
+        assert model.requests[-1] == [USER, asked, answer]
+    assert final == "done: charged 7"
+    assert effects.lines() == ["p charge 7"]  # never again
+
+
+# ------------------------------------------------------------- an abandoned run
+
+
+@pytest.mark.invariant("I9")
+@pytest.mark.parametrize("kind", [*KINDS, "async-streamed-runner", "create-stream",
+                                  "acreate-stream"])
+def test_an_abandoned_run_sends_nothing(tmp_path: Path, kind: str) -> None:
+    """`abandon` on the ledger a loop goes on with: its next request (`create`, an
+    attached runner's first) is refused (`RunNotResumable`, naming the reason), nothing
+    sent and no tool run, as it is when the run is opened again."""
+    effects = Effects(tmp_path, "p")
+    ledger = open_ledger("acreate" if kind.startswith("async") or kind == "acreate-stream"
+                         else kind, tmp_path / "events.db", effects)
+    ledger.abandon("the card was stolen", by="ops")
+
+    def attempt() -> None:
+        if kind in KINDS:
+            run(kind, ledger, Script([[use(1, 7)]]), effects, [USER])
+        else:
+            streaming(kind, ledger, Fresh(), effects, [USER])
+
+    with pytest.raises(RunNotResumable) as refused:
+        attempt()
+    assert "the card was stolen" in str(refused.value)
+    assert effects.lines() == []
+    with pytest.raises(RunNotResumable):
+        MessageToolLedger.open("m", store=SQLiteEventStore(tmp_path / "events.db"))
+
+
+@pytest.mark.invariant("I9")
+@pytest.mark.parametrize("kind", ["runner", "async-runner"])
+def test_a_run_abandoned_while_its_runner_goes_on_sends_nothing_more(
+        tmp_path: Path, kind: str) -> None:
+    """The first reply pauses its turn (a server tool's), and the caller abandons the run
+    before the runner sends the next request: that request is refused, nothing more
+    sent."""
+    effects = Effects(tmp_path, "p")
+    model = Fresh(pause=True)
+    ledger = open_ledger("acreate" if kind == "async-runner" else kind,
+                         tmp_path / "events.db", effects)
+    charge, acharge = charge_tools(effects)
+    first: list[Any] = [USER]
+
+    def iterate() -> None:
+        for reply in ledger.attach(model.client().beta.messages.tool_runner(
+                tools=[charge], messages=first, **PARAMS)):
+            assert reply.stop_reason == "pause_turn"
+            ledger.abandon("stop here")
+
+    async def iterate_async() -> None:
+        async for reply in ledger.attach(model.async_client().beta.messages.tool_runner(
+                tools=[acharge], messages=first, **PARAMS)):
+            assert reply.stop_reason == "pause_turn"
+            ledger.abandon("stop here")
+
+    with pytest.raises(RunNotResumable):
+        iterate() if kind == "runner" else asyncio.run(iterate_async())
+    assert len(model.requests) == 1
+    assert effects.lines() == []
