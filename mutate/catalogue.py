@@ -222,7 +222,8 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
                                "test_read_verbs_leave_a_live_writers_shm_as_it_was"),
     "statemachine/sessions.py": ("tests/storage/test_sessions.py",
                                  "tests/runner/test_partial_approval.py"),
-    "statemachine/postgres/steps.py": _POSTGRES,
+    "statemachine/postgres/steps.py": (
+        *_POSTGRES, "tests/storage/test_stores.py::test_an_appends_events_are_read_once"),
     # sync.py is generated from aio.py and not regenerated for a mutant: only the async
     # store and Session run one planted in aio.py
     "statemachine/postgres/aio.py": (*_POSTGRES,
@@ -696,6 +697,12 @@ CATALOGUE: tuple[Mutant, ...] = (
        "the memory store never updates the owner after the first append"),
     _m("SS04", "return list(self._logs.get(run_id, ()))", "return self._logs.get(run_id, [])",
        "the memory store hands out its own log list (forgotten copy)"),
+    _m("SS05", "        if any(event.seq != expected_version + i for i, event in "
+               "enumerate(events)):",
+       "        if False:",
+       "the memory store appends events whose sequence numbers do not follow the log"),
+    _m("SS06", "        events = tuple(events)  # read once", "        pass  # read once",
+       "the memory store reads an append's events twice: an iterator's land as nothing"),
     _m("SD05", "    if state.run_id != run_id:\n"
                "        snapshot_ignored(run_id, \"it is another run's\")\n"
                "        return None\n", "",
@@ -978,6 +985,12 @@ CATALOGUE: tuple[Mutant, ...] = (
        "                                tuple(held))",
        "the SQLite store moves a head that is not there (a run an older writer logged): "
        "the run is left without one"),
+    _m("SQ34", "        events = tuple(events)  # read once", "        pass  # read once",
+       "the SQLite store reads an append's events twice: an iterator's rows land with the "
+       "head left behind them, and the run never loads again"),
+    _m("PG37", "    events = tuple(events)  # read once", "    pass  # read once",
+       "the PostgreSQL store reads an append's events twice: an iterator's append writes "
+       "nothing and says it landed"),
     _m("PG30", "        if session_moved(write, [body for (body,) in answers[at]]):",
        "        if False:",
        "the PostgreSQL store writes a publication onto a Session another writer moved"),

@@ -789,6 +789,7 @@ class SQLiteEventStore:
             raise StorageError(f"cannot {_APPEND}: {shown(self.path)} is open "
                                "read-only; nothing was written", outcome=Outcome.NOT_WRITTEN,
                                run_id=run_id)
+        events = tuple(events)  # read once: an iterator would be empty on the next read
         batch_id = uuid.uuid4().hex
         rows = [(run_id, event.seq, batch_id, event_text(event)) for event in events]
         if any(event.seq != expected_version + i for i, event in enumerate(events)):
@@ -801,7 +802,7 @@ class SQLiteEventStore:
             text = dumps(snapshot)
             kept = (run_id, expected_version, text, digest(text))
         fold = to_index(run_id, events, step, read_model, expected_version)
-        return _Prepared(run_id, tuple(events), expected_version, batch_id, rows, kept, fold,
+        return _Prepared(run_id, events, expected_version, batch_id, rows, kept, fold,
                          items, checks)
 
     def _write(self, conn: sqlite3.Connection, a: _Prepared) -> None:

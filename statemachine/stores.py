@@ -284,6 +284,10 @@ class MemoryEventStore:
     def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
                snapshot: Snapshot | None = None, step: Step | None = None,
                read_model: ReadModel | None = None) -> None:
+        events = tuple(events)  # read once: an iterator would be empty on the next read
+        if any(event.seq != expected_version + i for i, event in enumerate(events)):
+            raise ValueError("events must carry the sequence numbers that follow "
+                             "expected_version")
         fold = to_index(run_id, events, step, read_model, expected_version)
         with self._lock:
             log = self._logs.get(run_id, [])

@@ -464,6 +464,7 @@ def prepare(run_id: str, events: Sequence[Event], expected_version: int,
             read_model: ReadModel | None = None) -> PreparedAppend:
     """One append, prepared before any I/O: checked (`ValueError`, `TypeError`), its
     events and snapshot encoded, its head's fields read off its events."""
+    events = tuple(events)  # read once: an iterator would be empty on the next read
     if any(event.seq != expected_version + i for i, event in enumerate(events)):
         raise ValueError("events must carry the sequence numbers that follow "
                          "expected_version")

@@ -4,6 +4,8 @@ interpreters racing on one file, and appends whose outcome is unknown."""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
 import sqlite3
 import subprocess
@@ -19,7 +21,7 @@ from statemachine import controller as controller_module
 from statemachine import events as ev
 from statemachine.stores import EventStore, SQLiteEventStore
 from statemachine.testing.contracts import EventStoreContract
-from tests.helpers import SESSION, assert_refused, at_interruption
+from tests.helpers import SESSION, StoreMaker, assert_refused, at_interruption
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -386,3 +388,37 @@ def test_a_head_time_that_is_not_an_integer_is_a_schema_error(tmp_path: Path) ->
         raw.execute("UPDATE runs SET updated_at = 'yesterday'")
     with pytest.raises(SchemaError, match="time that is not an integer"):
         store.list_runs()
+
+
+def test_an_appends_events_are_read_once(make: StoreMaker) -> None:
+    """Every store reads an append's events once, so events given as a one-shot iterator
+    (a caller's generator) land whole, and ones whose sequence numbers do not follow
+    ``expected_version`` are refused (`ValueError`) with nothing written, the memory
+    store too. Read twice, the second read found the iterator empty: SQLite wrote the
+    rows and left the run's head behind them (the run then neither loaded nor took
+    another append), PostgreSQL wrote nothing and said the append landed."""
+    events = list(at_interruption().events)
+
+    async def body() -> None:
+        store = make()
+        try:
+            with pytest.raises(ValueError, match="sequence numbers"):
+                await _maybe(store.append("run-1", (e for e in events[1:]), 0))
+            assert await _maybe(store.list_runs()) == ()  # nothing written
+            await _maybe(store.append("run-1", (e for e in events[:3]), 0))
+            await _maybe(store.append("run-1", (e for e in events[3:]), 3))
+            assert list(await _maybe(store.load("run-1"))) == events
+            assert await _maybe(store.version("run-1")) == len(events)
+            with pytest.raises(ValueError, match="sequence numbers"):
+                await _maybe(store.append("run-1", iter([events[-1]]), len(events)))
+            assert list(await _maybe(store.load("run-1"))) == events
+        finally:
+            closing = getattr(store, "close", None)
+            if closing is not None:
+                await _maybe(closing())
+
+    asyncio.run(body())
+
+
+async def _maybe(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
