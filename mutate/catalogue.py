@@ -991,6 +991,11 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("PG37", "    events = tuple(events)  # read once", "    pass  # read once",
        "the PostgreSQL store reads an append's events twice: an iterator's append writes "
        "nothing and says it landed"),
+    _m("SQ35", "            raise self._closed_error(getattr(fn, \"__name__\", \"call\"), of_run) "
+               "from None",
+       "            raise",
+       "a closed async SQLite store's calls raise the shut-down worker's RuntimeError, not "
+       "StorageError"),
     _m("PG30", "        if session_moved(write, [body for (body,) in answers[at]]):",
        "        if False:",
        "the PostgreSQL store writes a publication onto a Session another writer moved"),

@@ -1312,10 +1312,23 @@ class AsyncSQLiteEventStore:
             collections.deque())
         self._draining = False
 
-    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    async def _call(self, fn: Callable[..., T], *args: Any, of_run: str | None = None,
+                    **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` on the store's worker thread, after the calls made
+        before it; `StorageError` once the store is closed (``of_run``: the run the call
+        is about, which the error names)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._worker, functools.partial(fn, *args,
-                                                                          **kwargs))
+        try:
+            done = loop.run_in_executor(self._worker, functools.partial(fn, *args, **kwargs))
+        except RuntimeError:  # the worker was shut down: the store is closed
+            raise self._closed_error(getattr(fn, "__name__", "call"), of_run) from None
+        return await done
+
+    @staticmethod
+    def _closed_error(doing: str, run_id: str | None = None) -> StorageError:
+        where = {} if run_id is None else {"run_id": run_id}
+        return StorageError(f"cannot {doing}: the event store is closed",
+                            outcome=Outcome.NOT_WRITTEN, **where)
 
     async def append(self, run_id: str, events: Sequence[Event], expected_version: int, *,
                      snapshot: Snapshot | None = None, step: Step | None = None,
@@ -1330,7 +1343,8 @@ class AsyncSQLiteEventStore:
                                        "read_model": read_model}
             if session_write is not None:  # (a wrapped sync store may not name it)
                 options["session_write"] = session_write
-            await self._call(self.sync.append, run_id, events, expected_version, **options)
+            await self._call(self.sync.append, run_id, events, expected_version,
+                             of_run=run_id, **options)
             return
         call = _Call(run_id, events, expected_version, snapshot, step, read_model,
                      session_write)
@@ -1342,7 +1356,7 @@ class AsyncSQLiteEventStore:
                     self._worker.submit(self._drain)
                 except RuntimeError:  # the worker was shut down: the store is closed
                     self._waiting.pop()
-                    raise
+                    raise self._closed_error(_APPEND, run_id) from None
                 self._draining = True
         await asyncio.wrap_future(done)
 
@@ -1390,9 +1404,7 @@ class AsyncSQLiteEventStore:
         while self._waiting:
             call, done = self._waiting.popleft()
             if done.set_running_or_notify_cancel():
-                done.set_exception(StorageError(f"cannot {_APPEND}: the event store is "
-                                                "closed", outcome=Outcome.NOT_WRITTEN,
-                                                run_id=call.run_id))
+                done.set_exception(self._closed_error(_APPEND, call.run_id))
 
     @property
     def path(self) -> str:
@@ -1404,10 +1416,10 @@ class AsyncSQLiteEventStore:
         return self.sync.commits
 
     async def load(self, run_id: str) -> list[Event]:
-        return await self._call(self.sync.load, run_id)
+        return await self._call(self.sync.load, run_id, of_run=run_id)
 
     async def load_latest(self, run_id: str) -> tuple[Snapshot | None, list[Event]]:
-        return await self._call(self.sync.load_latest, run_id)
+        return await self._call(self.sync.load_latest, run_id, of_run=run_id)
 
     async def list_runs(self, session_id: str | None = None,
                         steps: Collection[Step] | None = None) -> tuple[RunHead, ...]:
@@ -1415,7 +1427,7 @@ class AsyncSQLiteEventStore:
 
     async def version(self, run_id: str) -> int:
         """As `SQLiteEventStore.version`."""
-        return await self._call(self.sync.version, run_id)
+        return await self._call(self.sync.version, run_id, of_run=run_id)
 
     async def session_items(self, session_id: str, limit: int | None = None) -> list[JSON]:
         """`SQLiteEventStore.session_items` on the store's worker thread, after the calls
@@ -1423,7 +1435,10 @@ class AsyncSQLiteEventStore:
         return await self._call(self.sync.session_items, session_id, limit)
 
     async def close(self) -> None:
-        await self._call(self.sync.close)
+        """Close the store, after the calls made before it; then every call is refused
+        with `StorageError` (``not_written``), and closing it again does nothing."""
+        with contextlib.suppress(StorageError):  # (closed already)
+            await self._call(self.sync.close)
         self._worker.shutdown(wait=False)
 
 

@@ -157,3 +157,32 @@ def test_a_sync_stores_missing_run_is_not_found_without_a_worker_thread(
     assert len(hops) == 1
     with pytest.raises(SchemaError, match="max_bytes"):
         asyncio.run(RunController.load_async(store, "absent", max_bytes=0))
+
+
+@pytest.mark.parametrize("group_commit", [True, False], ids=["grouped", "apart"])
+def test_a_closed_async_sqlite_store_refuses_every_call_with_storage_error(
+        tmp_path: Path, group_commit: bool) -> None:
+    """After `close`, an append (grouped or not) and a read are refused with
+    `StorageError` (``not_written``), nothing written, and closing again does nothing;
+    before, the shut-down worker's `RuntimeError` came out of them (and of a second
+    `close`)."""
+    from statemachine import StorageError
+    from tests.helpers import at_interruption
+
+    events = at_interruption().events
+    path = tmp_path / "events.db"
+
+    async def body() -> None:
+        store = AsyncSQLiteEventStore(path, group_commit=group_commit)
+        await store.append("run-1", events[:1], 0)
+        await store.close()
+        await store.close()
+        with pytest.raises(StorageError, match="closed") as refused:
+            await store.append("run-1", events[1:2], 1)
+        assert refused.value.outcome == "not_written"
+        assert refused.value.run_id == "run-1"
+        with pytest.raises(StorageError, match="closed"):
+            await store.load("run-1")
+
+    asyncio.run(body())
+    assert SQLiteEventStore(path).load("run-1") == list(events[:1])
