@@ -996,6 +996,11 @@ CATALOGUE: tuple[Mutant, ...] = (
        "            raise",
        "a closed async SQLite store's calls raise the shut-down worker's RuntimeError, not "
        "StorageError"),
+    _m("SQ36", "            raise StorageError(f\"cannot {doing}: the Session {self.session_id!r} "
+               "is closed\",",
+       "            raise\n            raise StorageError(f\"cannot {doing}: the Session "
+               "{self.session_id!r} is closed\",",
+       "a closed SQLiteSession's calls raise the shut-down worker's RuntimeError"),
     _m("PG30", "        if session_moved(write, [body for (body,) in answers[at]]):",
        "        if False:",
        "the PostgreSQL store writes a publication onto a Session another writer moved"),

@@ -1593,8 +1593,16 @@ class SQLiteSession:
         self._worker.shutdown(wait=False)
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the Session's worker thread; `StorageError` (``not_written``)
+        once the Session is closed."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._worker, fn, *args)
+        try:
+            done = loop.run_in_executor(self._worker, fn, *args)
+        except RuntimeError:  # the worker was shut down: the Session is closed
+            doing = getattr(fn, "__name__", "call").lstrip("_").replace("_", " ")
+            raise StorageError(f"cannot {doing}: the Session {self.session_id!r} is closed",
+                               outcome=Outcome.NOT_WRITTEN) from None
+        return await done
 
     def _failed(self, error: BaseException, doing: str, outcome: Outcome) -> StorageError:
         if in_transaction(self._conn):  # a failed ROLLBACK: closing rolls back

@@ -221,3 +221,31 @@ def test_a_cancelled_sqlite_session_write_finishes_whole_before_the_next_call(
         session.close()
 
     asyncio.run(go())
+
+
+def test_a_closed_sqlite_session_refuses_every_call_with_storage_error(
+        tmp_path: Path) -> None:
+    """After `close`, each of the Session's calls is refused with `StorageError`
+    (``not_written``) naming the call and the Session, nothing written, and closing it
+    again does nothing; before, the shut-down worker's `RuntimeError` came out."""
+    session = SQLiteSession("s", tmp_path / "events.db")
+
+    async def body() -> None:
+        await session.add_items([{"role": "user", "content": "hi"}])
+        session.close()
+        session.close()
+        def add() -> Awaitable[None]:
+            return session.add_items([{"role": "user", "content": "x"}])
+
+        calls: dict[str, Callable[[], Awaitable[Any]]] = {
+            "get items": session.get_items, "pop item": session.pop_item,
+            "clear session": session.clear_session, "add items": add}
+        for doing, call in calls.items():
+            with pytest.raises(StorageError, match=f"cannot {doing}: .* closed") as refused:
+                await call()
+            assert refused.value.outcome == "not_written"
+
+    asyncio.run(body())
+    again = SQLiteSession("s", tmp_path / "events.db")
+    assert asyncio.run(again.get_items()) == [{"role": "user", "content": "hi"}]
+    again.close()
