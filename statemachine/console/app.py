@@ -17,11 +17,10 @@ frame (Content-Security-Policy) and escape every value they show.
 from __future__ import annotations
 
 import re
-import unicodedata
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, quote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import attrs
 import jinja2
@@ -60,8 +59,7 @@ def name_problem(name: str) -> str | None:
         return "it is empty"
     if len(name) > MAX_NAME:
         return f"it is longer than {MAX_NAME} characters"
-    if any(not c.isprintable() or unicodedata.category(c) in ("Cf", "Co", "Cn")
-           for c in name):
+    if any(views.misprints(c) for c in name):
         return "it holds a character that does not print as itself"
     return None
 
@@ -94,6 +92,7 @@ def _environment() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
                              autoescape=True, undefined=jinja2.StrictUndefined)
     env.filters["q"] = lambda value: quote(str(value), safe="")
+    env.filters["v"] = views.visible
     return env
 
 
@@ -180,8 +179,9 @@ def create_app(console: Console) -> Starlette:
         if error is None:  # "done" only when the log shows it: a link cannot claim it
             done = found.done(request.query_params.get("done", ""),
                               request.query_params.get("seq", ""))
-        return page(request, "run.html", status, run=found, title=f"Run {run_id}",
-                    error=error, done=done, csrf=_csrf(login_of(request)))
+        return page(request, "run.html", status, run=found,
+                    title=f"Run {views.visible(run_id)}", error=error, done=done,
+                    csrf=_csrf(login_of(request)))
 
     async def run(request: Request) -> Response:
         return await show_run(request)
@@ -261,7 +261,7 @@ def create_app(console: Console) -> Starlette:
                 if not csrf_matches(login, form.get("csrf")):
                     raise Refused(403, "this form is not from this login's page (CSRF "
                                        "token missing or wrong): open the page again")
-                run_id = form.get("run_id", "")
+                run_id = _id(form, "run_id")
                 seen = _seen(form)
                 done = await run_in_threadpool(act, form, run_id, login.name, seen)
             except Refused as refused:
@@ -285,17 +285,17 @@ def create_app(console: Console) -> Starlette:
     writes: Any = console.writes
 
     def approve(form: Form, run_id: str, by: str, seen: int) -> RunController:
-        return operator.approve(writes, run_id, _required(form, "call_id"),
+        return operator.approve(writes, run_id, _id(form, "call_id"),
                                 fingerprint=_required(form, "fingerprint"), by=by,
                                 reason=form.get("reason") or None, seen=seen)
 
     def reject(form: Form, run_id: str, by: str, seen: int) -> RunController:
-        return operator.reject(writes, run_id, _required(form, "call_id"), by=by,
+        return operator.reject(writes, run_id, _id(form, "call_id"), by=by,
                                message=form.get("message") or None, seen=seen)
 
     def resolve(form: Form, run_id: str, by: str, seen: int) -> RunController:
         outcome, output = _outcome(form)
-        return operator.resolve(writes, run_id, _required(form, "call_id"),
+        return operator.resolve(writes, run_id, _id(form, "call_id"),
                                 outcome=outcome, output=output, by=by,
                                 evidence=form.get("evidence") or None, seen=seen)
 
@@ -386,6 +386,27 @@ def _required(form: Form, name: str) -> str:
     if not value or not value.strip():
         raise Refused(400, f"{name} is required")
     return value
+
+
+_QUOTED = re.compile(r"(?:[A-Za-z0-9_.~-]|%[0-9A-Fa-f]{2})*")
+"""A percent-encoded text (the ``q`` filter): nothing in it a browser rewrites."""
+
+
+def _id(form: Form, name: str) -> str:
+    """The run or call id a page's form carries, percent-encoded (the ``q`` filter) so
+    that it comes back as the page had it: a browser rewrites the line breaks of a
+    form's fields (CR to LF, then LF to CRLF), and an id may hold them, so an id sent
+    as it is could come back as another run's. A value that is not such an encoding, or
+    decodes to no UTF-8 text, is refused (400), nothing done; empty, it is refused as
+    missing."""
+    value = _required(form, name)
+    if not _QUOTED.fullmatch(value):
+        raise Refused(400, f"{name} did not come back as the page wrote it: open the "
+                           "page again")
+    try:
+        return unquote(value, errors="strict")
+    except UnicodeDecodeError:
+        raise Refused(400, f"{name} is not UTF-8 text") from None
 
 
 def _seen(form: Form) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+import unicodedata
 from collections import Counter
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -37,6 +38,28 @@ DONE: dict[str, tuple[type[ev.Event], str]] = {
 
 def now_micros() -> int:
     return time.time_ns() // 1_000
+
+
+def misprints(c: str) -> bool:
+    """Whether the character ``c`` prints as something other than itself, or as nothing:
+    a control, a line break, a direction override, a zero-width or unassigned one."""
+    return not c.isprintable() or unicodedata.category(c) in ("Cf", "Co", "Cn")
+
+
+def visible(value: object) -> str:
+    """``value``'s text with each character that does not print as itself (`misprints`)
+    written as its escape (``\\u202e``, ``\\n``), so what a page shows is what the log
+    holds: an id, a tool's name."""
+    text = str(value)
+    return "".join(ascii(c)[1:-1] if misprints(c) else c for c in text)
+
+
+def shown_json(value: Any) -> str:
+    """``value`` as indented JSON, each character that does not print as itself
+    (`misprints`) escaped (``\\u202e``): JSON that reads back as ``value``, and shows on
+    a page exactly what it holds (what an approval binds)."""
+    text = json.dumps(value, indent=2, ensure_ascii=False)
+    return "".join(json.dumps(c)[1:-1] if c != "\n" and misprints(c) else c for c in text)
 
 
 def age(since: int | None, now: int) -> str:
@@ -187,8 +210,8 @@ class RunPage:
     approvals: tuple[Waiting, ...]
     in_doubt: tuple[Waiting, ...]
     arguments: dict[str, str]
-    """Each call's whole arguments, as indented JSON: what an approval binds is shown
-    whole, never only its preview."""
+    """Each call's whole arguments, as indented JSON (`shown_json`): what an approval
+    binds is shown whole, never only its preview, and as it is."""
     events: tuple[tuple[int, type[ev.Event]], ...] = ()
     """Each event's seq and class (what `done` checks)."""
 
@@ -224,6 +247,5 @@ def run_page(store: Any, run_id: str) -> RunPage:
         moments, hidden, run_svg(path),
         tuple(w for w in waiting if w.kind == "approval"),
         tuple(w for w in waiting if w.kind == "in_doubt"),
-        {view.call.call_id: json.dumps(view.call.arguments, indent=2, ensure_ascii=False)
-         for view in c.calls},
+        {view.call.call_id: shown_json(view.call.arguments) for view in c.calls},
         tuple((e.seq, type(e)) for e in events))

@@ -282,3 +282,42 @@ def test_the_read_only_console_offers_no_write(browser: Any, world: Seeded,
         assert {run_id: log(world.path, run_id) for run_id in world.runs} == before
     finally:
         server.stop()
+
+
+def test_a_form_acts_on_the_run_and_call_its_page_shows_line_breaks_and_all(
+        browser: Any, tmp_path: Path) -> None:
+    """Ids may hold line breaks, and a browser rewrites them in a form's fields (CR to
+    LF, then LF to CRLF on the way out). Two runs whose ids differ by a CR alone, each
+    with a call in doubt whose id holds a line break: settling the call on the first
+    run's page records the decision on that run and that call, the other run left as it
+    was. Before, the form sent the ids as they were, and the decision landed on the
+    other run (its call then ran again)."""
+    from statemachine import RunController, ToolCall
+
+    path = tmp_path / "events.db"
+    store = SQLiteEventStore(path)
+    shown, other, call = "pay\nA", "pay\r\nA", "charge\n1"
+    for run_id in (shown, other):
+        c = RunController.start(run_id=run_id, session_id=None, store=store)
+        c.claim("worker-1")
+        c.begin_model_call()
+        c.model_responded([ToolCall(call, "charge_card", {"amount": 7})])
+        c.begin_tool(call)  # the worker died in the body
+    store.close()
+    before = log(path, other)
+    server = Served(tmp_path, "--store", str(path))
+    try:
+        _log_in(browser, server, "ann")
+        browser.get(f"{server.url}/run?id={urllib.parse.quote(shown, safe='')}")
+        form = browser.find_element(By.CSS_SELECTOR, "form.resolve")
+        form.find_element(By.CSS_SELECTOR, "input[value=not_executed]").click()
+        form.find_element(By.NAME, "evidence").send_keys("no charge at the bank")
+        _submit(browser, form.find_element(By.CSS_SELECTOR, "button[type=submit]"))
+        assert browser.find_element(By.CSS_SELECTOR, ".done").text == "Resolved."
+    finally:
+        server.stop()
+    resolved = log(path, shown)[-1]
+    assert isinstance(resolved, ev.InDoubtResolved)
+    assert (resolved.call_id, resolved.by, resolved.outcome, resolved.evidence) == (
+        call, "ann", Resolution.NOT_EXECUTED, "no charge at the bank")
+    assert log(path, other) == before

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -445,3 +446,41 @@ def test_the_console_on_postgresql(pg_dsn: str, pg_schema: str) -> None:
             "pat", Resolution.FAILED, "card declined")
         assert ("order-17", "charge") not in {
             (c[1], c[2]) for c in page(client, "/inbox").table("inbox")}
+
+
+def test_what_does_not_print_as_itself_is_shown_escaped(tmp_path: Path) -> None:
+    """A direction override or a zero-width space prints as something else, or as
+    nothing: an IBAN ``"\\u202e1111 9999 00ED"`` reads as ``"DE00 9999 1111"``. Every
+    page shows such a character as its escape (the runs, the inbox, the run's ids, tool
+    names and notes), and a call's arguments as JSON that reads back as exactly what an
+    approval binds. Before, the run page printed them as they were (the CLI escaped
+    them)."""
+    import html
+    import re
+
+    from statemachine import RunController, ToolCall
+
+    run_id, call_id, tool = "pay\u202e-1", "wire\u200b", "wire_money\u202e"
+    arguments = {"to_iban": "\u202e1111 9999 00ED", "amount": 100}
+    path = tmp_path / "events.db"
+    store = SQLiteEventStore(path)
+    c = RunController.start(run_id=run_id, session_id=None, store=store)
+    c.begin_model_call()
+    c.model_responded([ToolCall(call_id, tool, arguments, needs_approval=True)])
+    store.close()
+    reads = SQLiteEventStore(path, readonly=True)
+    try:
+        client = TestClient(create_app(Console(reads, SQLiteEventStore(path), Logins(TOKEN),
+                                               False, None)), base_url="http://testserver")
+        logged_in(client)
+        for url in ("/runs", "/inbox", f"/run?id={run_id}"):
+            text = client.get(url).text
+            assert not any(c in text for c in "\u202e\u200b"), url
+            assert "pay\\u202e-1" in text, url
+        text = client.get(f"/run?id={run_id}").text
+        assert "wire\\u200b" in text
+        assert "wire_money\\u202e" in text
+        shown = re.findall(r'<pre class="arguments">(.*?)</pre>', text, re.S)
+        assert [json.loads(html.unescape(block)) for block in shown] == [arguments]
+    finally:
+        reads.close()
