@@ -1761,6 +1761,17 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("PD35", "            await c.flush_results_async()", "            await c.fence_async()",
        "a tool's result waits through the next model request: a crash there leaves its "
        "call in doubt"),
+    _m("PD36", "        _refuse_output_functions(agent.output_type, run_id, \"open\")\n", "",
+       "an agent whose output type is a function with an effect opens: a crash after it "
+       "ran runs it again"),
+    _m("PD37", "        _refuse_output_functions(options.get(\"output_type\"), c.run_id, "
+               "\"run\")\n", "",
+       "an output function given to run.run goes on outside the ledger"),
+    _m("PD38", "            found.append(getattr(value, \"__name__\", repr(value)))",
+       "            pass",
+       "a function given as the output type itself is not found"),
+    _m("PD39", "        if self._running:\n", "        if False:\n",
+       "two runs of one LedgerRun at once both go on: the tool runs under two ids"),
     _m("OA36", "            await c.flush_results_async()", "            await c.fence_async()",
        "a tool's result waits through the next model request: a crash there leaves its "
        "call in doubt"),

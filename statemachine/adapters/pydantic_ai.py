@@ -116,6 +116,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import types
+import typing
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -157,6 +159,7 @@ try:
         repair_messages,
         tool_return_ta,
     )
+    from pydantic_ai.output import NativeOutput, PromptedOutput, TextOutput, ToolOutput
     from pydantic_ai.run import AgentRunResult
     from pydantic_ai.toolsets import AbstractToolset, ExternalToolset, FunctionToolset
 except ModuleNotFoundError as error:  # pragma: no cover - the extra is installed in CI
@@ -185,6 +188,7 @@ from statemachine.adapters._calls import (
 )
 from statemachine.controller import RunController
 from statemachine.errors import (
+    ConcurrencyConflict,
     ControlError,
     InvalidTransition,
     PublicationUnsettled,
@@ -524,6 +528,8 @@ class LedgerRun:
         without a history, or before it was read."""
         self._driving = False
         """True while `run` drives pydantic-ai: the capability refuses any other run."""
+        self._running = False
+        """True while a `run` of this object is under way: a second one is refused."""
         self._candidate: JSON | None = None
         """The recorded form of the model's last response while pydantic-ai checks it as
         the final output (validators, output tools): recorded only once they pass."""
@@ -564,10 +570,12 @@ class LedgerRun:
         Refused before anything is recorded: a run the store holds opened with a history
         that is not its own (`HistoryMismatch`), an agent with a history processor
         (`UnsupportedCapability`), an agent with external tools (`UnsupportedDeferral`,
-        naming them), and a verifier naming no function tool of the agent, or not
-        callable (`InvalidVerifier`)."""
+        naming them), an agent whose output type holds output functions
+        (`UnsupportedFeature`, naming them), and a verifier naming no function tool of
+        the agent, or not callable (`InvalidVerifier`)."""
         _refuse_rewriters(agent.root_capability, run_id)
         _refuse_external_toolsets(agent.toolsets, run_id)
+        _refuse_output_functions(agent.output_type, run_id, "open")
         checked_verifiers(verifiers, _function_tools(agent.toolsets), idempotent=idempotent,
                           run_id=run_id)
         controller: RunController | None = None
@@ -712,7 +720,28 @@ class LedgerRun:
         result (``recorded=True``), calling neither the model nor a tool; another prompt is
         refused (`RunNotResumable`). ``toolsets`` holding external tools are refused
         (`UnsupportedDeferral`) before anything is recorded. The original error of a
-        failed write propagates (I6)."""
+        failed write propagates (I6). A second `run` of this object while one is under
+        way is refused (`ConcurrencyConflict`) before anything is done: the two would
+        share this object's controller and its view of the history."""
+        c = self.controller
+        if self._running:
+            raise ConcurrencyConflict(
+                "a run of this LedgerRun is already under way (this object drives one "
+                "attempt at a time; a second process opens the run with LedgerRun.open "
+                "and its claim decides); nothing was done", run_id=c.run_id, step=c.step,
+                action="run")
+        self._running = True
+        try:
+            return await self._run(user_prompt, message_history, deferred_tool_results,
+                                   options)
+        finally:
+            self._running = False
+
+    async def _run(self, user_prompt: str | None,
+                   message_history: Sequence[ModelMessage] | None,
+                   deferred_tool_results: DeferredToolResults | None,
+                   options: dict[str, Any]) -> LedgerRunResult:
+        """`run`, the one attempt of this object under way."""
         c = self.controller
         self._known = None  # (read afresh by each call: another run may have written)
         if self.history is not None and message_history is not None:
@@ -721,6 +750,7 @@ class LedgerRun:
         for capability in options.get("capabilities") or ():
             _refuse_rewriters(capability, c.run_id)
         _refuse_external_toolsets(options.get("toolsets") or (), c.run_id)
+        _refuse_output_functions(options.get("output_type"), c.run_id, "run")
         if self.history is None:
             _carried(c, list(message_history or ()))  # HistoryMismatch before any record
         if c.step is Step.COMPLETED and deferred_tool_results is None:
@@ -1392,6 +1422,46 @@ def _refuse_external_toolsets(toolsets: Sequence[AbstractToolset[Any]], run_id: 
             f"external tools ({', '.join(map(repr, names))}, an ExternalToolset) are not "
             "supported: their results come from outside the run, where the ledger cannot "
             "tell whether they ran; nothing was recorded", run_id=run_id, action="open")
+
+
+def _output_functions(spec: Any) -> list[str]:
+    """The names of the output functions in an output spec (``output_type``): a function
+    given as the output, or inside `ToolOutput`, `NativeOutput`, `PromptedOutput`,
+    `TextOutput`, a list or a union of them."""
+    found: list[str] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, list | tuple):
+            for item in value:
+                walk(item)
+        elif isinstance(value, ToolOutput):
+            walk(value.output)
+        elif isinstance(value, NativeOutput | PromptedOutput):
+            walk(value.outputs)
+        elif isinstance(value, TextOutput):
+            found.append(getattr(value.output_function, "__name__", repr(value.output_function)))
+        elif typing.get_origin(value) in (typing.Union, types.UnionType):
+            walk(typing.get_args(value))
+        elif (callable(value) and not isinstance(value, type)
+              and typing.get_origin(value) is None):
+            found.append(getattr(value, "__name__", repr(value)))
+
+    walk(spec)
+    return found
+
+
+def _refuse_output_functions(spec: Any, run_id: str, action: str) -> None:
+    """`UnsupportedFeature` naming the output functions in ``spec``: pydantic-ai calls
+    one while it checks the model's final answer, before the ledger can record that
+    answer, so a crash (or a cancellation) after its effect would run it again."""
+    names = _output_functions(spec)
+    if names:
+        raise UnsupportedFeature(
+            f"output functions ({', '.join(map(repr, names))}) are not carried: pydantic-ai "
+            "runs one before the final answer is recorded, so a crash after its effect "
+            "would run it again; give the output as a type (structured output), and do "
+            "the work in a function tool; nothing was recorded",
+            feature="output functions", run_id=run_id, action=action)
 
 
 def _refuse_external(c: RunController, tools: Sequence[Any], action: str) -> None:

@@ -32,7 +32,7 @@ import pydantic
 import pytest
 
 try:
-    import pydantic_ai  # noqa: F401
+    import pydantic_ai
 except ImportError:  # pragma: no cover - CI installs the extra
     from tests.helpers import missing_extra
 
@@ -66,6 +66,7 @@ from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.toolsets import ExternalToolset
 
 from statemachine import (
+    ConcurrencyConflict,
     ControlError,
     InvalidTransition,
     MemoryEventStore,
@@ -1942,3 +1943,103 @@ def test_mcp_toolsets_are_refused_at_open_until_carried() -> None:
         asyncio.run(LedgerRun.open(agent, run_id="mcp", store=store))
     assert refused.value.feature == "MCP toolsets"
     assert not store.list_runs()
+
+
+@pytest.mark.invariant("I1")
+def test_a_second_run_of_one_ledger_run_under_way_is_refused(tmp_path: Path) -> None:
+    """Two `run` calls on one `LedgerRun` at once, the second while the first waits for
+    the model: the second is refused (`ConcurrencyConflict`) before anything is done, the
+    first goes on and completes, and the tool ran once. Before, both went on with the
+    one controller between them: the model, asked twice, named the charge under two ids,
+    both ran, and the run was left stuck."""
+    asked, release, charges = asyncio.Event(), asyncio.Event(), Counter[str]()
+    ids = iter(range(1, 10))
+
+    async def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        if not any(isinstance(part, ToolReturnPart) for message in messages
+                   if isinstance(message, ModelRequest) for part in message.parts):
+            asked.set()
+            await release.wait()
+            return ModelResponse(parts=[ToolCallPart("charge", {"x": 7},
+                                                     tool_call_id=f"call_{next(ids)}")])
+        return ModelResponse(parts=[TextPart("done")])
+
+    agent = Agent(FunctionModel(respond))
+
+    @agent.tool_plain
+    async def charge(x: int) -> str:
+        charges["charge"] += 1
+        return f"charged {x}"
+
+    async def body() -> None:
+        run = await LedgerRun.open(agent, run_id="r", store=SQLiteEventStore(
+            tmp_path / "events.db"), history=SQLiteSession("h", tmp_path / "events.db"))
+        first = asyncio.create_task(run.run("charge me 7"))
+        await asyncio.wait_for(asked.wait(), 10)
+        with pytest.raises(ConcurrencyConflict, match="already under way"):
+            await asyncio.wait_for(run.run(), 10)  # (refused at once, never waiting)
+        release.set()
+        assert (await first).output == "done"
+
+    asyncio.run(body())
+    assert charges["charge"] == 1
+    stored = RunController.load(SQLiteEventStore(tmp_path / "events.db"), "r")
+    assert stored.step is Step.COMPLETED
+    assert [view.call.call_id for view in stored.calls] == ["call_1"]
+
+
+def _place_order(item: str) -> str:
+    """An output function with an effect: it places the order."""
+    return f"ordered {item}"
+
+
+class _Order(pydantic.BaseModel):
+    item: str
+
+
+@pytest.mark.parametrize("spec", [
+    _place_order, [_place_order], pydantic_ai.ToolOutput(_place_order),
+    [pydantic_ai.ToolOutput(_place_order), str], pydantic_ai.TextOutput(_place_order),
+    pydantic_ai.NativeOutput([_Order, _place_order]),  # type: ignore[list-item]
+    pydantic_ai.PromptedOutput([_place_order])],
+    ids=["function", "list", "tool-output", "tool-output-or-text", "text-output",
+         "native", "prompted"])
+def test_output_functions_are_refused_before_anything_is_recorded(
+        tmp_path: Path, spec: Any) -> None:
+    """pydantic-ai calls an output function while it checks the final answer, before the
+    ledger can record the answer: a crash (or a cancellation) after its effect ran it
+    again. So an agent whose output type holds one is refused at `LedgerRun.open`, and
+    one given to `run.run(output_type=...)` there (`UnsupportedFeature` naming it),
+    nothing recorded and the model never asked."""
+    from statemachine.adapters._calls import UnsupportedFeature
+
+    asked: list[list[ModelMessage]] = []
+    store = SQLiteEventStore(tmp_path / "events.db")
+
+    async def body() -> None:
+        with pytest.raises(UnsupportedFeature, match="_place_order") as refused:
+            await LedgerRun.open(Agent(scripted([], asked=asked), output_type=spec),
+                                 run_id="r", store=store)
+        assert refused.value.feature == "output functions"
+        run = await LedgerRun.open(Agent(scripted([], asked=asked)), run_id="s", store=store)
+        with pytest.raises(UnsupportedFeature, match="_place_order"):
+            await run.run("order a book", output_type=spec)
+
+    asyncio.run(body())
+    assert asked == []
+    assert store.list_runs() == ()
+
+
+@pytest.mark.parametrize("spec", [
+    str, _Order, [_Order, DeferredToolRequests], pydantic_ai.ToolOutput(_Order),
+    pydantic_ai.NativeOutput([_Order]), list[_Order], _Order | None,
+    pydantic_ai.StructuredDict({"type": "object", "properties": {}})],
+    ids=["str", "model", "with-deferred", "tool-output", "native", "list-of", "optional",
+         "structured-dict"])
+def test_output_types_without_functions_open(tmp_path: Path, spec: Any) -> None:
+    """Output types that are types (structured output) hold no function: carried."""
+    async def body() -> None:
+        await LedgerRun.open(Agent(scripted([]), output_type=spec), run_id="r",
+                             store=SQLiteEventStore(tmp_path / "events.db"))
+
+    asyncio.run(body())
