@@ -2101,7 +2101,7 @@ CATALOGUE: tuple[Mutant, ...] = (
                "            await self._reconcile(c, invocation_context.session,",
        "        if False:\n            await self._reconcile(c, invocation_context.session,",
        "a run left unsettled by a failed session append is never reconciled when it opens"),
-    _m("GA11", "        if \"Mcp\" in kind or \"MCP\" in kind:\n            raise "
+    _m("GA11", "        if _mcp(toolset):\n            raise "
                "UnsupportedFeature(\n                f\"{kind} is not carried",
        "        if False:\n            raise UnsupportedFeature(\n"
        "                f\"{kind} is not carried",
@@ -2270,6 +2270,11 @@ CATALOGUE: tuple[Mutant, ...] = (
        "ADK's session service on the ledger's file is carried until its first event's "
        "write fails inside ADK"),
     # ------------------------------------------------------------------ telemetry
+    _m("GA47", "    return any(\"Mcp\" in kind.__name__ or \"MCP\" in kind.__name__ for kind in "
+               "type(obj).__mro__)",
+       "    return \"Mcp\" in type(obj).__name__ or \"MCP\" in type(obj).__name__",
+       "an MCP tool or toolset of a class of the user's own (no Mcp in its name) opens: "
+       "its call can reach the server twice"),
     _m("TE01", "    span = None if spans is None or not switch.telemetry else "
                "spans.calls.get(call_id)",
        "    span = None",

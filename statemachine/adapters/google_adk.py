@@ -336,6 +336,13 @@ def _run_id(prefix: str, session: Any) -> str:
     return f"{prefix}{session.app_name}/{session.user_id}/{session.id}"
 
 
+def _mcp(obj: Any) -> bool:
+    """Whether ``obj`` is one of ADK's MCP tools or toolsets, or made from one (a subclass
+    of its own, whatever its name): a class in its MRO is named so (the MCP modules are
+    not imported, since they need the ``mcp`` package)."""
+    return any("Mcp" in kind.__name__ or "MCP" in kind.__name__ for kind in type(obj).__mro__)
+
+
 class LedgerPlugin(HeldRuns, BasePlugin):
     """The function calls of ADK sessions, through one event store (DESIGN §7.4).
 
@@ -545,7 +552,7 @@ class LedgerPlugin(HeldRuns, BasePlugin):
     @staticmethod
     def _refuse_toolset(toolset: Any, run_id: str) -> None:
         kind = type(toolset).__name__
-        if "Mcp" in kind or "MCP" in kind:
+        if _mcp(toolset):
             raise UnsupportedFeature(
                 f"{kind} is not carried: ADK's MCP tool retries a failed call once with a "
                 "fresh session below the plugin callbacks, so a non-idempotent call could "
@@ -555,7 +562,7 @@ class LedgerPlugin(HeldRuns, BasePlugin):
     @staticmethod
     def _refuse_tool(tool: Any, run_id: str) -> None:
         kind = type(tool).__name__
-        if "Mcp" in kind or "MCP" in kind:
+        if _mcp(tool):
             raise UnsupportedFeature(
                 f"tool {tool.name!r} is an {kind}: ADK's MCP tool retries a failed call "
                 "once with a fresh session below the plugin callbacks, so a non-idempotent "

@@ -1303,6 +1303,27 @@ def _mcp_tool() -> Any:
                        server_params=StdioServerParameters(command="true", args=[]))))
 
 
+def _paying_mcp_tool() -> Any:
+    """An MCP tool of a class of the user's own, named with no "Mcp" in it."""
+    from google.adk.tools.mcp_tool.mcp_tool import McpTool
+
+    class PaymentTool(McpTool):
+        pass
+
+    made = _mcp_tool()
+    made.__class__ = PaymentTool
+    return made
+
+
+def _mcp_toolset_of_its_own() -> Any:
+    class Payments(McpToolset):
+        pass
+
+    made = _mcp()
+    made.__class__ = Payments
+    return made
+
+
 def _tools(path: Path, *more: Any) -> list[Any]:
     """The charge the model asks for (its effect counted in ``path``), and ``more``."""
     return [world.make_tools(path)["charge"], *more]
@@ -1313,6 +1334,10 @@ def _tools(path: Path, *more: Any) -> list[Any]:
         name="agent", model=model, tools=_tools(path, _mcp()))),
     ("MCP tools", "McpTool", lambda model, path: LlmAgent(
         name="agent", model=model, tools=_tools(path, _mcp_tool()))),
+    ("MCP tools", "PaymentTool", lambda model, path: LlmAgent(
+        name="agent", model=model, tools=_tools(path, _paying_mcp_tool()))),
+    ("MCP toolsets", "Payments", lambda model, path: LlmAgent(
+        name="agent", model=model, tools=_tools(path, _mcp_toolset_of_its_own()))),
     ("agents as tools", "AgentTool", lambda model, path: LlmAgent(
         name="agent", model=model, tools=_tools(path, AgentTool(LlmAgent(
             name="inner", model=ScriptedModel()))))),
@@ -1328,7 +1353,8 @@ def _tools(path: Path, *more: Any) -> list[Any]:
     ("code executors", "UnsafeLocalCodeExecutor", lambda model, path: LlmAgent(
         name="agent", model=model, tools=_tools(path),
         code_executor=UnsafeLocalCodeExecutor())),
-], ids=["mcp-toolset", "mcp-tool", "agent-tool", "parallel-agent", "loop-agent",
+], ids=["mcp-toolset", "mcp-tool", "mcp-tool-subclass", "mcp-toolset-subclass",
+        "agent-tool", "parallel-agent", "loop-agent",
         "sequential-agent", "sub-agents", "code-executor"])
 def test_what_the_adapter_cannot_carry_is_refused_when_the_run_opens(
         tmp_path: Path, feature: str, named: str, agent: Any) -> None:
