@@ -1321,7 +1321,7 @@ CATALOGUE: tuple[Mutant, ...] = (
        "            if tool.name.startswith(name):\n                return tool\n",
        "a tool looked up by prefix"),
     # ---------------------------------------------------- adapters/openai_agents
-    _m("OA01", "            if retries != 0:\n", "            if False:\n",
+    _m("OA01", "        if retries != 0:\n", "        if False:\n",
        "an MCP server configured to retry is carried: a lost response is sent again"),
     _m("OA28", "                run._lost[context.call_id] = error\n", "                pass\n",
        "a lost MCP response is recorded as the text the SDK made of it, never in doubt"),
@@ -1775,6 +1775,16 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("OA36", "            await c.flush_results_async()", "            await c.fence_async()",
        "a tool's result waits through the next model request: a crash there leaves its "
        "call in doubt"),
+    _m("OA37", "    for each in _agents(agent):\n        _check_retries(each)\n        for server "
+               "in each.mcp_servers:",
+       "    for each in _agents(agent):\n        for server in each.mcp_servers:",
+       "an agent tool's agent with an MCP server that retries opens: its tools/call can be "
+       "sent twice inside the one body"),
+    _m("OA38", "            if _may_need_approval(server):", "            if False:",
+       "an agent tool's agent with an MCP server needing approval opens: the outer run "
+       "pauses on a call the ledger does not know"),
+    _m("OA39", "        return any(policy.values())", "        return False",
+       "an MCP server needing approval for some of its tools is taken for one needing none"),
     _m("AN27", "owner=owner, verifiers=checked)", "owner=owner)",
        "the session runner's iterations never ask the verifiers"),
     _m("AN22", "            with running_call(c, call_id):  # tool_context() in the body\n"

@@ -932,13 +932,7 @@ def _tripped(error: BaseException, output_guardrail: str | None) -> str | None:
 def _check_supported(agent: Agent[Any]) -> None:
     """Refuse what the adapter cannot make safe, before anything is recorded or runs."""
     for each in _agents(agent):
-        for server in each.mcp_servers:
-            retries = getattr(server, "max_retry_attempts", 0)
-            if retries != 0:
-                raise _refuse("MCP servers that retry", f"agent {each.name!r} has MCP server "
-                              f"{server.name!r} configured to retry (max_retry_attempts="
-                              f"{retries}): a tools/call whose response was lost would be "
-                              "sent again (give it max_retry_attempts=0)")
+        _check_retries(each)
         others = sorted({type(t).__name__ for t in each.tools if not isinstance(t, FunctionTool)})
         if others:
             raise _refuse(f"{', '.join(others)} tools", f"agent {each.name!r} has tools that "
@@ -954,6 +948,27 @@ def _check_supported(agent: Agent[Any]) -> None:
             if h.input_filter is not None or h.nest_handoff_history:
                 raise _refuse("handoff input filters", f"agent {each.name!r} has a handoff "
                               f"{h.tool_name!r} that rewrites the next agent's input")
+
+
+def _check_retries(agent: Agent[Any]) -> None:
+    """Refuse an MCP server of ``agent`` that retries: a tools/call whose response was
+    lost would be sent again."""
+    for server in agent.mcp_servers:
+        retries = getattr(server, "max_retry_attempts", 0)
+        if retries != 0:
+            raise _refuse("MCP servers that retry", f"agent {agent.name!r} has MCP server "
+                          f"{server.name!r} configured to retry (max_retry_attempts="
+                          f"{retries}): a tools/call whose response was lost would be "
+                          "sent again (give it max_retry_attempts=0)")
+
+
+def _may_need_approval(server: Any) -> bool:
+    """Whether an MCP server's tools may need approval (its ``require_approval``, as
+    the SDK keeps it: a bool, a name-to-bool map, or a callable policy)."""
+    policy = getattr(server, "_needs_approval_policy", False)
+    if isinstance(policy, dict):
+        return any(policy.values())
+    return policy is not False
 
 
 def _check_trusted(agent: Agent[Any], trusted: Collection[str]) -> None:
@@ -973,8 +988,15 @@ def _check_trusted(agent: Agent[Any], trusted: Collection[str]) -> None:
 def _check_agent_tool(name: str, agent: Agent[Any]) -> None:
     """An agent used as a tool runs, whole, as that call's body (its model calls and
     tools inside it, at most once with it); a nested call needing approval would pause
-    the outer run on a call the ledger does not know."""
+    the outer run on a call the ledger does not know, and an MCP server that retries
+    could send its tools/call twice inside the one body."""
     for each in _agents(agent):
+        _check_retries(each)
+        for server in each.mcp_servers:
+            if _may_need_approval(server):
+                raise _refuse("agent tools whose agent needs approvals",
+                              f"the agent tool {name!r} runs agent {each.name!r}, whose MCP "
+                              f"server {server.name!r} may need approval")
         for tool in each.tools:
             if isinstance(tool, FunctionTool) and tool.needs_approval is not False:
                 raise _refuse("agent tools whose agent needs approvals",

@@ -276,3 +276,35 @@ def test_a_trusted_name_no_agent_has_is_refused(tmp_path: Path, server: Server) 
                                     trusted_mcp_servers=["paymints"])
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize(("options", "feature"), [
+    ({"max_retry_attempts": 2}, "MCP servers that retry"),
+    ({"require_approval": "always"}, "agent tools whose agent needs approvals"),
+    ({"require_approval": {"always": {"tool_names": ["charge"]}}},
+     "agent tools whose agent needs approvals"),
+], ids=["retries", "approval-always", "approval-for-one-tool"])
+def test_an_agent_used_as_a_tool_is_refused_for_its_mcp_server_too(
+        tmp_path: Path, server: Server, options: dict[str, Any], feature: str) -> None:
+    """An agent used as a tool (``as_tool``) runs inside its call's body: an MCP server
+    of that agent that retries would send its ``tools/call`` twice inside the one body,
+    and one whose tools need approval would pause the outer run on a call the ledger
+    does not know. Refused when the run opens, as for the run's own agents, nothing
+    recorded or sent. Before, the nested agent's servers were not looked at: the
+    retrying one was sent the charge twice."""
+    server.start()
+
+    async def go() -> None:
+        store = MemoryEventStore()
+        async with _client(server, **options) as client:
+            helper = _agent(client, [assistant_message("done")], asked=[])
+            outer = Agent("outer", model=ScriptedModel([[assistant_message("done")]]),
+                          tools=[helper.as_tool("ask_helper", "the helper pays")])
+            with pytest.raises(UnsupportedFeature, match="payments") as refused:
+                await AgentRun.open(outer, run_id=RUN, store=store,
+                                    session=SQLiteSession(SESSION, ":memory:"))
+        assert refused.value.feature == feature
+        assert not store.list_runs()
+        assert server.calls() == []
+
+    asyncio.run(go())
