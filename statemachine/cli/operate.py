@@ -142,8 +142,11 @@ def inbox_command(args: argparse.Namespace) -> int:
 
 
 def _limits(args: argparse.Namespace) -> dict[str, Any]:
-    """The run's own limits the command was given (``--max-bytes``, ``--max-events``)."""
-    found = {"max_bytes": args.max_bytes, "max_events": args.max_events}
+    """The run's own limits the command was given (``--max-bytes``, ``--max-events``),
+    and the run as the operator saw it (``--seen``)."""
+    if args.seen is not None and args.seen < 0:
+        raise UserError("--seen is the run's event count, a whole number from 0")
+    found = {"max_bytes": args.max_bytes, "max_events": args.max_events, "seen": args.seen}
     return {name: value for name, value in found.items() if value is not None}
 
 
@@ -247,6 +250,11 @@ def add_commands(commands: Any, steps_help: str) -> None:
                                  "another than the default (so this write keeps to it)")
         parser.add_argument("--max-events", type=int, metavar="N",
                             help="the run's max_events, likewise")
+        parser.add_argument("--seen", type=int, metavar="N",
+                            help="the run's event count as you saw it (inspect's "
+                                 "events): refused, nothing written, if the run has "
+                                 "moved since, so a command run again after the run "
+                                 "went on decides nothing")
         return parser
 
     approve = write("approve", "approve a call awaiting a decision",

@@ -137,6 +137,36 @@ def test_not_executed_from_the_shell_gives_the_call_back(tmp_path: Path) -> None
     assert "InvalidTransition" in line  # no longer in doubt
 
 
+
+def test_a_command_bound_to_the_run_as_seen_decides_nothing_once_it_moved(
+        tmp_path: Path) -> None:
+    """``--seen N`` binds a write to the run as the operator saw it (N events, as
+    inspect shows them). A resolve --not-executed run again after the call was run again
+    and died in its body (in doubt once more) would decide about a doubt nobody looked
+    at, and run the call a third time: with --seen it is refused, one line, nothing
+    written; a negative N is refused too."""
+    db = tmp_path / "events.db"
+    store = SQLiteEventStore(db)
+    _seed(store)
+    seen = str(RunController.load(store, "run-b").version)
+    store.close()
+    resolve = ("resolve", "run-b", "charge", "--store", str(db), "--by", "carol",
+               "--not-executed", "--seen", seen)
+    _ok(*resolve)
+    worker = RunController.load(SQLiteEventStore(db), "run-b")
+    worker.claim("worker-2")
+    worker.resume()
+    worker.begin_tool("charge")  # run again, and died in its body
+    before = RunController.load(SQLiteEventStore(db), "run-b").version
+    line = _refused(*resolve)
+    assert "ConcurrencyConflict" in line
+    assert "moved" in line
+    after = RunController.load(SQLiteEventStore(db), "run-b")
+    assert after.version == before
+    assert after.in_doubt() == ("charge",)
+    assert "--seen" in _refused("abandon", "run-b", "--store", str(db), "--by", "carol",
+                                "--reason", "stop", "--seen", "-1")
+
 @pytest.fixture
 def default_schema(pg_dsn: str) -> Iterator[str]:
     """The CLI uses the store's default schema; drop it around the test."""
