@@ -1772,6 +1772,13 @@ CATALOGUE: tuple[Mutant, ...] = (
        "a function given as the output type itself is not found"),
     _m("PD39", "        if self._running:\n", "        if False:\n",
        "two runs of one LedgerRun at once both go on: the tool runs under two ids"),
+    _m("PD40", "               for kind in type(toolset).__mro__):",
+       "               for kind in type(toolset).__mro__[:1]):",
+       "an MCP toolset of a class of the user's own opens: a lost tools/call response is "
+       "recorded as failed"),
+    _m("PD41", "        _refuse_external_toolsets([self.wrapped], self.run_id, listing=True)\n",
+       "",
+       "a dynamic toolset returning an MCP toolset runs its tools"),
     _m("OA36", "            await c.flush_results_async()", "            await c.fence_async()",
        "a tool's result waits through the next model request: a crash there leaves its "
        "call in doubt"),

@@ -161,7 +161,12 @@ try:
     )
     from pydantic_ai.output import NativeOutput, PromptedOutput, TextOutput, ToolOutput
     from pydantic_ai.run import AgentRunResult
-    from pydantic_ai.toolsets import AbstractToolset, ExternalToolset, FunctionToolset
+    from pydantic_ai.toolsets import (
+        AbstractToolset,
+        ExternalToolset,
+        FunctionToolset,
+        WrapperToolset,
+    )
 except ModuleNotFoundError as error:  # pragma: no cover - the extra is installed in CI
     raise missing_extra(__name__, "pydantic-ai", error) from error
 
@@ -431,6 +436,22 @@ class ConversationStoreHistory:
 
 
 @dataclass
+class _CheckedToolset(WrapperToolset[Any]):
+    """The run's toolset, its tools listed only once what it holds is known to be
+    carried: a dynamic toolset (``@agent.toolset``) is only made when the run lists its
+    tools, and one that returns an MCP toolset is refused then (`UnsupportedFeature`),
+    before the model sees its tools or any of them runs."""
+
+    run_id: str = ""
+
+    async def get_tools(self, ctx: Any) -> dict[str, Any]:
+        tools = await super().get_tools(ctx)
+        _refuse_external_toolsets([self.wrapped], self.run_id, listing=True)
+        return tools
+
+
+
+@dataclass
 class LedgerCapability(AbstractCapability[Any]):
     """The capability `LedgerRun` hands to every ``agent.run`` it makes: model requests,
     tool executions and deferred approvals go through the run's ledger."""
@@ -451,6 +472,9 @@ class LedgerCapability(AbstractCapability[Any]):
                 "are not supported: nothing would write the run's messages or accept its "
                 "answer); drive the run with LedgerRun.run", run_id=c.run_id, step=c.step,
                 action="run")
+
+    def get_wrapper_toolset(self, toolset: AbstractToolset[Any]) -> AbstractToolset[Any]:
+        return _CheckedToolset(toolset, run_id=self.run.controller.run_id)
 
     async def wrap_model_request(self, ctx: Any, *, request_context: Any,
                                  handler: Any) -> ModelResponse:
@@ -1390,13 +1414,14 @@ def _external_names(toolsets: Sequence[AbstractToolset[Any]]) -> list[str]:
 
 
 def _mcp_toolsets(toolsets: Sequence[AbstractToolset[Any]]) -> list[str]:
-    """The MCP toolsets (``pydantic_ai.mcp`` servers, FastMCP toolsets) in ``toolsets``, by
-    class name."""
+    """The MCP toolsets (``pydantic_ai.mcp`` servers, FastMCP toolsets, and classes of the
+    user's own made from them) in ``toolsets``, by class name."""
     found: list[str] = []
 
     def visit(toolset: AbstractToolset[Any]) -> None:
-        module = type(toolset).__module__
-        if module == "pydantic_ai.mcp" or module.startswith("pydantic_ai.toolsets.fastmcp"):
+        if any(kind.__module__ == "pydantic_ai.mcp"
+               or kind.__module__.startswith("pydantic_ai.toolsets.fastmcp")
+               for kind in type(toolset).__mro__):
             found.append(type(toolset).__name__)
 
     for toolset in toolsets:
@@ -1404,24 +1429,29 @@ def _mcp_toolsets(toolsets: Sequence[AbstractToolset[Any]]) -> list[str]:
     return found
 
 
-def _refuse_external_toolsets(toolsets: Sequence[AbstractToolset[Any]], run_id: str) -> None:
+def _refuse_external_toolsets(toolsets: Sequence[AbstractToolset[Any]], run_id: str, *,
+                              listing: bool = False) -> None:
     """`UnsupportedDeferral` naming the external tools (``ExternalToolset``) in
     ``toolsets``: their calls are answered outside the run, where the ledger cannot tell
     whether they ran. `UnsupportedFeature` for an MCP toolset: its client turns a lost
     ``tools/call`` response into an ordinary exception, which this adapter records as the
-    tool's failure, so the model would be told a call failed that may have run."""
+    tool's failure, so the model would be told a call failed that may have run.
+    ``listing``: found while the run lists its tools (a dynamic toolset's), before the
+    model is asked."""
+    action, done = (("list_tools", "the model was not asked and none of them ran")
+                    if listing else ("open", "nothing was recorded"))
     mcp = _mcp_toolsets(toolsets)
     if mcp:
         raise UnsupportedFeature(
             f"MCP toolsets ({', '.join(sorted(set(mcp)))}) are not carried yet: a tools/call "
-            "whose response was lost would be recorded as failed, not in doubt; nothing was "
-            "recorded", feature="MCP toolsets", run_id=run_id, action="open")
+            f"whose response was lost would be recorded as failed, not in doubt; {done}",
+            feature="MCP toolsets", run_id=run_id, action=action)
     names = _external_names(toolsets)
     if names:
         raise UnsupportedDeferral(
             f"external tools ({', '.join(map(repr, names))}, an ExternalToolset) are not "
             "supported: their results come from outside the run, where the ledger cannot "
-            "tell whether they ran; nothing was recorded", run_id=run_id, action="open")
+            f"tell whether they ran; {done}", run_id=run_id, action=action)
 
 
 def _output_functions(spec: Any) -> list[str]:

@@ -2043,3 +2043,70 @@ def test_output_types_without_functions_open(tmp_path: Path, spec: Any) -> None:
                              store=SQLiteEventStore(tmp_path / "events.db"))
 
     asyncio.run(body())
+
+
+def _mcp_stand_in() -> type[Any]:
+    """A toolset of ``pydantic_ai.mcp`` standing in for its servers (their client needs
+    ``fastmcp``; see `test_mcp_toolsets_are_refused_at_open_until_carried`)."""
+    from pydantic_ai.toolsets import FunctionToolset
+
+    return type("MCPServerStreamableHTTP", (FunctionToolset,), {"__module__": "pydantic_ai.mcp"})
+
+
+def test_an_mcp_toolset_of_a_class_of_ones_own_is_refused_at_open() -> None:
+    """A subclass of an MCP toolset, made in the user's own module: refused at open as
+    the toolset it is made from. Before, only the class's own module was looked at."""
+    from statemachine.adapters._calls import UnsupportedFeature
+
+    payments = type("Payments", (_mcp_stand_in(),), {"__module__": "my_app.tools"})
+    store = MemoryEventStore()
+    with pytest.raises(UnsupportedFeature, match="Payments"):
+        asyncio.run(LedgerRun.open(Agent(TestModel(), toolsets=[payments()]),
+                                   run_id="mcp", store=store))
+    assert not store.list_runs()
+
+
+@pytest.mark.parametrize("returned", ["mcp", "external", "function"])
+def test_a_dynamic_toolset_is_checked_once_the_run_lists_its_tools(returned: str) -> None:
+    """A dynamic toolset (``@agent.toolset``) is made only when the run lists its tools,
+    so open cannot see what it holds. Returning an MCP toolset (`UnsupportedFeature`) or
+    an external one (`UnsupportedDeferral`), it is refused then: the model never asked,
+    no tool run. Before, the MCP toolset's tool ran. Returning function tools, it is
+    carried: its tool runs once, through the ledger."""
+    from pydantic_ai.toolsets import FunctionToolset
+
+    from statemachine.adapters._calls import UnsupportedFeature
+
+    ran: list[int] = []
+    asked: list[list[ModelMessage]] = []
+
+    def charge(x: int) -> str:
+        ran.append(x)
+        return f"charged {x}"
+
+    agent = Agent(scripted([[ToolCallPart("charge", {"x": 7}, tool_call_id="c1")]],
+                           asked=asked))
+
+    @agent.toolset
+    def tools(ctx: Any) -> Any:
+        if returned == "mcp":
+            return _mcp_stand_in()([charge])
+        if returned == "external":
+            return ExternalToolset([ToolDefinition(name="charge")])
+        return FunctionToolset([charge])
+
+    async def body() -> Any:
+        run = await LedgerRun.open(agent, run_id="d", store=MemoryEventStore())
+        return await run.run("charge me 7"), run
+
+    if returned == "function":
+        result, run = asyncio.run(body())
+        assert result.step is Step.COMPLETED
+        assert ran == [7]
+        assert run.controller.phase("c1") is Phase.PUBLISHED
+        return
+    refusal = UnsupportedFeature if returned == "mcp" else UnsupportedDeferral
+    with pytest.raises(refusal):
+        asyncio.run(body())
+    assert asked == []
+    assert ran == []
