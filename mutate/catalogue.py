@@ -123,6 +123,7 @@ _OPENAI_AGENTS = (*(f"tests/adapters/test_openai_agents.py::{test}" for test in 
     "test_row18_a_result_over_max_bytes_is_the_calls_failure_the_model_sees[over-the-log]",
     "test_row18_a_result_over_max_bytes_is_the_calls_failure_the_model_sees[over-its-batch]",
     "test_a_turn_resumed_without_its_sdk_state_replays_its_recorded_response",
+    "test_a_replayed_turn_writes_none_of_its_items_twice[message]",
     "test_a_state_saved_at_an_earlier_turn_never_leads_the_sdk_back_into_it",
     "test_run_options_the_adapter_cannot_carry_are_refused_before_the_attempt"
     "[handoff_input_filter]",
@@ -1388,8 +1389,9 @@ CATALOGUE: tuple[Mutant, ...] = (
                "call\n",
        "            self._replaying = False\n",
        "a turn resumed without its SDK state asks the model again instead of replaying"),
-    _m("OA15", "                 and _written_call(item) not in run._written]",
-       "                 ]",
+    _m("OA15", "                 and _written_call(item) not in run._written and not "
+               "run._rewritten(item)]",
+       "                 and not run._rewritten(item)]",
        "a replayed response writes its calls to the Session a second time"),
     _m("OA16", "        if self._state is not None and not self._in_turn(self._state):",
        "        if False:",
@@ -1792,6 +1794,9 @@ CATALOGUE: tuple[Mutant, ...] = (
        "pauses on a call the ledger does not know"),
     _m("OA39", "        return any(policy.values())", "        return False",
        "an MCP server needing approval for some of its tools is taken for one needing none"),
+    _m("OA40", "        self._rewrites = _written_again(self.controller.events, items)\n", "",
+       "a turn replayed without the SDK state writes its message and reasoning items a "
+       "second time"),
     _m("AN27", "owner=owner, verifiers=checked)", "owner=owner)",
        "the session runner's iterations never ask the verifiers"),
     _m("AN22", "            with running_call(c, call_id):  # tool_context() in the body\n"

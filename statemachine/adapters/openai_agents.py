@@ -191,8 +191,13 @@ from statemachine.errors import (
     RunNotResumable,
     ToolInDoubt,
 )
-from statemachine.events import HandedOff, PublicationStaged
-from statemachine.payloads import JSON, fingerprint_of, json_size
+from statemachine.events import (
+    HandedOff,
+    PublicationCommitted,
+    PublicationStaged,
+    ReconciledAcknowledge,
+)
+from statemachine.payloads import JSON, canonical_json, fingerprint_of, json_size
 from statemachine.runner.attempt import Attempt, interrupted, maybe_await
 from statemachine.runner.publish import one_writer, publish, run_history
 from statemachine.stores import AsyncEventStore, EventStore
@@ -368,7 +373,7 @@ class LedgerSession:
         run = self._run
         c = run.controller
         batch = [item for item in _items(items) if not _already_published(c, item)
-                 and _written_call(item) not in run._written]
+                 and _written_call(item) not in run._written and not run._rewritten(item)]
         if not batch or not run._final_checked():
             return  # (a final answer whose checks did not all pass is never written)
         run._answer_unrun(batch)
@@ -433,6 +438,27 @@ def _written_call(item: JSON) -> str | None:
 
 def _written_calls(items: Sequence[JSON]) -> set[str]:
     return {call_id for call_id in map(_written_call, items) if call_id is not None}
+
+
+def _written_again(events: Sequence[Any], response: Sequence[JSON]
+                   ) -> collections.Counter[bytes]:
+    """The items other than calls of a recorded ``response`` (by their ``id``) that the
+    run's publications wrote (committed, or found written by a reconcile), as canonical
+    JSON, each with how often it was written."""
+    ids = {item.get("id") for item in response if isinstance(item, dict)
+           and _written_call(item) is None and isinstance(item.get("id"), str)}
+    found: collections.Counter[bytes] = collections.Counter()
+    if not ids:
+        return found
+    staged: tuple[JSON, ...] = ()
+    for event in events:
+        if isinstance(event, PublicationStaged):
+            staged = event.items
+        elif isinstance(event, PublicationCommitted | ReconciledAcknowledge):
+            found.update(canonical_json(item) for item in staged if isinstance(item, dict)
+                         and item.get("id") in ids and _written_call(item) is None)
+            staged = ()
+    return found
 
 
 def _already_published(c: RunController, item: JSON) -> bool:
@@ -1118,6 +1144,8 @@ class AgentRun:
         """The agent the ledger shows active: the target of its last handoff."""
         self._written: set[str] = set()
         """The calls whose ``function_call`` item the run has written (staged)."""
+        self._rewrites: collections.Counter[bytes] = collections.Counter()
+        """The items of a replayed response the run wrote before (`_rewritten`)."""
         for event in controller.events if existing else ():
             if isinstance(event, HandedOff):
                 self._active = event.target
@@ -1499,13 +1527,28 @@ class AgentRun:
                           if _written_call(item) is not None]
 
     def _replay(self) -> ModelResponse | None:
-        """The recorded response, once, when this attempt replays its turn."""
+        """The recorded response, once, when this attempt replays its turn; the SDK then
+        writes its items again, and the ones the run wrote before are dropped
+        (`_rewritten`)."""
         if not self._replaying:
             return None
         self._replaying = False
         items = self.controller.model_output
         assert isinstance(items, list)
+        self._rewrites = _written_again(self.controller.events, items)
         return _response_of(items)
+
+    def _rewritten(self, item: JSON) -> bool:
+        """Whether ``item`` is one the run wrote before that the replayed response has the
+        SDK write again (a message or a reasoning item of it; its calls are `_written`):
+        dropped, once for each time it was written."""
+        if not self._rewrites or _written_call(item) is not None:
+            return False
+        key = canonical_json(item)
+        if self._rewrites[key] <= 0:
+            return False
+        self._rewrites[key] -= 1
+        return True
 
     async def _hydrate(self, state: RunState[Any] | str | Mapping[str, Any]) -> RunState[Any]:
         """The SDK state, bound to this run's wrapped agents."""

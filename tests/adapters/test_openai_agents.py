@@ -2037,3 +2037,58 @@ def test_each_model_is_sent_the_settings_it_is_sent_alone(case: str) -> None:
     assert asyncio.run(ledgered()).final_output == "done"
     assert len(alone) == 2  # (the handoff's request, then the answer's)
     assert through == alone
+
+
+@pytest.mark.parametrize("reasoning", [False, True], ids=["message", "with-reasoning"])
+def test_a_replayed_turn_writes_none_of_its_items_twice(tmp_path: Path,
+                                                        reasoning: bool) -> None:
+    """A response holding text (and a reasoning item) beside a call that needs approval;
+    the run pauses, the call is approved, and a new process resumes it without the SDK
+    state, so the recorded response is replayed and the SDK writes its items again. The
+    Session ends as it does when the same run is resumed with the state (the SDK's own
+    way back): each item once. Before, the replayed message (and reasoning) items were
+    written a second time, under the same id."""
+    from openai.types.responses import ResponseReasoningItem
+
+    def run_once(folder: Path, with_state: bool) -> list[Any]:
+        charges: list[int] = []
+
+        @function_tool(needs_approval=True)
+        def charge(x: int) -> str:
+            """Charge the customer x dollars."""
+            charges.append(x)
+            return f"charged {x}"
+
+        first: list[Any] = [assistant_message("I will charge you now."),
+                            function_call("charge", {"x": 7}, call_id="c1")]
+        if reasoning:
+            first.insert(0, ResponseReasoningItem(id="rs_1", type="reasoning", summary=[]))
+        model = ScriptedModel([first, [assistant_message("done")]])
+
+        async def go() -> list[Any]:
+            def opened() -> Awaitable[AgentRun]:
+                return AgentRun.open(Agent("a", model=model, tools=[charge]), run_id="r",
+                                     store=SQLiteEventStore(folder / "events.db"),
+                                     session=SQLiteSession("s", str(folder / "s.db")))
+
+            run = await opened()
+            paused = await run.run("charge me 7", run_config=CONFIG)
+            assert paused.state is not None
+            saved = paused.state.to_string()
+            await run.approve("c1")
+            again = await opened()
+            done = await again.run(run_config=CONFIG, state=saved if with_state else None)
+            assert done.final_output == "done"
+            assert charges == [7]
+            return list(await SQLiteSession("s", str(folder / "s.db")).get_items())
+
+        return asyncio.run(go())
+
+    (tmp_path / "with").mkdir()
+    (tmp_path / "without").mkdir()
+    reference = run_once(tmp_path / "with", True)
+    replayed = run_once(tmp_path / "without", False)
+    assert replayed == reference
+    said = [item for item in replayed if "I will charge you now." in json.dumps(item)]
+    assert len(said) == 1
+    assert sum(item.get("type") == "reasoning" for item in replayed) == int(reasoning)
