@@ -894,6 +894,11 @@ CATALOGUE: tuple[Mutant, ...] = (
        "    if False:", "a store without run heads is not refused by name"),
     _m("OP13", "    found.sort(key=lambda w: (w.since is None, w.since or 0, w.run_id))\n", "",
        "the inbox lists runs by id instead of oldest first"),
+    _m("OP14", "    if any(misprints(c) for c in by):\n", "    if False:\n",
+       "an operator's name that reads as another (a direction override) or as nothing is "
+       "recorded"),
+    _m("OP15", "    if type(reason) is str and not reason.strip():\n", "    if False:\n",
+       "a run is abandoned with a blank reason"),
     _m("OP11", "lambda c: c.approve(call_id, fingerprint=fingerprint, by=by, reason=reason)",
        "lambda c: c.approve(call_id, by=by, reason=reason)",
        "an operator's approval does not bind to the fingerprint it was shown"),

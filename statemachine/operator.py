@@ -34,7 +34,7 @@ from statemachine.errors import (
     SchemaError,
 )
 from statemachine.journal import is_async
-from statemachine.payloads import JSON
+from statemachine.payloads import JSON, misprints
 from statemachine.stored import RunHead
 from statemachine.stores import AsyncEventStore, EventStore
 from statemachine.values import Resolution, Step
@@ -72,10 +72,17 @@ class Limits(TypedDict, total=False):
 
 
 def _who(action: str, by: object, run_id: object) -> None:
-    """``by`` names who acts: a non-empty str (the controller checks the rest)."""
+    """``by`` names who acts: a non-empty str, every character of it printing as itself
+    (a direction override or a zero-width space would record a name that reads as
+    another, or as nothing); the controller checks the rest."""
+    where = run_id if type(run_id) is str else None
     if type(by) is not str or not by.strip():
         raise SchemaError(f"{action} needs by: who decides, as non-empty text",
-                          run_id=run_id if type(run_id) is str else None, action=action)
+                          run_id=where, action=action)
+    if any(misprints(c) for c in by):
+        raise SchemaError(f"{action} needs by: who decides, as text that prints as itself "
+                          "(no control, line break, direction override or zero-width "
+                          "character)", run_id=where, action=action)
 
 
 def _loading(limits: Limits, run_id: object) -> tuple[int | None, dict[str, Any]]:
@@ -211,6 +218,9 @@ async def resolve_async(store: AsyncEventStore | EventStore, run_id: str, call_i
 
 
 def _abandoning(reason: str, by: str) -> Command:
+    if type(reason) is str and not reason.strip():
+        raise SchemaError("abandon needs a reason: why the run ends, as non-empty text",
+                          action="abandon")
     return lambda c: c.abandon(reason, by=by)
 
 

@@ -20,6 +20,7 @@ import json
 import json.encoder
 import math
 import sys
+import unicodedata
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeAlias
 
@@ -72,6 +73,12 @@ def _int_ok(value: int) -> bool:
         return len(str(abs(value))) <= MAX_INT_DIGITS
     except ValueError:
         return False
+
+
+def misprints(c: str) -> bool:
+    """Whether the character ``c`` prints as something other than itself, or as nothing:
+    a control, a line break, a direction override, a zero-width or unassigned one."""
+    return not c.isprintable() or unicodedata.category(c) in ("Cf", "Co", "Cn")
 
 
 def text_problem(value: object) -> str | None:

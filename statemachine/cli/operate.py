@@ -144,8 +144,8 @@ def inbox_command(args: argparse.Namespace) -> int:
 def _limits(args: argparse.Namespace) -> dict[str, Any]:
     """The run's own limits the command was given (``--max-bytes``, ``--max-events``),
     and the run as the operator saw it (``--seen``)."""
-    if args.seen is not None and args.seen < 0:
-        raise UserError("--seen is the run's event count, a whole number from 0")
+    if args.seen is not None and args.seen < 1:
+        raise UserError("--seen is the run's event count as inspect shows it, 1 or more")
     found = {"max_bytes": args.max_bytes, "max_events": args.max_events, "seen": args.seen}
     return {name: value for name, value in found.items() if value is not None}
 

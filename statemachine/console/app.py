@@ -37,6 +37,7 @@ from statemachine.console import views
 from statemachine.console.auth import COOKIE, LOGIN_SECONDS, MAX_NAME, Login, Logins, csrf_matches
 from statemachine.controller import RunController
 from statemachine.errors import ControlError, RunNotFound
+from statemachine.payloads import misprints
 from statemachine.values import Resolution
 
 HERE = Path(__file__).parent
@@ -59,7 +60,7 @@ def name_problem(name: str) -> str | None:
         return "it is empty"
     if len(name) > MAX_NAME:
         return f"it is longer than {MAX_NAME} characters"
-    if any(views.misprints(c) for c in name):
+    if any(misprints(c) for c in name):
         return "it holds a character that does not print as itself"
     return None
 

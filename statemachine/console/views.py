@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-import unicodedata
 from collections import Counter
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -23,6 +22,7 @@ from statemachine.cli.describe import decision_note, describe
 from statemachine.cli.operate import moment
 from statemachine.controller import RunController
 from statemachine.diagrams import RunPath, run_path, run_svg
+from statemachine.payloads import misprints
 from statemachine.stored import RunHead
 from statemachine.values import LIVE_STEPS, Step
 
@@ -38,12 +38,6 @@ DONE: dict[str, tuple[type[ev.Event], str]] = {
 
 def now_micros() -> int:
     return time.time_ns() // 1_000
-
-
-def misprints(c: str) -> bool:
-    """Whether the character ``c`` prints as something other than itself, or as nothing:
-    a control, a line break, a direction override, a zero-width or unassigned one."""
-    return not c.isprintable() or unicodedata.category(c) in ("Cf", "Co", "Cn")
 
 
 def visible(value: object) -> str:

@@ -110,7 +110,8 @@ def test_approve_binds_the_fingerprint_records_who_and_is_durable(make: StoreMak
 
 
 @pytest.mark.parametrize("case", ["wrong-fingerprint", "decided-call", "unknown-call",
-                                  "no-by", "empty-by", "no-fingerprint"])
+                                  "no-by", "empty-by", "no-fingerprint", "override-by",
+                                  "invisible-by", "line-break-by"])
 def test_a_refused_approval_appends_nothing_not_even_its_claim(make: StoreMaker,
                                                                case: str) -> None:
     async def body() -> None:
@@ -126,11 +127,15 @@ def test_a_refused_approval_appends_nothing_not_even_its_claim(make: StoreMaker,
             call_id = "ghost"
         elif case == "no-fingerprint":
             fingerprint = ""
+        elif case.endswith("-by") and case not in ("no-by", "empty-by"):
+            # a name that reads as another, or as nothing: the console refuses it too
+            by = {"override-by": "\u202eecila", "invisible-by": "\u200b",
+                  "line-break-by": "alice\nbob"}[case]
         else:
             by = "" if case == "empty-by" else None  # type: ignore[assignment]
         before = await _versions(store)
-        error = SchemaError if case in ("no-by", "empty-by", "no-fingerprint") else (
-            InvalidTransition)
+        error = InvalidTransition if case in ("wrong-fingerprint", "decided-call",
+                                              "unknown-call") else SchemaError
         with pytest.raises(error):
             await _call("approve", store, RUN, call_id, fingerprint=fingerprint, by=by)
         assert await _versions(make()) == before
@@ -205,6 +210,21 @@ def test_abandon_ends_the_run_and_a_second_abandon_is_refused(make: StoreMaker) 
 
     _run(body())
 
+
+
+@pytest.mark.parametrize("reason", ["", "   "], ids=["empty", "blank"])
+def test_an_abandon_without_a_reason_is_refused(make: StoreMaker, reason: str) -> None:
+    """An abandon says why the run ends (the console requires it): an empty or blank
+    reason is refused (`SchemaError`), nothing recorded."""
+    async def body() -> None:
+        store = make()
+        await _seeded(store, "interruption")
+        before = await _versions(store)
+        with pytest.raises(SchemaError, match="reason"):
+            await _call("abandon", store, RUN, reason=reason, by="alice")
+        assert await _versions(make()) == before
+
+    _run(body())
 
 def test_abandon_reaches_an_unsettled_run_that_fails_closed(make: StoreMaker) -> None:
     """No claim is accepted there (no attempt may go on); abandoning it needs none."""
