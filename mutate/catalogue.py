@@ -244,7 +244,10 @@ SELECTIONS: dict[str, tuple[str, ...]] = {
     "statemachine/adapters/_mcp.py": (_OPENAI_AGENTS_MCP,),
     "statemachine/adapters/_calls.py": ("tests/adapters/test_calls.py", *_VERIFIERS_OA,
                                         *_VERIFIERS_PD, *_VERIFIERS_AN, *_OPENAI_AGENTS,
-                                        *_SETTLED, *_CORNERS),
+                                        *_SETTLED, *_CORNERS,
+                                        "tests/adapters/test_anthropic_resumed.py::test_a_"
+                                        "posted_call_asked_for_again_with_other_arguments_"
+                                        "is_refused"),
     "statemachine/adapters/pydantic_ai.py": (
         *_VERIFIERS_PD,
         "tests/adapters/test_pydantic_ai_durability.py::"
@@ -1729,6 +1732,12 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("AC14", "if sync_only is not None and inspect.iscoroutinefunction(verify):",
        "if False:",
        "a sync opening takes an async verifier it cannot await"),
+    _m("AC15", "    refuse_other_arguments(c, call_id, arguments)\n    if view.phase is "
+               "Phase.PUBLISHED:\n        answered(c, call_id)\n        return True, "
+               "view.result\n",
+       "    if view.phase is Phase.PUBLISHED:\n        answered(c, call_id)\n        return "
+       "True, view.result\n    refuse_other_arguments(c, call_id, arguments)\n",
+       "a published call asked for again with other arguments is answered with its result"),
     _m("OA34", "flush=self._flush,\n                                verifiers=checked)",
        "flush=self._flush,\n                                verifiers={})",
        "AgentRun's attempts never ask the verifiers: a call they could settle stays in "
@@ -2080,6 +2089,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        "a put that cannot take the file's write lock never says how it ended: the step "
        "waits out its timeout and is refused, the write's own error lost"),
     # ------------------------------------------------------------------ google-adk
+    _m("LG39", "                    refuse_other_arguments(c, call_id, _arguments(call))\n",
+       "", "a call id asked for again with other arguments is answered with its result"),
     _m("GA01", "                c.flush()  # an effect boundary: the start is durable before "
                "the body\n",
        "                pass  # an effect boundary: the start is durable before the body\n",
@@ -2302,6 +2313,8 @@ CATALOGUE: tuple[Mutant, ...] = (
        "    return \"Mcp\" in type(obj).__name__ or \"MCP\" in type(obj).__name__",
        "an MCP tool or toolset of a class of the user's own (no Mcp in its name) opens: "
        "its call can reach the server twice"),
+    _m("GA48", "                refuse_other_arguments(c, call_id, _arguments(tool_args))\n",
+       "", "a call id asked for again with other arguments is answered with its result"),
     _m("TE01", "    span = None if spans is None or not switch.telemetry else "
                "spans.calls.get(call_id)",
        "    span = None",

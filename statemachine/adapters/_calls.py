@@ -213,14 +213,10 @@ def begin_call(c: RunController, call_id: str, arguments: JSON, *,
     to record and publish even the call's failure (`ensure_room`; ``staged``: the bytes
     its batch takes beside its result)."""
     view = c.call(call_id)
+    refuse_other_arguments(c, call_id, arguments)
     if view.phase is Phase.PUBLISHED:
         answered(c, call_id)
         return True, view.result
-    if not _same_json(arguments, view.call.arguments):
-        raise InvalidTransition(
-            f"call {call_id!r} was asked to run with arguments other than the recorded "
-            "ones (which its approval binds); it did not run",
-            run_id=c.run_id, step=c.step, action="begin_tool")
     if view.phase is Phase.AWAITING:
         raise InvalidTransition(
             f"call {call_id!r} awaits a decision the ledger has not recorded (a decision "
@@ -234,6 +230,18 @@ def begin_call(c: RunController, call_id: str, arguments: JSON, *,
     if isinstance(decision, Resend):
         return True, decision.result
     return False, None
+
+
+def refuse_other_arguments(c: RunController, call_id: str, arguments: JSON) -> None:
+    """`InvalidTransition` when ``call_id`` is asked for with arguments other than the
+    recorded ones: a call the ledger answered is not answered again for other arguments
+    (a model reusing an id across turns would be sent an answer to another call), and one
+    to run never runs with them (its approval binds the recorded ones)."""
+    if not _same_json(arguments, c.call(call_id).call.arguments):
+        raise InvalidTransition(
+            f"call {call_id!r} was asked for with arguments other than the recorded ones "
+            "(which its approval and its answer are bound to): it did not run and was not "
+            "answered", run_id=c.run_id, step=c.step, action="begin_tool")
 
 
 def answered(c: RunController, call_id: str) -> None:

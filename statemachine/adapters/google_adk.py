@@ -175,6 +175,7 @@ from statemachine.adapters._calls import (
     error_text,
     plain,
     record_result,
+    refuse_other_arguments,
     resolution,
     stored_run,
 )
@@ -721,6 +722,7 @@ class LedgerPlugin(HeldRuns, BasePlugin):
             phase = c.phase(call_id)
             long_running = bool(tool.is_long_running)
             if phase in (Phase.REJECTED, Phase.COMPLETED, Phase.PUBLISHED):
+                refuse_other_arguments(c, call_id, _arguments(tool_args))
                 answered(c, call_id)
                 return self._answering(
                     run_id, call_id, self._answer(c, call_id, long_running=long_running))

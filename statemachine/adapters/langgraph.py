@@ -168,6 +168,7 @@ from statemachine.adapters._calls import (
     error_text,
     plain,
     record_result,
+    refuse_other_arguments,
     resolution,
 )
 from statemachine.controller import RunController
@@ -485,6 +486,7 @@ class ToolLedger(HeldRuns):
             phase = c.phase(call_id)
             try:
                 if phase in (Phase.REJECTED, Phase.COMPLETED, Phase.PUBLISHED):
+                    refuse_other_arguments(c, call_id, _arguments(call))
                     answered(c, call_id)
                     done = True
                 else:

@@ -534,3 +534,23 @@ def test_a_run_abandoned_while_its_runner_goes_on_sends_nothing_more(
         iterate() if kind == "runner" else asyncio.run(iterate_async())
     assert len(model.requests) == 1
     assert effects.lines() == []
+
+
+def test_a_posted_call_asked_for_again_with_other_arguments_is_refused(
+        tmp_path: Path) -> None:
+    """A reply names a call again under the id of one whose result was posted, with
+    other arguments (``charge(8)`` under ``tu_1``, whose ``charge(7)`` ran and was sent):
+    neither run nor answered with the other call's result (`InvalidTransition`, naming
+    it); the same arguments are answered from the ledger, not run. Before, it was
+    answered ``charged 7`` for a charge of 8."""
+    from statemachine import InvalidTransition
+
+    effects = Effects(tmp_path, "p")
+    script = Script([[use(1, 7)]])
+    ledger = open_ledger("create", tmp_path / "events.db", effects)
+    assert run("create", ledger, script, effects, [USER]).content[0].text == "charged 7"
+    assert ledger.controller.phase("tu_1") is Phase.PUBLISHED
+    with pytest.raises(InvalidTransition, match=r"'tu_1'.*other than the recorded"):
+        ledger.run_tools([use(1, 8)])
+    assert ledger.run_tools([use(1, 7)]) == result(1, 7)
+    assert effects.lines() == ["p charge 7"]

@@ -2037,3 +2037,37 @@ def test_a_call_of_a_tool_the_agent_lacks_is_answered_the_same_after_a_reload(
         assert "ghost" in first["error"]
         assert "charge" in first["error"]
     assert (alone_asked, times) == (2, 1)  # ADK alone asks the callback again
+
+
+class _ReusesAnId(ScriptedModel):
+    """Asks for ``charge(5)`` under ``c1``, then, once it is answered, ``charge(8)`` under
+    ``c1`` again (a model reusing ids across turns), then says ``done``."""
+
+    async def generate_content_async(self, llm_request: Any, stream: bool = False
+                                     ) -> Any:
+        from google.adk.models.llm_response import LlmResponse
+        from google.genai import types
+
+        self.requests += 1
+        amount = {1: 5, 2: 8}.get(self.requests)
+        parts = ([types.Part(text="done")] if amount is None else [types.Part(
+            function_call=types.FunctionCall(id="c1", name="charge",
+                                             args={"amount": amount}))])
+        yield LlmResponse(content=types.Content(role="model", parts=parts))
+
+
+def test_a_call_id_asked_for_again_with_other_arguments_is_refused(tmp_path: Path) -> None:
+    """The model names ``charge(8)`` under the id of the ``charge(5)`` that ran: the
+    ledger neither runs it nor answers it with the other call's result
+    (`InvalidTransition`, naming it). Before, it was answered ``{"charged": 5}``."""
+    world = World(tmp_path, "ledger", [CHARGE], ["charge"])
+    agent: Any = world.runner.agent
+    agent.model = _ReusesAnId()
+
+    async def scenario() -> None:
+        await world.open()
+        with pytest.raises(InvalidTransition, match=r"'c1'.*other than the recorded"):
+            await run(world.runner, text("go"))
+
+    asyncio.run(scenario())
+    assert world.ran() == ["charge 5"]

@@ -1975,3 +1975,22 @@ def test_a_resumer_about_to_be_refused_never_settles_the_winners_live_call(
     with contextlib.suppress(ControlError):
         third.invoke(None, CONFIG, durability="sync")
     assert effects(charges) == ["charge 7"]
+
+
+def test_a_call_id_asked_for_again_with_other_arguments_is_refused(
+        tmp_path: Path, store: SQLiteEventStore) -> None:
+    """The model names a call again under the id of one the ledger answered, with other
+    arguments (a model reusing ids across turns): ``charge(8)`` under the id of the
+    ``charge(7)`` that ran. The ledger neither runs it nor answers it with the other
+    call's result (``charged 7`` for a charge of 8): `InvalidTransition`, naming the
+    call. Before, it was answered with the recorded result, as if it were the same
+    call."""
+    path = tmp_path / "effects.txt"
+    script = [[("charge", {"amount": 7}, "c1")], [("charge", {"amount": 8}, "c1")], "done"]
+    ledger = ToolLedger(store)
+    graph = build("ledger", make_tools(path), ScriptedModel(script=script),
+                  OneWriterSaver(InMemorySaver()), ledger=ledger)
+    with pytest.raises(InvalidTransition, match=r"'c1'.*other than the recorded"):
+        graph.invoke({"messages": [HumanMessage("go")]}, CONFIG)
+    assert effects(path) == ["charge 7"]
+    assert ledger.controller(RUN).call("c1").result["content"] == "charged 7"  # as it was
