@@ -57,7 +57,7 @@ except ImportError:  # pragma: no cover - CI installs the extra
     missing_extra("anthropic")
 
 import httpx2
-from anthropic import Anthropic, AsyncAnthropic, InternalServerError
+from anthropic import Anthropic, InternalServerError
 from anthropic.lib.tools import beta_async_tool, beta_tool
 
 from statemachine import (
@@ -113,6 +113,7 @@ from statemachine.testing.adapter_corners import (
     WRITTEN,
 )
 from statemachine.values import Resolution
+from tests.drivers.anthropic_driver import Served
 from tests.helpers import crash_folder
 
 FUZZ = os.environ.get("HYPOTHESIS_PROFILE") == "fuzz"
@@ -137,7 +138,7 @@ def _results(messages: list[Any]) -> list[tuple[str, Any]]:
             if isinstance(block, dict) and block.get("type") == "tool_result"]
 
 
-class Model:
+class Model(Served):
     """``POST /v1/messages``: answers a request without tool results with one reply
     holding a ``tool_use`` of ``work`` for each of ``ids``, and one carrying results with
     the final text ``done``; ``fail`` lists, per request, whether to answer 500. Every
@@ -176,15 +177,6 @@ class Model:
             "model": "claude-test", "content": content,
             "stop_reason": "tool_use" if content[0]["type"] == "tool_use" else "end_turn",
             "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1}})
-
-    def client(self) -> Anthropic:
-        return Anthropic(api_key="test-key", max_retries=0, http_client=httpx2.Client(
-            transport=httpx2.MockTransport(self.handle)))
-
-    def async_client(self) -> AsyncAnthropic:
-        return AsyncAnthropic(api_key="test-key", max_retries=0,
-                              http_client=httpx2.AsyncClient(
-                                  transport=httpx2.MockTransport(self.handle)))
 
 
 class Crash(BaseException):

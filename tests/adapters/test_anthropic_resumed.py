@@ -35,11 +35,12 @@ except ImportError:  # pragma: no cover - CI installs the extra
     missing_extra("anthropic")
 
 import httpx2
-from anthropic import Anthropic, APIStatusError, AsyncAnthropic, InternalServerError
+from anthropic import APIStatusError, InternalServerError
 from anthropic.lib.tools import beta_async_tool, beta_tool
 
 from statemachine import Phase, RunController, RunNotResumable, SQLiteEventStore, Step
 from statemachine.adapters.anthropic import MessageToolLedger, StaleHistory
+from tests.drivers.anthropic_driver import Served
 from tests.drivers.effects import Effects
 
 USER = {"role": "user", "content": "pay 7 then 8"}
@@ -55,7 +56,7 @@ def result(n: int, x: int) -> dict[str, Any]:
                                          "content": f"charged {x}"}]}
 
 
-class Script:
+class Script(Served):
     """``POST /v1/messages``: turn ``k`` of ``turns`` (an assistant content list) answers
     a request whose last message is the user's text (``k = 0``) or the results of
     ``tu_k``; after the last turn, a final text naming every result the request's last
@@ -94,15 +95,6 @@ class Script:
             return httpx2.Response(200, headers={"content-type": "text/event-stream"},
                                    content=streamed(reply))
         return httpx2.Response(200, json=reply)
-
-    def client(self) -> Anthropic:
-        return Anthropic(api_key="test-key", max_retries=0, http_client=httpx2.Client(
-            transport=httpx2.MockTransport(self.handle)))
-
-    def async_client(self) -> AsyncAnthropic:
-        return AsyncAnthropic(api_key="test-key", max_retries=0,
-                              http_client=httpx2.AsyncClient(
-                                  transport=httpx2.MockTransport(self.handle)))
 
 
 def streamed(reply: dict[str, Any]) -> bytes:
@@ -305,7 +297,7 @@ def test_a_request_carrying_a_result_finds_it_durable(tmp_path: Path, kind: str)
 # ------------------------------------------------- a stream that breaks mid-body
 
 
-class Fresh:
+class Fresh(Served):
     """A model that names each call afresh, as the API does: a request ending with the
     user's text is answered with ``charge(x=7)`` under the id ``tu_r<n>`` (``n``: the
     request's number, from 1), one ending with results with a final text naming them.
@@ -351,15 +343,6 @@ class Fresh:
                 f"event: error\ndata: {json.dumps(error)}\n\n".encode())
         return httpx2.Response(200, headers={"content-type": "text/event-stream"},
                                content=text)
-
-    def client(self) -> Anthropic:
-        return Anthropic(api_key="test-key", max_retries=0, http_client=httpx2.Client(
-            transport=httpx2.MockTransport(self.handle)))
-
-    def async_client(self) -> AsyncAnthropic:
-        return AsyncAnthropic(api_key="test-key", max_retries=0,
-                              http_client=httpx2.AsyncClient(
-                                  transport=httpx2.MockTransport(self.handle)))
 
 
 class Reading:

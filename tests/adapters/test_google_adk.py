@@ -1303,24 +1303,10 @@ def _mcp_tool() -> Any:
                        server_params=StdioServerParameters(command="true", args=[]))))
 
 
-def _paying_mcp_tool() -> Any:
-    """An MCP tool of a class of the user's own, named with no "Mcp" in it."""
-    from google.adk.tools.mcp_tool.mcp_tool import McpTool
-
-    class PaymentTool(McpTool):
-        pass
-
-    made = _mcp_tool()
-    made.__class__ = PaymentTool
-    return made
-
-
-def _mcp_toolset_of_its_own() -> Any:
-    class Payments(McpToolset):
-        pass
-
-    made = _mcp()
-    made.__class__ = Payments
+def _of_ones_own(made: Any, name: str) -> Any:
+    """``made`` as an instance of a class of the user's own, made from its class and
+    named ``name`` (no "Mcp" in it)."""
+    made.__class__ = type(name, (type(made),), {})
     return made
 
 
@@ -1335,9 +1321,9 @@ def _tools(path: Path, *more: Any) -> list[Any]:
     ("MCP tools", "McpTool", lambda model, path: LlmAgent(
         name="agent", model=model, tools=_tools(path, _mcp_tool()))),
     ("MCP tools", "PaymentTool", lambda model, path: LlmAgent(
-        name="agent", model=model, tools=_tools(path, _paying_mcp_tool()))),
+        name="agent", model=model, tools=_tools(path, _of_ones_own(_mcp_tool(), "PaymentTool")))),
     ("MCP toolsets", "Payments", lambda model, path: LlmAgent(
-        name="agent", model=model, tools=_tools(path, _mcp_toolset_of_its_own()))),
+        name="agent", model=model, tools=_tools(path, _of_ones_own(_mcp(), "Payments")))),
     ("agents as tools", "AgentTool", lambda model, path: LlmAgent(
         name="agent", model=model, tools=_tools(path, AgentTool(LlmAgent(
             name="inner", model=ScriptedModel()))))),

@@ -71,6 +71,23 @@ session_runner.STREAM_BACKOFF_START = 0.01
 session_runner.SEND_BACKOFF_CAP = 0.01
 
 
+
+class Served:
+    """A model behind the SDK's own HTTP layer: ``handle`` answers each request; the
+    clients send to it through a local ``httpx2.MockTransport``."""
+
+    def handle(self, request: httpx2.Request) -> httpx2.Response:
+        raise NotImplementedError
+
+    def client(self) -> Anthropic:
+        return Anthropic(api_key="test-key", max_retries=0, http_client=httpx2.Client(
+            transport=httpx2.MockTransport(self.handle)))
+
+    def async_client(self) -> AsyncAnthropic:
+        return AsyncAnthropic(api_key="test-key", max_retries=0,
+                              http_client=httpx2.AsyncClient(
+                                  transport=httpx2.MockTransport(self.handle)))
+
 class PostFault:
     """What the server does with one result post: ``reject`` (400, nothing lands),
     ``land-then-500`` (the result lands, the answer is a 500), ``drop`` (a connection
