@@ -1531,6 +1531,7 @@ class AgentRun:
         writes its items again, and the ones the run wrote before are dropped
         (`_rewritten`)."""
         if not self._replaying:
+            self._rewrites.clear()  # (a new model call: the replayed turn's items written)
             return None
         self._replaying = False
         items = self.controller.model_output
