@@ -450,7 +450,6 @@ class _CheckedToolset(WrapperToolset[Any]):
         return tools
 
 
-
 @dataclass
 class LedgerCapability(AbstractCapability[Any]):
     """The capability `LedgerRun` hands to every ``agent.run`` it makes: model requests,
