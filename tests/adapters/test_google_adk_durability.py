@@ -186,7 +186,13 @@ def test_two_resumers_of_a_killed_session_charge_at_most_once_through_the_ledger
     assert _drive(tmp_path, mode, "--kill", "before-append") == -9
     go = tmp_path / "go"
     children = [_start(tmp_path, mode, "--wait-for", str(go)) for _ in range(2)]
-    time.sleep(1.0)  # both children import and wait for the signal
+    # both children imported, opened the session and wait for the signal (a child slower
+    # than that would find the other's response written, and ADK alone not charge again)
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("go.ready-*"))) < 2:
+        assert time.monotonic() < deadline, "the children never got ready"
+        assert all(child.poll() is None for child in children), "a child ended early"
+        time.sleep(0.01)
     go.write_text("go")
     for child in children:
         _, err = child.communicate(timeout=120)

@@ -374,7 +374,8 @@ async def _child(folder: Path, mode: str, wait_for: str, flow: str, hold: str, *
     if found is None:
         await service.create_session(app_name=APP, user_id=USER, session_id=SESSION)
     outcome: dict[str, Any] = {}
-    if wait_for:
+    if wait_for:  # ready (a file beside the signal's, one per child), then the signal
+        Path(f"{wait_for}.ready-{os.getpid()}").touch()
         while not Path(wait_for).exists():
             await asyncio.sleep(0.01)
     try:
