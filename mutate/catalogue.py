@@ -124,6 +124,7 @@ _OPENAI_AGENTS = (*(f"tests/adapters/test_openai_agents.py::{test}" for test in 
     "test_row18_a_result_over_max_bytes_is_the_calls_failure_the_model_sees[over-its-batch]",
     "test_a_turn_resumed_without_its_sdk_state_replays_its_recorded_response",
     "test_a_replayed_turn_writes_none_of_its_items_twice[message]",
+    "test_a_stream_whose_completed_response_is_empty_is_read_as_the_sdk_reads_it",
     "test_a_state_saved_at_an_earlier_turn_never_leads_the_sdk_back_into_it",
     "test_run_options_the_adapter_cannot_carry_are_refused_before_the_attempt"
     "[handoff_input_filter]",
@@ -1811,6 +1812,9 @@ CATALOGUE: tuple[Mutant, ...] = (
     _m("OA40", "        self._rewrites = _written_again(self.controller.events, items)\n", "",
        "a turn replayed without the SDK state writes its message and reasoning items a "
        "second time"),
+    _m("OA41", "(list(completed.response.output) or done)", "(list(completed.response.output))",
+       "a stream whose completed response is empty is recorded empty: its calls are "
+       "refused as unknown, and the run never goes on"),
     _m("AN27", "owner=owner, verifiers=checked)", "owner=owner)",
        "the session runner's iterations never ask the verifiers"),
     _m("AN22", "            with running_call(c, call_id):  # tool_context() in the body\n"

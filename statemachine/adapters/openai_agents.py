@@ -508,12 +508,18 @@ class _LedgerModel(Model):
             return
         await run._begin_model_call()
         responded = False
+        done: list[Any] = []  # each output item as its stream finished it
         try:
             async for event in self._model().stream_response(*args, **kwargs):
-                if not responded and getattr(event, "type", None) == "response.completed":
+                kind = getattr(event, "type", None)
+                if not responded and kind == "response.completed":
                     completed: Any = event
-                    await run._model_responded(list(completed.response.output))
+                    # as the SDK reads it: a backend may leave the completed response's
+                    # output empty and give its items only as each finished
+                    await run._model_responded(list(completed.response.output) or done)
                     responded = True
+                elif kind == "response.output_item.done":
+                    done.append(getattr(event, "item", None))
                 yield event
         except BaseException as error:
             if not responded:

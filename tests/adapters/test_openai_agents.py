@@ -2092,3 +2092,55 @@ def test_a_replayed_turn_writes_none_of_its_items_twice(tmp_path: Path,
     said = [item for item in replayed if "I will charge you now." in json.dumps(item)]
     assert len(said) == 1
     assert sum(item.get("type") == "reasoning" for item in replayed) == int(reasoning)
+
+
+def test_a_stream_whose_completed_response_is_empty_is_read_as_the_sdk_reads_it(
+        tmp_path: Path) -> None:
+    """A streaming backend may leave the ``response.completed`` event's output empty and
+    give the items only as each finishes (``response.output_item.done``); the SDK then
+    reads the response from those. Through the adapter, the ledger records the same
+    response: the call is known, runs once, and the run completes as the SDK alone's
+    does. Before, the ledger recorded an empty response: the call was refused as
+    unknown, and every later attempt replayed the empty response and failed."""
+    from agents import SQLiteSession
+
+    charges: list[int] = []
+
+    @function_tool
+    def pay(x: int) -> str:
+        """Pay x."""
+        charges.append(x)
+        return f"paid {x}"
+
+    class Emptying(ScriptedModel):
+        async def stream_response(self, *args: Any, **kwargs: Any) -> Any:
+            async for event in super().stream_response(*args, **kwargs):
+                if getattr(event, "type", None) != "response.completed":
+                    yield event
+                    continue
+                emptied: Any = event.model_copy(deep=True)
+                emptied.response.output = []
+                yield emptied
+
+    def agent() -> Agent[Any]:
+        return Agent("a", model=Emptying([[function_call("pay", {"x": 7}, call_id="c1")],
+                                          [assistant_message("done")]]), tools=[pay])
+
+    async def go() -> tuple[Any, Any]:
+        alone = Runner.run_streamed(agent(), "pay 7", run_config=CONFIG)
+        async for _ in alone.stream_events():
+            pass
+        run = await AgentRun.open(agent(), run_id="r", store=SQLiteEventStore(
+            tmp_path / "events.db"), session=SQLiteSession("s", str(tmp_path / "s.db")))
+        streamed = run.run_streamed("pay 7", run_config=CONFIG)
+        async for _ in streamed.stream_events():
+            pass
+        return alone.final_output, streamed.result
+
+    alone, through = asyncio.run(go())
+    assert alone == "done"
+    assert (through.step, through.final_output) == (Step.COMPLETED, "done")
+    assert charges == [7, 7]  # once alone, once through the ledger
+    stored = RunController.load(SQLiteEventStore(tmp_path / "events.db"), "r")
+    assert [view.call.call_id for view in stored.calls] == ["c1"]
+    assert stored.phase("c1") is Phase.PUBLISHED
