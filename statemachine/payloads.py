@@ -20,7 +20,6 @@ import json
 import json.encoder
 import math
 import sys
-import unicodedata
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeAlias
 
@@ -77,8 +76,10 @@ def _int_ok(value: int) -> bool:
 
 def misprints(c: str) -> bool:
     """Whether the character ``c`` prints as something other than itself, or as nothing:
-    a control, a line break, a direction override, a zero-width or unassigned one."""
-    return not c.isprintable() or unicodedata.category(c) in ("Cf", "Co", "Cn")
+    a control, a line break, a direction override, a zero-width, private or unassigned
+    one (Python's "not printable": categories Cc, Cf, Cs, Co, Cn, and separators other
+    than the space)."""
+    return not c.isprintable()
 
 
 def text_problem(value: object) -> str | None:

@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from statemachine.payloads import misprints
+
 if TYPE_CHECKING:
     from statemachine.stores import SQLiteEventStore
     from statemachine.values import Step
@@ -24,7 +26,7 @@ def shown(value: object, limit: int = SHOWN) -> str:
     """``value`` as one printable line of at most ``limit`` characters (plus "...")."""
     text = os.fsdecode(value) if isinstance(value, os.PathLike | bytes) else str(value)
     cut = len(text) > limit
-    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text[:limit])
+    text = "".join(ascii(c)[1:-1] if misprints(c) else c for c in text[:limit])
     return text + "..." if cut else text
 
 

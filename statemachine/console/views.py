@@ -8,6 +8,7 @@ return (all of it text that came from a run's log or a store's heads).
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections import Counter
 from collections.abc import Collection, Sequence
@@ -18,6 +19,7 @@ import attrs
 from statemachine import events as ev
 from statemachine import operator
 from statemachine.blocker import BlockerKind, Waiting
+from statemachine.cli.common import shown
 from statemachine.cli.describe import decision_note, describe
 from statemachine.cli.operate import moment
 from statemachine.controller import RunController
@@ -44,8 +46,7 @@ def visible(value: object) -> str:
     """``value``'s text with each character that does not print as itself (`misprints`)
     written as its escape (``\\u202e``, ``\\n``), so what a page shows is what the log
     holds: an id, a tool's name."""
-    text = str(value)
-    return "".join(ascii(c)[1:-1] if misprints(c) else c for c in text)
+    return shown(value, sys.maxsize)
 
 
 def shown_json(value: Any) -> str:
